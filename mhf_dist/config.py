@@ -1,0 +1,276 @@
+"""Run configuration: pydantic models, presets and ``--set`` overrides.
+
+A run is described by one :class:`RunConfig`. It comes from a preset
+(``{size}-{variant}``, e.g. ``tiny-h4b16k``, ``100m-standard+4l``), optionally a
+YAML file (which may itself name a ``preset:`` to start from), then
+``--set a.b=c`` overrides, in that order. Validation happens here, at the
+edge: every error names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A run configuration is invalid; the message names the field and the fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class HashConfig(_Strict):
+    """Signatures and the hash encoder/decoder (SPEC §1, §2, §4)."""
+
+    num_hashes: int = Field(4, ge=1, description="H: hash coordinates per token")
+    num_buckets: int = Field(16384, ge=2, description="B: rows per bucket table; bucket 0 is padding")
+    single_id: bool = Field(False, description="H1 ablation: one hash copied into all H coordinates (non-unique)")
+    gate_dim: int = Field(64, ge=1, description="d_z of the encoder's gate MLP (SPEC §2)")
+    mixer_dim: int = Field(64, ge=1, description="r of the decoder's cascade mixers (SPEC §4)")
+
+
+class ModelConfig(_Strict):
+    """Backbone shape (SPEC §3) and which input/output the model uses."""
+
+    variant: Literal["mhf", "standard"] = Field("mhf", description="MultiHashFormer or the tied-embedding baseline")
+    d_model: int = Field(ge=1)
+    n_layers: int = Field(ge=1)
+    n_heads: int = Field(ge=1)
+    n_kv_heads: int = Field(ge=1)
+    head_dim: int | None = Field(None, description="defaults to d_model / n_heads")
+    ffn_dim: int = Field(ge=1)
+    rope_theta: float = 1_000_000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    pad_vocab_to: int = Field(128, ge=1, description="Standard: embedding rows rounded up to this multiple")
+    hash: HashConfig = HashConfig()
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @model_validator(mode="after")
+    def _shapes(self):
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
+                "change one of them or set model.head_dim"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads} (GQA groups); "
+                "pick n_kv_heads dividing n_heads"
+            )
+        return self
+
+
+class TokenizerConfig(_Strict):
+    path: str | None = Field(
+        None,
+        description="a local tokenizer directory, or 'mistral-v0.3' (from mistral-common); "
+        "None trains a byte-level BPE on the embedded corpus",
+    )
+    vocab_size: int = Field(4096, ge=256, description="vocabulary of the BPE trained when path is None")
+
+
+class DataConfig(_Strict):
+    path: str | None = Field(None, description="directory of token shards with a manifest; None: the embedded corpus")
+    seq_len: int = Field(128, ge=2)
+
+
+class OptimizerConfig(_Strict):
+    """AdamW with linear warm-up then cosine decay to ``min_lr_ratio * lr`` (SPEC §6)."""
+
+    lr: float = Field(3e-4, gt=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    warmup_steps: int = Field(100, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
+
+
+class ParallelConfig(_Strict):
+    """Parallel layout (SPEC §7); data parallel is derived: world size / (tp * pp)."""
+
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    zero_stage: int | None = Field(None, ge=0, le=3, description="None: 3 when pp == 1, else 1")
+
+
+class TrainConfig(_Strict):
+    max_steps: int = Field(200, ge=1, description="optimizer steps; the LR schedule always follows it")
+    global_batch_size: int = Field(8, ge=1, description="sequences per optimizer step, over all ranks")
+    micro_batch_size: int = Field(8, ge=1, description="sequences per forward pass per rank")
+    seed: int = 42
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_interval: int = Field(10, ge=1)
+
+    @model_validator(mode="after")
+    def _batches(self):
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size}; make it one"
+            )
+        return self
+
+
+class RunConfig(_Strict):
+    preset: str | None = None
+    model: ModelConfig
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    train: TrainConfig = TrainConfig()
+
+    @model_validator(mode="after")
+    def _layout(self):
+        tp, m = self.parallel.tp, self.model
+        if m.variant == "mhf" and m.hash.num_buckets % tp:
+            raise ValueError(
+                f"model.hash.num_buckets={m.hash.num_buckets} is not divisible by parallel.tp={tp}: "
+                "bucket tables are split along B; choose B as a multiple of tp"
+            )
+        if m.n_heads % tp:
+            raise ValueError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}; choose tp dividing it")
+        if self.parallel.pp > 1 and self.parallel.zero_stage in (2, 3):
+            raise ValueError(
+                f"parallel.zero_stage={self.parallel.zero_stage} with parallel.pp={self.parallel.pp}: DeepSpeed's "
+                "pipeline engine refuses ZeRO-2/3; use parallel.zero_stage=1 (or leave it unset)"
+            )
+        if self.parallel.pp > m.n_layers:
+            raise ValueError(
+                f"parallel.pp={self.parallel.pp} is more stages than model.n_layers={m.n_layers}; lower pp"
+            )
+        return self
+
+
+# ---------------------------------------------------------------- presets
+SIZES: dict[str, dict[str, Any]] = {
+    # SPEC §6 backbones (from the public code); `tiny` is ours, for CPU tests and demos.
+    "tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192),
+    "100m": dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=2, ffn_dim=2560),
+    "1b": dict(d_model=2048, n_layers=20, n_heads=16, n_kv_heads=8, ffn_dim=6144),
+    "3b": dict(d_model=2048, n_layers=36, n_heads=16, n_kv_heads=2, ffn_dim=11008),
+}
+
+# Training defaults per size: the paper's recipe for real sizes, a seconds-scale run for tiny.
+_TRAINING = {
+    "tiny": dict(
+        tokenizer={"path": None, "vocab_size": 4096},
+        data={"seq_len": 128},
+        optimizer={"lr": 2e-3, "warmup_steps": 10},
+        train={"max_steps": 200, "global_batch_size": 8, "micro_batch_size": 8, "dtype": "fp32"},
+    ),
+    "real": dict(
+        tokenizer={"path": "mistral-v0.3"},
+        data={"seq_len": 2048},
+        optimizer={"lr": 3e-4, "warmup_steps": 2000},
+        train={"global_batch_size": 256, "micro_batch_size": 4, "dtype": "bf16"},
+    ),
+}
+# 256 x 2048 tokens per step: 10B tokens at 100M, 100B tokens otherwise (SPEC §6).
+_MAX_STEPS = {"100m": 10_000_000_000 // (256 * 2048), "1b": 100_000_000_000 // (256 * 2048), "3b": 100_000_000_000 // (256 * 2048)}
+
+# H3B10K keeps the public code's B = 10,624 (SPEC §6); other hNbMk read B = M * 1024.
+_SPECIAL_BUCKETS = {("3", "10"): 10_624}
+_VARIANT = re.compile(r"^(?:(?P<std>standard)(?:\+(?P<extra>\d+)l)?|h(?P<h>\d+)b(?P<b>\d+)k)$")
+
+
+def preset_names() -> list[str]:
+    """The canonical presets (any ``hNbMk`` and ``standard+kL`` variant also parses)."""
+    variants = ["standard", "h1b16k", "h3b10k", "h4b16k"]
+    names = [f"{s}-{v}" for s in SIZES for v in variants]
+    return names + ["100m-standard+4l", "1b-standard+2l"]
+
+
+def preset(name: str) -> dict[str, Any]:
+    """The raw config dict of preset ``{size}-{variant}``."""
+    size, _, variant = name.partition("-")
+    match = _VARIANT.match(variant)
+    if size not in SIZES or not match:
+        raise ConfigError(
+            f"unknown preset {name!r}: use {{size}}-{{variant}} with size in {sorted(SIZES)} and variant "
+            "standard, standard+<k>l, h1b16k, h3b10k, h4b16k or h<H>b<B/1024>k (e.g. tiny-h4b16k, 100m-standard+4l)"
+        )
+    model = dict(SIZES[size])
+    if match["std"]:
+        model["variant"] = "standard"
+        model["n_layers"] += int(match["extra"] or 0)
+    else:
+        h, b = match["h"], match["b"]
+        buckets = _SPECIAL_BUCKETS.get((h, b), int(b) * 1024)
+        # H1 ablation: one hash copied into four coordinates to match parameters (SPEC §6).
+        hash_cfg = {"num_hashes": 4, "num_buckets": buckets, "single_id": True} if h == "1" else {
+            "num_hashes": int(h), "num_buckets": buckets}
+        model |= {"variant": "mhf", "hash": hash_cfg}
+    cfg = copy.deepcopy(_TRAINING["tiny" if size == "tiny" else "real"])
+    if size in _MAX_STEPS:
+        cfg["train"]["max_steps"] = _MAX_STEPS[size]
+    return {"preset": name, "model": model, **cfg}
+
+
+# -------------------------------------------------------------- overrides
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def apply_override(raw: dict, assignment: str) -> dict:
+    """Apply one ``a.b.c=value`` (value parsed as YAML) to a raw config dict."""
+    key, sep, text = assignment.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {assignment!r}: expected key=value, e.g. --set model.hash.num_buckets=4096")
+    value = yaml.safe_load(text) if text else None
+    return _deep_merge(raw, _nest(key.strip().split("."), value))
+
+
+def _nest(path: list[str], value: Any) -> dict:
+    return {path[0]: value if len(path) == 1 else _nest(path[1:], value)}
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "config"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; check its spelling (see `mhf-dist config --preset NAME` for valid keys)"
+        lines.append(f"  {where}: {msg}")
+    return "invalid run config:\n" + "\n".join(lines)
+
+
+def load_config(preset_name: str | None = None, path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Preset, then YAML file, then ``--set`` overrides; validated once at the end."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            from_file = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from e
+        if not isinstance(from_file, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        preset_name = preset_name or from_file.get("preset")
+        raw = from_file
+    if preset_name:
+        raw = _deep_merge(preset(preset_name), raw)
+    if not raw:
+        raise ConfigError("no configuration: pass --preset NAME (e.g. tiny-h4b16k) or --config run.yaml")
+    for assignment in overrides:
+        raw = apply_override(raw, assignment)
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None

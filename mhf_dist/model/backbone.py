@@ -1,0 +1,99 @@
+"""Qwen3-style decoder-only backbone (SPEC §3).
+
+Pre-norm RMSNorm blocks with grouped-query attention (RoPE, per-head RMSNorm
+on q and k) and a SwiGLU MLP, no biases, then a final RMSNorm. Parameter names
+follow Hugging Face's Qwen3 (``self_attn.q_proj``, ``mlp.gate_proj``, ...), so
+the exported layout (SPEC §9) is a renaming of prefixes only.
+
+Head counts are read from the projections' output sizes, so the same code runs
+when a tensor-parallel plan swaps the projections for sharded ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mhf_dist.config import ModelConfig
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [S, head_dim]`` for rotate-half RoPE (Qwen3/Llama convention)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, heads, S, hd]`` by position."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype))
+
+
+class Attention(nn.Module):
+    """Causal GQA with RoPE and q/k RMSNorm; one output projection."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hd = self.head_dim = cfg.resolved_head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.d_model, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, s, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """One pre-norm Transformer layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """``layers`` then the final norm: ``[B, S, d] -> [B, S, d]``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim, self.rope_theta = cfg.resolved_head_dim, cfg.rope_theta
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], device=x.device)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)

@@ -1,0 +1,57 @@
+"""CascadedDecoder: predict the H signature coordinates in turn (SPEC §4, §5).
+
+``c_1 = h``; for each head ``o_i = E_i c_i`` (the input tables, tied),
+``p_i = softmax(o_i)``, ``ē_i = E_iᵀ p_i``, and for ``i < H``
+``c_{i+1} = c_i + W_up,iᵀ σ(W_dn,iᵀ [c_i ; ē_i] + b_dn) + b_up``. The next head
+sees the previous head's soft distribution, never a sampled bucket.
+
+With ``H = 1`` and no mixers this is exactly a tied LM head, which is how the
+Standard baseline uses it; ``num_valid_rows`` then masks its padding rows.
+All table arithmetic goes through :class:`BucketTables`, so the same code runs
+on bucket-sharded tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from mhf_dist.model.tables import BucketTables
+
+
+class CascadedDecoder(nn.Module):
+    def __init__(self, dim: int, num_heads: int, mixer_dim: int, num_valid_rows: int | None = None):
+        super().__init__()
+        self.num_heads, self.num_valid_rows = num_heads, num_valid_rows
+        # Names match the authors' `hash_head.cascade_mixer.{k}.{0,2}` (SPEC §9).
+        self.cascade_mixer = nn.ModuleList(
+            nn.Sequential(nn.Linear(2 * dim, mixer_dim), nn.SiLU(), nn.Linear(mixer_dim, dim))
+            for _ in range(num_heads - 1)
+        )
+
+    def _heads(self, h: torch.Tensor, tables: BucketTables) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield each head's ``(logits [..., R_local], log-normaliser [...])`` down the cascade."""
+        c = h
+        for i in range(self.num_heads):
+            logits = tables.logits(c, i)
+            if self.num_valid_rows is not None:
+                rows = torch.arange(tables.local_rows, device=logits.device) + tables.row_offset
+                logits = logits.masked_fill(rows >= self.num_valid_rows, float("-inf"))
+            log_z = tables.log_normalizer(logits)
+            yield logits, log_z
+            if i < self.num_heads - 1:
+                soft = tables.retrieve((logits - log_z.unsqueeze(-1)).exp(), i)
+                c = c + self.cascade_mixer[i](torch.cat([c, soft], dim=-1))
+
+    def nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor) -> torch.Tensor:
+        """``-log p_i[target_i]`` per head: ``h [..., d]``, ``targets [..., H]`` -> ``[..., H]``."""
+        return torch.stack(
+            [log_z - tables.pick(logits, targets[..., i]) for i, (logits, log_z) in enumerate(self._heads(h, tables))],
+            dim=-1,
+        )
+
+    def log_probs(self, h: torch.Tensor, tables: BucketTables) -> list[torch.Tensor]:
+        """Each head's ``log p_i`` over the rows held here: H tensors ``[..., R_local]``."""
+        return [logits - log_z.unsqueeze(-1) for logits, log_z in self._heads(h, tables)]

@@ -1,0 +1,49 @@
+"""Inference over the real vocabulary: ``log P_inf`` (SPEC §5).
+
+``score(w) = Σ_i log p_i[H_i(w)]`` and
+``log P_inf(w) = score(w) - logsumexp_{w' ∈ V} score(w')``, over registered
+tokens only (``registered`` is False for the pad token, whose row gets ``-inf``).
+The vocabulary is processed in chunks, so the extra memory is
+``O(N × chunk)`` whatever ``V`` is (a 1M-token vocabulary included). Each rank
+of a bucket-sharded model gathers only the coordinates it owns; the per-head
+sum is reduced once per chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mhf_dist.model.tables import BucketTables
+
+
+def signature_scores(
+    head_log_probs: list[torch.Tensor],
+    codes: torch.Tensor,
+    registered: torch.Tensor,
+    tables: BucketTables,
+    chunk_size: int = 65536,
+) -> torch.Tensor:
+    """``score [N, V]`` from H tensors ``[N, R_local]``, ``codes [V, H]`` and ``registered [V]``."""
+    n, v = head_log_probs[0].shape[0], codes.shape[0]
+    out = head_log_probs[0].new_empty(n, v)
+    for start in range(0, v, chunk_size):
+        rows = codes[start : start + chunk_size]
+        acc = 0
+        for i, logp in enumerate(head_log_probs):
+            local, owned = tables.local_index(rows[:, i])
+            acc = acc + torch.where(owned, logp[:, local], 0.0)
+        acc = tables.reduce_sum(acc)
+        out[:, start : start + chunk_size] = acc.masked_fill(~registered[start : start + chunk_size], float("-inf"))
+    return out
+
+
+def log_p_inf(
+    head_log_probs: list[torch.Tensor],
+    codes: torch.Tensor,
+    registered: torch.Tensor,
+    tables: BucketTables,
+    chunk_size: int = 65536,
+) -> torch.Tensor:
+    """``log P_inf [N, V]``: signature scores renormalised over the registered vocabulary."""
+    scores = signature_scores(head_log_probs, codes, registered, tables, chunk_size)
+    return scores - torch.logsumexp(scores, dim=-1, keepdim=True)

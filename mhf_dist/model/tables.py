@@ -1,0 +1,73 @@
+"""Bucket tables: the rows tied between input lookup and output logits (SPEC §2, §4).
+
+``weight [T, R, d]`` holds ``T`` tables of ``R`` rows: the MultiHashFormer's
+``H`` bucket tables ``E_i`` (R = B), or the Standard model's single token table
+(T = 1, R = padded vocabulary). Every operation the models need on them —
+lookup, logits, the softmax normaliser, picking a row's value, soft retrieval —
+is a method here, written for rows ``[row_offset, row_offset + R)``. This class
+holds all rows (``row_offset = 0``, the reductions are identities); the
+tensor-parallel ``BucketParallelEmbedding`` holds a slice and overrides the
+reductions with collectives, so the model code is the same for both.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class BucketTables(nn.Module):
+    def __init__(self, num_tables: int, num_rows: int, dim: int):
+        super().__init__()
+        self.num_rows = num_rows  # global rows per table
+        self.weight = nn.Parameter(torch.empty(num_tables, num_rows, dim))
+
+    # Row range held by this module and the reductions over the other ranges.
+    @property
+    def row_offset(self) -> int:
+        return 0
+
+    def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    # ------------------------------------------------------------------
+    @property
+    def local_rows(self) -> int:
+        return self.weight.shape[1]
+
+    def local_index(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global row ids -> (local ids clamped into range, mask of rows held here)."""
+        local = rows - self.row_offset
+        owned = (local >= 0) & (local < self.local_rows)
+        return local.clamp(0, self.local_rows - 1), owned
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows [..., T]`` (row of each table) -> ``[..., T, d]``: ``u_i = E_i[rows_i]``."""
+        t, r, d = self.weight.shape
+        local, owned = self.local_index(rows)
+        flat = local + torch.arange(t, device=rows.device) * r
+        out = F.embedding(flat, self.weight.reshape(t * r, d))
+        return self.reduce_sum(torch.where(owned.unsqueeze(-1), out, 0.0))
+
+    def logits(self, x: torch.Tensor, table: int) -> torch.Tensor:
+        """``x [..., d]`` -> ``[..., R_local]``: ``o = E_table x`` over the rows held here."""
+        return x @ self.weight[table].t()
+
+    def log_normalizer(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logsumexp`` over all rows (max and sum reduced across shards)."""
+        peak = self.reduce_max(logits.detach().amax(dim=-1, keepdim=True))
+        return peak.squeeze(-1) + self.reduce_sum((logits - peak).exp().sum(dim=-1)).log()
+
+    def pick(self, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``values [..., R_local]``, ``rows [...]`` (global) -> ``values[..., rows]``."""
+        local, owned = self.local_index(rows)
+        picked = values.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+        return self.reduce_sum(torch.where(owned, picked, 0.0))
+
+    def retrieve(self, probs: torch.Tensor, table: int) -> torch.Tensor:
+        """Soft retrieval ``ē = E_tableᵀ p``: ``probs [..., R_local]`` -> ``[..., d]``."""
+        return self.reduce_sum(probs @ self.weight[table])

@@ -1,0 +1,249 @@
+"""Hash signatures: the MultiHashFormer vocabulary (SPEC §1).
+
+A token is a unique signature of ``H`` hash coordinates, each in ``1..B-1``
+(bucket 0 is padding). Coordinate ``i`` of token ``w`` is
+``mmh3.hash128(w, seed=i) % (B - 1) + 1`` over the token's string exactly as
+the tokenizer stores it. Tokens are registered in ascending id order; when a
+full signature is already taken, only the last coordinate is recomputed with
+seeds ``H-1+k`` (k = 1, 2, ...) until the signature is free, compared against
+*every* registered signature (the authors' code remembers only the newest token
+per prefix, a bug we do not copy).
+
+The table is stored, never recomputed: ``signatures.safetensors`` holds the
+``int32 [V, H]`` codes, ``signatures.json`` the metadata, the token strings and a
+content hash that :meth:`SignatureTable.load` verifies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import mmh3
+import numpy as np
+import torch
+from safetensors.numpy import load_file, save_file
+
+HASH_VERSION = "mmh3.hash128-unsigned-v1"
+CODES_FILE = "signatures.safetensors"
+META_FILE = "signatures.json"
+
+
+class SignatureError(ValueError):
+    """A signature table cannot be built, loaded or matched."""
+
+
+def bucket_of(token: str, seed: int, num_buckets: int) -> int:
+    """One hash coordinate of ``token``: a bucket in ``1..num_buckets-1`` (SPEC §1)."""
+    return mmh3.hash128(token, seed=seed) % (num_buckets - 1) + 1
+
+
+def tokens_fingerprint(tokens: Sequence[str]) -> str:
+    """SHA-256 of the ordered token strings: identifies a tokenizer's vocabulary."""
+    return hashlib.sha256(json.dumps(list(tokens), ensure_ascii=False).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class SignatureTable:
+    """``codes[v]`` is the ``H`` bucket coordinates of token id ``v`` (SPEC §1).
+
+    ``seeds[i]`` is the mmh3 seed of coordinate ``i`` (``range(H)`` normally;
+    all zeros for the single-ID ablation, whose one hash value is copied into
+    every coordinate). ``unique=False`` allows shared signatures (SPEC §6, H1).
+    """
+
+    codes: torch.Tensor
+    num_buckets: int
+    seeds: tuple[int, ...]
+    tokens: tuple[str, ...]
+    unique: bool = True
+    pad_id: int | None = None
+    hash_version: str = HASH_VERSION
+    content_hash: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if not self.content_hash:
+            object.__setattr__(self, "content_hash", self._compute_hash())
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def build(
+        cls,
+        tokens: Sequence[str],
+        num_hashes: int,
+        num_buckets: int,
+        pad_id: int | None = None,
+        unique: bool = True,
+        single_id: bool = False,
+    ) -> "SignatureTable":
+        """Register ``tokens`` (index = token id) in ascending id order.
+
+        ``single_id`` builds the H1 ablation: one hash (seed 0) copied into all
+        ``num_hashes`` coordinates; it implies ``unique=False``.
+        """
+        if num_hashes < 1 or num_buckets < 2:
+            raise SignatureError(f"need num_hashes >= 1 and num_buckets >= 2, got H={num_hashes}, B={num_buckets}")
+        seeds = (0,) * num_hashes if single_id else tuple(range(num_hashes))
+        empty = cls(
+            codes=torch.zeros(0, num_hashes, dtype=torch.int32),
+            num_buckets=num_buckets,
+            seeds=seeds,
+            tokens=(),
+            unique=unique and not single_id,
+            pad_id=pad_id,
+        )
+        return empty.extend(tokens)
+
+    def extend(self, new_tokens: Sequence[str]) -> "SignatureTable":
+        """Append ``new_tokens`` (ids ``V, V+1, ...``); existing rows never change (SPEC §1)."""
+        new_tokens = list(new_tokens)
+        seen = set(self.tokens)
+        for tok in new_tokens:
+            if tok in seen:
+                raise SignatureError(f"token {tok!r} is already registered; extend() takes only new tokens")
+            seen.add(tok)
+        H, B = self.num_hashes, self.num_buckets
+        base = len(self.tokens)
+        n_real = sum(1 for v in range(base, base + len(new_tokens)) if v != self.pad_id) + self.num_registered
+        if self.unique and n_real > (B - 1) ** H:
+            raise SignatureError(
+                f"{n_real} tokens cannot have unique signatures: capacity is (B-1)^H = {(B - 1) ** H} "
+                f"for H={H}, B={B}; use a larger num_buckets or num_hashes"
+            )
+        # Taken last coordinates per prefix, over every registered signature.
+        taken: dict[tuple[int, ...], set[int]] = defaultdict(set)
+        if self.unique:
+            for row in self.codes.tolist():
+                if any(row):
+                    taken[tuple(row[:-1])].add(row[-1])
+        rows = np.zeros((len(new_tokens), H), dtype=np.int32)
+        for j, tok in enumerate(new_tokens):
+            if base + j == self.pad_id:
+                continue  # the pad token's signature is all zeros
+            sig = [bucket_of(tok, s, B) for s in self.seeds]
+            if self.unique:
+                prefix, used = tuple(sig[:-1]), taken[tuple(sig[:-1])]
+                if len(used) >= B - 1:
+                    raise SignatureError(
+                        f"token {tok!r} (id {base + j}): every last coordinate for its prefix {prefix} is taken; "
+                        f"use a larger num_buckets (B={B}) or num_hashes (H={H})"
+                    )
+                k = 0
+                while sig[-1] in used:
+                    k += 1
+                    sig[-1] = bucket_of(tok, self.seeds[-1] + k, B)
+                used.add(sig[-1])
+            rows[j] = sig
+        return SignatureTable(
+            codes=torch.cat([self.codes, torch.from_numpy(rows)]),
+            num_buckets=B,
+            seeds=self.seeds,
+            tokens=self.tokens + tuple(new_tokens),
+            unique=self.unique,
+            pad_id=self.pad_id,
+            hash_version=self.hash_version,
+        )
+
+    # ----------------------------------------------------------- properties
+    @property
+    def num_hashes(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def num_registered(self) -> int:
+        """Tokens with a real (non-pad) signature."""
+        return int((self.codes != 0).any(dim=1).sum())
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        return tokens_fingerprint(self.tokens)
+
+    def registered_mask(self) -> torch.Tensor:
+        """``bool [V]``: rows that are scored at inference (the pad row is not)."""
+        return (self.codes != 0).any(dim=1)
+
+    def lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` int64 bucket coordinates of ``token_ids``."""
+        return self.codes.to(device=token_ids.device, dtype=torch.long)[token_ids]
+
+    def is_extension_of(self, other: "SignatureTable") -> bool:
+        """True when this table equals ``other`` on all of ``other``'s rows."""
+        return (
+            self.hashing_rule() == other.hashing_rule()
+            and self.tokens[: other.vocab_size] == other.tokens
+            and torch.equal(self.codes[: other.vocab_size], other.codes)
+        )
+
+    def hashing_rule(self) -> dict:
+        """Everything that decides a token's signature apart from the tokens themselves."""
+        return {
+            "num_hashes": self.num_hashes,
+            "num_buckets": self.num_buckets,
+            "seeds": list(self.seeds),
+            "unique": self.unique,
+            "pad_id": self.pad_id,
+            "hash_version": self.hash_version,
+        }
+
+    # ------------------------------------------------------------ save/load
+    def metadata(self, with_tokens: bool = True) -> dict:
+        meta = self.hashing_rule() | {
+            "vocab_size": self.vocab_size,
+            "tokenizer_fingerprint": self.tokenizer_fingerprint,
+        }
+        if with_tokens:
+            meta["tokens"] = list(self.tokens)
+        return meta
+
+    def _compute_hash(self) -> str:
+        h = hashlib.sha256(json.dumps(self.metadata(with_tokens=False), sort_keys=True).encode())
+        h.update(self.codes.numpy().astype("<i4").tobytes())
+        return h.hexdigest()
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write codes + metadata into ``directory`` (each file replaced atomically)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp_codes, tmp_meta = directory / (CODES_FILE + ".tmp"), directory / (META_FILE + ".tmp")
+        save_file({"codes": self.codes.numpy()}, str(tmp_codes))
+        tmp_meta.write_text(json.dumps(self.metadata() | {"content_hash": self.content_hash}, ensure_ascii=False))
+        os.replace(tmp_codes, directory / CODES_FILE)
+        os.replace(tmp_meta, directory / META_FILE)
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "SignatureTable":
+        directory = Path(directory)
+        codes_path, meta_path = directory / CODES_FILE, directory / META_FILE
+        for p in (codes_path, meta_path):
+            if not p.is_file():
+                raise SignatureError(f"signature table file {p} is missing; rebuild the table (SignatureTable.build) and save it")
+        try:
+            meta = json.loads(meta_path.read_text())
+            codes = torch.from_numpy(load_file(str(codes_path))["codes"].astype(np.int32))
+        except Exception as e:  # truncated or garbled files
+            raise SignatureError(f"signature table in {directory} is unreadable ({e}); rebuild it") from e
+        table = cls(
+            codes=codes,
+            num_buckets=meta["num_buckets"],
+            seeds=tuple(meta["seeds"]),
+            tokens=tuple(meta["tokens"]),
+            unique=meta["unique"],
+            pad_id=meta["pad_id"],
+            hash_version=meta["hash_version"],
+        )
+        if table.content_hash != meta.get("content_hash"):
+            raise SignatureError(
+                f"signature table in {directory} fails its content check (stored {meta.get('content_hash')}, "
+                f"computed {table.content_hash}): a file was modified or truncated; rebuild the table"
+            )
+        return table
