@@ -135,8 +135,10 @@ class StandardLM(LanguageModel):
         return self.tables.lookup(input_ids.unsqueeze(-1)).squeeze(-2)
 
 
-def build_model(cfg: ModelConfig, codes: torch.Tensor) -> LanguageModel:
-    """The model ``cfg.variant`` names, over a signature table's ``codes [V, H]`` (Standard uses only V)."""
-    if cfg.variant == "mhf":
-        return MultiHashFormer(cfg, codes)
-    return StandardLM(cfg, vocab_size=codes.shape[0])
+def build_model(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None = None) -> LanguageModel:
+    """The model ``cfg.variant`` names; MultiHashFormer needs its signature table's ``codes [V, H]``."""
+    if cfg.variant == "standard":
+        return StandardLM(cfg, vocab_size)
+    if codes is None or codes.shape[0] != vocab_size:
+        raise ValueError(f"MultiHashFormer needs a signature table with {vocab_size} rows")
+    return MultiHashFormer(cfg, codes)

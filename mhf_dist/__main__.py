@@ -1,0 +1,5 @@
+import sys
+
+from mhf_dist.cli import main
+
+sys.exit(main())

@@ -1,0 +1,64 @@
+"""The run directory: everything a run needs to continue lives under it.
+
+Layout::
+
+    RUN/config.yaml        resolved RunConfig
+    RUN/tokenizer/         the tokenizer (trained here on the embedded corpus when tokenizer.path is None)
+    RUN/signatures/        the SignatureTable (SPEC §1), built once, then verified on every start
+    RUN/metrics.jsonl      one JSON object per logged step
+    RUN/tensorboard/       TensorBoard event files
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from transformers import PreTrainedTokenizerBase
+
+from mhf_dist.config import HashConfig, RunConfig
+from mhf_dist.signatures import SignatureError, SignatureTable, tokens_fingerprint
+from mhf_dist.tokenizers import embedded_corpus, load_tokenizer, train_bpe, vocabulary
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.tokenizer_dir = self.path / "tokenizer"
+        self.signatures_dir = self.path / "signatures"
+        self.config_path = self.path / "config.yaml"
+
+    def save_config(self, cfg: RunConfig) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+    def tokenizer(self, cfg: RunConfig) -> PreTrainedTokenizerBase:
+        """The run's tokenizer: ``tokenizer.path``, or a BPE trained once on the embedded corpus."""
+        if cfg.tokenizer.path is not None:
+            return load_tokenizer(cfg.tokenizer.path)
+        if not (self.tokenizer_dir / "tokenizer.json").is_file():
+            train_bpe(embedded_corpus(), cfg.tokenizer.vocab_size, self.tokenizer_dir)
+        return load_tokenizer(self.tokenizer_dir)
+
+    def signatures(self, hash_cfg: HashConfig, tokenizer: PreTrainedTokenizerBase) -> SignatureTable:
+        """Build the table on first start; afterwards load it and check it matches tokenizer and config."""
+        tokens = vocabulary(tokenizer)
+        if not self.signatures_dir.exists():
+            table = SignatureTable.build(
+                tokens, hash_cfg.num_hashes, hash_cfg.num_buckets, pad_id=tokenizer.pad_token_id,
+                single_id=hash_cfg.single_id,
+            )
+            table.save(self.signatures_dir)
+            return table
+        table = SignatureTable.load(self.signatures_dir)
+        if (table.num_hashes, table.num_buckets) != (hash_cfg.num_hashes, hash_cfg.num_buckets):
+            raise SignatureError(
+                f"{self.signatures_dir} holds H={table.num_hashes}, B={table.num_buckets} but the config asks for "
+                f"H={hash_cfg.num_hashes}, B={hash_cfg.num_buckets}; use a new run directory for a new hash config"
+            )
+        if table.tokenizer_fingerprint != tokens_fingerprint(tokens):
+            raise SignatureError(
+                f"{self.signatures_dir} was built for another tokenizer (fingerprint {table.tokenizer_fingerprint[:12]} "
+                f"vs {tokens_fingerprint(tokens)[:12]}); use the run's tokenizer or extend the vocabulary (expand-vocab)"
+            )
+        return table

@@ -1,0 +1,42 @@
+"""Run metrics: ``metrics.jsonl`` (one JSON object per logged step) beside TensorBoard scalars.
+
+``metrics.jsonl`` is a contract: fields are added over time, never renamed
+(``step``, ``loss``, ``head_losses``, ``lr``, ``tokens_per_s``, ...). Lists are
+logged to TensorBoard one scalar per element (``head_losses/0``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from torch.utils.tensorboard import SummaryWriter
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.writer = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR))
+
+    def log(self, step: int, values: dict) -> None:
+        record = {"step": step, **values}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in values.items():
+            if isinstance(value, (list, tuple)):
+                for i, v in enumerate(value):
+                    self.writer.add_scalar(f"{key}/{i}", v, step)
+            elif isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

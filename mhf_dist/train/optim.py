@@ -1,0 +1,33 @@
+"""AdamW with linear warm-up and cosine decay (SPEC §6 recipe).
+
+Weight decay applies to matrices and tables (``ndim >= 2``), not to biases and
+norm gains, as in the authors' Hugging Face Trainer set-up.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mhf_dist.config import OptimizerConfig
+
+
+def lr_factor(step: int, cfg: OptimizerConfig, max_steps: int) -> float:
+    """Multiplier of ``cfg.lr`` for 0-based optimizer ``step``: warm-up, then cosine to ``min_lr_ratio``."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, max_steps: int):
+    """``(AdamW, LambdaLR)`` for ``model``'s trainable parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, max_steps))
+    return optimizer, scheduler

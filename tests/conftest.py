@@ -1,0 +1,27 @@
+"""Shared fixtures: a small BPE trained on the embedded corpus, tiny model configs."""
+
+from __future__ import annotations
+
+import pytest
+
+from mhf_dist.config import load_config
+from mhf_dist.tokenizers import embedded_corpus, load_tokenizer, train_bpe
+
+
+@pytest.fixture(scope="session")
+def bpe_dir(tmp_path_factory):
+    """A 1,024-token byte-level BPE trained on the embedded corpus (about a second)."""
+    out = tmp_path_factory.mktemp("bpe")
+    train_bpe(embedded_corpus(), 1024, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def bpe(bpe_dir):
+    return load_tokenizer(bpe_dir)
+
+
+@pytest.fixture
+def tiny_cfg():
+    """A tiny MHF model config with small tables, for exact-arithmetic tests."""
+    return load_config("tiny-h4b16k", overrides=["model.hash.num_buckets=64"]).model
