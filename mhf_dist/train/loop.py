@@ -84,7 +84,7 @@ def train(cfg: RunConfig, run_dir: str | Path) -> list[dict]:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
-        if (step + 1) % t.log_interval == 0 or step + 1 == t.max_steps:
+        if step == 0 or (step + 1) % t.log_interval == 0 or step + 1 == t.max_steps:
             record = {
                 "loss": loss_sum,
                 "head_losses": head_sum.tolist(),

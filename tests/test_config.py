@@ -1,0 +1,85 @@
+"""Configs: presets (SPEC §6 parameter counts on the meta device), overrides, named errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mhf_dist.config import ConfigError, load_config, preset, preset_names
+from mhf_dist.model import build_model
+
+MISTRAL_V = 32768
+
+
+def counts(name: str) -> dict[str, int]:
+    cfg = load_config(name).model
+    with torch.device("meta"):
+        codes = torch.ones(MISTRAL_V, cfg.hash.num_hashes, dtype=torch.long)
+        return build_model(cfg, MISTRAL_V, codes).parameter_counts()
+
+
+def within(value: float, target: float, rel: float = 0.05) -> bool:
+    return abs(value - target) <= rel * target
+
+
+def test_every_preset_builds_on_meta():
+    for name in preset_names() + ["tiny-h4b8k", "100m-standard+4l", "tiny-standard+1l"]:
+        assert counts(name)["total"] > 0
+
+
+@pytest.mark.parametrize("size", ["1b", "3b"])
+def test_embedding_parameter_counts_match_spec(size):
+    # SPEC §6: H4B16K embedding ≈ 138M at d=2048, Standard ≈ 65M (65–67M).
+    assert within(counts(f"{size}-h4b16k")["embedding"], 138e6)
+    assert within(counts(f"{size}-standard")["embedding"], 66e6)
+
+
+def test_backbone_parameter_counts_match_spec():
+    # SPEC §6 table. 1B (d=2048, 20 layers, 16/8 heads, FFN 6144) counts 1.007B non-embedding
+    # parameters by hand: 20 x (2048·(2048+1024+1024+2048) + 3·2048·6144) plus norms.
+    assert within(counts("1b-h4b16k")["backbone"], 1.0e9)
+    assert within(counts("3b-h4b16k")["backbone"], 2.8e9)
+    assert within(counts("100m-standard")["backbone"], 87e6)
+    # Standard+kL adds k backbone layers
+    per_layer = (counts("100m-standard+4l")["backbone"] - counts("100m-standard")["backbone"]) / 4
+    assert per_layer == 768 * (768 + 128 + 128 + 768) + 3 * 768 * 2560 + 2 * 768 + 2 * 64
+
+
+def test_preset_variants_parse():
+    assert preset("3b-h3b10k")["model"]["hash"] == {"num_hashes": 3, "num_buckets": 10624}
+    assert preset("tiny-h4b8k")["model"]["hash"] == {"num_hashes": 4, "num_buckets": 8192}
+    assert preset("1b-h1b16k")["model"]["hash"] == {"num_hashes": 4, "num_buckets": 16384, "single_id": True}
+    assert preset("100m-standard+4l")["model"]["n_layers"] == 16
+    assert load_config("100m-h4b16k").train.global_batch_size == 256
+    with pytest.raises(ConfigError, match="unknown preset 'huge-h4b16k'"):
+        load_config("huge-h4b16k")
+
+
+def test_overrides_reach_every_field(tmp_path):
+    cfg = load_config("tiny-h4b16k", overrides=["model.hash.num_buckets=4096", "parallel.tp=2",
+                                                 "optimizer.betas=[0.9, 0.99]", "data.path=/x/y"])
+    assert cfg.model.hash.num_buckets == 4096 and cfg.parallel.tp == 2
+    assert cfg.optimizer.betas == (0.9, 0.99) and cfg.data.path == "/x/y"
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("preset: tiny-standard\ntrain:\n  max_steps: 7\n")
+    cfg = load_config(path=yaml_file, overrides=["train.max_steps=9"])
+    assert cfg.model.variant == "standard" and cfg.train.max_steps == 9
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.hash.num_buckets=1000", "parallel.tp=3"], r"model.hash.num_buckets=1000 is not divisible by parallel.tp=3"),
+        (["model.d_model=66"], r"model.d_model=66 is not divisible by model.n_heads=4.*model.head_dim"),
+        (["model.n_kv_heads=3"], r"n_heads=4 is not divisible by model.n_kv_heads=3"),
+        (["parallel.pp=2", "parallel.zero_stage=3"], r"pipeline engine refuses ZeRO-2/3; use parallel.zero_stage=1"),
+        (["parallel.pp=3"], r"parallel.pp=3 is more stages than model.n_layers=2"),
+        (["train.global_batch_size=12", "train.micro_batch_size=8"], r"not a multiple of train.micro_batch_size"),
+        (["model.hash.num_bucket=5"], r"model.hash.num_bucket: unknown field"),
+        (["optimizer.lr=-1"], r"optimizer.lr: Input should be greater than 0"),
+        (["train.max_steps"], r"expected key=value"),
+    ],
+)
+def test_invalid_configs_name_field_and_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny-h4b16k", overrides=overrides)
