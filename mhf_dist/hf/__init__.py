@@ -1,0 +1,1 @@
+"""Hugging Face interchange: the authors' published layout (SPEC §9)."""
