@@ -83,6 +83,14 @@ class TokenizerConfig(_Strict):
 class DataConfig(_Strict):
     path: str | None = Field(None, description="directory of token shards with a manifest; None: the embedded corpus")
     seq_len: int = Field(128, ge=2)
+    shuffle_seed: int | None = Field(
+        None, ge=0, description="seed of the global sample order over shards (SPEC §7); None: train.seed"
+    )
+    shuffle_window: int = Field(16, ge=1, description="shards whose samples are interleaved and shuffled together")
+    on_bad_shard: Literal["error", "skip"] = Field(
+        "error", description="a missing, truncated or corrupt shard: stop with an error, or skip it with a warning"
+    )
+    verify_checksums: bool = Field(True, description="check every shard's SHA-256 against the manifest while reading")
 
 
 class OptimizerConfig(_Strict):
@@ -143,6 +151,18 @@ class RunConfig(_Strict):
             )
         if m.n_heads % tp:
             raise ValueError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}; choose tp dividing it")
+        if m.n_kv_heads % tp and tp % m.n_kv_heads:
+            raise ValueError(
+                f"model.n_kv_heads={m.n_kv_heads} neither divides nor is a multiple of parallel.tp={tp}: kv heads "
+                "are split over tp or replicated per rank; choose tp as a divisor or multiple of n_kv_heads"
+            )
+        if m.ffn_dim % tp:
+            raise ValueError(f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}; choose tp dividing it")
+        if m.variant == "standard" and m.pad_vocab_to % tp:
+            raise ValueError(
+                f"model.pad_vocab_to={m.pad_vocab_to} is not a multiple of parallel.tp={tp}: the vocabulary rows are "
+                "split over tp; set pad_vocab_to to a multiple of tp"
+            )
         if self.parallel.pp > 1 and self.parallel.zero_stage in (2, 3):
             raise ValueError(
                 f"parallel.zero_stage={self.parallel.zero_stage} with parallel.pp={self.parallel.pp}: DeepSpeed's "

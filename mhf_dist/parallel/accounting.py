@@ -1,0 +1,41 @@
+"""Analytic tensor-parallel communication per training step (forward + backward).
+
+Payload bytes per collective, for ``N`` tokens, element size ``s``, tp > 1
+(at tp = 1 nothing is communicated). Each term is one call site of
+:mod:`mhf_dist.parallel.comm`:
+
+forward, ``all_reduce_sum``
+  - input lookup: ``N·H·d`` (MHF; ``N·d`` for Standard, H = 1)
+  - per layer: attention output ``N·d`` + MLP output ``N·d``
+  - decoder, per head: softmax normaliser ``N`` + target log-prob ``N``;
+    soft retrieval ``N·d`` for each of the first ``H-1`` heads
+forward, ``all_reduce_max``
+  - decoder, per head: softmax maximum ``N``
+backward, ``all_reduce_sum``
+  - per layer: attention input ``N·d`` + MLP input ``N·d``; q/k norm gains ``2·hd``;
+    replicated k/v projections ``2·n_kv·hd·d`` when n_kv_heads < tp
+  - decoder, per head: the hidden state entering the sharded logits ``N·d``
+
+The profiler reports these next to measured counts (:func:`count_collectives`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from mhf_dist.config import ModelConfig
+
+
+def expected_collective_bytes(cfg: ModelConfig, tokens: int, tp: int, elem_size: int = 4) -> Counter:
+    """``{(op, phase): bytes}`` for one forward + backward of the training loss."""
+    if tp == 1:
+        return Counter()
+    n, d, hd, layers = tokens, cfg.d_model, cfg.resolved_head_dim, cfg.n_layers
+    heads = cfg.hash.num_hashes if cfg.variant == "mhf" else 1
+    replicated_kv = 2 * cfg.n_kv_heads * hd * d if cfg.n_kv_heads % tp else 0
+    elements = Counter({
+        ("all_reduce_sum", "forward"): n * heads * d + layers * 2 * n * d + heads * 2 * n + (heads - 1) * n * d,
+        ("all_reduce_max", "forward"): heads * n,
+        ("all_reduce_sum", "backward"): layers * (2 * n * d + 2 * hd + replicated_kv) + heads * n * d,
+    })
+    return Counter({k: v * elem_size for k, v in elements.items()})

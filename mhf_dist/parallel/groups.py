@@ -1,0 +1,53 @@
+"""Process groups for tensor, pipeline and data parallelism (SPEC §7).
+
+Built from DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data,
+model; model = tensor parallel, innermost, so a tp group is consecutive ranks,
+one node's GPUs), so the engine's pipeline grid and our tensor-parallel layers
+agree on who is who. ``torch.distributed`` must already be initialised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelGroups:
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup | None
+    pp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    topology: object
+
+    @classmethod
+    def create(cls, tp: int = 1, pp: int = 1) -> "ParallelGroups":
+        """Groups for ``world = tp · pp · dp`` (dp derived); every rank must call this, in the same order."""
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        world = dist.get_world_size()
+        if world % (tp * pp):
+            raise ValueError(
+                f"world size {world} is not divisible by parallel.tp·parallel.pp = {tp}·{pp}; "
+                "launch tp·pp·dp ranks"
+            )
+        dp = world // (tp * pp)
+        topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+        rank = dist.get_rank()
+        mine = {}
+        for axis in ("model", "pipe", "data"):
+            for ranks in topo.get_axis_comm_lists(axis):
+                group = dist.new_group(ranks)  # collective: all ranks create every group
+                if rank in ranks:
+                    mine[axis] = group
+        coord = topo.get_coord(rank)
+        return cls(
+            tp=tp, pp=pp, dp=dp, tp_rank=coord.model, pp_rank=coord.pipe, dp_rank=coord.data,
+            tp_group=mine["model"], pp_group=mine["pipe"], dp_group=mine["data"], topology=topo,
+        )

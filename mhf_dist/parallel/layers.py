@@ -1,0 +1,97 @@
+"""Tensor-parallel layers (SPEC §7), Megatron style.
+
+- :class:`BucketParallelEmbedding`: each bucket table split along its rows;
+  lookup = masked local lookup + all-reduce; decoder logits stay sharded and the
+  softmax statistics, picked log-probabilities and soft retrieval are reduced
+  over the group (vocab-parallel cross entropy).
+- :class:`ColumnParallelLinear` / :class:`RowParallelLinear`: output / input
+  features split. A *region* (attention, MLP) copies its input into the group
+  once (:func:`mark_region`), so its column-parallel projections need no copy.
+- :class:`RegionRMSNorm` and :class:`ReplicatedHeadsLinear`: replicated
+  parameters used inside a region on this rank's heads only; their weight
+  passes through ``copy_to_tp`` so its gradient is summed over the group.
+
+Sharded parameters carry ``tensor_model_parallel = True`` (DeepSpeed's
+gradient-norm reduction reads it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mhf_dist.model.tables import BucketTables
+from mhf_dist.parallel.comm import all_reduce_max, copy_to_tp, reduce_from_tp
+
+
+class BucketParallelEmbedding(BucketTables):
+    """Rows ``[rank·R/tp, (rank+1)·R/tp)`` of every table."""
+
+    def __init__(self, num_tables: int, num_rows: int, dim: int, group, rank: int, size: int):
+        if num_rows % size:
+            raise ValueError(f"{num_rows} table rows cannot be split over tp={size}; use a multiple of tp")
+        super().__init__(num_tables, num_rows // size, dim)
+        self.num_rows, self.group, self.rank = num_rows, group, rank
+        self.weight.tensor_model_parallel = True
+
+    @property
+    def row_offset(self) -> int:
+        return self.rank * self.local_rows
+
+    def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(x, self.group)
+
+    def reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce_max(x, self.group)
+
+    def logits(self, x: torch.Tensor, table: int) -> torch.Tensor:
+        # x is replicated; each rank's logits see it, so its gradient is summed over the group.
+        return super().logits(copy_to_tp(x, self.group), table)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """``out_features / tp`` outputs; the input is already copied into the region."""
+
+    def __init__(self, in_features: int, out_features: int, size: int):
+        super().__init__(in_features, out_features // size, bias=False)
+        self.weight.tensor_model_parallel = True
+
+
+class RowParallelLinear(nn.Linear):
+    """``in_features / tp`` inputs; partial outputs all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, group, size: int):
+        super().__init__(in_features // size, out_features, bias=False)
+        self.group = group
+        self.weight.tensor_model_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(super().forward(x), self.group)
+
+
+class RegionRMSNorm(nn.RMSNorm):
+    """A replicated RMSNorm applied inside a region (q/k norm over this rank's heads)."""
+
+    def __init__(self, dim: int, eps: float, group):
+        super().__init__(dim, eps=eps)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, copy_to_tp(self.weight, self.group), self.eps)
+
+
+class ReplicatedHeadsLinear(nn.Linear):
+    """A replicated k/v projection when there are fewer kv heads than tp ranks: output cut to this rank's head."""
+
+    def __init__(self, in_features: int, out_features: int, columns: slice, group):
+        super().__init__(in_features, out_features, bias=False)
+        self.columns, self.group = columns, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, copy_to_tp(self.weight, self.group))[..., self.columns]
+
+
+def mark_region(module: nn.Module, group) -> None:
+    """Copy the module's first input into the tensor-parallel group once, at its entry."""
+    module.register_forward_pre_hook(lambda _m, args: (copy_to_tp(args[0], group), *args[1:]))

@@ -1,0 +1,52 @@
+"""The tensor-parallel plan: which module of a LanguageModel becomes which parallel layer (SPEC §7).
+
+Applied in place to a model built at full size with the run's seed, so every
+rank starts from exactly the single-process weights: modules are swapped for
+their parallel forms, then each rank loads its shard (:mod:`state_dict`).
+Attention heads and the MLP are column/row parallel with one all-reduce after
+each in forward; k/v heads are split when ``n_kv_heads`` is a multiple of tp,
+else each rank computes the one kv head its query heads share.
+"""
+
+from __future__ import annotations
+
+from mhf_dist.model.lm import LanguageModel
+from mhf_dist.parallel.layers import (
+    BucketParallelEmbedding,
+    ColumnParallelLinear,
+    RegionRMSNorm,
+    ReplicatedHeadsLinear,
+    RowParallelLinear,
+    mark_region,
+)
+from mhf_dist.parallel.state_dict import shard_state_dict, tp_split_dims
+
+
+def apply_tensor_parallel(model: LanguageModel, group, rank: int, size: int) -> LanguageModel:
+    if size == 1:
+        return model
+    cfg = model.cfg
+    full = model.state_dict()
+    t = model.tables.weight
+    model.tables = BucketParallelEmbedding(t.shape[0], t.shape[1], t.shape[2], group, rank, size)
+    d, hd = cfg.d_model, cfg.resolved_head_dim
+    kv_split = cfg.n_kv_heads % size == 0
+    # With fewer kv heads than ranks, this rank's query heads all share kv head `kv`.
+    kv = rank * (cfg.n_heads // size) // (cfg.n_heads // cfg.n_kv_heads)
+    for block in model.backbone.layers:
+        attn, mlp = block.self_attn, block.mlp
+        mark_region(attn, group)
+        attn.q_proj = ColumnParallelLinear(d, cfg.n_heads * hd, size)
+        for name in ("k_proj", "v_proj"):
+            layer = (ColumnParallelLinear(d, cfg.n_kv_heads * hd, size) if kv_split
+                     else ReplicatedHeadsLinear(d, cfg.n_kv_heads * hd, slice(kv * hd, (kv + 1) * hd), group))
+            setattr(attn, name, layer)
+        attn.o_proj = RowParallelLinear(cfg.n_heads * hd, d, group, size)
+        attn.q_norm = RegionRMSNorm(hd, cfg.norm_eps, group)
+        attn.k_norm = RegionRMSNorm(hd, cfg.norm_eps, group)
+        mark_region(mlp, group)
+        mlp.gate_proj = ColumnParallelLinear(d, cfg.ffn_dim, size)
+        mlp.up_proj = ColumnParallelLinear(d, cfg.ffn_dim, size)
+        mlp.down_proj = RowParallelLinear(cfg.ffn_dim, d, group, size)
+    model.load_state_dict(shard_state_dict(full, tp_split_dims(cfg, size), rank, size))
+    return model
