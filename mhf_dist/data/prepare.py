@@ -1,0 +1,370 @@
+"""Text files -> WebDataset tar shards of packed token ids, plus ``manifest.json`` (SPEC §7).
+
+Inputs and documents
+    ``.txt`` and ``.jsonl`` files, each optionally gzipped (``.gz``), and glob
+    patterns over them (matches are taken in sorted order; inputs in the order
+    given). In a ``.txt`` file, documents are separated by blank lines; in a
+    ``.jsonl`` file every line is one JSON object and its ``text_field`` is one
+    document. Whitespace-only documents are ignored.
+
+Packing
+    Every document is tokenized without special tokens and followed by the
+    tokenizer's EOS id. The token stream of a split is cut into consecutive,
+    non-overlapping samples of ``seq_len + 1`` ids (a training step uses
+    ``sample[:-1]`` as input and ``sample[1:]`` as targets). The trailing partial
+    sample (fewer than ``seq_len + 1`` ids) is dropped and counted in the
+    manifest as ``dropped_tokens``.
+
+Shard format
+    ``{prefix}-000000.tar, ...`` (train) and ``val-000000.tar, ...`` (validation);
+    every shard holds ``samples_per_shard`` samples except the last. A sample is
+    one tar member ``{key}.tokens.npy``: a 1-D ``.npy`` array of ``seq_len + 1``
+    little-endian ids, ``<u2`` when the vocabulary has at most 65,536 entries,
+    else ``<u4``. ``key`` is the sample's index within its split, 10 digits.
+    Members have mtime 0 and fixed owner and mode, so the same inputs and
+    settings give byte-identical shards whatever the number of workers
+    (documents are tokenized in parallel but reassembled in input order).
+    Workers are spawned processes (safe next to threads, on every platform),
+    each loading the tokenizer from its directory.
+
+Validation split
+    With ``val_fraction > 0`` a document is held out when the first 8 bytes of
+    the BLAKE2b hash of its UTF-8 text, read as a fraction of 2**64, fall below
+    ``val_fraction``: the choice depends only on the text (duplicates land in
+    the same split) and is packed into separate ``val-*`` shards. The fraction
+    of documents held out is therefore approximate.
+
+``manifest.json`` (written last: a directory without one is incomplete)::
+
+    {"format": "mhf-dist-packed-tokens-v1", "seq_len": L, "sample_tokens": L + 1,
+     "dtype": "uint16" | "uint32", "vocab_size": V, "eos_id": E,
+     "tokenizer_fingerprint": tokens_fingerprint(vocabulary(tokenizer)),
+     "sample_member": "tokens.npy", "samples_per_shard": n, "val_fraction": f,
+     "text_field": "text", "inputs": [input files],
+     "splits": {"train": SPLIT, "val": SPLIT (only when val_fraction > 0)}}
+    SPLIT = {"documents": d, "input_tokens": t (EOS included), "samples": s,
+             "tokens": s * (L + 1), "dropped_tokens": t - s * (L + 1),
+             "shards": [{"name": "train-000000.tar", "samples": k, "bytes": b,
+                         "sha256": hex}, ...]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import webdataset as wds
+from tqdm.auto import tqdm
+
+from mhf_dist.signatures import tokens_fingerprint
+from mhf_dist.tokenizers import load_tokenizer, vocabulary
+
+FORMAT = "mhf-dist-packed-tokens-v1"
+MANIFEST = "manifest.json"
+SAMPLE_MEMBER = "tokens.npy"
+VAL_PREFIX = "val"
+_SUFFIXES = (".txt", ".jsonl")
+_CHUNK_CHARS = 1 << 16  # text per tokenization task
+
+
+class DataError(ValueError):
+    """Input text, shards or a manifest are unusable; the message names the file, the problem and the fix."""
+
+
+def expand_inputs(patterns: Sequence[str | os.PathLike]) -> list[Path]:
+    """Input files in order: each pattern is a file or a glob (its matches sorted)."""
+    files: list[Path] = []
+    for pattern in map(str, patterns):
+        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise DataError(f"input {pattern}: the pattern matches no file; check it")
+        for match in map(Path, matches):
+            if not match.is_file():
+                raise DataError(f"input {match}: no such file; check the path")
+            if not match.name.removesuffix(".gz").endswith(_SUFFIXES):
+                raise DataError(f"input {match}: unsupported file type; use .txt or .jsonl, optionally gzipped (.gz)")
+            files.append(match)
+    return files
+
+
+def documents(files: Sequence[Path], text_field: str = "text") -> Iterator[str]:
+    """Documents of the input files, in order (blank-line separated in .txt, one per line in .jsonl)."""
+    for path in files:
+        opener = gzip.open if path.suffix == ".gz" else open
+        try:
+            with opener(path, "rt", encoding="utf-8") as f:
+                if path.name.removesuffix(".gz").endswith(".jsonl"):
+                    yield from _jsonl_documents(f, path, text_field)
+                else:
+                    yield from _paragraphs(f)
+        except (UnicodeDecodeError, OSError) as e:  # OSError includes a bad gzip stream
+            raise DataError(f"input {path} is not readable UTF-8 text ({e}); convert or repair it, or leave it out") from None
+
+
+def _jsonl_documents(lines, path: Path, text_field: str) -> Iterator[str]:
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)[text_field]
+        except (json.JSONDecodeError, TypeError, KeyError) as e:
+            raise DataError(
+                f"{path}:{number}: not a JSON object with a string field {text_field!r} ({e!r}); "
+                "fix the line or name the right field with --text-field"
+            ) from None
+        if not isinstance(text, str):
+            raise DataError(f"{path}:{number}: field {text_field!r} is not a string; name the text field with --text-field")
+        if text.strip():
+            yield text
+
+
+def _paragraphs(lines) -> Iterator[str]:
+    block: list[str] = []
+    for line in lines:
+        if line.strip():
+            block.append(line)
+        elif block:
+            yield "".join(block).rstrip("\n")
+            block = []
+    if block:
+        yield "".join(block).rstrip("\n")
+
+
+def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    size = 0
+    for doc in docs:
+        chunk.append(doc)
+        size += len(doc)
+        if size >= _CHUNK_CHARS:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def is_validation(text: str, val_fraction: float) -> bool:
+    """Whether a document belongs to the held-out split (a hash of its text below ``val_fraction``)."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2**64
+
+
+class _ChunkTokenizer:
+    """Texts -> (train ids, val ids, train documents, val documents), EOS after every document."""
+
+    def __init__(self, tokenizer, val_fraction: float):
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token_id
+        self.val_fraction = val_fraction
+
+    def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray, int, int]:
+        ids = self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        held_out = [is_validation(text, self.val_fraction) for text in texts]
+        streams: tuple[list[int], list[int]] = ([], [])
+        for val, doc in zip(held_out, ids):
+            streams[val].extend(doc)
+            streams[val].append(self.eos)
+        n_val = sum(held_out)
+        return (np.asarray(streams[0], dtype=np.uint32), np.asarray(streams[1], dtype=np.uint32),
+                len(texts) - n_val, n_val)
+
+
+_worker: _ChunkTokenizer | None = None
+
+
+def _init_worker(tokenizer_path: str, val_fraction: float) -> None:
+    global _worker
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    _worker = _ChunkTokenizer(load_tokenizer(tokenizer_path), val_fraction)
+
+
+def _tokenize_in_worker(texts: list[str]):
+    return _worker(texts)
+
+
+def _tokenized(chunks: Iterator[list[str]], tokenize: _ChunkTokenizer, tokenizer_path: str, workers: int):
+    """(chunk size, result) in input order; at most ``2 * workers`` chunks in flight."""
+    if workers <= 1:
+        for chunk in chunks:
+            yield len(chunk), tokenize(chunk)
+        return
+    with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer_path, tokenize.val_fraction)) as pool:
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append((len(chunk), pool.apply_async(_tokenize_in_worker, (chunk,))))
+            if len(pending) >= 2 * workers:
+                n, result = pending.popleft()
+                yield n, result.get()
+        while pending:
+            n, result = pending.popleft()
+            yield n, result.get()
+
+
+class _SplitWriter:
+    """Packs one split's token stream into ``seq_len + 1`` samples and writes them into shards."""
+
+    def __init__(self, out_dir: Path, prefix: str, sample_tokens: int, dtype: np.dtype, samples_per_shard: int):
+        self.out_dir, self.prefix = out_dir, prefix
+        self.sample_tokens, self.dtype, self.samples_per_shard = sample_tokens, dtype, samples_per_shard
+        self.rest = np.zeros(0, dtype=np.uint32)
+        self.documents = self.input_tokens = self.samples = 0
+        self.shards: list[dict] = []
+        self.file = self.tar = None
+        self.in_shard = 0
+
+    def add(self, ids: np.ndarray, documents: int) -> None:
+        self.documents += documents
+        self.input_tokens += len(ids)
+        stream = np.concatenate([self.rest, ids])
+        full = len(stream) // self.sample_tokens * self.sample_tokens
+        for sample in stream[:full].reshape(-1, self.sample_tokens):
+            self._write(sample)
+        self.rest = stream[full:]
+
+    def _write(self, sample: np.ndarray) -> None:
+        if self.tar is None:
+            self.file = open(self.out_dir / self._name(len(self.shards)), "wb")
+            self.tar = wds.TarWriter(self.file, encoder=False, mtime=0, user="mhf-dist", group="mhf-dist")
+        buf = io.BytesIO()
+        np.save(buf, sample.astype(self.dtype), allow_pickle=False)
+        self.tar.write({"__key__": f"{self.samples:010d}", SAMPLE_MEMBER: buf.getvalue()})
+        self.samples += 1
+        self.in_shard += 1
+        if self.in_shard == self.samples_per_shard:
+            self._close_shard()
+
+    def _name(self, index: int) -> str:
+        return f"{self.prefix}-{index:06d}.tar"
+
+    def _close_shard(self) -> None:
+        self.tar.close()
+        self.file.close()
+        path = self.out_dir / self._name(len(self.shards))
+        data = path.read_bytes()
+        self.shards.append({"name": path.name, "samples": self.in_shard, "bytes": len(data),
+                            "sha256": hashlib.sha256(data).hexdigest()})
+        self.file = self.tar = None
+        self.in_shard = 0
+
+    def finish(self) -> dict:
+        if self.tar is not None:
+            self._close_shard()
+        tokens = self.samples * self.sample_tokens
+        return {"documents": self.documents, "input_tokens": self.input_tokens, "samples": self.samples,
+                "tokens": tokens, "dropped_tokens": self.input_tokens - tokens, "shards": self.shards}
+
+
+def prepare(
+    inputs: Sequence[str | os.PathLike],
+    tokenizer: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    seq_len: int,
+    samples_per_shard: int = 8192,
+    prefix: str = "train",
+    text_field: str = "text",
+    val_fraction: float = 0.0,
+    workers: int = 1,
+    progress: bool = True,
+) -> dict:
+    """Tokenize ``inputs`` and write packed shards and ``manifest.json`` into ``out_dir``; returns the manifest.
+
+    ``tokenizer`` is a tokenizer directory (or ``mistral-v0.3``, see
+    :func:`mhf_dist.tokenizers.load_tokenizer`). ``out_dir`` must be new or empty.
+    """
+    if seq_len < 1 or samples_per_shard < 1 or workers < 1:
+        raise DataError(f"seq_len={seq_len}, samples_per_shard={samples_per_shard} and workers={workers} must be >= 1")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
+    if prefix == VAL_PREFIX or not prefix or "/" in prefix:
+        raise DataError(f"prefix {prefix!r}: pick a plain name other than {VAL_PREFIX!r} (used by the validation shards)")
+    files = expand_inputs(inputs)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise DataError(f"output directory {out} is not empty; remove it or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = load_tokenizer(tokenizer)
+    if tok.eos_token_id is None:
+        raise DataError(f"tokenizer {tokenizer} has no EOS token; documents are separated by EOS, use one that has it")
+    vocab_size = len(tok)
+    dtype = np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+    writers = [_SplitWriter(out, prefix, seq_len + 1, dtype, samples_per_shard)]
+    if val_fraction > 0:
+        writers.append(_SplitWriter(out, VAL_PREFIX, seq_len + 1, dtype, samples_per_shard))
+
+    chunks = _chunks(documents(files, text_field))
+    results = _tokenized(chunks, _ChunkTokenizer(tok, val_fraction), str(tokenizer), workers)
+    with tqdm(desc="tokenizing", unit="doc", disable=not progress) as bar:
+        for n_docs, (train_ids, val_ids, n_train, n_val) in results:
+            writers[0].add(train_ids, n_train)
+            if val_fraction > 0:
+                writers[1].add(val_ids, n_val)
+            bar.update(n_docs)
+            bar.set_postfix(samples=sum(w.samples for w in writers), refresh=False)
+    splits = dict(zip(("train", "val"), (w.finish() for w in writers)))
+    for name, split in splits.items():
+        if split["samples"] == 0:
+            raise DataError(
+                f"the {name} split of {', '.join(map(str, files))} has {split['input_tokens']} tokens, fewer than one "
+                f"sample of seq_len + 1 = {seq_len + 1}: add text, lower --seq-len"
+                + (" or raise --val-fraction" if name == "val" else "")
+            )
+
+    manifest = {
+        "format": FORMAT,
+        "seq_len": seq_len,
+        "sample_tokens": seq_len + 1,
+        "dtype": dtype.name,
+        "vocab_size": vocab_size,
+        "eos_id": tok.eos_token_id,
+        "tokenizer_fingerprint": tokens_fingerprint(vocabulary(tok)),
+        "sample_member": SAMPLE_MEMBER,
+        "samples_per_shard": samples_per_shard,
+        "val_fraction": val_fraction,
+        "text_field": text_field,
+        "inputs": [str(f) for f in files],
+        "splits": splits,
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``mhf-dist prepare-data``."""
+    parser.add_argument("inputs", nargs="+", help="text files or globs: .txt (blank-line separated documents) "
+                        "or .jsonl (one document per line), optionally .gz")
+    parser.add_argument("--tokenizer", required=True, help="tokenizer directory, or mistral-v0.3")
+    parser.add_argument("--out", required=True, help="output directory (new or empty)")
+    parser.add_argument("--seq-len", type=int, required=True, help="model sequence length; samples hold seq_len + 1 ids")
+    parser.add_argument("--samples-per-shard", type=int, default=8192, help="samples per tar shard (default 8192)")
+    parser.add_argument("--prefix", default="train", help="training shard names: PREFIX-000000.tar ... (default train)")
+    parser.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl inputs")
+    parser.add_argument("--val-fraction", type=float, default=0.0,
+                        help="fraction of documents held out (by a hash of their text) into val-*.tar shards")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes (default: all cores)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``mhf-dist prepare-data``: prepare shards and print a summary."""
+    manifest = prepare(
+        args.inputs, args.tokenizer, args.out, seq_len=args.seq_len, samples_per_shard=args.samples_per_shard,
+        prefix=args.prefix, text_field=args.text_field, val_fraction=args.val_fraction, workers=args.workers,
+        progress=args.progress,
+    )
+    for name, split in manifest["splits"].items():
+        print(f"{name}: {split['documents']} documents, {split['samples']} samples of {manifest['sample_tokens']} "
+              f"tokens in {len(split['shards'])} shards ({split['dropped_tokens']} trailing tokens dropped)")
+    print(f"wrote {Path(args.out) / MANIFEST}")
+    return 0
