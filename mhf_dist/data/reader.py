@@ -1,0 +1,392 @@
+"""Rank-disjoint, resumable reading of packed token shards (SPEC §7, last bullet).
+
+Shards and the manifest come from :mod:`mhf_dist.data.prepare`. Shards are
+opened with WebDataset's ``gopen`` (local paths, ``file:``, ``pipe:`` commands
+such as ``pipe:aws s3 cp s3://bucket/train-000000.tar -``, ``http(s)`` via
+curl) and iterated with its tar iterators; a source string may use brace
+patterns (``train-{000000..000099}.tar``) and ``::`` separators.
+
+Global order (independent of the number of data-parallel ranks)
+    The reader defines one infinite stream of samples, the same for every rank
+    count: global position ``X = epoch * N + p`` (``N`` samples per epoch, the
+    sum of the manifest's shard counts). Epoch ``e`` permutes the shards with a
+    generator seeded by ``(seed, 0, e)`` and cuts the permuted list into
+    windows of ``shuffle_window`` shards. Within a window, every shard's samples
+    are permuted by a generator seeded by ``(seed, 1, e, shard)``, and the
+    window interleaves its shards round-robin: the t-th sample of every shard
+    (in window order) before the (t+1)-th of any. Epoch ``e`` is its windows in
+    order. So one optimizer step draws evenly from ``shuffle_window`` shards,
+    and every epoch is reshuffled.
+
+Ranks
+    dp rank ``r`` of ``R`` reads global positions ``X0 + r, X0 + r + R, ...``
+    where ``X0`` is the (shared) start position. After every rank has returned
+    ``m`` samples the stream has advanced to ``X0 + m * R`` on all ranks alike:
+    with micro-batches of ``b`` and ``accum = G / (b * R)`` micro-batches per
+    step, optimizer step ``s`` consumes exactly positions ``[X0 + s*G,
+    X0 + (s+1)*G)`` over all ranks, whatever ``R`` is. The state is
+    ``(epoch, position)`` of the next unread global position, identical on
+    every rank; resuming with another ``R`` continues the same stream with no
+    sample lost or repeated. Tensor- and pipeline-parallel ranks of one
+    data-parallel replica pass the same ``dp_rank`` and get the same batches.
+
+Reading
+    A rank reads the shards of a window that hold any of its positions, each
+    sequentially from start to end (streaming, so ``pipe:`` sources work; the
+    SHA-256 is checked on the fly), keeps the samples it needs, and returns them
+    in position order. With ``R`` a multiple of ``shuffle_window`` a rank reads
+    one shard per window; in general it reads a ``1 / gcd(R, shuffle_window)``
+    share of the data to keep a ``1 / R`` share. Memory holds this rank's
+    samples of up to three windows. One background thread per reader prefetches
+    the next window (no DataLoader worker processes: reading and decoding are
+    far cheaper than a training step, see ``tools/bench_reader.py``).
+
+Bad shards
+    A missing, unreadable, truncated or (with ``verify_checksums``) altered
+    shard raises :class:`DataError` naming the shard, the problem and the fix.
+    With ``on_bad_shard="skip"`` the shard is skipped with a logged warning and
+    ``skipped_shards`` (per rank, one count per skip) goes up; its positions
+    take the sample at the next position of the same window whose shard is
+    readable, so positions, rank shares and state stay exactly as without the
+    failure (a window whose every shard is bad is still an error).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import queue
+import threading
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import webdataset as wds
+
+from mhf_dist.data.prepare import FORMAT, MANIFEST, DataError
+
+log = logging.getLogger(__name__)
+
+_REPAIR = "re-copy or re-create it (mhf-dist prepare-data)"
+_FIX = _REPAIR + ", or set data.on_bad_shard=skip to train without it"
+
+
+@dataclass(frozen=True)
+class _Shard:
+    index: int  # position in the manifest's split: seeds its in-shard shuffle
+    name: str
+    url: str
+    samples: int
+    sha256: str
+
+
+class _HashingReader:
+    """A read-only stream that feeds everything read through it into a SHA-256."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.sha256 = hashlib.sha256()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.sha256.update(data)
+        return data
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng(list(key))
+
+
+class ShardReader:
+    """Batches of packed samples for one data-parallel rank, in the rank-count-independent global order.
+
+    ``source``: a directory holding ``manifest.json`` and its shards, or shard
+    URLs (a brace pattern / ``::``-separated string, or a list) together with
+    ``manifest`` (a path or URL of the manifest). URLs are matched to the
+    manifest's shards by name; a subset of the shards may be given.
+    ``seq_len`` and ``tokenizer_fingerprint``, when given, must match the
+    manifest. ``split`` is ``"train"`` or ``"val"``.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike | Sequence[str],
+        *,
+        manifest: str | os.PathLike | None = None,
+        split: str = "train",
+        seq_len: int | None = None,
+        tokenizer_fingerprint: str | None = None,
+        seed: int = 0,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        shuffle_window: int = 16,
+        on_bad_shard: Literal["error", "skip"] = "error",
+        verify_checksums: bool = True,
+    ):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+        if seed < 0 or shuffle_window < 1:
+            raise ValueError(f"seed={seed} must be >= 0 and shuffle_window={shuffle_window} >= 1")
+        if on_bad_shard not in ("error", "skip"):
+            raise ValueError(f"on_bad_shard={on_bad_shard!r}: use 'error' or 'skip'")
+        self.manifest, self.manifest_location, self.shards = _resolve(source, manifest, split)
+        _check_expectations(self.manifest, self.manifest_location, seq_len, tokenizer_fingerprint)
+        self.seq_len = self.manifest["seq_len"]
+        self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
+        self.member = self.manifest["sample_member"]
+        self.seed, self.dp_rank, self.dp_size, self.shuffle_window = seed, dp_rank, dp_size, shuffle_window
+        self.on_bad_shard, self.verify_checksums = on_bad_shard, verify_checksums
+        self.counts = np.array([s.samples for s in self.shards])
+        self.samples_per_epoch = int(self.counts.sum())
+        self.fingerprint = hashlib.sha256(
+            json.dumps([[s.name, s.samples, s.sha256] for s in self.shards]).encode()).hexdigest()
+        self.skipped_shards = 0
+        self._base = 0  # global position where this reader's stream starts (shared by all ranks)
+        self._consumed = 0  # samples returned by this rank since _base
+        self._epoch_cache: tuple[int, np.ndarray, list[np.ndarray]] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._buffer: deque = deque()
+        self._error: BaseException | None = None
+
+    # ------------------------------------------------------------ consumer
+    def next_batch(self, micro_batch: int) -> torch.Tensor:
+        """This rank's next ``micro_batch`` samples: a LongTensor ``[micro_batch, seq_len + 1]``."""
+        if self._error is not None:
+            raise self._error
+        if self._thread is None:
+            start = self._base + self._consumed * self.dp_size + self.dp_rank
+            self._thread = threading.Thread(target=self._produce, args=(start,), daemon=True, name="ShardReader")
+            self._thread.start()
+        rows = []
+        while len(rows) < micro_batch:
+            if not self._buffer:
+                item = self._queue.get()
+                if isinstance(item, BaseException):
+                    self._error = item
+                    raise item
+                self._buffer.extend(item)
+            rows.append(self._buffer.popleft())
+        self._consumed += micro_batch
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def state_dict(self) -> dict:
+        """The next unread global position (the same on every rank once all took equal batches); JSON-serialisable."""
+        epoch, position = divmod(self._base + self._consumed * self.dp_size, self.samples_per_epoch)
+        return {"epoch": epoch, "position": position, "seed": self.seed, "shuffle_window": self.shuffle_window,
+                "dataset": self.fingerprint}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at ``state``'s global position; the rank count may differ from the saving run's."""
+        for key, ours in (("dataset", self.fingerprint), ("seed", self.seed), ("shuffle_window", self.shuffle_window)):
+            if state.get(key) != ours:
+                raise DataError(
+                    f"reader state has {key}={state.get(key)!r} but this reader uses {ours!r} "
+                    f"({self.manifest_location}): resume with the shards, data seed and shuffle window "
+                    "of the saved run, or start the data stream afresh"
+                )
+        self.close()
+        self._base = state["epoch"] * self.samples_per_epoch + state["position"]
+        self._consumed = 0
+        self._error = None
+
+    def close(self) -> None:
+        """Stop the prefetch thread (``next_batch`` restarts it where the stream stands)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self._stop = threading.Event()
+            self._queue = queue.Queue(maxsize=1)
+        self._base += self._consumed * self.dp_size
+        self._consumed = 0
+        self._buffer.clear()
+
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ producer
+    def _produce(self, start: int) -> None:
+        """Background thread: this rank's samples window by window, from global position ``start``."""
+        stop, out = self._stop, self._queue
+        x = start
+        try:
+            while not stop.is_set():
+                epoch, p = divmod(x, self.samples_per_epoch)
+                starts, groups = self._windows(epoch)
+                w = int(np.searchsorted(starts, p, side="right")) - 1
+                local = np.arange(p - starts[w], starts[w + 1] - starts[w], self.dp_size)
+                samples = self._load_window(epoch, groups[w], local)
+                x += len(local) * self.dp_size
+                _put(out, samples, stop)
+        except BaseException as e:  # handed to the consumer, which raises it
+            _put(out, e, stop)
+
+    def _windows(self, epoch: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Start positions of ``epoch``'s windows (and the epoch's end) and each window's shards."""
+        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
+            order = _rng(self.seed, 0, epoch).permutation(len(self.shards))
+            groups = [order[i:i + self.shuffle_window] for i in range(0, len(order), self.shuffle_window)]
+            starts = np.concatenate([[0], np.cumsum([self.counts[g].sum() for g in groups])])
+            self._epoch_cache = (epoch, starts, groups)
+        return self._epoch_cache[1], self._epoch_cache[2]
+
+    def _window_order(self, epoch: int, group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Shard and in-shard index of every position of one window (round-robin over shuffled shards)."""
+        slot = np.concatenate([np.full(self.counts[s], k) for k, s in enumerate(group)])
+        turn = np.concatenate([np.arange(self.counts[s]) for s in group])
+        index = np.concatenate([_rng(self.seed, 1, epoch, self.shards[s].index).permutation(self.counts[s])
+                                for s in group])
+        order = np.lexsort((slot, turn))
+        return group[slot[order]], index[order]
+
+    def _load_window(self, epoch: int, group: np.ndarray, local: np.ndarray) -> list[np.ndarray]:
+        """The samples at window positions ``local``, substituting for skipped shards."""
+        shard_of, index_of = self._window_order(epoch, group)
+        got: dict[tuple[int, int], np.ndarray] = {}
+        bad: set[int] = set()
+        while True:
+            positions = _substitutes(local, shard_of, bad, [self.shards[s].name for s in group])
+            wanted = list(zip(shard_of[positions].tolist(), index_of[positions].tolist()))
+            missing: dict[int, set[int]] = defaultdict(set)
+            for s, i in wanted:
+                if (s, i) not in got:
+                    missing[s].add(i)
+            if not missing:
+                return [got[key] for key in wanted]
+            for s, indices in missing.items():
+                try:
+                    got.update(((s, i), a) for i, a in self._read_shard(self.shards[s], indices).items())
+                except DataError as e:
+                    if self.on_bad_shard == "error":
+                        raise
+                    bad.add(s)
+                    self.skipped_shards += 1
+                    log.warning("skipping shard (data.on_bad_shard=skip): %s", e)
+
+    def _read_shard(self, shard: _Shard, wanted: set[int]) -> dict[int, np.ndarray]:
+        """Stream one shard from start to end; the samples at ``wanted`` indices, after every check."""
+        try:
+            stream = wds.gopen(shard.url)
+        except FileNotFoundError:
+            raise DataError(f"shard {shard.url} is missing (listed in {self.manifest_location}); {_FIX}") from None
+        except Exception as e:
+            raise DataError(f"shard {shard.url} cannot be opened ({e!r}); {_FIX}") from None
+        reader = _HashingReader(stream)
+        found: dict[int, np.ndarray] = {}
+        count = 0
+        try:
+            with stream:
+                files = wds.tariterators.tar_file_expander([{"url": shard.url, "stream": reader}])
+                for count, sample in enumerate(wds.tariterators.group_by_keys(files), 1):
+                    if count - 1 in wanted:
+                        found[count - 1] = self._decode(sample, shard, count - 1)
+                while reader.read(1 << 20):  # the tar end padding, for the checksum
+                    pass
+        except DataError:
+            raise
+        except Exception as e:  # tarfile, OS and subprocess errors alike mean an unreadable shard
+            raise DataError(f"shard {shard.url} is unreadable: truncated, corrupt or missing "
+                            f"({type(e).__name__}: {e.args[0] if e.args else ''}); {_FIX}") from None
+        if count != shard.samples:
+            raise DataError(f"shard {shard.url} has {count} samples but {self.manifest_location} lists "
+                            f"{shard.samples}: it is truncated or from another preparation; {_FIX}")
+        if self.verify_checksums and reader.sha256.hexdigest() != shard.sha256:
+            raise DataError(f"shard {shard.url} fails its SHA-256 check against {self.manifest_location}: "
+                            f"the file is corrupt or was changed; {_FIX}")
+        return found
+
+    def _decode(self, sample: dict, shard: _Shard, index: int) -> np.ndarray:
+        try:
+            tokens = np.load(io.BytesIO(sample[self.member]), allow_pickle=False)
+        except (KeyError, ValueError, OSError) as e:
+            raise DataError(f"shard {shard.url}, sample {index} ({sample.get('__key__')}): no readable "
+                            f"{self.member} member ({e!r}); {_FIX}") from None
+        if tokens.dtype != self.dtype or tokens.shape != (self.seq_len + 1,):
+            raise DataError(f"shard {shard.url}, sample {index}: {tokens.dtype} array of shape {tokens.shape}, "
+                            f"expected {self.dtype} of ({self.seq_len + 1},) as {self.manifest_location} says; {_FIX}")
+        return tokens
+
+
+def _put(out: queue.Queue, item, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=0.1)
+            return
+        except queue.Full:
+            continue
+
+
+def _substitutes(local: np.ndarray, shard_of: np.ndarray, bad: set[int], names: list[str]) -> np.ndarray:
+    """Each window position, or (if its shard is bad) the next position, cyclically, in a readable shard."""
+    if not bad:
+        return local
+    readable = np.flatnonzero(~np.isin(shard_of, list(bad)))
+    if len(readable) == 0:
+        raise DataError(f"every shard of a shuffle window is unreadable ({', '.join(names)}): {_REPAIR}")
+    return readable[np.searchsorted(readable, local) % len(readable)]
+
+
+def _read_json(location: str) -> dict:
+    try:
+        with wds.gopen(location) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise DataError(f"manifest {location} does not exist: prepare shards with mhf-dist prepare-data "
+                        "(it writes manifest.json next to them) or point data.path at their directory") from None
+    except Exception as e:
+        raise DataError(f"manifest {location} cannot be read ({e!r}); re-copy it or prepare the shards again") from None
+
+
+def _resolve(source, manifest, split: str) -> tuple[dict, str, list[_Shard]]:
+    """The manifest, where it came from, and the split's shards with their URLs (manifest order)."""
+    local_dir = isinstance(source, (str, os.PathLike)) and Path(source).is_dir()
+    if local_dir:
+        location = str(manifest or Path(source) / MANIFEST)
+    elif manifest is None:
+        raise DataError(f"shard URLs {source!r} need the manifest: pass manifest= (a path or URL of manifest.json)")
+    else:
+        location = str(manifest)
+    meta = _read_json(location)
+    if meta.get("format") != FORMAT:
+        raise DataError(f"{location} is not a {FORMAT} manifest (format {meta.get('format')!r}); "
+                        "prepare the shards with mhf-dist prepare-data")
+    if split not in meta["splits"]:
+        raise DataError(f"{location} has no {split!r} split (it has {sorted(meta['splits'])}); "
+                        "choose one of those, or prepare with --val-fraction for a validation split")
+    entries = meta["splits"][split]["shards"]
+    if local_dir:
+        urls = {k: str(Path(source) / e["name"]) for k, e in enumerate(entries)}
+    else:
+        urls = {}
+        for url in wds.shardlists.expand_urls(source) if isinstance(source, str) else list(source):
+            matches = [k for k, e in enumerate(entries) if e["name"] in url]
+            if len(matches) != 1 or matches[0] in urls:
+                raise DataError(f"shard URL {url!r} names {'no' if not matches else 'an ambiguous or repeated'} "
+                                f"{split} shard of {location}; give each shard of the manifest at most once")
+            urls[matches[0]] = url
+    shards = [_Shard(k, entries[k]["name"], urls[k], entries[k]["samples"], entries[k]["sha256"]) for k in sorted(urls)]
+    if not shards:
+        raise DataError(f"no {split} shards to read from {source!r} ({location})")
+    return meta, location, shards
+
+
+def _check_expectations(meta: dict, location: str, seq_len: int | None, fingerprint: str | None) -> None:
+    if seq_len is not None and meta["seq_len"] != seq_len:
+        raise DataError(f"{location} holds samples for seq_len={meta['seq_len']} but the run uses seq_len={seq_len}: "
+                        f"prepare the data again with --seq-len {seq_len} or set data.seq_len={meta['seq_len']}")
+    if fingerprint is not None and meta["tokenizer_fingerprint"] != fingerprint:
+        raise DataError(f"{location} was tokenized by another tokenizer (fingerprint "
+                        f"{meta['tokenizer_fingerprint'][:12]}..., the run's is {fingerprint[:12]}...): prepare the "
+                        "data with the run's tokenizer, or set tokenizer.path to the one the data was prepared with")
