@@ -1,0 +1,286 @@
+"""Data layer (SPEC §7): prepare-data shards, and the rank-disjoint, resumable shard reader."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import logging
+import shutil
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mhf_dist.data.prepare import DataError, documents, expand_inputs, is_validation, prepare
+from mhf_dist.data.reader import ShardReader
+from mhf_dist.signatures import tokens_fingerprint
+from mhf_dist.tokenizers import embedded_corpus, load_tokenizer, train_bpe, vocabulary
+
+SEQ, PER_SHARD, SEED, WINDOW = 32, 100, 7, 3
+
+
+@pytest.fixture(scope="module")
+def docs():
+    return [d.strip() for d in list(embedded_corpus())[:50]]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory, docs):
+    return train_bpe(docs, 512, tmp_path_factory.mktemp("bpe"))
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, docs):
+    """docs[:20] as blank-line separated .txt, docs[20:35] as .jsonl.gz, docs[35:] as .jsonl (field "body")."""
+    d = tmp_path_factory.mktemp("text")
+    (d / "a.txt").write_text("\n\n\n".join(docs[:20]) + "\n")
+    with gzip.open(d / "b.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"body": t, "id": i}) + "\n" for i, t in enumerate(docs[20:35]))
+    (d / "c.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in docs[35:]))
+    return [str(d / "a.txt"), str(d / "*.jsonl*")]
+
+
+def _prepare(inputs, tok_dir, out, **kw):
+    return prepare(inputs, tok_dir, out, seq_len=SEQ, samples_per_shard=PER_SHARD, text_field="body",
+                   progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, inputs, tok_dir):
+    out = tmp_path_factory.mktemp("shards") / "out"
+    _prepare(inputs, tok_dir, out, workers=1)
+    return out
+
+
+def _tar_samples(path: Path) -> list[np.ndarray]:
+    """A shard's samples in file order, read with the standard library only."""
+    with tarfile.open(path) as tar:
+        return [np.load(io.BytesIO(tar.extractfile(m).read())) for m in tar.getmembers()]
+
+
+@pytest.fixture(scope="module")
+def written(shards):
+    """(sample as a tuple, name of its shard) of every train sample, in file order."""
+    manifest = json.loads((shards / "manifest.json").read_text())
+    return [(tuple(s.tolist()), e["name"]) for e in manifest["splits"]["train"]["shards"]
+            for s in _tar_samples(shards / e["name"])]
+
+
+def _reader(source, rank=0, size=1, **kw):
+    return ShardReader(source, seed=SEED, dp_rank=rank, dp_size=size, shuffle_window=WINDOW, **kw)
+
+
+def _global_stream(source, ranks: int, per_rank: int, micro: int = 1, state=None, **kw):
+    """Interleave the ranks' batches back into global order (rank r's k-th sample is position r + k*ranks)."""
+    readers = [_reader(source, r, ranks, **kw) for r in range(ranks)]
+    if state is not None:
+        for reader in readers:
+            reader.load_state_dict(json.loads(json.dumps(state)))
+    per = [[] for _ in readers]
+    for _ in range(per_rank // micro):
+        for r, reader in enumerate(readers):
+            per[r].extend(tuple(row) for row in reader.next_batch(micro).tolist())
+    states = [reader.state_dict() for reader in readers]
+    for reader in readers:
+        reader.close()
+    return [per[k % ranks][k // ranks] for k in range(ranks * len(per[0]))], states
+
+
+@pytest.fixture(scope="module")
+def reference(shards):
+    """The single-rank stream over two epochs and a bit: the global order every rank count must reproduce."""
+    n = _reader(shards).samples_per_epoch
+    return _global_stream(shards, 1, 2 * n + 40)[0]
+
+
+# ---------------------------------------------------------------- prepare
+def test_documents_come_in_input_order(inputs, docs):
+    files = expand_inputs(inputs)
+    assert [f.name for f in files] == ["a.txt", "b.jsonl.gz", "c.jsonl"]
+    assert list(documents(files, "body")) == docs
+
+
+def test_prepare_is_byte_identical_across_runs_and_worker_counts(shards, inputs, tok_dir, tmp_path):
+    _prepare(inputs, tok_dir, tmp_path / "again", workers=2)
+    names = sorted(p.name for p in shards.iterdir())
+    assert len(names) > 3 and names == sorted(p.name for p in (tmp_path / "again").iterdir())
+    for name in names:
+        assert (shards / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
+
+
+def test_manifest_counts_equal_the_tokens_written(shards, docs, tok_dir):
+    manifest = json.loads((shards / "manifest.json").read_text())
+    tok = load_tokenizer(tok_dir)
+    expected = [t for d in docs for t in tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    split = manifest["splits"]["train"]
+    written = []
+    for entry in split["shards"]:
+        data = (shards / entry["name"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == entry["sha256"] and len(data) == entry["bytes"]
+        samples = _tar_samples(shards / entry["name"])
+        assert len(samples) == entry["samples"] <= PER_SHARD
+        assert all(s.dtype == np.dtype("<u2") and s.shape == (SEQ + 1,) for s in samples)
+        written.extend(t for s in samples for t in s.tolist())
+    assert manifest["seq_len"] == SEQ and manifest["dtype"] == "uint16" and manifest["vocab_size"] == len(tok)
+    assert manifest["tokenizer_fingerprint"] == tokens_fingerprint(vocabulary(tok))
+    assert split["documents"] == len(docs) and split["input_tokens"] == len(expected)
+    assert split["tokens"] == len(written) == split["samples"] * (SEQ + 1)
+    assert written == expected[: len(written)]  # packed in document order, EOS after each document
+    assert split["dropped_tokens"] == len(expected) - len(written) < SEQ + 1
+    assert set(manifest["splits"]) == {"train"}
+
+
+def test_validation_split_holds_out_documents_by_text_hash(inputs, tok_dir, docs, tmp_path):
+    manifest = _prepare(inputs, tok_dir, tmp_path / "out", workers=1, val_fraction=0.3)
+    held_out = [d for d in docs if is_validation(d, 0.3)]
+    val, train = manifest["splits"]["val"], manifest["splits"]["train"]
+    assert 0 < len(held_out) < len(docs)
+    assert val["documents"] == len(held_out) and train["documents"] == len(docs) - len(held_out)
+    assert [e["name"] for e in val["shards"]][0] == "val-000000.tar"
+    tok = load_tokenizer(tok_dir)
+    val_tokens = [t for d in held_out for t in tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    with _reader(tmp_path / "out", split="val") as reader:
+        rows = reader.next_batch(val["samples"]).tolist()
+    assert sorted(rows) == sorted(np.array(val_tokens[: val["tokens"]]).reshape(-1, SEQ + 1).tolist())
+
+
+def test_prepare_names_bad_inputs(tmp_path, tok_dir, shards):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: .*--text-field"):
+        prepare([bad], tok_dir, tmp_path / "o1", seq_len=SEQ, progress=False)
+    with pytest.raises(DataError, match="matches no file"):
+        prepare([str(tmp_path / "none*.txt")], tok_dir, tmp_path / "o2", seq_len=SEQ, progress=False)
+    with pytest.raises(DataError, match="not empty"):
+        prepare([bad], tok_dir, shards, seq_len=SEQ, progress=False)
+
+
+# ---------------------------------------------------------------- reader: order, ranks, resume
+def test_each_epoch_is_a_fresh_permutation_of_all_samples(reference, written):
+    n = len(written)
+    assert Counter(reference[:n]) == Counter(reference[n: 2 * n]) == Counter(s for s, _ in written)
+    assert reference[:n] != reference[n: 2 * n]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_ranks_read_disjoint_shares_of_one_global_order(shards, reference, written, ranks):
+    micro, global_batch = 2, 8  # accum = 8 / (2 * ranks) micro-batches per step for ranks in (1, 2, 4)
+    per_rank = -(-len(written) // global_batch) * global_batch // ranks  # just over one epoch
+    stream, states = _global_stream(shards, ranks, per_rank, micro=micro)
+    assert stream == reference[: len(stream)]
+    assert Counter(stream[: len(written)]) == Counter(s for s, _ in written)  # one epoch: every sample once over all ranks
+    assert all(s == states[0] for s in states)
+
+
+def test_one_step_over_ranks_is_one_global_batch(shards, reference):
+    micro, global_batch, ranks = 2, 8, 2
+    readers = [_reader(shards, r, ranks) for r in range(ranks)]
+    for step in range(3):
+        batch = [tuple(row) for _ in range(global_batch // (micro * ranks))
+                 for reader in readers for row in reader.next_batch(micro).tolist()]
+        assert sorted(batch) == sorted(reference[step * global_batch: (step + 1) * global_batch])
+    for reader in readers:
+        reader.close()
+
+
+@pytest.mark.parametrize("consumed", [37, "epoch_end"])
+def test_resume_continues_the_uninterrupted_stream(shards, reference, consumed):
+    n = _reader(shards).samples_per_epoch
+    k = n - 5 if consumed == "epoch_end" else consumed
+    first, (state,) = _global_stream(shards, 1, k)
+    rest, _ = _global_stream(shards, 1, 60, state=state)
+    assert first + rest == reference[: k + 60]
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2), (4, 2)])
+def test_resume_with_another_rank_count_loses_and_repeats_nothing(shards, reference, before, after):
+    first, states = _global_stream(shards, before, 124 // before, micro=2)
+    assert all(s == states[0] for s in states)
+    rest, _ = _global_stream(shards, after, 200 // after, micro=2, state=states[0])
+    assert first + rest == reference[: len(first) + len(rest)]
+
+
+def test_reader_state_refuses_another_seed_or_dataset(shards):
+    state = _reader(shards).state_dict()
+    with pytest.raises(DataError, match="seed"):
+        ShardReader(shards, seed=SEED + 1, shuffle_window=WINDOW).load_state_dict(state)
+    with pytest.raises(DataError, match="dataset"):
+        _reader(shards).load_state_dict(state | {"dataset": "0" * 64})
+
+
+def test_manifest_mismatches_name_the_manifest_and_the_fix(shards, tok_dir):
+    with pytest.raises(DataError, match=rf"manifest.json holds samples for seq_len={SEQ} .*--seq-len {SEQ + 1}"):
+        _reader(shards, seq_len=SEQ + 1)
+    with pytest.raises(DataError, match="another tokenizer"):
+        _reader(shards, tokenizer_fingerprint="0" * 64)
+    fingerprint = tokens_fingerprint(vocabulary(load_tokenizer(tok_dir)))
+    assert _reader(shards, seq_len=SEQ, tokenizer_fingerprint=fingerprint).seq_len == SEQ
+
+
+def test_pipe_and_brace_urls_read_the_same_stream(shards, reference):
+    last = len(json.loads((shards / "manifest.json").read_text())["splits"]["train"]["shards"]) - 1
+    urls = f"pipe:cat {shards}/train-{{000000..{last:06d}}}.tar"
+    stream, _ = _global_stream(urls, 2, 150, manifest=shards / "manifest.json")
+    assert stream == reference[:300]
+
+
+# ---------------------------------------------------------------- reader: bad shards
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: 512 * 41])  # cut inside the 21st sample's member
+
+
+def _tamper(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[512 + 128] ^= 1  # first token of the first sample (after its tar and .npy headers)
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def copy(shards, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(shards, out)
+    return out
+
+
+def _read_epoch(source, **kw):
+    with _reader(source, **kw) as reader:
+        return [tuple(row) for row in reader.next_batch(reader.samples_per_epoch).tolist()], reader.skipped_shards
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_truncated_shard_is_a_named_error(copy, verify):
+    _truncate(copy / "train-000001.tar")
+    with pytest.raises(DataError, match=r"shard \S*train-000001.tar is unreadable: truncated.*on_bad_shard=skip"):
+        _read_epoch(copy, verify_checksums=verify)
+
+
+def test_tampered_shard_fails_its_checksum(copy):
+    _tamper(copy / "train-000002.tar")
+    with pytest.raises(DataError, match=r"train-000002.tar fails its SHA-256 check against \S*manifest.json"):
+        _read_epoch(copy)
+    assert len(_read_epoch(copy, verify_checksums=False)[0]) > 0  # only the checksum tells
+
+
+def test_missing_shard_is_a_named_error(copy):
+    (copy / "train-000003.tar").unlink()
+    with pytest.raises(DataError, match=r"train-000003.tar is missing .*on_bad_shard=skip"):
+        _read_epoch(copy)
+
+
+def test_skip_mode_counts_bad_shards_and_keeps_positions(copy, reference, written, caplog):
+    n = len(written)
+    _truncate(copy / "train-000001.tar")
+    _tamper(copy / "train-000002.tar")
+    with caplog.at_level(logging.WARNING, logger="mhf_dist.data.reader"):
+        stream, skipped = _read_epoch(copy, on_bad_shard="skip")
+    assert skipped == 2 and len(stream) == n
+    assert sum("skipping shard" in r.message for r in caplog.records) == 2
+    shard_of = dict(written)
+    bad = {"train-000001.tar", "train-000002.tar"}
+    assert not any(shard_of[s] in bad for s in stream)
+    kept = [k for k in range(n) if shard_of[reference[k]] not in bad]
+    assert [stream[k] for k in kept] == [reference[k] for k in kept]  # good positions are untouched
