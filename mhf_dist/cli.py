@@ -59,6 +59,12 @@ def cmd_tokenizer_mistral(args) -> int:
     return 0
 
 
+def cmd_prepare_data(args) -> int:
+    from mhf_dist.data.prepare import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mhf-dist", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(p)
     p.add_argument("--run-dir", required=True, help="run directory (created if missing)")
     p.set_defaults(func=cmd_train)
+
+    from mhf_dist.data.prepare import add_arguments as add_prepare_arguments
+
+    p = sub.add_parser("prepare-data", help="tokenize text into WebDataset shards of packed sequences + manifest")
+    add_prepare_arguments(p)
+    p.set_defaults(func=cmd_prepare_data)
 
     p = sub.add_parser("config", help="print the resolved run config")
     _add_run_options(p)

@@ -33,8 +33,8 @@ def model(tiny_cfg, table):
 
 def ref_encoder(m, codes_row):
     """e(w) = (Σ_i α_i u_i) W_s + b_s, α = softmax_i(σ(u_i W1 + b1) W2 + b2) — one token at a time."""
-    E = m.tables.weight
-    s0, s2, out = m.encoder.scorer[0], m.encoder.scorer[2], m.encoder.output_proj[0]
+    E = m.vocab.tables.weight
+    s0, s2, out = m.vocab.encoder.scorer[0], m.vocab.encoder.scorer[2], m.vocab.encoder.output_proj[0]
     u = [E[i, codes_row[i]] for i in range(len(codes_row))]
     a = torch.stack([F.silu(ui @ s0.weight.T + s0.bias) @ s2.weight.T + s2.bias for ui in u]).squeeze(-1)
     alpha = torch.softmax(a, dim=0)
@@ -43,7 +43,7 @@ def ref_encoder(m, codes_row):
 
 def ref_decoder(m, h_t, target_row=None):
     """Cascade for one position: returns per-head log-prob vectors (and NLLs of target_row)."""
-    E = m.tables.weight
+    E = m.vocab.tables.weight
     c, logps = h_t, []
     for i in range(E.shape[0]):
         o = E[i] @ c
@@ -51,7 +51,7 @@ def ref_decoder(m, h_t, target_row=None):
         logps.append(torch.log(p))
         if i < E.shape[0] - 1:
             e_bar = E[i].T @ p
-            dn, up = m.decoder.cascade_mixer[i][0], m.decoder.cascade_mixer[i][2]
+            dn, up = m.vocab.decoder.cascade_mixer[i][0], m.vocab.decoder.cascade_mixer[i][2]
             c = c + F.silu(torch.cat([c, e_bar]) @ dn.weight.T + dn.bias) @ up.weight.T + up.bias
     nll = None if target_row is None else torch.stack([-logps[i][target_row[i]] for i in range(len(logps))])
     return logps, nll
@@ -59,7 +59,7 @@ def ref_decoder(m, h_t, target_row=None):
 
 def test_encoder_matches_reference(model, table):
     ids = torch.tensor([[1, 5, 17, 0, 299]])
-    got = model.embed(ids)
+    got = model.vocab.embed(ids)
     for j, v in enumerate(ids[0].tolist()):
         torch.testing.assert_close(got[0, j], ref_encoder(model, table.codes[v].long()), rtol=1e-5, atol=1e-5)
 
@@ -82,7 +82,7 @@ def test_ignored_targets_do_not_count(model):
     y[0, 4:] = -100
     part = model(x[:, :-1], y)
     h = model.hidden(x[:, :-1])[0, :4]
-    ref = model.decoder.nll(h, model.tables, model.codes[x[0, 1:5]]).mean(0)
+    ref = model.vocab.decoder.nll(h, model.vocab.tables, model.vocab.codes[x[0, 1:5]]).mean(0)
     torch.testing.assert_close(part.head_losses, ref)
     assert not torch.allclose(full.loss, part.loss)
 
@@ -122,11 +122,11 @@ class _DetachedLookup(BucketTables):
 def test_gradients_reach_tables_through_lookup_and_retrieval(model, variant):
     x = torch.randint(1, V, (2, 9))
     model(x[:, :-1], x[:, 1:]).loss.backward()
-    full = model.tables.weight.grad.clone()
+    full = model.vocab.tables.weight.grad.clone()
     model.zero_grad()
-    model.tables.__class__ = variant  # same weights, one gradient path cut
+    model.vocab.tables.__class__ = variant  # same weights, one gradient path cut
     model(x[:, :-1], x[:, 1:]).loss.backward()
-    cut = model.tables.weight.grad
+    cut = model.vocab.tables.weight.grad
     assert full.abs().sum() > 0
     assert (full - cut).abs().max() > 1e-6, f"{variant.__name__}: that path carries no gradient"
 
@@ -135,11 +135,11 @@ def test_standard_lm_is_tied_softmax_over_real_vocabulary():
     cfg = load_config("tiny-standard").model
     torch.manual_seed(0)
     m = StandardLM(cfg, vocab_size=V).double()
-    assert m.tables.weight.shape[1] == 384  # padded to a multiple of 128
+    assert m.vocab.tables.weight.shape[1] == 384  # padded to a multiple of 128
     x = torch.randint(0, V, (2, 7))
     h = m.hidden(x[:, :-1])
-    W = m.tables.weight[0, :V]
-    torch.testing.assert_close(m.embed(x), W[x])
+    W = m.vocab.tables.weight[0, :V]
+    torch.testing.assert_close(m.vocab.embed(x), W[x])
     logits = h @ W.T
     torch.testing.assert_close(m(x[:, :-1], x[:, 1:]).loss, F.cross_entropy(logits.reshape(-1, V), x[:, 1:].reshape(-1)))
     torch.testing.assert_close(m.log_p_inf(x[:, :-1]), logits.log_softmax(-1))

@@ -7,20 +7,20 @@ their checkpoints import without converting weights and ours load in their code.
 =========================================  ==============================================  =====================
 ours                                       exported                                        shape change
 =========================================  ==============================================  =====================
-``tables.weight`` ``[H, B, d]``            ``model.embed_tokens.weight`` ``[H·B, d]``      head k at rows k·B…
+``vocab.tables.weight`` ``[H, B, d]``      ``model.embed_tokens.weight`` ``[H·B, d]``      head k at rows k·B…
                                            ``lm_head.weight`` (tied: same tensor)
-``encoder.scorer.{0,2}.{weight,bias}``     ``model.combiner.scorer.{0,2}.*``
-``encoder.output_proj.0.{weight,bias}``    ``model.combiner.output_proj.0.*``
+``vocab.encoder.scorer.{0,2}.*``           ``model.combiner.scorer.{0,2}.*``
+``vocab.encoder.output_proj.0.*``          ``model.combiner.output_proj.0.*``
 ``backbone.layers.{i}.<qwen3 names>``      ``model.layers.{i}.<qwen3 names>``
 ``backbone.norm.weight``                   ``model.norm.weight``
-``decoder.cascade_mixer.{k}.{0,2}.*``      ``hash_head.cascade_mixer.{k}.{0,2}.*``
+``vocab.decoder.cascade_mixer.{k}.{0,2}.*````hash_head.cascade_mixer.{k}.{0,2}.*``
 signature table ``codes`` ``[V, H]``       ``model.hash_map`` ``[V, H]`` int64 buffer
 =========================================  ==============================================  =====================
 
 Qwen3 layer names: ``self_attn.{q,k,v,o}_proj.weight``, ``self_attn.{q,k}_norm.weight``,
 ``mlp.{gate,up,down}_proj.weight``, ``input_layernorm.weight``,
 ``post_attention_layernorm.weight``. The Standard model is a plain Qwen3:
-``tables.weight [1, R, d]`` becomes ``model.embed_tokens.weight [R, d]`` and the tied
+``vocab.tables.weight [1, R, d]`` becomes ``model.embed_tokens.weight [R, d]`` and the tied
 ``lm_head.weight``; it has no encoder, mixers or hash map.
 """
 
@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import torch
 
-_PREFIXES = [  # (ours, exported), longest first
-    ("encoder.", "model.combiner."),
+_PREFIXES = [  # (ours, exported)
+    ("vocab.encoder.", "model.combiner."),
     ("backbone.layers.", "model.layers."),
     ("backbone.norm.", "model.norm."),
-    ("decoder.", "hash_head."),
+    ("vocab.decoder.", "hash_head."),
 ]
-TABLES, EMBED, LM_HEAD, HASH_MAP = "tables.weight", "model.embed_tokens.weight", "lm_head.weight", "model.hash_map"
+TABLES, EMBED, LM_HEAD, HASH_MAP = "vocab.tables.weight", "model.embed_tokens.weight", "lm_head.weight", "model.hash_map"
 
 
 def _rename(name: str, direction: int) -> str:

@@ -1,5 +1,6 @@
 """Model code: reads like SPEC §2–§5 and knows nothing of process groups."""
 
-from mhf_dist.model.lm import LanguageModel, LMOutput, MultiHashFormer, StandardLM, build_model
+from mhf_dist.model.lm import LanguageModel, MultiHashFormer, StandardLM, build_model
+from mhf_dist.model.vocabulary import LMOutput
 
 __all__ = ["LanguageModel", "LMOutput", "MultiHashFormer", "StandardLM", "build_model"]

@@ -27,8 +27,8 @@ def apply_tensor_parallel(model: LanguageModel, group, rank: int, size: int) -> 
         return model
     cfg = model.cfg
     full = model.state_dict()
-    t = model.tables.weight
-    model.tables = BucketParallelEmbedding(t.shape[0], t.shape[1], t.shape[2], group, rank, size)
+    t = model.vocab.tables.weight
+    model.vocab.tables = BucketParallelEmbedding(t.shape[0], t.shape[1], t.shape[2], group, rank, size)
     d, hd = cfg.d_model, cfg.resolved_head_dim
     kv_split = cfg.n_kv_heads % size == 0
     # With fewer kv heads than ranks, this rank's query heads all share kv head `kv`.

@@ -21,7 +21,7 @@ def tp_split_dims(cfg: ModelConfig, tp: int) -> list[tuple[re.Pattern, int]]:
     """(parameter-name pattern, split dim); k/v projections are replicated when n_kv_heads < tp."""
     kv_split = cfg.n_kv_heads % tp == 0
     dims = [
-        (r"tables\.weight", 1),  # bucket / vocabulary rows
+        (r"vocab\.tables\.weight", 1),  # bucket / vocabulary rows
         (_LAYER + r"self_attn\.q_proj\.weight", 0),
         (_LAYER + r"self_attn\.o_proj\.weight", 1),
         (_LAYER + r"mlp\.(gate|up)_proj\.weight", 0),

@@ -1,0 +1,91 @@
+"""The vocabulary side of a model: bucket tables tied between the input map and the output head.
+
+- :class:`HashVocabulary` (MultiHashFormer, SPEC §2, §4, §5): a token's input is
+  the :class:`HashEncoder` fusion of its signature's H rows; the
+  :class:`CascadedDecoder` predicts the H coordinates; ``codes`` is the
+  signature table.
+- :class:`TokenVocabulary` (Standard): one table of (padded) vocabulary rows,
+  a plain row lookup in and a one-head tied decoder out; ``codes`` is the identity.
+
+Training loss: ``Σ_i -log p_i[H_i(w)]`` — each head's mean NLL over tokens,
+summed over heads; targets ``< 0`` are ignored. Inference: ``log P_inf`` over
+registered tokens. Keeping this side in one module lets the pipeline engine
+place it on the first and last stage as one tied unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mhf_dist.model.decoder import CascadedDecoder
+from mhf_dist.model.hash_encoder import HashEncoder
+from mhf_dist.model.scoring import log_p_inf
+from mhf_dist.model.tables import BucketTables
+
+
+@dataclass
+class LMOutput:
+    loss: torch.Tensor  # sum over heads of the mean per-head NLL
+    head_losses: torch.Tensor  # [H]
+
+
+class TiedVocabulary(nn.Module):
+    def __init__(self, tables: BucketTables, encoder: nn.Module | None, decoder: CascadedDecoder,
+                 codes: torch.Tensor, registered: torch.Tensor):
+        super().__init__()
+        self.tables, self.encoder, self.decoder = tables, encoder, decoder
+        self.register_buffer("codes", codes.long(), persistent=False)
+        self.register_buffer("registered", registered.bool(), persistent=False)
+
+    @property
+    def size(self) -> int:
+        return self.codes.shape[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> LMOutput:
+        """``h [..., d]`` (final-norm output), ``targets [...]`` token ids -> SPEC §5 training loss."""
+        keep = targets >= 0
+        head_losses = self.decoder.nll(h[keep], self.tables, self.codes[targets[keep]]).mean(dim=0)
+        return LMOutput(loss=head_losses.sum(), head_losses=head_losses)
+
+    def log_p_inf(self, h: torch.Tensor, chunk_size: int = 65536) -> torch.Tensor:
+        """``h [..., d]`` -> ``log P_inf [..., V]``."""
+        flat = h.reshape(-1, h.shape[-1])
+        logp = log_p_inf(self.decoder.log_probs(flat, self.tables), self.codes, self.registered, self.tables,
+                         chunk_size)
+        return logp.view(*h.shape[:-1], -1)
+
+
+class HashVocabulary(TiedVocabulary):
+    def __init__(self, codes: torch.Tensor, num_buckets: int, dim: int, gate_dim: int, mixer_dim: int):
+        num_hashes = codes.shape[1]
+        super().__init__(
+            tables=BucketTables(num_hashes, num_buckets, dim),
+            encoder=HashEncoder(dim, gate_dim),
+            decoder=CascadedDecoder(dim, num_hashes, mixer_dim),
+            codes=codes,
+            registered=(codes != 0).any(dim=1),
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.encoder(self.tables.lookup(self.codes[input_ids]))
+
+
+class TokenVocabulary(TiedVocabulary):
+    def __init__(self, vocab_size: int, padded_rows: int, dim: int):
+        ids = torch.arange(vocab_size)
+        super().__init__(
+            tables=BucketTables(1, padded_rows, dim),
+            encoder=None,
+            decoder=CascadedDecoder(dim, 1, mixer_dim=1, num_valid_rows=vocab_size),
+            codes=ids[:, None],
+            registered=torch.ones_like(ids, dtype=torch.bool),
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.tables.lookup(input_ids.unsqueeze(-1)).squeeze(-2)
