@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from mhf_dist.config import ConfigError, load_config, preset_names
+from mhf_dist.data.prepare import DataError
+from mhf_dist.signatures import SignatureError
+from mhf_dist.tokenizers import TokenizerError
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -21,14 +25,33 @@ def _load(args) -> "RunConfig":  # noqa: F821
 
 
 def cmd_train(args) -> int:
+    cfg = _load(args)  # validate before starting any rank
+    if args.nproc_per_node and "RANK" not in os.environ:
+        from mhf_dist.launch import launch_local
+
+        return launch_local(args.nproc_per_node, _without_option(sys.argv[1:], "--nproc-per-node"))
     from mhf_dist.train.loop import train
 
-    cfg = _load(args)
     records = train(cfg, args.run_dir)
-    last = records[-1]
-    print(f"done: {len(records) and last['step']} steps, loss {last['loss']:.4f}, "
-          f"{last['tokens_per_s']:.0f} tokens/s; run directory {Path(args.run_dir).resolve()}")
+    if records:  # rank 0
+        last = records[-1]
+        print(f"done: {last['step']} steps, loss {last['loss']:.4f}, {last['tokens_per_s']:.0f} tokens/s, "
+              f"MFU {last['mfu']:.1%}; run directory {Path(args.run_dir).resolve()} "
+              f"(tensorboard --logdir {Path(args.run_dir).resolve() / 'tensorboard'})")
     return 0
+
+
+def _without_option(argv: list[str], option: str) -> list[str]:
+    """``argv`` less ``option VALUE`` / ``option=VALUE``."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
 
 
 def cmd_config(args) -> int:
@@ -69,9 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mhf-dist", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train a model (single process for now)")
+    p = sub.add_parser("train", help="train a model (run under torchrun for many ranks, or use --nproc-per-node)")
     _add_run_options(p)
     p.add_argument("--run-dir", required=True, help="run directory (created if missing)")
+    p.add_argument("--nproc-per-node", type=int, help="start this many local ranks (through torchrun)")
     p.set_defaults(func=cmd_train)
 
     from mhf_dist.data.prepare import add_arguments as add_prepare_arguments
@@ -103,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as e:
+    except (ConfigError, SignatureError, TokenizerError, DataError) as e:
         print(f"mhf-dist: {e}", file=sys.stderr)
         return 2
 

@@ -108,9 +108,23 @@ class OptimizerConfig(_Strict):
 class ParallelConfig(_Strict):
     """Parallel layout (SPEC §7); data parallel is derived: world size / (tp * pp)."""
 
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
-    zero_stage: int | None = Field(None, ge=0, le=3, description="None: 3 when pp == 1, else 1")
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks (bucket tables split along B)")
+    pp: int = Field(1, ge=1, description="pipeline stages")
+    zero_stage: int | None = Field(
+        None, ge=0, le=3, description="None: the DeepSpeed file's stage, else 3 when pp == 1 and 1 when pp > 1"
+    )
+    activation_checkpoint_interval: int | None = Field(
+        None, ge=0, description="recompute every k-th block's activations in backward; 0 disables; "
+        "None: 1 when the DeepSpeed file has an activation_checkpointing section, else 0"
+    )
+    deepspeed_config: str = Field(
+        "auto",
+        description="a file in deepspeed_configs/ (name without .json) or a path; auto: cpu_fp32 on CPU, "
+        "zero3_bf16_actckpt (pp = 1) or zero1_pp_bf16 (pp > 1) on GPUs",
+    )
+    deepspeed: dict[str, Any] = Field(
+        default_factory=dict, description="DeepSpeed keys that override everything else (nested dicts merge)"
+    )
 
 
 class TrainConfig(_Strict):
@@ -121,6 +135,13 @@ class TrainConfig(_Strict):
     dtype: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_interval: int = Field(10, ge=1)
+    eval_interval: int = Field(0, ge=0, description="evaluate on the validation split every N steps; 0: only at the end")
+    eval_sequences: int = Field(
+        32, ge=1, description="validation sequences per evaluation, over all ranks (rounded down to whole "
+        "micro-batches per data-parallel rank, at least one), the same set in every layout")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="dense peak TFLOP/s of one device in train.dtype, for MFU; None: measured"
+    )
 
     @model_validator(mode="after")
     def _batches(self):
@@ -241,10 +262,10 @@ def preset(name: str) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------- overrides
-def _deep_merge(base: dict, extra: dict) -> dict:
+def deep_merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for k, v in extra.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -254,7 +275,7 @@ def apply_override(raw: dict, assignment: str) -> dict:
     if not sep or not key:
         raise ConfigError(f"--set {assignment!r}: expected key=value, e.g. --set model.hash.num_buckets=4096")
     value = yaml.safe_load(text) if text else None
-    return _deep_merge(raw, _nest(key.strip().split("."), value))
+    return deep_merge(raw, _nest(key.strip().split("."), value))
 
 
 def _nest(path: list[str], value: Any) -> dict:
@@ -285,7 +306,7 @@ def load_config(preset_name: str | None = None, path: str | Path | None = None, 
         preset_name = preset_name or from_file.get("preset")
         raw = from_file
     if preset_name:
-        raw = _deep_merge(preset(preset_name), raw)
+        raw = deep_merge(preset(preset_name), raw)
     if not raw:
         raise ConfigError("no configuration: pass --preset NAME (e.g. tiny-h4b16k) or --config run.yaml")
     for assignment in overrides:

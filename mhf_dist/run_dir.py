@@ -5,18 +5,22 @@ Layout::
     RUN/config.yaml        resolved RunConfig
     RUN/tokenizer/         the tokenizer (trained here on the embedded corpus when tokenizer.path is None)
     RUN/signatures/        the SignatureTable (SPEC §1), built once, then verified on every start
+    RUN/data/              shards of the embedded corpus (only when data.path is None)
     RUN/metrics.jsonl      one JSON object per logged step
     RUN/tensorboard/       TensorBoard event files
 """
 
 from __future__ import annotations
 
+import shutil
+from importlib import resources
 from pathlib import Path
 
 import yaml
 from transformers import PreTrainedTokenizerBase
 
 from mhf_dist.config import HashConfig, RunConfig
+from mhf_dist.data.prepare import MANIFEST, prepare
 from mhf_dist.signatures import SignatureError, SignatureTable, tokens_fingerprint
 from mhf_dist.tokenizers import embedded_corpus, load_tokenizer, train_bpe, vocabulary
 
@@ -27,6 +31,7 @@ class RunDir:
         self.tokenizer_dir = self.path / "tokenizer"
         self.signatures_dir = self.path / "signatures"
         self.config_path = self.path / "config.yaml"
+        self.data_dir = self.path / "data"
 
     def save_config(self, cfg: RunConfig) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -62,3 +67,19 @@ class RunDir:
                 f"vs {tokens_fingerprint(tokens)[:12]}); use the run's tokenizer or extend the vocabulary (expand-vocab)"
             )
         return table
+
+    def tokenizer_source(self, cfg: RunConfig) -> str:
+        return cfg.tokenizer.path if cfg.tokenizer.path is not None else str(self.tokenizer_dir)
+
+    def shards(self, cfg: RunConfig) -> Path:
+        """``data.path``, or shards of the embedded corpus prepared once into ``RUN/data`` (5 % held out)."""
+        if cfg.data.path is not None:
+            return Path(cfg.data.path)
+        if not (self.data_dir / MANIFEST).is_file():
+            staging = self.data_dir.with_name("data.partial")
+            shutil.rmtree(staging, ignore_errors=True)
+            with resources.as_file(resources.files("mhf_dist.data").joinpath("corpus/kjv.txt.gz")) as corpus:
+                prepare([corpus], self.tokenizer_source(cfg), staging, seq_len=cfg.data.seq_len,
+                        samples_per_shard=128, val_fraction=0.05, progress=False)
+            staging.rename(self.data_dir)
+        return self.data_dir

@@ -108,12 +108,12 @@ def test_p_inf_chunked_equals_unchunked(model):
 
 
 class _DetachedRetrieval(BucketTables):
-    def retrieve(self, probs, table):
+    def _retrieve(self, probs, table):
         return probs @ self.weight[table].detach()
 
 
 class _DetachedLookup(BucketTables):
-    def lookup(self, rows):
+    def _lookup(self, rows):
         w = self.weight.detach()
         return w[torch.arange(w.shape[0]), rows]
 
@@ -160,3 +160,17 @@ def test_build_model_dispatch(tiny_cfg, table):
     assert isinstance(build_model(tiny_cfg, V, table.codes), MultiHashFormer)
     with pytest.raises(ValueError, match="signature table"):
         build_model(tiny_cfg, V)
+
+
+def test_target_p_inf_streams_over_the_vocabulary(model):
+    x = torch.randint(1, V, (2, 9))
+    out = model(x[:, :-1], x[:, 1:], with_p_inf=True)
+    dense = model.log_p_inf(x[:, :-1]).gather(-1, x[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(out.p_inf_nll, -dense.mean())
+    from mhf_dist.model.scoring import target_log_p_inf
+
+    h = model.hidden(x[:, :-1]).reshape(-1, 64)
+    logps = model.vocab.decoder.log_probs(h, model.vocab.tables)
+    chunked = target_log_p_inf(logps, model.vocab.codes, model.vocab.registered, model.vocab.tables,
+                               x[:, 1:].reshape(-1), chunk_size=7)
+    torch.testing.assert_close(chunked, dense.reshape(-1))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from mhf_dist.config import ModelConfig
 
@@ -83,17 +84,25 @@ class Block(nn.Module):
 
 
 class Backbone(nn.Module):
-    """``layers`` then the final norm: ``[B, S, d] -> [B, S, d]``."""
+    """``layers`` then the final norm: ``[B, S, d] -> [B, S, d]``.
+
+    ``checkpoint_interval = k > 0`` recomputes every k-th block's activations in
+    backward (torch's non-reentrant checkpoint, which also works under ZeRO-3).
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim, self.rope_theta = cfg.resolved_head_dim, cfg.rope_theta
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.checkpoint_interval = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(x.shape[1], device=x.device)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        cos, sin = rope_cos_sin(torch.arange(x.shape[1], device=x.device), self.head_dim, self.rope_theta)
+        k = self.checkpoint_interval
+        for i, layer in enumerate(self.layers):
+            if k and i % k == 0 and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
         return self.norm(x)

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from mhf_dist.config import ModelConfig
 
 
@@ -57,20 +55,3 @@ def forward_flops(cfg: ModelConfig, seq_len: int, vocab_rows: int | None = None)
     vocab_out = 2 * H * B * d + 2 * (H - 1) * B * d + (H - 1) * 2 * (2 * d * r + r * d)
     return ForwardFlops(vocab_in=vocab_in, block=block, layers=cfg.n_layers, vocab_out=vocab_out)
 
-
-def measured_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of the best of ``repeats`` timed ``n×n`` matmuls (the device peak in the run's dtype)."""
-    import time
-
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a @ b
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best

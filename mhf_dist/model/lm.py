@@ -42,8 +42,8 @@ class LanguageModel(nn.Module):
         """Final-norm output ``h [B, S, d]``."""
         return self.backbone(self.vocab.embed(input_ids))
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> LMOutput:
-        return self.vocab.loss(self.hidden(input_ids), targets)
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, with_p_inf: bool = False) -> LMOutput:
+        return self.vocab.loss(self.hidden(input_ids), targets, with_p_inf)
 
     def log_p_inf(self, input_ids: torch.Tensor, last_only: bool = False, chunk_size: int = 65536) -> torch.Tensor:
         """``log P_inf [B, S, V]`` (``[B, V]`` with ``last_only``, as generation needs)."""

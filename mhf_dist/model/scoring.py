@@ -47,3 +47,22 @@ def log_p_inf(
     """``log P_inf [N, V]``: signature scores renormalised over the registered vocabulary."""
     scores = signature_scores(head_log_probs, codes, registered, tables, chunk_size)
     return scores - torch.logsumexp(scores, dim=-1, keepdim=True)
+
+
+def target_log_p_inf(
+    head_log_probs: list[torch.Tensor],
+    codes: torch.Tensor,
+    registered: torch.Tensor,
+    tables: BucketTables,
+    targets: torch.Tensor,
+    chunk_size: int = 65536,
+) -> torch.Tensor:
+    """``log P_inf(target) [N]`` without materialising ``[N, V]``: a running logsumexp over vocabulary chunks."""
+    n, v = targets.shape[0], codes.shape[0]
+    log_z = head_log_probs[0].new_full((n,), float("-inf"))
+    for start in range(0, v, chunk_size):
+        end = min(start + chunk_size, v)
+        scores = signature_scores(head_log_probs, codes[start:end], registered[start:end], tables, chunk_size)
+        log_z = torch.logaddexp(log_z, torch.logsumexp(scores, dim=-1))
+    target_score = sum(tables.pick(logp, codes[targets, i]) for i, logp in enumerate(head_log_probs))
+    return target_score - log_z

@@ -8,6 +8,11 @@ is a method here, written for rows ``[row_offset, row_offset + R)``. This class
 holds all rows (``row_offset = 0``, the reductions are identities); the
 tensor-parallel ``BucketParallelEmbedding`` holds a slice and overrides the
 reductions with collectives, so the model code is the same for both.
+
+Every use of ``weight`` enters through ``forward`` (``lookup``, ``logits`` and
+``retrieve`` call it), as a tied embedding's uses do in any module: ZeRO-3
+gathers a module's parameters around its ``forward`` and again for its
+backward, which a method reading ``self.weight`` directly would bypass.
 """
 
 from __future__ import annotations
@@ -45,16 +50,29 @@ class BucketTables(nn.Module):
         owned = (local >= 0) & (local < self.local_rows)
         return local.clamp(0, self.local_rows - 1), owned
 
+    def forward(self, op: str, *args: torch.Tensor | int) -> torch.Tensor:
+        return getattr(self, f"_{op}")(*args)
+
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [..., T]`` (row of each table) -> ``[..., T, d]``: ``u_i = E_i[rows_i]``."""
+        return self("lookup", rows)
+
+    def logits(self, x: torch.Tensor, table: int) -> torch.Tensor:
+        """``x [..., d]`` -> ``[..., R_local]``: ``o = E_table x`` over the rows held here."""
+        return self("logits", x, table)
+
+    def retrieve(self, probs: torch.Tensor, table: int) -> torch.Tensor:
+        """Soft retrieval ``ē = E_tableᵀ p``: ``probs [..., R_local]`` -> ``[..., d]``."""
+        return self("retrieve", probs, table)
+
+    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
         t, r, d = self.weight.shape
         local, owned = self.local_index(rows)
         flat = local + torch.arange(t, device=rows.device) * r
         out = F.embedding(flat, self.weight.reshape(t * r, d))
         return self.reduce_sum(torch.where(owned.unsqueeze(-1), out, 0.0))
 
-    def logits(self, x: torch.Tensor, table: int) -> torch.Tensor:
-        """``x [..., d]`` -> ``[..., R_local]``: ``o = E_table x`` over the rows held here."""
+    def _logits(self, x: torch.Tensor, table: int) -> torch.Tensor:
         return x @ self.weight[table].t()
 
     def log_normalizer(self, logits: torch.Tensor) -> torch.Tensor:
@@ -68,6 +86,5 @@ class BucketTables(nn.Module):
         picked = values.gather(-1, local.unsqueeze(-1)).squeeze(-1)
         return self.reduce_sum(torch.where(owned, picked, 0.0))
 
-    def retrieve(self, probs: torch.Tensor, table: int) -> torch.Tensor:
-        """Soft retrieval ``ē = E_tableᵀ p``: ``probs [..., R_local]`` -> ``[..., d]``."""
+    def _retrieve(self, probs: torch.Tensor, table: int) -> torch.Tensor:
         return self.reduce_sum(probs @ self.weight[table])

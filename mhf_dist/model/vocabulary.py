@@ -22,7 +22,7 @@ from torch import nn
 
 from mhf_dist.model.decoder import CascadedDecoder
 from mhf_dist.model.hash_encoder import HashEncoder
-from mhf_dist.model.scoring import log_p_inf
+from mhf_dist.model.scoring import log_p_inf, target_log_p_inf
 from mhf_dist.model.tables import BucketTables
 
 
@@ -30,6 +30,7 @@ from mhf_dist.model.tables import BucketTables
 class LMOutput:
     loss: torch.Tensor  # sum over heads of the mean per-head NLL
     head_losses: torch.Tensor  # [H]
+    p_inf_nll: torch.Tensor | None = None  # mean -log P_inf(target), for perplexity (evaluation only)
 
 
 class TiedVocabulary(nn.Module):
@@ -47,11 +48,17 @@ class TiedVocabulary(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> LMOutput:
-        """``h [..., d]`` (final-norm output), ``targets [...]`` token ids -> SPEC §5 training loss."""
+    def loss(self, h: torch.Tensor, targets: torch.Tensor, with_p_inf: bool = False) -> LMOutput:
+        """``h [..., d]`` (final-norm output), ``targets [...]`` token ids -> SPEC §5 training loss
+        (and, ``with_p_inf``, the mean ``-log P_inf`` of the targets: perplexity comparable across models)."""
         keep = targets >= 0
-        head_losses = self.decoder.nll(h[keep], self.tables, self.codes[targets[keep]]).mean(dim=0)
-        return LMOutput(loss=head_losses.sum(), head_losses=head_losses)
+        h, targets = h[keep], targets[keep]
+        head_losses = self.decoder.nll(h, self.tables, self.codes[targets]).mean(dim=0)
+        p_inf_nll = None
+        if with_p_inf:
+            head_log_probs = self.decoder.log_probs(h, self.tables)
+            p_inf_nll = -target_log_p_inf(head_log_probs, self.codes, self.registered, self.tables, targets).mean()
+        return LMOutput(loss=head_losses.sum(), head_losses=head_losses, p_inf_nll=p_inf_nll)
 
     def log_p_inf(self, h: torch.Tensor, chunk_size: int = 65536) -> torch.Tensor:
         """``h [..., d]`` -> ``log P_inf [..., V]``."""

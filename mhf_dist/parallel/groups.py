@@ -51,3 +51,26 @@ class ParallelGroups:
             tp=tp, pp=pp, dp=dp, tp_rank=coord.model, pp_rank=coord.pipe, dp_rank=coord.data,
             tp_group=mine["model"], pp_group=mine["pipe"], dp_group=mine["data"], topology=topo,
         )
+
+    # The `mpu` interface DeepSpeed's engine and ZeRO read (Megatron's names).
+    def get_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+    def get_data_parallel_group(self):
+        return self.dp_group

@@ -45,9 +45,9 @@ class BucketParallelEmbedding(BucketTables):
     def reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce_max(x, self.group)
 
-    def logits(self, x: torch.Tensor, table: int) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, table: int) -> torch.Tensor:
         # x is replicated; each rank's logits see it, so its gradient is summed over the group.
-        return super().logits(copy_to_tp(x, self.group), table)
+        return super()._logits(copy_to_tp(x, self.group), table)
 
 
 class ColumnParallelLinear(nn.Linear):

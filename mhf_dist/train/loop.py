@@ -1,29 +1,45 @@
-"""The training loop: steps, gradient accumulation, logging, progress.
+"""The training loop, run by every rank (one process, or N under torchrun / the DeepSpeed launcher).
 
-One optimizer step consumes ``train.global_batch_size`` sequences in
-micro-batches of ``train.micro_batch_size``; the loss is the SPEC §5 training
-loss (sum over heads of the mean per-head NLL), each head's term logged too.
+Order of work: resolve the layout and DeepSpeed config (every config error
+before any collective runs) → initialise ``torch.distributed`` → rank 0
+prepares the run directory (tokenizer, signature table, shards of the embedded
+corpus) while the others wait → every rank builds the same full model from the
+run seed, applies the tensor-parallel plan, and hands it to the engine → steps.
+
+Each optimizer step consumes ``train.global_batch_size`` sequences; the logged
+loss is the SPEC §5 training loss averaged over that batch, with each head's
+term. Rank 0 logs ``metrics.jsonl`` and TensorBoard scalars (loss, head losses,
+lr, grad norm, tokens/s, TFLOP/s, MFU, memory) and shows the progress bar.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import random
+import socket
 import time
-from collections.abc import Callable
+import warnings
 from pathlib import Path
 
+import deepspeed
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from mhf_dist.config import RunConfig
+from mhf_dist.data.reader import ShardReader
 from mhf_dist.model import build_model
+from mhf_dist.model.flops import forward_flops
+from mhf_dist.parallel.groups import ParallelGroups
+from mhf_dist.parallel.plan import apply_tensor_parallel
 from mhf_dist.run_dir import RunDir
-from mhf_dist.tokenizers import embedded_corpus
+from mhf_dist.signatures import tokens_fingerprint
+from mhf_dist.tokenizers import vocabulary
+from mhf_dist.train.engine import build_trainer, deepspeed_config, resolve_layout
 from mhf_dist.train.metrics import MetricsLogger
-from mhf_dist.train.optim import build_optimizer
-
-BatchSource = Callable[[int], torch.Tensor]  # micro_batch -> LongTensor [micro_batch, seq_len + 1]
+from mhf_dist.train.throughput import memory_gb, total_peak_flops
 
 
 def seed_everything(seed: int) -> None:
@@ -32,69 +48,104 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    if name == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
 
 
-def corpus_batches(token_ids: list[int], seq_len: int, seed: int) -> BatchSource:
-    """Random ``seq_len + 1`` windows of one packed token stream, from a seeded generator."""
-    stream = torch.tensor(token_ids, dtype=torch.long)
-    windows = stream[: (len(stream) // (seq_len + 1)) * (seq_len + 1)].view(-1, seq_len + 1)
-    gen = torch.Generator().manual_seed(seed)
-    return lambda n: windows[torch.randint(len(windows), (n,), generator=gen)]
+def init_distributed(device: torch.device) -> None:
+    """Join the job's process group (a one-rank group when started without a launcher)."""
+    # DeepSpeed's per-step info lines and torch's deprecation notices about the collectives it calls
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else None)
+
+
+def _run_assets(run: RunDir, cfg: RunConfig):
+    """(tokenizer, signature table or None, shard directory), created on first use."""
+    tokenizer = run.tokenizer(cfg)
+    table = run.signatures(cfg.model.hash, tokenizer) if cfg.model.variant == "mhf" else None
+    return tokenizer, table, run.shards(cfg)
 
 
 def train(cfg: RunConfig, run_dir: str | Path) -> list[dict]:
-    """Train ``cfg`` in ``run_dir`` on one process; returns the logged records."""
+    """Train ``cfg`` in ``run_dir`` on this rank; returns the records logged (on rank 0; others get [])."""
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    layout = resolve_layout(cfg, world)
+    device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", 0)))
+    ds_config = deepspeed_config(cfg, layout, device.type)
+    init_distributed(device)
+    groups = ParallelGroups.create(layout.tp, layout.pp)
+
     run = RunDir(run_dir)
-    run.save_config(cfg)
+    if rank == 0:  # rank 0 creates what is missing; then every rank loads it
+        run.save_config(cfg)
+        _run_assets(run, cfg)
+    dist.barrier()
+    tokenizer, table, shards = _run_assets(run, cfg)
+
     seed_everything(cfg.train.seed)
-    device = resolve_device(cfg.train.device)
-
-    tokenizer = run.tokenizer(cfg)
-    table = run.signatures(cfg.model.hash, tokenizer) if cfg.model.variant == "mhf" else None
     model = build_model(cfg.model, len(tokenizer), table.codes if table else None).to(device)
-    optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.train.max_steps)
+    apply_tensor_parallel(model, groups.tp_group, groups.tp_rank, groups.tp)
+    vocab_rows = model.vocab.tables.num_rows
+    trainer = build_trainer(cfg, model, groups, ds_config, layout)
+    del model
 
-    docs = tokenizer(list(embedded_corpus()), add_special_tokens=False)["input_ids"]
-    batches = corpus_batches([t for d in docs for t in d + [tokenizer.eos_token_id]], cfg.data.seq_len, cfg.train.seed)
+    reader_args = dict(
+        seq_len=cfg.data.seq_len, tokenizer_fingerprint=tokens_fingerprint(vocabulary(tokenizer)),
+        seed=cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else cfg.train.seed,
+        dp_rank=groups.dp_rank, dp_size=groups.dp, shuffle_window=cfg.data.shuffle_window,
+        on_bad_shard=cfg.data.on_bad_shard, verify_checksums=cfg.data.verify_checksums,
+    )
+    reader = ShardReader(shards, **reader_args)
+    has_val = "val" in reader.manifest["splits"]
 
     t = cfg.train
-    accum = t.global_batch_size // t.micro_batch_size
     tokens_per_step = t.global_batch_size * cfg.data.seq_len
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.dtype == "bf16")
-    logger, records = MetricsLogger(run.path), []
-    # The bar is for terminals; every log interval also prints a plain line (CI logs, batch jobs).
-    progress = tqdm(range(t.max_steps), desc="train", unit="step", dynamic_ncols=True, disable=None)
+    flops_per_token = forward_flops(cfg.model, cfg.data.seq_len, vocab_rows).train
+    peak = torch.tensor(total_peak_flops(t.peak_tflops, device, torch.bfloat16 if t.dtype == "bf16" else torch.float32,
+                                         world) if rank == 0 else 0.0)
+    dist.all_reduce(peak)  # rank 0's measurement, for every rank
+
+    eval_batches = max(1, t.eval_sequences // (t.micro_batch_size * layout.dp))
+    logger = MetricsLogger(run.path) if rank == 0 else None
+    records = []
+    progress = tqdm(range(t.max_steps), desc="train", unit="step", dynamic_ncols=True,
+                    disable=None if rank == 0 else True)
     for step in progress:
+        lr = trainer.lr
         start = time.perf_counter()
-        loss_sum, head_sum = 0.0, 0.0
-        for _ in range(accum):
-            batch = batches(t.micro_batch_size).to(device)
-            with autocast:
-                out = model(batch[:, :-1], batch[:, 1:])
-            (out.loss / accum).backward()
-            loss_sum += out.loss.item() / accum
-            head_sum = head_sum + out.head_losses.detach() / accum
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip or float("inf"))
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        stats = trainer.train_step(reader)
         elapsed = time.perf_counter() - start
-        if step == 0 or (step + 1) % t.log_interval == 0 or step + 1 == t.max_steps:
+        last = step + 1 == t.max_steps
+        record = {}
+        if step == 0 or (step + 1) % t.log_interval == 0 or last:
+            tokens_per_s = tokens_per_step / elapsed
             record = {
-                "loss": loss_sum,
-                "head_losses": head_sum.tolist(),
-                "lr": lr,
-                "grad_norm": grad_norm.item(),
-                "tokens_per_s": tokens_per_step / elapsed,
-            }
+                "loss": stats.loss, "head_losses": stats.head_losses, "lr": lr,
+                "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * flops_per_token / 1e12,
+                "mfu": tokens_per_s * flops_per_token / peak.item(), "memory_gb": memory_gb(device),
+            } | ({"grad_norm": stats.grad_norm} if stats.grad_norm is not None else {})
+        if has_val and ((t.eval_interval and (step + 1) % t.eval_interval == 0) or last):
+            with ShardReader(shards, split="val", **reader_args) as val:
+                val_loss, val_nll = trainer.evaluate(val, eval_batches)
+            record |= {"val_loss": val_loss, "val_p_inf_nll": val_nll, "val_ppl": float(np.exp(val_nll))}
+        if record and rank == 0:
             logger.log(step + 1, record)
             records.append({"step": step + 1, **record})
-            tqdm.write(f"step {step + 1:>6} | loss {loss_sum:.4f} | lr {lr:.2e} | {record['tokens_per_s']:.0f} tokens/s")
-    logger.close()
+            tqdm.write(f"step {step + 1:>6} | " + " | ".join(
+                f"{k} {v:.4g}" for k, v in record.items() if k in ("loss", "val_ppl", "lr", "tokens_per_s", "mfu")))
+    reader.close()
+    if logger:
+        logger.close()
+    dist.barrier()
     return records
-

@@ -1,0 +1,103 @@
+"""Pipeline parallelism: the model as DeepSpeed ``PipelineModule`` layers (SPEC §7).
+
+Layers: the vocabulary (input side) · every backbone block · the final norm ·
+the vocabulary again (output side); the loss is the vocabulary's SPEC §5 loss.
+The two vocabulary layers are one ``TiedLayerSpec``: the first and last stage
+each hold the bucket tables (and the signature table), DeepSpeed sums the
+tables' gradients over the tie. The encoder is used only on the first stage and
+the decoder's mixers only on the last, so the other stage freezes its copy.
+
+Stages are balanced by analytic forward FLOPs per layer (:mod:`flops`), which
+counts the decoder's ``(2H−1)·B·d`` work: the last stage gets fewer blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.pipe import PipelineModule, TiedLayerSpec
+from torch import nn
+
+from mhf_dist.model.backbone import Backbone, Block, rope_cos_sin
+from mhf_dist.model.flops import forward_flops
+from mhf_dist.model.lm import LanguageModel
+from mhf_dist.model.vocabulary import TiedVocabulary
+
+VOCAB = "vocab"
+
+
+class VocabularyStage(nn.Module):
+    """The tied unit; ``forward_fn`` picks its input or output role."""
+
+    def __init__(self, vocab: TiedVocabulary):
+        super().__init__()
+        self.vocab = vocab
+
+
+class BlockStage(nn.Module):
+    """One backbone block computing its own RoPE tables (stages pass only ``x`` between them)."""
+
+    def __init__(self, block: Block, backbone: Backbone):
+        super().__init__()
+        self.block = block
+        self.head_dim, self.rope_theta = backbone.head_dim, backbone.rope_theta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], device=x.device)
+        return self.block(x, *rope_cos_sin(positions, self.head_dim, self.rope_theta))
+
+
+def _embed(stage: VocabularyStage, input_ids: torch.Tensor) -> torch.Tensor:
+    return stage.vocab.embed(input_ids)
+
+
+def _hidden(stage: VocabularyStage, h: torch.Tensor) -> torch.Tensor:
+    return h  # the loss function applies the decoder with the targets
+
+
+class PipelineLoss:
+    """``loss_fn(h, targets)`` on the last stage; keeps each micro-batch's head losses (and P_inf NLL in eval)."""
+
+    def __init__(self):
+        self.vocab: TiedVocabulary | None = None
+        self.with_p_inf = False
+        self.outputs = []
+
+    def __call__(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        out = self.vocab.loss(h, targets, with_p_inf=self.with_p_inf)
+        self.outputs.append(out)
+        return out.loss
+
+
+class BalancedPipeline(PipelineModule):
+    """Partitions stages by analytic FLOPs per layer instead of parameter counts."""
+
+    def __init__(self, *args, layer_costs: list[int], **kwargs):
+        self._layer_costs = layer_costs
+        super().__init__(*args, **kwargs)
+
+    def _count_layer_params(self) -> list[int]:  # the weights `partition_method="parameters"` balances
+        return self._layer_costs
+
+
+def build_pipeline(model: LanguageModel, topology, seq_len: int, checkpoint_interval: int) -> tuple[PipelineModule, PipelineLoss]:
+    """Cut a (tensor-parallel) ``model`` into pipeline stages; returns the module and its loss function."""
+    cfg = model.cfg
+    loss = PipelineLoss()
+    vocab_spec = dict(tied_weight_attr=["vocab.tables.weight"])
+    layers = [TiedLayerSpec(VOCAB, VocabularyStage, model.vocab, forward_fn=_embed, **vocab_spec)]
+    layers += [BlockStage(block, model.backbone) for block in model.backbone.layers]
+    layers += [model.backbone.norm, TiedLayerSpec(VOCAB, VocabularyStage, model.vocab, forward_fn=_hidden, **vocab_spec)]
+    flops = forward_flops(cfg, seq_len, vocab_rows=model.vocab.tables.num_rows)
+    costs = [flops.vocab_in + 1] + [flops.block] * cfg.n_layers + [1, flops.vocab_out + 1]
+    pipe = BalancedPipeline(
+        layers=layers, topology=topology, loss_fn=loss, layer_costs=costs, partition_method="parameters",
+        activation_checkpoint_interval=checkpoint_interval, checkpointable_layers=[BlockStage.__name__],
+    )
+    vocab = pipe.tied_modules[VOCAB].vocab
+    loss.vocab = vocab
+    stage, last = pipe.stage_id, pipe.num_stages - 1
+    if stage != 0 and vocab.encoder is not None:
+        vocab.encoder.requires_grad_(False)
+    if stage != last:
+        vocab.decoder.requires_grad_(False)
+    return pipe, loss

@@ -1,0 +1,205 @@
+"""DeepSpeed engines for every layout (SPEC §7).
+
+- pp = 1: ``deepspeed.initialize`` on the (tensor-parallel) model, ZeRO-3 by
+  default (the bucket tables route every use through their ``forward``, so
+  ZeRO-3 gathers them like any tied embedding).
+- pp > 1: a ``PipelineModule`` (:mod:`mhf_dist.parallel.pipeline`) with ZeRO-1;
+  DeepSpeed's pipeline engine refuses ZeRO-2/3, so asking for them is a
+  config error.
+
+The DeepSpeed config is a file from ``deepspeed_configs/`` (``parallel.deepspeed_config``)
+completed from the run config — batch sizes, gradient accumulation, clipping,
+bf16, ZeRO stage — and finally overridden by ``parallel.deepspeed``.
+Both engines expose the same ``train_step`` / ``evaluate``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from mhf_dist.config import ConfigError, RunConfig, deep_merge
+from mhf_dist.data.reader import ShardReader
+from mhf_dist.model.lm import LanguageModel
+from mhf_dist.parallel.groups import ParallelGroups
+from mhf_dist.parallel.pipeline import build_pipeline
+from mhf_dist.train.optim import build_optimizer
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "deepspeed_configs"
+
+
+@dataclass
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    accum: int  # micro-batches per optimizer step on each data-parallel rank
+
+
+def resolve_layout(cfg: RunConfig, world_size: int) -> Layout:
+    """tp × pp × dp for ``world_size`` ranks; a clear error before any collective runs."""
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} does not fit parallel.tp={tp} × parallel.pp={pp}: launch a multiple of "
+            f"{tp * pp} ranks (dp = world / (tp·pp)) or change tp/pp"
+        )
+    dp = world_size // (tp * pp)
+    per_step = cfg.train.micro_batch_size * dp
+    if cfg.train.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of train.micro_batch_size × dp "
+            f"= {cfg.train.micro_batch_size} × {dp}; change the batch sizes"
+        )
+    return Layout(tp=tp, pp=pp, dp=dp, accum=cfg.train.global_batch_size // per_step)
+
+
+def deepspeed_config(cfg: RunConfig, layout: Layout, device_type: str) -> dict:
+    """The DeepSpeed config for this run (see module docstring for the precedence)."""
+    name = cfg.parallel.deepspeed_config
+    if name == "auto":
+        name = "cpu_fp32" if device_type == "cpu" else ("zero3_bf16_actckpt" if layout.pp == 1 else "zero1_pp_bf16")
+    path = Path(name) if name.endswith(".json") else CONFIG_DIR / f"{name}.json"
+    try:
+        base = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        available = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.json")))
+        raise ConfigError(f"parallel.deepspeed_config={name!r}: cannot read {path} ({e}); use one of {available} "
+                          "or a path to a .json file") from e
+    stage = cfg.parallel.zero_stage
+    if stage is None:
+        stage = base.get("zero_optimization", {}).get("stage", 3 if layout.pp == 1 else 1)
+    if layout.pp > 1 and stage >= 2:
+        raise ConfigError(
+            f"ZeRO stage {stage} with parallel.pp={layout.pp}: DeepSpeed's pipeline engine refuses ZeRO-2/3; "
+            "set parallel.zero_stage=1 (or use deepspeed_config zero1_pp_bf16)"
+        )
+    derived = {
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
+        "gradient_accumulation_steps": layout.accum,
+        "train_batch_size": cfg.train.global_batch_size,
+        "gradient_clipping": cfg.optimizer.grad_clip,
+        "bf16": {"enabled": cfg.train.dtype == "bf16"},
+        "zero_optimization": {"stage": stage},
+    }
+    return deep_merge(deep_merge(base, derived), cfg.parallel.deepspeed)
+
+
+def checkpoint_interval(cfg: RunConfig, ds_config: dict) -> int:
+    interval = cfg.parallel.activation_checkpoint_interval
+    return interval if interval is not None else int("activation_checkpointing" in ds_config)
+
+
+@dataclass
+class StepStats:
+    loss: float  # mean over the global batch
+    head_losses: list[float]
+    grad_norm: float | None  # DeepSpeed reports none without ZeRO
+
+
+def _grad_norm(engine) -> float | None:
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
+
+
+def _global_mean(values: torch.Tensor, group) -> torch.Tensor:
+    """Mean over a data-parallel group."""
+    values = values.detach().clone()
+    dist.all_reduce(values, group=group)
+    return values / dist.get_world_size(group)
+
+
+class DataParallelTrainer:
+    """pp = 1: the model (tensor-parallel or not) under a DeepSpeed engine, ZeRO-0…3."""
+
+    def __init__(self, cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout):
+        model.backbone.checkpoint_interval = checkpoint_interval(cfg, ds_config)
+        optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.train.max_steps)
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=groups
+        )
+        self.groups, self.accum, self.micro = groups, layout.accum, cfg.train.micro_batch_size
+
+    @property
+    def lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+    def train_step(self, reader: ShardReader) -> StepStats:
+        self.engine.train()
+        losses = []
+        for _ in range(self.accum):
+            batch = reader.next_batch(self.micro).to(self.engine.device)
+            out = self.engine(batch[:, :-1], batch[:, 1:])
+            self.engine.backward(out.loss)
+            self.engine.step()
+            losses.append(torch.cat([out.loss.detach()[None], out.head_losses.detach()]))
+        stats = _global_mean(torch.stack(losses).mean(0), self.groups.dp_group).tolist()
+        return StepStats(loss=stats[0], head_losses=stats[1:], grad_norm=_grad_norm(self.engine))
+
+    @torch.no_grad()
+    def evaluate(self, reader: ShardReader, batches: int) -> tuple[float, float]:
+        """(mean training loss, mean -log P_inf) over ``batches`` micro-batches on each data-parallel rank."""
+        self.engine.eval()
+        values = []
+        for _ in range(batches):
+            batch = reader.next_batch(self.micro).to(self.engine.device)
+            out = self.engine(batch[:, :-1], batch[:, 1:], with_p_inf=True)
+            values.append(torch.stack([out.loss, out.p_inf_nll]))
+        loss, nll = _global_mean(torch.stack(values).mean(0), self.groups.dp_group).tolist()
+        return loss, nll
+
+
+class PipelineTrainer:
+    """pp > 1: DeepSpeed's pipeline engine over the stages of :func:`build_pipeline`, ZeRO-0/1."""
+
+    def __init__(self, cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout):
+        self.pipe, self.loss_fn = build_pipeline(model, groups.topology, cfg.data.seq_len,
+                                                 checkpoint_interval(cfg, ds_config))
+        optimizer, scheduler = build_optimizer(self.pipe, cfg.optimizer, cfg.train.max_steps)
+        self.engine, *_ = deepspeed.initialize(
+            model=self.pipe, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+        self.groups, self.accum, self.micro = groups, layout.accum, cfg.train.micro_batch_size
+        self.num_heads = model.vocab.decoder.num_heads
+
+    @property
+    def lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+    def _batches(self, reader: ShardReader, count: int):
+        for _ in range(count):
+            batch = reader.next_batch(self.micro)
+            yield batch[:, :-1], batch[:, 1:]
+
+    def _last_stage_mean(self, field: str) -> torch.Tensor:
+        """Mean over micro-batches and dp of a loss output kept on the last stage, sent to every rank."""
+        n = self.num_heads if field == "head_losses" else 1
+        values = torch.zeros(n)
+        if self.engine.is_last_stage() and self.groups.tp_rank == 0:
+            values = torch.stack([getattr(o, field).detach().float().cpu().reshape(n) for o in self.loss_fn.outputs])
+            values = values.mean(0) / self.groups.dp
+        self.loss_fn.outputs.clear()
+        dist.all_reduce(values)
+        return values
+
+    def train_step(self, reader: ShardReader) -> StepStats:
+        loss = self.engine.train_batch(data_iter=self._batches(reader, self.accum))
+        heads = self._last_stage_mean("head_losses").tolist()
+        return StepStats(loss=float(loss), head_losses=heads, grad_norm=_grad_norm(self.engine))
+
+    @torch.no_grad()
+    def evaluate(self, reader: ShardReader, batches: int) -> tuple[float, float]:
+        self.loss_fn.with_p_inf = True
+        loss = self.engine.eval_batch(data_iter=self._batches(reader, batches), num_micro_batches=batches)
+        self.loss_fn.with_p_inf = False
+        return float(loss), self._last_stage_mean("p_inf_nll").item()
+
+
+def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout):
+    cls = PipelineTrainer if layout.pp > 1 else DataParallelTrainer
+    return cls(cfg, model, groups, ds_config, layout)

@@ -1,0 +1,49 @@
+"""Throughput, MFU and memory for logging and profiling.
+
+MFU = achieved model FLOP/s (analytic, :mod:`mhf_dist.model.flops`) / peak.
+The peak is ``train.peak_tflops`` per device × devices when given, else
+measured in the run's dtype with a timed large matmul: per GPU × world size,
+or on CPU the per-rank measurement × the ranks that can run at once
+(``cpu_count // threads per rank``), since CPU ranks share one machine.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+import torch
+
+
+def measured_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of the best of ``repeats`` timed ``n×n`` matmuls on this rank."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def total_peak_flops(per_device_tflops: float | None, device: torch.device, dtype: torch.dtype, world: int) -> float:
+    """The peak FLOP/s of all ranks together (see module docstring)."""
+    if per_device_tflops is not None:
+        return per_device_tflops * 1e12 * world
+    per_rank = measured_peak_flops(device, dtype)
+    if device.type == "cuda":
+        return per_rank * world
+    return per_rank * max(1, min(world, (os.cpu_count() or 1) // torch.get_num_threads()))
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this rank: CUDA max allocated, or the process's max RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
