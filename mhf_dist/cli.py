@@ -25,12 +25,15 @@ def _load(args) -> "RunConfig":  # noqa: F821
 
 
 def cmd_train(args) -> int:
+    from mhf_dist.train.engine import preflight
+    from mhf_dist.train.loop import train
+
     cfg = _load(args)  # validate before starting any rank
     if args.nproc_per_node and "RANK" not in os.environ:
         from mhf_dist.launch import launch_local
 
+        preflight(cfg, args.nproc_per_node)
         return launch_local(args.nproc_per_node, _without_option(sys.argv[1:], "--nproc-per-node"))
-    from mhf_dist.train.loop import train
 
     records = train(cfg, args.run_dir)
     if records:  # rank 0

@@ -1,4 +1,4 @@
-"""The single-process training loop and `mhf-dist train`: loss falls on real text, run directory contents."""
+"""`mhf-dist train` end to end on one rank: loss falls on real text; the run directory's logs."""
 
 from __future__ import annotations
 
@@ -7,37 +7,44 @@ import json
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mhf_dist.cli import main
-from mhf_dist.config import load_config
-from mhf_dist.train.loop import train
+from train_utils import run_cli
 
 
 def test_tiny_mhf_loss_falls_on_real_text(tmp_path):
-    cfg = load_config("tiny-h4b16k", overrides=[
-        "model.hash.num_buckets=256", "tokenizer.vocab_size=1024", "data.seq_len=64",
-        "train.max_steps=200", "train.log_interval=20", "optimizer.lr=3e-3",
-    ])
-    records = train(cfg, tmp_path / "run")
+    run = tmp_path / "run"
+    run_cli(["train", "--preset", "tiny-h4b16k", "--run-dir", str(run), "--set", "model.hash.num_buckets=256",
+             "--set", "tokenizer.vocab_size=1024", "--set", "data.seq_len=64", "--set", "train.max_steps=200",
+             "--set", "train.log_interval=20", "--set", "optimizer.lr=3e-3", "--set", "parallel.zero_stage=0"])
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     first, last = records[0], sum(r["loss"] for r in records[-2:]) / 2
     # step 1 sits at the uniform loss H·ln(B) = 4·ln(256) = 22.18; a model that learns nothing stays there
     assert first["step"] == 1 and abs(first["loss"] - 22.18) < 0.5
     assert last < first["loss"] - 2.5, (first["loss"], last)
+    # evaluation at the end on the held-out split: the training loss there, and perplexity under P_inf
+    assert abs(records[-1]["val_loss"] - last) < 2.0
+    assert 1 < records[-1]["val_ppl"] < float("inf")
 
 
-def test_train_cli_writes_metrics_and_tensorboard(tmp_path, capsys):
+def test_train_writes_metrics_and_tensorboard(tmp_path):
     run = tmp_path / "run"
-    rc = main(["train", "--preset", "tiny-h4b16k", "--run-dir", str(run), "--set", "model.hash.num_buckets=128",
-               "--set", "train.max_steps=4", "--set", "train.log_interval=2", "--set", "train.global_batch_size=4",
-               "--set", "train.micro_batch_size=2", "--set", "tokenizer.vocab_size=512"])
-    assert rc == 0
-    assert "tokens/s" in capsys.readouterr().out
-    lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [l["step"] for l in lines] == [1, 2, 4]
-    for l in lines:
-        assert {"step", "loss", "head_losses", "lr", "tokens_per_s"} <= set(l) and len(l["head_losses"]) == 4
-        assert abs(sum(l["head_losses"]) - l["loss"]) < 1e-4
+    out = run_cli(["train", "--preset", "tiny-h4b16k", "--run-dir", str(run), "--set", "model.hash.num_buckets=128",
+                   "--set", "train.max_steps=4", "--set", "train.log_interval=2", "--set", "train.global_batch_size=4",
+                   "--set", "train.micro_batch_size=2", "--set", "tokenizer.vocab_size=512"])
+    assert "tokens/s" in out and "MFU" in out
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 4]
+    for line in lines:
+        assert {"step", "loss", "head_losses", "lr", "tokens_per_s", "tflops", "mfu", "memory_gb",
+                "grad_norm"} <= set(line) and len(line["head_losses"]) == 4
+        assert abs(sum(line["head_losses"]) - line["loss"]) < 1e-4
+        assert 0 < line["mfu"] < 1 and line["tflops"] > 0
+    assert {"val_loss", "val_ppl"} <= set(lines[-1])
     acc = EventAccumulator(str(run / "tensorboard"))
     acc.Reload()
-    assert {"loss", "lr", "tokens_per_s", "head_losses/0", "head_losses/3"} <= set(acc.Tags()["scalars"])
+    expected = {"loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "memory_gb", "val_ppl",
+                "head_losses/0", "head_losses/3"}
+    assert expected <= set(acc.Tags()["scalars"])
+    assert [e.step for e in acc.Scalars("loss")] == [1, 2, 4]
     assert (run / "signatures" / "signatures.json").is_file() and (run / "config.yaml").is_file()
 
 

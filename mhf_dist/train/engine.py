@@ -90,6 +90,18 @@ def deepspeed_config(cfg: RunConfig, layout: Layout, device_type: str) -> dict:
     return deep_merge(deep_merge(base, derived), cfg.parallel.deepspeed)
 
 
+def device_type(cfg: RunConfig) -> str:
+    if cfg.train.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.train.device
+
+
+def preflight(cfg: RunConfig, world_size: int) -> tuple[Layout, dict]:
+    """Every check that needs the world size, before any rank starts or any collective runs."""
+    layout = resolve_layout(cfg, world_size)
+    return layout, deepspeed_config(cfg, layout, device_type(cfg))
+
+
 def checkpoint_interval(cfg: RunConfig, ds_config: dict) -> int:
     interval = cfg.parallel.activation_checkpoint_interval
     return interval if interval is not None else int("activation_checkpointing" in ds_config)

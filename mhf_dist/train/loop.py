@@ -37,7 +37,7 @@ from mhf_dist.parallel.plan import apply_tensor_parallel
 from mhf_dist.run_dir import RunDir
 from mhf_dist.signatures import tokens_fingerprint
 from mhf_dist.tokenizers import vocabulary
-from mhf_dist.train.engine import build_trainer, deepspeed_config, resolve_layout
+from mhf_dist.train.engine import build_trainer, device_type, preflight
 from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.throughput import memory_gb, total_peak_flops
 
@@ -48,10 +48,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_device(name: str, local_rank: int) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
+def resolve_device(cfg: RunConfig, local_rank: int) -> torch.device:
+    if device_type(cfg) == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -80,9 +78,8 @@ def _run_assets(run: RunDir, cfg: RunConfig):
 def train(cfg: RunConfig, run_dir: str | Path) -> list[dict]:
     """Train ``cfg`` in ``run_dir`` on this rank; returns the records logged (on rank 0; others get [])."""
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    layout = resolve_layout(cfg, world)
-    device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", 0)))
-    ds_config = deepspeed_config(cfg, layout, device.type)
+    layout, ds_config = preflight(cfg, world)
+    device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
     init_distributed(device)
     groups = ParallelGroups.create(layout.tp, layout.pp)
 

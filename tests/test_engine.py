@@ -1,0 +1,102 @@
+"""The DeepSpeed engine: every tp × pp × dp layout trains the same model to the same losses (SPEC §7).
+
+Each run is `mhf-dist train --nproc-per-node N` (torchrun, gloo, fp32) on the same shards, the same
+global batch and seed; the first three optimizer steps' losses must agree to 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mhf_dist.cli import main
+from train_utils import run_cli
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, bpe_dir):
+    out = tmp_path_factory.mktemp("shards") / "shards"
+    assert main(["prepare-data", "mhf_dist/data/corpus/kjv.txt.gz", "--tokenizer", str(bpe_dir), "--out", str(out),
+                 "--seq-len", "64", "--samples-per-shard", "32", "--val-fraction", "0.05", "--workers", "1",
+                 "--no-progress"]) == 0
+    return {"tokenizer": bpe_dir, "shards": out}
+
+
+def train_run(tmp_path, data, name, nproc, *overrides, preset="tiny-h4b16k"):
+    run = tmp_path / name
+    args = ["train", "--preset", preset, "--nproc-per-node", str(nproc), "--run-dir", str(run)]
+    for o in (f"tokenizer.path={data['tokenizer']}", f"data.path={data['shards']}", "data.seq_len=64",
+              "model.hash.num_buckets=256", f"train.max_steps={STEPS}", "train.log_interval=1",
+              "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_sequences=8", *overrides):
+        args += ["--set", o]
+    run_cli(args)
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_losses(a, b, what):
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
+    for ra, rb in zip(a, b):
+        assert abs(ra["loss"] - rb["loss"]) <= 1e-4 * abs(rb["loss"]), (what, ra["step"], ra["loss"], rb["loss"])
+        for ha, hb in zip(ra["head_losses"], rb["head_losses"]):
+            assert abs(ha - hb) <= 1e-4 * abs(hb), (what, ra["step"], ra["head_losses"], rb["head_losses"])
+    assert abs(a[-1]["val_ppl"] - b[-1]["val_ppl"]) <= 1e-4 * b[-1]["val_ppl"], what
+
+
+LAYOUTS = {  # name: (ranks, overrides); dp = ranks / (tp·pp)
+    "tp2": (2, ["parallel.tp=2"]),
+    "pp2": (2, ["parallel.pp=2"]),
+    "dp2-zero1": (2, ["parallel.zero_stage=1"]),
+    "dp2-zero3": (2, []),
+    "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+    "pp2-dp2": (4, ["parallel.pp=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data):
+    return train_run(tmp_path_factory.mktemp("ref"), data, "single", 1)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_process(tmp_path, data, reference, layout):
+    nproc, overrides = LAYOUTS[layout]
+    records = train_run(tmp_path, data, layout, nproc, *overrides)
+    assert_same_losses(records, reference, layout)
+    assert records[0]["loss"] > records[-1]["loss"]  # the steps trained
+
+
+def test_standard_pipeline_ties_embedding_and_head(tmp_path, data):
+    single = train_run(tmp_path, data, "std", 1, preset="tiny-standard")
+    piped = train_run(tmp_path, data, "std-pp2", 2, "parallel.pp=2", preset="tiny-standard")
+    assert_same_losses(piped, single, "standard pp=2")
+
+
+@pytest.mark.parametrize("nproc, overrides", [(1, []), (2, ["parallel.pp=2"])])
+def test_activation_checkpointing_gives_identical_losses(tmp_path, data, reference, nproc, overrides):
+    off = reference if nproc == 1 else train_run(tmp_path, data, "off", nproc, *overrides,
+                                                 "parallel.activation_checkpoint_interval=0")
+    on = train_run(tmp_path, data, "on", nproc, *overrides, "parallel.activation_checkpoint_interval=1")
+    assert [r["loss"] for r in on] == [r["loss"] for r in off]
+
+
+@pytest.mark.parametrize(
+    "nproc, overrides, message",
+    [
+        (3, ["parallel.tp=2"], r"world size 3 does not fit parallel.tp=2 × parallel.pp=1"),
+        (2, ["parallel.pp=2", "parallel.zero_stage=3"], r"pipeline engine refuses ZeRO-2/3"),
+        (2, ["parallel.pp=2", "parallel.deepspeed_config=zero3_bf16_actckpt", "train.dtype=fp32"],
+         r"ZeRO stage 3 with parallel.pp=2.*pipeline engine refuses"),
+        (2, ["parallel.tp=2", "model.hash.num_buckets=255"], r"num_buckets=255 is not divisible by parallel.tp=2"),
+        (4, ["parallel.pp=4"], r"parallel.pp=4 is more stages than model.n_layers=2"),
+    ],
+)
+def test_invalid_layouts_fail_before_training(tmp_path, nproc, overrides, message):
+    args = ["train", "--preset", "tiny-h4b16k", "--nproc-per-node", str(nproc), "--run-dir", str(tmp_path / "r")]
+    for o in overrides:
+        args += ["--set", o]
+    out = run_cli(args, expect_rc=2, timeout=120)
+    assert __import__("re").search(message, out), out
+    assert not (tmp_path / "r").exists()  # nothing started
