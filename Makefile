@@ -19,9 +19,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# The main job on the embedded default: tiny-h4b16k on 4 CPU ranks, first tp=2 x dp=2 (which also trains the
+# tokenizer and prepares shards of the embedded corpus in its run directory), then pp=2 x dp=2 on those shards.
+DEMO := $(VENV)/bin/mhf-dist train --preset tiny-h4b16k --nproc-per-node 4 \
+	--set train.max_steps=40 --set train.log_interval=5 --set train.global_batch_size=8 --set train.micro_batch_size=2
+
 demo: setup
-	$(VENV)/bin/mhf-dist train --preset tiny-h4b16k --run-dir $(RUN_DIR) \
-		--set train.max_steps=60 --set train.log_interval=10
+	rm -rf $(RUN_DIR)
+	$(DEMO) --run-dir $(RUN_DIR)/tp2-dp2 --set parallel.tp=2
+	$(DEMO) --run-dir $(RUN_DIR)/pp2-dp2 --set parallel.pp=2 \
+		--set tokenizer.path=$(RUN_DIR)/tp2-dp2/tokenizer --set data.path=$(RUN_DIR)/tp2-dp2/data
+	@echo "TensorBoard logs: $(abspath $(RUN_DIR)) (tensorboard --logdir $(abspath $(RUN_DIR)))"
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -57,6 +57,15 @@ def _without_option(argv: list[str], option: str) -> list[str]:
     return out
 
 
+def cmd_plan(args) -> int:
+    from mhf_dist.cluster import load_profile
+    from mhf_dist.plan import format_plan, memory_plan
+
+    cfg, profile = _load(args), load_profile(args.cluster)
+    print(format_plan(cfg, profile, args.nodes, memory_plan(cfg, profile, args.nodes, args.vocab_size)))
+    return 0
+
+
 def cmd_config(args) -> int:
     import yaml
 
@@ -106,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare-data", help="tokenize text into WebDataset shards of packed sequences + manifest")
     add_prepare_arguments(p)
     p.set_defaults(func=cmd_prepare_data)
+
+    p = sub.add_parser("plan", help="parameters, ZeRO model states and activations per rank; does it fit?")
+    _add_run_options(p)
+    p.add_argument("--cluster", required=True, help="cluster profile: a100-80g, mi300x, cpu-local or a .yaml path")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--vocab-size", type=int, default=32768, help="registered tokens (default: Mistral v0.3's)")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("config", help="print the resolved run config")
     _add_run_options(p)

@@ -1,0 +1,123 @@
+"""``mhf-dist plan``: will a run fit? Parameters, ZeRO model states and activations per rank.
+
+The model is built on the meta device (no memory), sharded on paper with the
+tensor-parallel table (:func:`tp_split_dims`) and cut into pipeline stages by
+the same FLOP-balanced partition the engine uses. Model-state memory comes from
+DeepSpeed's estimators (ZeRO-3 when pp = 1, ZeRO-2's for ZeRO-1 plus the
+gradients ZeRO-1 does not partition), with the data-parallel ranks as the
+partition count. Activations per token and layer, in the run's dtype (SDPA
+keeps no ``S×S`` scores)::
+
+    bytes = e · (4d + (2·n_heads·hd + 2·n_kv·hd) / tp + 4·ffn / tp)
+
+(norm inputs/outputs, q k v and attention output, gate/up/activation/product);
+with activation checkpointing a block keeps only its input (``e·d``) plus one
+block's full set during recompute. The last stage adds the decoder's bucket
+logits and fp32 probabilities, ``H·(B/tp)·(e + 4)`` per token. Pipeline stage
+``s`` holds up to ``pp - s`` micro-batches in flight (1F1B).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from deepspeed.runtime.utils import partition_balanced
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+from mhf_dist.cluster import ClusterProfile
+from mhf_dist.config import RunConfig
+from mhf_dist.model import build_model
+from mhf_dist.model.flops import forward_flops
+from mhf_dist.parallel.state_dict import split_dim, tp_split_dims
+from mhf_dist.train.engine import deepspeed_config, resolve_layout
+
+GB = 2**30
+
+
+@dataclass
+class StagePlan:
+    stage: int
+    blocks: int
+    params_per_rank: int
+    model_states_gb: float
+    activations_gb: float
+    activations_checkpointed_gb: float
+    fits: bool
+
+
+def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size: int = 32768) -> list[StagePlan]:
+    world = nodes * profile.gpus_per_node
+    layout = resolve_layout(cfg, world)
+    zero = deepspeed_config(cfg, layout, "cuda")["zero_optimization"]["stage"]
+    m, tp, pp, dp = cfg.model, layout.tp, layout.pp, layout.dp
+    with torch.device("meta"):
+        model = build_model(m, vocab_size, torch.ones(vocab_size, m.hash.num_hashes, dtype=torch.long))
+    dims = tp_split_dims(m, tp)
+    per_rank = {n: p.numel() // (tp if split_dim(n, dims) is not None else 1) for n, p in model.named_parameters()}
+
+    def params(prefix: str) -> int:
+        return sum(v for n, v in per_rank.items() if n.startswith(prefix))
+
+    vocab_in = params("vocab.tables.") + params("vocab.encoder.")
+    vocab_out = params("vocab.tables.") + params("vocab.decoder.")
+    block = params("backbone.layers.0.")
+    flops = forward_flops(m, cfg.data.seq_len, vocab_rows=model.vocab.tables.num_rows)
+    costs = [flops.vocab_in + 1] + [flops.block] * m.n_layers + [1, flops.vocab_out + 1]
+    parts = partition_balanced(costs, pp) if pp > 1 else [0, len(costs)]
+
+    e = 2 if cfg.train.dtype == "bf16" else 4
+    d, hd = m.d_model, m.resolved_head_dim
+    act_layer = e * (4 * d + (2 * m.n_heads * hd + 2 * m.n_kv_heads * hd) / tp + 4 * m.ffn_dim / tp)
+    act_decoder = m.hash.num_hashes * (model.vocab.tables.num_rows / tp) * (e + 4) if m.variant == "mhf" else \
+        model.vocab.tables.num_rows / tp * (e + 4)
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+
+    plans = []
+    for s in range(pp):
+        layers = range(parts[s], parts[s + 1])
+        blocks = sum(1 for i in layers if 1 <= i <= m.n_layers)
+        total = blocks * block + (vocab_in if 0 in layers else 0) + (vocab_out if len(costs) - 1 in layers else 0)
+        total += params("backbone.norm.") if m.n_layers + 1 in layers else 0
+        if pp == 1:
+            total = sum(per_rank.values())
+        if zero == 3:
+            largest = max(per_rank.values())
+            _, states, _ = estimate_zero3_model_states_mem_needs(total, largest, num_gpus_per_node=dp, num_nodes=1,
+                                                              cpu_offload=False)
+        else:
+            _, states = estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=dp, num_nodes=1,
+                                                              cpu_offload=False)
+            if zero <= 1:
+                states += 2 * total * (1 - 1 / dp)  # ZeRO-1 keeps full 16-bit gradients
+        in_flight = min(pp - s, layout.accum)
+        decoder = act_decoder * tokens if len(costs) - 1 in layers else 0
+        full = in_flight * tokens * act_layer * blocks + decoder
+        ckpt = in_flight * tokens * e * d * blocks + tokens * act_layer * min(blocks, 1) + decoder
+        plans.append(StagePlan(
+            stage=s, blocks=blocks, params_per_rank=int(total), model_states_gb=states / GB,
+            activations_gb=full / GB, activations_checkpointed_gb=ckpt / GB,
+            fits=(states + ckpt) / GB <= 0.9 * profile.device_memory_gb,
+        ))
+    return plans
+
+
+def format_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, plans: list[StagePlan]) -> str:
+    world = nodes * profile.gpus_per_node
+    layout = resolve_layout(cfg, world)
+    zero = deepspeed_config(cfg, layout, "cuda")["zero_optimization"]["stage"]
+    lines = [
+        f"{cfg.preset or 'config'} on {nodes} × {profile.name} ({world} ranks, {profile.device_memory_gb:g} GB each): "
+        f"tp={layout.tp} pp={layout.pp} dp={layout.dp}, ZeRO-{zero}, {cfg.train.dtype}, micro-batch "
+        f"{cfg.train.micro_batch_size} × {cfg.data.seq_len} tokens, {layout.accum} micro-batches per step",
+        f"{'stage':>5} {'blocks':>6} {'params/rank':>12} {'model states':>13} {'activations':>12} "
+        f"{'act. ckpt':>10} {'fits (ckpt)':>11}",
+    ]
+    for p in plans:
+        lines.append(f"{p.stage:>5} {p.blocks:>6} {p.params_per_rank / 1e6:>11.1f}M {p.model_states_gb:>11.1f}GB "
+                     f"{p.activations_gb:>10.1f}GB {p.activations_checkpointed_gb:>8.1f}GB "
+                     f"{'yes' if p.fits else 'NO':>11}")
+    verdict = "fits" if all(p.fits for p in plans) else "does not fit: raise tp/pp, lower the micro-batch, or add nodes"
+    lines.append(f"with activation checkpointing the run {verdict} (limit: 90% of device memory)")
+    return "\n".join(lines)
