@@ -11,6 +11,7 @@ from mhf_dist.config import ConfigError, load_config, preset_names
 from mhf_dist.data.prepare import DataError
 from mhf_dist.signatures import SignatureError
 from mhf_dist.tokenizers import TokenizerError
+from mhf_dist.train.checkpoint import PREEMPTED_EXIT_CODE, CheckpointError
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -35,13 +36,13 @@ def cmd_train(args) -> int:
         preflight(cfg, args.nproc_per_node)
         return launch_local(args.nproc_per_node, _without_option(sys.argv[1:], "--nproc-per-node"))
 
-    records = train(cfg, args.run_dir)
-    if records:  # rank 0
-        last = records[-1]
-        print(f"done: {last['step']} steps, loss {last['loss']:.4f}, {last['tokens_per_s']:.0f} tokens/s, "
-              f"MFU {last['mfu']:.1%}; run directory {Path(args.run_dir).resolve()} "
-              f"(tensorboard --logdir {Path(args.run_dir).resolve() / 'tensorboard'})")
-    return 0
+    result = train(cfg, args.run_dir, args.resume)
+    if result.records:  # rank 0
+        last = result.records[-1]
+        print(f"{'preempted' if result.preempted else 'done'}: step {last['step']}, loss {last['loss']:.4f}, "
+              f"{last['tokens_per_s']:.0f} tokens/s, MFU {last['mfu']:.1%}; run directory "
+              f"{Path(args.run_dir).resolve()} (tensorboard --logdir {Path(args.run_dir).resolve() / 'tensorboard'})")
+    return PREEMPTED_EXIT_CODE if result.preempted else 0
 
 
 def _without_option(argv: list[str], option: str) -> list[str]:
@@ -107,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (run under torchrun for many ranks, or use --nproc-per-node)")
     _add_run_options(p)
     p.add_argument("--run-dir", required=True, help="run directory (created if missing)")
-    p.add_argument("--nproc-per-node", type=int, help="start this many local ranks (through torchrun)")
+    p.add_argument("--nproc-per-node", type=int, help="start this many local ranks on this machine")
+    p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint, if any), none, or a "
+                   f"checkpoint directory; a run stopped by a signal exits with {PREEMPTED_EXIT_CODE}")
     p.set_defaults(func=cmd_train)
 
     from mhf_dist.data.prepare import add_arguments as add_prepare_arguments
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, SignatureError, TokenizerError, DataError) as e:
+    except (ConfigError, SignatureError, TokenizerError, DataError, CheckpointError) as e:
         print(f"mhf-dist: {e}", file=sys.stderr)
         return 2
 

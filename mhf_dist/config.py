@@ -139,6 +139,11 @@ class TrainConfig(_Strict):
     eval_sequences: int = Field(
         32, ge=1, description="validation sequences per evaluation, over all ranks (rounded down to whole "
         "micro-batches per data-parallel rank, at least one), the same set in every layout")
+    checkpoint_interval: int = Field(0, ge=0, description="save a checkpoint every N steps; 0: only at the end")
+    keep_checkpoints: int = Field(3, ge=1, description="complete checkpoints kept (older ones are deleted)")
+    stop_at_step: int | None = Field(
+        None, ge=1, description="save and end at this step; the LR schedule still follows max_steps"
+    )
     peak_tflops: float | None = Field(
         None, gt=0, description="dense peak TFLOP/s of one device in train.dtype, for MFU; None: measured"
     )

@@ -26,11 +26,16 @@ VOCAB = "vocab"
 
 
 class VocabularyStage(nn.Module):
-    """The tied unit; ``forward_fn`` picks its input or output role."""
+    """The tied unit. On the first stage it receives token ids and embeds them; on the last it receives the
+    final hidden states and passes them to the loss, which applies the decoder with the targets. (A
+    ``forward_fn`` would pick the role too, but DeepSpeed then leaves the layer out of its checkpoints.)"""
 
     def __init__(self, vocab: TiedVocabulary):
         super().__init__()
         self.vocab = vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.vocab.embed(x) if not x.is_floating_point() else x
 
 
 class BlockStage(nn.Module):
@@ -44,14 +49,6 @@ class BlockStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(x.shape[1], device=x.device)
         return self.block(x, *rope_cos_sin(positions, self.head_dim, self.rope_theta))
-
-
-def _embed(stage: VocabularyStage, input_ids: torch.Tensor) -> torch.Tensor:
-    return stage.vocab.embed(input_ids)
-
-
-def _hidden(stage: VocabularyStage, h: torch.Tensor) -> torch.Tensor:
-    return h  # the loss function applies the decoder with the targets
 
 
 class PipelineLoss:
@@ -84,9 +81,9 @@ def build_pipeline(model: LanguageModel, topology, seq_len: int, checkpoint_inte
     cfg = model.cfg
     loss = PipelineLoss()
     vocab_spec = dict(tied_weight_attr=["vocab.tables.weight"])
-    layers = [TiedLayerSpec(VOCAB, VocabularyStage, model.vocab, forward_fn=_embed, **vocab_spec)]
+    layers = [TiedLayerSpec(VOCAB, VocabularyStage, model.vocab, **vocab_spec)]
     layers += [BlockStage(block, model.backbone) for block in model.backbone.layers]
-    layers += [model.backbone.norm, TiedLayerSpec(VOCAB, VocabularyStage, model.vocab, forward_fn=_hidden, **vocab_spec)]
+    layers += [model.backbone.norm, TiedLayerSpec(VOCAB, VocabularyStage, model.vocab, **vocab_spec)]
     flops = forward_flops(cfg, seq_len, vocab_rows=model.vocab.tables.num_rows)
     costs = [flops.vocab_in + 1] + [flops.block] * cfg.n_layers + [1, flops.vocab_out + 1]
     pipe = BalancedPipeline(

@@ -6,6 +6,11 @@ prepares the run directory (tokenizer, signature table, shards of the embedded
 corpus) while the others wait → every rank builds the same full model from the
 run seed, applies the tensor-parallel plan, and hands it to the engine → steps.
 
+A run resumes from its newest complete checkpoint by default (``--resume
+auto``) and continues bit-identically: the same data, optimizer, scheduler and
+RNG states. SIGUSR1/SIGTERM on any rank make all ranks finish the step, save
+and stop with :data:`PREEMPTED_EXIT_CODE`.
+
 Each optimizer step consumes ``train.global_batch_size`` sequences; the logged
 loss is the SPEC §5 training loss averaged over that batch, with each head's
 term. Rank 0 logs ``metrics.jsonl`` and TensorBoard scalars (loss, head losses,
@@ -17,9 +22,11 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
 import socket
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import deepspeed
@@ -37,6 +44,7 @@ from mhf_dist.parallel.plan import apply_tensor_parallel
 from mhf_dist.run_dir import RunDir
 from mhf_dist.signatures import tokens_fingerprint
 from mhf_dist.tokenizers import vocabulary
+from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
 from mhf_dist.train.engine import build_trainer, device_type, preflight
 from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.throughput import memory_gb, total_peak_flops
@@ -75,8 +83,41 @@ def _run_assets(run: RunDir, cfg: RunConfig):
     return tokenizer, table, run.shards(cfg)
 
 
-def train(cfg: RunConfig, run_dir: str | Path) -> list[dict]:
-    """Train ``cfg`` in ``run_dir`` on this rank; returns the records logged (on rank 0; others get [])."""
+class StopSignal:
+    """SIGUSR1 / SIGTERM on any rank: every rank stops after the current step (agreed by an all-reduce)."""
+
+    def __init__(self):
+        self.received = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame):
+        self.received = True
+
+    def agreed(self) -> bool:
+        flag = torch.tensor(int(self.received))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+@dataclass
+class TrainResult:
+    records: list[dict] = field(default_factory=list)  # what rank 0 logged in this process
+    preempted: bool = False  # stopped on a signal after saving
+
+
+def _resume_path(resume: str, checkpointer: Checkpointer) -> Path | None:
+    if resume == "auto":
+        return checkpointer.latest()
+    if resume == "none":
+        if checkpointer.latest() is not None:
+            raise CheckpointError(f"{checkpointer.dir} holds checkpoints; resume (--resume auto) or use a new run dir")
+        return None
+    return Path(resume)
+
+
+def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto") -> TrainResult:
+    """Train ``cfg`` in ``run_dir`` on this rank (``resume``: auto, none, or a checkpoint directory)."""
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     layout, ds_config = preflight(cfg, world)
     device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
@@ -106,6 +147,16 @@ def train(cfg: RunConfig, run_dir: str | Path) -> list[dict]:
     reader = ShardReader(shards, **reader_args)
     has_val = "val" in reader.manifest["splits"]
 
+    checkpointer = Checkpointer(run.path, cfg, table.content_hash if table else None,
+                                {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp})
+    start = 0
+    if (path := _resume_path(resume, checkpointer)) is not None:
+        client = checkpointer.load(trainer.engine, path)
+        start = client["step"]
+        reader.load_state_dict(client["reader"])
+        if rank == 0:
+            tqdm.write(f"resumed from {path} at step {start}")
+
     t = cfg.train
     tokens_per_step = t.global_batch_size * cfg.data.seq_len
     flops_per_token = forward_flops(cfg.model, cfg.data.seq_len, vocab_rows).train
@@ -114,16 +165,17 @@ def train(cfg: RunConfig, run_dir: str | Path) -> list[dict]:
     dist.all_reduce(peak)  # rank 0's measurement, for every rank
 
     eval_batches = max(1, t.eval_sequences // (t.micro_batch_size * layout.dp))
-    logger = MetricsLogger(run.path) if rank == 0 else None
-    records = []
-    progress = tqdm(range(t.max_steps), desc="train", unit="step", dynamic_ncols=True,
-                    disable=None if rank == 0 else True)
+    end = min(t.stop_at_step or t.max_steps, t.max_steps)
+    logger = MetricsLogger(run.path, resume_step=start) if rank == 0 else None
+    result, stop = TrainResult(), StopSignal()
+    progress = tqdm(range(start, end), desc="train", unit="step", dynamic_ncols=True, initial=start,
+                    total=t.max_steps, disable=None if rank == 0 else True)
     for step in progress:
         lr = trainer.lr
         start = time.perf_counter()
         stats = trainer.train_step(reader)
         elapsed = time.perf_counter() - start
-        last = step + 1 == t.max_steps
+        last = step + 1 == end
         record = {}
         if step == 0 or (step + 1) % t.log_interval == 0 or last:
             tokens_per_s = tokens_per_step / elapsed
@@ -138,11 +190,20 @@ def train(cfg: RunConfig, run_dir: str | Path) -> list[dict]:
             record |= {"val_loss": val_loss, "val_p_inf_nll": val_nll, "val_ppl": float(np.exp(val_nll))}
         if record and rank == 0:
             logger.log(step + 1, record)
-            records.append({"step": step + 1, **record})
+            result.records.append({"step": step + 1, **record})
             tqdm.write(f"step {step + 1:>6} | " + " | ".join(
                 f"{k} {v:.4g}" for k, v in record.items() if k in ("loss", "val_ppl", "lr", "tokens_per_s", "mfu")))
+        result.preempted = stop.agreed()
+        if result.preempted or step + 1 == end or (t.checkpoint_interval and (step + 1) % t.checkpoint_interval == 0):
+            reason = "signal" if result.preempted else ("end" if step + 1 == end else "interval")
+            saved = checkpointer.save(trainer.engine, step + 1, (step + 1) * tokens_per_step, reader.state_dict(),
+                                      reason)
+            if rank == 0 and reason != "interval":
+                tqdm.write(f"saved {saved} ({reason})")
+        if result.preempted:
+            break
     reader.close()
     if logger:
         logger.close()
     dist.barrier()
-    return records
+    return result

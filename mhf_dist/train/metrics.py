@@ -18,9 +18,14 @@ TENSORBOARD_DIR = "tensorboard"
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path):
+    """Appends to a run's logs; ``resume_step`` drops what was logged after the checkpoint being resumed."""
+
+    def __init__(self, run_dir: str | Path, resume_step: int = 0):
         self.path = Path(run_dir) / METRICS_FILE
-        self.writer = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR))
+        if resume_step and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self.writer = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR), purge_step=resume_step + 1 if resume_step else None)
 
     def log(self, step: int, values: dict) -> None:
         record = {"step": step, **values}
