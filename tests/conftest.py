@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.tokenizers import embedded_corpus, load_tokenizer, train_bpe
 
@@ -25,3 +26,13 @@ def bpe(bpe_dir):
 def tiny_cfg():
     """A tiny MHF model config with small tables, for exact-arithmetic tests."""
     return load_config("tiny-h4b16k", overrides=["model.hash.num_buckets=64"]).model
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory, bpe_dir):
+    """Tokenizer and shards (seq_len 64, 5 % validation) of the embedded corpus, for training runs."""
+    out = tmp_path_factory.mktemp("shards") / "shards"
+    assert main(["prepare-data", "mhf_dist/data/corpus/kjv.txt.gz", "--tokenizer", str(bpe_dir), "--out", str(out),
+                 "--seq-len", "64", "--samples-per-shard", "32", "--val-fraction", "0.05", "--workers", "1",
+                 "--no-progress"]) == 0
+    return {"tokenizer": bpe_dir, "shards": out}

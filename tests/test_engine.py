@@ -6,34 +6,11 @@ global batch and seed; the first three optimizer steps' losses must agree to 1e-
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from mhf_dist.cli import main
-from train_utils import run_cli
+from train_utils import run_cli, train_run
 
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory, bpe_dir):
-    out = tmp_path_factory.mktemp("shards") / "shards"
-    assert main(["prepare-data", "mhf_dist/data/corpus/kjv.txt.gz", "--tokenizer", str(bpe_dir), "--out", str(out),
-                 "--seq-len", "64", "--samples-per-shard", "32", "--val-fraction", "0.05", "--workers", "1",
-                 "--no-progress"]) == 0
-    return {"tokenizer": bpe_dir, "shards": out}
-
-
-def train_run(tmp_path, data, name, nproc, *overrides, preset="tiny-h4b16k"):
-    run = tmp_path / name
-    args = ["train", "--preset", preset, "--nproc-per-node", str(nproc), "--run-dir", str(run)]
-    for o in (f"tokenizer.path={data['tokenizer']}", f"data.path={data['shards']}", "data.seq_len=64",
-              "model.hash.num_buckets=256", f"train.max_steps={STEPS}", "train.log_interval=1",
-              "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_sequences=8", *overrides):
-        args += ["--set", o]
-    run_cli(args)
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_same_losses(a, b, what):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def run_cli(args: list[str], expect_rc: int = 0, timeout: int = 600) -> str:
@@ -14,3 +16,25 @@ def run_cli(args: list[str], expect_rc: int = 0, timeout: int = 600) -> str:
     out = proc.stdout + proc.stderr
     assert proc.returncode == expect_rc, f"exit {proc.returncode} (expected {expect_rc}):\n{out[-5000:]}"
     return out
+
+
+def train_args(run: Path, data: dict, nproc: int, *overrides: str, preset: str = "tiny-h4b16k",
+               steps: int = 3) -> list[str]:
+    """`mhf-dist train` arguments for a tiny run on the shared test shards (fp32, 8 sequences of 64 per step)."""
+    args = ["train", "--preset", preset, "--nproc-per-node", str(nproc), "--run-dir", str(run)]
+    for o in (f"tokenizer.path={data['tokenizer']}", f"data.path={data['shards']}", "data.seq_len=64",
+              "model.hash.num_buckets=256", f"train.max_steps={steps}", "train.log_interval=1",
+              "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_sequences=8", *overrides):
+        args += ["--set", o]
+    return args
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_run(tmp_path: Path, data: dict, name: str, nproc: int, *overrides: str, preset: str = "tiny-h4b16k",
+              steps: int = 3) -> list[dict]:
+    """Train to the end (or stop_at_step) in ``tmp_path/name``; returns its metrics records."""
+    run_cli(train_args(tmp_path / name, data, nproc, *overrides, preset=preset, steps=steps))
+    return metrics(tmp_path / name)

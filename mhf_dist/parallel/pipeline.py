@@ -65,6 +65,16 @@ class PipelineLoss:
         return out.loss
 
 
+def canonical_name(name: str) -> str:
+    """A pipeline parameter's name in the LanguageModel's naming (``3.block.mlp...`` -> ``backbone.layers.2.mlp...``)."""
+    if name.startswith(f"tied_modules.{VOCAB}."):
+        return name[len(f"tied_modules.{VOCAB}."):]
+    index, _, rest = name.partition(".")
+    if rest.startswith("block."):
+        return f"backbone.layers.{int(index) - 1}.{rest[len('block.'):]}"
+    return f"backbone.norm.{rest}"  # the only other layer with parameters
+
+
 class BalancedPipeline(PipelineModule):
     """Partitions stages by analytic FLOPs per layer instead of parameter counts."""
 

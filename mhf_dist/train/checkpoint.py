@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from mhf_dist import __version__
 from mhf_dist.config import RunConfig
+from mhf_dist.train.universal import universal_info
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +108,12 @@ class Checkpointer:
             shutil.rmtree(path, ignore_errors=True)  # leftovers of an interrupted save of this step
             self.dir.mkdir(parents=True, exist_ok=True)
         dist.barrier()
+        names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
         client = {
             "step": step, "tokens": tokens, "reader": reader_state, "config": self.cfg.model_dump(mode="json"),
             "signatures_hash": self.signatures_hash, "code_version": __version__, "layout": self.layout,
+            "universal_checkpoint_info": universal_info(names, self.cfg.model, self.layout["tp"],
+                                                        self.layout["pp"] > 1),
         }
         engine.save_checkpoint(str(self.dir), tag=tag, client_state=client, save_latest=False)
         torch.save(rng_state(), path / f"rng-rank{self.rank:05d}.pt")

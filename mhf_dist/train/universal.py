@@ -1,0 +1,74 @@
+"""DeepSpeed universal checkpoints: layout-free copies of a sharded checkpoint (SPEC §7).
+
+``ds_to_universal`` merges every data-, tensor- and pipeline-parallel shard into
+one fp32 tensor (plus Adam moments) per parameter, under ``zero/<name>/``. It
+needs to know how tensor-parallel shards join: :func:`universal_info` writes
+that, per parameter name as the engine sees it, from the same table the
+tensor-parallel plan shards with (:func:`tp_split_dims`) — row-parallel and
+bucket-table shards join on dim 1, column-parallel ones on dim 0, the rest are
+replicated; the tied vocabulary appears on two pipeline stages and is taken once.
+(DeepSpeed joins an unlisted parameter on dim 0 silently, so every parameter is
+listed explicitly.)
+
+Used for consolidation (``mhf-dist export``: one full state dict in the
+LanguageModel's naming) and for resuming under another layout.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from mhf_dist.config import ModelConfig
+from mhf_dist.parallel.pipeline import canonical_name
+from mhf_dist.parallel.state_dict import split_dim, tp_split_dims
+
+
+def universal_info(param_names: list[str], cfg: ModelConfig, tp: int, pipeline: bool) -> dict:
+    dims = tp_split_dims(cfg, tp)
+    exact = lambda names: [re.escape(n) + "$" for n in names]  # noqa: E731
+    canon = {n: canonical_name(n) if pipeline else n for n in param_names}
+    return {
+        "universal_checkpoint_version": 0.2,
+        "tp_replicated_parameter_patterns": exact(n for n in param_names if split_dim(canon[n], dims) is None),
+        "parameter_with_row_parallelism_patterns": exact(n for n in param_names if split_dim(canon[n], dims) == 1),
+        "pipeline_replicated_parameter_patterns": exact(n for n in param_names if n.startswith("tied_modules.")),
+    }
+
+
+def to_universal(checkpoint: Path, out: Path) -> Path:
+    """Convert a complete checkpoint directory with DeepSpeed's ``ds_to_universal``."""
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(checkpoint),
+           "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"ds_to_universal failed on {checkpoint}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    return out
+
+
+def read_universal(universal: Path, pipeline: bool) -> dict[str, torch.Tensor]:
+    """``{name: fp32 tensor}`` in the LanguageModel's naming from a universal checkpoint.
+
+    ZeRO-3's universal files hold flat tensors; their shapes come from the saved ``param_shapes``.
+    """
+    shapes = {}
+    for states in universal.glob("*model_states.pt"):
+        for group in torch.load(states, map_location="cpu", weights_only=False).get("param_shapes") or []:
+            shapes |= group
+    out = {}
+    for folder in sorted(p for p in (universal / "zero").iterdir() if p.is_dir()):
+        value = torch.load(folder / "fp32.pt", map_location="cpu", weights_only=False)
+        tensor = value["param"] if isinstance(value, dict) else value.reshape(shapes[folder.name])  # ZeRO-3: flat
+        out[canonical_name(folder.name) if pipeline else folder.name] = tensor
+    return out
+
+
+def consolidate(checkpoint: Path, pipeline: bool) -> dict[str, torch.Tensor]:
+    """One full fp32 state dict from any sharded checkpoint (ZeRO-3 included)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return read_universal(to_universal(checkpoint, Path(tmp) / "universal"), pipeline)

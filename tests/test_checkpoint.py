@@ -1,0 +1,93 @@
+"""Checkpoints and resume: bit-identical continuation, preemption, crash safety, named errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from mhf_dist.train.universal import consolidate
+from train_utils import metrics, run_cli, train_args, train_run
+
+
+def assert_same_weights(a, b, pipeline):
+    """Consolidated fp32 weights (all shards merged) are bitwise equal."""
+    wa, wb = consolidate(a, pipeline), consolidate(b, pipeline)
+    assert wa.keys() == wb.keys() and "vocab.tables.weight" in wa
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
+@pytest.mark.parametrize("nproc, overrides", [(2, []), (4, ["parallel.tp=2", "parallel.pp=2"])],
+                         ids=["dp2-zero3", "tp2-pp2-zero1"])
+def test_stop_and_resume_is_bit_identical(tmp_path, data, nproc, overrides):
+    full = train_run(tmp_path, data, "full", nproc, *overrides, steps=6)
+    first = train_run(tmp_path, data, "split", nproc, *overrides, "train.stop_at_step=3", steps=6)
+    assert [r["step"] for r in first] == [1, 2, 3]
+    assert first[2]["lr"] == full[2]["lr"]  # stopping early does not change the schedule
+    resumed = train_run(tmp_path, data, "split", nproc, *overrides, steps=6)  # --resume auto
+    assert [r["step"] for r in resumed] == list(range(1, 7))  # appended to the same metrics.jsonl
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+    assert [r["head_losses"] for r in resumed] == [r["head_losses"] for r in full]
+    assert_same_weights(tmp_path / "split/checkpoints/step-00000006", tmp_path / "full/checkpoints/step-00000006",
+                        pipeline=nproc == 4)
+
+
+def test_signal_saves_and_exits_for_requeue(tmp_path, data):
+    steps = 40
+    reference = train_run(tmp_path, data, "ref", 2, "parallel.zero_stage=1", steps=steps)
+    args = train_args(tmp_path / "run", data, 2, "parallel.zero_stage=1", steps=steps)
+    proc = subprocess.Popen([sys.executable, "-m", "mhf_dist", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (log.exists() and len(log.read_text().splitlines()) >= 2) and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGUSR1)  # the launcher forwards it to both ranks
+    out = proc.communicate(timeout=300)[0].decode()
+    assert proc.returncode == 85, out[-3000:]
+    marker = json.loads(next((tmp_path / "run/checkpoints").glob("step-*/complete.json")).read_text())
+    assert marker["reason"] == "signal" and 2 <= marker["step"] < steps
+    run_cli(args)  # the relaunch (--resume auto) finishes the run
+    assert [r["loss"] for r in metrics(tmp_path / "run")] == [r["loss"] for r in reference]
+
+
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path, data):
+    reference = train_run(tmp_path, data, "ref", 2, "parallel.zero_stage=1", steps=6)
+    args = train_args(tmp_path / "run", data, 2, "parallel.zero_stage=1", "train.checkpoint_interval=2", steps=6)
+    env = os.environ | {"MHF_DIST_TEST_SAVE_PAUSE": "3"}  # every save stalls before it is marked complete
+    proc = subprocess.Popen([sys.executable, "-m", "mhf_dist", *args], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpts = tmp_path / "run" / "checkpoints"
+    deadline = time.time() + 300
+    while not (ckpts / "step-00000004").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert (ckpts / "step-00000002" / "complete.json").exists()
+    os.killpg(proc.pid, signal.SIGKILL)  # every rank, mid-save of step 4
+    proc.wait()
+    assert not (ckpts / "step-00000004" / "complete.json").exists()
+    out = run_cli(args)
+    assert "ignoring incomplete checkpoint" in out and "resumed from" in out and "step-00000002" in out
+    assert [r["loss"] for r in metrics(tmp_path / "run")] == [r["loss"] for r in reference]
+
+
+def test_mismatched_or_damaged_checkpoints_are_named(tmp_path, data):
+    train_run(tmp_path, data, "run", 1, "parallel.zero_stage=1", steps=2)
+    ckpt = tmp_path / "run/checkpoints/step-00000002"
+    out = run_cli(train_args(tmp_path / "run", data, 1, "parallel.zero_stage=1", "model.hash.gate_dim=32", steps=4),
+                  expect_rc=2)
+    assert "is of another model (model.hash: checkpoint" in out
+    out = run_cli(train_args(tmp_path / "run", data, 2, "parallel.zero_stage=1", steps=4), expect_rc=2)
+    assert "saved with layout {'tp': 1, 'pp': 1, 'dp': 1}" in out
+    shard = next(ckpt.glob("*optim_states.pt"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    out = run_cli(train_args(tmp_path / "run", data, 1, "parallel.zero_stage=1", steps=4), expect_rc=2)
+    assert f"{shard.name} has 100 bytes" in out and "truncated or corrupt" in out
+    shard.unlink()
+    out = run_cli(train_args(tmp_path / "run", data, 1, "parallel.zero_stage=1", steps=4), expect_rc=2)
+    assert f"is missing {shard.name}" in out
