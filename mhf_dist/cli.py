@@ -67,6 +67,13 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from mhf_dist.export import export
+
+    print(f"wrote {export(args.checkpoint, args.out, args.dtype)}")
+    return 0
+
+
 def cmd_config(args) -> int:
     import yaml
 
@@ -125,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--vocab-size", type=int, default=32768, help="registered tokens (default: Mistral v0.3's)")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("export", help="one full state dict (safetensors) + config + signatures + tokenizer "
+                       "from a sharded checkpoint")
+    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("config", help="print the resolved run config")
     _add_run_options(p)

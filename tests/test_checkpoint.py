@@ -91,3 +91,32 @@ def test_mismatched_or_damaged_checkpoints_are_named(tmp_path, data):
     shard.unlink()
     out = run_cli(train_args(tmp_path / "run", data, 1, "parallel.zero_stage=1", steps=4), expect_rc=2)
     assert f"is missing {shard.name}" in out
+
+
+@pytest.mark.parametrize("nproc, overrides, nproc2, overrides2", [
+    (1, [], 2, []),  # dp 1 -> 2 (ZeRO-3)
+    (2, ["parallel.tp=2"], 1, []),  # tp 2 -> 1
+    (4, ["parallel.tp=2", "parallel.pp=2"], 2, ["parallel.zero_stage=1"]),  # tp2 x pp2 -> dp 2
+], ids=["dp1-to-dp2", "tp2-to-tp1", "tp2pp2-to-dp2"])
+def test_resume_under_another_layout(tmp_path, data, nproc, overrides, nproc2, overrides2):
+    full = train_run(tmp_path, data, "full", nproc, *overrides, steps=6)
+    train_run(tmp_path, data, "split", nproc, *overrides, "train.stop_at_step=3", steps=6)
+    out = run_cli(train_args(tmp_path / "split", data, nproc2, *overrides2, steps=6))
+    assert "converted to this layout" in out
+    for got, want in zip(metrics(tmp_path / "split"), full):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * want["loss"], (got["step"], got["loss"], want["loss"])
+
+
+def test_export_of_zero3_checkpoint_equals_unsharded_weights(tmp_path, data):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    train_run(tmp_path, data, "run", 2, steps=2)  # dp 2, ZeRO-3
+    run_cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "export")])
+    exported = load_file(str(tmp_path / "export/model.safetensors"))
+    reference = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "run/checkpoints"), tag="step-00000002")
+    assert exported.keys() == reference.keys()
+    for k in reference:
+        assert torch.equal(exported[k], reference[k]), k
+    assert exported["vocab.tables.weight"].shape == (4, 256, 64)
+    assert {"config.yaml", "signatures", "tokenizer"} <= {p.name for p in (tmp_path / "export").iterdir()}

@@ -75,6 +75,16 @@ def canonical_name(name: str) -> str:
     return f"backbone.norm.{rest}"  # the only other layer with parameters
 
 
+def pipeline_name(name: str, n_layers: int) -> str:
+    """The inverse of :func:`canonical_name` for a model of ``n_layers`` blocks."""
+    if name.startswith("vocab."):
+        return f"tied_modules.{VOCAB}.{name}"
+    if name.startswith("backbone.layers."):
+        index, _, rest = name[len("backbone.layers."):].partition(".")
+        return f"{int(index) + 1}.block.{rest}"
+    return f"{n_layers + 1}.{name[len('backbone.norm.'):]}"
+
+
 class BalancedPipeline(PipelineModule):
     """Partitions stages by analytic FLOPs per layer instead of parameter counts."""
 

@@ -14,6 +14,12 @@ before DeepSpeed reads it. ``RUN/checkpoints/latest`` is then replaced
 atomically. A directory without the marker (a rank killed mid-save) is ignored
 by ``--resume auto`` with a warning, so the previous checkpoint stays the one
 resumed. The newest ``train.keep_checkpoints`` complete checkpoints are kept.
+
+Resuming under another layout (dp, tp or pp changed) goes through DeepSpeed's
+universal checkpoint (:mod:`mhf_dist.train.universal`): every combination of
+dp, tp and pp (pp = 1 ↔ pp > 1 included) converts; the data position carries
+over because the reader's order does not depend on the rank count. The RNG
+states are not restored then (they belong to the old ranks).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch.distributed as dist
 
 from mhf_dist import __version__
 from mhf_dist.config import RunConfig
-from mhf_dist.train.universal import universal_info
+from mhf_dist.train.universal import convert_for_layout, universal_info
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +83,15 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _set_adam_steps(engine, step: int) -> None:
+    """AdamW's bias-correction step count, which DeepSpeed's universal loading leaves unset for ZeRO-3 sources;
+    every parameter took every optimizer step, so it is the global step."""
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in inner.state.values():
+        if "step" in state:
+            state["step"] = torch.full_like(state["step"], step) if torch.is_tensor(state["step"]) else step
+
+
 def complete_checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints, oldest first; incomplete ones are reported and skipped."""
     if not directory.is_dir():
@@ -91,9 +106,11 @@ def complete_checkpoints(directory: Path) -> list[Path]:
 
 
 class Checkpointer:
-    def __init__(self, run_path: Path, cfg: RunConfig, signatures_hash: str | None, layout: dict):
+    def __init__(self, run_path: Path, cfg: RunConfig, signatures_hash: str | None, layout: dict,
+                 param_names: list[str]):
         self.dir = run_path / "checkpoints"
         self.cfg, self.signatures_hash, self.layout = cfg, signatures_hash, layout
+        self.universal = universal_info(param_names, cfg.model, layout["tp"], layout["pp"] > 1)
         self.rank = dist.get_rank()
 
     def latest(self) -> Path | None:
@@ -108,12 +125,10 @@ class Checkpointer:
             shutil.rmtree(path, ignore_errors=True)  # leftovers of an interrupted save of this step
             self.dir.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
         client = {
             "step": step, "tokens": tokens, "reader": reader_state, "config": self.cfg.model_dump(mode="json"),
             "signatures_hash": self.signatures_hash, "code_version": __version__, "layout": self.layout,
-            "universal_checkpoint_info": universal_info(names, self.cfg.model, self.layout["tp"],
-                                                        self.layout["pp"] > 1),
+            "universal_checkpoint_info": self.universal,
         }
         engine.save_checkpoint(str(self.dir), tag=tag, client_state=client, save_latest=False)
         torch.save(rng_state(), path / f"rng-rank{self.rank:05d}.pt")
@@ -148,10 +163,6 @@ class Checkpointer:
             if f.stat().st_size != size:
                 raise CheckpointError(f"checkpoint {path}: {name} has {f.stat().st_size} bytes, {size} were written "
                                       "(truncated or corrupt); resume from an older checkpoint")
-        if marker["layout"] != self.layout:
-            raise CheckpointError(
-                f"checkpoint {path} was saved with layout {marker['layout']}, this run is {self.layout}: resume with "
-                "the same tp/pp/dp, or convert it first (mhf-dist reshard)")
         if marker["signatures_hash"] != self.signatures_hash:
             raise CheckpointError(
                 f"checkpoint {path} was trained with signature table {str(marker['signatures_hash'])[:12]}, this run "
@@ -164,12 +175,31 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} is of another model ({details}); resume with its config")
         return marker
 
-    def load(self, engine, path: Path) -> dict:
-        """Load model, optimizer, scheduler and this rank's RNG state; returns the client state."""
+    def for_this_layout(self, path: Path) -> tuple[Path, bool]:
+        """(checkpoint to load, whether it is universal): a checkpoint of another tp/pp/dp layout is converted
+        once by rank 0 into ``checkpoints/universal/<tag>`` (DeepSpeed's universal format), then loaded from there."""
         marker = self.verify(path)
+        if marker["layout"] == self.layout:
+            return path, False
+        target = self.dir / "universal" / path.name
+        if self.rank == 0 and not (target / MARKER).is_file():
+            shutil.rmtree(target, ignore_errors=True)
+            convert_for_layout(path, target, marker["layout"]["pp"] > 1, self.layout["pp"] > 1,
+                               self.cfg.model.n_layers)
+            _write_atomic(target / MARKER, json.dumps(marker | {"universal": True, "source": str(path)}, indent=1))
+        dist.barrier()
+        return target, True
+
+    def load(self, engine, path: Path) -> dict:
+        """Load model, optimizer, scheduler and (same layout only) this rank's RNG state; returns the client state."""
+        marker = json.loads((path / MARKER).read_text())
+        if not marker.get("universal"):
+            self.verify(path)
         _, client = engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True)
         if client is None:
             raise CheckpointError(f"DeepSpeed could not load {path}; see the log above")
+        if marker.get("universal"):
+            _set_adam_steps(engine, client["step"])
         rng = path / f"rng-rank{self.rank:05d}.pt"
         if marker["layout"] == self.layout and rng.is_file():
             set_rng_state(torch.load(rng, weights_only=False))

@@ -133,6 +133,15 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto") -> TrainRes
 
     seed_everything(cfg.train.seed)
     model = build_model(cfg.model, len(tokenizer), table.codes if table else None).to(device)
+    checkpointer = Checkpointer(run.path, cfg, table.content_hash if table else None,
+                                {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+                                [n for n, _ in model.named_parameters()])
+    resume_from, universal = None, False
+    if (path := _resume_path(resume, checkpointer)) is not None:
+        resume_from, universal = checkpointer.for_this_layout(path)
+        if universal:
+            ds_config = ds_config | {"checkpoint": {"load_universal": True}}
+
     apply_tensor_parallel(model, groups.tp_group, groups.tp_rank, groups.tp)
     vocab_rows = model.vocab.tables.num_rows
     trainer = build_trainer(cfg, model, groups, ds_config, layout)
@@ -147,15 +156,13 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto") -> TrainRes
     reader = ShardReader(shards, **reader_args)
     has_val = "val" in reader.manifest["splits"]
 
-    checkpointer = Checkpointer(run.path, cfg, table.content_hash if table else None,
-                                {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp})
     start = 0
-    if (path := _resume_path(resume, checkpointer)) is not None:
-        client = checkpointer.load(trainer.engine, path)
+    if resume_from is not None:
+        client = checkpointer.load(trainer.engine, resume_from)
         start = client["step"]
         reader.load_state_dict(client["reader"])
         if rank == 0:
-            tqdm.write(f"resumed from {path} at step {start}")
+            tqdm.write(f"resumed from {path} at step {start}" + (" (converted to this layout)" if universal else ""))
 
     t = cfg.train
     tokens_per_step = t.global_batch_size * cfg.data.seq_len

@@ -6,7 +6,7 @@ needs to know how tensor-parallel shards join: :func:`universal_info` writes
 that, per parameter name as the engine sees it, from the same table the
 tensor-parallel plan shards with (:func:`tp_split_dims`) — row-parallel and
 bucket-table shards join on dim 1, column-parallel ones on dim 0, the rest are
-replicated; the tied vocabulary appears on two pipeline stages and is taken once.
+replicated; the tied bucket tables train on two pipeline stages and are taken once.
 (DeepSpeed joins an unlisted parameter on dim 0 silently, so every parameter is
 listed explicitly.)
 
@@ -25,19 +25,23 @@ from pathlib import Path
 import torch
 
 from mhf_dist.config import ModelConfig
-from mhf_dist.parallel.pipeline import canonical_name
+from mhf_dist.parallel.pipeline import canonical_name, pipeline_name
 from mhf_dist.parallel.state_dict import split_dim, tp_split_dims
 
 
 def universal_info(param_names: list[str], cfg: ModelConfig, tp: int, pipeline: bool) -> dict:
+    """Merge patterns for every parameter of the model (``param_names`` in the LanguageModel's naming; each
+    stage's file must describe all of them, whichever stage DeepSpeed reads them from)."""
     dims = tp_split_dims(cfg, tp)
-    exact = lambda names: [re.escape(n) + "$" for n in names]  # noqa: E731
-    canon = {n: canonical_name(n) if pipeline else n for n in param_names}
+    engine_name = (lambda n: pipeline_name(n, cfg.n_layers)) if pipeline else (lambda n: n)  # noqa: E731
+    exact = lambda names: [re.escape(engine_name(n)) + "$" for n in names]  # noqa: E731
     return {
         "universal_checkpoint_version": 0.2,
-        "tp_replicated_parameter_patterns": exact(n for n in param_names if split_dim(canon[n], dims) is None),
-        "parameter_with_row_parallelism_patterns": exact(n for n in param_names if split_dim(canon[n], dims) == 1),
-        "pipeline_replicated_parameter_patterns": exact(n for n in param_names if n.startswith("tied_modules.")),
+        "tp_replicated_parameter_patterns": exact(n for n in param_names if split_dim(n, dims) is None),
+        "parameter_with_row_parallelism_patterns": exact(n for n in param_names if split_dim(n, dims) == 1),
+        # trained on the first and the last stage alike: taken from the first (the decoder's mixers train
+        # only on the last stage and the encoder only on the first, so each has one copy)
+        "pipeline_replicated_parameter_patterns": exact(["vocab.tables.weight"]),
     }
 
 
@@ -72,3 +76,13 @@ def consolidate(checkpoint: Path, pipeline: bool) -> dict[str, torch.Tensor]:
     """One full fp32 state dict from any sharded checkpoint (ZeRO-3 included)."""
     with tempfile.TemporaryDirectory() as tmp:
         return read_universal(to_universal(checkpoint, Path(tmp) / "universal"), pipeline)
+
+
+def convert_for_layout(checkpoint: Path, out: Path, source_pipeline: bool, target_pipeline: bool, n_layers: int) -> Path:
+    """A universal copy of ``checkpoint`` whose parameter folders carry the target engine's names."""
+    to_universal(checkpoint, out)
+    if source_pipeline != target_pipeline:
+        for folder in [p for p in (out / "zero").iterdir() if p.is_dir()]:
+            name = canonical_name(folder.name) if source_pipeline else folder.name
+            folder.rename(folder.with_name(pipeline_name(name, n_layers) if target_pipeline else name))
+    return out

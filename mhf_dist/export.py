@@ -1,0 +1,54 @@
+"""``mhf-dist export``: one full state dict from any sharded checkpoint, with what it needs to be used.
+
+Writes ``OUT/model.safetensors`` (the LanguageModel's parameter names, see
+:mod:`mhf_dist.hf.layout`), ``OUT/config.yaml`` (the run config), ``OUT/signatures/``
+and ``OUT/tokenizer/``. The weights are the fp32 master weights merged over
+every data-, tensor- and pipeline-parallel shard (ZeRO-3 included), cast to
+``--dtype``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from mhf_dist.config import RunConfig
+from mhf_dist.run_dir import RunDir
+from mhf_dist.train.checkpoint import MARKER, CheckpointError, complete_checkpoints
+from mhf_dist.train.universal import consolidate
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a run directory (its newest complete checkpoint)."""
+    path = Path(path)
+    if (path / MARKER).is_file():
+        return path
+    found = complete_checkpoints(path / "checkpoints")
+    if not found:
+        raise CheckpointError(f"{path} is neither a complete checkpoint nor a run directory with one")
+    return found[-1]
+
+
+def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
+    ckpt = resolve_checkpoint(checkpoint)
+    marker = json.loads((ckpt / MARKER).read_text())
+    run = RunDir(ckpt.parent.parent)
+    cfg = RunConfig.model_validate(yaml.safe_load(run.config_path.read_text()))
+    weights = consolidate(ckpt, pipeline=marker["layout"]["pp"] > 1)
+    cast = torch.bfloat16 if dtype == "bf16" else torch.float32
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(cast).contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
+              metadata={"step": str(marker["step"]), "source": str(ckpt)})
+    shutil.copyfile(run.config_path, out / "config.yaml")
+    if run.signatures_dir.is_dir():
+        shutil.copytree(run.signatures_dir, out / "signatures", dirs_exist_ok=True)
+    tokenizer = Path(run.tokenizer_source(cfg))
+    if tokenizer.is_dir():
+        shutil.copytree(tokenizer, out / "tokenizer", dirs_exist_ok=True)
+    return out
