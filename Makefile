@@ -27,8 +27,7 @@ DEMO := $(VENV)/bin/mhf-dist train --preset tiny-h4b16k --nproc-per-node 4 \
 demo: setup
 	rm -rf $(RUN_DIR)
 	$(DEMO) --run-dir $(RUN_DIR)/tp2-dp2 --set parallel.tp=2
-	$(DEMO) --run-dir $(RUN_DIR)/pp2-dp2 --set parallel.pp=2 \
-		--set tokenizer.path=$(RUN_DIR)/tp2-dp2/tokenizer --set data.path=$(RUN_DIR)/tp2-dp2/data
+	$(DEMO) --run-dir $(RUN_DIR)/pp2-dp2 --set parallel.pp=2 --set data.path=$(RUN_DIR)/tp2-dp2/data
 	@echo "TensorBoard logs: $(abspath $(RUN_DIR)) (tensorboard --logdir $(abspath $(RUN_DIR)))"
 
 test: setup

@@ -74,8 +74,8 @@ class ModelConfig(_Strict):
 class TokenizerConfig(_Strict):
     path: str | None = Field(
         None,
-        description="a local tokenizer directory, or 'mistral-v0.3' (from mistral-common); "
-        "None trains a byte-level BPE on the embedded corpus",
+        description="a local tokenizer directory, or 'mistral-v0.3' (from mistral-common); None: the tokenizer "
+        "saved with data.path's shards, or (no data.path) a byte-level BPE trained on the embedded corpus",
     )
     vocab_size: int = Field(4096, ge=256, description="vocabulary of the BPE trained when path is None")
 
@@ -134,7 +134,7 @@ class TrainConfig(_Strict):
     seed: int = 42
     dtype: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    log_interval: int = Field(10, ge=1)
+    log_interval: int = Field(1, ge=1, description="log every N steps (and always step 1 and the last)")
     eval_interval: int = Field(0, ge=0, description="evaluate on the validation split every N steps; 0: only at the end")
     eval_sequences: int = Field(
         32, ge=1, description="validation sequences per evaluation, over all ranks (rounded down to whole "

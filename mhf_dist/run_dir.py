@@ -20,7 +20,7 @@ import yaml
 from transformers import PreTrainedTokenizerBase
 
 from mhf_dist.config import HashConfig, RunConfig
-from mhf_dist.data.prepare import MANIFEST, prepare
+from mhf_dist.data.prepare import MANIFEST, TOKENIZER_DIR, prepare
 from mhf_dist.signatures import SignatureError, SignatureTable, tokens_fingerprint
 from mhf_dist.tokenizers import embedded_corpus, load_tokenizer, train_bpe, vocabulary
 
@@ -38,12 +38,12 @@ class RunDir:
         self.config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
     def tokenizer(self, cfg: RunConfig) -> PreTrainedTokenizerBase:
-        """The run's tokenizer: ``tokenizer.path``, or a BPE trained once on the embedded corpus."""
-        if cfg.tokenizer.path is not None:
-            return load_tokenizer(cfg.tokenizer.path)
-        if not (self.tokenizer_dir / "tokenizer.json").is_file():
+        """The run's tokenizer: ``tokenizer.path``, else the one ``data.path``'s shards were made with, else a
+        BPE trained once on the embedded corpus."""
+        source = self.tokenizer_source(cfg)
+        if source == str(self.tokenizer_dir) and not (self.tokenizer_dir / "tokenizer.json").is_file():
             train_bpe(embedded_corpus(), cfg.tokenizer.vocab_size, self.tokenizer_dir)
-        return load_tokenizer(self.tokenizer_dir)
+        return load_tokenizer(source)
 
     def signatures(self, hash_cfg: HashConfig, tokenizer: PreTrainedTokenizerBase) -> SignatureTable:
         """Build the table on first start; afterwards load it and check it matches tokenizer and config."""
@@ -69,7 +69,11 @@ class RunDir:
         return table
 
     def tokenizer_source(self, cfg: RunConfig) -> str:
-        return cfg.tokenizer.path if cfg.tokenizer.path is not None else str(self.tokenizer_dir)
+        if cfg.tokenizer.path is not None:
+            return cfg.tokenizer.path
+        if cfg.data.path is not None and (Path(cfg.data.path) / TOKENIZER_DIR).is_dir():
+            return str(Path(cfg.data.path) / TOKENIZER_DIR)
+        return str(self.tokenizer_dir)
 
     def shards(self, cfg: RunConfig) -> Path:
         """``data.path``, or shards of the embedded corpus prepared once into ``RUN/data`` (5 % held out)."""

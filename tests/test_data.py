@@ -106,8 +106,9 @@ def test_documents_come_in_input_order(inputs, docs):
 
 def test_prepare_is_byte_identical_across_runs_and_worker_counts(shards, inputs, tok_dir, tmp_path):
     _prepare(inputs, tok_dir, tmp_path / "again", workers=2)
-    names = sorted(p.name for p in shards.iterdir())
-    assert len(names) > 3 and names == sorted(p.name for p in (tmp_path / "again").iterdir())
+    names = sorted(str(p.relative_to(shards)) for p in shards.rglob("*") if p.is_file())
+    again = sorted(str(p.relative_to(tmp_path / "again")) for p in (tmp_path / "again").rglob("*") if p.is_file())
+    assert len(names) > 3 and names == again and "tokenizer/tokenizer.json" in names
     for name in names:
         assert (shards / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
 

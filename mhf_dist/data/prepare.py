@@ -71,6 +71,7 @@ from mhf_dist.tokenizers import load_tokenizer, vocabulary
 
 FORMAT = "mhf-dist-packed-tokens-v1"
 MANIFEST = "manifest.json"
+TOKENIZER_DIR = "tokenizer"
 SAMPLE_MEMBER = "tokens.npy"
 VAL_PREFIX = "val"
 _SUFFIXES = (".txt", ".jsonl")
@@ -321,8 +322,10 @@ def prepare(
                 + (" or raise --val-fraction" if name == "val" else "")
             )
 
+    tok.save_pretrained(str(out / TOKENIZER_DIR))  # shards carry their tokenizer: a run on them needs no other
     manifest = {
         "format": FORMAT,
+        "tokenizer": TOKENIZER_DIR,
         "seq_len": seq_len,
         "sample_tokens": seq_len + 1,
         "dtype": dtype.name,
