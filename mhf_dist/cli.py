@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -74,6 +75,36 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_submit(args) -> int:
+    from mhf_dist.cluster import load_profile
+    from mhf_dist.submit import render, submit
+
+    cfg, profile, run_dir = _load(args), load_profile(args.cluster), Path(args.run_dir)
+    kind = "hostfile" if args.hostfile else "sbatch"
+    script = render(kind, cfg, profile, args.nodes, run_dir, args.preset, args.config, args.overrides,
+                    grace=args.grace, depends_on=args.depends_on, hostfile=args.hostfile)
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    if kind == "hostfile":
+        path = run_dir.resolve() / "launch.sh"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(script)
+        print(f"starting {path}")
+        return subprocess.call(["bash", str(path)])
+    job = submit(script, run_dir)
+    print(f"submitted job {job}; logs: {run_dir.resolve() / 'slurm'}/mhf-{run_dir.resolve().name}-{job}.out; "
+          f"progress: mhf-dist status {run_dir}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from mhf_dist.status import status
+
+    print(status(args.run_dir))
+    return 0
+
+
 def cmd_config(args) -> int:
     import yaml
 
@@ -139,6 +170,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("submit", help="submit a multi-node training job (SLURM, or a hostfile for DeepSpeed's launcher)")
+    _add_run_options(p)
+    p.add_argument("--run-dir", required=True, help="run directory on storage every node sees")
+    p.add_argument("--cluster", required=True, help="cluster profile: a100-80g, mi300x, cpu-local or a .yaml path")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--grace", type=int, default=120, help="seconds between SLURM's USR1 and the time limit")
+    p.add_argument("--depends-on", help="start after this job id ends (afterany)")
+    p.add_argument("--hostfile", help="no SLURM: launch with DeepSpeed's launcher over this hostfile")
+    p.add_argument("--dry-run", action="store_true", help="print the job script only")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("status", help="a run's progress: step, tokens, loss, throughput, last checkpoint")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("config", help="print the resolved run config")
     _add_run_options(p)

@@ -116,8 +116,16 @@ def _resume_path(resume: str, checkpointer: Checkpointer) -> Path | None:
     return Path(resume)
 
 
+def rank_env_from_slurm() -> None:
+    """Inside an ``srun`` step, each task is one rank: take RANK/LOCAL_RANK/WORLD_SIZE from SLURM."""
+    if "RANK" not in os.environ and "SLURM_STEP_ID" in os.environ:
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ["SLURM_LOCALID"],
+                          WORLD_SIZE=os.environ["SLURM_NTASKS"])
+
+
 def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto") -> TrainResult:
     """Train ``cfg`` in ``run_dir`` on this rank (``resume``: auto, none, or a checkpoint directory)."""
+    rank_env_from_slurm()
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     layout, ds_config = preflight(cfg, world)
     device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))

@@ -1,0 +1,22 @@
+#!/bin/bash
+# Rendered by `mhf-dist submit --hostfile` (profile a100-80g): 2 node(s) x 8 rank(s),
+# started by DeepSpeed's launcher over ssh/pdsh. Re-run this script after a stop: it resumes.
+set -uo pipefail
+cd /shared/mhf-dist
+module load cuda/12.4 || true
+source .venv/bin/activate
+export NCCL_SOCKET_IFNAME=ib0
+export NCCL_IB_HCA=mlx5
+export NCCL_DEBUG=WARN
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+export OMP_NUM_THREADS=8
+# DeepSpeed's launcher forwards only some variables to the other nodes; list the profile's in .deepspeed_env.
+cat > .deepspeed_env <<'ENV'
+NCCL_SOCKET_IFNAME=ib0
+NCCL_IB_HCA=mlx5
+NCCL_DEBUG=WARN
+CUDA_DEVICE_MAX_CONNECTIONS=1
+OMP_NUM_THREADS=8
+ENV
+deepspeed --hostfile /shared/hostfile --num_nodes 2 --num_gpus 8 --master_port 29500 --no_local_rank \
+  --module mhf_dist train --run-dir /shared/runs/demo --preset 1b-h4b16k

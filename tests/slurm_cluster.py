@@ -1,0 +1,106 @@
+"""A private single-node SLURM (munge + slurmctld + slurmd on localhost) for the scheduler tests.
+
+Everything lives in one directory: config, state, spool, logs, pid files and the
+munge socket (FIELD-NOTES: gVisor has no usable cgroups, so proctrack/linuxproc
+and task/none). Clients find it through ``SLURM_CONF``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue")
+
+
+def missing_binaries() -> list[str]:
+    return [b for b in BINARIES if shutil.which(b) is None]
+
+
+class LocalSlurm:
+    def __init__(self, root: Path, cpus: int = 2):
+        self.root, self.cpus = root, cpus
+        self.conf = root / "slurm.conf"
+        self.env = os.environ | {"SLURM_CONF": str(self.conf)}
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> "LocalSlurm":
+        r = self.root
+        for d in ("munge/socket", "munge/key", "state", "spool", "log"):
+            (r / d).mkdir(parents=True, exist_ok=True)
+        os.chmod(r / "munge" / "key", 0o700)
+        os.chmod(r / "munge" / "socket", 0o755)  # o+x for clients
+        key = r / "munge/key/munge.key"
+        key.write_bytes(os.urandom(1024))
+        os.chmod(key, 0o400)
+        socket = r / "munge/socket/munge.socket"
+        self._run(["munged", "--force", f"--key-file={key}", f"--socket={socket}",
+                   f"--pid-file={r / 'munge/munged.pid'}", f"--log-file={r / 'log/munged.log'}",
+                   f"--seed-file={r / 'munge/seed'}"])
+        self.conf.write_text(f"""ClusterName=mhftest
+SlurmctldHost=localhost(127.0.0.1)
+SlurmUser=root
+AuthType=auth/munge
+AuthInfo=socket={socket}
+CredType=cred/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+StateSaveLocation={r / 'state'}
+SlurmdSpoolDir={r / 'spool'}
+SlurmctldPidFile={r / 'slurmctld.pid'}
+SlurmdPidFile={r / 'slurmd.pid'}
+SlurmctldLogFile={r / 'log/slurmctld.log'}
+SlurmdLogFile={r / 'log/slurmd.log'}
+SlurmctldPort=16817
+SlurmdPort=16818
+KillWait=60
+MinJobAge=3600
+SchedulerType=sched/builtin
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+NodeName=localhost NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+""")
+        self.procs.append(subprocess.Popen(["slurmctld", "-D", "-f", str(self.conf)], env=self.env,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.procs.append(subprocess.Popen(["slurmd", "-D", "-N", "localhost", "-f", str(self.conf)], env=self.env,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True, text=True).stdout
+            if out.strip() in ("idle", "mixed", "allocated"):
+                return self
+            time.sleep(0.5)
+        raise RuntimeError(f"SLURM did not come up: {self.log_tail()}")
+
+    def _run(self, cmd: list[str]) -> None:
+        subprocess.run(cmd, env=self.env, check=True, capture_output=True)
+
+    def scontrol(self, *args: str) -> str:
+        return subprocess.run(["scontrol", *args], env=self.env, capture_output=True, text=True, check=True).stdout
+
+    def job_state(self, job: str) -> dict:
+        out = self.scontrol("show", "job", job)
+        return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+    def log_tail(self) -> str:
+        return "\n".join((self.root / "log" / f).read_text()[-2000:] for f in ("slurmctld.log", "slurmd.log")
+                         if (self.root / "log" / f).exists())
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        pid = self.root / "munge/munged.pid"
+        if pid.exists():
+            subprocess.run(["kill", pid.read_text().strip()], capture_output=True)
