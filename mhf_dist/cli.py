@@ -105,6 +105,34 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    from mhf_dist.cluster import load_profile
+    from mhf_dist.profile import profile_scoring, run_sweep, table, write_outputs
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    nominal = load_profile(args.cluster).peak_bf16_tflops if args.cluster else None
+    tps = [int(layout.removeprefix("tp=")) for layout in args.layout.split(",")]
+    rows = run_sweep(args.size, args.hash.split(","), tps, args.steps, args.warmup, args.seq_len, args.micro_batch,
+                     args.dtype, out, nominal, args.overrides, args.trace)
+    cfg = load_config(f"{args.size}-h4b16k").model
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    scoring = profile_scoring([int(v) for v in args.vocab_sizes.split(",")], cfg.d_model, cfg.hash.num_hashes,
+                              cfg.hash.num_buckets, device, args.dtype)
+    write_outputs(rows, scoring, out)
+    print(table(rows, scoring))
+    print(f"wrote {out}/profile.csv, profile.json, scoring.csv, throughput.png, memory.png, scoring.png, tensorboard/")
+    return 0
+
+
+def cmd_profile_worker(args) -> int:
+    from mhf_dist.profile import worker_main
+
+    return worker_main(args.rows, args.spec)
+
+
 def cmd_config(args) -> int:
     import yaml
 
@@ -185,6 +213,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="a run's progress: step, tokens, loss, throughput, last checkpoint")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("profile", help="tokens/s, MFU, memory and communication per hash configuration and layout")
+    p.add_argument("--size", default="100m", help="tiny, 100m, 1b or 3b")
+    p.add_argument("--hash", default="standard,h1b16k,h3b10k,h4b16k", help="comma-separated preset variants")
+    p.add_argument("--layout", default="tp=1", help="comma-separated tensor-parallel layouts, e.g. tp=1,tp=2")
+    p.add_argument("--steps", type=int, default=3, help="measured training steps per configuration")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--cluster", help="profile whose nominal peak is reported next to the measured one")
+    p.add_argument("--vocab-sizes", default="32768,131072,1048576", help="registered tokens for the scoring benchmark")
+    p.add_argument("--out", default="profile", help="output directory")
+    p.add_argument("--trace", action="store_true", help="write a PyTorch profiler trace of the first configuration")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config overrides applied to every configuration")
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("profile-worker")  # the ranks of one tensor-parallel layout, started by `profile`
+    p.add_argument("--rows", required=True, help="where rank 0 writes its measurements (JSON)")
+    p.add_argument("--spec", required=True, help="JSON of profile_training's arguments")
+    p.set_defaults(func=cmd_profile_worker)
 
     p = sub.add_parser("config", help="print the resolved run config")
     _add_run_options(p)

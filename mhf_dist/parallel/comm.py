@@ -14,6 +14,7 @@ wire traffic of a ring all-reduce is ``2·(tp-1)/tp`` of it).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 class CollectiveLog:
     calls: Counter = field(default_factory=Counter)  # (op, phase) -> number of calls
     bytes: Counter = field(default_factory=Counter)  # (op, phase) -> payload bytes
+    seconds: float = 0.0  # wall time inside the collectives (on GPUs: until the call returns)
 
     def record(self, op: str, phase: str, tensor: torch.Tensor) -> None:
         self.calls[(op, phase)] += 1
@@ -53,7 +55,10 @@ def _all_reduce(tensor: torch.Tensor, group, op: str, phase: str, reduce_op=dist
     for log in _active:
         log.record(op, phase, tensor)
     tensor = tensor.contiguous()
+    start = time.perf_counter()
     dist.all_reduce(tensor, op=reduce_op, group=group)
+    for log in _active:
+        log.seconds += time.perf_counter() - start
     return tensor
 
 

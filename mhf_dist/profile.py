@@ -1,0 +1,318 @@
+"""``mhf-dist profile``: throughput, MFU, memory and communication per hash configuration and layout.
+
+For every (layout, hash configuration) the model is built from the preset
+``{size}-{hash}``, tensor-parallelised (tp ranks are local processes), and
+trained with AdamW on the same synthetic token batch: warm-up steps, then
+``--steps`` measured ones. Each step is split into forward, backward and
+optimizer time (CUDA events on GPUs, wall timers on CPU) and the time spent in
+tensor-parallel collectives; the FLOPs are the analytic count of
+:mod:`mhf_dist.model.flops`, the peak is measured in the same run (a timed
+matmul in the run's dtype) and shown next to the cluster profile's nominal one.
+Inference: the time per token of ``log P_inf`` over 32K, 128K and 1M registered
+tokens next to a Standard LM head over the same vocabulary.
+
+Outputs in ``--out``: ``profile.csv`` / ``profile.json`` (training rows),
+``scoring.csv``, TensorBoard scalars, and PNG plots.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mhf_dist.config import load_config
+from mhf_dist.model import build_model
+from mhf_dist.model.flops import forward_flops
+from mhf_dist.model.scoring import log_p_inf
+from mhf_dist.model.tables import BucketTables
+from mhf_dist.parallel.comm import count_collectives
+from mhf_dist.parallel.plan import apply_tensor_parallel
+from mhf_dist.train.optim import build_optimizer
+from mhf_dist.train.throughput import measured_peak_flops
+
+VOCAB = 32768  # Mistral v0.3's size; signatures are random (timing does not depend on them)
+
+
+@dataclass
+class TrainRow:
+    size: str
+    hash: str
+    layout: str
+    dtype: str
+    seq_len: int
+    micro_batch: int
+    params: int
+    tokens_per_s: float
+    step_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    comm_s: float
+    tflops: float
+    peak_tflops_measured: float
+    peak_tflops_nominal: float | None
+    mfu: float
+    memory_gb: float
+    comm_bytes_per_step: int
+
+
+class _Timer:
+    """Elapsed seconds of a region: CUDA events on GPUs, wall clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+            torch.cuda.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1000
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+
+def _dtype(name: str) -> torch.dtype:
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def profile_training(size: str, hash_name: str, tp: int, steps: int, warmup: int, seq_len: int, micro: int,
+                     dtype: str, device: torch.device, peak_measured: float, peak_nominal: float | None,
+                     overrides: list[str], trace_dir: Path | None = None) -> TrainRow:
+    """One configuration on this rank (tp ranks run this together); returns rank-local measurements."""
+    cfg = load_config(f"{size}-{hash_name}", overrides=[f"parallel.tp={tp}", *overrides]).model
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(1, cfg.hash.num_buckets, (VOCAB, cfg.hash.num_hashes), generator=gen)
+    torch.manual_seed(0)
+    model = build_model(cfg, VOCAB, codes).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    group = dist.group.WORLD if tp > 1 else None
+    apply_tensor_parallel(model, group, dist.get_rank() if tp > 1 else 0, tp)
+    model.to(_dtype(dtype))
+    optimizer, _ = build_optimizer(model, load_config(f"{size}-{hash_name}").optimizer, max_steps=steps + warmup)
+    batch = torch.randint(0, VOCAB, (micro, seq_len + 1), generator=gen).to(device)
+    times = {"forward": [], "backward": [], "optimizer": [], "comm": []}
+    comm_bytes = 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    profiler = None
+    if trace_dir is not None:
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        profiler = profile(activities=activities, schedule=schedule(wait=0, warmup=warmup, active=steps),
+                           on_trace_ready=tensorboard_trace_handler(str(trace_dir)), record_shapes=True)
+        profiler.start()
+    for step in range(warmup + steps):
+        with count_collectives() as log:
+            with _Timer(device) as fwd:
+                loss = model(batch[:, :-1], batch[:, 1:]).loss
+            with _Timer(device) as bwd:
+                loss.backward()
+        with _Timer(device) as opt:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if profiler:
+            profiler.step()
+        if step >= warmup:
+            for key, timer in (("forward", fwd), ("backward", bwd), ("optimizer", opt)):
+                times[key].append(timer.seconds)
+            times["comm"].append(log.seconds)
+            comm_bytes = log.total_bytes
+    if profiler:
+        profiler.stop()
+    split = {k: statistics.median(v) for k, v in times.items()}
+    step_s = split["forward"] + split["backward"] + split["optimizer"]
+    tokens_per_s = micro * seq_len / step_s  # one data-parallel replica
+    flops = forward_flops(cfg, seq_len, vocab_rows=model.vocab.tables.num_rows).train * tokens_per_s
+    # a replica spans tp GPUs; CPU ranks share one machine, whose peak was measured
+    peak = peak_measured * (tp if device.type == "cuda" else 1)
+    if device.type == "cuda":
+        memory = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        from mhf_dist.train.throughput import memory_gb
+
+        memory = memory_gb(device)
+    return TrainRow(
+        size=size, hash=hash_name, layout=f"tp={tp}", dtype=dtype, seq_len=seq_len, micro_batch=micro, params=params,
+        tokens_per_s=tokens_per_s, step_s=step_s, forward_s=split["forward"], backward_s=split["backward"],
+        optimizer_s=split["optimizer"], comm_s=split["comm"], tflops=flops / 1e12,
+        peak_tflops_measured=peak_measured / 1e12, peak_tflops_nominal=peak_nominal,
+        mfu=flops / peak, memory_gb=memory, comm_bytes_per_step=comm_bytes,
+    )
+
+
+def profile_scoring(vocab_sizes: list[int], d_model: int, num_hashes: int, num_buckets: int, device: torch.device,
+                    dtype: str, repeats: int = 5) -> list[dict]:
+    """Seconds per token of ``log P_inf`` (MHF) and of a Standard LM head + log-softmax, per vocabulary size."""
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(1, d_model, generator=gen).to(device, _dtype(dtype))
+    tables = BucketTables(num_hashes, num_buckets, d_model).to(device, _dtype(dtype))
+    torch.nn.init.normal_(tables.weight, std=0.02)
+    with torch.no_grad():
+        for v in vocab_sizes:
+            codes = torch.randint(1, num_buckets, (v, num_hashes), generator=gen).to(device)
+            registered = torch.ones(v, dtype=torch.bool, device=device)
+            embedding = torch.randn(v, d_model, generator=gen).to(device, _dtype(dtype))
+
+            def mhf():
+                # the decoder's H bucket softmaxes are part of the MHF head's cost
+                logps = [(h @ tables.weight[i].t()).log_softmax(-1) for i in range(num_hashes)]
+                return log_p_inf(logps, codes, registered, tables)
+
+            def standard():
+                return (h @ embedding.t()).log_softmax(-1)
+
+            timings = {}
+            for name, fn in (("mhf", mhf), ("standard", standard)):
+                fn()
+                samples = []
+                for _ in range(repeats):
+                    with _Timer(device) as t:
+                        fn()
+                    samples.append(t.seconds)
+                timings[name] = min(samples)
+            rows.append({"vocab_size": v, "mhf_s_per_token": timings["mhf"],
+                         "standard_s_per_token": timings["standard"],
+                         "ratio": timings["mhf"] / timings["standard"]})
+    return rows
+
+
+# ------------------------------------------------------------------ workers and the sweep
+def worker_main(rows_file: str, spec_json: str) -> int:
+    """One rank of a tensor-parallel layout: profile one configuration; rank 0 writes its row to ``rows_file``."""
+    spec = json.loads(spec_json)
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("gloo" if spec["device"] == "cpu" else "nccl")
+    device = torch.device(spec.pop("device"))
+    row = profile_training(device=device, trace_dir=None, **spec)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(rows_file).write_text(json.dumps(asdict(row)))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def run_sweep(size: str, hashes: list[str], tps: list[int], steps: int, warmup: int, seq_len: int, micro: int,
+              dtype: str, out: Path, peak_nominal: float | None, overrides: list[str], trace: bool) -> list[TrainRow]:
+    from tqdm.auto import tqdm
+
+    from mhf_dist.launch import launch_local
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    peak = measured_peak_flops(device, _dtype(dtype))
+    rows = []
+    combos = [(tp, h) for tp in tps for h in hashes]
+    for i, (tp, hash_name) in enumerate(tqdm(combos, desc="profile", unit="config")):
+        spec = dict(size=size, hash_name=hash_name, tp=tp, steps=steps, warmup=warmup, seq_len=seq_len, micro=micro,
+                    dtype=dtype, peak_measured=peak, peak_nominal=peak_nominal, overrides=overrides)
+        if tp == 1:
+            rows.append(profile_training(device=device, trace_dir=out / "trace" if trace and i == 0 else None, **spec))
+            continue
+        rows_file = out / f"rows-tp{tp}-{hash_name}.json"
+        rc = launch_local(tp, ["profile-worker", "--rows", str(rows_file), "--spec",
+                               json.dumps(spec | {"device": device.type})])
+        if rc:
+            raise RuntimeError(f"profiling {size}-{hash_name} at tp={tp} failed (exit {rc})")
+        rows.append(TrainRow(**json.loads(rows_file.read_text())))
+        rows_file.unlink()
+    return rows
+
+
+def write_outputs(rows: list[TrainRow], scoring: list[dict], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    records = [asdict(r) for r in rows]
+    (out / "profile.json").write_text(json.dumps({"training": records, "scoring": scoring}, indent=1))
+    for name, table in (("profile.csv", records), ("scoring.csv", scoring)):
+        with (out / name).open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(table[0]))
+            writer.writeheader()
+            writer.writerows(table)
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(out / "tensorboard")) as tb:
+        for r in rows:
+            for key in ("tokens_per_s", "mfu", "tflops", "memory_gb", "step_s", "comm_bytes_per_step"):
+                tb.add_scalar(f"{r.layout}/{r.hash}/{key}", getattr(r, key), 0)
+        for s in scoring:
+            tb.add_scalar("scoring/mhf_s_per_token", s["mhf_s_per_token"], s["vocab_size"])
+            tb.add_scalar("scoring/standard_s_per_token", s["standard_s_per_token"], s["vocab_size"])
+    _plots(rows, scoring, out)
+
+
+def _plots(rows: list[TrainRow], scoring: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layouts = sorted({r.layout for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s"), (axes[1], "mfu", "MFU")):
+        for j, layout in enumerate(layouts):
+            sel = [r for r in rows if r.layout == layout]
+            xs = [i + j * 0.8 / len(layouts) for i in range(len(sel))]
+            ax.bar(xs, [getattr(r, key) for r in sel], width=0.8 / len(layouts), label=layout)
+            for r in sel:
+                if r.hash == "standard":
+                    ax.axhline(getattr(r, key), linestyle="--", linewidth=1, color="gray")
+            ax.set_xticks(range(len(sel)), [r.hash for r in sel], rotation=20)
+        ax.set_ylabel(label)
+        ax.set_title(f"{label} per hash configuration (dashed: Standard)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for layout in layouts:
+        sel = [r for r in rows if r.layout == layout]
+        ax.bar([f"{r.hash}\n{layout}" for r in sel], [r.memory_gb for r in sel])
+    ax.set_ylabel("peak memory per rank (GB)")
+    ax.set_title("memory per configuration")
+    fig.tight_layout()
+    fig.savefig(out / "memory.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    vs = [s["vocab_size"] for s in scoring]
+    ax.loglog(vs, [s["mhf_s_per_token"] for s in scoring], "o-", label="MultiHashFormer log P_inf")
+    ax.loglog(vs, [s["standard_s_per_token"] for s in scoring], "s-", label="Standard LM head")
+    ax.set_xlabel("registered vocabulary")
+    ax.set_ylabel("seconds per token")
+    ax.set_title("inference scoring time")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "scoring.png", dpi=100)
+    plt.close(fig)
+
+
+def table(rows: list[TrainRow], scoring: list[dict]) -> str:
+    lines = [f"{'config':<16} {'layout':<6} {'tokens/s':>10} {'step s':>8} {'fwd':>6} {'bwd':>6} {'opt':>6} "
+             f"{'comm':>6} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'comm MB':>8}"]
+    for r in rows:
+        lines.append(f"{r.size + '-' + r.hash:<16} {r.layout:<6} {r.tokens_per_s:>10.1f} {r.step_s:>8.3f} "
+                     f"{r.forward_s:>6.2f} {r.backward_s:>6.2f} {r.optimizer_s:>6.2f} {r.comm_s:>6.2f} "
+                     f"{r.tflops:>8.3f} {r.mfu:>6.1%} {r.memory_gb:>7.2f} {r.comm_bytes_per_step / 2**20:>8.1f}")
+    lines.append(f"measured peak {rows[0].peak_tflops_measured:.3f} TFLOP/s ({rows[0].dtype} matmul)"
+                 + (f", nominal {rows[0].peak_tflops_nominal:g}" if rows[0].peak_tflops_nominal else ""))
+    for s in scoring:
+        lines.append(f"scoring V={s['vocab_size']:>8,}: MHF {s['mhf_s_per_token'] * 1e3:8.3f} ms/token, Standard "
+                     f"{s['standard_s_per_token'] * 1e3:8.3f} ms/token, ratio {s['ratio']:.2f}")
+    return "\n".join(lines)

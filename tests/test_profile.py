@@ -1,0 +1,39 @@
+"""`mhf-dist profile`: a 2-configuration, 2-step sweep writes consistent CSV/JSON, TensorBoard and PNG plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+from PIL import Image
+
+from train_utils import run_cli
+
+COLUMNS = {"size", "hash", "layout", "dtype", "seq_len", "micro_batch", "params", "tokens_per_s", "step_s",
+           "forward_s", "backward_s", "optimizer_s", "comm_s", "tflops", "peak_tflops_measured",
+           "peak_tflops_nominal", "mfu", "memory_gb", "comm_bytes_per_step"}
+
+
+def test_profile_sweep_outputs(tmp_path):
+    out = tmp_path / "profile"
+    printed = run_cli(["profile", "--size", "tiny", "--hash", "standard,h4b16k", "--layout", "tp=2", "--steps", "2",
+                       "--seq-len", "64", "--cluster", "a100-80g", "--vocab-sizes", "4096,16384", "--out", str(out)])
+    assert "tiny-h4b16k" in printed and "measured peak" in printed
+    rows = list(csv.DictReader((out / "profile.csv").open()))
+    assert [r["hash"] for r in rows] == ["standard", "h4b16k"] and set(rows[0]) == COLUMNS
+    data = json.loads((out / "profile.json").read_text())
+    assert len(data["training"]) == 2 and len(data["scoring"]) == 2
+    for row in data["training"]:
+        for key, value in row.items():
+            if isinstance(value, (int, float)):
+                assert math.isfinite(value) and value > 0, (key, value)
+        # MFU is achieved over the peak measured in the same run (CPU ranks share that one machine)
+        assert abs(row["mfu"] - row["tflops"] / row["peak_tflops_measured"]) < 1e-9
+        assert abs(row["step_s"] - row["forward_s"] - row["backward_s"] - row["optimizer_s"]) < 1e-9
+    for s in data["scoring"]:
+        assert s["mhf_s_per_token"] > 0 and s["standard_s_per_token"] > 0
+    for png in ("throughput.png", "memory.png", "scoring.png"):
+        with Image.open(out / png) as image:
+            assert image.format == "PNG" and image.size[0] > 100
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
