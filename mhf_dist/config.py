@@ -50,6 +50,9 @@ class ModelConfig(_Strict):
     norm_eps: float = 1e-6
     init_std: float = 0.02
     pad_vocab_to: int = Field(128, ge=1, description="Standard: embedding rows rounded up to this multiple")
+    decoder_chunk_tokens: int = Field(
+        1024, ge=0, description="training loss: decoder fused over chunks of this many tokens (activation memory "
+        "O(chunk × B)); 0: the plain path, which keeps every head's logits (reference)")
     hash: HashConfig = HashConfig()
 
     @property

@@ -120,6 +120,7 @@ class _DetachedLookup(BucketTables):
 
 @pytest.mark.parametrize("variant", [_DetachedRetrieval, _DetachedLookup])
 def test_gradients_reach_tables_through_lookup_and_retrieval(model, variant):
+    model.vocab.decoder.chunk_tokens = 0  # the plain path, whose retrieval the variant cuts (fused == plain below)
     x = torch.randint(1, V, (2, 9))
     model(x[:, :-1], x[:, 1:]).loss.backward()
     full = model.vocab.tables.weight.grad.clone()
@@ -174,3 +175,27 @@ def test_target_p_inf_streams_over_the_vocabulary(model):
     chunked = target_log_p_inf(logps, model.vocab.codes, model.vocab.registered, model.vocab.tables,
                                x[:, 1:].reshape(-1), chunk_size=7)
     torch.testing.assert_close(chunked, dense.reshape(-1))
+
+
+@pytest.mark.parametrize("preset, buckets", [("tiny-h4b16k", 64), ("tiny-h3b10k", 66), ("tiny-standard", 64)])
+def test_fused_decoder_equals_plain(preset, buckets):
+    """Loss, every gradient and log P_inf, with a chunk that does not divide the token count."""
+    results = {}
+    for chunk in (0, 5):
+        cfg = load_config(preset, overrides=[f"model.hash.num_buckets={buckets}",
+                                             f"model.decoder_chunk_tokens={chunk}"]).model
+        table = SignatureTable.build([f"tok{i}" for i in range(V)], cfg.hash.num_hashes, buckets, pad_id=0)
+        torch.manual_seed(0)
+        m = build_model(cfg, V, table.codes)
+        x = torch.randint(1, V, (2, 9), generator=torch.Generator().manual_seed(3))  # 16 targets, chunk 5
+        out = m(x[:, :-1], x[:, 1:])
+        out.loss.backward()
+        results[chunk] = (out.loss, out.head_losses, {n: p.grad for n, p in m.named_parameters()},
+                          m.log_p_inf(x[:, :-1]))
+    (loss0, heads0, grads0, logp0), (loss5, heads5, grads5, logp5) = results[0], results[5]
+    torch.testing.assert_close(loss5, loss0, rtol=1e-5, atol=0)
+    torch.testing.assert_close(heads5, heads0, rtol=1e-5, atol=0)
+    torch.testing.assert_close(logp5, logp0, rtol=1e-5, atol=1e-5)
+    for name, g in grads0.items():
+        err, scale = (grads5[name] - g).abs().max().item(), g.abs().max().item()
+        assert err <= 1e-5 * scale + 1e-7, (name, err, scale)

@@ -22,9 +22,13 @@ from mhf_dist.model.tables import BucketTables
 
 
 class CascadedDecoder(nn.Module):
-    def __init__(self, dim: int, num_heads: int, mixer_dim: int, num_valid_rows: int | None = None):
+    """``chunk_tokens > 0``: the training loss runs each head fused over token chunks (:class:`FusedHead`,
+    activation memory ``O(chunk × B)``); 0 keeps the plain path, which materialises every head's logits."""
+
+    def __init__(self, dim: int, num_heads: int, mixer_dim: int, num_valid_rows: int | None = None,
+                 chunk_tokens: int = 0):
         super().__init__()
-        self.num_heads, self.num_valid_rows = num_heads, num_valid_rows
+        self.num_heads, self.num_valid_rows, self.chunk_tokens = num_heads, num_valid_rows, chunk_tokens
         # Names match the authors' `hash_head.cascade_mixer.{k}.{0,2}` (SPEC §9).
         self.cascade_mixer = nn.ModuleList(
             nn.Sequential(nn.Linear(2 * dim, mixer_dim), nn.SiLU(), nn.Linear(mixer_dim, dim))
@@ -46,11 +50,23 @@ class CascadedDecoder(nn.Module):
                 c = c + self.cascade_mixer[i](torch.cat([c, soft], dim=-1))
 
     def nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor) -> torch.Tensor:
-        """``-log p_i[target_i]`` per head: ``h [..., d]``, ``targets [..., H]`` -> ``[..., H]``."""
+        """``-log p_i[target_i]`` per head: ``h [N, d]``, ``targets [N, H]`` -> ``[N, H]``."""
+        if self.chunk_tokens:
+            return self._fused_nll(h, tables, targets)
         return torch.stack(
             [log_z - tables.pick(logits, targets[..., i]) for i, (logits, log_z) in enumerate(self._heads(h, tables))],
             dim=-1,
         )
+
+    def _fused_nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor) -> torch.Tensor:
+        c, nll = h, []
+        for i in range(self.num_heads):
+            more = i < self.num_heads - 1
+            log_z, target, soft = tables.fused_head(c, i, targets[:, i], more, self.chunk_tokens, self.num_valid_rows)
+            nll.append(log_z - target)
+            if more:
+                c = c + self.cascade_mixer[i](torch.cat([c, soft], dim=-1))
+        return torch.stack(nll, dim=-1)
 
     def log_probs(self, h: torch.Tensor, tables: BucketTables) -> list[torch.Tensor]:
         """Each head's ``log p_i`` over the rows held here: H tensors ``[..., R_local]``."""

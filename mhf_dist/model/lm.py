@@ -64,7 +64,8 @@ class MultiHashFormer(LanguageModel):
         h = cfg.hash
         if codes.shape[1] != h.num_hashes:
             raise ValueError(f"signature table has H={codes.shape[1]} but model.hash.num_hashes={h.num_hashes}")
-        super().__init__(cfg, HashVocabulary(codes, h.num_buckets, cfg.d_model, h.gate_dim, h.mixer_dim))
+        super().__init__(cfg, HashVocabulary(codes, h.num_buckets, cfg.d_model, h.gate_dim, h.mixer_dim,
+                                             cfg.decoder_chunk_tokens))
 
 
 class StandardLM(LanguageModel):
@@ -72,7 +73,7 @@ class StandardLM(LanguageModel):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         rows = -(-vocab_size // cfg.pad_vocab_to) * cfg.pad_vocab_to
-        super().__init__(cfg, TokenVocabulary(vocab_size, rows, cfg.d_model))
+        super().__init__(cfg, TokenVocabulary(vocab_size, rows, cfg.d_model, cfg.decoder_chunk_tokens))
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None = None) -> LanguageModel:

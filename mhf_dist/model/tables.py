@@ -9,8 +9,8 @@ holds all rows (``row_offset = 0``, the reductions are identities); the
 tensor-parallel ``BucketParallelEmbedding`` holds a slice and overrides the
 reductions with collectives, so the model code is the same for both.
 
-Every use of ``weight`` enters through ``forward`` (``lookup``, ``logits`` and
-``retrieve`` call it), as a tied embedding's uses do in any module: ZeRO-3
+Every use of ``weight`` enters through ``forward`` (``lookup``, ``logits``,
+``retrieve`` and ``fused_head`` call it), as a tied embedding's uses do in any module: ZeRO-3
 gathers a module's parameters around its ``forward`` and again for its
 backward, which a method reading ``self.weight`` directly would bypass.
 """
@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mhf_dist.model.fused_head import FusedHead
 
 
 class BucketTables(nn.Module):
@@ -37,6 +39,10 @@ class BucketTables(nn.Module):
         return x
 
     def reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def replicated_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Marks a replicated input of the per-shard logits (its gradient is summed over shards)."""
         return x
 
     # ------------------------------------------------------------------
@@ -65,6 +71,12 @@ class BucketTables(nn.Module):
         """Soft retrieval ``ē = E_tableᵀ p``: ``probs [..., R_local]`` -> ``[..., d]``."""
         return self("retrieve", probs, table)
 
+    def fused_head(self, c: torch.Tensor, table: int, targets: torch.Tensor, retrieve: bool, chunk: int,
+                   num_valid_rows: int | None = None):
+        """``(log Z, target logit, ē or None)`` of one head for ``c [N, d]``, ``targets [N]`` (global rows),
+        chunked over tokens (:class:`FusedHead`); rows ``>= num_valid_rows`` are never predicted."""
+        return self("fused_head", c, table, targets, retrieve, chunk, num_valid_rows)
+
     def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
         t, r, d = self.weight.shape
         local, owned = self.local_index(rows)
@@ -73,7 +85,14 @@ class BucketTables(nn.Module):
         return self.reduce_sum(torch.where(owned.unsqueeze(-1), out, 0.0))
 
     def _logits(self, x: torch.Tensor, table: int) -> torch.Tensor:
-        return x @ self.weight[table].t()
+        return self.replicated_input(x) @ self.weight[table].t()
+
+    def _fused_head(self, c, table, targets, retrieve, chunk, num_valid_rows):
+        rows, owned = self.local_index(targets)
+        valid = None
+        if num_valid_rows is not None:
+            valid = torch.arange(self.local_rows, device=c.device) + self.row_offset < num_valid_rows
+        return FusedHead.apply(self.replicated_input(c), self.weight[table], rows, owned, valid, retrieve, chunk, self)
 
     def log_normalizer(self, logits: torch.Tensor) -> torch.Tensor:
         """``logsumexp`` over all rows (max and sum reduced across shards)."""

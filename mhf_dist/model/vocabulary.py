@@ -69,12 +69,13 @@ class TiedVocabulary(nn.Module):
 
 
 class HashVocabulary(TiedVocabulary):
-    def __init__(self, codes: torch.Tensor, num_buckets: int, dim: int, gate_dim: int, mixer_dim: int):
+    def __init__(self, codes: torch.Tensor, num_buckets: int, dim: int, gate_dim: int, mixer_dim: int,
+                 chunk_tokens: int = 0):
         num_hashes = codes.shape[1]
         super().__init__(
             tables=BucketTables(num_hashes, num_buckets, dim),
             encoder=HashEncoder(dim, gate_dim),
-            decoder=CascadedDecoder(dim, num_hashes, mixer_dim),
+            decoder=CascadedDecoder(dim, num_hashes, mixer_dim, chunk_tokens=chunk_tokens),
             codes=codes,
             registered=(codes != 0).any(dim=1),
         )
@@ -84,12 +85,12 @@ class HashVocabulary(TiedVocabulary):
 
 
 class TokenVocabulary(TiedVocabulary):
-    def __init__(self, vocab_size: int, padded_rows: int, dim: int):
+    def __init__(self, vocab_size: int, padded_rows: int, dim: int, chunk_tokens: int = 0):
         ids = torch.arange(vocab_size)
         super().__init__(
             tables=BucketTables(1, padded_rows, dim),
             encoder=None,
-            decoder=CascadedDecoder(dim, 1, mixer_dim=1, num_valid_rows=vocab_size),
+            decoder=CascadedDecoder(dim, 1, mixer_dim=1, num_valid_rows=vocab_size, chunk_tokens=chunk_tokens),
             codes=ids[:, None],
             registered=torch.ones_like(ids, dtype=torch.bool),
         )

@@ -45,9 +45,9 @@ class BucketParallelEmbedding(BucketTables):
     def reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce_max(x, self.group)
 
-    def _logits(self, x: torch.Tensor, table: int) -> torch.Tensor:
+    def replicated_input(self, x: torch.Tensor) -> torch.Tensor:
         # x is replicated; each rank's logits see it, so its gradient is summed over the group.
-        return super()._logits(copy_to_tp(x, self.group), table)
+        return copy_to_tp(x, self.group)
 
 
 class ColumnParallelLinear(nn.Linear):

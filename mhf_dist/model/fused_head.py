@@ -1,0 +1,70 @@
+"""One decoder head fused over token chunks: memory ``O(chunk × B)`` instead of ``O(tokens × B)`` (SPEC §4, §5).
+
+For ``c [N, d]`` and a head's table rows ``E [R, d]`` it returns, per token,
+the softmax normaliser ``log Z = logsumexp_b (E c)_b``, the target's logit and
+the soft retrieval ``ē = Eᵀ softmax(E c)``, computing the bucket logits one
+chunk of tokens at a time and recomputing them in backward (the
+Cut-Cross-Entropy / fused-linear-cross-entropy idea). Only ``c``, ``log Z`` and
+``ē`` are kept for backward. With upstream gradients ``g_Z, g_t, g_ē`` the
+gradient of the logits is
+
+    ∂L/∂o_b = p_b (g_Z + E_b·g_ē − ē·g_ē) + g_t [b = target]
+
+(``ē = Σ_b p_b E_b`` so ``∂ē/∂o_b = p_b (E_b − ē)``), then ``∂L/∂c = Σ_b ∂L/∂o_b E_b``
+and ``∂L/∂E_b = ∂L/∂o_b c + p_b g_ē``. On a bucket shard the forward reduces
+the max, the sum of exponentials, ``ē`` and the target logit over the shards
+(the ``tables`` reductions); backward needs no communication: ``log Z`` and
+``ē`` are global, every other term is local, and the partial ``∂L/∂c`` is
+summed by the caller's ``copy_to_tp``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class FusedHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, c, weight, rows, owned, valid, retrieve, chunk, tables):
+        """``rows`` local target rows (clamped), ``owned`` whether held here, ``valid [R]`` real rows or None."""
+        n = c.shape[0]
+        log_z, target = c.new_empty(n), c.new_empty(n)
+        e_bar = c.new_zeros(n, c.shape[1]) if retrieve else None
+        for s in range(0, n, chunk):
+            logits = FusedHead._logits(c[s:s + chunk], weight, valid)
+            peak = tables.reduce_max(logits.amax(dim=-1))
+            lz = peak + tables.reduce_sum((logits - peak[:, None]).exp().sum(dim=-1)).log()
+            log_z[s:s + chunk] = lz
+            picked = logits.gather(-1, rows[s:s + chunk, None]).squeeze(-1)
+            target[s:s + chunk] = tables.reduce_sum(torch.where(owned[s:s + chunk], picked, 0.0))
+            if retrieve:
+                e_bar[s:s + chunk] = tables.reduce_sum((logits - lz[:, None]).exp() @ weight)
+        ctx.save_for_backward(c, weight, rows, owned, valid, log_z, e_bar)
+        ctx.chunk = chunk
+        return log_z, target, e_bar
+
+    @staticmethod
+    def _logits(c, weight, valid):
+        logits = c @ weight.t()
+        return logits if valid is None else logits.masked_fill(~valid, float("-inf"))
+
+    @staticmethod
+    def backward(ctx, g_z, g_t, g_e):
+        c, weight, rows, owned, valid, log_z, e_bar = ctx.saved_tensors
+        grad_c, grad_w = torch.zeros_like(c), torch.zeros_like(weight)
+        for s in range(0, c.shape[0], ctx.chunk):
+            cs = c[s:s + ctx.chunk]
+            p = (FusedHead._logits(cs, weight, valid) - log_z[s:s + ctx.chunk, None]).exp()
+            coeff = g_z[s:s + ctx.chunk, None] if g_z is not None else torch.zeros_like(p[:, :1])
+            if g_e is not None:
+                ge = g_e[s:s + ctx.chunk]
+                coeff = coeff + ge @ weight.t() - (e_bar[s:s + ctx.chunk] * ge).sum(-1, keepdim=True)
+            d_logits = p * coeff
+            if g_t is not None:
+                d_logits.scatter_add_(-1, rows[s:s + ctx.chunk, None],
+                                      torch.where(owned[s:s + ctx.chunk], g_t[s:s + ctx.chunk], 0.0)[:, None])
+            grad_c[s:s + ctx.chunk] = d_logits @ weight
+            grad_w += d_logits.t() @ cs
+            if g_e is not None:
+                grad_w += p.t() @ ge
+        return grad_c, grad_w, None, None, None, None, None, None
