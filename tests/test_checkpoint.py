@@ -82,8 +82,14 @@ def test_mismatched_or_damaged_checkpoints_are_named(tmp_path, data):
     out = run_cli(train_args(tmp_path / "run", data, 1, "parallel.zero_stage=1", "model.hash.gate_dim=32", steps=4),
                   expect_rc=2)
     assert "is of another model (model.hash: checkpoint" in out
-    out = run_cli(train_args(tmp_path / "run", data, 2, "parallel.zero_stage=1", steps=4), expect_rc=2)
-    assert "saved with layout {'tp': 1, 'pp': 1, 'dp': 1}" in out
+    from mhf_dist.signatures import SignatureTable
+
+    sig_dir = tmp_path / "run/signatures"
+    original = SignatureTable.load(sig_dir)
+    SignatureTable.build(original.tokens, 4, 256, pad_id=original.pad_id, unique=False).save(sig_dir)
+    out = run_cli(train_args(tmp_path / "run", data, 1, "parallel.zero_stage=1", steps=4), expect_rc=2)
+    assert "was trained with signature table" in out and "use the run's own signatures/" in out
+    original.save(sig_dir)
     shard = next(ckpt.glob("*optim_states.pt"))
     shard.write_bytes(shard.read_bytes()[:100])
     out = run_cli(train_args(tmp_path / "run", data, 1, "parallel.zero_stage=1", steps=4), expect_rc=2)
