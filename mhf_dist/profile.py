@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -101,8 +100,7 @@ def profile_training(size: str, hash_name: str, tp: int, steps: int, warmup: int
     torch.manual_seed(0)
     model = build_model(cfg, VOCAB, codes).to(device)
     params = sum(p.numel() for p in model.parameters())
-    group = dist.group.WORLD if tp > 1 else None
-    apply_tensor_parallel(model, group, dist.get_rank() if tp > 1 else 0, tp)
+    apply_tensor_parallel(model, dist.group.WORLD if tp > 1 else None, dist.get_rank() if tp > 1 else 0, tp)
     model.to(_dtype(dtype))
     optimizer, _ = build_optimizer(model, load_config(f"{size}-{hash_name}").optimizer, max_steps=steps + warmup)
     batch = torch.randint(0, VOCAB, (micro, seq_len + 1), generator=gen).to(device)
@@ -198,10 +196,11 @@ def profile_scoring(vocab_sizes: list[int], d_model: int, num_hashes: int, num_b
 def worker_main(rows_file: str, spec_json: str) -> int:
     """One rank of a tensor-parallel layout: profile one configuration; rank 0 writes its row to ``rows_file``."""
     spec = json.loads(spec_json)
-    if "RANK" in os.environ and not dist.is_initialized():
+    if spec["tp"] > 1:
         dist.init_process_group("gloo" if spec["device"] == "cpu" else "nccl")
     device = torch.device(spec.pop("device"))
-    row = profile_training(device=device, trace_dir=None, **spec)
+    trace = spec.pop("trace_dir")
+    row = profile_training(device=device, trace_dir=Path(trace) if trace else None, **spec)
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(rows_file).write_text(json.dumps(asdict(row)))
     if dist.is_initialized():
@@ -220,11 +219,10 @@ def run_sweep(size: str, hashes: list[str], tps: list[int], steps: int, warmup: 
     rows = []
     combos = [(tp, h) for tp in tps for h in hashes]
     for i, (tp, hash_name) in enumerate(tqdm(combos, desc="profile", unit="config")):
+        # every configuration in fresh processes, so peak memory is its own
         spec = dict(size=size, hash_name=hash_name, tp=tp, steps=steps, warmup=warmup, seq_len=seq_len, micro=micro,
-                    dtype=dtype, peak_measured=peak, peak_nominal=peak_nominal, overrides=overrides)
-        if tp == 1:
-            rows.append(profile_training(device=device, trace_dir=out / "trace" if trace and i == 0 else None, **spec))
-            continue
+                    dtype=dtype, peak_measured=peak, peak_nominal=peak_nominal, overrides=overrides,
+                    trace_dir=str(out / "trace") if trace and i == 0 else None)
         rows_file = out / f"rows-tp{tp}-{hash_name}.json"
         rc = launch_local(tp, ["profile-worker", "--rows", str(rows_file), "--spec",
                                json.dumps(spec | {"device": device.type})])
