@@ -15,7 +15,8 @@ and ``∂L/∂E_b = ∂L/∂o_b c + p_b g_ē``. On a bucket shard the forward re
 the max, the sum of exponentials, ``ē`` and the target logit over the shards
 (the ``tables`` reductions); backward needs no communication: ``log Z`` and
 ``ē`` are global, every other term is local, and the partial ``∂L/∂c`` is
-summed by the caller's ``copy_to_tp``.
+summed by the caller's ``copy_to_tp``. Softmax statistics are kept in fp32
+(or wider) whatever the training dtype; ``ē`` and the gradients come back in ``c``'s dtype.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class FusedHead(torch.autograd.Function):
     def forward(ctx, c, weight, rows, owned, valid, retrieve, chunk, tables):
         """``rows`` local target rows (clamped), ``owned`` whether held here, ``valid [R]`` real rows or None."""
         n = c.shape[0]
-        log_z, target = c.new_empty(n), c.new_empty(n)
+        stats = torch.promote_types(c.dtype, torch.float32)
+        log_z, target = c.new_empty(n, dtype=stats), c.new_empty(n, dtype=stats)
         e_bar = c.new_zeros(n, c.shape[1]) if retrieve else None
         for s in range(0, n, chunk):
             logits = FusedHead._logits(c[s:s + chunk], weight, valid)
@@ -38,7 +40,7 @@ class FusedHead(torch.autograd.Function):
             picked = logits.gather(-1, rows[s:s + chunk, None]).squeeze(-1)
             target[s:s + chunk] = tables.reduce_sum(torch.where(owned[s:s + chunk], picked, 0.0))
             if retrieve:
-                e_bar[s:s + chunk] = tables.reduce_sum((logits - lz[:, None]).exp() @ weight)
+                e_bar[s:s + chunk] = tables.reduce_sum((logits - lz[:, None]).exp().to(weight.dtype) @ weight)
         ctx.save_for_backward(c, weight, rows, owned, valid, log_z, e_bar)
         ctx.chunk = chunk
         return log_z, target, e_bar
@@ -46,6 +48,7 @@ class FusedHead(torch.autograd.Function):
     @staticmethod
     def _logits(c, weight, valid):
         logits = c @ weight.t()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return logits if valid is None else logits.masked_fill(~valid, float("-inf"))
 
     @staticmethod
@@ -59,12 +62,12 @@ class FusedHead(torch.autograd.Function):
             if g_e is not None:
                 ge = g_e[s:s + ctx.chunk]
                 coeff = coeff + ge @ weight.t() - (e_bar[s:s + ctx.chunk] * ge).sum(-1, keepdim=True)
-            d_logits = p * coeff
+            d_logits = (p * coeff).to(weight.dtype)
             if g_t is not None:
-                d_logits.scatter_add_(-1, rows[s:s + ctx.chunk, None],
-                                      torch.where(owned[s:s + ctx.chunk], g_t[s:s + ctx.chunk], 0.0)[:, None])
+                picked = torch.where(owned[s:s + ctx.chunk], g_t[s:s + ctx.chunk], 0.0)
+                d_logits.scatter_add_(-1, rows[s:s + ctx.chunk, None], picked[:, None].to(d_logits.dtype))
             grad_c[s:s + ctx.chunk] = d_logits @ weight
             grad_w += d_logits.t() @ cs
             if g_e is not None:
-                grad_w += p.t() @ ge
+                grad_w += p.t().to(weight.dtype) @ ge
         return grad_c, grad_w, None, None, None, None, None, None

@@ -187,9 +187,9 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto") -> TrainRes
                     total=t.max_steps, disable=None if rank == 0 else True)
     for step in progress:
         lr = trainer.lr
-        start = time.perf_counter()
+        began = time.perf_counter()
         stats = trainer.train_step(reader)
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - began
         last = step + 1 == end
         record = {}
         if step == 0 or (step + 1) % t.log_interval == 0 or last:
