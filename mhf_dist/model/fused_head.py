@@ -47,8 +47,11 @@ class FusedHead(torch.autograd.Function):
 
     @staticmethod
     def _logits(c, weight, valid):
-        logits = c @ weight.t()
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return FusedHead._as_logits(c @ weight.t(), valid)
+
+    @staticmethod
+    def _as_logits(products, valid):
+        logits = products.to(torch.promote_types(products.dtype, torch.float32))
         return logits if valid is None else logits.masked_fill(~valid, float("-inf"))
 
     @staticmethod
@@ -56,18 +59,21 @@ class FusedHead(torch.autograd.Function):
         c, weight, rows, owned, valid, log_z, e_bar = ctx.saved_tensors
         grad_c, grad_w = torch.zeros_like(c), torch.zeros_like(weight)
         for s in range(0, c.shape[0], ctx.chunk):
-            cs = c[s:s + ctx.chunk]
-            p = (FusedHead._logits(cs, weight, valid) - log_z[s:s + ctx.chunk, None]).exp()
-            coeff = g_z[s:s + ctx.chunk, None] if g_z is not None else torch.zeros_like(p[:, :1])
+            sl = slice(s, s + ctx.chunk)
+            n = c[sl].shape[0]
+            # one pass over the rows for the recomputed logits and, with g_ē, the products E_b·g_ē
+            inputs = c[sl] if g_e is None else torch.cat([c[sl], g_e[sl]])
+            products = inputs @ weight.t()
+            p = (FusedHead._as_logits(products[:n], valid) - log_z[sl, None]).exp()
+            coeff = g_z[sl, None] if g_z is not None else torch.zeros_like(p[:, :1])
             if g_e is not None:
-                ge = g_e[s:s + ctx.chunk]
-                coeff = coeff + ge @ weight.t() - (e_bar[s:s + ctx.chunk] * ge).sum(-1, keepdim=True)
+                coeff = coeff + products[n:] - (e_bar[sl] * g_e[sl]).sum(-1, keepdim=True)
             d_logits = (p * coeff).to(weight.dtype)
             if g_t is not None:
-                picked = torch.where(owned[s:s + ctx.chunk], g_t[s:s + ctx.chunk], 0.0)
-                d_logits.scatter_add_(-1, rows[s:s + ctx.chunk, None], picked[:, None].to(d_logits.dtype))
-            grad_c[s:s + ctx.chunk] = d_logits @ weight
-            grad_w += d_logits.t() @ cs
-            if g_e is not None:
-                grad_w += p.t().to(weight.dtype) @ ge
+                picked = torch.where(owned[sl], g_t[sl], 0.0)
+                d_logits.scatter_add_(-1, rows[sl, None], picked[:, None].to(d_logits.dtype))
+            grad_c[sl] = d_logits @ weight
+            # ∂L/∂E = d_logitsᵀ c (+ pᵀ g_ē): one matmul over the stacked chunk
+            coefficients = d_logits if g_e is None else torch.cat([d_logits, p.to(weight.dtype)])
+            grad_w.addmm_(coefficients.t(), inputs)
         return grad_c, grad_w, None, None, None, None, None, None
