@@ -35,7 +35,7 @@ from mhf_dist.model.tables import BucketTables
 from mhf_dist.parallel.comm import count_collectives
 from mhf_dist.parallel.plan import apply_tensor_parallel
 from mhf_dist.train.optim import build_optimizer
-from mhf_dist.train.throughput import measured_peak_flops
+from mhf_dist.train.throughput import measured_peak_flops, memory_gb
 
 VOCAB = 32768  # Mistral v0.3's size; signatures are random (timing does not depend on them)
 
@@ -140,12 +140,7 @@ def profile_training(size: str, hash_name: str, tp: int, steps: int, warmup: int
     flops = forward_flops(cfg, seq_len, vocab_rows=model.vocab.tables.num_rows).train * tokens_per_s
     # a replica spans tp GPUs; CPU ranks share one machine, whose peak was measured
     peak = peak_measured * (tp if device.type == "cuda" else 1)
-    if device.type == "cuda":
-        memory = torch.cuda.max_memory_allocated(device) / 2**30
-    else:
-        from mhf_dist.train.throughput import memory_gb
-
-        memory = memory_gb(device)
+    memory = memory_gb(device)
     return TrainRow(
         size=size, hash=hash_name, layout=f"tp={tp}", dtype=dtype, seq_len=seq_len, micro_batch=micro, params=params,
         tokens_per_s=tokens_per_s, step_s=step_s, forward_s=split["forward"], backward_s=split["backward"],
