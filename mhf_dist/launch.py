@@ -20,7 +20,8 @@ import time
 from mhf_dist.train.checkpoint import PREEMPTED_EXIT_CODE
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (for a local rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -28,7 +29,7 @@ def _free_port() -> int:
 
 def launch_local(nproc: int, argv: list[str]) -> int:
     """Run ``mhf-dist <argv>`` as ``nproc`` ranks; returns their common exit code (the first failure's)."""
-    base = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc),
+    base = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
                          "LOCAL_WORLD_SIZE": str(nproc)}
     base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     procs = [subprocess.Popen([sys.executable, "-m", "mhf_dist", *argv],

@@ -23,7 +23,6 @@ import logging
 import os
 import random
 import signal
-import socket
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from tqdm.auto import tqdm
 
 from mhf_dist.config import RunConfig
 from mhf_dist.data.reader import ShardReader
+from mhf_dist.launch import free_port
 from mhf_dist.model import build_model
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.parallel.groups import ParallelGroups
@@ -69,10 +69,8 @@ def init_distributed(device: torch.device) -> None:
     deepspeed.utils.logger.setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else None)
 
 
