@@ -75,6 +75,62 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_export_hf(args) -> int:
+    from mhf_dist.hf.export import export_hf
+
+    out = export_hf(args.checkpoint, args.out_dir, args.dtype)
+    print(f"wrote {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
+    return 0
+
+
+def cmd_import_hf(args) -> int:
+    from mhf_dist.hf.importer import import_hf
+
+    report = import_hf(args.dir, args.run_dir, args.overrides)
+    print(report.summary())
+    print(f"continue with: mhf-dist train --run-dir {args.run_dir} --config {Path(args.run_dir) / 'config.yaml'}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from mhf_dist.inference import generate, load_for_inference
+
+    model, tokenizer = load_for_inference(args.model, args.dtype, args.device)
+    ids = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                   args.num_beams, args.seed)
+    print(args.prompt + tokenizer.decode(ids, skip_special_tokens=True))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import json
+
+    from mhf_dist.evaluate import last_word_accuracy, perplexity
+    from mhf_dist.inference import load_for_inference
+
+    if not (args.data or args.lambada):
+        raise ConfigError("nothing to evaluate: pass --data SHARDS and/or --lambada FILE.jsonl")
+    model, tokenizer = load_for_inference(args.model, args.dtype, args.device)
+    results = {"model": str(args.model)}
+    if args.data:
+        results["perplexity"] = perplexity(model, tokenizer, args.data, args.split, args.max_sequences,
+                                           args.batch_size)
+    if args.lambada:
+        results["last_word"] = last_word_accuracy(model, tokenizer, args.lambada)
+    text = json.dumps(results, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def cmd_expand_vocab(args) -> int:
+    from mhf_dist.expand_vocab import expand_vocab
+
+    print(expand_vocab(args.run_dir, args.tokenizer, args.out, args.trainable_blocks, args.overrides).summary())
+    return 0
+
+
 def cmd_submit(args) -> int:
     from mhf_dist.cluster import load_profile
     from mhf_dist.submit import render, submit
@@ -199,6 +255,58 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.set_defaults(func=cmd_export)
 
+    p = sub.add_parser("export-hf", help="a Hugging Face model directory (authors' layout, SPEC §9) from a "
+                       "checkpoint; logits are log P_inf")
+    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")
+    p.add_argument("out_dir")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.set_defaults(func=cmd_export_hf)
+
+    p = sub.add_parser("import-hf", help="a run directory to continue training from a model in the authors' "
+                       "layout (their releases or export-hf); lists signature differences")
+    p.add_argument("dir", help="Hugging Face model directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--run-dir", required=True, help="new run directory")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override the imported run config, e.g. --set data.path=SHARDS (repeatable)")
+    p.set_defaults(func=cmd_import_hf)
+
+    def model_options(p):
+        p.add_argument("--model", required=True, help="export-hf directory, or a run / checkpoint directory")
+        p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+        p.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
+
+    p = sub.add_parser("generate", help="generate text under P_inf (greedy, temperature, top-k, top-p, beams)")
+    model_options(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=50)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--num-beams", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("eval", help="perplexity on shards and LAMBADA-style last-word accuracy, under P_inf")
+    model_options(p)
+    p.add_argument("--data", help="shard directory (made with the model's tokenizer)")
+    p.add_argument("--split", default="val")
+    p.add_argument("--max-sequences", type=int, help="evaluate at most this many sequences of the split")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lambada", help='JSONL of {"text": ...}; the target is the last word')
+    p.add_argument("--out", help="also write the results (JSON) here")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("expand-vocab", help="register a superset tokenizer's new tokens (MHF: 0 new parameters) "
+                       "into a new run directory that continues training")
+    p.add_argument("--run-dir", required=True, help="the trained run (its newest checkpoint is used)")
+    p.add_argument("--tokenizer", required=True, help="the new tokenizer directory (old ids kept, tokens appended)")
+    p.add_argument("--out", help="new run directory (default: RUN_DIR-vocab<V>)")
+    p.add_argument("--trainable-blocks", type=int, help="train only the vocabulary side, the final norm and the "
+                   "first and last k blocks (the paper's expansion stage); default: everything")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override the new run's config, e.g. --set train.max_steps=1000 (repeatable)")
+    p.set_defaults(func=cmd_expand_vocab)
+
     p = sub.add_parser("submit", help="submit a multi-node training job (SLURM, or a hostfile for DeepSpeed's launcher)")
     _add_run_options(p)
     p.add_argument("--run-dir", required=True, help="run directory on storage every node sees")
@@ -255,11 +363,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main(argv: list[str] | None = None) -> int:
+    from mhf_dist.hf.layout import HFImportError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, SignatureError, TokenizerError, DataError, CheckpointError) as e:
+    except (ConfigError, SignatureError, TokenizerError, DataError, CheckpointError, HFImportError) as e:
         print(f"mhf-dist: {e}", file=sys.stderr)
         return 2
 

@@ -150,6 +150,13 @@ class TrainConfig(_Strict):
     peak_tflops: float | None = Field(
         None, gt=0, description="dense peak TFLOP/s of one device in train.dtype, for MFU; None: measured"
     )
+    init_from: str | None = Field(
+        None, description="start from these weights (a model.safetensors with our parameter names, as export, "
+        "import-hf and expand-vocab write; relative to the run directory) instead of a random init; a resumed "
+        "run loads it first, then its checkpoint (which does not hold frozen parameters)")
+    trainable_blocks: int | None = Field(
+        None, ge=0, description="train only the vocabulary side (tables, encoder, decoder), the final norm and the "
+        "first and last k blocks, as the paper's vocabulary-expansion stage does; None: every parameter")
 
     @model_validator(mode="after")
     def _batches(self):
@@ -158,6 +165,9 @@ class TrainConfig(_Strict):
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}; make it one"
             )
+        if self.trainable_blocks is not None and self.init_from is None:
+            raise ValueError("train.trainable_blocks freezes most of the backbone, which only makes sense for "
+                             "trained weights: set train.init_from too (expand-vocab does)")
         return self
 
 

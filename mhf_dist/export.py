@@ -4,23 +4,27 @@ Writes ``OUT/model.safetensors`` (the LanguageModel's parameter names, see
 :mod:`mhf_dist.hf.layout`), ``OUT/config.yaml`` (the run config), ``OUT/signatures/``
 and ``OUT/tokenizer/``. The weights are the fp32 master weights merged over
 every data-, tensor- and pipeline-parallel shard (ZeRO-3 included), cast to
-``--dtype``.
+``--dtype``. :func:`trained_weights` is the merge, shared with ``export-hf``
+and ``expand-vocab``.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from mhf_dist.config import RunConfig
 from mhf_dist.run_dir import RunDir
 from mhf_dist.train.checkpoint import MARKER, CheckpointError, complete_checkpoints
 from mhf_dist.train.universal import consolidate
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -34,17 +38,34 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found[-1]
 
 
-def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
+@dataclass
+class TrainedWeights:
+    checkpoint: Path
+    step: int
+    run: RunDir
+    cfg: RunConfig
+    state: dict[str, torch.Tensor]  # full fp32 LanguageModel state dict
+
+
+def trained_weights(checkpoint: str | Path) -> TrainedWeights:
+    """The full weights of a checkpoint (or a run directory's newest), merged over every shard."""
     ckpt = resolve_checkpoint(checkpoint)
     marker = json.loads((ckpt / MARKER).read_text())
     run = RunDir(ckpt.parent.parent)
     cfg = RunConfig.model_validate(yaml.safe_load(run.config_path.read_text()))
-    weights = consolidate(ckpt, pipeline=marker["layout"]["pp"] > 1)
-    cast = torch.bfloat16 if dtype == "bf16" else torch.float32
+    state = consolidate(ckpt, pipeline=marker["layout"]["pp"] > 1)
+    if cfg.train.init_from:  # frozen parameters (train.trainable_blocks) are not in the checkpoint
+        state = load_file(str(run.path / cfg.train.init_from)) | state
+    return TrainedWeights(ckpt, marker["step"], run, cfg, state)
+
+
+def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
+    trained = trained_weights(checkpoint)
+    run, cfg = trained.run, trained.cfg
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(cast).contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
-              metadata={"step": str(marker["step"]), "source": str(ckpt)})
+    save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in trained.state.items()}, str(out / "model.safetensors"),
+              metadata={"step": str(trained.step), "source": str(trained.checkpoint)})
     shutil.copyfile(run.config_path, out / "config.yaml")
     if run.signatures_dir.is_dir():
         shutil.copytree(run.signatures_dir, out / "signatures", dirs_exist_ok=True)

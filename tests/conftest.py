@@ -36,3 +36,14 @@ def data(tmp_path_factory, bpe_dir):
                  "--seq-len", "64", "--samples-per-shard", "32", "--val-fraction", "0.05", "--workers", "1",
                  "--no-progress"]) == 0
     return {"tokenizer": bpe_dir, "shards": out}
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, data):
+    """Single-rank tiny runs trained for 20 steps on the test shards: ``{"mhf": run_dir, "standard": run_dir}``."""
+    from train_utils import train_run
+
+    root = tmp_path_factory.mktemp("trained")
+    train_run(root, data, "mhf", 1, steps=20)
+    train_run(root, data, "standard", 1, preset="tiny-standard", steps=20)
+    return {"mhf": root / "mhf", "standard": root / "standard"}

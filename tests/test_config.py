@@ -80,6 +80,7 @@ def test_overrides_reach_every_field(tmp_path):
         (["model.hash.num_bucket=5"], r"model.hash.num_bucket: unknown field"),
         (["optimizer.lr=-1"], r"optimizer.lr: Input should be greater than 0"),
         (["train.max_steps"], r"expected key=value"),
+        (["train.trainable_blocks=2"], r"train.trainable_blocks .* set train.init_from too"),
     ],
 )
 def test_invalid_configs_name_field_and_fix(overrides, message):

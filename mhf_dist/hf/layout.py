@@ -34,6 +34,12 @@ _PREFIXES = [  # (ours, exported)
     ("backbone.norm.", "model.norm."),
     ("vocab.decoder.", "hash_head."),
 ]
+
+
+class HFImportError(ValueError):
+    """Weights in the exported layout cannot be imported; the message names the problem and the fix."""
+
+
 TABLES, EMBED, LM_HEAD, HASH_MAP = "vocab.tables.weight", "model.embed_tokens.weight", "lm_head.weight", "model.hash_map"
 
 
@@ -42,7 +48,9 @@ def _rename(name: str, direction: int) -> str:
         src, dst = (ours, theirs) if direction > 0 else (theirs, ours)
         if name.startswith(src):
             return dst + name[len(src):]
-    raise KeyError(f"no exported name for parameter {name!r}" if direction > 0 else f"unexpected exported key {name!r}")
+    if direction > 0:
+        raise KeyError(f"no exported name for parameter {name!r}")
+    raise HFImportError(f"unexpected key {name!r} in the weights: not the authors' qwen3_hashformer layout (SPEC §9)")
 
 
 def to_export(state: dict[str, torch.Tensor], codes: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -67,7 +75,7 @@ def from_export(state: dict[str, torch.Tensor], num_tables: int) -> tuple[dict[s
             out[TABLES] = tensor.reshape(num_tables, -1, tensor.shape[-1])
         elif name == LM_HEAD:
             if EMBED in state and not torch.equal(tensor, state[EMBED]):
-                raise ValueError("lm_head.weight differs from model.embed_tokens.weight: the tables must be tied")
+                raise HFImportError("lm_head.weight differs from model.embed_tokens.weight: the tables must be tied")
         elif name == HASH_MAP:
             codes = tensor.to(torch.int32)
         else:

@@ -50,6 +50,14 @@ class LanguageModel(nn.Module):
         h = self.hidden(input_ids)
         return self.vocab.log_p_inf(h[:, -1] if last_only else h, chunk_size)
 
+    def train_only_vocabulary_and_ends(self, blocks: int) -> None:
+        """Freeze all but the vocabulary side, the final norm and the first and last ``blocks`` blocks
+        (the paper's vocabulary-expansion stage, as the authors' ``main_ve.py`` trains it)."""
+        layers = self.backbone.layers
+        trained = set(range(blocks)) | set(range(len(layers) - blocks, len(layers)))
+        for i, layer in enumerate(layers):
+            layer.requires_grad_(i in trained)
+
     def parameter_counts(self) -> dict[str, int]:
         """``embedding`` (tables, encoder, decoder) and ``backbone`` parameter counts."""
         backbone = sum(p.numel() for p in self.backbone.parameters())

@@ -4,7 +4,8 @@ Order of work: resolve the layout and DeepSpeed config (every config error
 before any collective runs) → initialise ``torch.distributed`` → rank 0
 prepares the run directory (tokenizer, signature table, shards of the embedded
 corpus) while the others wait → every rank builds the same full model from the
-run seed, applies the tensor-parallel plan, and hands it to the engine → steps.
+run seed (or loads ``train.init_from``), applies the tensor-parallel plan, and
+hands it to the engine → steps.
 
 A run resumes from its newest complete checkpoint by default (``--resume
 auto``) and continues bit-identically: the same data, optimizer, scheduler and
@@ -32,6 +33,7 @@ import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from mhf_dist.config import RunConfig
@@ -114,6 +116,18 @@ def _resume_path(resume: str, checkpointer: Checkpointer) -> Path | None:
     return Path(resume)
 
 
+def load_init_weights(model: torch.nn.Module, path: Path) -> None:
+    """``train.init_from``: every parameter from a full state dict (our names)."""
+    if not path.is_file():
+        raise CheckpointError(f"train.init_from: {path} does not exist; point it at a model.safetensors "
+                              "(mhf-dist export, import-hf or expand-vocab write one)")
+    try:
+        model.load_state_dict(load_file(str(path)))
+    except Exception as e:  # truncated file, or weights of another architecture
+        raise CheckpointError(f"train.init_from: {path} cannot initialise this model ({e}); "
+                              "use weights exported from a run with the same model config") from e
+
+
 def rank_env_from_slurm() -> None:
     """Inside an ``srun`` step, each task is one rank: take RANK/LOCAL_RANK/WORLD_SIZE from SLURM."""
     if "RANK" not in os.environ and "SLURM_STEP_ID" in os.environ:
@@ -148,7 +162,11 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto") -> TrainRes
         if universal:
             ds_config = ds_config | {"checkpoint": {"load_universal": True}}
 
+    if cfg.train.init_from:  # also when resuming: a checkpoint need not hold the frozen parameters
+        load_init_weights(model, run.path / cfg.train.init_from)
     apply_tensor_parallel(model, groups.tp_group, groups.tp_rank, groups.tp)
+    if cfg.train.trainable_blocks is not None:
+        model.train_only_vocabulary_and_ends(cfg.train.trainable_blocks)
     vocab_rows = model.vocab.tables.num_rows
     trainer = build_trainer(cfg, model, groups, ds_config, layout)
     del model

@@ -1,0 +1,177 @@
+"""``mhf-dist import-hf``: a model in the authors' layout (SPEC §9) as a run directory to continue from.
+
+Reads ``config.json``, the safetensors weights (one file or an index of
+shards) and the tokenizer of a Hugging Face directory — one of the authors'
+``qwen3_hashformer`` checkpoints or our ``export-hf`` — and writes:
+
+- ``RUN/config.yaml``: the exported run config when the directory has one
+  (``mhf_dist.yaml``), else one derived from ``config.json``; the architecture
+  always comes from ``config.json``. ``train.init_from`` points at the weights.
+- ``RUN/init/model.safetensors``: the weights under our names (fp32).
+- ``RUN/tokenizer/`` and ``RUN/signatures/``: the signature table is
+  ``model.hash_map`` itself (the weights were trained with it), never rebuilt.
+- ``RUN/import-report.json``: every token whose imported signature differs
+  from a fresh build by SPEC §1 for the same tokenizer, and every signature
+  shared by several tokens. The authors' builder remembers only the newest
+  token per prefix, so their tables can differ from ours; the differences are
+  listed, not hidden. A table with shared signatures is imported as
+  non-unique (scoring spreads probability over the tokens sharing one).
+
+Only coordinates from the random hashes are supported (``num_lsh = 0``), as
+SPEC §9 fixes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from mhf_dist.config import ConfigError, RunConfig, apply_override, deep_merge
+from mhf_dist.hf.export import RUN_CONFIG
+from mhf_dist.hf.layout import HFImportError, from_export
+from mhf_dist.run_dir import RunDir
+from mhf_dist.signatures import HASH_VERSION, SignatureTable
+from mhf_dist.tokenizers import load_tokenizer, vocabulary
+
+INIT_WEIGHTS = "init/model.safetensors"
+REPORT = "import-report.json"
+
+
+def read_weights(src: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face directory: ``model.safetensors`` or the shards its index lists."""
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (src / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise HFImportError(f"{src} has no model.safetensors (or index): export the weights as safetensors")
+    state = {}
+    for name in files:
+        if not (src / name).is_file():
+            raise HFImportError(f"{src / name} is missing: copy every shard the index lists")
+        state |= load_file(str(src / name))
+    return state
+
+
+def model_config_from_hf(config: dict) -> dict:
+    """Our ``model`` section from a Qwen3 / qwen3_hashformer ``config.json``."""
+    rope = config.get("rope_parameters") or {}
+    head_dim = config.get("head_dim")
+    if head_dim == config["hidden_size"] // config["num_attention_heads"]:
+        head_dim = None  # our default
+    model = dict(
+        d_model=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
+        n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+        head_dim=head_dim, ffn_dim=config["intermediate_size"],
+        rope_theta=rope.get("rope_theta", config.get("rope_theta", 1_000_000.0)),
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+    )
+    if "num_hashes" not in config:
+        return model | {"variant": "standard"}
+    if config.get("num_lsh", 0) or config.get("lsh_only_embed"):
+        raise HFImportError(f"num_lsh={config.get('num_lsh')}: LSH coordinates are not supported; only checkpoints "
+                           "whose coordinates are all random hashes (num_lsh = 0, SPEC §9) import")
+    gate = config.get("bottle_neck_dim", 64)
+    seeds = (config.get("signature_rule") or {}).get("seeds", [])
+    return model | {"variant": "mhf", "hash": dict(
+        num_hashes=config["num_hashes"], num_buckets=config["num_buckets"], gate_dim=gate,
+        mixer_dim=config.get("mixer_dim") or gate, single_id=len(seeds) > 1 and not any(seeds))}
+
+
+@dataclass
+class ImportReport:
+    run_dir: Path
+    variant: str
+    vocab_size: int
+    differing: list[dict] = field(default_factory=list)  # tokens whose signature differs from a fresh build
+    shared: list[list[int]] = field(default_factory=list)  # groups of token ids sharing one signature
+
+    def summary(self) -> str:
+        lines = [f"imported a {self.variant} model ({self.vocab_size} tokens) into {self.run_dir}"]
+        if self.variant == "mhf":
+            lines.append(f"signatures: {len(self.differing)} differ from a fresh SPEC §1 build, "
+                         f"{len(self.shared)} shared by several tokens (details: {self.run_dir / REPORT})")
+            lines += [f"  id {d['id']} {d['token']!r}: imported {d['imported']}, fresh {d['fresh']}"
+                      for d in self.differing[:10]]
+        return "\n".join(lines)
+
+
+def imported_table(codes: torch.Tensor, tokens: list[str], num_buckets: int, rule: dict | None,
+                   pad_id: int | None) -> tuple[SignatureTable, list[dict], list[list[int]]]:
+    """(the table as imported, differences from a fresh build, shared signatures)."""
+    groups = defaultdict(list)
+    for i, row in enumerate(codes.tolist()):
+        if any(row):
+            groups[tuple(row)].append(i)
+    shared = [ids for ids in groups.values() if len(ids) > 1]
+    h = codes.shape[1]
+    rule = rule or {"seeds": list(range(h)), "unique": not shared, "pad_id": pad_id, "hash_version": HASH_VERSION}
+    table = SignatureTable(codes=codes.to(torch.int32), num_buckets=num_buckets, seeds=tuple(rule["seeds"]),
+                           tokens=tuple(tokens), unique=rule["unique"] and not shared, pad_id=rule["pad_id"],
+                           hash_version=rule["hash_version"])
+    single_id = h > 1 and not any(table.seeds)
+    fresh = SignatureTable.build(tokens, h, num_buckets, pad_id=table.pad_id, unique=table.unique,
+                                 single_id=single_id)
+    differing = [{"id": i, "token": tokens[i], "imported": table.codes[i].tolist(), "fresh": fresh.codes[i].tolist()}
+                 for i in torch.nonzero((table.codes != fresh.codes).any(dim=1)).flatten().tolist()]
+    return table, differing, shared
+
+
+def import_hf(src: str | Path, run_dir: str | Path, overrides: list[str] = ()) -> ImportReport:
+    src, run = Path(src), RunDir(run_dir)
+    if not (src / "config.json").is_file():
+        raise HFImportError(f"{src} has no config.json: pass a Hugging Face model directory")
+    if run.config_path.exists() or (run.path / "checkpoints").exists():
+        raise HFImportError(f"{run.path} already holds a run; import into a new run directory")
+    config = json.loads((src / "config.json").read_text())
+    tokenizer = load_tokenizer(src)
+    tokens, vocab_size = vocabulary(tokenizer), len(tokenizer)
+
+    raw = yaml.safe_load((src / RUN_CONFIG).read_text()) if (src / RUN_CONFIG).is_file() else {}
+    raw.pop("exported_step", None)
+    raw = deep_merge(raw, {"model": model_config_from_hf(config), "preset": None,
+                           "tokenizer": {"path": str(run.tokenizer_dir.resolve())},
+                           "train": {"init_from": INIT_WEIGHTS}})
+    for assignment in overrides:
+        raw = apply_override(raw, assignment)
+    try:
+        cfg = RunConfig.model_validate(raw)
+    except ValueError as e:
+        raise ConfigError(f"the imported config is invalid: {e}") from None
+
+    h = cfg.model.hash.num_hashes if cfg.model.variant == "mhf" else 1
+    state, codes = from_export(read_weights(src), h)
+    report = ImportReport(run.path, cfg.model.variant, vocab_size)
+    if cfg.model.variant == "mhf":
+        if codes is None:
+            raise HFImportError(f"{src} has no model.hash_map: the signature table must be saved with the weights")
+        if codes.shape[0] < vocab_size or codes[vocab_size:].any():
+            raise HFImportError(f"model.hash_map has {codes.shape[0]} rows but the tokenizer {vocab_size} tokens "
+                               "(rows past the tokenizer must be all zero): use the tokenizer saved with the model")
+        table, report.differing, report.shared = imported_table(
+            codes[:vocab_size], tokens, cfg.model.hash.num_buckets, config.get("signature_rule"),
+            tokenizer.pad_token_id)
+    else:  # Standard: pad the table back to pad_vocab_to rows (the padding is never predicted)
+        table, weight = None, state["vocab.tables.weight"]
+        rows = -(-vocab_size // cfg.model.pad_vocab_to) * cfg.model.pad_vocab_to
+        state["vocab.tables.weight"] = torch.cat([weight, weight.new_zeros(1, rows - weight.shape[1], weight.shape[2])],
+                                                 dim=1)
+
+    tokenizer.save_pretrained(run.tokenizer_dir)
+    if table is not None:
+        table.save(run.signatures_dir)
+    (run.path / INIT_WEIGHTS).parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.float().contiguous() for k, v in state.items()}, str(run.path / INIT_WEIGHTS),
+              metadata={"source": str(src.resolve())})
+    (run.path / REPORT).write_text(json.dumps(
+        {"source": str(src.resolve()), "differing": report.differing, "shared": report.shared}, indent=1,
+        ensure_ascii=False))
+    run.save_config(cfg)
+    return report

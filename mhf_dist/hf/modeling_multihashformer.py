@@ -1,0 +1,126 @@
+"""Hugging Face model of an exported MultiHashFormer (SPEC §2–§5, layout of SPEC §9).
+
+Built on transformers' Qwen3 layers: only the input map and the output head
+are new. The input is the gated fusion of a token's H bucket rows (SPEC §2);
+the output runs the cascaded decoder (SPEC §4) and returns, as ``logits``,
+``log P_inf`` over the real vocabulary (SPEC §5):
+``score(w) = Σ_i log p_i[hash_map[w, i]]``, renormalised over the registered
+tokens (rows of ``hash_map`` that are not all zero; the rest get ``-inf``).
+So ``generate()`` (greedy, sampling, beam search), the KV cache and
+lm-evaluation-harness work unchanged, and every generated id is a registered
+token.
+
+Parameter and buffer names are the authors' (``HUIYINXUE/MHF``,
+``qwen3_hashformer``): ``model.embed_tokens.weight [H·B, d]`` (head k's rows at
+offset k·B), ``lm_head.weight`` tied to it, ``model.hash_map [V, H]``,
+``model.combiner.*``, ``hash_head.cascade_mixer.*``. This file is copied next
+to the weights by ``mhf-dist export-hf`` and loaded with
+``trust_remote_code=True``: it imports only torch and transformers. It is the
+standalone counterpart of ``mhf_dist.model``; a test holds the two equal.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin
+from transformers.activations import ACT2FN
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Model, Qwen3PreTrainedModel
+
+from .configuration_multihashformer import MultiHashFormerConfig
+
+
+class ContextualGatingCombiner(nn.Module):
+    """SPEC §2: ``α = softmax_i(σ(u_i W1 + b1) W2 + b2)``, ``e = (Σ_i α_i u_i) W_s + b_s``."""
+
+    def __init__(self, config: MultiHashFormerConfig):
+        super().__init__()
+        d = config.hidden_size
+        self.scorer = nn.Sequential(nn.Linear(d, config.bottle_neck_dim), ACT2FN[config.hidden_act],
+                                    nn.Linear(config.bottle_neck_dim, 1))
+        self.output_proj = nn.Sequential(nn.Linear(d, d))
+
+    def forward(self, bucket_vectors: torch.Tensor) -> torch.Tensor:
+        weights = self.scorer(bucket_vectors).softmax(dim=-2)
+        return self.output_proj((weights * bucket_vectors).sum(dim=-2))
+
+
+class CascadeMixer(nn.Module):
+    """SPEC §4: the H-1 mixers ``c_{i+1} = c_i + W_up σ(W_dn [c_i ; ē_i] + b_dn) + b_up``."""
+
+    def __init__(self, config: MultiHashFormerConfig):
+        super().__init__()
+        d, r = config.hidden_size, config.mixer_dim or config.bottle_neck_dim
+        self.num_hashes, self.num_buckets = config.num_hashes, config.num_buckets
+        self.cascade_mixer = nn.ModuleList(
+            nn.Sequential(nn.Linear(2 * d, r), ACT2FN[config.hidden_act], nn.Linear(r, d))
+            for _ in range(config.num_hashes - 1)
+        )
+
+    def forward(self, c: torch.Tensor, tables: torch.Tensor) -> list[torch.Tensor]:
+        """``c [..., d]``, ``tables [H·B, d]`` -> per head ``log p_i [..., B]`` in fp32."""
+        log_probs = []
+        for i in range(self.num_hashes):
+            table = tables[i * self.num_buckets:(i + 1) * self.num_buckets]
+            logp = F.log_softmax((c @ table.t()).float(), dim=-1)
+            log_probs.append(logp)
+            if i < self.num_hashes - 1:
+                soft = logp.exp().to(c.dtype) @ table  # ē_i = E_iᵀ p_i
+                c = c + self.cascade_mixer[i](torch.cat([c, soft], dim=-1))
+        return log_probs
+
+
+class MultiHashFormerModel(Qwen3Model):
+    """Qwen3 with the hash encoder as its input map (SPEC §2)."""
+
+    config_class = MultiHashFormerConfig
+
+    def __init__(self, config: MultiHashFormerConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.num_hashes * config.num_buckets, config.hidden_size)
+        self.combiner = ContextualGatingCombiner(config)
+        self.register_buffer("hash_map", torch.zeros(config.vocab_size, config.num_hashes, dtype=torch.long))
+        self.post_init()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        offsets = torch.arange(self.config.num_hashes, device=input_ids.device) * self.config.num_buckets
+        return self.combiner(self.embed_tokens(self.hash_map[input_ids] + offsets))
+
+    def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None, **kwargs):
+        if inputs_embeds is None and input_ids is not None:
+            inputs_embeds = self.embed(input_ids)
+        return super().forward(inputs_embeds=inputs_embeds, **kwargs)
+
+
+class MultiHashFormerForCausalLM(Qwen3PreTrainedModel, GenerationMixin):
+    config_class = MultiHashFormerConfig
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: MultiHashFormerConfig):
+        super().__init__(config)
+        self.model = MultiHashFormerModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.num_hashes * config.num_buckets, bias=False)
+        self.hash_head = CascadeMixer(config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def log_p_inf(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-norm output ``[..., d]`` -> ``log P_inf [..., V]`` (fp32)."""
+        hash_map = self.model.hash_map
+        log_probs = self.hash_head(hidden, self.lm_head.weight)
+        score = sum(logp[..., hash_map[:, i]] for i, logp in enumerate(log_probs))
+        score = score.masked_fill(~(hash_map != 0).any(dim=1), float("-inf"))
+        return F.log_softmax(score, dim=-1)
+
+    def forward(self, input_ids=None, labels=None, logits_to_keep: int | torch.Tensor = 0, **kwargs):
+        outputs = self.model(input_ids=input_ids, **kwargs)
+        hidden = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.log_p_inf(hidden[:, keep])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        extra = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **extra)

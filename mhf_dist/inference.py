@@ -1,0 +1,50 @@
+"""Loading a model for generation and evaluation (``mhf-dist generate`` / ``eval``).
+
+A model is a Hugging Face directory (``mhf-dist export-hf``), loaded with
+transformers exactly as users and lm-evaluation-harness load it; a run or
+checkpoint directory is exported into a temporary directory first. The model's
+logits are ``log P_inf`` over the real vocabulary (SPEC §5), so greedy,
+sampled (temperature, top-k, top-p) and beam-search generation only ever pick
+registered tokens, with the KV cache.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from mhf_dist.export import DTYPES
+
+
+def load_for_inference(path: str | Path, dtype: str = "fp32",
+                       device: str = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    path = Path(path)
+    if not (path / "config.json").is_file():  # a run or checkpoint directory
+        from mhf_dist.hf.export import export_hf
+
+        with tempfile.TemporaryDirectory(prefix="mhf-export-") as tmp:
+            return load_for_inference(export_hf(path, Path(tmp) / "model"), dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=DTYPES[dtype],
+                                                 local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model.to(device).eval(), tokenizer
+
+
+@torch.no_grad()
+def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str, max_new_tokens: int = 50,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, num_beams: int = 1,
+             seed: int = 0) -> torch.Tensor:
+    """Generated ids (prompt excluded) ``[num_new]``; ``temperature == 0`` is greedy (or beam search)."""
+    torch.manual_seed(seed)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+    sample = temperature > 0
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=sample,
+        num_beams=num_beams, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+        else tokenizer.eos_token_id,
+        **({"temperature": temperature, "top_k": top_k or 0, "top_p": top_p or 1.0} if sample else {}),
+    )
+    return out[0, ids.shape[1]:]

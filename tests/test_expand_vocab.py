@@ -1,0 +1,108 @@
+"""Vocabulary expansion (SPEC §1): new tokens, old signatures and rows kept, 0 parameters for MultiHashFormer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from mhf_dist.config import RunConfig
+from mhf_dist.export import trained_weights
+from mhf_dist.model import build_model
+from mhf_dist.signatures import SignatureTable
+from mhf_dist.tokenizers import embedded_corpus, load_tokenizer, train_bpe, vocabulary
+from train_utils import metrics, run_cli
+
+NEW_TOKENS = [" Jerusalem", " Israel", " wilderness", " tabernacle", " Pharaoh", "iniquity"]
+
+
+@pytest.fixture(scope="module")
+def superset(data, tmp_path_factory):
+    """The test tokenizer with six whole words appended (old ids kept)."""
+    tok = load_tokenizer(data["tokenizer"])
+    assert tok.add_tokens(NEW_TOKENS) == len(NEW_TOKENS)
+    out = tmp_path_factory.mktemp("superset")
+    tok.save_pretrained(out)
+    return out
+
+
+def expanded_model(run):
+    cfg = RunConfig.model_validate(yaml.safe_load((run / "config.yaml").read_text()))
+    tok = load_tokenizer(cfg.tokenizer.path)
+    table = SignatureTable.load(run / "signatures") if cfg.model.variant == "mhf" else None
+    model = build_model(cfg.model, len(tok), table.codes if table else None)
+    model.load_state_dict(load_file(str(run / cfg.train.init_from)))
+    return model.eval(), tok, table
+
+
+def old_model(run):
+    tw = trained_weights(run)
+    tok = load_tokenizer(tw.run.tokenizer_source(tw.cfg))
+    table = SignatureTable.load(tw.run.signatures_dir) if tw.cfg.model.variant == "mhf" else None
+    model = build_model(tw.cfg.model, len(tok), table.codes if table else None)
+    model.load_state_dict(tw.state)
+    return model.eval(), tok, table
+
+
+def scores_old_tokens_as_before(old, new, old_vocab: int, text: str, tok) -> None:
+    """With the new tokens masked out, the expanded model's P_inf over old tokens is the old model's."""
+    ids = tok(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        before = old.log_p_inf(ids)
+        after = new.log_p_inf(ids)[..., :old_vocab]
+    torch.testing.assert_close(after.log_softmax(-1), before, rtol=0, atol=1e-5)
+
+
+def test_mhf_expansion_adds_no_parameters_and_keeps_every_signature(trained, superset, data, tmp_path):
+    out = run_cli(["expand-vocab", "--run-dir", str(trained["mhf"]), "--tokenizer", str(superset),
+                   "--out", str(tmp_path / "expanded"), "--trainable-blocks", "0"])
+    assert "0 parameters added" in out
+    old, old_tok, old_table = old_model(trained["mhf"])
+    new, new_tok, new_table = expanded_model(tmp_path / "expanded")
+    v = len(old_tok)
+    assert len(new_tok) == v + len(NEW_TOKENS)
+    assert new.parameter_counts() == old.parameter_counts()
+    assert torch.equal(new_table.codes[:v], old_table.codes) and new_table.is_extension_of(old_table)
+    registered = new_table.codes[new_table.registered_mask()]
+    assert torch.unique(registered, dim=0).shape[0] == registered.shape[0]  # all signatures unique
+    for name, p in old.state_dict().items():
+        assert torch.equal(new.state_dict()[name], p), name
+    scores_old_tokens_as_before(old, new, v, "In the beginning God created the heaven", old_tok)
+
+    # Training continues on text with the new tokens (the embedded corpus, re-tokenised into the new run),
+    # only the vocabulary side and the final norm trainable (k = 0 blocks).
+    run_cli(["train", "--config", str(tmp_path / "expanded/config.yaml"), "--run-dir", str(tmp_path / "expanded"),
+             "--set", "data.path=null", "--set", "train.max_steps=2", "--set", "train.micro_batch_size=4"])
+    assert len(metrics(tmp_path / "expanded")) == 2
+    after = trained_weights(tmp_path / "expanded").state
+    for name, p in old.state_dict().items():
+        changed = not torch.equal(after[name], p)
+        assert changed == (not name.startswith("backbone.layers.")), name
+
+
+def test_standard_expansion_adds_mean_initialised_rows(trained, superset, tmp_path):
+    out = run_cli(["expand-vocab", "--run-dir", str(trained["standard"]), "--tokenizer", str(superset),
+                   "--out", str(tmp_path / "expanded")])
+    old, old_tok, _ = old_model(trained["standard"])
+    new, new_tok, _ = expanded_model(tmp_path / "expanded")
+    v, d = len(old_tok), old.cfg.d_model
+    rows = lambda m: m.vocab.tables.weight[0]  # noqa: E731
+    added = (rows(new).shape[0] - rows(old).shape[0]) * d
+    assert f"{added} parameters added" in out
+    assert new.parameter_counts()["total"] - old.parameter_counts()["total"] == added > 0
+    assert torch.equal(rows(new)[:v], rows(old)[:v])
+    for i, token in enumerate(NEW_TOKENS):
+        pieces = old_tok.encode(token, add_special_tokens=False)
+        torch.testing.assert_close(rows(new)[v + i], rows(old)[pieces].mean(0))
+    scores_old_tokens_as_before(old, new, v, "In the beginning God created the heaven", old_tok)
+
+
+def test_expansion_needs_a_superset(trained, data, tmp_path):
+    """A larger tokenizer trained anew on other text reorders the old tokens: a clear error, nothing written."""
+    train_bpe(list(embedded_corpus())[::3], 1100, tmp_path / "other")
+    old, other = vocabulary(load_tokenizer(data["tokenizer"])), vocabulary(load_tokenizer(tmp_path / "other"))
+    assert other[: len(old)] != old
+    out = run_cli(["expand-vocab", "--run-dir", str(trained["mhf"]), "--tokenizer", str(tmp_path / "other"),
+                   "--out", str(tmp_path / "x")], expect_rc=2)
+    assert "must be a superset of the old one" in out and not (tmp_path / "x").exists()

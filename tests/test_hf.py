@@ -1,0 +1,203 @@
+"""Hugging Face export and import (SPEC §9), generation and evaluation under P_inf (SPEC §5)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mhf_dist.data.reader import ShardReader
+from mhf_dist.evaluate import split_last_word
+from mhf_dist.export import trained_weights
+from mhf_dist.model import build_model
+from mhf_dist.signatures import SignatureTable, tokens_fingerprint
+from mhf_dist.tokenizers import load_tokenizer, vocabulary
+from train_utils import metrics, run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def our_model(run: Path):
+    """The run's newest checkpoint as our LanguageModel, with its tokenizer and signature table."""
+    tw = trained_weights(run)
+    tokenizer = load_tokenizer(tw.run.tokenizer_source(tw.cfg))
+    table = SignatureTable.load(tw.run.signatures_dir) if tw.cfg.model.variant == "mhf" else None
+    model = build_model(tw.cfg.model, len(tokenizer), table.codes if table else None)
+    model.load_state_dict(tw.state)
+    return model.eval(), tokenizer, table
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf")
+    for name in ("mhf", "standard"):
+        run_cli(["export-hf", str(trained[name]), str(out / name)])
+    return {"mhf": out / "mhf", "standard": out / "standard"}
+
+
+PROMPT = "And God said, Let there be light"
+
+
+def test_export_logits_are_log_p_inf(trained, exported):
+    hf = AutoModelForCausalLM.from_pretrained(exported["mhf"], trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(exported["mhf"])
+    ours, our_tok, table = our_model(trained["mhf"])
+    assert vocabulary(tokenizer) == vocabulary(our_tok)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = hf(ids).logits
+        expected = ours.log_p_inf(ids)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits.exp().sum(-1), torch.ones(ids.shape), rtol=0, atol=1e-5)
+    assert torch.isneginf(logits[..., ~table.registered_mask()]).all()
+
+    files = {p.name for p in exported["mhf"].iterdir()}
+    assert {"config.json", "model.safetensors", "modeling_multihashformer.py", "configuration_multihashformer.py",
+            "generation_config.json", "tokenizer.json"} <= files
+    weights = load_file(str(exported["mhf"] / "model.safetensors"))
+    assert torch.equal(weights["model.hash_map"], table.codes.long())
+    assert weights["model.embed_tokens.weight"].shape == (4 * 256, 64)
+    assert {"model.combiner.scorer.0.weight", "model.combiner.output_proj.0.weight",
+            "hash_head.cascade_mixer.2.2.bias", "model.layers.1.self_attn.q_norm.weight", "model.norm.weight"} <= set(weights)
+    config = json.loads((exported["mhf"] / "config.json").read_text())
+    assert (config["num_hashes"], config["num_buckets"], config["bottle_neck_dim"], config["num_lsh"]) == (4, 256, 64, 0)
+
+
+def test_generate_with_and_without_cache_and_only_registered_tokens(exported):
+    hf = AutoModelForCausalLM.from_pretrained(exported["mhf"], trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(exported["mhf"])
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    cached = hf.generate(ids, use_cache=True, **greedy)
+    uncached = hf.generate(ids, use_cache=False, **greedy)
+    assert torch.equal(cached, uncached)
+    assert torch.equal(hf.generate(ids, num_beams=3, **greedy)[:, : ids.shape[1]], ids)
+
+    registered = (hf.model.hash_map != 0).any(dim=1)
+    torch.manual_seed(0)
+    for kw in ({"temperature": 5.0}, {"temperature": 3.0, "top_k": 40}, {"temperature": 3.0, "top_p": 0.95}):
+        out = hf.generate(ids.repeat(4, 1), do_sample=True, max_new_tokens=16, pad_token_id=tokenizer.pad_token_id, **kw)
+        assert registered[out[:, ids.shape[1]:]].all(), kw
+
+    bf16 = AutoModelForCausalLM.from_pretrained(exported["mhf"], trust_remote_code=True, dtype=torch.bfloat16)
+    assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16 and bf16.model.hash_map.dtype == torch.long
+    with torch.no_grad():
+        logits16, logits32 = bf16(ids).logits, hf(ids).logits
+    assert torch.isfinite(logits16[..., registered]).all()
+    torch.testing.assert_close(logits16.exp().sum(-1), torch.ones(ids.shape), rtol=0, atol=1e-4)
+    assert (logits16.argmax(-1) == logits32.argmax(-1)).float().mean() > 0.5
+
+
+def test_standard_exports_as_plain_qwen3(trained, exported):
+    config = json.loads((exported["standard"] / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and "auto_map" not in config
+    assert not list(exported["standard"].glob("*.py"))
+    hf = AutoModelForCausalLM.from_pretrained(exported["standard"])  # no remote code
+    ours, tokenizer, _ = our_model(trained["standard"])
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits.log_softmax(-1), ours.log_p_inf(ids), rtol=0, atol=1e-5)
+
+
+def test_import_of_an_export_restores_the_run(trained, exported, data, tmp_path):
+    out = run_cli(["import-hf", str(exported["mhf"]), "--run-dir", str(tmp_path / "imported")])
+    assert "0 differ from a fresh SPEC §1 build, 0 shared" in out
+    tw = trained_weights(trained["mhf"])
+    init = load_file(str(tmp_path / "imported/init/model.safetensors"))
+    assert init.keys() == tw.state.keys()
+    for name, tensor in tw.state.items():
+        assert torch.equal(init[name], tensor), name
+    original = SignatureTable.load(trained["mhf"] / "signatures")
+    assert SignatureTable.load(tmp_path / "imported/signatures").content_hash == original.content_hash
+    cfg = yaml.safe_load((tmp_path / "imported/config.yaml").read_text())
+    assert cfg["model"] == tw.cfg.model_dump(mode="json")["model"]
+    assert cfg["data"] == tw.cfg.model_dump(mode="json")["data"]
+
+    # The trainer continues from the imported weights: its first step sees the same batch as the original
+    # run's first step (same seed and data), at a much lower loss than that fresh start.
+    run_cli(["train", "--config", str(tmp_path / "imported/config.yaml"), "--run-dir", str(tmp_path / "imported"),
+             "--set", "train.max_steps=1"])
+    assert metrics(tmp_path / "imported")[0]["loss"] < metrics(trained["mhf"])[0]["loss"] - 1.0
+
+
+def test_import_lists_signature_differences(exported, tmp_path):
+    """A table built by another rule (here: two tokens' signatures swapped) imports as is, differences listed."""
+    src = tmp_path / "theirs"
+    src.mkdir()
+    for f in exported["mhf"].iterdir():
+        if f.name not in ("mhf_dist.yaml", "model.safetensors"):
+            (src / f.name).write_bytes(f.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    del config["signature_rule"]  # the authors' config has none
+    (src / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(exported["mhf"] / "model.safetensors"))
+    hash_map = weights["model.hash_map"].clone()
+    hash_map[[5, 9]] = hash_map[[9, 5]]
+    weights["model.hash_map"] = torch.cat([hash_map, torch.zeros(7, 4, dtype=torch.long)])  # rounded-up rows
+    from safetensors.torch import save_file
+
+    save_file(weights, str(src / "model.safetensors"))
+    out = run_cli(["import-hf", str(src), "--run-dir", str(tmp_path / "run")])
+    assert "2 differ from a fresh SPEC §1 build" in out
+    report = json.loads((tmp_path / "run/import-report.json").read_text())
+    assert [d["id"] for d in report["differing"]] == [5, 9]
+    assert torch.equal(SignatureTable.load(tmp_path / "run/signatures").codes, hash_map.int())
+
+    config["num_lsh"] = 2
+    (src / "config.json").write_text(json.dumps(config))
+    assert "num_lsh=2" in run_cli(["import-hf", str(src), "--run-dir", str(tmp_path / "lsh")], expect_rc=2)
+
+
+def test_eval_perplexity_and_last_word_under_p_inf(trained, exported, data, tmp_path):
+    lambada = REPO / "tools/lm_eval/lambada_local.jsonl"
+    run_cli(["eval", "--model", str(exported["mhf"]), "--data", str(data["shards"]), "--max-sequences", "6",
+             "--batch-size", "4", "--lambada", str(lambada), "--out", str(tmp_path / "eval.json")])
+    results = json.loads((tmp_path / "eval.json").read_text())
+
+    ours, tokenizer, _ = our_model(trained["mhf"])
+    with ShardReader(data["shards"], split="val", tokenizer_fingerprint=tokens_fingerprint(vocabulary(tokenizer))) as r:
+        batch = r.next_batch(6)
+    with torch.no_grad():
+        nll = ours(batch[:, :-1], batch[:, 1:], with_p_inf=True).p_inf_nll.item()
+    assert results["perplexity"]["tokens"] == batch[:, 1:].numel()
+    assert results["perplexity"]["p_inf_nll"] == pytest.approx(nll, rel=1e-5)
+
+    hf = AutoModelForCausalLM.from_pretrained(exported["mhf"], trust_remote_code=True)
+    correct = 0
+    docs = [json.loads(line)["text"] for line in lambada.read_text().splitlines()]
+    for text in docs:  # the definition: the greedy continuation reproduces the last word's tokens
+        context, target = split_last_word(text)
+        ctx = tokenizer(context, add_special_tokens=False, return_tensors="pt").input_ids
+        want = tokenizer(target, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        got = hf.generate(ctx, max_new_tokens=len(want), do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        correct += torch.equal(got[0, ctx.shape[1]:], want)
+    assert results["last_word"]["documents"] == len(docs)
+    assert results["last_word"]["accuracy"] == correct / len(docs)
+
+
+def test_generate_cli_from_a_run_directory(trained):
+    out = run_cli(["generate", "--model", str(trained["mhf"]), "--prompt", PROMPT, "--max-new-tokens", "5",
+                   "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9"])
+    assert PROMPT in out
+
+
+def test_lm_eval_harness_on_the_local_task(exported, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+         f"pretrained={exported['mhf']},trust_remote_code=True", "--include_path", str(REPO / "tools/lm_eval"),
+         "--tasks", "mhf_lambada_local", "--device", "cpu", "--batch_size", "8", "--output_path", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env=os.environ | {"HF_DATASETS_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = tmp_path.rglob("results_*.json")
+    metrics_ = json.loads(result.read_text())["results"]["mhf_lambada_local"]
+    assert 0.0 <= metrics_["acc,none"] <= 1.0
+    assert torch.isfinite(torch.tensor(metrics_["perplexity,none"]))
