@@ -94,7 +94,8 @@ def profile_training(size: str, hash_name: str, tp: int, steps: int, warmup: int
                      dtype: str, device: torch.device, peak_measured: float, peak_nominal: float | None,
                      overrides: list[str], trace_dir: Path | None = None) -> TrainRow:
     """One configuration on this rank (tp ranks run this together); returns rank-local measurements."""
-    cfg = load_config(f"{size}-{hash_name}", overrides=[f"parallel.tp={tp}", *overrides]).model
+    run_cfg = load_config(f"{size}-{hash_name}", overrides=[f"parallel.tp={tp}", *overrides])
+    cfg = run_cfg.model
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(1, cfg.hash.num_buckets, (VOCAB, cfg.hash.num_hashes), generator=gen)
     torch.manual_seed(0)
@@ -102,7 +103,9 @@ def profile_training(size: str, hash_name: str, tp: int, steps: int, warmup: int
     params = sum(p.numel() for p in model.parameters())
     apply_tensor_parallel(model, dist.group.WORLD if tp > 1 else None, dist.get_rank() if tp > 1 else 0, tp)
     model.to(_dtype(dtype))
-    optimizer, _ = build_optimizer(model, load_config(f"{size}-{hash_name}").optimizer, max_steps=steps + warmup)
+    if run_cfg.train.compile:
+        model.backbone.compile_blocks()
+    optimizer, _ = build_optimizer(model, run_cfg.optimizer, max_steps=steps + warmup)
     batch = torch.randint(0, VOCAB, (micro, seq_len + 1), generator=gen).to(device)
     times = {"forward": [], "backward": [], "optimizer": [], "comm": []}
     comm_bytes = 0

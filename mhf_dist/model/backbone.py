@@ -97,6 +97,11 @@ class Backbone(nn.Module):
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.checkpoint_interval = 0
 
+    def compile_blocks(self) -> None:
+        """``torch.compile`` each block in place (identical blocks share one compiled graph)."""
+        for layer in self.layers:
+            layer.compile()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cos, sin = rope_cos_sin(torch.arange(x.shape[1], device=x.device), self.head_dim, self.rope_theta)
         k = self.checkpoint_interval

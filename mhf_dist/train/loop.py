@@ -167,6 +167,8 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto") -> TrainRes
     apply_tensor_parallel(model, groups.tp_group, groups.tp_rank, groups.tp)
     if cfg.train.trainable_blocks is not None:
         model.train_only_vocabulary_and_ends(cfg.train.trainable_blocks)
+    if cfg.train.compile:
+        model.backbone.compile_blocks()
     vocab_rows = model.vocab.tables.num_rows
     trainer = build_trainer(cfg, model, groups, ds_config, layout)
     del model
