@@ -1,9 +1,9 @@
 """Benchmark: MultiHashFormer vs Standard at the 100m preset, side by side in one run (issue: performance).
 
 Reports, on this machine and dtype:
-- training tokens/s and MFU of 100m-h4b16k and 100m-standard (AdamW step, fused decoder), MFU against a
-  ``torch.mm`` peak measured in the same run, and the MHF/Standard step-time ratio next to the analytic
-  FLOP ratio;
+- training tokens/s and MFU of 100m-h4b16k and 100m-standard (AdamW step, fused decoder), eager and with
+  ``train.compile`` (compiled backbone blocks), MFU against a ``torch.mm`` peak measured in the same run,
+  and the MHF/Standard step-time ratio next to the analytic FLOP ratio;
 - inference head time per token (MHF ``log P_inf`` vs a Standard LM head + log-softmax) at V = 32,768 and
   131,072;
 - the decoder's activation memory (bytes autograd saves for backward) fused vs plain, H4B16K, at seq 2048.
@@ -55,9 +55,11 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     peak = measured_peak_flops(device, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-    rows = {h: profile_training("100m", h, 1, args.steps, 1, args.seq_len, 1, args.dtype, device, peak, None, [])
-            for h in ("h4b16k", "standard")}
-    mhf, std = rows["h4b16k"], rows["standard"]
+    rows = {(h, c): profile_training("100m", h, 1, args.steps, 1, args.seq_len, 1, args.dtype, device, peak, None,
+                                     [f"train.compile={c}"])
+            for c in ("false", "true") for h in ("h4b16k", "standard")}
+    mhf, std = rows["h4b16k", "false"], rows["standard", "false"]
+    mhf_c, std_c = rows["h4b16k", "true"], rows["standard", "true"]
     flop_ratio = (forward_flops(load_config("100m-h4b16k").model, args.seq_len).train
                   / forward_flops(load_config("100m-standard").model, args.seq_len, vocab_rows=VOCAB).train)
     cfg = load_config("100m-h4b16k").model
@@ -69,13 +71,18 @@ def main() -> None:
         "mhf": {"tokens_per_s": mhf.tokens_per_s, "mfu": mhf.mfu, "step_s": mhf.step_s},
         "standard": {"tokens_per_s": std.tokens_per_s, "mfu": std.mfu, "step_s": std.step_s},
         "step_time_ratio": mhf.step_s / std.step_s, "flop_ratio": flop_ratio,
+        "compiled": {"mhf": {"tokens_per_s": mhf_c.tokens_per_s, "mfu": mhf_c.mfu, "step_s": mhf_c.step_s},
+                     "standard": {"tokens_per_s": std_c.tokens_per_s, "mfu": std_c.mfu, "step_s": std_c.step_s},
+                     "step_time_ratio": mhf_c.step_s / std_c.step_s},
         "scoring": scoring,
         "decoder_activation_mb": {"plain": plain / 2**20, "fused": fused / 2**20, "ratio": fused / plain},
     }
     print(f"{device} {args.dtype}, seq {args.seq_len}; measured torch.mm peak {peak / 1e12:.3f} TFLOP/s")
-    for name, r in (("100m-h4b16k", mhf), ("100m-standard", std)):
-        print(f"  {name:<14} {r.tokens_per_s:8.1f} tokens/s  step {r.step_s:6.2f} s  MFU {r.mfu:6.1%}")
-    print(f"  step-time ratio MHF/Standard {result['step_time_ratio']:.2f} vs analytic FLOP ratio {flop_ratio:.2f}")
+    named = (("100m-h4b16k", mhf), ("100m-standard", std), ("h4b16k+compile", mhf_c), ("standard+compile", std_c))
+    for name, r in named:
+        print(f"  {name:<16} {r.tokens_per_s:8.1f} tokens/s  step {r.step_s:6.2f} s  MFU {r.mfu:6.1%}")
+    print(f"  step-time ratio MHF/Standard {result['step_time_ratio']:.2f} (compiled "
+          f"{result['compiled']['step_time_ratio']:.2f}) vs analytic FLOP ratio {flop_ratio:.2f}")
     for s in scoring:
         print(f"  inference head V={s['vocab_size']:>7,}: MHF {s['mhf_s_per_token'] * 1e3:.3f} ms/token, Standard "
               f"{s['standard_s_per_token'] * 1e3:.3f} ms/token, ratio {s['ratio']:.2f}")
