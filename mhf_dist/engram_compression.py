@@ -148,8 +148,8 @@ class CompressionTable:
                                        "from the run's tokenizer")
         try:
             meta = json.loads((directory / META_FILE).read_text())
-            table = cls(old_to_new=torch.from_numpy(load_file(str(directory / TABLE_FILE))["old_to_new"].astype(np.int32)),
-                        keys=tuple(meta["keys"]), pad_id=meta["pad_id"],
+            old_to_new = torch.from_numpy(load_file(str(directory / TABLE_FILE))["old_to_new"].astype(np.int32))
+            table = cls(old_to_new=old_to_new, keys=tuple(meta["keys"]), pad_id=meta["pad_id"],
                         tokenizer_fingerprint=meta["tokenizer_fingerprint"], normalization=meta["normalization"])
         except Exception as e:  # truncated or garbled files
             raise CompressionError(f"compression table in {directory} is unreadable ({e}); delete {directory} to "

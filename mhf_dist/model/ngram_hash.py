@@ -46,7 +46,7 @@ def is_prime(n: int) -> bool:
 
 
 def table_sizes(cfg: EngramConfig, layers: list[int]) -> dict[int, list[list[int]]]:
-    """``{layer: [[M of each head] for each order 2..N]}``: distinct primes, each the next unused one ``>= table_size``."""
+    """``{layer: [[M of each head] for each order 2..N]}``: distinct primes, each the next unused ``>= table_size``."""
     sizes, candidate = {}, cfg.table_size
     for layer in layers:
         sizes[layer] = []
