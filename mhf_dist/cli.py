@@ -10,6 +10,7 @@ from pathlib import Path
 
 from mhf_dist.config import ConfigError, load_config, preset_names
 from mhf_dist.data.prepare import DataError
+from mhf_dist.engram_compression import CompressionError
 from mhf_dist.signatures import SignatureError
 from mhf_dist.tokenizers import TokenizerError
 from mhf_dist.train.checkpoint import PREEMPTED_EXIT_CODE, CheckpointError
@@ -324,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="tokens/s, MFU, memory and communication per hash configuration and layout")
     p.add_argument("--size", default="100m", help="tiny, 100m, 1b or 3b")
-    p.add_argument("--hash", default="standard,h1b16k,h3b10k,h4b16k", help="comma-separated preset variants")
+    p.add_argument("--hash", default="standard,h1b16k,h3b10k,h4b16k",
+                   help="comma-separated preset variants; +engram adds the Engram memory, e.g. h4b16k,h4b16k+engram")
     p.add_argument("--layout", default="tp=1", help="comma-separated tensor-parallel layouts, e.g. tp=1,tp=2")
     p.add_argument("--steps", type=int, default=3, help="measured training steps per configuration")
     p.add_argument("--warmup", type=int, default=1)
@@ -375,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, SignatureError, TokenizerError, DataError, CheckpointError, HFImportError) as e:
+    except (ConfigError, SignatureError, CompressionError, TokenizerError, DataError, CheckpointError,
+            HFImportError) as e:
         print(f"mhf-dist: {e}", file=sys.stderr)
         return 2
 

@@ -36,6 +36,44 @@ class HashConfig(_Strict):
     mixer_dim: int = Field(64, ge=1, description="r of the decoder's cascade mixers (SPEC §4)")
 
 
+class EngramConfig(_Strict):
+    """Engram N-gram memory (SPEC §8), added to the residual stream before the attention of ``layers``.
+
+    Choices where SPEC §8 is silent: each head's table has the smallest unused prime ``>= table_size`` rows
+    (distinct over heads, orders and layers, assigned in that nesting: layer, order, head); the ``engram``
+    hash and ``sigmoid`` gate (DeepSeek's public demo) are the defaults; ``head_dim`` makes the concatenated
+    head vectors ``d_model`` wide for the sigmoid gate (DeepSeek's proportions), and must be ``d_model`` for
+    the softmax gate, whose scores are ``h · E_k[idx_k]``.
+    """
+
+    layers: list[int] | None = Field(None, description="backbone layers (0-based) with a memory; None: 1 and L/2")
+    max_ngram: int = Field(3, ge=2, description="N: N-grams of orders 2..N")
+    heads: int = Field(4, ge=1, description="K: hash heads (tables) per order")
+    table_size: int = Field(65536, ge=2, description="rows per head table: the next unused prime >= this")
+    head_dim: int | None = Field(
+        None, ge=1, description="width of a table row; None: d_model for the softmax gate, "
+        "d_model / ((N-1)·K) for the sigmoid gate")
+    hash: Literal["engram", "seed"] = Field(
+        "engram", description="engram: XOR of per-token odd multipliers (DeepSeek); seed: the packed N-gram "
+        "times a per-head key, XOR the key (seed 002)")
+    gate: Literal["sigmoid", "softmax"] = Field(
+        "sigmoid", description="sigmoid: scalar gate on a projected value + short causal conv (DeepSeek); "
+        "softmax: weights over the heads from h · E_k (seed 002)")
+    threshold: float | None = Field(
+        None, description="softmax gate: heads scoring below this are masked (None: no mask)")
+    kernel_size: int = Field(4, ge=1, description="sigmoid gate: taps of the causal depthwise convolution")
+    seed: int = Field(0, description="RNG seed of the hash multipliers/keys (per layer: seed + 10007·layer)")
+    pad_rows_to: int = Field(
+        128, ge=1, description="tables are padded to a multiple of this many rows (a multiple of parallel.tp)")
+
+    @model_validator(mode="after")
+    def _gate(self):
+        if self.threshold is not None and self.gate != "softmax":
+            raise ValueError(f"model.engram.threshold applies to gate=softmax only (gate is {self.gate!r}); "
+                             "unset the threshold or set model.engram.gate=softmax")
+        return self
+
+
 class ModelConfig(_Strict):
     """Backbone shape (SPEC §3) and which input/output the model uses."""
 
@@ -54,10 +92,27 @@ class ModelConfig(_Strict):
         1024, ge=0, description="training loss: decoder fused over chunks of this many tokens (activation memory "
         "O(chunk × B)); 0: the plain path, which keeps every head's logits (reference)")
     hash: HashConfig = HashConfig()
+    engram: EngramConfig | None = Field(None, description="Engram N-gram memory (SPEC §8); None: no memory")
 
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def engram_layers(self) -> list[int]:
+        """Layers holding a memory, ascending (none without ``engram``); SPEC §8's example: 1 and L/2."""
+        if self.engram is None:
+            return []
+        if self.engram.layers is None:
+            return sorted({min(1, self.n_layers - 1), self.n_layers // 2})
+        return sorted(self.engram.layers)
+
+    @property
+    def engram_head_dim(self) -> int:
+        e = self.engram
+        if e.head_dim is not None:
+            return e.head_dim
+        return self.d_model if e.gate == "softmax" else self.d_model // ((e.max_ngram - 1) * e.heads)
 
     @model_validator(mode="after")
     def _shapes(self):
@@ -66,12 +121,32 @@ class ModelConfig(_Strict):
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
                 "change one of them or set model.head_dim"
             )
+        if self.engram is not None:
+            self._check_engram()
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads} (GQA groups); "
                 "pick n_kv_heads dividing n_heads"
             )
         return self
+
+    def _check_engram(self) -> None:
+        e, layers = self.engram, self.engram_layers
+        if e.layers is not None and len(set(e.layers)) != len(e.layers):
+            raise ValueError(f"model.engram.layers={e.layers} names a layer twice; list each layer once")
+        outside = [i for i in layers if not 0 <= i < self.n_layers]
+        if outside:
+            raise ValueError(
+                f"model.engram.layers={layers}: layer {outside[0]} is out of range for model.n_layers="
+                f"{self.n_layers}; use 0..{self.n_layers - 1}")
+        if e.gate == "softmax" and self.engram_head_dim != self.d_model:
+            raise ValueError(
+                f"model.engram.head_dim={e.head_dim} with gate=softmax: its scores h · E_k[idx] need rows of "
+                f"model.d_model={self.d_model}; unset model.engram.head_dim")
+        if e.head_dim is None and e.gate == "sigmoid" and self.d_model % ((e.max_ngram - 1) * e.heads):
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by (max_ngram-1)·heads = "
+                f"{(e.max_ngram - 1) * e.heads}; set model.engram.head_dim")
 
 
 class TokenizerConfig(_Strict):
@@ -205,6 +280,11 @@ class RunConfig(_Strict):
                 f"model.pad_vocab_to={m.pad_vocab_to} is not a multiple of parallel.tp={tp}: the vocabulary rows are "
                 "split over tp; set pad_vocab_to to a multiple of tp"
             )
+        if m.engram is not None and m.engram.pad_rows_to % tp:
+            raise ValueError(
+                f"model.engram.pad_rows_to={m.engram.pad_rows_to} is not a multiple of parallel.tp={tp}: memory "
+                "tables are split along their rows; set pad_rows_to to a multiple of tp"
+            )
         if self.parallel.pp > 1 and self.parallel.zero_stage in (2, 3):
             raise ValueError(
                 f"parallel.zero_stage={self.parallel.zero_stage} with parallel.pp={self.parallel.pp}: DeepSpeed's "
@@ -246,24 +326,27 @@ _MAX_STEPS = {"100m": 10_000_000_000 // (256 * 2048), "1b": 100_000_000_000 // (
 
 # H3B10K keeps the public code's B = 10,624 (SPEC §6); other hNbMk read B = M * 1024.
 _SPECIAL_BUCKETS = {("3", "10"): 10_624}
-_VARIANT = re.compile(r"^(?:(?P<std>standard)(?:\+(?P<extra>\d+)l)?|h(?P<h>\d+)b(?P<b>\d+)k)$")
+_VARIANT = re.compile(
+    r"^(?:(?P<std>standard)(?:\+(?P<extra>\d+)l)?|h(?P<h>\d+)b(?P<b>\d+)k)(?P<engram>\+engram)?$")
 
 
 def preset_names() -> list[str]:
-    """The canonical presets (any ``hNbMk`` and ``standard+kL`` variant also parses)."""
+    """The canonical presets, each also with ``+engram`` (any ``hNbMk`` and ``standard+kL`` variant also parses)."""
     variants = ["standard", "h1b16k", "h3b10k", "h4b16k"]
-    names = [f"{s}-{v}" for s in SIZES for v in variants]
-    return names + ["100m-standard+4l", "1b-standard+2l"]
+    names = [f"{s}-{v}" for s in SIZES for v in variants] + ["100m-standard+4l", "1b-standard+2l"]
+    return names + [f"{n}+engram" for n in names]
 
 
 def preset(name: str) -> dict[str, Any]:
-    """The raw config dict of preset ``{size}-{variant}``."""
+    """The raw config dict of preset ``{size}-{variant}[+engram]``; ``+engram`` adds the SPEC §8 memory with
+    its defaults (:class:`EngramConfig`: layers 1 and L/2)."""
     size, _, variant = name.partition("-")
     match = _VARIANT.match(variant)
     if size not in SIZES or not match:
         raise ConfigError(
-            f"unknown preset {name!r}: use {{size}}-{{variant}} with size in {sorted(SIZES)} and variant "
-            "standard, standard+<k>l, h1b16k, h3b10k, h4b16k or h<H>b<B/1024>k (e.g. tiny-h4b16k, 100m-standard+4l)"
+            f"unknown preset {name!r}: use {{size}}-{{variant}}[+engram] with size in {sorted(SIZES)} and variant "
+            "standard, standard+<k>l, h1b16k, h3b10k, h4b16k or h<H>b<B/1024>k (e.g. tiny-h4b16k, 100m-standard+4l, "
+            "1b-h4b16k+engram)"
         )
     model = dict(SIZES[size])
     if match["std"]:
@@ -276,6 +359,8 @@ def preset(name: str) -> dict[str, Any]:
         hash_cfg = {"num_hashes": 4, "num_buckets": buckets, "single_id": True} if h == "1" else {
             "num_hashes": int(h), "num_buckets": buckets}
         model |= {"variant": "mhf", "hash": hash_cfg}
+    if match["engram"]:
+        model["engram"] = {}
     cfg = copy.deepcopy(_TRAINING["tiny" if size == "tiny" else "real"])
     if size in _MAX_STEPS:
         cfg["train"]["max_steps"] = _MAX_STEPS[size]

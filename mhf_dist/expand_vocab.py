@@ -69,6 +69,9 @@ def expand_vocab(run_dir: str | Path, tokenizer: str | Path, out: str | Path | N
                  trainable_blocks: int | None = None, overrides: list[str] = ()) -> Expansion:
     trained = trained_weights(run_dir)
     cfg, state = trained.cfg, dict(trained.state)
+    if cfg.model.engram is not None:
+        raise ConfigError("expand-vocab: the Engram memory's N-gram hashes depend on the compressed vocabulary size "
+                          "(SPEC §8), which new tokens change; vocabulary expansion is not supported with model.engram")
     old_tok, new_tok = load_tokenizer(trained.run.tokenizer_source(cfg)), load_tokenizer(tokenizer)
     old_tokens, new_tokens = vocabulary(old_tok), vocabulary(new_tok)
     check_superset(old_tokens, new_tokens)

@@ -1,8 +1,9 @@
 """``mhf-dist export``: one full state dict from any sharded checkpoint, with what it needs to be used.
 
 Writes ``OUT/model.safetensors`` (the LanguageModel's parameter names, see
-:mod:`mhf_dist.hf.layout`), ``OUT/config.yaml`` (the run config), ``OUT/signatures/``
-and ``OUT/tokenizer/``. The weights are the fp32 master weights merged over
+:mod:`mhf_dist.hf.layout`), ``OUT/config.yaml`` (the run config), ``OUT/signatures/``,
+``OUT/tokenizer/`` and, with Engram memories, ``OUT/engram/`` (the tokenizer
+compression, SPEC §8). The weights are the fp32 master weights merged over
 every data-, tensor- and pipeline-parallel shard (ZeRO-3 included), cast to
 ``--dtype``. :func:`trained_weights` is the merge, shared with ``export-hf``
 and ``expand-vocab``.
@@ -67,8 +68,9 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32") -> Path
     save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in trained.state.items()}, str(out / "model.safetensors"),
               metadata={"step": str(trained.step), "source": str(trained.checkpoint)})
     shutil.copyfile(run.config_path, out / "config.yaml")
-    if run.signatures_dir.is_dir():
-        shutil.copytree(run.signatures_dir, out / "signatures", dirs_exist_ok=True)
+    for source in (run.signatures_dir, run.engram_dir):
+        if source.is_dir():
+            shutil.copytree(source, out / source.name, dirs_exist_ok=True)
     tokenizer = Path(run.tokenizer_source(cfg))
     if tokenizer.is_dir():
         shutil.copytree(tokenizer, out / "tokenizer", dirs_exist_ok=True)

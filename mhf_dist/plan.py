@@ -14,7 +14,9 @@ keeps no ``S×S`` scores)::
 with activation checkpointing a block keeps only its input (``e·d``) plus one
 block's full set during recompute. The last stage adds the decoder's bucket
 logits and fp32 probabilities, ``H·(B/tp)·(e + 4)`` per token. Pipeline stage
-``s`` holds up to ``pp - s`` micro-batches in flight (1F1B).
+``s`` holds up to ``pp - s`` micro-batches in flight (1F1B). Engram memories
+(SPEC §8) count with the parameters of their blocks' stages; their activations
+(about ``(N−1)·K·head_dim + 8d`` per token and memory) are left out.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 from mhf_dist.cluster import ClusterProfile
 from mhf_dist.config import RunConfig
+from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import build_model
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.parallel.state_dict import split_dim, tp_split_dims
@@ -52,8 +55,9 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
     layout = resolve_layout(cfg, world)
     zero = deepspeed_config(cfg, layout, "cuda")["zero_optimization"]["stage"]
     m, tp, pp, dp = cfg.model, layout.tp, layout.pp, layout.dp
+    compression = CompressionTable.identity(vocab_size)  # sizes only: no tokenizer needed
     with torch.device("meta"):
-        model = build_model(m, vocab_size, torch.ones(vocab_size, m.hash.num_hashes, dtype=torch.long))
+        model = build_model(m, vocab_size, torch.ones(vocab_size, m.hash.num_hashes, dtype=torch.long), compression)
     dims = tp_split_dims(m, tp)
     per_rank = {n: p.numel() // (tp if split_dim(n, dims) is not None else 1) for n, p in model.named_parameters()}
 
@@ -62,9 +66,8 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
 
     vocab_in = params("vocab.tables.") + params("vocab.encoder.")
     vocab_out = params("vocab.tables.") + params("vocab.decoder.")
-    block = params("backbone.layers.0.")
     flops = forward_flops(m, cfg.data.seq_len, vocab_rows=model.vocab.tables.num_rows)
-    costs = [flops.vocab_in + 1] + [flops.block] * m.n_layers + [1, flops.vocab_out + 1]
+    costs = [flops.vocab_in + 1] + [flops.layer(i) for i in range(m.n_layers)] + [1, flops.vocab_out + 1]
     parts = partition_balanced(costs, pp) if pp > 1 else [0, len(costs)]
 
     e = 2 if cfg.train.dtype == "bf16" else 4
@@ -78,7 +81,8 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
     for s in range(pp):
         layers = range(parts[s], parts[s + 1])
         blocks = sum(1 for i in layers if 1 <= i <= m.n_layers)
-        total = blocks * block + (vocab_in if 0 in layers else 0) + (vocab_out if len(costs) - 1 in layers else 0)
+        total = sum(params(f"backbone.layers.{i - 1}.") for i in layers if 1 <= i <= m.n_layers)
+        total += (vocab_in if 0 in layers else 0) + (vocab_out if len(costs) - 1 in layers else 0)
         total += params("backbone.norm.") if m.n_layers + 1 in layers else 0
         if pp == 1:
             total = sum(per_rank.values())

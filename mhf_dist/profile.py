@@ -1,9 +1,10 @@
 """``mhf-dist profile``: throughput, MFU, memory and communication per hash configuration and layout.
 
 For every (layout, hash configuration) the model is built from the preset
-``{size}-{hash}``, tensor-parallelised (tp ranks are local processes), and
-trained with AdamW on the same synthetic token batch: warm-up steps, then
-``--steps`` measured ones. Each step is split into forward, backward and
+``{size}-{hash}`` (``h4b16k+engram``: with the Engram memory, SPEC §8, so its
+cost shows next to the same model without it), tensor-parallelised (tp ranks
+are local processes), and trained with AdamW on the same synthetic token
+batch: warm-up steps, then ``--steps`` measured ones. Each step is split into forward, backward and
 optimizer time (CUDA events on GPUs, wall timers on CPU) and the time spent in
 tensor-parallel collectives; the FLOPs are the analytic count of
 :mod:`mhf_dist.model.flops`, the peak is measured in the same run (a timed
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from mhf_dist.config import load_config
+from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import build_model
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.scoring import log_p_inf
@@ -37,7 +39,7 @@ from mhf_dist.parallel.plan import apply_tensor_parallel
 from mhf_dist.train.optim import build_optimizer
 from mhf_dist.train.throughput import measured_peak_flops, memory_gb
 
-VOCAB = 32768  # Mistral v0.3's size; signatures are random (timing does not depend on them)
+VOCAB = 32768  # Mistral v0.3's size; signatures are random and ids not compressed (timing does not depend on them)
 
 
 @dataclass
@@ -99,7 +101,7 @@ def profile_training(size: str, hash_name: str, tp: int, steps: int, warmup: int
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(1, cfg.hash.num_buckets, (VOCAB, cfg.hash.num_hashes), generator=gen)
     torch.manual_seed(0)
-    model = build_model(cfg, VOCAB, codes).to(device)
+    model = build_model(cfg, VOCAB, codes, CompressionTable.identity(VOCAB)).to(device)
     params = sum(p.numel() for p in model.parameters())
     apply_tensor_parallel(model, dist.group.WORLD if tp > 1 else None, dist.get_rank() if tp > 1 else 0, tp)
     model.to(_dtype(dtype))
@@ -300,10 +302,10 @@ def _plots(rows: list[TrainRow], scoring: list[dict], out: Path) -> None:
 
 
 def table(rows: list[TrainRow], scoring: list[dict]) -> str:
-    lines = [f"{'config':<16} {'layout':<6} {'tokens/s':>10} {'step s':>8} {'fwd':>6} {'bwd':>6} {'opt':>6} "
+    lines = [f"{'config':<25} {'layout':<6} {'tokens/s':>10} {'step s':>8} {'fwd':>6} {'bwd':>6} {'opt':>6} "
              f"{'comm':>6} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'comm MB':>8}"]
     for r in rows:
-        lines.append(f"{r.size + '-' + r.hash:<16} {r.layout:<6} {r.tokens_per_s:>10.1f} {r.step_s:>8.3f} "
+        lines.append(f"{r.size + '-' + r.hash:<25} {r.layout:<6} {r.tokens_per_s:>10.1f} {r.step_s:>8.3f} "
                      f"{r.forward_s:>6.2f} {r.backward_s:>6.2f} {r.optimizer_s:>6.2f} {r.comm_s:>6.2f} "
                      f"{r.tflops:>8.3f} {r.mfu:>6.1%} {r.memory_gb:>7.2f} {r.comm_bytes_per_step / 2**20:>8.1f}")
     lines.append(f"measured peak {rows[0].peak_tflops_measured:.3f} TFLOP/s ({rows[0].dtype} matmul)"

@@ -5,6 +5,7 @@ Layout::
     RUN/config.yaml        resolved RunConfig
     RUN/tokenizer/         the tokenizer (trained here on the embedded corpus when tokenizer.path is None)
     RUN/signatures/        the SignatureTable (SPEC §1), built once, then verified on every start
+    RUN/engram/            the Engram tokenizer compression (SPEC §8, only with model.engram), likewise
     RUN/data/              shards of the embedded corpus (only when data.path is None)
     RUN/metrics.jsonl      one JSON object per logged step
     RUN/tensorboard/       TensorBoard event files
@@ -21,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from mhf_dist.config import HashConfig, RunConfig
 from mhf_dist.data.prepare import MANIFEST, TOKENIZER_DIR, prepare
+from mhf_dist.engram_compression import NORMALIZATION_VERSION, CompressionError, CompressionTable
 from mhf_dist.signatures import SignatureError, SignatureTable, tokens_fingerprint
 from mhf_dist.tokenizers import embedded_corpus, load_tokenizer, train_bpe, vocabulary
 
@@ -30,6 +32,7 @@ class RunDir:
         self.path = Path(path)
         self.tokenizer_dir = self.path / "tokenizer"
         self.signatures_dir = self.path / "signatures"
+        self.engram_dir = self.path / "engram"
         self.config_path = self.path / "config.yaml"
         self.data_dir = self.path / "data"
 
@@ -66,6 +69,26 @@ class RunDir:
                 f"{self.signatures_dir} was built for another tokenizer (fingerprint {table.tokenizer_fingerprint[:12]} "
                 f"vs {tokens_fingerprint(tokens)[:12]}); use the run's tokenizer or extend the vocabulary (expand-vocab)"
             )
+        return table
+
+    def compression(self, tokenizer: PreTrainedTokenizerBase) -> CompressionTable:
+        """The Engram compression table: built on first start; afterwards loaded and checked against the tokenizer."""
+        if not self.engram_dir.exists():
+            table = CompressionTable.build(tokenizer)
+            table.save(self.engram_dir)
+            return table
+        table = CompressionTable.load(self.engram_dir)
+        fingerprint = tokens_fingerprint(vocabulary(tokenizer))
+        if table.tokenizer_fingerprint != fingerprint:
+            raise CompressionError(
+                f"{self.engram_dir} was built for another tokenizer (fingerprint {table.tokenizer_fingerprint[:12]} "
+                f"vs {fingerprint[:12]}); use the run's tokenizer, or delete {self.engram_dir} to rebuild the table "
+                "for this one (a checkpoint trained with the old table then no longer fits)")
+        if table.normalization != NORMALIZATION_VERSION:
+            raise CompressionError(
+                f"{self.engram_dir} was built with normalisation {table.normalization!r}, this code applies "
+                f"{NORMALIZATION_VERSION!r}; use the code version that built it, or delete {self.engram_dir} to "
+                "rebuild the table")
         return table
 
     def tokenizer_source(self, cfg: RunConfig) -> str:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mhf_dist.config import ConfigError, load_config, preset, preset_names
+from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import build_model
 
 MISTRAL_V = 32768
@@ -13,9 +14,10 @@ MISTRAL_V = 32768
 
 def counts(name: str) -> dict[str, int]:
     cfg = load_config(name).model
+    compression = CompressionTable.identity(MISTRAL_V)  # +engram presets
     with torch.device("meta"):
         codes = torch.ones(MISTRAL_V, cfg.hash.num_hashes, dtype=torch.long)
-        return build_model(cfg, MISTRAL_V, codes).parameter_counts()
+        return build_model(cfg, MISTRAL_V, codes, compression).parameter_counts()
 
 
 def within(value: float, target: float, rel: float = 0.05) -> bool:
@@ -23,7 +25,7 @@ def within(value: float, target: float, rel: float = 0.05) -> bool:
 
 
 def test_every_preset_builds_on_meta():
-    for name in preset_names() + ["tiny-h4b8k", "100m-standard+4l", "tiny-standard+1l"]:
+    for name in preset_names() + ["tiny-h4b8k", "100m-standard+4l", "tiny-standard+1l", "tiny-h4b8k+engram"]:
         assert counts(name)["total"] > 0
 
 

@@ -204,6 +204,6 @@ def test_compiled_blocks_equal_eager(tiny_cfg, table):
     (loss, grads), (loss_c, grads_c) = results
     torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=0)
     for name, g in grads.items():
-        # the gate's last bias has a zero true gradient (softmax over heads ignores a shared shift): floor the scale
-        err, scale = (grads_c[name] - g).abs().max().item(), max(g.abs().max().item(), 1e-3)
-        assert err <= 1e-5 * scale, (name, err, scale)
+        # (the gate's last bias has a zero true gradient: softmax over heads ignores a shared shift)
+        err, scale = (grads_c[name] - g).abs().max().item(), g.abs().max().item()
+        assert err <= 1e-5 * scale + 1e-7, (name, err, scale)

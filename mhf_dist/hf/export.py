@@ -23,7 +23,7 @@ import torch
 import yaml
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
-from mhf_dist.config import ModelConfig, RunConfig
+from mhf_dist.config import ConfigError, ModelConfig, RunConfig
 from mhf_dist.export import DTYPES, trained_weights
 from mhf_dist.hf.configuration_multihashformer import MultiHashFormerConfig
 from mhf_dist.hf.layout import EMBED, LM_HEAD, to_export
@@ -77,6 +77,9 @@ def build_hf_model(cfg: RunConfig, state: dict[str, torch.Tensor], tokenizer,
 def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
     trained = trained_weights(checkpoint)
     run, cfg = trained.run, trained.cfg
+    if cfg.model.engram is not None:
+        raise ConfigError("export-hf: the authors' layout (SPEC §9) has no Engram memory; export the full state dict "
+                          "with `mhf-dist export` instead")
     tokenizer = load_tokenizer(run.tokenizer_source(cfg))
     table = SignatureTable.load(run.signatures_dir) if cfg.model.variant == "mhf" else None
     model = build_hf_model(cfg, trained.state, tokenizer, table).to(DTYPES[dtype])

@@ -21,7 +21,8 @@ Qwen3 layer names: ``self_attn.{q,k,v,o}_proj.weight``, ``self_attn.{q,k}_norm.w
 ``mlp.{gate,up,down}_proj.weight``, ``input_layernorm.weight``,
 ``post_attention_layernorm.weight``. The Standard model is a plain Qwen3:
 ``vocab.tables.weight [1, R, d]`` becomes ``model.embed_tokens.weight [R, d]`` and the tied
-``lm_head.weight``; it has no encoder, mixers or hash map.
+``lm_head.weight``; it has no encoder, mixers or hash map. Engram memories (SPEC §8) export under their
+layer, ``model.layers.{i}.engram.*``; the authors' code has no such module.
 """
 
 from __future__ import annotations

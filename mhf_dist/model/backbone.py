@@ -7,9 +7,14 @@ the exported layout (SPEC §9) is a renaming of prefixes only.
 
 Head counts are read from the projections' output sizes, so the same code runs
 when a tensor-parallel plan swaps the projections for sharded ones.
+
+With ``model.engram``, the blocks of ``cfg.engram_layers`` first add their
+:class:`EngramMemory` (SPEC §8), which reads the token ids: ``x <- x + memory(x, ids)``.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +22,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mhf_dist.config import ModelConfig
+from mhf_dist.model.engram import EngramMemory
+from mhf_dist.model.ngram_hash import table_sizes
+
+if TYPE_CHECKING:
+    from mhf_dist.engram_compression import CompressionTable
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,31 +79,42 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm Transformer layer."""
+    """One pre-norm Transformer layer, optionally with an Engram memory before its attention."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, engram: EngramMemory | None = None):
         super().__init__()
+        self.engram = engram
         self.input_layernorm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.engram is not None:
+            x = x + self.engram(x, input_ids)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Backbone(nn.Module):
-    """``layers`` then the final norm: ``[B, S, d] -> [B, S, d]``.
+    """``layers`` then the final norm: ``[B, S, d] -> [B, S, d]`` (the memories also read ``input_ids [B, S]``).
 
     ``checkpoint_interval = k > 0`` recomputes every k-th block's activations in
     backward (torch's non-reentrant checkpoint, which also works under ZeRO-3).
+    ``compression`` (the tokenizer's, SPEC §8) is needed only with ``cfg.engram``.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, compression: CompressionTable | None = None):
         super().__init__()
         self.head_dim, self.rope_theta = cfg.resolved_head_dim, cfg.rope_theta
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        sizes = table_sizes(cfg.engram, cfg.engram_layers) if cfg.engram else {}
+        if sizes and compression is None:
+            raise ValueError("model.engram needs the tokenizer's compression table (CompressionTable.build, or "
+                             ".identity for a synthetic vocabulary)")
+        self.layers = nn.ModuleList(
+            Block(cfg, EngramMemory(cfg, i, sizes[i], compression) if i in sizes else None)
+            for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.checkpoint_interval = 0
 
@@ -102,12 +123,12 @@ class Backbone(nn.Module):
         for layer in self.layers:
             layer.compile()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = rope_cos_sin(torch.arange(x.shape[1], device=x.device), self.head_dim, self.rope_theta)
         k = self.checkpoint_interval
         for i, layer in enumerate(self.layers):
             if k and i % k == 0 and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, input_ids, use_reentrant=False)
             else:
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, input_ids)
         return self.norm(x)

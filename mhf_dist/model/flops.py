@@ -11,6 +11,11 @@ backward for inputs, backward for weights), as in PaLM's MFU. Forward per token:
   ``H · 2·(d·d_z + d_z)``, ``W_s`` ``2·d²``; the decoder's H bucket-logit matmuls
   ``2·H·B·d``, its H−1 soft retrievals ``2·(H−1)·B·d`` and H−1 mixers
   ``2·(2d·r + r·d)`` each. Lookups, norms, softmax and biases are not counted.
+- Engram memory (SPEC §8), per layer that has one, with ``T = (N−1)·K`` heads of
+  ``m = head_dim`` each: sigmoid gate ``W_k`` and ``W_v`` ``2·2·(T·m)·d``, the gate's
+  dot product ``2d`` and the depthwise convolution ``2·kernel·d``; softmax gate
+  the scores and the weighted sum ``2·2·T·m`` and ``W_o`` ``2·d²``. Hashing and
+  lookups are integer work and memory traffic, not counted.
 
 So Standard's training FLOPs per token are ``6·N_params + 12·L·n_heads·head_dim·S``.
 """
@@ -24,16 +29,23 @@ from mhf_dist.config import ModelConfig
 
 @dataclass(frozen=True)
 class ForwardFlops:
-    """Forward FLOPs per token by part; ``block`` is one backbone layer."""
+    """Forward FLOPs per token by part; ``block`` is one backbone layer, ``engram`` one memory, held by the
+    layers ``engram_layers``."""
 
     vocab_in: int
     block: int
     layers: int
     vocab_out: int
+    engram: int = 0
+    engram_layers: tuple[int, ...] = ()
+
+    def layer(self, i: int) -> int:
+        """Backbone layer ``i`` with its memory, if it has one."""
+        return self.block + (self.engram if i in self.engram_layers else 0)
 
     @property
     def forward(self) -> int:
-        return self.vocab_in + self.layers * self.block + self.vocab_out
+        return self.vocab_in + sum(self.layer(i) for i in range(self.layers)) + self.vocab_out
 
     @property
     def train(self) -> int:
@@ -45,13 +57,26 @@ def forward_flops(cfg: ModelConfig, seq_len: int, vocab_rows: int | None = None)
     d, hd, h = cfg.d_model, cfg.resolved_head_dim, cfg.n_heads
     block_params = d * (h * hd) * 2 + d * (cfg.n_kv_heads * hd) * 2 + 3 * d * cfg.ffn_dim
     block = 2 * block_params + 4 * h * hd * seq_len
+    layers = dict(block=block, layers=cfg.n_layers, engram=engram_flops(cfg),
+                  engram_layers=tuple(cfg.engram_layers))
     if cfg.variant == "standard":
         if vocab_rows is None:
             raise ValueError("Standard FLOPs need the padded vocabulary rows")
-        return ForwardFlops(vocab_in=0, block=block, layers=cfg.n_layers, vocab_out=2 * vocab_rows * d)
+        return ForwardFlops(vocab_in=0, vocab_out=2 * vocab_rows * d, **layers)
     hc = cfg.hash
     H, B, dz, r = hc.num_hashes, hc.num_buckets, hc.gate_dim, hc.mixer_dim
     vocab_in = H * 2 * (d * dz + dz) + 2 * d * d
     vocab_out = 2 * H * B * d + 2 * (H - 1) * B * d + (H - 1) * 2 * (2 * d * r + r * d)
-    return ForwardFlops(vocab_in=vocab_in, block=block, layers=cfg.n_layers, vocab_out=vocab_out)
+    return ForwardFlops(vocab_in=vocab_in, vocab_out=vocab_out, **layers)
+
+
+def engram_flops(cfg: ModelConfig) -> int:
+    """Forward FLOPs per token of one Engram memory (0 without ``cfg.engram``)."""
+    e, d = cfg.engram, cfg.d_model
+    if e is None:
+        return 0
+    width = (e.max_ngram - 1) * e.heads * cfg.engram_head_dim  # T·m
+    if e.gate == "softmax":
+        return 2 * 2 * width + 2 * d * d
+    return 2 * 2 * width * d + 2 * d + 2 * e.kernel_size * d
 

@@ -1,38 +1,47 @@
 """The two language models: MultiHashFormer and the Standard baseline (SPEC §2–§5).
 
 Both are ``vocabulary.embed -> backbone -> vocabulary.loss / log_p_inf``; they
-differ only in their :mod:`vocabulary <mhf_dist.model.vocabulary>`.
+differ only in their :mod:`vocabulary <mhf_dist.model.vocabulary>`. Either may
+carry Engram memories in its backbone (SPEC §8, ``cfg.engram``), built from the
+tokenizer's compression table.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from mhf_dist.config import ModelConfig
 from mhf_dist.model.backbone import Backbone
+from mhf_dist.model.tables import BucketTables
 from mhf_dist.model.vocabulary import HashVocabulary, LMOutput, TiedVocabulary, TokenVocabulary
+
+if TYPE_CHECKING:
+    from mhf_dist.engram_compression import CompressionTable
 
 
 class LanguageModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab: TiedVocabulary):
+    def __init__(self, cfg: ModelConfig, vocab: TiedVocabulary, compression: CompressionTable | None = None):
         super().__init__()
         self.cfg = cfg
         self.vocab = vocab
-        self.backbone = Backbone(cfg)
+        self.backbone = Backbone(cfg, compression)
         self.init_weights()
 
     def init_weights(self) -> None:
-        """Normal(0, init_std) for matrices and tables, zero biases, unit norms."""
+        """Normal(0, init_std) for matrices, tables and the memories' convolutions; zero biases, unit norms."""
         std = self.cfg.init_std
         for module in self.modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, (nn.Linear, nn.Conv1d)):
                 nn.init.normal_(module.weight, std=std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, BucketTables):
+                nn.init.normal_(module.weight, std=std)
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
-        nn.init.normal_(self.vocab.tables.weight, std=std)
 
     @property
     def vocab_size(self) -> int:
@@ -40,7 +49,7 @@ class LanguageModel(nn.Module):
 
     def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Final-norm output ``h [B, S, d]``."""
-        return self.backbone(self.vocab.embed(input_ids))
+        return self.backbone(self.vocab.embed(input_ids), input_ids)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, with_p_inf: bool = False) -> LMOutput:
         return self.vocab.loss(self.hidden(input_ids), targets, with_p_inf)
@@ -59,35 +68,41 @@ class LanguageModel(nn.Module):
             layer.requires_grad_(i in trained)
 
     def parameter_counts(self) -> dict[str, int]:
-        """``embedding`` (tables, encoder, decoder) and ``backbone`` parameter counts."""
-        backbone = sum(p.numel() for p in self.backbone.parameters())
+        """``embedding`` (tables, encoder, decoder), ``backbone`` (without memories) and ``engram`` (the memories)
+        parameter counts."""
+        engram = sum(p.numel() for n, p in self.backbone.named_parameters() if ".engram." in n)
+        backbone = sum(p.numel() for p in self.backbone.parameters()) - engram
         total = sum(p.numel() for p in self.parameters())
-        return {"embedding": total - backbone, "backbone": backbone, "total": total}
+        return {"embedding": total - backbone - engram, "backbone": backbone, "engram": engram, "total": total}
 
 
 class MultiHashFormer(LanguageModel):
     """Hash-signature input and cascaded-decoder output; ``codes [V, H]`` from a SignatureTable."""
 
-    def __init__(self, cfg: ModelConfig, codes: torch.Tensor):
+    def __init__(self, cfg: ModelConfig, codes: torch.Tensor, compression: CompressionTable | None = None):
         h = cfg.hash
         if codes.shape[1] != h.num_hashes:
             raise ValueError(f"signature table has H={codes.shape[1]} but model.hash.num_hashes={h.num_hashes}")
         super().__init__(cfg, HashVocabulary(codes, h.num_buckets, cfg.d_model, h.gate_dim, h.mixer_dim,
-                                             cfg.decoder_chunk_tokens))
+                                             cfg.decoder_chunk_tokens), compression)
 
 
 class StandardLM(LanguageModel):
     """Tied token embedding / LM head over ``vocab_size`` rows, padded to ``cfg.pad_vocab_to``."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, compression: CompressionTable | None = None):
         rows = -(-vocab_size // cfg.pad_vocab_to) * cfg.pad_vocab_to
-        super().__init__(cfg, TokenVocabulary(vocab_size, rows, cfg.d_model, cfg.decoder_chunk_tokens))
+        super().__init__(cfg, TokenVocabulary(vocab_size, rows, cfg.d_model, cfg.decoder_chunk_tokens), compression)
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None = None) -> LanguageModel:
-    """The model ``cfg.variant`` names; MultiHashFormer needs its signature table's ``codes [V, H]``."""
+def build_model(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None = None,
+                compression: CompressionTable | None = None) -> LanguageModel:
+    """The model ``cfg.variant`` names; MultiHashFormer needs its signature table's ``codes [V, H]``, a model
+    with ``cfg.engram`` the tokenizer's compression table (SPEC §8; ignored without ``cfg.engram``)."""
+    if compression is not None and cfg.engram and compression.vocab_size != vocab_size:
+        raise ValueError(f"the compression table has {compression.vocab_size} rows, the vocabulary {vocab_size}")
     if cfg.variant == "standard":
-        return StandardLM(cfg, vocab_size)
+        return StandardLM(cfg, vocab_size, compression)
     if codes is None or codes.shape[0] != vocab_size:
         raise ValueError(f"MultiHashFormer needs a signature table with {vocab_size} rows")
-    return MultiHashFormer(cfg, codes)
+    return MultiHashFormer(cfg, codes, compression)

@@ -7,6 +7,7 @@ Payload bytes per collective, for ``N`` tokens, element size ``s``, tp > 1
 forward, ``all_reduce_sum``
   - input lookup: ``N·H·d`` (MHF; ``N·d`` for Standard, H = 1)
   - per layer: attention output ``N·d`` + MLP output ``N·d``
+  - per Engram memory (SPEC §8): its lookup ``N·(N_max−1)·K·head_dim``
   - decoder, per head: softmax normaliser ``N`` + target log-prob ``N``;
     soft retrieval ``N·d`` for each of the first ``H-1`` heads
 forward, ``all_reduce_max``
@@ -33,8 +34,12 @@ def expected_collective_bytes(cfg: ModelConfig, tokens: int, tp: int, elem_size:
     n, d, hd, layers = tokens, cfg.d_model, cfg.resolved_head_dim, cfg.n_layers
     heads = cfg.hash.num_hashes if cfg.variant == "mhf" else 1
     replicated_kv = 2 * cfg.n_kv_heads * hd * d if cfg.n_kv_heads % tp else 0
+    memory = 0
+    if cfg.engram is not None:
+        memory = len(cfg.engram_layers) * n * (cfg.engram.max_ngram - 1) * cfg.engram.heads * cfg.engram_head_dim
     elements = Counter({
-        ("all_reduce_sum", "forward"): n * heads * d + layers * 2 * n * d + heads * 2 * n + (heads - 1) * n * d,
+        ("all_reduce_sum", "forward"): n * heads * d + layers * 2 * n * d + heads * 2 * n + (heads - 1) * n * d
+        + memory,
         ("all_reduce_max", "forward"): heads * n,
         ("all_reduce_sum", "backward"): layers * (2 * n * d + 2 * hd + replicated_kv) + heads * n * d,
     })

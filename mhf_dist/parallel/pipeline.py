@@ -9,6 +9,11 @@ the decoder's mixers only on the last, so the other stage freezes its copy.
 
 Stages are balanced by analytic forward FLOPs per layer (:mod:`flops`), which
 counts the decoder's ``(2H−1)·B·d`` work: the last stage gets fewer blocks.
+
+Engram memories (SPEC §8) live in their blocks, so each stage owns the
+memories of its layers; they hash the token ids, which therefore travel beside
+the hidden states — ``(x, ids)`` — from the first stage up to the last block
+with a memory (integer tensors carry no gradient through DeepSpeed's pipeline).
 """
 
 from __future__ import annotations
@@ -26,29 +31,36 @@ VOCAB = "vocab"
 
 
 class VocabularyStage(nn.Module):
-    """The tied unit. On the first stage it receives token ids and embeds them; on the last it receives the
-    final hidden states and passes them to the loss, which applies the decoder with the targets. (A
-    ``forward_fn`` would pick the role too, but DeepSpeed then leaves the layer out of its checkpoints.)"""
+    """The tied unit. On the first stage it receives token ids and embeds them (passing the ids on too when
+    ``with_ids``); on the last it receives the final hidden states and passes them to the loss, which applies
+    the decoder with the targets. (A ``forward_fn`` would pick the role too, but DeepSpeed then leaves the layer
+    out of its checkpoints.)"""
 
-    def __init__(self, vocab: TiedVocabulary):
+    def __init__(self, vocab: TiedVocabulary, with_ids: bool = False):
         super().__init__()
-        self.vocab = vocab
+        self.vocab, self.with_ids = vocab, with_ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.vocab.embed(x) if not x.is_floating_point() else x
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_floating_point():
+            return x
+        h = self.vocab.embed(x)
+        return (h, x) if self.with_ids else h
 
 
 class BlockStage(nn.Module):
-    """One backbone block computing its own RoPE tables (stages pass only ``x`` between them)."""
+    """One backbone block computing its own RoPE tables. It receives ``x`` or ``(x, ids)`` and passes the ids on
+    only when ``keep_ids`` (a later block has a memory)."""
 
-    def __init__(self, block: Block, backbone: Backbone):
+    def __init__(self, block: Block, backbone: Backbone, keep_ids: bool = False):
         super().__init__()
-        self.block = block
+        self.block, self.keep_ids = block, keep_ids
         self.head_dim, self.rope_theta = backbone.head_dim, backbone.rope_theta
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]):
+        x, ids = inputs if isinstance(inputs, tuple) else (inputs, None)
         positions = torch.arange(x.shape[1], device=x.device)
-        return self.block(x, *rope_cos_sin(positions, self.head_dim, self.rope_theta))
+        x = self.block(x, *rope_cos_sin(positions, self.head_dim, self.rope_theta), ids)
+        return (x, ids) if self.keep_ids else x
 
 
 class PipelineLoss:
@@ -100,12 +112,15 @@ def build_pipeline(model: LanguageModel, topology, seq_len: int, checkpoint_inte
     """Cut a (tensor-parallel) ``model`` into pipeline stages; returns the module and its loss function."""
     cfg = model.cfg
     loss = PipelineLoss()
-    vocab_spec = dict(tied_weight_attr=["vocab.tables.weight"])
-    layers = [TiedLayerSpec(VOCAB, VocabularyStage, model.vocab, **vocab_spec)]
-    layers += [BlockStage(block, model.backbone) for block in model.backbone.layers]
-    layers += [model.backbone.norm, TiedLayerSpec(VOCAB, VocabularyStage, model.vocab, **vocab_spec)]
+    last_memory = max(cfg.engram_layers, default=-1)
+    vocab_spec = TiedLayerSpec(VOCAB, VocabularyStage, model.vocab, last_memory >= 0,
+                               tied_weight_attr=["vocab.tables.weight"])
+    layers = [vocab_spec]
+    layers += [BlockStage(block, model.backbone, keep_ids=i < last_memory)
+               for i, block in enumerate(model.backbone.layers)]
+    layers += [model.backbone.norm, vocab_spec]
     flops = forward_flops(cfg, seq_len, vocab_rows=model.vocab.tables.num_rows)
-    costs = [flops.vocab_in + 1] + [flops.block] * cfg.n_layers + [1, flops.vocab_out + 1]
+    costs = [flops.vocab_in + 1] + [flops.layer(i) for i in range(cfg.n_layers)] + [1, flops.vocab_out + 1]
     pipe = BalancedPipeline(
         layers=layers, topology=topology, loss_fn=loss, layer_costs=costs, partition_method="parameters",
         activation_checkpoint_interval=checkpoint_interval, checkpointable_layers=[BlockStage.__name__],

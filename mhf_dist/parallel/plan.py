@@ -5,12 +5,15 @@ rank starts from exactly the single-process weights: modules are swapped for
 their parallel forms, then each rank loads its shard (:mod:`state_dict`).
 Attention heads and the MLP are column/row parallel with one all-reduce after
 each in forward; k/v heads are split when ``n_kv_heads`` is a multiple of tp,
-else each rank computes the one kv head its query heads share.
+else each rank computes the one kv head its query heads share. The Engram
+memories' tables (SPEC §8) split along their rows like the bucket tables; their
+gates are replicated (each rank computes them on the all-reduced lookup).
 """
 
 from __future__ import annotations
 
 from mhf_dist.model.lm import LanguageModel
+from mhf_dist.model.tables import BucketTables
 from mhf_dist.parallel.layers import (
     BucketParallelEmbedding,
     ColumnParallelLinear,
@@ -22,18 +25,24 @@ from mhf_dist.parallel.layers import (
 from mhf_dist.parallel.state_dict import shard_state_dict, tp_split_dims
 
 
+def row_sharded(tables: BucketTables, group, rank: int, size: int) -> BucketParallelEmbedding:
+    """This rank's rows of ``tables`` (weights loaded afterwards, from the full state dict)."""
+    return BucketParallelEmbedding(*tables.weight.shape, group, rank, size)
+
+
 def apply_tensor_parallel(model: LanguageModel, group, rank: int, size: int) -> LanguageModel:
     if size == 1:
         return model
     cfg = model.cfg
     full = model.state_dict()
-    t = model.vocab.tables.weight
-    model.vocab.tables = BucketParallelEmbedding(t.shape[0], t.shape[1], t.shape[2], group, rank, size)
+    model.vocab.tables = row_sharded(model.vocab.tables, group, rank, size)
     d, hd = cfg.d_model, cfg.resolved_head_dim
     kv_split = cfg.n_kv_heads % size == 0
     # With fewer kv heads than ranks, this rank's query heads all share kv head `kv`.
     kv = rank * (cfg.n_heads // size) // (cfg.n_heads // cfg.n_kv_heads)
     for block in model.backbone.layers:
+        if block.engram is not None:
+            block.engram.tables = row_sharded(block.engram.tables, group, rank, size)
         attn, mlp = block.self_attn, block.mlp
         mark_region(attn, group)
         attn.q_proj = ColumnParallelLinear(d, cfg.n_heads * hd, size)

@@ -22,6 +22,7 @@ def tp_split_dims(cfg: ModelConfig, tp: int) -> list[tuple[re.Pattern, int]]:
     kv_split = cfg.n_kv_heads % tp == 0
     dims = [
         (r"vocab\.tables\.weight", 1),  # bucket / vocabulary rows
+        (_LAYER + r"engram\.tables\.weight", 1),  # Engram memory rows (SPEC §8)
         (_LAYER + r"self_attn\.q_proj\.weight", 0),
         (_LAYER + r"self_attn\.o_proj\.weight", 1),
         (_LAYER + r"mlp\.(gate|up)_proj\.weight", 0),

@@ -2,10 +2,10 @@
 
 Order of work: resolve the layout and DeepSpeed config (every config error
 before any collective runs) → initialise ``torch.distributed`` → rank 0
-prepares the run directory (tokenizer, signature table, shards of the embedded
-corpus) while the others wait → every rank builds the same full model from the
-run seed (or loads ``train.init_from``), applies the tensor-parallel plan, and
-hands it to the engine → steps.
+prepares the run directory (tokenizer, signature table, Engram compression
+table, shards of the embedded corpus) while the others wait → every rank
+builds the same full model from the run seed (or loads ``train.init_from``),
+applies the tensor-parallel plan, and hands it to the engine → steps.
 
 A run resumes from its newest complete checkpoint by default (``--resume
 auto``) and continues bit-identically: the same data, optimizer, scheduler and
@@ -77,10 +77,12 @@ def init_distributed(device: torch.device) -> None:
 
 
 def _run_assets(run: RunDir, cfg: RunConfig):
-    """(tokenizer, signature table or None, shard directory), created on first use."""
+    """(tokenizer, signature table or None, Engram compression table or None, shard directory), created on
+    first use."""
     tokenizer = run.tokenizer(cfg)
     table = run.signatures(cfg.model.hash, tokenizer) if cfg.model.variant == "mhf" else None
-    return tokenizer, table, run.shards(cfg)
+    compression = run.compression(tokenizer) if cfg.model.engram is not None else None
+    return tokenizer, table, compression, run.shards(cfg)
 
 
 class StopSignal:
@@ -149,10 +151,12 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto") -> TrainRes
         run.save_config(cfg)
         _run_assets(run, cfg)
     dist.barrier()
-    tokenizer, table, shards = _run_assets(run, cfg)
+    tokenizer, table, compression, shards = _run_assets(run, cfg)
+    if compression is not None and rank == 0:
+        tqdm.write(compression.summary())
 
     seed_everything(cfg.train.seed)
-    model = build_model(cfg.model, len(tokenizer), table.codes if table else None).to(device)
+    model = build_model(cfg.model, len(tokenizer), table.codes if table else None, compression).to(device)
     checkpointer = Checkpointer(run.path, cfg, table.content_hash if table else None,
                                 {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
                                 [n for n, _ in model.named_parameters()])

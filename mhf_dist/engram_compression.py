@@ -1,0 +1,161 @@
+"""Tokenizer compression for the Engram memory (SPEC §8): an ``old → new`` token-id table.
+
+Token ids whose decoded text is equal after normalisation share one compressed
+id; the vocabulary shrinks, sequences keep their length. The normalisation is
+DeepSeek's (their public demo's ``CompressedTokenizer``), applied to each token
+decoded on its own: NFKC, accent stripping (NFD, nonspacing marks dropped),
+lower-casing, runs of spaces/tabs/newlines collapsed to one space, then
+surrounding whitespace stripped — except that a whitespace-only token becomes
+a single space, not the empty string. So ``" The"``, ``"the"`` and ``"THE"``
+share an id. A token that decodes to a partial UTF-8 sequence (``"�"``, a
+byte-level piece) keeps its own vocabulary string as key, so bytes never merge.
+Compressed ids are numbered in order of first appearance by ascending old id.
+
+Positions before a sequence's start hash as the compressed id of the pad token
+(:attr:`CompressionTable.pad_id`); a tokenizer without one (Mistral v0.3) uses
+its EOS token, which is what precedes a document inside packed sequences.
+
+Like the signature table (:mod:`mhf_dist.signatures`) the table is stored, not
+recomputed: ``compression.safetensors`` holds the ``int32 [V]`` table,
+``compression.json`` the metadata, the normalised key of every compressed id
+and a content hash that :meth:`CompressionTable.load` verifies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import unicodedata
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file, save_file
+from transformers import PreTrainedTokenizerBase
+
+from mhf_dist.signatures import tokens_fingerprint
+from mhf_dist.tokenizers import vocabulary
+
+NORMALIZATION_VERSION = "nfkc-stripaccents-lower-collapse-v1"
+TABLE_FILE = "compression.safetensors"
+META_FILE = "compression.json"
+_WHITESPACE = re.compile(r"[ \t\r\n]+")
+
+
+class CompressionError(ValueError):
+    """A compression table cannot be built, loaded or matched to its tokenizer."""
+
+
+def normalize(text: str) -> str:
+    """SPEC §8's normalisation of one decoded token (see the module docstring)."""
+    text = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
+    text = "".join(c for c in text if unicodedata.category(c) != "Mn").lower()
+    text = _WHITESPACE.sub(" ", text)
+    return " " if text == " " else text.strip()
+
+
+def compression_key(decoded: str, token: str) -> str:
+    """The text a token is merged on: its normalised decoding, or its vocabulary string when the decoding is a
+    partial UTF-8 sequence or normalises to nothing."""
+    if "\ufffd" in decoded:
+        return token
+    return normalize(decoded) or decoded
+
+
+@dataclass(frozen=True)
+class CompressionTable:
+    """``old_to_new[v]`` is the compressed id of token ``v``; ``keys[n]`` the normalised text of compressed id ``n``."""
+
+    old_to_new: torch.Tensor
+    keys: tuple[str, ...]
+    pad_id: int  # compressed id used before the start of a sequence
+    tokenizer_fingerprint: str
+    normalization: str = NORMALIZATION_VERSION
+    content_hash: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if not self.content_hash:
+            object.__setattr__(self, "content_hash", self._compute_hash())
+
+    @classmethod
+    def build(cls, tokenizer: PreTrainedTokenizerBase) -> "CompressionTable":
+        tokens = vocabulary(tokenizer)
+        decoded = tokenizer.batch_decode([[v] for v in range(len(tokens))], skip_special_tokens=False)
+        new_id: dict[str, int] = {}
+        old_to_new = [new_id.setdefault(compression_key(text, tok), len(new_id)) for text, tok in zip(decoded, tokens)]
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is None:
+            raise CompressionError("the tokenizer has neither a pad nor an EOS token: the Engram memory needs one "
+                                   "to hash positions before a sequence's start; add a pad token to the tokenizer")
+        return cls(old_to_new=torch.tensor(old_to_new, dtype=torch.int32), keys=tuple(new_id),
+                   pad_id=old_to_new[pad], tokenizer_fingerprint=tokens_fingerprint(tokens))
+
+    @classmethod
+    def identity(cls, vocab_size: int, pad_id: int = 0) -> "CompressionTable":
+        """No merging (``old_to_new[v] = v``): for synthetic vocabularies (profiling, memory planning)."""
+        return cls(old_to_new=torch.arange(vocab_size, dtype=torch.int32), keys=tuple(map(str, range(vocab_size))),
+                   pad_id=pad_id, tokenizer_fingerprint="identity")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.old_to_new.shape[0]
+
+    @property
+    def num_ids(self) -> int:
+        """V', the compressed vocabulary size."""
+        return len(self.keys)
+
+    @property
+    def ratio(self) -> float:
+        """Compressed over original vocabulary size."""
+        return self.num_ids / self.vocab_size
+
+    def summary(self) -> str:
+        return (f"Engram tokenizer compression: {self.vocab_size:,} -> {self.num_ids:,} ids "
+                f"(ratio {self.ratio:.3f}, {1 - self.ratio:.1%} fewer)")
+
+    # ------------------------------------------------------------ save/load
+    def metadata(self) -> dict:
+        return {"vocab_size": self.vocab_size, "num_ids": self.num_ids, "pad_id": self.pad_id,
+                "normalization": self.normalization, "tokenizer_fingerprint": self.tokenizer_fingerprint,
+                "keys": list(self.keys)}
+
+    def _compute_hash(self) -> str:
+        h = hashlib.sha256(json.dumps(self.metadata(), sort_keys=True, ensure_ascii=False).encode())
+        h.update(self.old_to_new.numpy().astype("<i4").tobytes())
+        return h.hexdigest()
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write table + metadata into ``directory`` (each file replaced atomically)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp_table, tmp_meta = directory / (TABLE_FILE + ".tmp"), directory / (META_FILE + ".tmp")
+        save_file({"old_to_new": self.old_to_new.numpy()}, str(tmp_table))
+        tmp_meta.write_text(json.dumps(self.metadata() | {"content_hash": self.content_hash}, ensure_ascii=False))
+        os.replace(tmp_table, directory / TABLE_FILE)
+        os.replace(tmp_meta, directory / META_FILE)
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "CompressionTable":
+        directory = Path(directory)
+        for p in (directory / TABLE_FILE, directory / META_FILE):
+            if not p.is_file():
+                raise CompressionError(f"compression table file {p} is missing; delete {directory} to rebuild it "
+                                       "from the run's tokenizer")
+        try:
+            meta = json.loads((directory / META_FILE).read_text())
+            old_to_new = torch.from_numpy(load_file(str(directory / TABLE_FILE))["old_to_new"].astype(np.int32))
+            table = cls(old_to_new=old_to_new, keys=tuple(meta["keys"]), pad_id=meta["pad_id"],
+                        tokenizer_fingerprint=meta["tokenizer_fingerprint"], normalization=meta["normalization"])
+        except Exception as e:  # truncated or garbled files
+            raise CompressionError(f"compression table in {directory} is unreadable ({e}); delete {directory} to "
+                                   "rebuild it from the run's tokenizer") from e
+        if table.content_hash != meta.get("content_hash"):
+            raise CompressionError(
+                f"compression table in {directory} fails its content check (stored {meta.get('content_hash')}, "
+                f"computed {table.content_hash}): a file was modified or truncated; delete {directory} to rebuild it")
+        return table

@@ -1,0 +1,114 @@
+"""EngramMemory: a conditional N-gram memory added to the residual stream (SPEC §8).
+
+At a configured layer, before the block's attention (as in DeepSeek's demo),
+``x <- x + memory(x, ids)``: the N-grams of compressed ids ending at each
+position are hashed to one row per head (:class:`NgramHash`), the rows are
+looked up (``u_k = E_k[idx_k]``) and fused by a gate that reads the hidden
+state ``h = x`` at that position. Two gates:
+
+- :class:`SoftmaxGate` (seed 002): ``s_k = h · u_k / sqrt(d)``, heads with
+  ``s_k < θ`` masked (optional; a position whose heads are all masked reads
+  nothing), ``w = softmax(s)``, ``m = Σ_k w_k u_k``, output ``W_o m``.
+- :class:`SigmoidGate` (DeepSeek's demo): ``e`` = the concatenated head
+  vectors, ``g = RMSNorm(W_k e) · RMSNorm(h) / sqrt(d)``,
+  ``α = sigmoid(sign(g)·sqrt(|g|))``, ``v = α · W_v e``, output
+  ``v + SiLU(conv(RMSNorm(v)))`` with a causal depthwise convolution
+  (``kernel_size`` taps, dilation N, as in the demo).
+
+Everything looks backwards: the hash reads tokens ``<= t``, ``h`` comes from a
+causal backbone and the convolution is left-padded. The tables are one
+:class:`BucketTables` ``[(N-1)·K, R, head_dim]`` (each head's table padded to
+``R`` rows, a multiple of ``pad_rows_to``; rows ``>= M_k`` are never read), so
+the tensor-parallel plan shards them along their rows like the bucket tables
+(SPEC §7) and every use of them goes through the module's ``forward`` (ZeRO-3).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mhf_dist.config import ModelConfig
+from mhf_dist.model.ngram_hash import NgramHash
+from mhf_dist.model.tables import BucketTables
+
+if TYPE_CHECKING:
+    from mhf_dist.engram_compression import CompressionTable
+
+
+class SoftmaxGate(nn.Module):
+    def __init__(self, dim: int, threshold: float | None):
+        super().__init__()
+        self.dim, self.threshold = dim, threshold
+        self.out_proj = nn.Linear(dim, dim, bias=False)
+
+    def weights(self, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """``h [..., d]``, ``u [..., T, d]`` -> ``w [..., T]``."""
+        scores = (u @ h.unsqueeze(-1)).squeeze(-1) / math.sqrt(self.dim)
+        if self.threshold is None:
+            return torch.softmax(scores, dim=-1)
+        keep = scores >= self.threshold
+        # the lowest finite score rather than -inf: an all-masked position gets weights 0, not NaN
+        return torch.softmax(scores.masked_fill(~keep, torch.finfo(scores.dtype).min), dim=-1) * keep
+
+    def forward(self, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return self.out_proj((self.weights(h, u).unsqueeze(-1) * u).sum(dim=-2))
+
+
+class ShortConv(nn.Module):
+    """``SiLU(causal depthwise conv(RMSNorm(v)))`` over the sequence: ``[B, S, d] -> [B, S, d]``."""
+
+    def __init__(self, dim: int, kernel_size: int, dilation: int, eps: float):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim, eps=eps)
+        self.conv = nn.Conv1d(dim, dim, kernel_size, dilation=dilation, groups=dim, bias=False)
+        self.left_pad = (kernel_size - 1) * dilation  # output t sees inputs t, t-dilation, ...
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        x = F.pad(self.norm(v).transpose(1, 2), (self.left_pad, 0))
+        return F.silu(self.conv(x)).transpose(1, 2)
+
+
+class SigmoidGate(nn.Module):
+    def __init__(self, memory_dim: int, dim: int, kernel_size: int, dilation: int, eps: float):
+        super().__init__()
+        self.dim = dim
+        self.key_proj = nn.Linear(memory_dim, dim, bias=False)
+        self.value_proj = nn.Linear(memory_dim, dim, bias=False)
+        self.key_norm = nn.RMSNorm(dim, eps=eps)
+        self.query_norm = nn.RMSNorm(dim, eps=eps)
+        self.short_conv = ShortConv(dim, kernel_size, dilation, eps)
+
+    def forward(self, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        e = u.flatten(-2)
+        g = (self.key_norm(self.key_proj(e)) * self.query_norm(h)).sum(dim=-1) / math.sqrt(self.dim)
+        # sqrt has an infinite slope at 0: clamp |g| as the demo does
+        alpha = torch.sigmoid(g.sign() * g.abs().clamp_min(1e-6).sqrt())
+        v = alpha.unsqueeze(-1) * self.value_proj(e)
+        return v + self.short_conv(v)
+
+
+class EngramMemory(nn.Module):
+    """The memory of backbone layer ``layer``: ``(h [B, S, d], input_ids [B, S]) -> [B, S, d]``, to be added to ``h``.
+
+    ``sizes[n-2][k]`` is the prime size ``M_k`` of head ``k`` of order ``n`` (:func:`table_sizes`).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, sizes: list[list[int]], compression: "CompressionTable"):
+        super().__init__()
+        e = cfg.engram
+        self.hash = NgramHash(e, layer, sizes, compression.old_to_new, compression.num_ids, compression.pad_id)
+        rows = -(-max(max(order) for order in sizes) // e.pad_rows_to) * e.pad_rows_to
+        self.tables = BucketTables(self.hash.num_heads, rows, cfg.engram_head_dim)
+        if e.gate == "softmax":
+            self.gate = SoftmaxGate(cfg.d_model, e.threshold)
+        else:
+            self.gate = SigmoidGate(self.hash.num_heads * cfg.engram_head_dim, cfg.d_model, e.kernel_size,
+                                    e.max_ngram, cfg.norm_eps)
+
+    def forward(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.gate(h, self.tables.lookup(self.hash(input_ids)))

@@ -1,0 +1,112 @@
+"""Multi-head N-gram hashing for the Engram memory (SPEC §8).
+
+At position ``t`` the N-gram of order ``n`` is the compressed ids
+``(x_{t-n+1}, ..., x_t)``; positions before the start read the compressed pad
+id, so position ``t`` sees only tokens ``<= t`` (causal). Each order has K
+heads, head ``k`` a table of prime size ``M_k``. Two hash modes:
+
+- ``seed`` (seed 002): ``v`` packs the N-gram into one int64 by Horner's rule,
+  ``v = (x_{t-n+1}·V' + ...)·V' + x_t`` (``v = a·V' + b`` for a 2-gram), and
+  ``idx_k = ((v·key_k) XOR key_k) mod M_k``.
+- ``engram`` (DeepSeek's public demo): ``mix = (x_t·m_0) XOR (x_{t-1}·m_1) XOR ...``
+  over the order's tokens, ``idx_k = mix mod M_k``.
+
+All arithmetic is int64 and wraps around on overflow (``v·key_k`` does for
+3-grams of a 32K vocabulary); ``mod`` is the floor modulo, so indices are in
+``[0, M_k)`` even for a wrapped negative product. Everything is vectorised over
+batch and sequence: the only Python loops run over orders and shifts.
+
+Constants, drawn deterministically per layer from
+``numpy.random.default_rng(seed + 10007·layer)`` (DeepSeek's rule): the
+``engram`` multipliers ``m_j = 2·r_j + 1`` with ``r_j`` uniform in
+``[0, ⌊⌊(2^63-1)/V'⌋/2⌋)`` (odd, and ``x·m_j`` never overflows), and the ``seed``
+keys uniform in ``[1, 2^31)``, one per head and order. Table sizes
+(:func:`table_sizes`): the next unused prime ``>= table_size`` for each
+(layer, order, head) in that order, so all are distinct.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from mhf_dist.config import EngramConfig
+
+INT64_MAX = 2**63 - 1
+LAYER_SEED_STRIDE = 10007
+
+
+def is_prime(n: int) -> bool:
+    if n < 4:
+        return n > 1
+    return n % 2 != 0 and all(n % p for p in range(3, math.isqrt(n) + 1, 2))
+
+
+def table_sizes(cfg: EngramConfig, layers: list[int]) -> dict[int, list[list[int]]]:
+    """``{layer: [[M of each head] for each order 2..N]}``: distinct primes, each the next unused ``>= table_size``."""
+    sizes, candidate = {}, cfg.table_size
+    for layer in layers:
+        sizes[layer] = []
+        for _ in range(2, cfg.max_ngram + 1):
+            heads = []
+            for _ in range(cfg.heads):
+                while not is_prime(candidate):
+                    candidate += 1
+                heads.append(candidate)
+                candidate += 1
+            sizes[layer].append(heads)
+    return sizes
+
+
+class NgramHash(nn.Module):
+    """Token ids ``[B, S]`` -> table rows ``[B, S, (N-1)·K]`` of one layer (order-major, then head).
+
+    ``old_to_new`` is the tokenizer compression (:mod:`mhf_dist.engram_compression`), ``num_ids`` its V',
+    ``pad_id`` the compressed id read before the sequence start.
+    """
+
+    def __init__(self, cfg: EngramConfig, layer: int, sizes: list[list[int]], old_to_new: torch.Tensor, num_ids: int,
+                 pad_id: int):
+        super().__init__()
+        self.mode, self.max_ngram, self.num_ids, self.pad_id = cfg.hash, cfg.max_ngram, num_ids, pad_id
+        rng = np.random.default_rng(cfg.seed + LAYER_SEED_STRIDE * layer)
+        self.register_buffer("old_to_new", old_to_new.long(), persistent=False)
+        self.register_buffer("moduli", torch.tensor(sizes, dtype=torch.long), persistent=False)  # [N-1, K]
+        if self.mode == "engram":
+            half_bound = max(1, INT64_MAX // num_ids // 2)
+            multipliers = rng.integers(0, half_bound, size=cfg.max_ngram, dtype=np.int64) * 2 + 1
+            self.register_buffer("multipliers", torch.from_numpy(multipliers), persistent=False)  # [N]
+        else:
+            keys = rng.integers(1, 2**31, size=(cfg.max_ngram - 1, cfg.heads), dtype=np.int64)
+            self.register_buffer("keys", torch.from_numpy(keys), persistent=False)  # [N-1, K]
+
+    @property
+    def num_heads(self) -> int:
+        return self.moduli.numel()
+
+    def shifted(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Compressed ids ``x_{t-j}`` for ``j = 0..N-1`` (each ``[B, S]``), the pad id before the start."""
+        x = self.old_to_new[input_ids]
+        pad = torch.full_like(x, self.pad_id)
+        return [torch.cat([pad[:, :j], x[:, : x.shape[1] - j]], dim=1) for j in range(self.max_ngram)]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        back = self.shifted(input_ids)
+        rows = []
+        for n in range(2, self.max_ngram + 1):
+            moduli = self.moduli[n - 2]
+            if self.mode == "engram":
+                mix = back[0] * self.multipliers[0]
+                for j in range(1, n):
+                    mix = mix ^ (back[j] * self.multipliers[j])
+                rows.append(mix.unsqueeze(-1) % moduli)
+            else:
+                v = back[n - 1]
+                for j in range(n - 2, -1, -1):  # Horner: the oldest token is the most significant digit
+                    v = v * self.num_ids + back[j]
+                keys = self.keys[n - 2]
+                rows.append(((v.unsqueeze(-1) * keys) ^ keys) % moduli)
+        return torch.cat(rows, dim=-1)
