@@ -98,6 +98,10 @@ class ModelConfig(_Strict):
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
 
+    def padded_vocab_rows(self, vocab_size: int) -> int:
+        """Standard: table rows for ``vocab_size`` tokens, rounded up to ``pad_vocab_to``."""
+        return -(-vocab_size // self.pad_vocab_to) * self.pad_vocab_to
+
     @property
     def engram_layers(self) -> list[int]:
         """Layers holding a memory, ascending (none without ``engram``); SPEC §8's example: 1 and L/2."""

@@ -83,7 +83,7 @@ def expand_vocab(run_dir: str | Path, tokenizer: str | Path, out: str | Path | N
     table = old_table.extend(new_tokens[len(old_tokens):]) if old_table is not None else None
     if table is None:
         old = state[TABLES][0]
-        rows = -(-len(new_tokens) // cfg.model.pad_vocab_to) * cfg.model.pad_vocab_to
+        rows = cfg.model.padded_vocab_rows(len(new_tokens))
         grown = old.new_zeros(rows, old.shape[1])
         grown[: len(old_tokens)] = old[: len(old_tokens)]
         grown[len(old_tokens): len(new_tokens)] = mean_initialised_rows(old, old_tok, new_tok,

@@ -12,7 +12,7 @@ from mhf_dist.export import trained_weights
 from mhf_dist.model import build_model
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.tokenizers import embedded_corpus, load_tokenizer, train_bpe, vocabulary
-from train_utils import metrics, run_cli
+from train_utils import metrics, run_cli, trained_model
 
 NEW_TOKENS = [" Jerusalem", " Israel", " wilderness", " tabernacle", " Pharaoh", "iniquity"]
 
@@ -36,15 +36,6 @@ def expanded_model(run):
     return model.eval(), tok, table
 
 
-def old_model(run):
-    tw = trained_weights(run)
-    tok = load_tokenizer(tw.run.tokenizer_source(tw.cfg))
-    table = SignatureTable.load(tw.run.signatures_dir) if tw.cfg.model.variant == "mhf" else None
-    model = build_model(tw.cfg.model, len(tok), table.codes if table else None)
-    model.load_state_dict(tw.state)
-    return model.eval(), tok, table
-
-
 def scores_old_tokens_as_before(old, new, old_vocab: int, text: str, tok) -> None:
     """With the new tokens masked out, the expanded model's P_inf over old tokens is the old model's."""
     ids = tok(text, return_tensors="pt").input_ids
@@ -58,7 +49,7 @@ def test_mhf_expansion_adds_no_parameters_and_keeps_every_signature(trained, sup
     out = run_cli(["expand-vocab", "--run-dir", str(trained["mhf"]), "--tokenizer", str(superset),
                    "--out", str(tmp_path / "expanded"), "--trainable-blocks", "0"])
     assert "0 parameters added" in out
-    old, old_tok, old_table = old_model(trained["mhf"])
+    old, old_tok, old_table = trained_model(trained["mhf"])
     new, new_tok, new_table = expanded_model(tmp_path / "expanded")
     v = len(old_tok)
     assert len(new_tok) == v + len(NEW_TOKENS)
@@ -84,7 +75,7 @@ def test_mhf_expansion_adds_no_parameters_and_keeps_every_signature(trained, sup
 def test_standard_expansion_adds_mean_initialised_rows(trained, superset, tmp_path):
     out = run_cli(["expand-vocab", "--run-dir", str(trained["standard"]), "--tokenizer", str(superset),
                    "--out", str(tmp_path / "expanded")])
-    old, old_tok, _ = old_model(trained["standard"])
+    old, old_tok, _ = trained_model(trained["standard"])
     new, new_tok, _ = expanded_model(tmp_path / "expanded")
     v, d = len(old_tok), old.cfg.d_model
     rows = lambda m: m.vocab.tables.weight[0]  # noqa: E731

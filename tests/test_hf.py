@@ -17,23 +17,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.evaluate import split_last_word
 from mhf_dist.export import trained_weights
-from mhf_dist.model import build_model
 from mhf_dist.signatures import SignatureTable, tokens_fingerprint
-from mhf_dist.tokenizers import load_tokenizer, vocabulary
-from train_utils import metrics, run_cli
+from mhf_dist.tokenizers import vocabulary
+from train_utils import metrics, run_cli, trained_model
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def our_model(run: Path):
-    """The run's newest checkpoint as our LanguageModel, with its tokenizer and signature table."""
-    tw = trained_weights(run)
-    tokenizer = load_tokenizer(tw.run.tokenizer_source(tw.cfg))
-    table = SignatureTable.load(tw.run.signatures_dir) if tw.cfg.model.variant == "mhf" else None
-    model = build_model(tw.cfg.model, len(tokenizer), table.codes if table else None)
-    model.load_state_dict(tw.state)
-    return model.eval(), tokenizer, table
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +39,7 @@ PROMPT = "And God said, Let there be light"
 def test_export_logits_are_log_p_inf(trained, exported):
     hf = AutoModelForCausalLM.from_pretrained(exported["mhf"], trust_remote_code=True)
     tokenizer = AutoTokenizer.from_pretrained(exported["mhf"])
-    ours, our_tok, table = our_model(trained["mhf"])
+    ours, our_tok, table = trained_model(trained["mhf"])
     assert vocabulary(tokenizer) == vocabulary(our_tok)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
@@ -102,7 +91,7 @@ def test_standard_exports_as_plain_qwen3(trained, exported):
     assert config["architectures"] == ["Qwen3ForCausalLM"] and "auto_map" not in config
     assert not list(exported["standard"].glob("*.py"))
     hf = AutoModelForCausalLM.from_pretrained(exported["standard"])  # no remote code
-    ours, tokenizer, _ = our_model(trained["standard"])
+    ours, tokenizer, _ = trained_model(trained["standard"])
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits.log_softmax(-1), ours.log_p_inf(ids), rtol=0, atol=1e-5)
@@ -163,7 +152,7 @@ def test_eval_perplexity_and_last_word_under_p_inf(trained, exported, data, tmp_
              "--batch-size", "4", "--lambada", str(lambada), "--out", str(tmp_path / "eval.json")])
     results = json.loads((tmp_path / "eval.json").read_text())
 
-    ours, tokenizer, _ = our_model(trained["mhf"])
+    ours, tokenizer, _ = trained_model(trained["mhf"])
     with ShardReader(data["shards"], split="val", tokenizer_fingerprint=tokens_fingerprint(vocabulary(tokenizer))) as r:
         batch = r.next_batch(6)
     with torch.no_grad():

@@ -38,3 +38,18 @@ def train_run(tmp_path: Path, data: dict, name: str, nproc: int, *overrides: str
     """Train to the end (or stop_at_step) in ``tmp_path/name``; returns its metrics records."""
     run_cli(train_args(tmp_path / name, data, nproc, *overrides, preset=preset, steps=steps))
     return metrics(tmp_path / name)
+
+
+def trained_model(run: Path):
+    """A run's newest checkpoint as our LanguageModel (eval mode), with its tokenizer and signature table."""
+    from mhf_dist.export import trained_weights
+    from mhf_dist.model import build_model
+    from mhf_dist.signatures import SignatureTable
+    from mhf_dist.tokenizers import load_tokenizer
+
+    tw = trained_weights(run)
+    tokenizer = load_tokenizer(tw.run.tokenizer_source(tw.cfg))
+    table = SignatureTable.load(tw.run.signatures_dir) if tw.cfg.model.variant == "mhf" else None
+    model = build_model(tw.cfg.model, len(tokenizer), table.codes if table else None)
+    model.load_state_dict(tw.state)
+    return model.eval(), tokenizer, table

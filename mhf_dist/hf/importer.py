@@ -160,7 +160,7 @@ def import_hf(src: str | Path, run_dir: str | Path, overrides: list[str] = ()) -
             tokenizer.pad_token_id)
     else:  # Standard: pad the table back to pad_vocab_to rows (the padding is never predicted)
         table, weight = None, state["vocab.tables.weight"]
-        rows = -(-vocab_size // cfg.model.pad_vocab_to) * cfg.model.pad_vocab_to
+        rows = cfg.model.padded_vocab_rows(vocab_size)
         state["vocab.tables.weight"] = torch.cat([weight, weight.new_zeros(1, rows - weight.shape[1], weight.shape[2])],
                                                  dim=1)
 

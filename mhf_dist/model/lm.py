@@ -91,7 +91,7 @@ class StandardLM(LanguageModel):
     """Tied token embedding / LM head over ``vocab_size`` rows, padded to ``cfg.pad_vocab_to``."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, compression: CompressionTable | None = None):
-        rows = -(-vocab_size // cfg.pad_vocab_to) * cfg.pad_vocab_to
+        rows = cfg.padded_vocab_rows(vocab_size)
         super().__init__(cfg, TokenVocabulary(vocab_size, rows, cfg.d_model, cfg.decoder_chunk_tokens), compression)
 
 
