@@ -23,30 +23,30 @@ and a content hash that :meth:`CompressionTable.load` verifies.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.numpy import load_file, save_file
 from transformers import PreTrainedTokenizerBase
 
 from mhf_dist.signatures import tokens_fingerprint
+from mhf_dist.stored_table import StoredTable, content_hash
 from mhf_dist.tokenizers import vocabulary
 
 NORMALIZATION_VERSION = "nfkc-stripaccents-lower-collapse-v1"
-TABLE_FILE = "compression.safetensors"
-META_FILE = "compression.json"
 _WHITESPACE = re.compile(r"[ \t\r\n]+")
 
 
 class CompressionError(ValueError):
     """A compression table cannot be built, loaded or matched to its tokenizer."""
+
+
+STORAGE = StoredTable(what="compression table", array_file="compression.safetensors",
+                      meta_file="compression.json", key="old_to_new", error=CompressionError,
+                      fix="delete the directory to rebuild it from the run's tokenizer")
 
 
 def normalize(text: str) -> str:
@@ -124,38 +124,16 @@ class CompressionTable:
                 "keys": list(self.keys)}
 
     def _compute_hash(self) -> str:
-        h = hashlib.sha256(json.dumps(self.metadata(), sort_keys=True, ensure_ascii=False).encode())
-        h.update(self.old_to_new.numpy().astype("<i4").tobytes())
-        return h.hexdigest()
+        return content_hash(self.metadata(), self.old_to_new)
 
     def save(self, directory: str | os.PathLike) -> Path:
         """Write table + metadata into ``directory`` (each file replaced atomically)."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp_table, tmp_meta = directory / (TABLE_FILE + ".tmp"), directory / (META_FILE + ".tmp")
-        save_file({"old_to_new": self.old_to_new.numpy()}, str(tmp_table))
-        tmp_meta.write_text(json.dumps(self.metadata() | {"content_hash": self.content_hash}, ensure_ascii=False))
-        os.replace(tmp_table, directory / TABLE_FILE)
-        os.replace(tmp_meta, directory / META_FILE)
-        return directory
+        return STORAGE.save(directory, self.old_to_new, self.metadata(), self.content_hash)
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "CompressionTable":
-        directory = Path(directory)
-        for p in (directory / TABLE_FILE, directory / META_FILE):
-            if not p.is_file():
-                raise CompressionError(f"compression table file {p} is missing; delete {directory} to rebuild it "
-                                       "from the run's tokenizer")
-        try:
-            meta = json.loads((directory / META_FILE).read_text())
-            old_to_new = torch.from_numpy(load_file(str(directory / TABLE_FILE))["old_to_new"].astype(np.int32))
-            table = cls(old_to_new=old_to_new, keys=tuple(meta["keys"]), pad_id=meta["pad_id"],
-                        tokenizer_fingerprint=meta["tokenizer_fingerprint"], normalization=meta["normalization"])
-        except Exception as e:  # truncated or garbled files
-            raise CompressionError(f"compression table in {directory} is unreadable ({e}); delete {directory} to "
-                                   "rebuild it from the run's tokenizer") from e
-        if table.content_hash != meta.get("content_hash"):
-            raise CompressionError(
-                f"compression table in {directory} fails its content check (stored {meta.get('content_hash')}, "
-                f"computed {table.content_hash}): a file was modified or truncated; delete {directory} to rebuild it")
-        return table
+        def build(old_to_new: torch.Tensor, meta: dict) -> CompressionTable:
+            return cls(old_to_new=old_to_new, keys=tuple(meta["keys"]), pad_id=meta["pad_id"],
+                       tokenizer_fingerprint=meta["tokenizer_fingerprint"], normalization=meta["normalization"])
+
+        return STORAGE.load(directory, build)

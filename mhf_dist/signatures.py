@@ -27,15 +27,19 @@ from typing import Sequence
 import mmh3
 import numpy as np
 import torch
-from safetensors.numpy import load_file, save_file
+
+from mhf_dist.stored_table import StoredTable, content_hash
 
 HASH_VERSION = "mmh3.hash128-unsigned-v1"
-CODES_FILE = "signatures.safetensors"
-META_FILE = "signatures.json"
 
 
 class SignatureError(ValueError):
     """A signature table cannot be built, loaded or matched."""
+
+
+STORAGE = StoredTable(what="signature table", array_file="signatures.safetensors", meta_file="signatures.json",
+                      key="codes", error=SignatureError,
+                      fix="rebuild the table (SignatureTable.build) and save it")
 
 
 def bucket_of(token: str, seed: int, num_buckets: int) -> int:
@@ -205,45 +209,17 @@ class SignatureTable:
         return meta
 
     def _compute_hash(self) -> str:
-        h = hashlib.sha256(json.dumps(self.metadata(with_tokens=False), sort_keys=True).encode())
-        h.update(self.codes.numpy().astype("<i4").tobytes())
-        return h.hexdigest()
+        return content_hash(self.metadata(with_tokens=False), self.codes)
 
     def save(self, directory: str | os.PathLike) -> Path:
         """Write codes + metadata into ``directory`` (each file replaced atomically)."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp_codes, tmp_meta = directory / (CODES_FILE + ".tmp"), directory / (META_FILE + ".tmp")
-        save_file({"codes": self.codes.numpy()}, str(tmp_codes))
-        tmp_meta.write_text(json.dumps(self.metadata() | {"content_hash": self.content_hash}, ensure_ascii=False))
-        os.replace(tmp_codes, directory / CODES_FILE)
-        os.replace(tmp_meta, directory / META_FILE)
-        return directory
+        return STORAGE.save(directory, self.codes, self.metadata(), self.content_hash)
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "SignatureTable":
-        directory = Path(directory)
-        codes_path, meta_path = directory / CODES_FILE, directory / META_FILE
-        for p in (codes_path, meta_path):
-            if not p.is_file():
-                raise SignatureError(f"signature table file {p} is missing; rebuild the table (SignatureTable.build) and save it")
-        try:
-            meta = json.loads(meta_path.read_text())
-            codes = torch.from_numpy(load_file(str(codes_path))["codes"].astype(np.int32))
-        except Exception as e:  # truncated or garbled files
-            raise SignatureError(f"signature table in {directory} is unreadable ({e}); rebuild it") from e
-        table = cls(
-            codes=codes,
-            num_buckets=meta["num_buckets"],
-            seeds=tuple(meta["seeds"]),
-            tokens=tuple(meta["tokens"]),
-            unique=meta["unique"],
-            pad_id=meta["pad_id"],
-            hash_version=meta["hash_version"],
-        )
-        if table.content_hash != meta.get("content_hash"):
-            raise SignatureError(
-                f"signature table in {directory} fails its content check (stored {meta.get('content_hash')}, "
-                f"computed {table.content_hash}): a file was modified or truncated; rebuild the table"
-            )
-        return table
+        def build(codes: torch.Tensor, meta: dict) -> SignatureTable:
+            return cls(codes=codes, num_buckets=meta["num_buckets"], seeds=tuple(meta["seeds"]),
+                       tokens=tuple(meta["tokens"]), unique=meta["unique"], pad_id=meta["pad_id"],
+                       hash_version=meta["hash_version"])
+
+        return STORAGE.load(directory, build)
