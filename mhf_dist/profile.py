@@ -92,25 +92,67 @@ def _dtype(name: str) -> torch.dtype:
     return torch.bfloat16 if name == "bf16" else torch.float32
 
 
+class TrainingProbe:
+    """One configuration trained step by step on this rank (tp ranks build it together): the model of preset
+    ``{size}-{hash_name}``, AdamW and one synthetic batch. :meth:`step` times one step; :meth:`row` summarises
+    the steps it is given, so several probes can be stepped in turn (side by side, as the benchmark does)."""
+
+    def __init__(self, size: str, hash_name: str, tp: int, seq_len: int, micro: int, dtype: str,
+                 device: torch.device, overrides: list[str], max_steps: int):
+        run_cfg = load_config(f"{size}-{hash_name}", overrides=[f"parallel.tp={tp}", *overrides])
+        cfg = run_cfg.model
+        gen = torch.Generator().manual_seed(0)
+        codes = torch.randint(1, cfg.hash.num_buckets, (VOCAB, cfg.hash.num_hashes), generator=gen)
+        torch.manual_seed(0)
+        model = build_model(cfg, VOCAB, codes, CompressionTable.identity(VOCAB)).to(device)
+        self.params = sum(p.numel() for p in model.parameters())
+        apply_tensor_parallel(model, dist.group.WORLD if tp > 1 else None, dist.get_rank() if tp > 1 else 0, tp)
+        model.to(_dtype(dtype))
+        if run_cfg.train.compile:
+            model.backbone.compile_blocks()
+        self.model, self.device = model, device
+        self.optimizer, _ = build_optimizer(model, run_cfg.optimizer, max_steps=max_steps)
+        self.batch = torch.randint(0, VOCAB, (micro, seq_len + 1), generator=gen).to(device)
+        self.size, self.hash, self.tp, self.dtype, self.seq_len, self.micro = size, hash_name, tp, dtype, seq_len, micro
+        self.flops_per_token = forward_flops(cfg, seq_len, vocab_rows=model.vocab.tables.num_rows).train
+        self.comm_bytes = 0
+
+    def step(self) -> dict[str, float]:
+        """Seconds of one step's forward, backward, optimizer and (inside them) tensor-parallel collectives."""
+        with count_collectives() as log:
+            with _Timer(self.device) as fwd:
+                loss = self.model(self.batch[:, :-1], self.batch[:, 1:]).loss
+            with _Timer(self.device) as bwd:
+                loss.backward()
+        with _Timer(self.device) as opt:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.comm_bytes = log.total_bytes
+        return {"forward": fwd.seconds, "backward": bwd.seconds, "optimizer": opt.seconds, "comm": log.seconds}
+
+    def row(self, steps: list[dict[str, float]], peak_measured: float, peak_nominal: float | None) -> TrainRow:
+        """Median times of ``steps`` (from :meth:`step`) as a row; MFU against ``peak_measured``."""
+        split = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+        step_s = split["forward"] + split["backward"] + split["optimizer"]
+        tokens_per_s = self.micro * self.seq_len / step_s  # one data-parallel replica
+        flops = self.flops_per_token * tokens_per_s
+        # a replica spans tp GPUs; CPU ranks share one machine, whose peak was measured
+        peak = peak_measured * (self.tp if self.device.type == "cuda" else 1)
+        return TrainRow(
+            size=self.size, hash=self.hash, layout=f"tp={self.tp}", dtype=self.dtype, seq_len=self.seq_len,
+            micro_batch=self.micro, params=self.params, tokens_per_s=tokens_per_s, step_s=step_s,
+            forward_s=split["forward"], backward_s=split["backward"], optimizer_s=split["optimizer"],
+            comm_s=split["comm"], tflops=flops / 1e12, peak_tflops_measured=peak_measured / 1e12,
+            peak_tflops_nominal=peak_nominal, mfu=flops / peak, memory_gb=memory_gb(self.device),
+            comm_bytes_per_step=self.comm_bytes,
+        )
+
+
 def profile_training(size: str, hash_name: str, tp: int, steps: int, warmup: int, seq_len: int, micro: int,
                      dtype: str, device: torch.device, peak_measured: float, peak_nominal: float | None,
                      overrides: list[str], trace_dir: Path | None = None) -> TrainRow:
-    """One configuration on this rank (tp ranks run this together); returns rank-local measurements."""
-    run_cfg = load_config(f"{size}-{hash_name}", overrides=[f"parallel.tp={tp}", *overrides])
-    cfg = run_cfg.model
-    gen = torch.Generator().manual_seed(0)
-    codes = torch.randint(1, cfg.hash.num_buckets, (VOCAB, cfg.hash.num_hashes), generator=gen)
-    torch.manual_seed(0)
-    model = build_model(cfg, VOCAB, codes, CompressionTable.identity(VOCAB)).to(device)
-    params = sum(p.numel() for p in model.parameters())
-    apply_tensor_parallel(model, dist.group.WORLD if tp > 1 else None, dist.get_rank() if tp > 1 else 0, tp)
-    model.to(_dtype(dtype))
-    if run_cfg.train.compile:
-        model.backbone.compile_blocks()
-    optimizer, _ = build_optimizer(model, run_cfg.optimizer, max_steps=steps + warmup)
-    batch = torch.randint(0, VOCAB, (micro, seq_len + 1), generator=gen).to(device)
-    times = {"forward": [], "backward": [], "optimizer": [], "comm": []}
-    comm_bytes = 0
+    """One configuration on this rank (tp ranks run this together): ``warmup`` steps, then ``steps`` measured."""
+    probe = TrainingProbe(size, hash_name, tp, seq_len, micro, dtype, device, overrides, max_steps=steps + warmup)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     profiler = None
@@ -121,38 +163,14 @@ def profile_training(size: str, hash_name: str, tp: int, steps: int, warmup: int
         profiler = profile(activities=activities, schedule=schedule(wait=0, warmup=warmup, active=steps),
                            on_trace_ready=tensorboard_trace_handler(str(trace_dir)), record_shapes=True)
         profiler.start()
-    for step in range(warmup + steps):
-        with count_collectives() as log:
-            with _Timer(device) as fwd:
-                loss = model(batch[:, :-1], batch[:, 1:]).loss
-            with _Timer(device) as bwd:
-                loss.backward()
-        with _Timer(device) as opt:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    times = []
+    for _ in range(warmup + steps):
+        times.append(probe.step())
         if profiler:
             profiler.step()
-        if step >= warmup:
-            for key, timer in (("forward", fwd), ("backward", bwd), ("optimizer", opt)):
-                times[key].append(timer.seconds)
-            times["comm"].append(log.seconds)
-            comm_bytes = log.total_bytes
     if profiler:
         profiler.stop()
-    split = {k: statistics.median(v) for k, v in times.items()}
-    step_s = split["forward"] + split["backward"] + split["optimizer"]
-    tokens_per_s = micro * seq_len / step_s  # one data-parallel replica
-    flops = forward_flops(cfg, seq_len, vocab_rows=model.vocab.tables.num_rows).train * tokens_per_s
-    # a replica spans tp GPUs; CPU ranks share one machine, whose peak was measured
-    peak = peak_measured * (tp if device.type == "cuda" else 1)
-    memory = memory_gb(device)
-    return TrainRow(
-        size=size, hash=hash_name, layout=f"tp={tp}", dtype=dtype, seq_len=seq_len, micro_batch=micro, params=params,
-        tokens_per_s=tokens_per_s, step_s=step_s, forward_s=split["forward"], backward_s=split["backward"],
-        optimizer_s=split["optimizer"], comm_s=split["comm"], tflops=flops / 1e12,
-        peak_tflops_measured=peak_measured / 1e12, peak_tflops_nominal=peak_nominal,
-        mfu=flops / peak, memory_gb=memory, comm_bytes_per_step=comm_bytes,
-    )
+    return probe.row(times[warmup:], peak_measured, peak_nominal)
 
 
 def profile_scoring(vocab_sizes: list[int], d_model: int, num_hashes: int, num_buckets: int, device: torch.device,

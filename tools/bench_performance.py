@@ -8,22 +8,28 @@ Reports, on this machine and dtype:
   131,072;
 - the decoder's activation memory (bytes autograd saves for backward) fused vs plain, H4B16K, at seq 2048.
 
-Usage: python tools/bench_performance.py [--seq-len 512] [--steps 2] [--dtype fp32] [--out bench.json]
+The training steps run in rounds: each round measures the peak once and steps every model once, so a
+machine whose speed drifts (shared CPUs) slows all of them alike. Times are medians over the rounds, MFU is
+against the median peak, and the step-time ratio is the median of the rounds' ratios with their range.
+
+Usage: python tools/bench_performance.py [--seq-len 512] [--micro-batch 1] [--rounds 5] [--dtype fp32]
+                                         [--out bench.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import torch
+from tqdm.auto import tqdm
 
 from mhf_dist.config import load_config
 from mhf_dist.model import build_model
 from mhf_dist.model.flops import forward_flops
-from mhf_dist.profile import VOCAB, profile_scoring, profile_training
+from mhf_dist.profile import VOCAB, TrainingProbe, profile_scoring
 from mhf_dist.train.throughput import measured_peak_flops
-
 
 def decoder_activation_bytes(chunk_tokens: int, seq_len: int) -> int:
     """Bytes of the tensors autograd keeps for the decoder's backward (one sequence of ``seq_len`` tokens)."""
@@ -49,40 +55,64 @@ def decoder_activation_bytes(chunk_tokens: int, seq_len: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds (after one warm-up round)")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--out", default=None, help="also write the results as JSON")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    peak = measured_peak_flops(device, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-    rows = {(h, c): profile_training("100m", h, 1, args.steps, 1, args.seq_len, 1, args.dtype, device, peak, None,
-                                     [f"train.compile={c}"])
-            for c in ("false", "true") for h in ("h4b16k", "standard")}
-    mhf, std = rows["h4b16k", "false"], rows["standard", "false"]
-    mhf_c, std_c = rows["h4b16k", "true"], rows["standard", "true"]
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    names = {("h4b16k", "false"): "100m-h4b16k", ("standard", "false"): "100m-standard",
+             ("h4b16k", "true"): "h4b16k+compile", ("standard", "true"): "standard+compile"}
+    probes = {key: TrainingProbe("100m", key[0], 1, args.seq_len, args.micro_batch, args.dtype, device,
+                                 [f"train.compile={key[1]}"], max_steps=args.rounds + 1) for key in names}
+    for probe in probes.values():  # warm-up (and compilation)
+        probe.step()
+    peaks, steps = [], {key: [] for key in probes}
+    for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
+        peaks.append(measured_peak_flops(device, dtype))
+        for key, probe in probes.items():
+            steps[key].append(probe.step())
+    peak = statistics.median(peaks)
+    rows = {key: probes[key].row(steps[key], peak, None) for key in probes}
+
+    def step_ratio(compiled: str) -> dict:
+        """Median and range over the rounds of the MHF/Standard step time."""
+        per_round = [sum(m[k] for k in ("forward", "backward", "optimizer"))
+                     / sum(s[k] for k in ("forward", "backward", "optimizer"))
+                     for m, s in zip(steps["h4b16k", compiled], steps["standard", compiled])]
+        return {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
+
     flop_ratio = (forward_flops(load_config("100m-h4b16k").model, args.seq_len).train
                   / forward_flops(load_config("100m-standard").model, args.seq_len, vocab_rows=VOCAB).train)
     cfg = load_config("100m-h4b16k").model
     scoring = profile_scoring([32768, 131072], cfg.d_model, cfg.hash.num_hashes, cfg.hash.num_buckets, device,
                               args.dtype)
     plain, fused = decoder_activation_bytes(0, 2048), decoder_activation_bytes(1024, 2048)
+
+    def summary(row) -> dict:
+        return {"tokens_per_s": row.tokens_per_s, "mfu": row.mfu, "step_s": row.step_s, "forward_s": row.forward_s,
+                "backward_s": row.backward_s, "optimizer_s": row.optimizer_s}
+
     result = {
-        "device": str(device), "dtype": args.dtype, "seq_len": args.seq_len, "peak_tflops": peak / 1e12,
-        "mhf": {"tokens_per_s": mhf.tokens_per_s, "mfu": mhf.mfu, "step_s": mhf.step_s},
-        "standard": {"tokens_per_s": std.tokens_per_s, "mfu": std.mfu, "step_s": std.step_s},
-        "step_time_ratio": mhf.step_s / std.step_s, "flop_ratio": flop_ratio,
-        "compiled": {"mhf": {"tokens_per_s": mhf_c.tokens_per_s, "mfu": mhf_c.mfu, "step_s": mhf_c.step_s},
-                     "standard": {"tokens_per_s": std_c.tokens_per_s, "mfu": std_c.mfu, "step_s": std_c.step_s},
-                     "step_time_ratio": mhf_c.step_s / std_c.step_s},
+        "device": str(device), "dtype": args.dtype, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+        "rounds": args.rounds, "peak_tflops": peak / 1e12, "peak_tflops_range": [min(peaks) / 1e12, max(peaks) / 1e12],
+        "mhf": summary(rows["h4b16k", "false"]), "standard": summary(rows["standard", "false"]),
+        "step_time_ratio": step_ratio("false"), "flop_ratio": flop_ratio,
+        "compiled": {"mhf": summary(rows["h4b16k", "true"]), "standard": summary(rows["standard", "true"]),
+                     "step_time_ratio": step_ratio("true")},
         "scoring": scoring,
         "decoder_activation_mb": {"plain": plain / 2**20, "fused": fused / 2**20, "ratio": fused / plain},
     }
-    print(f"{device} {args.dtype}, seq {args.seq_len}; measured torch.mm peak {peak / 1e12:.3f} TFLOP/s")
-    named = (("100m-h4b16k", mhf), ("100m-standard", std), ("h4b16k+compile", mhf_c), ("standard+compile", std_c))
-    for name, r in named:
-        print(f"  {name:<16} {r.tokens_per_s:8.1f} tokens/s  step {r.step_s:6.2f} s  MFU {r.mfu:6.1%}")
-    print(f"  step-time ratio MHF/Standard {result['step_time_ratio']:.2f} (compiled "
-          f"{result['compiled']['step_time_ratio']:.2f}) vs analytic FLOP ratio {flop_ratio:.2f}")
+    print(f"{device} {args.dtype}, seq {args.seq_len} x micro-batch {args.micro_batch}, {args.rounds} rounds; "
+          f"measured torch.mm peak {peak / 1e12:.3f} TFLOP/s (range {min(peaks) / 1e12:.3f}-{max(peaks) / 1e12:.3f})")
+    for key, name in names.items():
+        r = rows[key]
+        print(f"  {name:<16} {r.tokens_per_s:9.1f} tokens/s  step {r.step_s:7.3f} s (fwd {r.forward_s:.3f}, "
+              f"bwd {r.backward_s:.3f}, opt {r.optimizer_s:.3f})  MFU {r.mfu:6.1%}")
+    for label, ratio in (("eager", result["step_time_ratio"]), ("compiled", result["compiled"]["step_time_ratio"])):
+        print(f"  step-time ratio MHF/Standard, {label}: {ratio['median']:.2f} (rounds {ratio['min']:.2f}-"
+              f"{ratio['max']:.2f}) vs analytic FLOP ratio {flop_ratio:.2f}")
     for s in scoring:
         print(f"  inference head V={s['vocab_size']:>7,}: MHF {s['mhf_s_per_token'] * 1e3:.3f} ms/token, Standard "
               f"{s['standard_s_per_token'] * 1e3:.3f} ms/token, ratio {s['ratio']:.2f}")

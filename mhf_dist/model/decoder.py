@@ -60,9 +60,10 @@ class CascadedDecoder(nn.Module):
 
     def _fused_nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor) -> torch.Tensor:
         c, nll = h, []
-        for i in range(self.num_heads):
+        for i, table in enumerate(tables.per_table()[: self.num_heads]):
             more = i < self.num_heads - 1
-            log_z, target, soft = tables.fused_head(c, i, targets[:, i], more, self.chunk_tokens, self.num_valid_rows)
+            log_z, target, soft = tables.fused_head(c, table, targets[:, i], more, self.chunk_tokens,
+                                                    self.num_valid_rows)
             nll.append(log_z - target)
             if more:
                 c = c + self.cascade_mixer[i](torch.cat([c, soft], dim=-1))

@@ -10,7 +10,7 @@ tensor-parallel ``BucketParallelEmbedding`` holds a slice and overrides the
 reductions with collectives, so the model code is the same for both.
 
 Every use of ``weight`` enters through ``forward`` (``lookup``, ``logits``,
-``retrieve`` and ``fused_head`` call it), as a tied embedding's uses do in any module: ZeRO-3
+``retrieve`` and ``per_table`` call it), as a tied embedding's uses do in any module: ZeRO-3
 gathers a module's parameters around its ``forward`` and again for its
 backward, which a method reading ``self.weight`` directly would bypass.
 """
@@ -71,11 +71,21 @@ class BucketTables(nn.Module):
         """Soft retrieval ``ē = E_tableᵀ p``: ``probs [..., R_local]`` -> ``[..., d]``."""
         return self("retrieve", probs, table)
 
-    def fused_head(self, c: torch.Tensor, table: int, targets: torch.Tensor, retrieve: bool, chunk: int,
+    def per_table(self) -> tuple[torch.Tensor, ...]:
+        """The ``T`` tables ``E_i [R_local, d]`` as views, split by one autograd node: their gradients fill one
+        ``[T, R, d]`` buffer, where indexing each table separately would zero-fill one per table."""
+        return self("per_table")
+
+    def fused_head(self, c: torch.Tensor, table: torch.Tensor, targets: torch.Tensor, retrieve: bool, chunk: int,
                    num_valid_rows: int | None = None):
-        """``(log Z, target logit, ē or None)`` of one head for ``c [N, d]``, ``targets [N]`` (global rows),
-        chunked over tokens (:class:`FusedHead`); rows ``>= num_valid_rows`` are never predicted."""
-        return self("fused_head", c, table, targets, retrieve, chunk, num_valid_rows)
+        """``(log Z, target logit, ē or None)`` of one head for ``c [N, d]``, ``targets [N]`` (global rows) and
+        ``table``, one of :meth:`per_table`, chunked over tokens (:class:`FusedHead`); rows ``>= num_valid_rows``
+        are never predicted."""
+        rows, owned = self.local_index(targets)
+        valid = None
+        if num_valid_rows is not None:
+            valid = torch.arange(self.local_rows, device=c.device) + self.row_offset < num_valid_rows
+        return FusedHead.apply(self.replicated_input(c), table, rows, owned, valid, retrieve, chunk, self)
 
     def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
         t, r, d = self.weight.shape
@@ -87,12 +97,8 @@ class BucketTables(nn.Module):
     def _logits(self, x: torch.Tensor, table: int) -> torch.Tensor:
         return self.replicated_input(x) @ self.weight[table].t()
 
-    def _fused_head(self, c, table, targets, retrieve, chunk, num_valid_rows):
-        rows, owned = self.local_index(targets)
-        valid = None
-        if num_valid_rows is not None:
-            valid = torch.arange(self.local_rows, device=c.device) + self.row_offset < num_valid_rows
-        return FusedHead.apply(self.replicated_input(c), self.weight[table], rows, owned, valid, retrieve, chunk, self)
+    def _per_table(self) -> tuple[torch.Tensor, ...]:
+        return self.weight.unbind(0)
 
     def log_normalizer(self, logits: torch.Tensor) -> torch.Tensor:
         """``logsumexp`` over all rows (max and sum reduced across shards)."""
