@@ -174,11 +174,12 @@ def profile_training(size: str, hash_name: str, tp: int, steps: int, warmup: int
 
 
 def profile_scoring(vocab_sizes: list[int], d_model: int, num_hashes: int, num_buckets: int, device: torch.device,
-                    dtype: str, repeats: int = 5) -> list[dict]:
-    """Seconds per token of ``log P_inf`` (MHF) and of a Standard LM head + log-softmax, per vocabulary size."""
+                    dtype: str, repeats: int = 5, tokens: int = 1) -> list[dict]:
+    """Seconds per token of ``log P_inf`` (MHF) and of a Standard LM head + log-softmax, per vocabulary size,
+    scoring ``tokens`` positions at once (1: one sequence's generation step; more: batched decoding)."""
     rows = []
     gen = torch.Generator().manual_seed(0)
-    h = torch.randn(1, d_model, generator=gen).to(device, _dtype(dtype))
+    h = torch.randn(tokens, d_model, generator=gen).to(device, _dtype(dtype))
     tables = BucketTables(num_hashes, num_buckets, d_model).to(device, _dtype(dtype))
     torch.nn.init.normal_(tables.weight, std=0.02)
     with torch.no_grad():
@@ -204,8 +205,8 @@ def profile_scoring(vocab_sizes: list[int], d_model: int, num_hashes: int, num_b
                         fn()
                     samples.append(t.seconds)
                 timings[name] = min(samples)
-            rows.append({"vocab_size": v, "mhf_s_per_token": timings["mhf"],
-                         "standard_s_per_token": timings["standard"],
+            rows.append({"vocab_size": v, "tokens": tokens, "mhf_s_per_token": timings["mhf"] / tokens,
+                         "standard_s_per_token": timings["standard"] / tokens,
                          "ratio": timings["mhf"] / timings["standard"]})
     return rows
 

@@ -5,7 +5,7 @@ Reports, on this machine and dtype:
   ``train.compile`` (compiled backbone blocks), MFU against a ``torch.mm`` peak measured in the same run,
   and the MHF/Standard step-time ratio next to the analytic FLOP ratio;
 - inference head time per token (MHF ``log P_inf`` vs a Standard LM head + log-softmax) at V = 32,768 and
-  131,072;
+  131,072, scoring ``--scoring-tokens`` positions at once;
 - the decoder's activation memory (bytes autograd saves for backward) fused vs plain, H4B16K, at seq 2048.
 
 The training steps run in rounds: each round measures the peak once and steps every model once, so a
@@ -13,7 +13,7 @@ machine whose speed drifts (shared CPUs) slows all of them alike. Times are medi
 against the median peak, and the step-time ratio is the median of the rounds' ratios with their range.
 
 Usage: python tools/bench_performance.py [--seq-len 512] [--micro-batch 1] [--rounds 5] [--dtype fp32]
-                                         [--out bench.json]
+                                         [--scoring-tokens 1] [--set KEY=VALUE ...] [--out bench.json]
 """
 
 from __future__ import annotations
@@ -58,6 +58,10 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds (after one warm-up round)")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--scoring-tokens", type=int, default=1,
+                        help="positions scored at once by the inference-head timing (1: one generation step)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for every trained model, e.g. model.decoder_chunk_tokens=4096")
     parser.add_argument("--out", default=None, help="also write the results as JSON")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -65,7 +69,7 @@ def main() -> None:
     names = {("h4b16k", "false"): "100m-h4b16k", ("standard", "false"): "100m-standard",
              ("h4b16k", "true"): "h4b16k+compile", ("standard", "true"): "standard+compile"}
     probes = {key: TrainingProbe("100m", key[0], 1, args.seq_len, args.micro_batch, args.dtype, device,
-                                 [f"train.compile={key[1]}"], max_steps=args.rounds + 1) for key in names}
+                                 [*args.set, f"train.compile={key[1]}"], max_steps=args.rounds + 1) for key in names}
     for probe in probes.values():  # warm-up (and compilation)
         probe.step()
     peaks, steps = [], {key: [] for key in probes}
@@ -87,7 +91,7 @@ def main() -> None:
                   / forward_flops(load_config("100m-standard").model, args.seq_len, vocab_rows=VOCAB).train)
     cfg = load_config("100m-h4b16k").model
     scoring = profile_scoring([32768, 131072], cfg.d_model, cfg.hash.num_hashes, cfg.hash.num_buckets, device,
-                              args.dtype)
+                              args.dtype, tokens=args.scoring_tokens)
     plain, fused = decoder_activation_bytes(0, 2048), decoder_activation_bytes(1024, 2048)
 
     def summary(row) -> dict:
@@ -96,7 +100,8 @@ def main() -> None:
 
     result = {
         "device": str(device), "dtype": args.dtype, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-        "rounds": args.rounds, "peak_tflops": peak / 1e12, "peak_tflops_range": [min(peaks) / 1e12, max(peaks) / 1e12],
+        "rounds": args.rounds, "overrides": args.set, "peak_tflops": peak / 1e12,
+        "peak_tflops_range": [min(peaks) / 1e12, max(peaks) / 1e12],
         "mhf": summary(rows["h4b16k", "false"]), "standard": summary(rows["standard", "false"]),
         "step_time_ratio": step_ratio("false"), "flop_ratio": flop_ratio,
         "compiled": {"mhf": summary(rows["h4b16k", "true"]), "standard": summary(rows["standard", "true"]),
@@ -114,7 +119,7 @@ def main() -> None:
         print(f"  step-time ratio MHF/Standard, {label}: {ratio['median']:.2f} (rounds {ratio['min']:.2f}-"
               f"{ratio['max']:.2f}) vs analytic FLOP ratio {flop_ratio:.2f}")
     for s in scoring:
-        print(f"  inference head V={s['vocab_size']:>7,}: MHF {s['mhf_s_per_token'] * 1e3:.3f} ms/token, Standard "
+        print(f"  inference head V={s['vocab_size']:>7,}, {s['tokens']} token(s) at once: MHF {s['mhf_s_per_token'] * 1e3:.3f} ms/token, Standard "
               f"{s['standard_s_per_token'] * 1e3:.3f} ms/token, ratio {s['ratio']:.2f}")
     print(f"  decoder activations at seq 2048: plain {plain / 2**20:.0f} MB, fused {fused / 2**20:.0f} MB "
           f"({fused / plain:.1%} of plain)")

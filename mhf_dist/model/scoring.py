@@ -5,8 +5,8 @@
 tokens only (``registered`` is False for the pad token, whose row gets ``-inf``).
 The vocabulary is processed in chunks, so the extra memory is
 ``O(N × chunk)`` whatever ``V`` is (a 1M-token vocabulary included). Each rank
-of a bucket-sharded model gathers only the coordinates it owns; the per-head
-sum is reduced once per chunk.
+of a bucket-sharded model gathers only the coordinates it owns; the sum over
+heads is reduced once per chunk.
 """
 
 from __future__ import annotations
@@ -23,17 +23,23 @@ def signature_scores(
     tables: BucketTables,
     chunk_size: int = 65536,
 ) -> torch.Tensor:
-    """``score [N, V]`` from H tensors ``[N, R_local]``, ``codes [V, H]`` and ``registered [V]``."""
-    n, v = head_log_probs[0].shape[0], codes.shape[0]
+    """``score [N, V]`` from H tensors ``[N, R_local]``, ``codes [V, H]`` and ``registered [V]``.
+
+    The heads' log-probabilities are laid side by side (column ``i·R + b`` is head ``i``'s bucket ``b``, and
+    a last zero column stands for coordinates another rank holds), so each vocabulary chunk takes one gather
+    and one sum over heads, a few kernels whatever H is; a chunk gathers ``chunk_size`` values per token.
+    """
+    n, v, num_heads = head_log_probs[0].shape[0], codes.shape[0], len(head_log_probs)
+    side_by_side = torch.cat([*head_log_probs, head_log_probs[0].new_zeros(n, 1)], dim=-1)
+    zero_column = side_by_side.shape[1] - 1
+    head_offset = torch.arange(num_heads, device=codes.device) * tables.local_rows
     out = head_log_probs[0].new_empty(n, v)
-    for start in range(0, v, chunk_size):
-        rows = codes[start : start + chunk_size]
-        acc = 0
-        for i, logp in enumerate(head_log_probs):
-            local, owned = tables.local_index(rows[:, i])
-            acc = acc + torch.where(owned, logp[:, local], 0.0)
-        acc = tables.reduce_sum(acc)
-        out[:, start : start + chunk_size] = acc.masked_fill(~registered[start : start + chunk_size], float("-inf"))
+    step = max(1, chunk_size // num_heads)
+    for start in range(0, v, step):
+        local, owned = tables.local_index(codes[start : start + step])
+        columns = torch.where(owned, local + head_offset, zero_column).flatten()
+        scores = tables.reduce_sum(side_by_side[:, columns].view(n, -1, num_heads).sum(-1))
+        out[:, start : start + step] = scores.masked_fill(~registered[start : start + step], float("-inf"))
     return out
 
 
