@@ -89,8 +89,9 @@ class ModelConfig(_Strict):
     init_std: float = 0.02
     pad_vocab_to: int = Field(128, ge=1, description="Standard: embedding rows rounded up to this multiple")
     decoder_chunk_tokens: int = Field(
-        1024, ge=0, description="training loss: decoder fused over chunks of this many tokens (activation memory "
-        "O(chunk × B)); 0: the plain path, which keeps every head's logits (reference)")
+        8192, ge=0, description="training loss: decoder fused over chunks of this many tokens (activation memory "
+        "O(chunk × B): a chunk's logits live only inside one head's forward or backward); 0: the plain path, which "
+        "keeps every head's logits (reference)")
     hash: HashConfig = HashConfig()
     engram: EngramConfig | None = Field(None, description="Engram N-gram memory (SPEC §8); None: no memory")
 

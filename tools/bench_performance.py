@@ -31,6 +31,7 @@ from mhf_dist.model.flops import forward_flops
 from mhf_dist.profile import VOCAB, TrainingProbe, profile_scoring
 from mhf_dist.train.throughput import measured_peak_flops
 
+
 def decoder_activation_bytes(chunk_tokens: int, seq_len: int) -> int:
     """Bytes of the tensors autograd keeps for the decoder's backward (one sequence of ``seq_len`` tokens)."""
     cfg = load_config("100m-h4b16k", overrides=[f"model.decoder_chunk_tokens={chunk_tokens}"]).model
@@ -92,7 +93,7 @@ def main() -> None:
     cfg = load_config("100m-h4b16k").model
     scoring = profile_scoring([32768, 131072], cfg.d_model, cfg.hash.num_hashes, cfg.hash.num_buckets, device,
                               args.dtype, tokens=args.scoring_tokens)
-    plain, fused = decoder_activation_bytes(0, 2048), decoder_activation_bytes(1024, 2048)
+    plain, fused = decoder_activation_bytes(0, 2048), decoder_activation_bytes(cfg.decoder_chunk_tokens, 2048)
 
     def summary(row) -> dict:
         return {"tokens_per_s": row.tokens_per_s, "mfu": row.mfu, "step_s": row.step_s, "forward_s": row.forward_s,

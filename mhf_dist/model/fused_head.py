@@ -21,7 +21,64 @@ summed by the caller's ``copy_to_tp``. Softmax statistics are kept in fp32
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+_NEG_INF = float("-inf")
+
+
+def _compiled_on_gpu(fn: Callable) -> Callable:
+    """``fn`` as one fused kernel (``torch.compile``) on GPUs, where each elementwise pass over a chunk's
+    ``chunk × R`` values costs a trip through memory; eager on CPU, where ``fn`` works in place and compiling
+    costs more than it saves. Compiled lazily, on the first GPU call."""
+    compiled = torch.compile(fn, dynamic=True)
+
+    def run(*args):
+        return (compiled if args[0].is_cuda else fn)(*args)
+
+    return run
+
+
+def _stats_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _masked(logits: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    return logits if valid is None else logits.masked_fill(~valid, _NEG_INF)
+
+
+@_compiled_on_gpu
+def _row_max(logits: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    return _masked(logits, valid).amax(dim=-1).to(_stats_dtype(logits))
+
+
+@_compiled_on_gpu
+def _shifted_exp(logits: torch.Tensor, valid: torch.Tensor | None, peak: torch.Tensor):
+    """``(exp(o − peak), Σ_b exp(o − peak))`` in fp32; in place when the logits already are."""
+    e = _masked(logits.to(_stats_dtype(logits)), valid).sub_(peak[:, None]).exp_()
+    return e, e.sum(dim=-1)
+
+
+@_compiled_on_gpu
+def _normalised(e: torch.Tensor, total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return e.div_(total[:, None]).to(dtype)
+
+
+@_compiled_on_gpu
+def _logit_grads_(products: torch.Tensor, valid: torch.Tensor | None, log_z: torch.Tensor, coeff: torch.Tensor,
+                  retrieve: bool) -> None:
+    """In place: the bottom rows (recomputed logits) become ``p``; with retrieval the top rows (``E_b·g_ē``)
+    become ``∂L/∂o = p (E_b·g_ē + coeff)``, else the bottom rows become ``∂L/∂o = p · coeff``."""
+    n = log_z.shape[0]
+    top, bottom = products[:n], products[-n:]
+    # (in fp32 every step works in place and each copy_ below is a copy onto itself, which is skipped)
+    p = _masked(bottom.to(_stats_dtype(products)), valid).sub_(log_z[:, None]).exp_()
+    if retrieve:
+        top.copy_(top.to(p.dtype).add_(coeff[:, None]).mul_(p))
+        bottom.copy_(p)
+    else:
+        bottom.copy_(p.mul_(coeff[:, None]))
 
 
 class FusedHead(torch.autograd.Function):
@@ -29,59 +86,45 @@ class FusedHead(torch.autograd.Function):
     def forward(ctx, c, weight, rows, owned, valid, retrieve, chunk, tables):
         """``rows`` local target rows (clamped), ``owned`` whether held here, ``valid [R]`` real rows or None."""
         n = c.shape[0]
-        stats = torch.promote_types(c.dtype, torch.float32)
+        stats = _stats_dtype(c)
         log_z, target = c.new_empty(n, dtype=stats), c.new_empty(n, dtype=stats)
         e_bar = c.new_empty(n, c.shape[1]) if retrieve else None
         for s in range(0, n, chunk):
-            logits = FusedHead._logits(c[s:s + chunk], weight, valid)
-            picked = logits.gather(-1, rows[s:s + chunk, None]).squeeze(-1)
+            logits = c[s:s + chunk] @ weight.t()
+            picked = logits.gather(-1, rows[s:s + chunk, None]).squeeze(-1).to(stats)
             target[s:s + chunk] = tables.reduce_sum(torch.where(owned[s:s + chunk], picked, 0.0))
-            peak = tables.reduce_max(logits.amax(dim=-1))
-            # the chunk's logits become exp(o - max) in place, then (with retrieval) the softmax itself
-            shifted = logits.sub_(peak[:, None]).exp_()
-            total = tables.reduce_sum(shifted.sum(dim=-1))
+            peak = tables.reduce_max(_row_max(logits, valid))
+            e, total = _shifted_exp(logits, valid, peak)  # (the logits are no longer needed)
+            total = tables.reduce_sum(total)
             log_z[s:s + chunk] = peak + total.log()
             if retrieve:
-                e_bar[s:s + chunk] = tables.reduce_sum(shifted.div_(total[:, None]).to(weight.dtype) @ weight)
+                e_bar[s:s + chunk] = tables.reduce_sum(_normalised(e, total, weight.dtype) @ weight)
         ctx.save_for_backward(c, weight, rows, owned, valid, log_z, e_bar)
         ctx.chunk = chunk
         return log_z, target, e_bar
 
     @staticmethod
-    def _logits(c, weight, valid):
-        """A chunk's bucket logits in (at least) fp32: a fresh tensor, free to modify in place."""
-        logits = (c @ weight.t()).to(torch.promote_types(c.dtype, torch.float32))
-        return logits if valid is None else logits.masked_fill_(~valid, float("-inf"))
-
-    @staticmethod
     def backward(ctx, g_z, g_t, g_e):
         c, weight, rows, owned, valid, log_z, e_bar = ctx.saved_tensors
         grad_c, grad_w = torch.empty_like(c), torch.empty_like(weight)
+        retrieve = g_e is not None
         for s in range(0, c.shape[0], ctx.chunk):
             sl = slice(s, s + ctx.chunk)
             n = c[sl].shape[0]
             # one matmul gives the products E_b·g_ē (top rows) and the recomputed logits (bottom rows); both
             # become, in place, the stacked coefficients [∂L/∂o ; p] of one ∂L/∂E matmul with [c ; g_ē]
-            products = (c[sl] if g_e is None else torch.cat([g_e[sl], c[sl]])) @ weight.t()
-            wide = products.to(torch.promote_types(products.dtype, torch.float32))  # the same tensor in fp32
-            p = wide[-n:]
-            if valid is not None:
-                p.masked_fill_(~valid, float("-inf"))
-            p.sub_(log_z[sl, None]).exp_()
-            coeff = torch.zeros_like(log_z[sl]) if g_z is None else g_z[sl].to(p.dtype)
+            products = (torch.cat([g_e[sl], c[sl]]) if retrieve else c[sl]) @ weight.t()
             # ∂L/∂o = p (g_Z + E_b·g_ē − ē·g_ē) + g_t [b = target]
-            if g_e is None:
-                d_logits = p.mul_(coeff[:, None])
-            else:
-                coeff = coeff - (e_bar[sl] * g_e[sl]).sum(-1).to(p.dtype)
-                d_logits = wide[:n].add_(coeff[:, None]).mul_(p)
+            coeff = torch.zeros_like(log_z[sl]) if g_z is None else g_z[sl].to(log_z.dtype)
+            if retrieve:
+                coeff = coeff - (e_bar[sl] * g_e[sl]).sum(-1).to(log_z.dtype)
+            _logit_grads_(products, valid, log_z[sl], coeff, retrieve)
+            d_logits = products[:n]
             if g_t is not None:
                 picked = torch.where(owned[sl], g_t[sl], 0.0)
                 d_logits.scatter_add_(-1, rows[sl, None], picked[:, None].to(d_logits.dtype))
-            if wide is not products:
-                products.copy_(wide)
-            grad_c[sl] = products[:n] @ weight
-            inputs = c[sl] if g_e is None else torch.cat([c[sl], g_e[sl]])
+            grad_c[sl] = d_logits @ weight
+            inputs = torch.cat([c[sl], g_e[sl]]) if retrieve else c[sl]
             # ∂L/∂E = d_logitsᵀ c + pᵀ g_ē, accumulated over chunks
             if s == 0:
                 torch.mm(products.t(), inputs, out=grad_w)
