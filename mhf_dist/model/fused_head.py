@@ -31,12 +31,18 @@ _NEG_INF = float("-inf")
 def _compiled_on_gpu(fn: Callable) -> Callable:
     """``fn`` as one fused kernel (``torch.compile``) on GPUs, where each elementwise pass over a chunk's
     ``chunk × R`` values costs a trip through memory; eager on CPU, where ``fn`` works in place and compiling
-    costs more than it saves. Compiled lazily, on the first GPU call."""
-    compiled = torch.compile(fn, dynamic=True)
+    costs more than it saves. Compiled on the first GPU call, so CPU-only use never loads the compiler."""
+    compiled = None
 
     def run(*args):
-        return (compiled if args[0].is_cuda else fn)(*args)
+        nonlocal compiled
+        if not args[0].is_cuda:
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True)
+        return compiled(*args)
 
+    run.eager = fn
     return run
 
 
