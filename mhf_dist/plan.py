@@ -12,11 +12,14 @@ keeps no ``S×S`` scores)::
 
 (norm inputs/outputs, q k v and attention output, gate/up/activation/product);
 with activation checkpointing a block keeps only its input (``e·d``) plus one
-block's full set during recompute. The last stage adds the decoder's bucket
-logits and fp32 probabilities, ``H·(B/tp)·(e + 4)`` per token. Pipeline stage
-``s`` holds up to ``pp - s`` micro-batches in flight (1F1B). Engram memories
-(SPEC §8) count with the parameters of their blocks' stages; their activations
-(about ``(N−1)·K·head_dim + 8d`` per token and memory) are left out.
+block's full set during recompute. A block with an Engram memory (SPEC §8)
+adds its looked-up rows and gate tensors, about ``e·((N−1)·K·head_dim + 8d)``
+per token. The last stage adds the decoder: with the fused decoder (the
+default) each head keeps ``c`` and ``ē`` (``2·e·d``) and two fp32 statistics
+per token, plus one chunk's logits in flight, ``2·min(chunk, tokens)·(B/tp)·(e + 4)``
+bytes (the stacked backward products in the run's dtype and fp32); the plain
+path keeps every head's logits and fp32 probabilities, ``H·(B/tp)·(e + 4)`` per
+token. Pipeline stage ``s`` holds up to ``pp - s`` micro-batches in flight (1F1B).
 """
 
 from __future__ import annotations
@@ -73,9 +76,13 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
     e = 2 if cfg.train.dtype == "bf16" else 4
     d, hd = m.d_model, m.resolved_head_dim
     act_layer = e * (4 * d + (2 * m.n_heads * hd + 2 * m.n_kv_heads * hd) / tp + 4 * m.ffn_dim / tp)
-    act_decoder = m.hash.num_hashes * (model.vocab.tables.num_rows / tp) * (e + 4) if m.variant == "mhf" else \
-        model.vocab.tables.num_rows / tp * (e + 4)
+    act_engram = e * ((m.engram.max_ngram - 1) * m.engram.heads * m.engram_head_dim + 8 * d) if m.engram else 0
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    heads, rows = (m.hash.num_hashes if m.variant == "mhf" else 1), model.vocab.tables.num_rows / tp
+    if m.decoder_chunk_tokens:
+        decoder = tokens * heads * (2 * e * d + 8) + 2 * min(m.decoder_chunk_tokens, tokens) * rows * (e + 4)
+    else:
+        decoder = tokens * heads * rows * (e + 4)
 
     plans = []
     for s in range(pp):
@@ -96,9 +103,11 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
             if zero <= 1:
                 states += 2 * total * (1 - 1 / dp)  # ZeRO-1 keeps full 16-bit gradients
         in_flight = min(pp - s, layout.accum)
-        decoder = act_decoder * tokens if len(costs) - 1 in layers else 0
-        full = in_flight * tokens * act_layer * blocks + decoder
-        ckpt = in_flight * tokens * e * d * blocks + tokens * act_layer * min(blocks, 1) + decoder
+        memories = sum(1 for i in layers if i - 1 in m.engram_layers)
+        last = decoder if len(costs) - 1 in layers else 0
+        full = in_flight * tokens * (act_layer * blocks + act_engram * memories) + last
+        recompute = act_layer + (act_engram if memories else 0)  # one block's full set, memory included
+        ckpt = in_flight * tokens * e * d * blocks + tokens * recompute * min(blocks, 1) + last
         plans.append(StagePlan(
             stage=s, blocks=blocks, params_per_rank=int(total), model_states_gb=states / GB,
             activations_gb=full / GB, activations_checkpointed_gb=ckpt / GB,

@@ -28,6 +28,23 @@ def test_pipeline_stages_split_the_parameters():
     assert plans[1].blocks < plans[0].blocks
 
 
+def test_plan_counts_the_fused_decoder_and_engram_activations():
+    profile = load_profile("a100-80g")
+
+    def plan(preset: str, *overrides: str):
+        (p,) = memory_plan(load_config(preset, overrides=list(overrides)), profile, nodes=1)
+        return p
+
+    fused, plain = plan("1b-h4b16k"), plan("1b-h4b16k", "model.decoder_chunk_tokens=0")
+    tokens, heads, rows, d = 4 * 2048, 4, 16384, 2048  # micro-batch 4 x 2048, bf16 (2 bytes) + fp32 (4)
+    fused_decoder = tokens * heads * (2 * 2 * d + 8) + 2 * 8192 * rows * (2 + 4)
+    assert (plain.activations_gb - fused.activations_gb) * GB == pytest.approx(
+        tokens * heads * rows * (2 + 4) - fused_decoder)
+    # two memories: (N-1)·K·head_dim = d for the sigmoid gate's default head_dim, plus 8d, in bf16
+    engram = plan("1b-h4b16k+engram")
+    assert (engram.activations_gb - fused.activations_gb) * GB == pytest.approx(2 * tokens * 2 * (d + 8 * d))
+
+
 def test_plan_cli_prints_fit(capsys):
     assert main(["plan", "--preset", "3b-h4b16k", "--cluster", "a100-80g", "--nodes", "2"]) == 0
     out = capsys.readouterr().out
