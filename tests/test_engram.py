@@ -378,9 +378,11 @@ def test_tiny_model_with_memory_trains_on_real_text(single):
     assert last < first - 1.5, (first, last)
 
 
-def test_pipeline_with_memory_gives_single_process_losses(tmp_path, data, single):
+@pytest.mark.parametrize("nproc, layout", [(2, ["parallel.pp=2"]), (4, ["parallel.tp=2", "parallel.pp=2"])],
+                         ids=["pp2", "tp2-pp2"])
+def test_pipeline_with_memory_gives_single_process_losses(tmp_path, data, single, nproc, layout):
     # warm-up lasts 10 steps, so the first 3 steps' learning rates do not depend on max_steps
-    piped = train_run(tmp_path, data, "pp2", 2, "parallel.pp=2", "parallel.activation_checkpoint_interval=1",
+    piped = train_run(tmp_path, data, "piped", nproc, *layout, "parallel.activation_checkpoint_interval=1",
                       *ENGRAM, preset="tiny-h4b16k+engram", steps=3)
     for got, want in zip(piped, single[0][:3], strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-4 * want["loss"], (got["step"], got["loss"], want["loss"])
