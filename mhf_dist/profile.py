@@ -92,6 +92,11 @@ def _dtype(name: str) -> torch.dtype:
     return torch.bfloat16 if name == "bf16" else torch.float32
 
 
+def step_seconds(step: dict[str, float]) -> float:
+    """Seconds of a whole training step from :meth:`TrainingProbe.step`'s split (collectives fall inside it)."""
+    return step["forward"] + step["backward"] + step["optimizer"]
+
+
 class TrainingProbe:
     """One configuration trained step by step on this rank (tp ranks build it together): the model of preset
     ``{size}-{hash_name}``, AdamW and one synthetic batch. :meth:`step` times one step; :meth:`row` summarises
@@ -133,7 +138,7 @@ class TrainingProbe:
     def row(self, steps: list[dict[str, float]], peak_measured: float, peak_nominal: float | None) -> TrainRow:
         """Median times of ``steps`` (from :meth:`step`) as a row; MFU against ``peak_measured``."""
         split = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
-        step_s = split["forward"] + split["backward"] + split["optimizer"]
+        step_s = step_seconds(split)
         tokens_per_s = self.micro * self.seq_len / step_s  # one data-parallel replica
         flops = self.flops_per_token * tokens_per_s
         # a replica spans tp GPUs; CPU ranks share one machine, whose peak was measured

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from mhf_dist.config import load_config
 from mhf_dist.model import build_model
 from mhf_dist.model.flops import forward_flops
-from mhf_dist.profile import VOCAB, TrainingProbe, profile_scoring
+from mhf_dist.profile import VOCAB, TrainingProbe, profile_scoring, step_seconds
 from mhf_dist.train.throughput import measured_peak_flops
 
 
@@ -83,14 +83,13 @@ def main() -> None:
 
     def step_ratio(compiled: str) -> dict:
         """Median and range over the rounds of the MHF/Standard step time."""
-        per_round = [sum(m[k] for k in ("forward", "backward", "optimizer"))
-                     / sum(s[k] for k in ("forward", "backward", "optimizer"))
-                     for m, s in zip(steps["h4b16k", compiled], steps["standard", compiled])]
+        pairs = zip(steps["h4b16k", compiled], steps["standard", compiled])
+        per_round = [step_seconds(m) / step_seconds(s) for m, s in pairs]
         return {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
 
-    flop_ratio = (forward_flops(load_config("100m-h4b16k").model, args.seq_len).train
-                  / forward_flops(load_config("100m-standard").model, args.seq_len, vocab_rows=VOCAB).train)
     cfg = load_config("100m-h4b16k").model
+    flop_ratio = (forward_flops(cfg, args.seq_len).train
+                  / forward_flops(load_config("100m-standard").model, args.seq_len, vocab_rows=VOCAB).train)
     scoring = profile_scoring([32768, 131072], cfg.d_model, cfg.hash.num_hashes, cfg.hash.num_buckets, device,
                               args.dtype, tokens=args.scoring_tokens)
     plain, fused = decoder_activation_bytes(0, 2048), decoder_activation_bytes(cfg.decoder_chunk_tokens, 2048)
