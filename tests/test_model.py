@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from mhf_dist.config import load_config
 from mhf_dist.model import MultiHashFormer, StandardLM, build_model
-from mhf_dist.model.tables import BucketTables
+from mhf_dist.model.tables import BucketTables, TableGradients
 from mhf_dist.signatures import SignatureTable
 
 V = 300
@@ -187,6 +187,37 @@ def test_fused_decoder_equals_plain(preset, buckets):
     for name, g in grads0.items():
         err, scale = (grads5[name] - g).abs().max().item(), g.abs().max().item()
         assert err <= 1e-5 * scale + 1e-7, (name, err, scale)
+
+
+@pytest.mark.parametrize("preset", ["tiny-h4b16k", "tiny-standard"])
+def test_fused_heads_fill_one_table_gradient(preset, monkeypatch):
+    """The fused heads write their tables' gradients into one shared buffer, which becomes the tables'
+    gradient as it is (no [T, R, d] stack), and the split still stacks gradients that other uses produce."""
+    cfg = load_config(preset, overrides=["model.hash.num_buckets=64", "model.decoder_chunk_tokens=5"]).model
+    table = SignatureTable.build([f"tok{i}" for i in range(V)], cfg.hash.num_hashes, 64, pad_id=0)
+    vocab = build_model(cfg, V, table.codes).vocab
+    buffers = []
+    slot = TableGradients.slot
+
+    def recording_slot(self, i, like):
+        out = slot(self, i, like)
+        buffers.append(self.buffer.data_ptr())  # (a reference would stop autograd taking the buffer as .grad)
+        return out
+
+    monkeypatch.setattr(TableGradients, "slot", recording_slot)
+    h = torch.randn(16, cfg.d_model)
+    vocab.loss(h, torch.randint(1, V, (16,))).loss.backward()  # the decoder alone: its gradient is the buffer's
+    assert len(buffers) == vocab.decoder.num_heads and len(set(buffers)) == 1
+    assert vocab.tables.weight.grad.data_ptr() == buffers[0]
+
+    weight = vocab.tables.weight.detach().requires_grad_()
+    tables = BucketTables(*weight.shape)
+    tables.weight = torch.nn.Parameter(weight)
+    views = tables.per_table().tables
+    (views[-1] * 2).sum().backward()  # only the last table is used, and not by a fused head
+    expected = torch.zeros_like(weight)
+    expected[-1] = 2
+    torch.testing.assert_close(tables.weight.grad, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("preset", ["tiny-h4b16k", "tiny-standard"])

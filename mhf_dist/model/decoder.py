@@ -59,10 +59,10 @@ class CascadedDecoder(nn.Module):
         )
 
     def _fused_nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor) -> torch.Tensor:
-        c, nll = h, []
-        for i, table in enumerate(tables.per_table()[: self.num_heads]):
+        c, nll, split = h, [], tables.per_table()
+        for i in range(self.num_heads):
             more = i < self.num_heads - 1
-            log_z, target, soft = tables.fused_head(c, table, targets[:, i], more, self.chunk_tokens,
+            log_z, target, soft = tables.fused_head(c, split, i, targets[:, i], more, self.chunk_tokens,
                                                     self.num_valid_rows)
             nll.append(log_z - target)
             if more:

@@ -89,8 +89,9 @@ def _logit_grads_(products: torch.Tensor, valid: torch.Tensor | None, log_z: tor
 
 class FusedHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, c, weight, rows, owned, valid, retrieve, chunk, tables):
-        """``rows`` local target rows (clamped), ``owned`` whether held here, ``valid [R]`` real rows or None."""
+    def forward(ctx, c, weight, rows, owned, valid, retrieve, chunk, tables, gradients, table):
+        """``rows`` local target rows (clamped), ``owned`` whether held here, ``valid [R]`` real rows or None;
+        ``weight``'s gradient goes to slot ``table`` of ``gradients`` (a ``TableGradients``)."""
         n = c.shape[0]
         stats = _stats_dtype(c)
         log_z, target = c.new_empty(n, dtype=stats), c.new_empty(n, dtype=stats)
@@ -106,13 +107,13 @@ class FusedHead(torch.autograd.Function):
             if retrieve:
                 e_bar[s:s + chunk] = tables.reduce_sum(_normalised(e, total, weight.dtype) @ weight)
         ctx.save_for_backward(c, weight, rows, owned, valid, log_z, e_bar)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.gradients, ctx.table = chunk, gradients, table
         return log_z, target, e_bar
 
     @staticmethod
     def backward(ctx, g_z, g_t, g_e):
         c, weight, rows, owned, valid, log_z, e_bar = ctx.saved_tensors
-        grad_c, grad_w = torch.empty_like(c), torch.empty_like(weight)
+        grad_c, grad_w = torch.empty_like(c), ctx.gradients.slot(ctx.table, weight)
         retrieve = g_e is not None
         for s in range(0, c.shape[0], ctx.chunk):
             sl = slice(s, s + ctx.chunk)
@@ -136,4 +137,4 @@ class FusedHead(torch.autograd.Function):
                 torch.mm(products.t(), inputs, out=grad_w)
             else:
                 grad_w.addmm_(products.t(), inputs)
-        return grad_c, grad_w, None, None, None, None, None, None
+        return grad_c, grad_w, None, None, None, None, None, None, None, None

@@ -17,11 +17,56 @@ backward, which a method reading ``self.weight`` directly would bypass.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mhf_dist.model.fused_head import FusedHead
+
+
+class TableGradients:
+    """One ``[T, R, d]`` buffer whose slices the heads' backward write their tables' gradients into (allocated
+    by the first head to need it), so :class:`_SplitTables` hands it on whole instead of stacking T copies."""
+
+    def __init__(self):
+        self.num_tables = 0
+        self.buffer: torch.Tensor | None = None
+
+    def slot(self, table: int, like: torch.Tensor) -> torch.Tensor:
+        """The gradient of table ``table`` (shaped ``like``), a slice of the shared buffer."""
+        if self.buffer is None:
+            self.buffer = like.new_empty(self.num_tables, *like.shape)
+        return self.buffer[table]
+
+
+class _SplitTables(torch.autograd.Function):
+    """``weight [T, R, d]`` -> its ``T`` tables as views. Backward takes the shared buffer when every table's
+    gradient is its own slice of it (the fused heads' case), and stacks the gradients otherwise."""
+
+    @staticmethod
+    def forward(ctx, weight, gradients):
+        gradients.num_tables = weight.shape[0]
+        ctx.gradients = gradients
+        return weight.unbind(0)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # released here, so autograd may add the lookup's gradient into it in place
+        buffer, ctx.gradients.buffer = ctx.gradients.buffer, None
+        if buffer is not None and all(g is not None and g.data_ptr() == buffer[i].data_ptr()
+                                      and g.stride() == buffer[i].stride() for i, g in enumerate(grads)):
+            return buffer, None
+        ref = next(g for g in grads if g is not None)
+        return torch.stack([torch.zeros_like(ref) if g is None else g for g in grads]), None
+
+
+class SplitTables(NamedTuple):
+    """:meth:`BucketTables.per_table`: the tables ``E_i [R_local, d]`` and the buffer their gradients share."""
+
+    tables: tuple[torch.Tensor, ...]
+    gradients: TableGradients
 
 
 class BucketTables(nn.Module):
@@ -71,21 +116,24 @@ class BucketTables(nn.Module):
         """Soft retrieval ``ē = E_tableᵀ p``: ``probs [..., R_local]`` -> ``[..., d]``."""
         return self("retrieve", probs, table)
 
-    def per_table(self) -> tuple[torch.Tensor, ...]:
-        """The ``T`` tables ``E_i [R_local, d]`` as views, split by one autograd node: their gradients fill one
-        ``[T, R, d]`` buffer, where indexing each table separately would zero-fill one per table."""
-        return self("per_table")
+    def per_table(self) -> SplitTables:
+        """The ``T`` tables ``E_i [R_local, d]`` as views, split by one autograd node, so their gradients make one
+        ``[T, R, d]`` tensor (indexing each table separately would zero-fill one per table); heads that write
+        them into the shared :class:`TableGradients` leave the split no copy to make."""
+        gradients = TableGradients()
+        return SplitTables(self("per_table", gradients), gradients)
 
-    def fused_head(self, c: torch.Tensor, table: torch.Tensor, targets: torch.Tensor, retrieve: bool, chunk: int,
-                   num_valid_rows: int | None = None):
+    def fused_head(self, c: torch.Tensor, split: SplitTables, table: int, targets: torch.Tensor, retrieve: bool,
+                   chunk: int, num_valid_rows: int | None = None):
         """``(log Z, target logit, ē or None)`` of one head for ``c [N, d]``, ``targets [N]`` (global rows) and
-        ``table``, one of :meth:`per_table`, chunked over tokens (:class:`FusedHead`); rows ``>= num_valid_rows``
-        are never predicted."""
+        table ``table`` of ``split`` (:meth:`per_table`), chunked over tokens (:class:`FusedHead`); rows
+        ``>= num_valid_rows`` are never predicted."""
         rows, owned = self.local_index(targets)
         valid = None
         if num_valid_rows is not None:
             valid = torch.arange(self.local_rows, device=c.device) + self.row_offset < num_valid_rows
-        return FusedHead.apply(self.replicated_input(c), table, rows, owned, valid, retrieve, chunk, self)
+        return FusedHead.apply(self.replicated_input(c), split.tables[table], rows, owned, valid, retrieve, chunk,
+                               self, split.gradients, table)
 
     def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
         t, r, d = self.weight.shape
@@ -97,8 +145,8 @@ class BucketTables(nn.Module):
     def _logits(self, x: torch.Tensor, table: int) -> torch.Tensor:
         return self.replicated_input(x) @ self.weight[table].t()
 
-    def _per_table(self) -> tuple[torch.Tensor, ...]:
-        return self.weight.unbind(0)
+    def _per_table(self, gradients: TableGradients) -> tuple[torch.Tensor, ...]:
+        return _SplitTables.apply(self.weight, gradients)
 
     def log_normalizer(self, logits: torch.Tensor) -> torch.Tensor:
         """``logsumexp`` over all rows (max and sum reduced across shards)."""
