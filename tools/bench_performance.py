@@ -20,16 +20,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
-import torch
-from tqdm.auto import tqdm
+# CPU tensors on huge pages, as mhf-dist's launcher gives its ranks (launch.CPU_HUGE_PAGES); torch reads it once,
+# at its first allocation, so it is set before torch is imported.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from mhf_dist.config import load_config
-from mhf_dist.model import build_model
-from mhf_dist.model.flops import forward_flops
-from mhf_dist.profile import VOCAB, TrainingProbe, profile_scoring, step_seconds
-from mhf_dist.train.throughput import measured_peak_flops
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from mhf_dist.config import load_config  # noqa: E402
+from mhf_dist.model import build_model  # noqa: E402
+from mhf_dist.model.flops import forward_flops  # noqa: E402
+from mhf_dist.profile import VOCAB, TrainingProbe, profile_scoring, step_seconds  # noqa: E402
+from mhf_dist.train.throughput import measured_peak_flops  # noqa: E402
 
 
 def decoder_activation_bytes(chunk_tokens: int, seq_len: int) -> int:
