@@ -176,8 +176,7 @@ def cmd_profile(args) -> int:
     import torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    scoring = profile_scoring([int(v) for v in args.vocab_sizes.split(",")], cfg.d_model, cfg.hash.num_hashes,
-                              cfg.hash.num_buckets, device, args.dtype)
+    scoring = profile_scoring([int(v) for v in args.vocab_sizes.split(",")], cfg, device, args.dtype)
     write_outputs(rows, scoring, out)
     print(table(rows, scoring))
     print(f"wrote {out}/profile.csv, profile.json, scoring.csv, throughput.png, memory.png, scoring.png, tensorboard/")

@@ -160,7 +160,7 @@ def test_target_p_inf_streams_over_the_vocabulary(model):
 
     h = model.hidden(x[:, :-1]).reshape(-1, 64)
     logps = model.vocab.decoder.log_probs(h, model.vocab.tables)
-    chunked = target_log_p_inf(logps, model.vocab.codes, model.vocab.registered, model.vocab.tables,
+    chunked = target_log_p_inf(logps, model.vocab.signature_columns(), model.vocab.registered, model.vocab.tables,
                                x[:, 1:].reshape(-1), chunk_size=7)
     torch.testing.assert_close(chunked, dense.reshape(-1))
 

@@ -95,8 +95,7 @@ def main() -> None:
     cfg = load_config("100m-h4b16k").model
     flop_ratio = (forward_flops(cfg, args.seq_len).train
                   / forward_flops(load_config("100m-standard").model, args.seq_len, vocab_rows=VOCAB).train)
-    scoring = profile_scoring([32768, 131072], cfg.d_model, cfg.hash.num_hashes, cfg.hash.num_buckets, device,
-                              args.dtype, tokens=args.scoring_tokens)
+    scoring = profile_scoring([32768, 131072], cfg, device, args.dtype, tokens=args.scoring_tokens)
     plain, fused = decoder_activation_bytes(0, 2048), decoder_activation_bytes(cfg.decoder_chunk_tokens, 2048)
 
     def summary(row) -> dict:

@@ -22,7 +22,7 @@ from torch import nn
 
 from mhf_dist.model.decoder import CascadedDecoder
 from mhf_dist.model.hash_encoder import HashEncoder
-from mhf_dist.model.scoring import log_p_inf, target_log_p_inf
+from mhf_dist.model.scoring import log_p_inf, signature_columns, target_log_p_inf
 from mhf_dist.model.tables import BucketTables
 
 
@@ -40,6 +40,7 @@ class TiedVocabulary(nn.Module):
         self.tables, self.encoder, self.decoder = tables, encoder, decoder
         self.register_buffer("codes", codes.long(), persistent=False)
         self.register_buffer("registered", registered.bool(), persistent=False)
+        self._columns: tuple[tuple, torch.Tensor] | None = None
 
     @property
     def size(self) -> int:
@@ -47,6 +48,14 @@ class TiedVocabulary(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def signature_columns(self) -> torch.Tensor:
+        """:func:`~mhf_dist.model.scoring.signature_columns` of ``codes`` on this rank's rows, made on first use
+        (after tensor parallelism has sharded the tables) and again only if the rows or the device change."""
+        key = (self.tables.row_offset, self.tables.local_rows, self.codes.device)
+        if self._columns is None or self._columns[0] != key:
+            self._columns = (key, signature_columns(self.codes, self.tables))
+        return self._columns[1]
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor, with_p_inf: bool = False) -> LMOutput:
         """``h [..., d]`` (final-norm output), ``targets [...]`` token ids -> SPEC §5 training loss
@@ -57,14 +66,15 @@ class TiedVocabulary(nn.Module):
         p_inf_nll = None
         if with_p_inf:
             head_log_probs = self.decoder.log_probs(h, self.tables)
-            p_inf_nll = -target_log_p_inf(head_log_probs, self.codes, self.registered, self.tables, targets).mean()
+            p_inf_nll = -target_log_p_inf(head_log_probs, self.signature_columns(), self.registered, self.tables,
+                                          targets).mean()
         return LMOutput(loss=head_losses.sum(), head_losses=head_losses, p_inf_nll=p_inf_nll)
 
     def log_p_inf(self, h: torch.Tensor, chunk_size: int = 65536) -> torch.Tensor:
         """``h [..., d]`` -> ``log P_inf [..., V]``."""
         flat = h.reshape(-1, h.shape[-1])
-        logp = log_p_inf(self.decoder.log_probs(flat, self.tables), self.codes, self.registered, self.tables,
-                         chunk_size)
+        logp = log_p_inf(self.decoder.log_probs(flat, self.tables), self.signature_columns(), self.registered,
+                         self.tables, chunk_size)
         return logp.view(*h.shape[:-1], -1)
 
 
