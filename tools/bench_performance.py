@@ -12,7 +12,7 @@ The training steps run in rounds: each round measures the peak once and steps ev
 machine whose speed drifts (shared CPUs) slows all of them alike. Times are medians over the rounds, MFU is
 against the median peak, and the step-time ratio is the median of the rounds' ratios with their range.
 
-Usage: python tools/bench_performance.py [--seq-len 512] [--micro-batch 1] [--rounds 5] [--dtype fp32]
+Usage: python tools/bench_performance.py [--seq-len 512] [--micro-batch 1] [--rounds 9] [--dtype fp32]
                                          [--scoring-tokens 1] [--set KEY=VALUE ...] [--out bench.json]
 """
 
@@ -62,7 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=5, help="measured rounds (after one warm-up round)")
+    parser.add_argument("--rounds", type=int, default=9, help="measured rounds (after one warm-up round)")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--scoring-tokens", type=int, default=1,
                         help="positions scored at once by the inference-head timing (1: one generation step)")
