@@ -149,9 +149,8 @@ class BucketTables(nn.Module):
         return _SplitTables.apply(self.weight, gradients)
 
     def log_normalizer(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logsumexp`` over all rows (max and sum reduced across shards)."""
-        peak = self.reduce_max(logits.detach().amax(dim=-1, keepdim=True))
-        return peak.squeeze(-1) + self.reduce_sum((logits - peak).exp().sum(dim=-1)).log()
+        """``logsumexp`` over all rows (one kernel here; the sharded tables reduce across shards)."""
+        return logits.logsumexp(dim=-1)
 
     def pick(self, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``values [..., R_local]``, ``rows [...]`` (global) -> ``values[..., rows]``."""

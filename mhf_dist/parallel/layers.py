@@ -49,6 +49,10 @@ class BucketParallelEmbedding(BucketTables):
         # x is replicated; each rank's logits see it, so its gradient is summed over the group.
         return copy_to_tp(x, self.group)
 
+    def log_normalizer(self, logits: torch.Tensor) -> torch.Tensor:
+        peak = self.reduce_max(logits.detach().amax(dim=-1, keepdim=True))
+        return peak.squeeze(-1) + self.reduce_sum((logits - peak).exp().sum(dim=-1)).log()
+
 
 class ColumnParallelLinear(nn.Linear):
     """``out_features / tp`` outputs; the input is already copied into the region."""
