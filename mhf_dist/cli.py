@@ -98,7 +98,7 @@ def cmd_generate(args) -> int:
 
     model, tokenizer = load_for_inference(args.model, args.dtype, args.device)
     ids = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                   args.num_beams, args.seed)
+                   args.num_beams, args.seed, args.compile)
     print(args.prompt + tokenizer.decode(ids, skip_special_tokens=True))
     return 0
 
@@ -284,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float)
     p.add_argument("--num-beams", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true",
+                   help="static KV cache and a compiled decode step (CUDA graphs on GPUs); compiling takes a while")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="perplexity on shards and LAMBADA-style last-word accuracy, under P_inf")

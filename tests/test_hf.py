@@ -86,6 +86,17 @@ def test_generate_with_and_without_cache_and_only_registered_tokens(exported):
     assert (logits16.argmax(-1) == logits32.argmax(-1)).float().mean() > 0.5
 
 
+def test_compiled_decoding_generates_the_eager_tokens(exported):
+    """``generate --compile``: the static cache and the compiled decode step (fullgraph, so the hash head is
+    captured whole, as CUDA graphs need) give the eager greedy tokens."""
+    from mhf_dist.inference import generate
+
+    hf = AutoModelForCausalLM.from_pretrained(exported["mhf"], trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(exported["mhf"])
+    eager = generate(hf, tokenizer, PROMPT, max_new_tokens=8)
+    assert torch.equal(generate(hf, tokenizer, PROMPT, max_new_tokens=8, compile=True), eager)
+
+
 def test_standard_exports_as_plain_qwen3(trained, exported):
     config = json.loads((exported["standard"] / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"] and "auto_map" not in config
