@@ -233,6 +233,7 @@ def worker_main(rows_file: str, spec_json: str) -> int:
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(rows_file).write_text(json.dumps(asdict(row)))
     if dist.is_initialized():
+        dist.barrier()  # no rank tears its connections down while another still uses them
         dist.destroy_process_group()
     return 0
 
