@@ -178,11 +178,12 @@ def profile_training(size: str, hash_name: str, tp: int, steps: int, warmup: int
 
 
 def profile_scoring(vocab_sizes: list[int], cfg: ModelConfig, device: torch.device, dtype: str, repeats: int = 5,
-                    tokens: int = 1) -> list[dict]:
+                    tokens: int = 1, compiled: bool = False) -> list[dict]:
     """Seconds per token of ``log P_inf`` (the MHF vocabulary of ``cfg``: its cascaded decoder, mixers and soft
     retrievals included, then the signature scores) and of a Standard LM head + log-softmax, per vocabulary
     size, scoring ``tokens`` positions at once (1: one sequence's generation step; more: batched decoding).
-    The two heads are timed in turn, each from cold caches; the best of ``repeats`` calls counts."""
+    The two heads are timed in turn, each from cold caches; the best of ``repeats`` calls counts. ``compiled``:
+    both heads ``torch.compile``d whole (fullgraph), as ``generate --compile`` runs the decode step."""
     rows = []
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(tokens, cfg.d_model, generator=gen).to(device, _dtype(dtype))
@@ -205,6 +206,8 @@ def profile_scoring(vocab_sizes: list[int], cfg: ModelConfig, device: torch.devi
                 return (h @ embedding.t()).log_softmax(-1)
 
             heads = {"mhf": mhf, "standard": standard}
+            if compiled:
+                heads = {name: torch.compile(fn, fullgraph=True) for name, fn in heads.items()}
             samples = {name: [] for name in heads}
             for fn in heads.values():
                 fn()
@@ -215,7 +218,8 @@ def profile_scoring(vocab_sizes: list[int], cfg: ModelConfig, device: torch.devi
                         fn()
                     samples[name].append(t.seconds)
             timings = {name: min(times) for name, times in samples.items()}
-            rows.append({"vocab_size": v, "tokens": tokens, "mhf_s_per_token": timings["mhf"] / tokens,
+            rows.append({"vocab_size": v, "tokens": tokens, "compiled": compiled,
+                         "mhf_s_per_token": timings["mhf"] / tokens,
                          "standard_s_per_token": timings["standard"] / tokens,
                          "ratio": timings["mhf"] / timings["standard"]})
     return rows
