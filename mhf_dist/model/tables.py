@@ -55,11 +55,11 @@ class _SplitTables(torch.autograd.Function):
     def backward(ctx, *grads):
         # released here, so autograd may add the lookup's gradient into it in place
         buffer, ctx.gradients.buffer = ctx.gradients.buffer, None
-        if buffer is not None and all(g is not None and g.data_ptr() == buffer[i].data_ptr()
-                                      and g.stride() == buffer[i].stride() for i, g in enumerate(grads)):
+        # (autograd hands unused views' gradients in as zeros, so every table has one)
+        if buffer is not None and all(g.data_ptr() == buffer[i].data_ptr() and g.stride() == buffer[i].stride()
+                                      for i, g in enumerate(grads)):
             return buffer, None
-        ref = next(g for g in grads if g is not None)
-        return torch.stack([torch.zeros_like(ref) if g is None else g for g in grads]), None
+        return torch.stack(grads), None
 
 
 class SplitTables(NamedTuple):
