@@ -35,18 +35,16 @@ class CascadedDecoder(nn.Module):
             for _ in range(num_heads - 1)
         )
 
-    def _heads(self, h: torch.Tensor, tables: BucketTables) -> Iterator[tuple[torch.Tensor, ...]]:
-        """Yield each head's ``(logits [..., R_local], log-normaliser [...], log p [..., R_local])`` down the
-        cascade."""
+    def _heads(self, h: torch.Tensor, tables: BucketTables) -> Iterator[torch.Tensor]:
+        """Yield each head's ``log p_i [..., R_local]`` down the cascade."""
         c = h
         for i in range(self.num_heads):
             logits = tables.logits(c, i)
             if self.num_valid_rows is not None:
                 rows = torch.arange(tables.local_rows, device=logits.device) + tables.row_offset
                 logits = logits.masked_fill(rows >= self.num_valid_rows, float("-inf"))
-            log_z = tables.log_normalizer(logits)
-            log_p = logits - log_z.unsqueeze(-1)
-            yield logits, log_z, log_p
+            log_p = tables.log_softmax(logits)
+            yield log_p
             if i < self.num_heads - 1:
                 soft = tables.retrieve(log_p.exp(), i)
                 c = c + self.cascade_mixer[i](torch.cat([c, soft], dim=-1))
@@ -56,7 +54,7 @@ class CascadedDecoder(nn.Module):
         if self.chunk_tokens:
             return self._fused_nll(h, tables, targets)
         heads = enumerate(self._heads(h, tables))
-        return torch.stack([log_z - tables.pick(logits, targets[..., i]) for i, (logits, log_z, _) in heads], dim=-1)
+        return torch.stack([-tables.pick(log_p, targets[..., i]) for i, log_p in heads], dim=-1)
 
     def _fused_nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor) -> torch.Tensor:
         c, nll, split = h, [], tables.per_table()
@@ -71,4 +69,4 @@ class CascadedDecoder(nn.Module):
 
     def log_probs(self, h: torch.Tensor, tables: BucketTables) -> list[torch.Tensor]:
         """Each head's ``log p_i`` over the rows held here: H tensors ``[..., R_local]``."""
-        return [log_p for _, _, log_p in self._heads(h, tables)]
+        return list(self._heads(h, tables))

@@ -148,9 +148,10 @@ class BucketTables(nn.Module):
     def _per_table(self, gradients: TableGradients) -> tuple[torch.Tensor, ...]:
         return _SplitTables.apply(self.weight, gradients)
 
-    def log_normalizer(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logsumexp`` over all rows (one kernel here; the sharded tables reduce across shards)."""
-        return logits.logsumexp(dim=-1)
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``log p = logits - logsumexp(logits)`` over all rows (one kernel here; the sharded tables reduce the
+        normaliser across shards)."""
+        return logits.log_softmax(dim=-1)
 
     def pick(self, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``values [..., R_local]``, ``rows [...]`` (global) -> ``values[..., rows]``."""

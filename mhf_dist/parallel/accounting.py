@@ -15,7 +15,8 @@ forward, ``all_reduce_max``
 backward, ``all_reduce_sum``
   - per layer: attention input ``N·d`` + MLP input ``N·d``; q/k norm gains ``2·hd``;
     replicated k/v projections ``2·n_kv·hd·d`` when n_kv_heads < tp
-  - decoder, per head: the hidden state entering the sharded logits ``N·d``
+  - decoder, per head: the hidden state entering the sharded logits ``N·d``;
+    with the plain (unfused) decoder also its log-normaliser ``N``
 
 The profiler reports these next to measured counts (:func:`count_collectives`).
 """
@@ -41,6 +42,7 @@ def expected_collective_bytes(cfg: ModelConfig, tokens: int, tp: int, elem_size:
         ("all_reduce_sum", "forward"): n * heads * d + layers * 2 * n * d + heads * 2 * n + (heads - 1) * n * d
         + memory,
         ("all_reduce_max", "forward"): heads * n,
-        ("all_reduce_sum", "backward"): layers * (2 * n * d + 2 * hd + replicated_kv) + heads * n * d,
+        ("all_reduce_sum", "backward"): layers * (2 * n * d + 2 * hd + replicated_kv) + heads * n * d
+        + (0 if cfg.decoder_chunk_tokens else heads * n),
     })
     return Counter({k: v * elem_size for k, v in elements.items()})

@@ -3,7 +3,9 @@
 - :class:`BucketParallelEmbedding`: each bucket table split along its rows;
   lookup = masked local lookup + all-reduce; decoder logits stay sharded and the
   softmax statistics, picked log-probabilities and soft retrieval are reduced
-  over the group (vocab-parallel cross entropy).
+  over the group (vocab-parallel cross entropy). The plain decoder's log-softmax
+  brings the replicated ``log Z`` back into the shards through ``copy_to_tp``, so
+  its gradient sums every shard's part (the fused head needs no such reduction).
 - :class:`ColumnParallelLinear` / :class:`RowParallelLinear`: output / input
   features split. A *region* (attention, MLP) copies its input into the group
   once (:func:`mark_region`), so its column-parallel projections need no copy.
@@ -49,9 +51,11 @@ class BucketParallelEmbedding(BucketTables):
         # x is replicated; each rank's logits see it, so its gradient is summed over the group.
         return copy_to_tp(x, self.group)
 
-    def log_normalizer(self, logits: torch.Tensor) -> torch.Tensor:
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         peak = self.reduce_max(logits.detach().amax(dim=-1, keepdim=True))
-        return peak.squeeze(-1) + self.reduce_sum((logits - peak).exp().sum(dim=-1)).log()
+        log_z = peak + self.reduce_sum((logits - peak).exp().sum(dim=-1, keepdim=True)).log()
+        # log Z is replicated and enters every shard's log p: its gradient is the sum over the shards
+        return logits - copy_to_tp(log_z, self.group)
 
 
 class ColumnParallelLinear(nn.Linear):
