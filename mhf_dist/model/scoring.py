@@ -42,7 +42,7 @@ def signature_scores(side: torch.Tensor, columns: torch.Tensor, registered: torc
     scores = side.index_select(1, columns[0])
     for head_columns in columns[1:]:
         scores += side.index_select(1, head_columns)
-    return tables.reduce_sum(scores).masked_fill(~registered, float("-inf"))
+    return torch.where(registered, tables.reduce_sum(scores), float("-inf"))
 
 
 def log_p_inf(head_log_probs: list[torch.Tensor], columns: torch.Tensor, registered: torch.Tensor,
