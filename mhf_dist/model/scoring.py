@@ -18,6 +18,8 @@ reduced once per chunk.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from mhf_dist.model.tables import BucketTables
@@ -45,15 +47,20 @@ def signature_scores(side: torch.Tensor, columns: torch.Tensor, registered: torc
     return torch.where(registered, tables.reduce_sum(scores), float("-inf"))
 
 
+def score_chunks(side: torch.Tensor, columns: torch.Tensor, registered: torch.Tensor, tables: BucketTables,
+                 chunk_size: int) -> Iterator[torch.Tensor]:
+    """:func:`signature_scores` over consecutive vocabulary chunks, each gathering ``chunk_size`` values per
+    token (``chunk_size / H`` tokens)."""
+    step = max(1, chunk_size // columns.shape[0])
+    for start in range(0, columns.shape[1], step):
+        yield signature_scores(side, columns[:, start:start + step], registered[start:start + step], tables)
+
+
 def log_p_inf(head_log_probs: list[torch.Tensor], columns: torch.Tensor, registered: torch.Tensor,
               tables: BucketTables, chunk_size: int = 65536) -> torch.Tensor:
-    """``log P_inf [N, V]``: signature scores renormalised over the registered vocabulary; a chunk gathers
-    ``chunk_size`` values per token."""
-    side = side_by_side(head_log_probs)
-    step = max(1, chunk_size // columns.shape[0])
-    scores = [signature_scores(side, columns[:, start:start + step], registered[start:start + step], tables)
-              for start in range(0, columns.shape[1], step)]
-    return torch.cat(scores, dim=-1).log_softmax(dim=-1)
+    """``log P_inf [N, V]``: signature scores renormalised over the registered vocabulary."""
+    chunks = score_chunks(side_by_side(head_log_probs), columns, registered, tables, chunk_size)
+    return torch.cat(list(chunks), dim=-1).log_softmax(dim=-1)
 
 
 def target_log_p_inf(head_log_probs: list[torch.Tensor], columns: torch.Tensor, registered: torch.Tensor,
@@ -61,9 +68,7 @@ def target_log_p_inf(head_log_probs: list[torch.Tensor], columns: torch.Tensor, 
     """``log P_inf(target) [N]`` without materialising ``[N, V]``: a running logsumexp over vocabulary chunks."""
     side = side_by_side(head_log_probs)
     log_z = side.new_full((targets.shape[0],), float("-inf"))
-    step = max(1, chunk_size // columns.shape[0])
-    for start in range(0, columns.shape[1], step):
-        scores = signature_scores(side, columns[:, start:start + step], registered[start:start + step], tables)
+    for scores in score_chunks(side, columns, registered, tables, chunk_size):
         log_z = torch.logaddexp(log_z, torch.logsumexp(scores, dim=-1))
     target_score = tables.reduce_sum(side.gather(1, columns[:, targets].t()).sum(-1))
     return target_score - log_z
