@@ -183,8 +183,11 @@ def profile_scoring(vocab_sizes: list[int], cfg: ModelConfig, device: torch.devi
     retrievals included, then the signature scores) and of a Standard LM head + log-softmax, per vocabulary
     size, scoring ``tokens`` positions at once (1: one sequence's generation step; more: batched decoding).
     The two heads are timed in turn, each from cold caches; the best of ``repeats`` calls counts. ``compiled``:
-    both heads ``torch.compile``d whole (fullgraph), as ``generate --compile`` runs the decode step."""
+    both heads ``torch.compile``d whole (fullgraph), as ``generate --compile`` runs the decode step. Each row
+    also gives the heads' analytic FLOP ratio (the decoder's matmuls over ``2·V·d``), which for one token is
+    also the ratio of the weight bytes they read."""
     rows = []
+    mhf_head_flops = forward_flops(cfg, 1).vocab_out
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(tokens, cfg.d_model, generator=gen).to(device, _dtype(dtype))
     hc = cfg.hash
@@ -221,7 +224,8 @@ def profile_scoring(vocab_sizes: list[int], cfg: ModelConfig, device: torch.devi
             rows.append({"vocab_size": v, "tokens": tokens, "compiled": compiled,
                          "mhf_s_per_token": timings["mhf"] / tokens,
                          "standard_s_per_token": timings["standard"] / tokens,
-                         "ratio": timings["mhf"] / timings["standard"]})
+                         "ratio": timings["mhf"] / timings["standard"],
+                         "flop_ratio": mhf_head_flops / (2 * v * cfg.d_model)})
     return rows
 
 
@@ -346,5 +350,6 @@ def table(rows: list[TrainRow], scoring: list[dict]) -> str:
                  + (f", nominal {rows[0].peak_tflops_nominal:g}" if rows[0].peak_tflops_nominal else ""))
     for s in scoring:
         lines.append(f"scoring V={s['vocab_size']:>8,}: MHF {s['mhf_s_per_token'] * 1e3:8.3f} ms/token, Standard "
-                     f"{s['standard_s_per_token'] * 1e3:8.3f} ms/token, ratio {s['ratio']:.2f}")
+                     f"{s['standard_s_per_token'] * 1e3:8.3f} ms/token, ratio {s['ratio']:.2f} (FLOP ratio "
+                     f"{s['flop_ratio']:.2f})")
     return "\n".join(lines)

@@ -128,7 +128,7 @@ def main() -> None:
         for s in per_vocab:
             print(f"  inference head, {label}, V={s['vocab_size']:>7,}, {s['tokens']} token(s) at once: MHF "
                   f"{s['mhf_s_per_token'] * 1e3:.3f} ms/token, Standard {s['standard_s_per_token'] * 1e3:.3f} "
-                  f"ms/token, ratio {s['ratio']:.2f}")
+                  f"ms/token, ratio {s['ratio']:.2f} (FLOP and bytes ratio {s['flop_ratio']:.2f})")
     for eager, comp in zip(scoring["eager"], scoring["compiled"]):
         best = (min(eager["mhf_s_per_token"], comp["mhf_s_per_token"])
                 / min(eager["standard_s_per_token"], comp["standard_s_per_token"]))
