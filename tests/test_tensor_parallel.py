@@ -32,10 +32,14 @@ CASES = {
 CHUNKS = (0, 5)  # the plain decoder, and the fused one with chunks that do not divide the 16 tokens
 
 
-def make_case(name: str, tp: int, chunk: int = 0):
+def case_config(name: str, tp: int, chunk: int = 0):
     preset, buckets = CASES[name]
-    cfg = load_config(preset, overrides=[f"model.hash.num_buckets={buckets[tp]}", f"parallel.tp={tp}",
-                                         f"model.decoder_chunk_tokens={chunk}", f"model.init_std={INIT_STD}"]).model
+    return load_config(preset, overrides=[f"model.hash.num_buckets={buckets[tp]}", f"parallel.tp={tp}",
+                                          f"model.decoder_chunk_tokens={chunk}", f"model.init_std={INIT_STD}"]).model
+
+
+def make_case(name: str, tp: int, chunk: int = 0):
+    cfg = case_config(name, tp, chunk)
     table = SignatureTable.build([f"tok{i}" for i in range(V)], cfg.hash.num_hashes, cfg.hash.num_buckets, pad_id=0)
     torch.manual_seed(0)
     model = build_model(cfg, V, table.codes)
@@ -69,21 +73,22 @@ def tp_worker(rank, world, names):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_equals_single_process(tp):
     ranks = run_ranks(tp_worker, tp, list(CASES))
-    for name, chunk in [(n, c) for n in CASES for c in CHUNKS]:
-        cfg, model, batch = make_case(name, tp, chunk=0)  # the single-process plain path is the reference
+    for name in CASES:
+        cfg, model, batch = make_case(name, tp)  # the single-process plain path is the reference
         ref = step(model, batch)
-        for r in ranks:
-            got = r[name, chunk]
-            torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-5, atol=0, msg=f"{name} loss")
-            torch.testing.assert_close(got["heads"], ref["heads"], rtol=1e-5, atol=0)
-            torch.testing.assert_close(got["logp"], ref["logp"], rtol=1e-5, atol=1e-5, msg=f"{name} log P_inf")
-        grads = merge_state_dicts([r[name, chunk]["grads"] for r in ranks], tp_split_dims(cfg, tp))
-        assert grads.keys() == ref["grads"].keys()
-        for key, g in ref["grads"].items():
-            assert_tensor_close(grads[key], g, f"{name} grad {key}")
-        # measured collective payload equals the documented analytic count (of this decoder path)
-        tokens, path_cfg = batch[:, 1:].numel(), make_case(name, tp, chunk)[0]
-        assert ranks[0][name, chunk]["bytes"] == dict(expected_collective_bytes(path_cfg, tokens, tp)), (name, chunk)
+        for chunk in CHUNKS:
+            for r in ranks:
+                got = r[name, chunk]
+                torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-5, atol=0, msg=f"{name} loss")
+                torch.testing.assert_close(got["heads"], ref["heads"], rtol=1e-5, atol=0)
+                torch.testing.assert_close(got["logp"], ref["logp"], rtol=1e-5, atol=1e-5, msg=f"{name} log P_inf")
+            grads = merge_state_dicts([r[name, chunk]["grads"] for r in ranks], tp_split_dims(cfg, tp))
+            assert grads.keys() == ref["grads"].keys()
+            for key, g in ref["grads"].items():
+                assert_tensor_close(grads[key], g, f"{name} grad {key}")
+            # measured collective payload equals the documented analytic count (of this decoder path)
+            expected = expected_collective_bytes(case_config(name, tp, chunk), batch[:, 1:].numel(), tp)
+            assert ranks[0][name, chunk]["bytes"] == dict(expected), (name, chunk)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
