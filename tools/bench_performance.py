@@ -6,12 +6,14 @@ Reports, on this machine and dtype:
   and the MHF/Standard step-time ratio next to the analytic FLOP ratio;
 - inference head time per token (MHF ``log P_inf`` vs a Standard LM head + log-softmax) at V = 32,768 and
   131,072, scoring ``--scoring-tokens`` positions at once, eager and compiled (as ``generate --compile``
-  decodes), and the ratio of each head at its best;
+  decodes), and the MHF/Standard ratio next to the analytic FLOP (and bytes) ratio;
 - the decoder's activation memory (bytes autograd saves for backward) fused vs plain, H4B16K, at seq 2048.
 
-The training steps run in rounds: each round measures the peak once and steps every model once, so a
-machine whose speed drifts (shared CPUs) slows all of them alike. Times are medians over the rounds, MFU is
-against the median peak, and the step-time ratio is the median of the rounds' ratios with their range.
+Training steps and inference heads run in rounds: each round measures the peak once, steps every model once
+and times every head (the best of 3 calls each), so a machine whose speed drifts (shared CPUs) slows all of
+them alike, and the ratios are taken over the machine's states across the run rather than in one moment.
+Times are medians over the rounds, MFU is against the median peak, and each MHF/Standard ratio is the median
+of the rounds' ratios with their range.
 
 Usage: python tools/bench_performance.py [--seq-len 512] [--micro-batch 1] [--rounds 9] [--dtype fp32]
                                          [--scoring-tokens 1] [--set KEY=VALUE ...] [--out bench.json]
@@ -34,7 +36,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from mhf_dist.config import load_config  # noqa: E402
 from mhf_dist.model import build_model  # noqa: E402
 from mhf_dist.model.flops import forward_flops  # noqa: E402
-from mhf_dist.profile import VOCAB, TrainingProbe, profile_scoring, step_seconds  # noqa: E402
+from mhf_dist.profile import VOCAB, InferenceHeads, TrainingProbe, step_seconds  # noqa: E402
 from mhf_dist.train.throughput import measured_peak_flops  # noqa: E402
 
 
@@ -79,11 +81,16 @@ def main() -> None:
                                  [*args.set, f"train.compile={key[1]}"], max_steps=args.rounds + 1) for key in names}
     for probe in probes.values():  # warm-up (and compilation)
         probe.step()
-    peaks, steps = [], {key: [] for key in probes}
+    cfg = load_config("100m-h4b16k").model
+    heads = {(label, v): InferenceHeads(v, cfg, device, args.dtype, args.scoring_tokens, label == "compiled")
+             for label in ("eager", "compiled") for v in (32768, 131072)}
+    peaks, steps, head_times = [], {key: [] for key in probes}, {key: [] for key in heads}
     for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
         peaks.append(measured_peak_flops(device, dtype))
         for key, probe in probes.items():
             steps[key].append(probe.step())
+        for key, pair in heads.items():
+            head_times[key].append(pair.time(repeats=3))
     peak = statistics.median(peaks)
     rows = {key: probes[key].row(steps[key], peak, None) for key in probes}
 
@@ -93,11 +100,10 @@ def main() -> None:
         per_round = [step_seconds(m) / step_seconds(s) for m, s in pairs]
         return {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
 
-    cfg = load_config("100m-h4b16k").model
     flop_ratio = (forward_flops(cfg, args.seq_len).train
                   / forward_flops(load_config("100m-standard").model, args.seq_len, vocab_rows=VOCAB).train)
-    scoring = {label: profile_scoring([32768, 131072], cfg, device, args.dtype, tokens=args.scoring_tokens,
-                                      compiled=label == "compiled") for label in ("eager", "compiled")}
+    scoring = {label: [pair.row(head_times[key]) for key, pair in heads.items() if key[0] == label]
+               for label in ("eager", "compiled")}
     plain, fused = decoder_activation_bytes(0, 2048), decoder_activation_bytes(cfg.decoder_chunk_tokens, 2048)
 
     def summary(row) -> dict:
@@ -128,12 +134,8 @@ def main() -> None:
         for s in per_vocab:
             print(f"  inference head, {label}, V={s['vocab_size']:>7,}, {s['tokens']} token(s) at once: MHF "
                   f"{s['mhf_s_per_token'] * 1e3:.3f} ms/token, Standard {s['standard_s_per_token'] * 1e3:.3f} "
-                  f"ms/token, ratio {s['ratio']:.2f} (FLOP and bytes ratio {s['flop_ratio']:.2f})")
-    for eager, comp in zip(scoring["eager"], scoring["compiled"]):
-        best = (min(eager["mhf_s_per_token"], comp["mhf_s_per_token"])
-                / min(eager["standard_s_per_token"], comp["standard_s_per_token"]))
-        print(f"  inference head V={eager['vocab_size']:>7,}: each head at its best (eager or compiled), "
-              f"ratio {best:.2f}")
+                  f"ms/token, ratio {s['ratio']:.2f} (rounds {s['ratio_min']:.2f}-{s['ratio_max']:.2f}; FLOP and "
+                  f"bytes ratio {s['flop_ratio']:.2f})")
     print(f"  decoder activations at seq 2048: plain {plain / 2**20:.0f} MB, fused {fused / 2**20:.0f} MB "
           f"({fused / plain:.1%} of plain)")
     if args.out:
