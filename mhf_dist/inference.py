@@ -36,7 +36,7 @@ def load_for_inference(path: str | Path, dtype: str = "fp32",
 def compiled_decoding() -> dict:
     """``generate()`` options for a static KV cache and a compiled decode step, on every device.
 
-    A token's ``log P_inf`` is some 50 small kernels (the cascade, then the signature scores), so on a GPU
+    A token's ``log P_inf`` is some 40 small kernels (the cascade, then the signature scores), so on a GPU
     one decoding step is bound by kernel launches. transformers compiles the forward
     (``torch.compile``, mode ``reduce-overhead``: CUDA graphs) when the cache is static; on GPUs it does
     so by itself, and ``_compile_all_devices`` extends that to the CPU. The first steps pay for compilation.

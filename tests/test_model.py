@@ -160,8 +160,8 @@ def test_target_p_inf_streams_over_the_vocabulary(model):
     from mhf_dist.model.scoring import target_log_p_inf
 
     h = model.hidden(x[:, :-1]).reshape(-1, 64)
-    logps = model.vocab.decoder.log_probs(h, model.vocab.tables)
-    chunked = target_log_p_inf(logps, model.vocab.signature_columns(), model.vocab.registered, model.vocab.tables,
+    scores = model.vocab.decoder.scores(h, model.vocab.tables)
+    chunked = target_log_p_inf(scores, model.vocab.signature_columns(), model.vocab.registered, model.vocab.tables,
                                x[:, 1:].reshape(-1), chunk_size=7)
     torch.testing.assert_close(chunked, dense.reshape(-1))
 

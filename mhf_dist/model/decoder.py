@@ -35,25 +35,26 @@ class CascadedDecoder(nn.Module):
             for _ in range(num_heads - 1)
         )
 
-    def _heads(self, h: torch.Tensor, tables: BucketTables) -> Iterator[torch.Tensor]:
-        """Yield each head's ``log p_i [..., R_local]`` down the cascade."""
+    def _heads(self, h: torch.Tensor, tables: BucketTables, normalised: bool) -> Iterator[torch.Tensor]:
+        """Yield each head's ``log p_i [..., R_local]`` down the cascade, or (``normalised=False``) its logits
+        ``o_i = log p_i + log Z_i``, which need no normaliser of their own."""
         c = h
         for i in range(self.num_heads):
             logits = tables.logits(c, i)
             if self.num_valid_rows is not None:
                 rows = torch.arange(tables.local_rows, device=logits.device) + tables.row_offset
                 logits = logits.masked_fill(rows >= self.num_valid_rows, float("-inf"))
-            log_p = tables.log_softmax(logits)
-            yield log_p
+            log_p = tables.log_softmax(logits) if normalised else None
+            yield log_p if normalised else logits
             if i < self.num_heads - 1:
-                soft = tables.retrieve(log_p.exp(), i)
+                soft = tables.retrieve(log_p.exp() if normalised else tables.softmax(logits), i)
                 c = c + self.cascade_mixer[i](torch.cat([c, soft], dim=-1))
 
     def nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor) -> torch.Tensor:
         """``-log p_i[target_i]`` per head: ``h [N, d]``, ``targets [N, H]`` -> ``[N, H]``."""
         if self.chunk_tokens:
             return self._fused_nll(h, tables, targets)
-        heads = enumerate(self._heads(h, tables))
+        heads = enumerate(self._heads(h, tables, normalised=True))
         return torch.stack([-tables.pick(log_p, targets[..., i]) for i, log_p in heads], dim=-1)
 
     def _fused_nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor) -> torch.Tensor:
@@ -67,6 +68,9 @@ class CascadedDecoder(nn.Module):
                 c = c + self.cascade_mixer[i](torch.cat([c, soft], dim=-1))
         return torch.stack(nll, dim=-1)
 
-    def log_probs(self, h: torch.Tensor, tables: BucketTables) -> list[torch.Tensor]:
-        """Each head's ``log p_i`` over the rows held here: H tensors ``[..., R_local]``."""
-        return list(self._heads(h, tables))
+    def scores(self, h: torch.Tensor, tables: BucketTables) -> list[torch.Tensor]:
+        """Each head's bucket scores for :mod:`~mhf_dist.model.scoring` over the rows held here: H tensors
+        ``[..., R_local]``, its logits ``o_i``. ``log P_inf`` renormalises ``Σ_i log p_i[H_i(w)]`` over the
+        vocabulary, where each head's ``log Z_i`` is one more constant and cancels (SPEC §5); so inference
+        takes one softmax per retrieving head and no normaliser at all for the last."""
+        return list(self._heads(h, tables, normalised=False))

@@ -15,6 +15,7 @@ from torch import nn
 
 from mhf_dist.config import ModelConfig
 from mhf_dist.model.backbone import Backbone
+from mhf_dist.model.scoring import LOG_P_INF_CHUNK
 from mhf_dist.model.tables import BucketTables
 from mhf_dist.model.vocabulary import HashVocabulary, LMOutput, TiedVocabulary, TokenVocabulary
 
@@ -54,7 +55,8 @@ class LanguageModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, with_p_inf: bool = False) -> LMOutput:
         return self.vocab.loss(self.hidden(input_ids), targets, with_p_inf)
 
-    def log_p_inf(self, input_ids: torch.Tensor, last_only: bool = False, chunk_size: int = 65536) -> torch.Tensor:
+    def log_p_inf(self, input_ids: torch.Tensor, last_only: bool = False,
+                  chunk_size: int = LOG_P_INF_CHUNK) -> torch.Tensor:
         """``log P_inf [B, S, V]`` (``[B, V]`` with ``last_only``, as generation needs)."""
         h = self.hidden(input_ids)
         return self.vocab.log_p_inf(h[:, -1] if last_only else h, chunk_size)

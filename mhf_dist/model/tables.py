@@ -153,6 +153,10 @@ class BucketTables(nn.Module):
         normaliser across shards)."""
         return logits.log_softmax(dim=-1)
 
+    def softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``p = softmax(logits)`` over all rows (the sharded tables normalise across shards)."""
+        return logits.softmax(dim=-1)
+
     def pick(self, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``values [..., R_local]``, ``rows [...]`` (global) -> ``values[..., rows]``."""
         local, owned = self.local_index(rows)

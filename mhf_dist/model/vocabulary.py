@@ -22,7 +22,7 @@ from torch import nn
 
 from mhf_dist.model.decoder import CascadedDecoder
 from mhf_dist.model.hash_encoder import HashEncoder
-from mhf_dist.model.scoring import log_p_inf, signature_columns, target_log_p_inf
+from mhf_dist.model.scoring import LOG_P_INF_CHUNK, log_p_inf, signature_columns, target_log_p_inf
 from mhf_dist.model.tables import BucketTables
 
 
@@ -65,15 +65,14 @@ class TiedVocabulary(nn.Module):
         head_losses = self.decoder.nll(h, self.tables, self.codes[targets]).mean(dim=0)
         p_inf_nll = None
         if with_p_inf:
-            head_log_probs = self.decoder.log_probs(h, self.tables)
-            p_inf_nll = -target_log_p_inf(head_log_probs, self.signature_columns(), self.registered, self.tables,
-                                          targets).mean()
+            p_inf_nll = -target_log_p_inf(self.decoder.scores(h, self.tables), self.signature_columns(),
+                                          self.registered, self.tables, targets).mean()
         return LMOutput(loss=head_losses.sum(), head_losses=head_losses, p_inf_nll=p_inf_nll)
 
-    def log_p_inf(self, h: torch.Tensor, chunk_size: int = 65536) -> torch.Tensor:
+    def log_p_inf(self, h: torch.Tensor, chunk_size: int = LOG_P_INF_CHUNK) -> torch.Tensor:
         """``h [..., d]`` -> ``log P_inf [..., V]``."""
         flat = h.reshape(-1, h.shape[-1])
-        logp = log_p_inf(self.decoder.log_probs(flat, self.tables), self.signature_columns(), self.registered,
+        logp = log_p_inf(self.decoder.scores(flat, self.tables), self.signature_columns(), self.registered,
                          self.tables, chunk_size)
         return logp.view(*h.shape[:-1], -1)
 

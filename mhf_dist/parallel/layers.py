@@ -57,6 +57,9 @@ class BucketParallelEmbedding(BucketTables):
         # log Z is replicated and enters every shard's log p: its gradient is the sum over the shards
         return logits - copy_to_tp(log_z, self.group)
 
+    def softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.log_softmax(logits).exp()
+
 
 class ColumnParallelLinear(nn.Linear):
     """``out_features / tp`` outputs; the input is already copied into the region."""
