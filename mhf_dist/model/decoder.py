@@ -44,10 +44,10 @@ class CascadedDecoder(nn.Module):
             if self.num_valid_rows is not None:
                 rows = torch.arange(tables.local_rows, device=logits.device) + tables.row_offset
                 logits = logits.masked_fill(rows >= self.num_valid_rows, float("-inf"))
-            log_p = tables.log_softmax(logits) if normalised else None
-            yield log_p if normalised else logits
+            scores = tables.log_softmax(logits) if normalised else logits
+            yield scores
             if i < self.num_heads - 1:
-                soft = tables.retrieve(log_p.exp() if normalised else tables.softmax(logits), i)
+                soft = tables.retrieve(scores.exp() if normalised else tables.softmax(logits), i)
                 c = c + self.cascade_mixer[i](torch.cat([c, soft], dim=-1))
 
     def nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor) -> torch.Tensor:
