@@ -17,7 +17,7 @@ vocabulary is processed in chunks. :func:`target_log_p_inf` never holds
 ``[N, V]``, so its small chunks bound its memory to ``O(N × chunk)`` whatever
 ``V`` is (a 1M-token vocabulary included). :func:`log_p_inf` returns ``[N, V]``,
 which bounds its memory anyway, so its chunks are large: one chunk up to
-``V = 2^18`` at ``H = 4``, as every chunk costs ``3H`` more small ops (when
+``V = 2^18`` at ``H = 4``, as every chunk costs some ``2H`` more small ops (when
 generating, a 131K vocabulary in 8 chunks took 0.8 ms, 4%, more). Each rank of a
 bucket-sharded model gathers only the coordinates it owns; the sum over heads is
 reduced once per chunk.
