@@ -21,10 +21,12 @@ from __future__ import annotations
 import csv
 import functools
 import json
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -178,6 +180,22 @@ def profile_training(size: str, hash_name: str, tp: int, steps: int, warmup: int
     return probe.row(times[warmup:], peak_measured, peak_nominal)
 
 
+class RatioSpread(NamedTuple):
+    """An MHF/Standard ratio measured once per round: the median over the rounds, their range, and the median's
+    standard error (``1.25 σ/√n``, the median's asymptotic error for a normal spread; None from one round), so a
+    reader can tell whether a target lies within the run's precision."""
+
+    median: float
+    min: float
+    max: float
+    se: float | None
+
+    @classmethod
+    def of(cls, ratios: list[float]) -> RatioSpread:
+        se = math.sqrt(math.pi / 2) * statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1 else None
+        return cls(statistics.median(ratios), min(ratios), max(ratios), se)
+
+
 @functools.cache
 def _cache_flush(device: torch.device) -> torch.Tensor:
     """A buffer written before every timed head call: in a generation step the backbone's layers run between two
@@ -234,13 +252,13 @@ class InferenceHeads:
         return {name: min(times) for name, times in samples.items()}
 
     def row(self, timings: list[dict[str, float]]) -> dict:
-        """Median per-token times over ``timings`` (from :meth:`time`, one per round) and the median MHF/Standard
-        ratio over the rounds with its range, next to the analytic FLOP ratio."""
-        ratios = [t["mhf"] / t["standard"] for t in timings]
+        """Median per-token times over ``timings`` (from :meth:`time`, one per round) and the MHF/Standard ratio's
+        :class:`RatioSpread` over the rounds, next to the analytic FLOP ratio."""
+        ratio = RatioSpread.of([t["mhf"] / t["standard"] for t in timings])
         return {"vocab_size": self.vocab_size, "tokens": self.tokens, "compiled": self.compiled,
                 "mhf_s_per_token": statistics.median(t["mhf"] for t in timings) / self.tokens,
                 "standard_s_per_token": statistics.median(t["standard"] for t in timings) / self.tokens,
-                "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                "ratio": ratio.median, "ratio_min": ratio.min, "ratio_max": ratio.max, "ratio_se": ratio.se,
                 "rounds": len(timings), "flop_ratio": self.flop_ratio}
 
 

@@ -8,6 +8,7 @@ import math
 
 from PIL import Image
 
+from mhf_dist.profile import RatioSpread
 from train_utils import run_cli
 
 COLUMNS = {"size", "hash", "layout", "dtype", "seq_len", "micro_batch", "params", "tokens_per_s", "step_s",
@@ -34,7 +35,7 @@ def test_profile_sweep_outputs(tmp_path):
     for s in data["scoring"]:
         assert s["mhf_s_per_token"] > 0 and s["standard_s_per_token"] > 0
         # one round: the median ratio is that round's, mhf over standard
-        assert s["rounds"] == 1 and s["ratio_min"] == s["ratio"] == s["ratio_max"]
+        assert s["rounds"] == 1 and s["ratio_min"] == s["ratio"] == s["ratio_max"] and s["ratio_se"] is None
         assert math.isclose(s["ratio"], s["mhf_s_per_token"] / s["standard_s_per_token"])
         # tiny-h4b16k: 4 logit and 3 retrieval matmuls over 16,384 × 64 tables, 3 mixers (64 wide) against V × 64
         mixers = 3 * 2 * (2 * 64 * 64 + 64 * 64)
@@ -43,3 +44,11 @@ def test_profile_sweep_outputs(tmp_path):
         with Image.open(out / png) as image:
             assert image.format == "PNG" and image.size[0] > 100
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_ratio_spread():
+    # rounds 1, 2, 3: sample standard deviation 1, so the median's standard error is sqrt(pi/2) / sqrt(3)
+    spread = RatioSpread.of([3.0, 1.0, 2.0])
+    assert (spread.median, spread.min, spread.max) == (2.0, 1.0, 3.0)
+    assert math.isclose(spread.se, math.sqrt(math.pi / 2 / 3))
+    assert RatioSpread.of([1.7]) == (1.7, 1.7, 1.7, None)

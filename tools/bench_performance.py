@@ -13,7 +13,7 @@ Training steps and inference heads run in rounds: each round measures the peak o
 and times every head (the best of 3 calls each), so a machine whose speed drifts (shared CPUs) slows all of
 them alike, and the ratios are taken over the machine's states across the run rather than in one moment.
 Times are medians over the rounds, MFU is against the median peak, and each MHF/Standard ratio is the median
-of the rounds' ratios with their range.
+of the rounds' ratios with the median's standard error and the rounds' range.
 
 Usage: python tools/bench_performance.py [--seq-len 512] [--micro-batch 1] [--rounds 9] [--dtype fp32]
                                          [--scoring-tokens 1] [--set KEY=VALUE ...] [--out bench.json]
@@ -36,7 +36,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from mhf_dist.config import load_config  # noqa: E402
 from mhf_dist.model import build_model  # noqa: E402
 from mhf_dist.model.flops import forward_flops  # noqa: E402
-from mhf_dist.profile import VOCAB, InferenceHeads, TrainingProbe, step_seconds  # noqa: E402
+from mhf_dist.profile import VOCAB, InferenceHeads, RatioSpread, TrainingProbe, step_seconds  # noqa: E402
 from mhf_dist.train.throughput import measured_peak_flops  # noqa: E402
 
 
@@ -73,6 +73,8 @@ def main() -> None:
                         help="config override for every trained model, e.g. model.decoder_chunk_tokens=4096")
     parser.add_argument("--out", default=None, help="also write the results as JSON")
     args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error(f"--rounds {args.rounds}: give at least 2, as each ratio's standard error needs two rounds")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     names = {("h4b16k", "false"): "100m-h4b16k", ("standard", "false"): "100m-standard",
@@ -95,10 +97,9 @@ def main() -> None:
     rows = {key: probes[key].row(steps[key], peak, None) for key in probes}
 
     def step_ratio(compiled: str) -> dict:
-        """Median and range over the rounds of the MHF/Standard step time."""
+        """The MHF/Standard step time's :class:`RatioSpread` over the rounds."""
         pairs = zip(steps["h4b16k", compiled], steps["standard", compiled])
-        per_round = [step_seconds(m) / step_seconds(s) for m, s in pairs]
-        return {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
+        return RatioSpread.of([step_seconds(m) / step_seconds(s) for m, s in pairs])._asdict()
 
     flop_ratio = (forward_flops(cfg, args.seq_len).train
                   / forward_flops(load_config("100m-standard").model, args.seq_len, vocab_rows=VOCAB).train)
@@ -128,14 +129,14 @@ def main() -> None:
         print(f"  {name:<16} {r.tokens_per_s:9.1f} tokens/s  step {r.step_s:7.3f} s (fwd {r.forward_s:.3f}, "
               f"bwd {r.backward_s:.3f}, opt {r.optimizer_s:.3f})  MFU {r.mfu:6.1%}")
     for label, ratio in (("eager", result["step_time_ratio"]), ("compiled", result["compiled"]["step_time_ratio"])):
-        print(f"  step-time ratio MHF/Standard, {label}: {ratio['median']:.2f} (rounds {ratio['min']:.2f}-"
-              f"{ratio['max']:.2f}) vs analytic FLOP ratio {flop_ratio:.2f}")
+        print(f"  step-time ratio MHF/Standard, {label}: {ratio['median']:.2f} (s.e. {ratio['se']:.2f}; rounds "
+              f"{ratio['min']:.2f}-{ratio['max']:.2f}) vs analytic FLOP ratio {flop_ratio:.2f}")
     for label, per_vocab in scoring.items():
         for s in per_vocab:
             print(f"  inference head, {label}, V={s['vocab_size']:>7,}, {s['tokens']} token(s) at once: MHF "
                   f"{s['mhf_s_per_token'] * 1e3:.3f} ms/token, Standard {s['standard_s_per_token'] * 1e3:.3f} "
-                  f"ms/token, ratio {s['ratio']:.2f} (rounds {s['ratio_min']:.2f}-{s['ratio_max']:.2f}; FLOP and "
-                  f"bytes ratio {s['flop_ratio']:.2f})")
+                  f"ms/token, ratio {s['ratio']:.2f} (s.e. {s['ratio_se']:.2f}; rounds {s['ratio_min']:.2f}-"
+                  f"{s['ratio_max']:.2f}; FLOP and bytes ratio {s['flop_ratio']:.2f})")
     print(f"  decoder activations at seq 2048: plain {plain / 2**20:.0f} MB, fused {fused / 2**20:.0f} MB "
           f"({fused / plain:.1%} of plain)")
     if args.out:
