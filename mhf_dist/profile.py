@@ -22,6 +22,7 @@ import csv
 import functools
 import json
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -277,9 +278,13 @@ def profile_scoring(vocab_sizes: list[int], cfg: ModelConfig, device: torch.devi
 def worker_main(rows_file: str, spec_json: str) -> int:
     """One rank of a tensor-parallel layout: profile one configuration; rank 0 writes its row to ``rows_file``."""
     spec = json.loads(spec_json)
-    if spec["tp"] > 1:
-        dist.init_process_group("gloo" if spec["device"] == "cpu" else "nccl")
     device = torch.device(spec.pop("device"))
+    if device.type == "cuda":  # each local rank on its own GPU (LOCAL_RANK, as launch_local sets it)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if spec["tp"] > 1:
+        dist.init_process_group("gloo" if device.type == "cpu" else "nccl",
+                                device_id=device if device.type == "cuda" else None)
     trace = spec.pop("trace_dir")
     row = profile_training(device=device, trace_dir=Path(trace) if trace else None, **spec)
     if not dist.is_initialized() or dist.get_rank() == 0:

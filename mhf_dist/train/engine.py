@@ -21,13 +21,13 @@ from pathlib import Path
 
 import deepspeed
 import torch
-import torch.distributed as dist
 
-from mhf_dist.config import ConfigError, RunConfig, deep_merge
+from mhf_dist.config import ConfigError, RunConfig, check_data_source, deep_merge
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.pipeline import build_pipeline
+from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.train.optim import build_optimizer
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "deepspeed_configs"
@@ -97,7 +97,9 @@ def device_type(cfg: RunConfig) -> str:
 
 
 def preflight(cfg: RunConfig, world_size: int) -> tuple[Layout, dict]:
-    """Every check that needs the world size, before any rank starts or any collective runs."""
+    """Every check before a launch (the data source; what needs the world size), before any rank starts or any
+    collective runs."""
+    check_data_source(cfg)
     layout = resolve_layout(cfg, world_size)
     return layout, deepspeed_config(cfg, layout, device_type(cfg))
 
@@ -119,13 +121,6 @@ def _grad_norm(engine) -> float | None:
     return None if norm is None else float(norm)
 
 
-def _global_mean(values: torch.Tensor, group) -> torch.Tensor:
-    """Mean over a data-parallel group."""
-    values = values.detach().clone()
-    dist.all_reduce(values, group=group)
-    return values / dist.get_world_size(group)
-
-
 class DataParallelTrainer:
     """pp = 1: the model (tensor-parallel or not) under a DeepSpeed engine, ZeRO-0…3."""
 
@@ -136,6 +131,7 @@ class DataParallelTrainer:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=groups
         )
         self.groups, self.accum, self.micro = groups, layout.accum, cfg.train.micro_batch_size
+        self.scalars = ScalarCollectives()
 
     @property
     def lr(self) -> float:
@@ -150,7 +146,7 @@ class DataParallelTrainer:
             self.engine.backward(out.loss)
             self.engine.step()
             losses.append(torch.cat([out.loss.detach()[None], out.head_losses.detach()]))
-        stats = _global_mean(torch.stack(losses).mean(0), self.groups.dp_group).tolist()
+        stats = self.scalars.mean(torch.stack(losses).mean(0), self.groups.dp_group)
         return StepStats(loss=stats[0], head_losses=stats[1:], grad_norm=_grad_norm(self.engine))
 
     @torch.no_grad()
@@ -162,7 +158,7 @@ class DataParallelTrainer:
             batch = reader.next_batch(self.micro).to(self.engine.device)
             out = self.engine(batch[:, :-1], batch[:, 1:], with_p_inf=True)
             values.append(torch.stack([out.loss, out.p_inf_nll]))
-        loss, nll = _global_mean(torch.stack(values).mean(0), self.groups.dp_group).tolist()
+        loss, nll = self.scalars.mean(torch.stack(values).mean(0), self.groups.dp_group)
         return loss, nll
 
 
@@ -178,6 +174,7 @@ class PipelineTrainer:
         )
         self.groups, self.accum, self.micro = groups, layout.accum, cfg.train.micro_batch_size
         self.num_heads = model.vocab.decoder.num_heads
+        self.scalars = ScalarCollectives()
 
     @property
     def lr(self) -> float:
@@ -188,20 +185,19 @@ class PipelineTrainer:
             batch = reader.next_batch(self.micro)
             yield batch[:, :-1], batch[:, 1:]
 
-    def _last_stage_mean(self, field: str) -> torch.Tensor:
+    def _last_stage_mean(self, field: str) -> list[float]:
         """Mean over micro-batches and dp of a loss output kept on the last stage, sent to every rank."""
         n = self.num_heads if field == "head_losses" else 1
-        values = torch.zeros(n)
+        values = [0.0] * n
         if self.engine.is_last_stage() and self.groups.tp_rank == 0:
-            values = torch.stack([getattr(o, field).detach().float().cpu().reshape(n) for o in self.loss_fn.outputs])
+            values = torch.stack([getattr(o, field).detach().float().reshape(n) for o in self.loss_fn.outputs])
             values = values.mean(0) / self.groups.dp
         self.loss_fn.outputs.clear()
-        dist.all_reduce(values)
-        return values
+        return self.scalars.sum(values)
 
     def train_step(self, reader: ShardReader) -> StepStats:
         loss = self.engine.train_batch(data_iter=self._batches(reader, self.accum))
-        heads = self._last_stage_mean("head_losses").tolist()
+        heads = self._last_stage_mean("head_losses")
         return StepStats(loss=float(loss), head_losses=heads, grad_norm=_grad_norm(self.engine))
 
     @torch.no_grad()
@@ -209,7 +205,7 @@ class PipelineTrainer:
         self.loss_fn.with_p_inf = True
         loss = self.engine.eval_batch(data_iter=self._batches(reader, batches), num_micro_batches=batches)
         self.loss_fn.with_p_inf = False
-        return float(loss), self._last_stage_mean("p_inf_nll").item()
+        return float(loss), self._last_stage_mean("p_inf_nll")[0]
 
 
 def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout):

@@ -43,6 +43,7 @@ from mhf_dist.model import build_model
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.plan import apply_tensor_parallel
+from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.run_dir import RunDir
 from mhf_dist.signatures import tokens_fingerprint
 from mhf_dist.tokenizers import vocabulary
@@ -86,7 +87,7 @@ def _run_assets(run: RunDir, cfg: RunConfig):
 
 
 class StopSignal:
-    """SIGUSR1 / SIGTERM on any rank: every rank stops after the current step (agreed by an all-reduce)."""
+    """SIGUSR1 / SIGTERM on any rank: every rank stops after the current step (the ranks agree each step)."""
 
     def __init__(self):
         self.received = False
@@ -96,10 +97,21 @@ class StopSignal:
     def _handle(self, signum, _frame):
         self.received = True
 
-    def agreed(self) -> bool:
-        flag = torch.tensor(int(self.received))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+
+class SaveClock:
+    """``train.checkpoint_minutes``: a save is due once that long passed since the last one (or the start); the
+    ranks agree on it each step, so a slow clock on one rank cannot split the job."""
+
+    def __init__(self, minutes: float | None):
+        self.seconds = None if minutes is None else minutes * 60
+        self.reset()
+
+    def reset(self) -> None:
+        self.since = time.monotonic()
+
+    @property
+    def due(self) -> bool:
+        return self.seconds is not None and time.monotonic() - self.since >= self.seconds
 
 
 @dataclass
@@ -197,14 +209,14 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto") -> TrainRes
     t = cfg.train
     tokens_per_step = t.global_batch_size * cfg.data.seq_len
     flops_per_token = forward_flops(cfg.model, cfg.data.seq_len, vocab_rows).train
-    peak = torch.tensor(total_peak_flops(t.peak_tflops, device, torch.bfloat16 if t.dtype == "bf16" else torch.float32,
-                                         world) if rank == 0 else 0.0)
-    dist.all_reduce(peak)  # rank 0's measurement, for every rank
+    scalars = ScalarCollectives()
+    peak = scalars.from_rank0(total_peak_flops(
+        t.peak_tflops, device, torch.bfloat16 if t.dtype == "bf16" else torch.float32, world) if rank == 0 else 0.0)
 
     eval_batches = max(1, t.eval_sequences // (t.micro_batch_size * layout.dp))
     end = min(t.stop_at_step or t.max_steps, t.max_steps)
     logger = MetricsLogger(run.path, resume_step=start) if rank == 0 else None
-    result, stop = TrainResult(), StopSignal()
+    result, stop, clock = TrainResult(), StopSignal(), SaveClock(t.checkpoint_minutes)
     progress = tqdm(range(start, end), desc="train", unit="step", dynamic_ncols=True, initial=start,
                     total=t.max_steps, disable=None if rank == 0 else True)
     for step in progress:
@@ -219,7 +231,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto") -> TrainRes
             record = {
                 "loss": stats.loss, "head_losses": stats.head_losses, "lr": lr,
                 "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * flops_per_token / 1e12,
-                "mfu": tokens_per_s * flops_per_token / peak.item(), "memory_gb": memory_gb(device),
+                "mfu": tokens_per_s * flops_per_token / peak, "memory_gb": memory_gb(device),
             } | ({"grad_norm": stats.grad_norm} if stats.grad_norm is not None else {})
         if has_val and ((t.eval_interval and (step + 1) % t.eval_interval == 0) or last):
             with ShardReader(shards, split="val", **reader_args) as val:
@@ -230,13 +242,17 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto") -> TrainRes
             result.records.append({"step": step + 1, **record})
             tqdm.write(f"step {step + 1:>6} | " + " | ".join(
                 f"{k} {v:.4g}" for k, v in record.items() if k in ("loss", "val_ppl", "lr", "tokens_per_s", "mfu")))
-        result.preempted = stop.agreed()
-        if result.preempted or step + 1 == end or (t.checkpoint_interval and (step + 1) % t.checkpoint_interval == 0):
-            reason = "signal" if result.preempted else ("end" if step + 1 == end else "interval")
+        result.preempted, time_due = scalars.any(stop.received, clock.due)
+        reason = ("signal" if result.preempted else "end" if step + 1 == end else
+                  "interval" if t.checkpoint_interval and (step + 1) % t.checkpoint_interval == 0 else
+                  "time" if time_due else None)
+        if reason:
+            save_began = time.perf_counter()
             saved = checkpointer.save(trainer.engine, step + 1, (step + 1) * tokens_per_step, reader.state_dict(),
                                       reason)
-            if rank == 0 and reason != "interval":
-                tqdm.write(f"saved {saved} ({reason})")
+            clock.reset()
+            if rank == 0:
+                tqdm.write(f"saved {saved} ({reason}, {time.perf_counter() - save_began:.1f} s)")
         if result.preempted:
             break
     reader.close()
