@@ -163,8 +163,13 @@ class TokenizerConfig(_Strict):
     vocab_size: int = Field(4096, ge=256, description="vocabulary of the BPE trained when path is None")
 
 
+EMBEDDED_CORPUS = "embedded"
+
+
 class DataConfig(_Strict):
-    path: str | None = Field(None, description="directory of token shards with a manifest; None: the embedded corpus")
+    path: str | None = Field(
+        None, description="directory of token shards with a manifest, or 'embedded' for the bundled demo text "
+        "(1 MB of English); None: the embedded text for tiny presets, an error before launch for every other run")
     seq_len: int = Field(128, ge=2)
     shuffle_seed: int | None = Field(
         None, ge=0, description="seed of the global sample order over shards (SPEC §7); None: train.seed"
@@ -174,6 +179,11 @@ class DataConfig(_Strict):
         "error", description="a missing, truncated or corrupt shard: stop with an error, or skip it with a warning"
     )
     verify_checksums: bool = Field(True, description="check every shard's SHA-256 against the manifest while reading")
+
+    @property
+    def shard_dir(self) -> str | None:
+        """The shard directory named by ``path``; None for the embedded corpus."""
+        return None if self.path in (None, EMBEDDED_CORPUS) else self.path
 
 
 class OptimizerConfig(_Strict):
@@ -223,6 +233,9 @@ class TrainConfig(_Strict):
         32, ge=1, description="validation sequences per evaluation, over all ranks (rounded down to whole "
         "micro-batches per data-parallel rank, at least one), the same set in every layout")
     checkpoint_interval: int = Field(0, ge=0, description="save a checkpoint every N steps; 0: only at the end")
+    checkpoint_minutes: float | None = Field(
+        None, gt=0, description="also save when this many minutes passed since the last save (or the start), "
+        "decided together by all ranks; None: by steps only")
     keep_checkpoints: int = Field(3, ge=1, description="complete checkpoints kept (older ones are deleted)")
     stop_at_step: int | None = Field(
         None, ge=1, description="save and end at this step; the LR schedule still follows max_steps"
@@ -323,7 +336,7 @@ _TRAINING = {
         tokenizer={"path": "mistral-v0.3"},
         data={"seq_len": 2048},
         optimizer={"lr": 3e-4, "warmup_steps": 2000},
-        train={"global_batch_size": 256, "micro_batch_size": 4, "dtype": "bf16"},
+        train={"global_batch_size": 256, "micro_batch_size": 4, "dtype": "bf16", "checkpoint_minutes": 30},
     ),
 }
 # 256 x 2048 tokens per step: 10B tokens at 100M, 100B tokens otherwise (SPEC §6).
@@ -370,6 +383,15 @@ def preset(name: str) -> dict[str, Any]:
     if size in _MAX_STEPS:
         cfg["train"]["max_steps"] = _MAX_STEPS[size]
     return {"preset": name, "model": model, **cfg}
+
+
+def check_data_source(cfg: RunConfig) -> None:
+    """Only tiny presets may train on the embedded demo text without saying so; a real run names its shards."""
+    if cfg.data.path is None and not (cfg.preset or "").startswith("tiny-"):
+        raise ConfigError(
+            f"data.path is not set for {'preset ' + cfg.preset if cfg.preset else 'this run'}: point it at a "
+            "directory of shards (--set data.path=DIR; `mhf-dist prepare-data` makes them), or pass "
+            f"--set data.path={EMBEDDED_CORPUS} to train on the 1 MB demo text on purpose")
 
 
 # -------------------------------------------------------------- overrides

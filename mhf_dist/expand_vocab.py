@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from mhf_dist.config import ConfigError, RunConfig, apply_override
+from mhf_dist.config import EMBEDDED_CORPUS, ConfigError, RunConfig, apply_override
 from mhf_dist.export import trained_weights
 from mhf_dist.hf.importer import INIT_WEIGHTS
 from mhf_dist.model import build_model
@@ -91,6 +91,8 @@ def expand_vocab(run_dir: str | Path, tokenizer: str | Path, out: str | Path | N
         state[TABLES] = grown[None]
 
     raw = cfg.model_dump(mode="json") | {"preset": None}
+    if cfg.data.path is None:  # the source trained on the embedded text (a tiny preset): say so, as the preset did
+        raw["data"]["path"] = EMBEDDED_CORPUS
     raw["tokenizer"] = {"path": str(out.tokenizer_dir.resolve())}
     raw["train"] |= {"init_from": INIT_WEIGHTS, "trainable_blocks": trainable_blocks}
     for assignment in overrides:

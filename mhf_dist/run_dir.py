@@ -6,7 +6,7 @@ Layout::
     RUN/tokenizer/         the tokenizer (trained here on the embedded corpus when tokenizer.path is None)
     RUN/signatures/        the SignatureTable (SPEC §1), built once, then verified on every start
     RUN/engram/            the Engram tokenizer compression (SPEC §8, only with model.engram), likewise
-    RUN/data/              shards of the embedded corpus (only when data.path is None)
+    RUN/data/              shards of the embedded corpus (only when data.path is unset or 'embedded')
     RUN/metrics.jsonl      one JSON object per logged step
     RUN/tensorboard/       TensorBoard event files
 """
@@ -94,14 +94,14 @@ class RunDir:
     def tokenizer_source(self, cfg: RunConfig) -> str:
         if cfg.tokenizer.path is not None:
             return cfg.tokenizer.path
-        if cfg.data.path is not None and (Path(cfg.data.path) / TOKENIZER_DIR).is_dir():
-            return str(Path(cfg.data.path) / TOKENIZER_DIR)
+        if cfg.data.shard_dir is not None and (Path(cfg.data.shard_dir) / TOKENIZER_DIR).is_dir():
+            return str(Path(cfg.data.shard_dir) / TOKENIZER_DIR)
         return str(self.tokenizer_dir)
 
     def shards(self, cfg: RunConfig) -> Path:
-        """``data.path``, or shards of the embedded corpus prepared once into ``RUN/data`` (5 % held out)."""
-        if cfg.data.path is not None:
-            return Path(cfg.data.path)
+        """``data.path``'s shards, or shards of the embedded corpus prepared once into ``RUN/data`` (5 % held out)."""
+        if cfg.data.shard_dir is not None:
+            return Path(cfg.data.shard_dir)
         if not (self.data_dir / MANIFEST).is_file():
             staging = self.data_dir.with_name("data.partial")
             shutil.rmtree(staging, ignore_errors=True)

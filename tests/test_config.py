@@ -53,6 +53,9 @@ def test_preset_variants_parse():
     assert preset("1b-h1b16k")["model"]["hash"] == {"num_hashes": 4, "num_buckets": 16384, "single_id": True}
     assert preset("100m-standard+4l")["model"]["n_layers"] == 16
     assert load_config("100m-h4b16k").train.global_batch_size == 256
+    # real runs save every half hour besides their step interval; tiny runs only by steps
+    assert load_config("1b-h4b16k").train.checkpoint_minutes == 30
+    assert load_config("tiny-h4b16k").train.checkpoint_minutes is None
     with pytest.raises(ConfigError, match="unknown preset 'huge-h4b16k'"):
         load_config("huge-h4b16k")
 

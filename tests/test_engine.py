@@ -77,3 +77,20 @@ def test_invalid_layouts_fail_before_training(tmp_path, nproc, overrides, messag
     out = run_cli(args, expect_rc=2, timeout=120)
     assert __import__("re").search(message, out), out
     assert not (tmp_path / "r").exists()  # nothing started
+
+
+def test_real_presets_need_their_data_named(tmp_path, capsys):
+    from mhf_dist.cli import main
+    from mhf_dist.config import load_config
+    from mhf_dist.train.engine import preflight
+
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "100m-h4b16k", "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "data.path is not set for preset 100m-h4b16k" in err and "--set data.path=embedded" in err
+    assert not run.exists()  # stopped before anything started
+    assert main(["submit", "--preset", "3b-h4b16k", "--cluster", "a100-80g", "--nodes", "4", "--run-dir", str(run),
+                 "--dry-run"]) == 2
+    assert "data.path is not set" in capsys.readouterr().err
+    preflight(load_config("100m-h4b16k", overrides=["data.path=embedded"]), 1)  # the demo text, on purpose
+    preflight(load_config("tiny-h4b16k"), 1)  # tiny presets default to it

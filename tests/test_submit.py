@@ -19,11 +19,12 @@ from slurm_cluster import LocalSlurm, missing_binaries
 from train_utils import metrics, run_cli, train_args
 
 GOLDEN = Path(__file__).parent / "golden"
+DATA = "data.path=/shared/data"
 CASES = {  # golden file: (profile, nodes, preset, overrides, extra)
-    "a100-80g-2nodes.sbatch": ("a100-80g", 2, "1b-h4b16k", ["parallel.tp=2"], {"depends_on": "1234"}),
-    "mi300x-4nodes.sbatch": ("mi300x", 4, "3b-h4b16k", ["parallel.tp=2", "parallel.pp=2"], {}),
+    "a100-80g-2nodes.sbatch": ("a100-80g", 2, "1b-h4b16k", [DATA, "parallel.tp=2"], {"depends_on": "1234"}),
+    "mi300x-4nodes.sbatch": ("mi300x", 4, "3b-h4b16k", [DATA, "parallel.tp=2", "parallel.pp=2"], {}),
     "cpu-local-1node.sbatch": ("cpu-local", 1, "tiny-h4b16k", ["train.micro_batch_size=4"], {}),
-    "a100-80g-2nodes.hostfile.sh": ("a100-80g", 2, "1b-h4b16k", [], {"hostfile": "/shared/hostfile"}),
+    "a100-80g-2nodes.hostfile.sh": ("a100-80g", 2, "1b-h4b16k", [DATA], {"hostfile": "/shared/hostfile"}),
 }
 
 
@@ -54,7 +55,7 @@ def test_script_contents():
 
 def test_nodes_that_do_not_fit_the_layout_fail_before_submitting(capsys):
     with pytest.raises(ConfigError, match=r"world size 24 does not fit parallel.tp=16"):
-        render("sbatch", load_config("3b-h4b16k", overrides=["parallel.tp=16"]), load_profile("a100-80g"), 3,
+        render("sbatch", load_config("3b-h4b16k", overrides=[DATA, "parallel.tp=16"]), load_profile("a100-80g"), 3,
                Path("/x"), "3b-h4b16k", None, [])
     assert main(["submit", "--preset", "tiny-h4b16k", "--cluster", "nope", "--run-dir", "/tmp/x", "--dry-run"]) == 2
     assert "cluster profile 'nope' not found" in capsys.readouterr().err

@@ -19,4 +19,4 @@ CUDA_DEVICE_MAX_CONNECTIONS=1
 OMP_NUM_THREADS=8
 ENV
 deepspeed --hostfile /shared/hostfile --num_nodes 2 --num_gpus 8 --master_port 29500 --no_local_rank \
-  --module mhf_dist train --run-dir /shared/runs/demo --preset 1b-h4b16k
+  --module mhf_dist train --run-dir /shared/runs/demo --preset 1b-h4b16k --set data.path=/shared/data
