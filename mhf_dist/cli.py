@@ -16,6 +16,25 @@ from mhf_dist.tokenizers import TokenizerError
 from mhf_dist.train.checkpoint import PREEMPTED_EXIT_CODE, CheckpointError
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number ≥ 1 (a count of ranks, nodes, steps, seconds, ...)."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+    return value
+
+
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="{size}-{variant}, e.g. tiny-h4b16k, 100m-standard+4l, 3b-h4b16k")
     p.add_argument("--config", help="run YAML (may name a `preset:` to start from)")
@@ -28,17 +47,20 @@ def _load(args) -> "RunConfig":  # noqa: F821
 
 
 def cmd_train(args) -> int:
-    from mhf_dist.train.engine import preflight
-    from mhf_dist.train.loop import train
-
     cfg = _load(args)  # validate before starting any rank
     if args.nproc_per_node and "RANK" not in os.environ:
         from mhf_dist.launch import launch_local
+        from mhf_dist.train.engine import preflight
 
         preflight(cfg, args.nproc_per_node)
         return launch_local(args.nproc_per_node, _without_option(sys.argv[1:], "--nproc-per-node"))
 
-    result = train(cfg, args.run_dir, args.resume)
+    from mhf_dist.train.preemption import StopSignal
+
+    stop = StopSignal()  # before the training stack loads: from now on a signal is noted, not fatal
+    from mhf_dist.train.loop import train
+
+    result = train(cfg, args.run_dir, args.resume, stop)
     if result.records:  # rank 0
         last = result.records[-1]
         print(f"{'preempted' if result.preempted else 'done'}: step {last['step']}, loss {last['loss']:.4f}, "
@@ -230,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (run under torchrun for many ranks, or use --nproc-per-node)")
     _add_run_options(p)
     p.add_argument("--run-dir", required=True, help="run directory (created if missing)")
-    p.add_argument("--nproc-per-node", type=int, help="start this many local ranks on this machine")
+    p.add_argument("--nproc-per-node", type=positive_int, help="start this many local ranks on this machine")
     p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint, if any), none, or a "
                    f"checkpoint directory; a run stopped by a signal exits with {PREEMPTED_EXIT_CODE}")
     p.set_defaults(func=cmd_train)
@@ -244,8 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="parameters, ZeRO model states and activations per rank; does it fit?")
     _add_run_options(p)
     p.add_argument("--cluster", required=True, help="cluster profile: a100-80g, mi300x, cpu-local or a .yaml path")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--vocab-size", type=int, default=32768, help="registered tokens (default: Mistral v0.3's)")
+    p.add_argument("--nodes", type=positive_int, default=1)
+    p.add_argument("--vocab-size", type=positive_int, default=32768, help="registered tokens (default: Mistral v0.3's)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("export", help="one full state dict (safetensors) + config + signatures + tokenizer "
@@ -278,12 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text under P_inf (greedy, temperature, top-k, top-p, beams)")
     model_options(p)
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=50)
+    p.add_argument("--max-new-tokens", type=positive_int, default=50)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-k", type=positive_int)
     p.add_argument("--top-p", type=float)
-    p.add_argument("--num-beams", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-beams", type=positive_int, default=1)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--compile", action="store_true",
                    help="static KV cache and a compiled decode step (CUDA graphs on GPUs); compiling takes a while")
     p.set_defaults(func=cmd_generate)
@@ -292,8 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(p)
     p.add_argument("--data", help="shard directory (made with the model's tokenizer)")
     p.add_argument("--split", default="val")
-    p.add_argument("--max-sequences", type=int, help="evaluate at most this many sequences of the split")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-sequences", type=positive_int, help="evaluate at most this many sequences of the split")
+    p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--lambada", help='JSONL of {"text": ...}; the target is the last word')
     p.add_argument("--out", help="also write the results (JSON) here")
     p.set_defaults(func=cmd_eval)
@@ -303,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True, help="the trained run (its newest checkpoint is used)")
     p.add_argument("--tokenizer", required=True, help="the new tokenizer directory (old ids kept, tokens appended)")
     p.add_argument("--out", help="new run directory (default: RUN_DIR-vocab<V>)")
-    p.add_argument("--trainable-blocks", type=int, help="train only the vocabulary side, the final norm and the "
+    p.add_argument("--trainable-blocks", type=non_negative_int, help="train only the vocabulary side, the final norm and the "
                    "first and last k blocks (the paper's expansion stage); default: everything")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override the new run's config, e.g. --set train.max_steps=1000 (repeatable)")
@@ -313,8 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(p)
     p.add_argument("--run-dir", required=True, help="run directory on storage every node sees")
     p.add_argument("--cluster", required=True, help="cluster profile: a100-80g, mi300x, cpu-local or a .yaml path")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--grace", type=int, default=120, help="seconds between SLURM's USR1 and the time limit")
+    p.add_argument("--nodes", type=positive_int, default=1)
+    p.add_argument("--grace", type=positive_int, default=120, help="seconds between SLURM's USR1 and the time limit")
     p.add_argument("--depends-on", help="start after this job id ends (afterany)")
     p.add_argument("--hostfile", help="no SLURM: launch with DeepSpeed's launcher over this hostfile")
     p.add_argument("--dry-run", action="store_true", help="print the job script only")
@@ -329,10 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hash", default="standard,h1b16k,h3b10k,h4b16k",
                    help="comma-separated preset variants; +engram adds the Engram memory, e.g. h4b16k,h4b16k+engram")
     p.add_argument("--layout", default="tp=1", help="comma-separated tensor-parallel layouts, e.g. tp=1,tp=2")
-    p.add_argument("--steps", type=int, default=3, help="measured training steps per configuration")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--steps", type=positive_int, default=3, help="measured training steps per configuration")
+    p.add_argument("--warmup", type=non_negative_int, default=1)
+    p.add_argument("--seq-len", type=positive_int, default=2048)
+    p.add_argument("--micro-batch", type=positive_int, default=1)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--cluster", help="profile whose nominal peak is reported next to the measured one")
     p.add_argument("--vocab-sizes", default="32768,131072,1048576", help="registered tokens for the scoring benchmark")
@@ -357,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     tok = sub.add_parser("tokenizer", help="offline tokenizers").add_subparsers(dest="tokenizer_command", required=True)
     p = tok.add_parser("train", help="train a byte-level BPE on local text")
     p.add_argument("--input", nargs="+", required=True, help="text files (.txt or .txt.gz)")
-    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--vocab-size", type=positive_int, required=True)
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_tokenizer_train)
     p = tok.add_parser("mistral-v0.3", help="write the paper's tokenizer (needs mistral-common)")

@@ -179,6 +179,7 @@ class DataConfig(_Strict):
         "error", description="a missing, truncated or corrupt shard: stop with an error, or skip it with a warning"
     )
     verify_checksums: bool = Field(True, description="check every shard's SHA-256 against the manifest while reading")
+    allow_pipe: bool = Field(False, description="accept pipe: shard URLs (each runs a shell command)")
 
     @property
     def shard_dir(self) -> str | None:
@@ -192,10 +193,19 @@ class OptimizerConfig(_Strict):
     lr: float = Field(3e-4, gt=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     warmup_steps: int = Field(100, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam's moment decays, each in [0, 1)")
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
+
+
+    @model_validator(mode="after")
+    def _betas(self):
+        for i, beta in enumerate(self.betas):
+            if not 0 <= beta < 1:
+                raise ValueError(f"optimizer.betas[{i}]={beta} is outside [0, 1): Adam's moment decays are "
+                                 "fractions, e.g. --set optimizer.betas=[0.9,0.95]")
+        return self
 
 
 class ParallelConfig(_Strict):
@@ -224,7 +234,7 @@ class TrainConfig(_Strict):
     max_steps: int = Field(200, ge=1, description="optimizer steps; the LR schedule always follows it")
     global_batch_size: int = Field(8, ge=1, description="sequences per optimizer step, over all ranks")
     micro_batch_size: int = Field(8, ge=1, description="sequences per forward pass per rank")
-    seed: int = 42
+    seed: int = Field(42, ge=0, description="seeds the initial weights and (unless data.shuffle_seed) the data order")
     dtype: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_interval: int = Field(1, ge=1, description="log every N steps (and always step 1 and the last)")
@@ -385,13 +395,17 @@ def preset(name: str) -> dict[str, Any]:
     return {"preset": name, "model": model, **cfg}
 
 
-def check_data_source(cfg: RunConfig) -> None:
-    """Only tiny presets may train on the embedded demo text without saying so; a real run names its shards."""
+def check_data_source(cfg: RunConfig, on_this_machine: bool = True) -> None:
+    """Only tiny presets may train on the embedded demo text without saying so; a real run names its shards, which
+    must exist when the run starts here (a job script's data lives on the cluster: ``on_this_machine=False``)."""
     if cfg.data.path is None and not (cfg.preset or "").startswith("tiny-"):
         raise ConfigError(
             f"data.path is not set for {'preset ' + cfg.preset if cfg.preset else 'this run'}: point it at a "
             "directory of shards (--set data.path=DIR; `mhf-dist prepare-data` makes them), or pass "
             f"--set data.path={EMBEDDED_CORPUS} to train on the 1 MB demo text on purpose")
+    shards = cfg.data.shard_dir
+    if on_this_machine and shards is not None and not Path(shards).is_dir():
+        raise ConfigError(f"data.path={shards}: no such directory; point it at the --out of `mhf-dist prepare-data`")
 
 
 # -------------------------------------------------------------- overrides

@@ -53,7 +53,8 @@ def trained_weights(checkpoint: str | Path) -> TrainedWeights:
     ckpt = resolve_checkpoint(checkpoint)
     marker = json.loads((ckpt / MARKER).read_text())
     run = RunDir(ckpt.parent.parent)
-    cfg = RunConfig.model_validate(yaml.safe_load(run.config_path.read_text()))
+    raw = yaml.safe_load(run.config_path.read_text())
+    cfg = RunConfig.model_validate(raw | {"model": marker["model"]})  # the shapes the weights were saved with
     state = consolidate(ckpt, pipeline=marker["layout"]["pp"] > 1)
     if cfg.train.init_from:  # frozen parameters (train.trainable_blocks) are not in the checkpoint
         state = load_file(str(run.path / cfg.train.init_from)) | state
@@ -67,7 +68,7 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32") -> Path
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in trained.state.items()}, str(out / "model.safetensors"),
               metadata={"step": str(trained.step), "source": str(trained.checkpoint)})
-    shutil.copyfile(run.config_path, out / "config.yaml")
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     for source in (run.signatures_dir, run.engram_dir):
         if source.is_dir():
             shutil.copytree(source, out / source.name, dirs_exist_ok=True)

@@ -225,8 +225,18 @@ def test_manifest_mismatches_name_the_manifest_and_the_fix(shards, tok_dir):
 def test_pipe_and_brace_urls_read_the_same_stream(shards, reference):
     last = len(json.loads((shards / "manifest.json").read_text())["splits"]["train"]["shards"]) - 1
     urls = f"pipe:cat {shards}/train-{{000000..{last:06d}}}.tar"
-    stream, _ = _global_stream(urls, 2, 150, manifest=shards / "manifest.json")
+    stream, _ = _global_stream(urls, 2, 150, manifest=shards / "manifest.json", allow_pipe=True)
     assert stream == reference[:300]
+
+
+def test_pipe_urls_run_only_when_allowed(shards, tmp_path, monkeypatch):
+    with pytest.raises(DataError, match="runs a shell command; set data.allow_pipe=true"):
+        _reader(f"pipe:cat {shards}/train-000000.tar", manifest=shards / "manifest.json")
+    # a directory whose relative name reads as a pipe: URL is read as the directory it is; nothing runs
+    shutil.copytree(shards, tmp_path / "pipe:touch ran;x")
+    monkeypatch.chdir(tmp_path)
+    _reader("pipe:touch ran;x").next_batch(2)
+    assert not (tmp_path / "ran").exists()
 
 
 # ---------------------------------------------------------------- reader: bad shards

@@ -112,7 +112,10 @@ class ShardReader:
     ``manifest`` (a path or URL of the manifest). URLs are matched to the
     manifest's shards by name; a subset of the shards may be given.
     ``seq_len`` and ``tokenizer_fingerprint``, when given, must match the
-    manifest. ``split`` is ``"train"`` or ``"val"``.
+    manifest. ``split`` is ``"train"`` or ``"val"``. ``pipe:`` URLs run a shell
+    command per shard, so they are refused unless ``allow_pipe`` (``data.allow_pipe``);
+    a local directory is read through absolute paths, so its name is never taken
+    for a URL scheme.
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class ShardReader:
         shuffle_window: int = 16,
         on_bad_shard: Literal["error", "skip"] = "error",
         verify_checksums: bool = True,
+        allow_pipe: bool = False,
     ):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
@@ -136,7 +140,7 @@ class ShardReader:
             raise ValueError(f"seed={seed} must be >= 0 and shuffle_window={shuffle_window} >= 1")
         if on_bad_shard not in ("error", "skip"):
             raise ValueError(f"on_bad_shard={on_bad_shard!r}: use 'error' or 'skip'")
-        self.manifest, self.manifest_location, self.shards = _resolve(source, manifest, split)
+        self.manifest, self.manifest_location, self.shards = _resolve(source, manifest, split, allow_pipe)
         _check_expectations(self.manifest, self.manifest_location, seq_len, tokenizer_fingerprint)
         self.seq_len = self.manifest["seq_len"]
         self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
@@ -349,15 +353,23 @@ def _read_json(location: str) -> dict:
         raise DataError(f"manifest {location} cannot be read ({e!r}); re-copy it or prepare the shards again") from None
 
 
-def _resolve(source, manifest, split: str) -> tuple[dict, str, list[_Shard]]:
+def _refuse_pipe(url: str, allow_pipe: bool) -> None:
+    if url.startswith("pipe:") and not allow_pipe:
+        raise DataError(f"{url!r} is a pipe: URL, which runs a shell command; set data.allow_pipe=true if you wrote "
+                        "it, or give a directory of shards")
+
+
+def _resolve(source, manifest, split: str, allow_pipe: bool) -> tuple[dict, str, list[_Shard]]:
     """The manifest, where it came from, and the split's shards with their URLs (manifest order)."""
     local_dir = isinstance(source, (str, os.PathLike)) and Path(source).is_dir()
     if local_dir:
-        location = str(manifest or Path(source) / MANIFEST)
+        source = Path(source).resolve()
+        location = str(manifest or source / MANIFEST)
     elif manifest is None:
         raise DataError(f"shard URLs {source!r} need the manifest: pass manifest= (a path or URL of manifest.json)")
     else:
         location = str(manifest)
+    _refuse_pipe(location, allow_pipe)
     meta = _read_json(location)
     if meta.get("format") != FORMAT:
         raise DataError(f"{location} is not a {FORMAT} manifest (format {meta.get('format')!r}); "
@@ -367,7 +379,7 @@ def _resolve(source, manifest, split: str) -> tuple[dict, str, list[_Shard]]:
                         "choose one of those, or prepare with --val-fraction for a validation split")
     entries = meta["splits"][split]["shards"]
     if local_dir:
-        urls = {k: str(Path(source) / e["name"]) for k, e in enumerate(entries)}
+        urls = {k: str(source / e["name"]) for k, e in enumerate(entries)}
     else:
         urls = {}
         for url in wds.shardlists.expand_urls(source) if isinstance(source, str) else list(source):
@@ -375,6 +387,7 @@ def _resolve(source, manifest, split: str) -> tuple[dict, str, list[_Shard]]:
             if len(matches) != 1 or matches[0] in urls:
                 raise DataError(f"shard URL {url!r} names {'no' if not matches else 'an ambiguous or repeated'} "
                                 f"{split} shard of {location}; give each shard of the manifest at most once")
+            _refuse_pipe(url, allow_pipe)
             urls[matches[0]] = url
     shards = [_Shard(k, entries[k]["name"], urls[k], entries[k]["samples"], entries[k]["sha256"]) for k in sorted(urls)]
     if not shards:

@@ -20,10 +20,10 @@ lr, grad norm, tokens/s, TFLOP/s, MFU, memory) and shows the progress bar.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
-import signal
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -50,6 +50,7 @@ from mhf_dist.tokenizers import vocabulary
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
 from mhf_dist.train.engine import build_trainer, device_type, preflight
 from mhf_dist.train.metrics import MetricsLogger
+from mhf_dist.train.preemption import StopSignal
 from mhf_dist.train.throughput import memory_gb, total_peak_flops
 
 
@@ -84,18 +85,6 @@ def _run_assets(run: RunDir, cfg: RunConfig):
     table = run.signatures(cfg.model.hash, tokenizer) if cfg.model.variant == "mhf" else None
     compression = run.compression(tokenizer) if cfg.model.engram is not None else None
     return tokenizer, table, compression, run.shards(cfg)
-
-
-class StopSignal:
-    """SIGUSR1 / SIGTERM on any rank: every rank stops after the current step (the ranks agree each step)."""
-
-    def __init__(self):
-        self.received = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame):
-        self.received = True
 
 
 class SaveClock:
@@ -142,6 +131,17 @@ def load_init_weights(model: torch.nn.Module, path: Path) -> None:
                               "use weights exported from a run with the same model config") from e
 
 
+def check_same_optimizer(saved: dict, cfg: RunConfig, path: Path) -> None:
+    """A resumed run continues the checkpoint's optimizer and LR schedule, so it must ask for the same settings."""
+    ours = json.loads(cfg.optimizer.model_dump_json())
+    differ = sorted(k for k in ours if ours[k] != saved.get(k))
+    if differ:
+        details = "; ".join(f"optimizer.{k}: checkpoint {saved.get(k)!r}, config {ours[k]!r}" for k in differ)
+        raise CheckpointError(f"checkpoint {path} was trained with other optimizer settings ({details}); resume with "
+                              "the checkpoint's settings, or start a new run from its weights (mhf-dist export, then "
+                              "train.init_from)")
+
+
 def rank_env_from_slurm() -> None:
     """Inside an ``srun`` step, each task is one rank: take RANK/LOCAL_RANK/WORLD_SIZE from SLURM."""
     if "RANK" not in os.environ and "SLURM_STEP_ID" in os.environ:
@@ -149,8 +149,10 @@ def rank_env_from_slurm() -> None:
                           WORLD_SIZE=os.environ["SLURM_NTASKS"])
 
 
-def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto") -> TrainResult:
-    """Train ``cfg`` in ``run_dir`` on this rank (``resume``: auto, none, or a checkpoint directory)."""
+def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopSignal | None = None) -> TrainResult:
+    """Train ``cfg`` in ``run_dir`` on this rank (``resume``: auto, none, or a checkpoint directory; ``stop``: the
+    handler the caller installed first thing, else one installed now)."""
+    stop = stop or StopSignal()
     rank_env_from_slurm()
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     layout, ds_config = preflight(cfg, world)
@@ -160,7 +162,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto") -> TrainRes
 
     run = RunDir(run_dir)
     if rank == 0:  # rank 0 creates what is missing; then every rank loads it
-        run.save_config(cfg)
+        run.path.mkdir(parents=True, exist_ok=True)
         _run_assets(run, cfg)
     dist.barrier()
     tokenizer, table, compression, shards = _run_assets(run, cfg)
@@ -188,12 +190,18 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto") -> TrainRes
     vocab_rows = model.vocab.tables.num_rows
     trainer = build_trainer(cfg, model, groups, ds_config, layout)
     del model
+    scalars = ScalarCollectives()
+    if scalars.any(stop.received)[0]:  # signalled during start-up: nothing trained yet, so nothing to save
+        if rank == 0:
+            tqdm.write("stopped by a signal during start-up; nothing to save")
+        return TrainResult(preempted=True)
 
     reader_args = dict(
         seq_len=cfg.data.seq_len, tokenizer_fingerprint=tokens_fingerprint(vocabulary(tokenizer)),
         seed=cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else cfg.train.seed,
         dp_rank=groups.dp_rank, dp_size=groups.dp, shuffle_window=cfg.data.shuffle_window,
         on_bad_shard=cfg.data.on_bad_shard, verify_checksums=cfg.data.verify_checksums,
+        allow_pipe=cfg.data.allow_pipe,
     )
     reader = ShardReader(shards, **reader_args)
     has_val = "val" in reader.manifest["splits"]
@@ -201,22 +209,24 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto") -> TrainRes
     start = 0
     if resume_from is not None:
         client = checkpointer.load(trainer.engine, resume_from)
+        check_same_optimizer(client["config"]["optimizer"], cfg, path)
         start = client["step"]
         reader.load_state_dict(client["reader"])
         if rank == 0:
             tqdm.write(f"resumed from {path} at step {start}" + (" (converted to this layout)" if universal else ""))
+    if rank == 0:  # only now: a config that a checkpoint refused never reaches config.yaml
+        run.save_config(cfg)
 
     t = cfg.train
     tokens_per_step = t.global_batch_size * cfg.data.seq_len
     flops_per_token = forward_flops(cfg.model, cfg.data.seq_len, vocab_rows).train
-    scalars = ScalarCollectives()
     peak = scalars.from_rank0(total_peak_flops(
         t.peak_tflops, device, torch.bfloat16 if t.dtype == "bf16" else torch.float32, world) if rank == 0 else 0.0)
 
     eval_batches = max(1, t.eval_sequences // (t.micro_batch_size * layout.dp))
     end = min(t.stop_at_step or t.max_steps, t.max_steps)
     logger = MetricsLogger(run.path, resume_step=start) if rank == 0 else None
-    result, stop, clock = TrainResult(), StopSignal(), SaveClock(t.checkpoint_minutes)
+    result, clock = TrainResult(), SaveClock(t.checkpoint_minutes)
     progress = tqdm(range(start, end), desc="train", unit="step", dynamic_ncols=True, initial=start,
                     total=t.max_steps, disable=None if rank == 0 else True)
     for step in progress:

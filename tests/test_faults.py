@@ -1,0 +1,87 @@
+"""Faults a user runs into: bad values, refused resumes, hostile data paths, signals during start-up.
+
+Each case ends in a clear error (exit 2, the problem and the fix named, no traceback) or in correct behaviour,
+and nothing already saved is lost.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from mhf_dist.cli import main
+from mhf_dist.config import ConfigError, load_config
+from train_utils import run_cli, train_args, train_run
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.seed=-1", "train.seed: Input should be greater than or equal to 0"),
+    ("optimizer.betas=[2,-1]", "optimizer.betas[0]=2.0 is outside [0, 1)"),
+    ("optimizer.betas=[0.9,-0.1]", "optimizer.betas[1]=-0.1 is outside [0, 1)"),
+    ("optimizer.eps=-1e-8", "optimizer.eps: Input should be greater than 0"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay: Input should be greater than or equal to 0"),
+])
+def test_out_of_range_values_name_the_field(override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        load_config("tiny-h4b16k", overrides=[override])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--preset", "tiny-h4b16k", "--run-dir", "R", "--nproc-per-node", "0"], "must be at least 1, got 0"),
+    (["train", "--preset", "tiny-h4b16k", "--run-dir", "R", "--nproc-per-node", "-2"], "must be at least 1, got -2"),
+    (["submit", "--preset", "tiny-h4b16k", "--cluster", "cpu-local", "--run-dir", "R", "--grace", "-5"],
+     "--grace: must be at least 1, got -5"),
+])
+def test_out_of_range_options_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_missing_data_path_is_named_before_start_up(tmp_path):
+    out = run_cli(["train", "--preset", "tiny-h4b16k", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"),
+                   "--set", "data.path=data/nowhere"], expect_rc=2, timeout=120)
+    assert "data.path=data/nowhere: no such directory" in out and "Traceback" not in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_refused_resume_leaves_the_run_as_it_was(tmp_path, data):
+    run = tmp_path / "run"
+    train_run(tmp_path, data, "run", 1, "parallel.zero_stage=1", steps=2)
+    saved = (run / "config.yaml").read_text()
+    out = run_cli(train_args(run, data, 1, "parallel.zero_stage=1", "model.ffn_dim=128", steps=4), expect_rc=2)
+    assert "is of another model (model.ffn_dim: checkpoint 192, config 128)" in out
+    out = run_cli(train_args(run, data, 1, "parallel.zero_stage=1", "optimizer.lr=0.01", steps=4), expect_rc=2)
+    assert "other optimizer settings (optimizer.lr: checkpoint 0.002, config 0.01)" in out
+    assert (run / "config.yaml").read_text() == saved  # neither refused config was recorded
+
+    # export takes the model's shapes from the checkpoint, whatever config.yaml says
+    edited = yaml.safe_load(saved)
+    edited["model"]["ffn_dim"] = 128
+    (run / "config.yaml").write_text(yaml.safe_dump(edited))
+    run_cli(["export", str(run), "--out", str(tmp_path / "export")])
+    assert yaml.safe_load((tmp_path / "export/config.yaml").read_text())["model"]["ffn_dim"] == 192
+
+
+def test_signal_during_start_up_exits_for_requeue_without_a_checkpoint(tmp_path):
+    # no data.path: rank 0 trains a tokenizer and prepares the embedded corpus while rank 1 waits, so the signal
+    # lands in the middle of start-up
+    run = tmp_path / "run"
+    args = ["train", "--preset", "tiny-h4b16k", "--nproc-per-node", "2", "--run-dir", str(run),
+            "--set", "model.hash.num_buckets=256", "--set", "tokenizer.vocab_size=512", "--set", "train.max_steps=3",
+            "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=2"]
+    proc = subprocess.Popen([sys.executable, "-m", "mhf_dist", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while not (run / "tokenizer").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)  # the launcher forwards it to both ranks
+    out = proc.communicate(timeout=300)[0].decode()
+    assert proc.returncode == 85, out[-3000:]
+    assert "stopped by a signal during start-up; nothing to save" in out
+    assert not list(run.glob("checkpoints/step-*"))
