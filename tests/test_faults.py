@@ -16,7 +16,7 @@ import yaml
 
 from mhf_dist.cli import main
 from mhf_dist.config import ConfigError, load_config
-from train_utils import run_cli, train_args, train_run
+from train_utils import metrics, run_cli, train_args, train_run
 
 
 @pytest.mark.parametrize("override, message", [
@@ -56,9 +56,7 @@ def test_refused_resume_leaves_the_run_as_it_was(tmp_path, data):
     saved = (run / "config.yaml").read_text()
     out = run_cli(train_args(run, data, 1, "parallel.zero_stage=1", "model.ffn_dim=128", steps=4), expect_rc=2)
     assert "is of another model (model.ffn_dim: checkpoint 192, config 128)" in out
-    out = run_cli(train_args(run, data, 1, "parallel.zero_stage=1", "optimizer.lr=0.01", steps=4), expect_rc=2)
-    assert "other optimizer settings (optimizer.lr: checkpoint 0.002, config 0.01)" in out
-    assert (run / "config.yaml").read_text() == saved  # neither refused config was recorded
+    assert (run / "config.yaml").read_text() == saved  # the refused config was not recorded
 
     # export takes the model's shapes from the checkpoint, whatever config.yaml says
     edited = yaml.safe_load(saved)
@@ -66,6 +64,20 @@ def test_refused_resume_leaves_the_run_as_it_was(tmp_path, data):
     (run / "config.yaml").write_text(yaml.safe_dump(edited))
     run_cli(["export", str(run), "--out", str(tmp_path / "export")])
     assert yaml.safe_load((tmp_path / "export/config.yaml").read_text())["model"]["ffn_dim"] == 192
+
+
+def test_optimizer_changes_on_resume_are_applied_and_logged(tmp_path, data):
+    from mhf_dist.train.optim import lr_factor
+
+    run = tmp_path / "run"
+    train_run(tmp_path, data, "run", 1, "parallel.zero_stage=1", "train.stop_at_step=2", steps=4)
+    out = run_cli(train_args(run, data, 1, "parallel.zero_stage=1", "optimizer.lr=0.01", steps=4))
+    assert "changed on resume, from step 3: optimizer.lr: 0.002 -> 0.01" in out
+    cfg = load_config("tiny-h4b16k", overrides=["optimizer.lr=0.01"]).optimizer
+    logged = {r["step"]: r["lr"] for r in metrics(run)}
+    assert logged[3] == pytest.approx(0.01 * lr_factor(2, cfg, 4)) and logged[4] == pytest.approx(
+        0.01 * lr_factor(3, cfg, 4))
+    assert yaml.safe_load((run / "config.yaml").read_text())["optimizer"]["lr"] == 0.01
 
 
 def test_signal_during_start_up_exits_for_requeue_without_a_checkpoint(tmp_path):

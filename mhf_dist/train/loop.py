@@ -20,7 +20,6 @@ lr, grad norm, tokens/s, TFLOP/s, MFU, memory) and shows the progress bar.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -50,6 +49,7 @@ from mhf_dist.tokenizers import vocabulary
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
 from mhf_dist.train.engine import build_trainer, device_type, preflight
 from mhf_dist.train.metrics import MetricsLogger
+from mhf_dist.train.optim import apply_optimizer_changes
 from mhf_dist.train.preemption import StopSignal
 from mhf_dist.train.throughput import memory_gb, total_peak_flops
 
@@ -131,17 +131,6 @@ def load_init_weights(model: torch.nn.Module, path: Path) -> None:
                               "use weights exported from a run with the same model config") from e
 
 
-def check_same_optimizer(saved: dict, cfg: RunConfig, path: Path) -> None:
-    """A resumed run continues the checkpoint's optimizer and LR schedule, so it must ask for the same settings."""
-    ours = json.loads(cfg.optimizer.model_dump_json())
-    differ = sorted(k for k in ours if ours[k] != saved.get(k))
-    if differ:
-        details = "; ".join(f"optimizer.{k}: checkpoint {saved.get(k)!r}, config {ours[k]!r}" for k in differ)
-        raise CheckpointError(f"checkpoint {path} was trained with other optimizer settings ({details}); resume with "
-                              "the checkpoint's settings, or start a new run from its weights (mhf-dist export, then "
-                              "train.init_from)")
-
-
 def rank_env_from_slurm() -> None:
     """Inside an ``srun`` step, each task is one rank: take RANK/LOCAL_RANK/WORLD_SIZE from SLURM."""
     if "RANK" not in os.environ and "SLURM_STEP_ID" in os.environ:
@@ -209,8 +198,11 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopS
     start = 0
     if resume_from is not None:
         client = checkpointer.load(trainer.engine, resume_from)
-        check_same_optimizer(client["config"]["optimizer"], cfg, path)
         start = client["step"]
+        for change in apply_optimizer_changes(trainer.engine, client["config"]["optimizer"], cfg.optimizer,
+                                              cfg.train.max_steps):
+            if rank == 0:
+                tqdm.write(f"changed on resume, from step {start + 1}: {change}")
         reader.load_state_dict(client["reader"])
         if rank == 0:
             tqdm.write(f"resumed from {path} at step {start}" + (" (converted to this layout)" if universal else ""))

@@ -32,3 +32,23 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, max_steps: int
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, max_steps))
     return optimizer, scheduler
+
+
+def apply_optimizer_changes(engine, saved: dict, cfg: OptimizerConfig, max_steps: int) -> list[str]:
+    """After a resume, the config's optimizer settings where they differ from the checkpoint's (``saved``, its
+    ``optimizer`` section): the LR schedule continues from the restored step with the new values, and Adam's
+    betas, eps and weight decay apply from the next step (``grad_clip`` is DeepSpeed's, set from the config at
+    start). Returns one line per change, for the log."""
+    ours = cfg.model_dump(mode="json")
+    changed = [f"optimizer.{k}: {saved.get(k)!r} -> {v!r}" for k, v in ours.items() if saved.get(k) != v]
+    if not changed:
+        return []
+    scheduler = engine.lr_scheduler
+    scheduler.base_lrs = [cfg.lr] * len(scheduler.base_lrs)
+    lr = cfg.lr * lr_factor(scheduler.last_epoch, cfg, max_steps)
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for group in {id(g): g for g in [*inner.param_groups, *scheduler.optimizer.param_groups]}.values():
+        group.update(lr=lr, betas=cfg.betas, eps=cfg.eps)
+        if group["weight_decay"]:  # the decayed group (matrices and tables); the other stays at 0
+            group["weight_decay"] = cfg.weight_decay
+    return changed
