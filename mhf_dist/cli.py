@@ -14,6 +14,7 @@ from mhf_dist.engram_compression import CompressionError
 from mhf_dist.signatures import SignatureError
 from mhf_dist.tokenizers import TokenizerError
 from mhf_dist.train.checkpoint import PREEMPTED_EXIT_CODE, CheckpointError
+from mhf_dist.train.divergence import TrainingDiverged
 
 
 def positive_int(text: str) -> int:
@@ -401,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, SignatureError, CompressionError, TokenizerError, DataError, CheckpointError,
-            HFImportError) as e:
+            HFImportError, TrainingDiverged) as e:
         print(f"mhf-dist: {e}", file=sys.stderr)
         return 2
 

@@ -247,6 +247,14 @@ class TrainConfig(_Strict):
         None, gt=0, description="also save when this many minutes passed since the last save (or the start), "
         "decided together by all ranks; None: by steps only")
     keep_checkpoints: int = Field(3, ge=1, description="complete checkpoints kept (older ones are deleted)")
+    on_nonfinite: Literal["stop", "warn"] = Field(
+        "stop", description="a step whose loss or gradient norm is NaN/inf: stop the run after "
+        "train.max_nonfinite_steps of them in a row (exit 2, nothing saved after the last finite step), or only warn; "
+        "a checkpoint is never saved from non-finite weights either way")
+    max_nonfinite_steps: int = Field(3, ge=1, description="consecutive non-finite steps that stop the run")
+    spike_factor: float | None = Field(
+        None, gt=1, description="warn (and count loss_spikes in metrics) when a step's loss exceeds this multiple of "
+        "the median of the last 50 finite losses; None: no spike detection")
     stop_at_step: int | None = Field(
         None, ge=1, description="save and end at this step; the LR schedule still follows max_steps"
     )

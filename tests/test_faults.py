@@ -97,3 +97,22 @@ def test_signal_during_start_up_exits_for_requeue_without_a_checkpoint(tmp_path)
     assert proc.returncode == 85, out[-3000:]
     assert "stopped by a signal during start-up; nothing to save" in out
     assert not list(run.glob("checkpoints/step-*"))
+
+
+def test_a_diverged_run_stops_and_saves_no_nonfinite_checkpoint(tmp_path, data):
+    run = tmp_path / "run"
+    args = train_args(run, data, 1, "parallel.zero_stage=1", "optimizer.lr=1e12", "train.checkpoint_interval=1",
+                      steps=8)
+    out = run_cli(args, expect_rc=2)
+    assert "was not finite for 3 steps in a row (steps 2-4)" in out and "Traceback" not in out
+    records = metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and records[-1]["nonfinite_steps"] == 3
+    assert all("skipped_steps" in r for r in records)
+    saved = sorted(p.parent.name for p in run.glob("checkpoints/step-*/complete.json"))
+    assert saved == ["step-00000001"]  # the only step whose loss and weights were finite
+
+    # warn: the run goes on to the end, and still saves nothing that is not finite
+    out = run_cli(train_args(tmp_path / "warn", data, 1, "parallel.zero_stage=1", "optimizer.lr=1e12",
+                             "train.on_nonfinite=warn", steps=4))
+    assert "warning: step 2: loss" in out and "warning: not saving step 4 (end)" in out
+    assert not list((tmp_path / "warn").glob("checkpoints/step-*"))

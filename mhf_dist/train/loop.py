@@ -47,6 +47,7 @@ from mhf_dist.run_dir import RunDir
 from mhf_dist.signatures import tokens_fingerprint
 from mhf_dist.tokenizers import vocabulary
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
+from mhf_dist.train.divergence import LossWatch
 from mhf_dist.train.engine import build_trainer, device_type, preflight
 from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.optim import apply_optimizer_changes
@@ -129,6 +130,12 @@ def load_init_weights(model: torch.nn.Module, path: Path) -> None:
     except Exception as e:  # truncated file, or weights of another architecture
         raise CheckpointError(f"train.init_from: {path} cannot initialise this model ({e}); "
                               "use weights exported from a run with the same model config") from e
+
+
+def weights_finite(engine, scalars: ScalarCollectives) -> bool:
+    """Whether every rank's parameters (its ZeRO-3 partition, or its whole stage) hold only finite values."""
+    bad = any(not torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in engine.module.parameters())
+    return not scalars.any(bad)[0]
 
 
 def rank_env_from_slurm() -> None:
@@ -218,47 +225,59 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopS
     eval_batches = max(1, t.eval_sequences // (t.micro_batch_size * layout.dp))
     end = min(t.stop_at_step or t.max_steps, t.max_steps)
     logger = MetricsLogger(run.path, resume_step=start) if rank == 0 else None
-    result, clock = TrainResult(), SaveClock(t.checkpoint_minutes)
+    result, clock, watch = TrainResult(), SaveClock(t.checkpoint_minutes), LossWatch(t)
     progress = tqdm(range(start, end), desc="train", unit="step", dynamic_ncols=True, initial=start,
                     total=t.max_steps, disable=None if rank == 0 else True)
-    for step in progress:
-        lr = trainer.lr
-        began = time.perf_counter()
-        stats = trainer.train_step(reader)
-        elapsed = time.perf_counter() - began
-        last = step + 1 == end
-        record = {}
-        if step == 0 or (step + 1) % t.log_interval == 0 or last:
-            tokens_per_s = tokens_per_step / elapsed
-            record = {
-                "loss": stats.loss, "head_losses": stats.head_losses, "lr": lr,
-                "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * flops_per_token / 1e12,
-                "mfu": tokens_per_s * flops_per_token / peak, "memory_gb": memory_gb(device),
-            } | ({"grad_norm": stats.grad_norm} if stats.grad_norm is not None else {})
-        if has_val and ((t.eval_interval and (step + 1) % t.eval_interval == 0) or last):
-            with ShardReader(shards, split="val", **reader_args) as val:
-                val_loss, val_nll = trainer.evaluate(val, eval_batches)
-            record |= {"val_loss": val_loss, "val_p_inf_nll": val_nll, "val_ppl": float(np.exp(val_nll))}
-        if record and rank == 0:
-            logger.log(step + 1, record)
-            result.records.append({"step": step + 1, **record})
-            tqdm.write(f"step {step + 1:>6} | " + " | ".join(
-                f"{k} {v:.4g}" for k, v in record.items() if k in ("loss", "val_ppl", "lr", "tokens_per_s", "mfu")))
-        result.preempted, time_due = scalars.any(stop.received, clock.due)
-        reason = ("signal" if result.preempted else "end" if step + 1 == end else
-                  "interval" if t.checkpoint_interval and (step + 1) % t.checkpoint_interval == 0 else
-                  "time" if time_due else None)
-        if reason:
-            save_began = time.perf_counter()
-            saved = checkpointer.save(trainer.engine, step + 1, (step + 1) * tokens_per_step, reader.state_dict(),
-                                      reason)
-            clock.reset()
-            if rank == 0:
-                tqdm.write(f"saved {saved} ({reason}, {time.perf_counter() - save_began:.1f} s)")
-        if result.preempted:
-            break
-    reader.close()
-    if logger:
-        logger.close()
+    try:
+        for step in progress:
+            lr = trainer.lr
+            began = time.perf_counter()
+            stats = trainer.train_step(reader)
+            elapsed = time.perf_counter() - began
+            for warning in watch.observe(step + 1, stats.loss, stats.grad_norm):
+                if rank == 0:
+                    tqdm.write(f"warning: {warning}")
+            last = step + 1 == end
+            record = {}
+            if step == 0 or (step + 1) % t.log_interval == 0 or last:
+                tokens_per_s = tokens_per_step / elapsed
+                record = {
+                    "loss": stats.loss, "head_losses": stats.head_losses, "lr": lr,
+                    "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * flops_per_token / 1e12,
+                    "mfu": tokens_per_s * flops_per_token / peak, "memory_gb": memory_gb(device),
+                    "nonfinite_steps": watch.nonfinite_steps, "skipped_steps": trainer.engine.skipped_steps,
+                } | ({"grad_norm": stats.grad_norm} if stats.grad_norm is not None else {}) | (
+                    {"loss_spikes": watch.loss_spikes} if t.spike_factor is not None else {})
+            if has_val and ((t.eval_interval and (step + 1) % t.eval_interval == 0) or last):
+                with ShardReader(shards, split="val", **reader_args) as val:
+                    val_loss, val_nll = trainer.evaluate(val, eval_batches)
+                record |= {"val_loss": val_loss, "val_p_inf_nll": val_nll, "val_ppl": float(np.exp(val_nll))}
+            if record and rank == 0:
+                logger.log(step + 1, record)
+                result.records.append({"step": step + 1, **record})
+                tqdm.write(f"step {step + 1:>6} | " + " | ".join(
+                    f"{k} {v:.4g}" for k, v in record.items() if k in ("loss", "val_ppl", "lr", "tokens_per_s", "mfu")))
+            watch.stop_if_diverged()
+            result.preempted, time_due = scalars.any(stop.received, clock.due)
+            reason = ("signal" if result.preempted else "end" if step + 1 == end else
+                      "interval" if t.checkpoint_interval and (step + 1) % t.checkpoint_interval == 0 else
+                      "time" if time_due else None)
+            if reason and not (watch.finite(stats.loss, stats.grad_norm) and weights_finite(trainer.engine, scalars)):
+                if rank == 0:
+                    tqdm.write(f"warning: not saving step {step + 1} ({reason}): its loss or weights are not finite; "
+                               f"the newest checkpoint, {checkpointer.latest()}, stays the one to resume from")
+            elif reason:
+                save_began = time.perf_counter()
+                saved = checkpointer.save(trainer.engine, step + 1, (step + 1) * tokens_per_step, reader.state_dict(),
+                                          reason)
+                clock.reset()
+                if rank == 0:
+                    tqdm.write(f"saved {saved} ({reason}, {time.perf_counter() - save_began:.1f} s)")
+            if result.preempted:
+                break
+    finally:
+        reader.close()
+        if logger:
+            logger.close()
     dist.barrier()
     return result
