@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from mhf_dist.config import ConfigError, load_config, preset_names
 from mhf_dist.data.prepare import DataError
 from mhf_dist.engram_compression import CompressionError
+from mhf_dist.run_lock import RunDirLocked
 from mhf_dist.signatures import SignatureError
 from mhf_dist.tokenizers import TokenizerError
 from mhf_dist.train.checkpoint import PREEMPTED_EXIT_CODE, CheckpointError
@@ -49,6 +53,8 @@ def _load(args) -> "RunConfig":  # noqa: F821
 
 def cmd_train(args) -> int:
     cfg = _load(args)  # validate before starting any rank
+    if Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
+        raise ConfigError(f"--run-dir {args.run_dir} is a file; name a directory (it is created if missing)")
     if args.nproc_per_node and "RANK" not in os.environ:
         from mhf_dist.launch import launch_local
         from mhf_dist.train.engine import preflight
@@ -127,8 +133,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    import json
-
     from mhf_dist.evaluate import last_word_accuracy, perplexity
     from mhf_dist.inference import load_for_inference
 
@@ -248,6 +252,7 @@ def cmd_prepare_data(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mhf-dist", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model (run under torchrun for many ranks, or use --nproc-per-node)")
@@ -402,9 +407,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, SignatureError, CompressionError, TokenizerError, DataError, CheckpointError,
-            HFImportError, TrainingDiverged) as e:
+            HFImportError, TrainingDiverged, RunDirLocked) as e:
+        if args.debug:
+            raise
         print(f"mhf-dist: {e}", file=sys.stderr)
         return 2
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, yaml.YAMLError) as e:  # unreadable or malformed files
+        if args.debug:
+            raise
+        print(f"mhf-dist: {_describe(e)} (--debug shows where)", file=sys.stderr)
+        return 2
+
+
+def _describe(e: Exception) -> str:
+    if isinstance(e, OSError) and e.filename:
+        return f"{e.strerror or type(e).__name__}: {e.filename}" + (f" -> {e.filename2}" if e.filename2 else "")
+    return f"{type(e).__name__}: {e}"
 
 
 if __name__ == "__main__":

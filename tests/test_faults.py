@@ -116,3 +116,51 @@ def test_a_diverged_run_stops_and_saves_no_nonfinite_checkpoint(tmp_path, data):
                              "train.on_nonfinite=warn", steps=4))
     assert "warning: step 2: loss" in out and "warning: not saving step 4 (end)" in out
     assert not list((tmp_path / "warn").glob("checkpoints/step-*"))
+
+
+def test_a_second_job_on_a_run_directory_is_refused(tmp_path, data):
+    import json
+    import os
+    import socket
+
+    run = tmp_path / "run"
+    run.mkdir()
+    live = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": None, "started": "earlier"}
+    (run / "lock.json").write_text(json.dumps(live))  # this test process stands in for a live job
+    out = run_cli(train_args(run, data, 2, steps=2), expect_rc=2)
+    assert f"is in use by process {os.getpid()} on {socket.gethostname()}" in out and "Traceback" not in out
+    assert not (run / "config.yaml").exists() and not (run / "checkpoints").exists()
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (run / "lock.json").write_text(json.dumps(live | {"pid": gone.pid}))  # a job that died without releasing it
+    out = run_cli(train_args(run, data, 2, steps=2))
+    assert f"taking over the lock of {run}: process {gone.pid}" in out
+    assert not (run / "lock.json").exists()  # released at the end
+
+
+def test_unreadable_inputs_are_named_not_traced(tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert main(["train", "--preset", "tiny-h4b16k", "--run-dir", str(a_file)]) == 2
+    assert f"--run-dir {a_file} is a file" in capsys.readouterr().err
+    (tmp_path / "bad.yaml").write_text("model: [unclosed")
+    assert main(["config", "--config", str(tmp_path / "bad.yaml")]) == 2
+    assert "cannot read config file" in capsys.readouterr().err
+    assert main(["tokenizer", "train", "--input", str(tmp_path / "missing.txt"), "--vocab-size", "300",
+                 "--out", str(tmp_path / "tok")]) == 2
+    err = capsys.readouterr().err
+    assert "missing.txt" in err and "--debug shows where" in err
+    with pytest.raises(OSError):
+        main(["--debug", "tokenizer", "train", "--input", str(tmp_path / "missing.txt"), "--vocab-size", "300",
+              "--out", str(tmp_path / "tok")])
+
+
+def test_a_cut_short_metrics_line_does_not_block_resume_or_status(tmp_path, data):
+    run = tmp_path / "run"
+    train_run(tmp_path, data, "run", 1, "parallel.zero_stage=1", "train.stop_at_step=2", steps=3)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "loss": 1')  # a crash mid-write
+    assert "step       2 / 3" in run_cli(["status", str(run)])
+    run_cli(train_args(run, data, 1, "parallel.zero_stage=1", steps=3))
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3]

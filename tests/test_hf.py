@@ -157,6 +157,23 @@ def test_import_lists_signature_differences(exported, tmp_path):
     assert "num_lsh=2" in run_cli(["import-hf", str(src), "--run-dir", str(tmp_path / "lsh")], expect_rc=2)
 
 
+def test_import_refuses_broken_model_directories(exported, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(exported["mhf"], src)
+    good = json.loads((src / "config.json").read_text())
+    cases = [("{", "config.json is not valid JSON"),
+             (json.dumps({k: v for k, v in good.items() if k != "hidden_size"}), "config.json lacks hidden_size"),
+             (json.dumps(good | {"intermediate_size": 128}), "do not fit its config.json")]
+    for i, (text, message) in enumerate(cases):
+        (src / "config.json").write_text(text)
+        out = run_cli(["import-hf", str(src), "--run-dir", str(tmp_path / f"run{i}")], expect_rc=2)
+        assert message in out and "Traceback" not in out, out
+        assert not (tmp_path / f"run{i}" / "config.yaml").exists()
+    assert "weights (192, 64), config (128, 64)" in out
+
+
 def test_eval_perplexity_and_last_word_under_p_inf(trained, exported, data, tmp_path):
     lambada = REPO / "tools/lm_eval/lambada_local.jsonl"
     run_cli(["eval", "--model", str(exported["mhf"]), "--data", str(data["shards"]), "--max-sequences", "6",

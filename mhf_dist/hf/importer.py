@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from mhf_dist.config import ConfigError, RunConfig, apply_override, deep_merge
 from mhf_dist.hf.export import RUN_CONFIG
 from mhf_dist.hf.layout import HFImportError, from_export
+from mhf_dist.model import build_model
 from mhf_dist.run_dir import RunDir
 from mhf_dist.signatures import HASH_VERSION, SignatureTable
 from mhf_dist.tokenizers import load_tokenizer, vocabulary
@@ -58,6 +59,37 @@ def read_weights(src: Path) -> dict[str, torch.Tensor]:
             raise HFImportError(f"{src / name} is missing: copy every shard the index lists")
         state |= load_file(str(src / name))
     return state
+
+
+REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+def read_config(path: Path) -> dict:
+    """``config.json``, checked to be JSON and to name the architecture."""
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFImportError(f"{path} is not valid JSON ({e}); copy or export the model again") from None
+    missing = [k for k in REQUIRED_KEYS if not isinstance(config, dict) or k not in config]
+    if missing:
+        raise HFImportError(f"{path} lacks {', '.join(missing)}: it is not a complete Qwen3 / qwen3_hashformer "
+                            "config; copy or export the model again")
+    return config
+
+
+def check_shapes(cfg: RunConfig, vocab_size: int, codes: torch.Tensor | None, state: dict[str, torch.Tensor],
+                 src: Path) -> None:
+    """The weights must be exactly the parameters of the model ``config.json`` describes."""
+    with torch.device("meta"):  # shapes only: no memory for a multi-billion-parameter model
+        expected = {k: v.shape for k, v in build_model(cfg.model, vocab_size, codes).state_dict().items()}
+    problems = [f"{k}: weights {tuple(state[k].shape)}, config {tuple(shape)}" for k, shape in expected.items()
+                if k in state and state[k].shape != shape]
+    problems += [f"{k}: missing from the weights" for k in expected if k not in state]
+    problems += [f"{k}: not a parameter of this model" for k in state if k not in expected]
+    if problems:
+        raise HFImportError(f"the weights in {src} do not fit its config.json ({'; '.join(problems[:5])}"
+                            f"{'; ...' if len(problems) > 5 else ''}): the files come from different models; copy "
+                            "or export the model again")
 
 
 def model_config_from_hf(config: dict) -> dict:
@@ -130,7 +162,7 @@ def import_hf(src: str | Path, run_dir: str | Path, overrides: list[str] = ()) -
         raise HFImportError(f"{src} has no config.json: pass a Hugging Face model directory")
     if run.config_path.exists() or (run.path / "checkpoints").exists():
         raise HFImportError(f"{run.path} already holds a run; import into a new run directory")
-    config = json.loads((src / "config.json").read_text())
+    config = read_config(src / "config.json")
     tokenizer = load_tokenizer(src)
     tokens, vocab_size = vocabulary(tokenizer), len(tokenizer)
 
@@ -164,6 +196,7 @@ def import_hf(src: str | Path, run_dir: str | Path, overrides: list[str] = ()) -
         state["vocab.tables.weight"] = torch.cat([weight, weight.new_zeros(1, rows - weight.shape[1], weight.shape[2])],
                                                  dim=1)
 
+    check_shapes(cfg, vocab_size, table.codes if table is not None else None, state, src)
     tokenizer.save_pretrained(run.tokenizer_dir)
     if table is not None:
         table.save(run.signatures_dir)

@@ -20,6 +20,7 @@ lr, grad norm, tokens/s, TFLOP/s, MFU, memory) and shows the progress bar.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import random
@@ -44,6 +45,7 @@ from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.plan import apply_tensor_parallel
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.run_dir import RunDir
+from mhf_dist.run_lock import RunDirLocked, RunLock
 from mhf_dist.signatures import tokens_fingerprint
 from mhf_dist.tokenizers import vocabulary
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
@@ -132,6 +134,22 @@ def load_init_weights(model: torch.nn.Module, path: Path) -> None:
                               "use weights exported from a run with the same model config") from e
 
 
+def take_lock(run_path: Path, rank: int, scalars: ScalarCollectives) -> None:
+    """Rank 0 takes the run directory's lock (released when the process exits, errors included); every rank stops
+    if another job holds it."""
+    refused = None
+    if rank == 0:
+        lock = RunLock(run_path)
+        try:
+            if (warning := lock.acquire()) is not None:
+                tqdm.write(f"warning: {warning}")
+            atexit.register(lock.release)
+        except RunDirLocked as e:
+            refused = e
+    if scalars.any(refused is not None)[0]:
+        raise refused or RunDirLocked(f"{run_path} is in use by another job (rank 0 names it)")
+
+
 def weights_finite(engine, scalars: ScalarCollectives) -> bool:
     """Whether every rank's parameters (its ZeRO-3 partition, or its whole stage) hold only finite values."""
     bad = any(not torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in engine.module.parameters())
@@ -155,8 +173,10 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopS
     device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
     init_distributed(device)
     groups = ParallelGroups.create(layout.tp, layout.pp)
+    scalars = ScalarCollectives()
 
     run = RunDir(run_dir)
+    take_lock(run.path, rank, scalars)
     if rank == 0:  # rank 0 creates what is missing; then every rank loads it
         run.path.mkdir(parents=True, exist_ok=True)
         _run_assets(run, cfg)
@@ -173,6 +193,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopS
     resume_from, universal = None, False
     if (path := _resume_path(resume, checkpointer)) is not None:
         resume_from, universal = checkpointer.for_this_layout(path)
+        checkpointer.continue_from(path)  # newer checkpoints (an abandoned line) are set aside
         if universal:
             ds_config = ds_config | {"checkpoint": {"load_universal": True}}
 
@@ -186,7 +207,6 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopS
     vocab_rows = model.vocab.tables.num_rows
     trainer = build_trainer(cfg, model, groups, ds_config, layout)
     del model
-    scalars = ScalarCollectives()
     if scalars.any(stop.received)[0]:  # signalled during start-up: nothing trained yet, so nothing to save
         if rank == 0:
             tqdm.write("stopped by a signal during start-up; nothing to save")

@@ -8,10 +8,13 @@ logged to TensorBoard one scalar per element (``head_losses/0``, ...).
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -23,8 +26,8 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path, resume_step: int = 0):
         self.path = Path(run_dir) / METRICS_FILE
         if resume_step and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            kept = [r for r in _records(self.path) if r["step"] <= resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.writer = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR), purge_step=resume_step + 1 if resume_step else None)
 
     def log(self, step: int, values: dict) -> None:
@@ -42,6 +45,18 @@ class MetricsLogger:
         self.writer.close()
 
 
+def _records(path: Path) -> list[dict]:
+    """The records of a metrics file; a line cut short by a crash mid-write is left out with a warning."""
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if line.strip():
+                log.warning("%s line %d is incomplete (a write cut short); leaving it out", path, number)
+    return records
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return _records(path) if path.exists() else []

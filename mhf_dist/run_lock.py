@@ -1,0 +1,109 @@
+"""One job per run directory: ``RUN/lock.json`` names the job that trains in it.
+
+Two jobs in one run directory would overwrite each other's config and
+checkpoints, so rank 0 takes the lock before it writes anything and releases it
+when the run ends. The lock records the host, the process id, the SLURM job id
+(when there is one) and the start time, and a background thread refreshes its
+modification time every :data:`HEARTBEAT_S` seconds. A lock is stale, and
+taken over with a warning, when its process is gone (same host), when it was
+taken by an earlier run of the same SLURM job (a requeue), or when its
+heartbeat stopped more than :data:`STALE_S` seconds ago (a crashed node).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+LOCK_FILE = "lock.json"
+HEARTBEAT_S = 30
+STALE_S = 300
+
+
+class RunDirLocked(RuntimeError):
+    """Another live job trains in this run directory."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _owner() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+class RunLock:
+    def __init__(self, run_path: Path):
+        self.path = Path(run_path) / LOCK_FILE
+        self._stop = threading.Event()
+
+    def stale_reason(self, holder: dict, age_s: float) -> str | None:
+        """Why ``holder``'s lock (heartbeat ``age_s`` seconds ago) no longer holds, or None if it does."""
+        me = _owner()
+        if holder.get("slurm_job_id") and holder.get("slurm_job_id") == me["slurm_job_id"]:
+            return f"it was taken by an earlier run of this SLURM job ({me['slurm_job_id']})"
+        if holder.get("host") == me["host"] and not _alive(int(holder.get("pid", 0))):
+            return f"process {holder.get('pid')} on {me['host']} has exited"
+        if age_s > STALE_S:
+            return f"its heartbeat stopped {age_s / 60:.0f} minutes ago"
+        return None
+
+    def acquire(self) -> str | None:
+        """Take the lock; returns a warning when a stale lock was taken over. Raises :class:`RunDirLocked`."""
+        warning = None
+        try:
+            holder = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            holder = None
+        except (OSError, ValueError):  # a torn write: nobody holds it in a readable way
+            holder = {}
+        if holder is not None:
+            age = time.time() - self.path.stat().st_mtime
+            reason = self.stale_reason(holder, age)
+            if reason is None:
+                job = f", SLURM job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
+                raise RunDirLocked(
+                    f"{self.path.parent} is in use by process {holder.get('pid')} on {holder.get('host')}{job} "
+                    f"(started {holder.get('started')}, alive {age:.0f} s ago): wait for that job, stop it, or use "
+                    f"another --run-dir (a lock counts as stale {STALE_S // 60} minutes after its last heartbeat)")
+            warning = f"taking over the lock of {self.path.parent}: {reason}"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if holder is None:  # exclusive create: of two jobs starting at once, one gets it, the other judges it
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return self.acquire()
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(_owner()))
+        else:
+            tmp = self.path.with_name(f"{LOCK_FILE}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(_owner()))
+            os.replace(tmp, self.path)
+        threading.Thread(target=self._heartbeat, name="run-lock-heartbeat", daemon=True).start()
+        return warning
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        try:
+            if json.loads(self.path.read_text()).get("pid") == os.getpid():
+                self.path.unlink()
+        except (OSError, ValueError):
+            pass
