@@ -125,7 +125,7 @@ def cmd_import_hf(args) -> int:
 def cmd_generate(args) -> int:
     from mhf_dist.inference import generate, load_for_inference
 
-    model, tokenizer = load_for_inference(args.model, args.dtype, args.device)
+    model, tokenizer = load_for_inference(args.model, args.dtype, args.device, args.trust_remote_code)
     ids = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                    args.num_beams, args.seed, args.compile)
     print(args.prompt + tokenizer.decode(ids, skip_special_tokens=True))
@@ -138,7 +138,7 @@ def cmd_eval(args) -> int:
 
     if not (args.data or args.lambada):
         raise ConfigError("nothing to evaluate: pass --data SHARDS and/or --lambada FILE.jsonl")
-    model, tokenizer = load_for_inference(args.model, args.dtype, args.device)
+    model, tokenizer = load_for_inference(args.model, args.dtype, args.device, args.trust_remote_code)
     results = {"model": str(args.model)}
     if args.data:
         results["perplexity"] = perplexity(model, tokenizer, args.data, args.split, args.max_sequences,
@@ -302,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", required=True, help="export-hf directory, or a run / checkpoint directory")
         p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
         p.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
+        p.add_argument("--trust-remote-code", action="store_true",
+                       help="run the model directory's Python files even when they are not this package's own")
 
     p = sub.add_parser("generate", help="generate text under P_inf (greedy, temperature, top-k, top-p, beams)")
     model_options(p)

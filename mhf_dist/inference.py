@@ -11,22 +11,41 @@ registered tokens, with the KV cache.
 from __future__ import annotations
 
 import tempfile
+from importlib import resources
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from mhf_dist.config import ConfigError
 from mhf_dist.export import DTYPES
 
 
-def load_for_inference(path: str | Path, dtype: str = "fp32",
-                       device: str = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def remote_code_is_ours(path: Path) -> bool:
+    """Whether every Python file of a model directory is byte for byte the model code this package exports (so
+    loading it runs nothing but our own code); a directory without Python files needs no remote code."""
+    ours = resources.files("mhf_dist.hf")
+    for f in path.glob("*.py"):
+        mine = ours.joinpath(f.name)
+        if not mine.is_file() or mine.read_bytes() != f.read_bytes():
+            return False
+    return True
+
+
+def load_for_inference(path: str | Path, dtype: str = "fp32", device: str = "cpu",
+                       trust_remote_code: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A model directory's model and tokenizer; its Python files run only when they are this package's own
+    exported code or ``trust_remote_code`` says so."""
     path = Path(path)
     if not (path / "config.json").is_file():  # a run or checkpoint directory
         from mhf_dist.hf.export import export_hf
 
         with tempfile.TemporaryDirectory(prefix="mhf-export-") as tmp:
             return load_for_inference(export_hf(path, Path(tmp) / "model"), dtype, device)
+    if not (trust_remote_code or remote_code_is_ours(path)):
+        raise ConfigError(f"{path} holds Python files that differ from the model code this mhf-dist exports; "
+                          "loading them would run them. Pass --trust-remote-code if you trust their source, or "
+                          "export the model again (mhf-dist export-hf)")
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=DTYPES[dtype],
                                                  local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

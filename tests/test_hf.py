@@ -174,6 +174,23 @@ def test_import_refuses_broken_model_directories(exported, tmp_path):
     assert "weights (192, 64), config (128, 64)" in out
 
 
+def test_only_our_own_model_code_runs_without_trust_remote_code(exported, tmp_path):
+    import shutil
+
+    src = tmp_path / "edited"
+    shutil.copytree(exported["mhf"], src)
+    ran = tmp_path / "ran"
+    with (src / "modeling_multihashformer.py").open("a") as f:
+        f.write(f"\nopen({str(ran)!r}, 'w').close()\n")
+    args = ["generate", "--model", str(src), "--prompt", PROMPT, "--max-new-tokens", "2"]
+    out = run_cli(args, expect_rc=2)
+    assert "differ from the model code this mhf-dist exports" in out and "--trust-remote-code" in out
+    assert not ran.exists()
+    run_cli([*args, "--trust-remote-code"])
+    assert ran.exists()  # the user vouched for it
+    run_cli(["generate", "--model", str(exported["mhf"]), "--prompt", PROMPT, "--max-new-tokens", "2"])  # ours
+
+
 def test_eval_perplexity_and_last_word_under_p_inf(trained, exported, data, tmp_path):
     lambada = REPO / "tools/lm_eval/lambada_local.jsonl"
     run_cli(["eval", "--model", str(exported["mhf"]), "--data", str(data["shards"]), "--max-sequences", "6",
