@@ -14,6 +14,7 @@ import yaml
 from mhf_dist.config import ConfigError, load_config, preset_names
 from mhf_dist.data.prepare import DataError
 from mhf_dist.engram_compression import CompressionError
+from mhf_dist.output_dir import OVERWRITE_HELP
 from mhf_dist.run_lock import RunDirLocked
 from mhf_dist.signatures import SignatureError
 from mhf_dist.tokenizers import TokenizerError
@@ -101,14 +102,14 @@ def cmd_plan(args) -> int:
 def cmd_export(args) -> int:
     from mhf_dist.export import export
 
-    print(f"wrote {export(args.checkpoint, args.out, args.dtype)}")
+    print(f"wrote {export(args.checkpoint, args.out, args.dtype, args.overwrite)}")
     return 0
 
 
 def cmd_export_hf(args) -> int:
     from mhf_dist.hf.export import export_hf
 
-    out = export_hf(args.checkpoint, args.out_dir, args.dtype)
+    out = export_hf(args.checkpoint, args.out_dir, args.dtype, args.overwrite)
     print(f"wrote {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
     return 0
 
@@ -116,7 +117,7 @@ def cmd_export_hf(args) -> int:
 def cmd_import_hf(args) -> int:
     from mhf_dist.hf.importer import import_hf
 
-    report = import_hf(args.dir, args.run_dir, args.overrides)
+    report = import_hf(args.dir, args.run_dir, args.overrides, args.overwrite)
     print(report.summary())
     print(f"continue with: mhf-dist train --run-dir {args.run_dir} --config {Path(args.run_dir) / 'config.yaml'}")
     return 0
@@ -155,7 +156,8 @@ def cmd_eval(args) -> int:
 def cmd_expand_vocab(args) -> int:
     from mhf_dist.expand_vocab import expand_vocab
 
-    print(expand_vocab(args.run_dir, args.tokenizer, args.out, args.trainable_blocks, args.overrides).summary())
+    print(expand_vocab(args.run_dir, args.tokenizer, args.out, args.trainable_blocks, args.overrides,
+                       args.overwrite).summary())
     return 0
 
 
@@ -281,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("export-hf", help="a Hugging Face model directory (authors' layout, SPEC §9) from a "
@@ -288,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")
     p.add_argument("out_dir")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(func=cmd_export_hf)
 
     p = sub.add_parser("import-hf", help="a run directory to continue training from a model in the authors' "
@@ -296,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True, help="new run directory")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override the imported run config, e.g. --set data.path=SHARDS (repeatable)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(func=cmd_import_hf)
 
     def model_options(p):
@@ -337,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "first and last k blocks (the paper's expansion stage); default: everything")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override the new run's config, e.g. --set train.max_steps=1000 (repeatable)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(func=cmd_expand_vocab)
 
     p = sub.add_parser("submit", help="submit a multi-node training job (SLURM, or a hostfile for DeepSpeed's launcher)")

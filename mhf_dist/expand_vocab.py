@@ -25,6 +25,7 @@ from mhf_dist.config import EMBEDDED_CORPUS, ConfigError, RunConfig, apply_overr
 from mhf_dist.export import trained_weights
 from mhf_dist.hf.importer import INIT_WEIGHTS
 from mhf_dist.model import build_model
+from mhf_dist.output_dir import check_target, staged
 from mhf_dist.run_dir import RunDir
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.tokenizers import TokenizerError, load_tokenizer, vocabulary
@@ -66,7 +67,7 @@ def mean_initialised_rows(table: torch.Tensor, old_tok, new_tok, new_ids: range)
 
 
 def expand_vocab(run_dir: str | Path, tokenizer: str | Path, out: str | Path | None = None,
-                 trainable_blocks: int | None = None, overrides: list[str] = ()) -> Expansion:
+                 trainable_blocks: int | None = None, overrides: list[str] = (), overwrite: bool = False) -> Expansion:
     trained = trained_weights(run_dir)
     cfg, state = trained.cfg, dict(trained.state)
     if cfg.model.engram is not None:
@@ -75,9 +76,8 @@ def expand_vocab(run_dir: str | Path, tokenizer: str | Path, out: str | Path | N
     old_tok, new_tok = load_tokenizer(trained.run.tokenizer_source(cfg)), load_tokenizer(tokenizer)
     old_tokens, new_tokens = vocabulary(old_tok), vocabulary(new_tok)
     check_superset(old_tokens, new_tokens)
-    out = RunDir(out or Path(run_dir).with_name(f"{Path(run_dir).name}-vocab{len(new_tokens)}"))
-    if out.config_path.exists():
-        raise ConfigError(f"{out.path} already holds a run; choose another --out")
+    out = RunDir(check_target(out or Path(run_dir).with_name(f"{Path(run_dir).name}-vocab{len(new_tokens)}"),
+                              [run_dir], overwrite))
 
     old_table = SignatureTable.load(trained.run.signatures_dir) if cfg.model.variant == "mhf" else None
     table = old_table.extend(new_tokens[len(old_tokens):]) if old_table is not None else None
@@ -103,12 +103,14 @@ def expand_vocab(run_dir: str | Path, tokenizer: str | Path, out: str | Path | N
     after_model = build_model(new_cfg.model, len(new_tokens), table.codes if table is not None else None)
     after_model.load_state_dict(state)  # the expanded weights fit the expanded model exactly
 
-    new_tok.save_pretrained(out.tokenizer_dir)
-    if table is not None:
-        table.save(out.signatures_dir)
-    (out.path / INIT_WEIGHTS).parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out.path / INIT_WEIGHTS),
-              metadata={"source": str(trained.checkpoint), "expanded_from_vocab": str(len(old_tokens))})
-    out.save_config(new_cfg)
+    with staged(out.path) as tmp:
+        new_run = RunDir(tmp)
+        new_tok.save_pretrained(new_run.tokenizer_dir)
+        if table is not None:
+            table.save(new_run.signatures_dir)
+        (new_run.path / INIT_WEIGHTS).parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(new_run.path / INIT_WEIGHTS),
+                  metadata={"source": str(trained.checkpoint), "expanded_from_vocab": str(len(old_tokens))})
+        new_run.save_config(new_cfg)
     added = after_model.parameter_counts()["total"] - before.parameter_counts()["total"]
     return Expansion(out.path, len(old_tokens), len(new_tokens), added)

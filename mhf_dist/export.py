@@ -11,7 +11,6 @@ and ``expand-vocab``.
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +20,9 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from mhf_dist.config import RunConfig
+from mhf_dist.output_dir import check_target, staged
 from mhf_dist.run_dir import RunDir
-from mhf_dist.train.checkpoint import MARKER, CheckpointError, complete_checkpoints
+from mhf_dist.train.checkpoint import MARKER, CheckpointError, complete_checkpoints, verify_files
 from mhf_dist.train.universal import consolidate
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -51,7 +51,7 @@ class TrainedWeights:
 def trained_weights(checkpoint: str | Path) -> TrainedWeights:
     """The full weights of a checkpoint (or a run directory's newest), merged over every shard."""
     ckpt = resolve_checkpoint(checkpoint)
-    marker = json.loads((ckpt / MARKER).read_text())
+    marker = verify_files(ckpt)  # every file's size and digest, before DeepSpeed's loader reads any
     run = RunDir(ckpt.parent.parent)
     raw = yaml.safe_load(run.config_path.read_text())
     cfg = RunConfig.model_validate(raw | {"model": marker["model"]})  # the shapes the weights were saved with
@@ -61,18 +61,18 @@ def trained_weights(checkpoint: str | Path) -> TrainedWeights:
     return TrainedWeights(ckpt, marker["step"], run, cfg, state)
 
 
-def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
+def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", overwrite: bool = False) -> Path:
+    out = check_target(out, [checkpoint], overwrite)
     trained = trained_weights(checkpoint)
     run, cfg = trained.run, trained.cfg
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in trained.state.items()}, str(out / "model.safetensors"),
-              metadata={"step": str(trained.step), "source": str(trained.checkpoint)})
-    (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    for source in (run.signatures_dir, run.engram_dir):
-        if source.is_dir():
-            shutil.copytree(source, out / source.name, dirs_exist_ok=True)
-    tokenizer = Path(run.tokenizer_source(cfg))
-    if tokenizer.is_dir():
-        shutil.copytree(tokenizer, out / "tokenizer", dirs_exist_ok=True)
+    with staged(out) as tmp:
+        save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in trained.state.items()},
+                  str(tmp / "model.safetensors"), metadata={"step": str(trained.step), "source": str(trained.checkpoint)})
+        (tmp / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        for source in (run.signatures_dir, run.engram_dir):
+            if source.is_dir():
+                shutil.copytree(source, tmp / source.name)
+        tokenizer = Path(run.tokenizer_source(cfg))
+        if tokenizer.is_dir():
+            shutil.copytree(tokenizer, tmp / "tokenizer")
     return out

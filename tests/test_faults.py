@@ -164,3 +164,36 @@ def test_a_cut_short_metrics_line_does_not_block_resume_or_status(tmp_path, data
     assert "step       2 / 3" in run_cli(["status", str(run)])
     run_cli(train_args(run, data, 1, "parallel.zero_stage=1", steps=3))
     assert [r["step"] for r in metrics(run)] == [1, 2, 3]
+
+
+def test_commands_that_write_a_directory_never_lose_a_run(tmp_path, data):
+    run = tmp_path / "run"
+    train_run(tmp_path, data, "run", 1, "parallel.zero_stage=1", steps=2)
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    for argv in (["export-hf", str(run), str(run)], ["export-hf", str(run), str(tmp_path), "--overwrite"],
+                 ["export", str(run), "--out", str(run / "checkpoints"), "--overwrite"]):
+        out = run_cli(argv, expect_rc=2)
+        assert ("source" in out or "holds a run directory" in out) and "Traceback" not in out, out
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # nothing of the run touched
+
+    target = tmp_path / "exported"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    assert "is not empty; choose a new directory, or pass --overwrite" in run_cli(
+        ["export", str(run), "--out", str(target)], expect_rc=2)
+    run_cli(["export", str(run), "--out", str(target), "--overwrite"])
+    assert (target / "model.safetensors").is_file() and not (target / "notes.txt").exists()
+    assert not list(tmp_path.glob(".exported.*"))  # no staging left behind
+
+
+def test_a_failed_prepare_data_leaves_nothing_behind(tmp_path, data):
+    good, binary = tmp_path / "good.txt", tmp_path / "binary.txt"
+    good.write_text("In the beginning was the word.\n\nAnd the word was short.\n")
+    binary.write_bytes(b"\xff\xfe\x00binary\x80")
+    out = tmp_path / "shards"
+    args = ["prepare-data", str(good), "--tokenizer", str(data["tokenizer"]), "--out", str(out), "--seq-len", "8",
+            "--samples-per-shard", "1", "--workers", "1", "--no-progress"]
+    assert "not readable UTF-8 text" in run_cli([*args[:2], str(binary), *args[2:]], expect_rc=2)
+    assert not out.exists() and not list(tmp_path.glob(".shards.*"))
+    run_cli(args)  # the rerun is not refused
+    assert (out / "manifest.json").is_file()

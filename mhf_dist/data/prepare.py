@@ -66,6 +66,7 @@ import numpy as np
 import webdataset as wds
 from tqdm.auto import tqdm
 
+from mhf_dist.output_dir import OVERWRITE_HELP, check_target, staged
 from mhf_dist.signatures import tokens_fingerprint
 from mhf_dist.tokenizers import load_tokenizer, vocabulary
 
@@ -348,7 +349,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", help="text files or globs: .txt (blank-line separated documents) "
                         "or .jsonl (one document per line), optionally .gz")
     parser.add_argument("--tokenizer", required=True, help="tokenizer directory, or mistral-v0.3")
-    parser.add_argument("--out", required=True, help="output directory (new or empty)")
+    parser.add_argument("--out", required=True, help="output directory (new or empty; see --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     parser.add_argument("--seq-len", type=int, required=True, help="model sequence length; samples hold seq_len + 1 ids")
     parser.add_argument("--samples-per-shard", type=int, default=8192, help="samples per tar shard (default 8192)")
     parser.add_argument("--prefix", default="train", help="training shard names: PREFIX-000000.tar ... (default train)")
@@ -360,12 +362,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``mhf-dist prepare-data``: prepare shards and print a summary."""
-    manifest = prepare(
-        args.inputs, args.tokenizer, args.out, seq_len=args.seq_len, samples_per_shard=args.samples_per_shard,
-        prefix=args.prefix, text_field=args.text_field, val_fraction=args.val_fraction, workers=args.workers,
-        progress=args.progress,
-    )
+    """``mhf-dist prepare-data``: prepare shards into a staging directory, renamed to ``--out`` when complete, and
+    print a summary."""
+    sources = [*expand_inputs(args.inputs), *([args.tokenizer] if Path(args.tokenizer).exists() else [])]
+    out = check_target(args.out, sources, args.overwrite)
+    with staged(out) as tmp:
+        manifest = prepare(
+            args.inputs, args.tokenizer, tmp, seq_len=args.seq_len, samples_per_shard=args.samples_per_shard,
+            prefix=args.prefix, text_field=args.text_field, val_fraction=args.val_fraction, workers=args.workers,
+            progress=args.progress,
+        )
     for name, split in manifest["splits"].items():
         print(f"{name}: {split['documents']} documents, {split['samples']} samples of {manifest['sample_tokens']} "
               f"tokens in {len(split['shards'])} shards ({split['dropped_tokens']} trailing tokens dropped)")

@@ -11,12 +11,12 @@ our ``log P_inf``.
 
 The directory also holds the tokenizer, a generation config and
 ``mhf_dist.yaml`` (the run config, so ``import-hf`` restores the run exactly).
-It is written beside ``OUT`` and renamed into place when complete.
+It is written beside ``OUT`` and renamed into place when complete
+(:mod:`mhf_dist.output_dir`).
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ from mhf_dist.export import DTYPES, trained_weights
 from mhf_dist.hf.configuration_multihashformer import MultiHashFormerConfig
 from mhf_dist.hf.layout import EMBED, LM_HEAD, to_export
 from mhf_dist.hf.modeling_multihashformer import MultiHashFormerForCausalLM
+from mhf_dist.output_dir import check_target, staged
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.tokenizers import load_tokenizer
 
@@ -74,7 +75,8 @@ def build_hf_model(cfg: RunConfig, state: dict[str, torch.Tensor], tokenizer,
     return model.eval()
 
 
-def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
+def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", overwrite: bool = False) -> Path:
+    out = check_target(out, [checkpoint], overwrite)
     trained = trained_weights(checkpoint)
     run, cfg = trained.run, trained.cfg
     if cfg.model.engram is not None:
@@ -84,16 +86,11 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "fp32") -> P
     table = SignatureTable.load(run.signatures_dir) if cfg.model.variant == "mhf" else None
     model = build_hf_model(cfg, trained.state, tokenizer, table).to(DTYPES[dtype])
 
-    out = Path(out)
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                     pad_token_id=tokenizer.pad_token_id).save_pretrained(staging)
-    (staging / RUN_CONFIG).write_text(yaml.safe_dump(cfg.model_dump(mode="json") | {"exported_step": trained.step},
+    with staged(out) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp)
+        (tmp / RUN_CONFIG).write_text(yaml.safe_dump(cfg.model_dump(mode="json") | {"exported_step": trained.step},
                                                      sort_keys=False))
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
     return out

@@ -36,6 +36,7 @@ from mhf_dist.config import ConfigError, RunConfig, apply_override, deep_merge
 from mhf_dist.hf.export import RUN_CONFIG
 from mhf_dist.hf.layout import HFImportError, from_export
 from mhf_dist.model import build_model
+from mhf_dist.output_dir import check_target, staged
 from mhf_dist.run_dir import RunDir
 from mhf_dist.signatures import HASH_VERSION, SignatureTable
 from mhf_dist.tokenizers import load_tokenizer, vocabulary
@@ -156,12 +157,11 @@ def imported_table(codes: torch.Tensor, tokens: list[str], num_buckets: int, rul
     return table, differing, shared
 
 
-def import_hf(src: str | Path, run_dir: str | Path, overrides: list[str] = ()) -> ImportReport:
-    src, run = Path(src), RunDir(run_dir)
+def import_hf(src: str | Path, run_dir: str | Path, overrides: list[str] = (), overwrite: bool = False) -> ImportReport:
+    src = Path(src)
     if not (src / "config.json").is_file():
         raise HFImportError(f"{src} has no config.json: pass a Hugging Face model directory")
-    if run.config_path.exists() or (run.path / "checkpoints").exists():
-        raise HFImportError(f"{run.path} already holds a run; import into a new run directory")
+    final = RunDir(check_target(run_dir, [src], overwrite))
     config = read_config(src / "config.json")
     tokenizer = load_tokenizer(src)
     tokens, vocab_size = vocabulary(tokenizer), len(tokenizer)
@@ -169,7 +169,7 @@ def import_hf(src: str | Path, run_dir: str | Path, overrides: list[str] = ()) -
     raw = yaml.safe_load((src / RUN_CONFIG).read_text()) if (src / RUN_CONFIG).is_file() else {}
     raw.pop("exported_step", None)
     raw = deep_merge(raw, {"model": model_config_from_hf(config), "preset": None,
-                           "tokenizer": {"path": str(run.tokenizer_dir.resolve())},
+                           "tokenizer": {"path": str(final.tokenizer_dir.resolve())},
                            "train": {"init_from": INIT_WEIGHTS}})
     for assignment in overrides:
         raw = apply_override(raw, assignment)
@@ -180,7 +180,7 @@ def import_hf(src: str | Path, run_dir: str | Path, overrides: list[str] = ()) -
 
     h = cfg.model.hash.num_hashes if cfg.model.variant == "mhf" else 1
     state, codes = from_export(read_weights(src), h)
-    report = ImportReport(run.path, cfg.model.variant, vocab_size)
+    report = ImportReport(final.path, cfg.model.variant, vocab_size)
     if cfg.model.variant == "mhf":
         if codes is None:
             raise HFImportError(f"{src} has no model.hash_map: the signature table must be saved with the weights")
@@ -197,14 +197,16 @@ def import_hf(src: str | Path, run_dir: str | Path, overrides: list[str] = ()) -
                                                  dim=1)
 
     check_shapes(cfg, vocab_size, table.codes if table is not None else None, state, src)
-    tokenizer.save_pretrained(run.tokenizer_dir)
-    if table is not None:
-        table.save(run.signatures_dir)
-    (run.path / INIT_WEIGHTS).parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.float().contiguous() for k, v in state.items()}, str(run.path / INIT_WEIGHTS),
-              metadata={"source": str(src.resolve())})
-    (run.path / REPORT).write_text(json.dumps(
-        {"source": str(src.resolve()), "differing": report.differing, "shared": report.shared}, indent=1,
-        ensure_ascii=False))
-    run.save_config(cfg)
+    with staged(final.path) as tmp:
+        run = RunDir(tmp)
+        tokenizer.save_pretrained(run.tokenizer_dir)
+        if table is not None:
+            table.save(run.signatures_dir)
+        (run.path / INIT_WEIGHTS).parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.float().contiguous() for k, v in state.items()}, str(run.path / INIT_WEIGHTS),
+                  metadata={"source": str(src.resolve())})
+        (run.path / REPORT).write_text(json.dumps(
+            {"source": str(src.resolve()), "differing": report.differing, "shared": report.shared}, indent=1,
+            ensure_ascii=False))
+        run.save_config(cfg)
     return report
