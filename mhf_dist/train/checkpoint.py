@@ -1,19 +1,48 @@
-"""Checkpoints: atomic, sharded saves and exact resume (preemption and crash safe).
+"""Checkpoints: atomic, sharded, verified saves and exact resume (preemption, crash and disk-full safe).
 
 A checkpoint is ``RUN/checkpoints/step-XXXXXXXX/``: DeepSpeed's sharded model and
 optimizer files (its ``save_checkpoint``, which also keeps the LR scheduler),
 with our client state inside — step, tokens seen, the data reader's position
 (identical on every rank: the global order does not depend on the rank count),
 run config, signature-table content hash, code version, layout — plus one
-``rng-rank*.pt`` per rank (python, numpy, torch and CUDA generators).
+``rng-rank*.safetensors`` per rank (python, numpy, torch and CUDA generators).
 
-Atomicity: the directory counts only once ``complete.json`` exists in it. Rank 0
-writes that marker after every rank finished writing and the files are fsynced;
-it lists every file with its size, so a missing or truncated shard is found
-before DeepSpeed reads it. ``RUN/checkpoints/latest`` is then replaced
-atomically. A directory without the marker (a rank killed mid-save) is ignored
-by ``--resume auto`` with a warning, so the previous checkpoint stays the one
-resumed. The newest ``train.keep_checkpoints`` complete checkpoints are kept.
+Atomicity and integrity: the directory counts only once ``complete.json``
+exists in it. Each rank fsyncs the files it wrote and takes their SHA-256
+digests (read back from the page cache, the ranks in parallel); rank 0 writes
+the marker after every rank finished, listing every file with its size and
+digest, then replaces ``RUN/checkpoints/latest`` atomically. Before DeepSpeed
+reads a checkpoint, every file's size and digest are checked (the ranks share
+the files), so a missing, truncated or overwritten shard is named instead of
+loaded; checkpoints saved before digests were recorded get the size check only,
+with a warning. A directory without the marker (a rank killed mid-save) is
+ignored with a warning and removed by rank 0 at the next start; a malformed
+marker also counts as incomplete, but that directory is kept (its files may be
+intact). A save that fails on any rank (disk full, file size limit) fails on
+every rank together: the ranks agree on it through an all-reduce, rank 0
+removes the incomplete directory, and a :class:`CheckpointError` names the
+space a checkpoint needs; the previous checkpoint stays the newest.
+
+Lineage: ``--resume auto`` continues from the newest complete checkpoint,
+which is the one ``latest`` names (a warning says when a crash between the two
+writes left them apart). Resuming from an
+older checkpoint abandons the newer ones: before training continues, rank 0
+moves them to ``checkpoints/abandoned/<time>/`` and logs it, so
+``checkpoints/`` holds one line of history and ``latest`` names its head.
+Retention keeps the newest ``train.keep_checkpoints`` of that line, by step,
+and never deletes the checkpoint just written.
+
+Pickle: our own files are read without it — RNG states are safetensors (torch
+and CUDA states) with JSON metadata (python's and numpy's), and checkpoints
+from before that format have their ``rng-rank*.pt`` read with
+``torch.load(weights_only=True)`` (numpy arrays allowed). What still goes
+through pickle is DeepSpeed's own model and optimizer files, with our client
+state inside them: DeepSpeed writes them with ``torch.save`` and reads them
+with its checkpoint engine's ``torch.load(weights_only=False)``, and keeping
+the client state there keeps the step, the scheduler and the data position in
+one atomic write. A checkpoint directory must therefore come from a trusted
+source; the digests guard against corruption, not against someone who can also
+rewrite ``complete.json``.
 
 Resuming under another layout (dp, tp or pp changed) goes through DeepSpeed's
 universal checkpoint (:mod:`mhf_dist.train.universal`): every combination of
@@ -24,34 +53,55 @@ states are not restored then (they belong to the old ranks).
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import logging
 import os
 import random
+import re
+import resource
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save
 
 from mhf_dist import __version__
 from mhf_dist.config import RunConfig
+from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.train.universal import convert_for_layout, universal_info
 
 log = logging.getLogger(__name__)
 
 MARKER = "complete.json"
 LATEST = "latest"
+ABANDONED = "abandoned"  # checkpoints of abandoned lines of training, one folder per resume that abandoned them
+UNIVERSAL = "universal"  # conversions for other layouts
+DIGEST = "sha256"  # hardware-accelerated on current x86 and ARM CPUs, and checkable with sha256sum
+DIGEST_CHUNK = 1 << 20
+DIGEST_THREADS = 4
+RNG_FILE = "rng-rank{:05d}.safetensors"
+LEGACY_RNG_FILE = "rng-rank{:05d}.pt"
+RANK_DIGESTS = "digests-rank{:05d}.json"  # each rank's digests during a save, merged into the marker by rank 0
+MARKER_FIELDS = {"step": int, "tokens": int, "reason": str, "files": dict, "model": dict, "layout": dict}
+STEP_DIR = re.compile(r"step-(\d+)")
 PREEMPTED_EXIT_CODE = 85  # "saved and stopped on a signal; requeue me" (cluster scripts test for it)
 SAVE_PAUSE_ENV = "MHF_DIST_TEST_SAVE_PAUSE"  # seconds to stall mid-save (crash-safety tests)
+SAVE_FAIL_ENV = "MHF_DIST_TEST_SAVE_FAIL_RANK"  # this rank's checkpoint writes fail as on a full disk (fault tests)
+MISSING, WRONG_SIZE, WRONG_DIGEST = 1, 2, 3  # what a file check finds (codes summed over the ranks)
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is incomplete, corrupt, or belongs to another model / signature table."""
+    """A checkpoint is incomplete, corrupt, or belongs to another model / signature table; or a save failed."""
 
 
+# ---------------------------------------------------------------------------------------------------- files
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -68,11 +118,206 @@ def _write_atomic(path: Path, text: str) -> None:
     _fsync(path.parent)
 
 
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a file's content, read in 1 MiB chunks."""
+    digest, chunk = hashlib.new(DIGEST), bytearray(DIGEST_CHUNK)
+    view = memoryview(chunk)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(chunk):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def file_digests(paths: list[Path]) -> list[str]:
+    """The digests of ``paths``, several files at a time (hashing releases the GIL)."""
+    if len(paths) < 2:
+        return [file_digest(p) for p in paths]
+    with ThreadPoolExecutor(min(DIGEST_THREADS, len(paths))) as pool:
+        return list(pool.map(file_digest, paths))
+
+
+# ---------------------------------------------------------------------------------------------------- markers
+def checkpoint_step(path: Path) -> int | None:
+    """The step in a ``step-XXXXXXXX`` directory name (None for other names)."""
+    match = STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def step_directories(directory: Path) -> list[Path]:
+    """The ``step-*`` directories in ``directory``, complete or not, by step."""
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.iterdir() if p.is_dir() and checkpoint_step(p) is not None),
+                  key=checkpoint_step)
+
+
+def _fields_problem(marker) -> str | None:
+    """What makes a parsed marker unusable, or None."""
+    if not isinstance(marker, dict):
+        return "not a JSON object"
+    for key, kind in MARKER_FIELDS.items():
+        if not isinstance(marker.get(key), kind):
+            return f"{key!r} is missing or not of type {kind.__name__}"
+    if "signatures_hash" not in marker:
+        return "'signatures_hash' is missing"
+    files = marker["files"]
+    if not files or not all(isinstance(v, int) and _safe_name(k) for k, v in files.items()):
+        return "'files' must map the checkpoint's file names to their sizes"
+    if not all(isinstance(marker["layout"].get(k), int) for k in ("tp", "pp", "dp")):
+        return "'layout' must give tp, pp and dp"
+    digests = marker.get("digests")
+    if digests is not None and not (isinstance(digests, dict) and digests.keys() == files.keys()
+                                    and all(isinstance(v, str) for v in digests.values())):
+        return "'digests' must give a digest for every file"
+    return None
+
+
+def _safe_name(name: str) -> bool:
+    parts = Path(name).parts
+    return bool(parts) and not Path(name).is_absolute() and ".." not in parts
+
+
+def marker_problem(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint (no marker, or a malformed one), or None when it is."""
+    marker_path = path / MARKER
+    if not marker_path.is_file():
+        return f"no {MARKER}: the save was interrupted"
+    try:
+        problem = _fields_problem(json.loads(marker_path.read_text()))
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        problem = str(e)
+    return f"malformed {MARKER}: {problem}" if problem else None
+
+
+def read_marker(path: Path) -> dict:
+    """A checkpoint's ``complete.json``, checked for every field a load uses."""
+    if (problem := marker_problem(path)) is not None:
+        raise CheckpointError(f"{path} is not a complete checkpoint ({problem}); resume from another one")
+    return json.loads((path / MARKER).read_text())
+
+
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (by step); incomplete ones are reported and skipped."""
+    found = []
+    for path in step_directories(directory):
+        if (problem := marker_problem(path)) is None:
+            found.append(path)
+        else:
+            log.warning("ignoring incomplete checkpoint %s (%s)", path, problem)
+    return found
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """A complete checkpoint's size on disk, from its marker."""
+    return sum(read_marker(path)["files"].values())
+
+
+def file_problems(path: Path, marker: dict, names: list[str]) -> dict[str, int]:
+    """``{name: MISSING | WRONG_SIZE | WRONG_DIGEST}`` for those of ``names`` that differ from what was saved."""
+    problems, to_digest = {}, []
+    for name in names:
+        f = path / name
+        if not f.is_file():
+            problems[name] = MISSING
+        elif f.stat().st_size != marker["files"][name]:
+            problems[name] = WRONG_SIZE
+        elif "digests" in marker:
+            to_digest.append(name)
+    for name, digest in zip(to_digest, file_digests([path / n for n in to_digest])):
+        if digest != marker["digests"][name]:
+            problems[name] = WRONG_DIGEST
+    return problems
+
+
+def describe_problem(path: Path, marker: dict, name: str, problem: int) -> str:
+    if problem == MISSING:
+        return f"checkpoint {path} is missing {name}; copy it back or resume from an older one"
+    if problem == WRONG_SIZE:
+        return (f"checkpoint {path}: {name} has {(path / name).stat().st_size} bytes, {marker['files'][name]} were "
+                "written (truncated or corrupt); resume from an older checkpoint")
+    return (f"checkpoint {path}: {name} does not match its {marker.get('digest_algorithm', DIGEST)} digest in "
+            f"{MARKER} (same size, different content: corrupt); copy it back intact or resume from an older checkpoint")
+
+
+def verify_files(path: Path) -> dict:
+    """The marker of a complete checkpoint whose every file has the size and digest it was saved with (one process
+    checks them all: for tools that read a checkpoint outside training)."""
+    marker = read_marker(path)
+    _warn_if_without_digests(path, marker)
+    problems = file_problems(path, marker, sorted(marker["files"]))
+    if problems:
+        name = min(problems)
+        raise CheckpointError(describe_problem(path, marker, name, problems[name]))
+    return marker
+
+
+def _warn_if_without_digests(path: Path, marker: dict) -> None:
+    if "digests" not in marker:
+        log.warning("checkpoint %s has no content digests (saved by an older version): only file sizes are checked",
+                    path)
+
+
+# ---------------------------------------------------------------------------------------------------- RNG states
+def write_rng_state(path: Path) -> None:
+    """This process's generator states, without pickle: torch's and CUDA's (uint8 tensors) as safetensors, python's
+    and numpy's (integers and a float) as JSON in its metadata."""
+    version, internal, gauss_next = random.getstate()
+    generator, key, pos, has_gauss, cached_gaussian = np.random.get_state()
+    metadata = {"python": json.dumps([version, list(internal), gauss_next]),
+                "numpy": json.dumps([generator, key.tolist(), int(pos), int(has_gauss), float(cached_gaussian)])}
+    tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        tensors |= {f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    path.write_bytes(save(tensors, metadata=metadata))
+
+
+def read_rng_state(path: Path) -> dict:
+    """The states :func:`write_rng_state` wrote, in the form :func:`set_rng_state` takes."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        version, internal, gauss_next = json.loads(metadata["python"])
+        generator, key, pos, has_gauss, cached_gaussian = json.loads(metadata["numpy"])
+        state = {"python": (version, tuple(internal), gauss_next),
+                 "numpy": (generator, np.array(key, dtype=np.uint32), pos, has_gauss, cached_gaussian),
+                 "torch": tensors["torch"]}
+    except Exception as e:  # a damaged header (SafetensorError), missing or malformed states
+        raise CheckpointError(f"{path} is not a readable RNG state ({e}); resume from another checkpoint") from e
+    cuda = sorted((k for k in tensors if k.startswith("cuda.")), key=lambda k: int(k.split(".")[1]))
+    if cuda:
+        state["cuda"] = [tensors[k] for k in cuda]
     return state
+
+
+def read_legacy_rng_state(path: Path) -> dict:
+    """An ``rng-rank*.pt`` of a checkpoint saved before RNG states were safetensors, unpickled with
+    ``weights_only=True``: tensors, tuples and numpy arrays only, so the file cannot run code."""
+    reconstruct = np.array(0).__reduce__()[0]  # numpy.core.multiarray's (numpy 1) or numpy._core's (numpy 2)
+    allowed = [(reconstruct, f"numpy.{core}.multiarray._reconstruct") for core in ("core", "_core")]
+    allowed += [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            state = torch.load(path, weights_only=True)
+        if not (isinstance(state, dict) and {"python", "numpy", "torch"} <= state.keys()):
+            raise ValueError("not a dict of python, numpy and torch states")
+    except Exception as e:  # the unpickler refuses anything else with UnpicklingError, RuntimeError or others
+        raise CheckpointError(
+            f"{path} is not a plain RNG state ({_refusal(e)}), so it was not loaded (unpickling it without "
+            "restrictions could run code from it): resume from a checkpoint from a trusted source") from e
+    return state
+
+
+def _refusal(error: Exception) -> str:
+    """The line of a ``weights_only`` refusal that names what the file holds (not torch's advice to unpickle it)."""
+    lines = str(error).splitlines()
+    named = [line.strip() for line in lines if "GLOBAL" in line or "Unsupported" in line]
+    if named:
+        return named[0][:200]
+    return "refused by the restricted unpickler" if "weights_only" in str(error) else (lines or ["?"])[0][:200]
 
 
 def set_rng_state(state: dict) -> None:
@@ -92,77 +337,242 @@ def _set_adam_steps(engine, step: int) -> None:
             state["step"] = torch.full_like(state["step"], step) if torch.is_tensor(state["step"]) else step
 
 
-def complete_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints, oldest first; incomplete ones are reported and skipped."""
-    if not directory.is_dir():
-        return []
-    found = []
-    for path in sorted(directory.glob("step-*")):
-        if (path / MARKER).is_file():
-            found.append(path)
-        else:
-            log.warning("ignoring incomplete checkpoint %s (no %s: the save was interrupted)", path, MARKER)
-    return found
+# ---------------------------------------------------------------------------------------------------- saving
+class RecordingWriter:
+    """Stands in for DeepSpeed's checkpoint engine during one save. Each file goes through the real engine, then is
+    fsynced and digested; a failed write (DeepSpeed's ``torch.save`` reports a full disk as an OSError or a
+    RuntimeError) is recorded instead of raised, so this rank still joins DeepSpeed's collectives and the ranks can
+    agree on the outcome afterwards. Once one write failed, this rank's later writes are skipped."""
+
+    def __init__(self, engine, rank: int):
+        self.engine = engine
+        self.digests: dict[Path, str] = {}
+        self.error: str | None = None
+        self.injected_failure = os.environ.get(SAVE_FAIL_ENV) == str(rank)
+
+    def save(self, state_dict, path) -> None:
+        self.write(Path(path), lambda p: self.engine.save(state_dict, str(p)))
+
+    def write(self, path: Path, write_file) -> None:
+        if self.error is not None:
+            return
+        try:
+            if self.injected_failure:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            write_file(path)
+            _fsync(path)
+            self.digests[path] = file_digest(path)
+        except (OSError, RuntimeError) as e:
+            log.debug("writing %s failed", path, exc_info=True)
+            self.error = f"writing {path.name} failed ({str(e).strip().splitlines()[0]})"
+
+    def __getattr__(self, name):  # makedirs, create, commit, is_decoupled, ...: the real engine's
+        return getattr(self.engine, name)
 
 
 class Checkpointer:
+    """Saves and loads this run's checkpoints; made on every rank at the start of training, when rank 0 removes the
+    directories that interrupted saves left behind."""
+
     def __init__(self, run_path: Path, cfg: RunConfig, signatures_hash: str | None, layout: dict,
                  param_names: list[str]):
         self.dir = run_path / "checkpoints"
         self.cfg, self.signatures_hash, self.layout = cfg, signatures_hash, layout
         self.universal = universal_info(param_names, cfg.model, layout["tp"], layout["pp"] > 1)
-        self.rank = dist.get_rank()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.scalars = ScalarCollectives()
+        self.verified: set[Path] = set()
+        if self.rank == 0:
+            self._remove_interrupted_saves()
+        dist.barrier()
+
+    def _remove_interrupted_saves(self) -> None:
+        for path in step_directories(self.dir):
+            if not (path / MARKER).exists():
+                log.warning("ignoring incomplete checkpoint %s (no %s: the save was interrupted); removing it",
+                            path, MARKER)
+                shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------ lineage
+    def _latest_name(self) -> str | None:
+        try:
+            return (self.dir / LATEST).read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            return None
 
     def latest(self) -> Path | None:
+        """The checkpoint ``--resume auto`` continues from: the newest complete one, None when there is none. It is
+        the one ``latest`` names, since a resume from an older one sets the newer ones aside; they differ only when a
+        crash fell between a checkpoint's ``complete.json`` and ``latest`` (warned about)."""
         found = complete_checkpoints(self.dir)
+        name = self._latest_name()
+        if found and name != found[-1].name and self.rank == 0:
+            named = f"names {name!r}" if name else "is missing"
+            log.warning("%s %s; resuming from the newest complete checkpoint, %s", self.dir / LATEST, named, found[-1])
         return found[-1] if found else None
+
+    def continue_from(self, resumed: Path) -> None:
+        """Make ``resumed`` the head of this run's line of checkpoints before training continues from it: rank 0
+        moves the run's newer checkpoints (an abandoned line of training, which retention and ``--resume auto``
+        would otherwise mix in) to ``checkpoints/abandoned/<time>/`` and points ``latest`` at ``resumed``."""
+        if self.rank == 0:
+            step = read_marker(resumed)["step"]
+            newer = [p for p in step_directories(self.dir) if checkpoint_step(p) > step]
+            if newer:
+                self._set_aside(newer, f"they are newer than {resumed}, the checkpoint this run continues from")
+            self._point_latest_at(resumed)
+        dist.barrier()
+
+    def _set_aside(self, paths: list[Path], why: str) -> Path:
+        """Move checkpoints (and their conversions for other layouts) into a new ``abandoned/<time>`` folder."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target, n = self.dir / ABANDONED / stamp, 1
+        while target.exists():
+            target, n = self.dir / ABANDONED / f"{stamp}-{n}", n + 1
+        target.mkdir(parents=True)
+        for path in paths:
+            os.replace(path, target / path.name)
+            if (converted := self.dir / UNIVERSAL / path.name).is_dir():
+                (target / UNIVERSAL).mkdir(exist_ok=True)
+                os.replace(converted, target / UNIVERSAL / path.name)
+        log.warning("moved %s to %s: %s (resume from one of them with --resume PATH, or delete them)",
+                    ", ".join(p.name for p in paths), target, why)
+        return target
+
+    def _point_latest_at(self, resumed: Path) -> None:
+        """``latest`` names ``resumed`` when it is one of this run's checkpoints, else this run's newest one."""
+        if resumed.resolve().parent == self.dir.resolve():
+            head = resumed.name
+        else:
+            found = complete_checkpoints(self.dir)
+            head = found[-1].name if found else None
+        if head is None:
+            (self.dir / LATEST).unlink(missing_ok=True)
+        elif self._latest_name() != head:
+            _write_atomic(self.dir / LATEST, head)
+
+    def _retire_old(self, saved: Path) -> None:
+        """Delete the complete checkpoints before the newest ``train.keep_checkpoints`` (``saved`` among them)."""
+        step = checkpoint_step(saved)
+        older = [p for p in complete_checkpoints(self.dir) if checkpoint_step(p) < step]
+        for old in older[: max(0, len(older) - (self.cfg.train.keep_checkpoints - 1))]:
+            try:
+                shutil.rmtree(old)
+            except OSError as e:
+                log.warning("could not delete the old checkpoint %s (%s); delete it by hand", old, e)
 
     # ------------------------------------------------------------------ save
     def save(self, engine, step: int, tokens: int, reader_state: dict, reason: str) -> Path:
-        tag = f"step-{step:08d}"
-        path = self.dir / tag
+        """Write checkpoint ``step`` (every rank calls this); a failure on any rank raises CheckpointError on all."""
+        path = self.dir / f"step-{step:08d}"
         if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)  # leftovers of an interrupted save of this step
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self._clear_for_save(path)
         dist.barrier()
         client = {
             "step": step, "tokens": tokens, "reader": reader_state, "config": self.cfg.model_dump(mode="json"),
             "signatures_hash": self.signatures_hash, "code_version": __version__, "layout": self.layout,
             "universal_checkpoint_info": self.universal,
         }
-        engine.save_checkpoint(str(self.dir), tag=tag, client_state=client, save_latest=False)
-        torch.save(rng_state(), path / f"rng-rank{self.rank:05d}.pt")
+        writer = self._write_files(engine, path, client)
         if os.environ.get(SAVE_PAUSE_ENV):
             time.sleep(float(os.environ[SAVE_PAUSE_ENV]))
-        dist.barrier()
+        if failed := self._ranks_where(writer.error is not None):
+            self._fail_save(path, failed, writer.error)
+        error = None
         if self.rank == 0:
-            files = {}
-            for f in sorted(p for p in path.rglob("*") if p.is_file()):
-                _fsync(f)
-                files[str(f.relative_to(path))] = f.stat().st_size
-            marker = {"step": step, "tokens": tokens, "reason": reason, "files": files, "model": client["config"]["model"],
+            marker = {"step": step, "tokens": tokens, "reason": reason, "model": client["config"]["model"],
                       "signatures_hash": self.signatures_hash, "layout": self.layout, "code_version": __version__}
-            _write_atomic(path / MARKER, json.dumps(marker, indent=1))
-            _write_atomic(self.dir / LATEST, tag)
-            for old in complete_checkpoints(self.dir)[: -self.cfg.train.keep_checkpoints]:
-                shutil.rmtree(old)
-        dist.barrier()
+            error = self._commit(path, marker)
+        if self.scalars.any(error is not None)[0]:
+            self._fail_save(path, [0], error)
         return path
+
+    def _clear_for_save(self, path: Path) -> None:
+        """Rank 0: make room for ``path`` — leftovers of an interrupted save of this step are removed; a directory
+        with a marker (complete, or malformed but perhaps intact) is set aside, never deleted."""
+        if (path / MARKER).exists():
+            self._set_aside([path], "a new save of the same step replaces it")
+        elif path.exists():
+            shutil.rmtree(path)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _write_files(self, engine, path: Path, client: dict) -> RecordingWriter:
+        """This rank's part of the checkpoint: DeepSpeed's files, the RNG state, then the digests of what it wrote."""
+        writer = RecordingWriter(engine.checkpoint_engine, self.rank)
+        engine.checkpoint_engine = writer
+        try:
+            engine.save_checkpoint(str(self.dir), tag=path.name, client_state=client, save_latest=False)
+        finally:
+            engine.checkpoint_engine = writer.engine
+        writer.write(path / RNG_FILE.format(self.rank), write_rng_state)
+        digests = {str(p.relative_to(path)): d for p, d in writer.digests.items() if p.is_relative_to(path)}
+        writer.write(path / RANK_DIGESTS.format(self.rank), lambda p: _write_atomic(p, json.dumps(digests)))
+        return writer
+
+    def _ranks_where(self, flag: bool) -> list[int]:
+        """The ranks on which ``flag`` holds (the same list on every rank)."""
+        raised = [0.0] * self.world
+        raised[self.rank] = float(flag)
+        return [r for r, v in enumerate(self.scalars.sum(raised)) if v]
+
+    def _commit(self, path: Path, marker: dict) -> str | None:
+        """Rank 0, once every rank wrote its files: the marker (every file's size and digest), ``latest``, then
+        retention. Returns what failed, or None."""
+        try:
+            digests = {}
+            for part in sorted(path.glob(RANK_DIGESTS.replace("{:05d}", "*"))):
+                digests |= json.loads(part.read_text())
+                part.unlink()
+            files = sorted(p for p in path.rglob("*") if p.is_file())
+            names = [str(f.relative_to(path)) for f in files]
+            unknown = [f for f, name in zip(files, names) if name not in digests]  # not written through the engine
+            for f in unknown:
+                _fsync(f)
+            digests |= {str(f.relative_to(path)): d for f, d in zip(unknown, file_digests(unknown))}
+            marker |= {"files": {n: f.stat().st_size for n, f in zip(names, files)},
+                       "digest_algorithm": DIGEST, "digests": {n: digests[n] for n in names}}
+            _write_atomic(path / MARKER, json.dumps(marker, indent=1))
+            _write_atomic(self.dir / LATEST, path.name)
+        except (OSError, ValueError) as e:
+            return f"finishing the save failed ({e})"
+        self._retire_old(path)
+        return None
+
+    def _fail_save(self, path: Path, failed: list[int], error: str | None) -> None:
+        """Every rank, after they agreed a save failed: rank 0 removes what was written; all raise the same error."""
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            (self.dir / (LATEST + ".tmp")).unlink(missing_ok=True)
+        dist.barrier()
+        raise CheckpointError(self._failure_message(path, failed, error))
+
+    def _failure_message(self, path: Path, failed: list[int], error: str | None) -> str:
+        ranks = f"rank {failed[0]}" if len(failed) == 1 else "ranks " + ", ".join(map(str, failed))
+        cause = f"{ranks}: {error}" if error else f"{ranks} could not write its part (see its message)"
+        previous = complete_checkpoints(self.dir)
+        if previous:
+            need = f"about {_size(checkpoint_bytes(previous[-1]))} (the size of {previous[-1].name})"
+            resume = f"{previous[-1]} stays the newest checkpoint"
+        else:
+            need, resume = "an unknown amount (the run has no earlier checkpoint to measure)", "the run has none yet"
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        limited = limit != resource.RLIM_INFINITY
+        return (f"could not save checkpoint {path}: {cause}. A checkpoint takes {need}; "
+                f"{_size(shutil.disk_usage(self.dir).free)} are free on its filesystem"
+                + (f", and this process may write files of at most {_size(limit)} (ulimit -f)" if limited else "")
+                + f". The incomplete {path.name} was removed and {resume}: free space (or lower "
+                f"train.keep_checkpoints{', or raise ulimit -f' if limited else ''}), then rerun to resume "
+                "(--resume auto)")
 
     # ------------------------------------------------------------------ load
     def verify(self, path: Path) -> dict:
-        """The checkpoint's marker, after checking it is complete and belongs to this model and vocabulary."""
-        marker_path = path / MARKER
-        if not marker_path.is_file():
-            raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER}); resume from another one")
-        marker = json.loads(marker_path.read_text())
-        for name, size in marker["files"].items():
-            f = path / name
-            if not f.is_file():
-                raise CheckpointError(f"checkpoint {path} is missing {name}; copy it back or resume from an older one")
-            if f.stat().st_size != size:
-                raise CheckpointError(f"checkpoint {path}: {name} has {f.stat().st_size} bytes, {size} were written "
-                                      "(truncated or corrupt); resume from an older checkpoint")
+        """The checkpoint's marker, after checking it is complete, unchanged since it was saved (every file's size
+        and digest, the files shared among the ranks) and of this model and vocabulary. Every rank calls this."""
+        marker = read_marker(path)
+        if self.rank == 0:
+            _warn_if_without_digests(path, marker)
+        self._check_files_together(path, marker)
+        self.verified.add(path)
         if marker["signatures_hash"] != self.signatures_hash:
             raise CheckpointError(
                 f"checkpoint {path} was trained with signature table {str(marker['signatures_hash'])[:12]}, this run "
@@ -175,32 +585,53 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} is of another model ({details}); resume with its config")
         return marker
 
+    def _check_files_together(self, path: Path, marker: dict) -> None:
+        """Each rank checks every world-th file; the ranks sum what they found, so every rank names the same one."""
+        names = sorted(marker["files"])
+        found = file_problems(path, marker, names[self.rank::self.world])
+        codes = self.scalars.sum([float(found.get(n, 0)) for n in names])
+        problems = [(n, int(c)) for n, c in zip(names, codes) if c]
+        if problems:
+            more = f" ({len(problems) - 1} more damaged file(s))" if len(problems) > 1 else ""
+            raise CheckpointError(describe_problem(path, marker, *problems[0]) + more)
+
     def for_this_layout(self, path: Path) -> tuple[Path, bool]:
         """(checkpoint to load, whether it is universal): a checkpoint of another tp/pp/dp layout is converted
-        once by rank 0 into ``checkpoints/universal/<tag>`` (DeepSpeed's universal format), then loaded from there."""
+        once by rank 0 into ``checkpoints/universal/<tag>`` (DeepSpeed's universal format), then loaded from there;
+        a conversion of another checkpoint of the same name (an abandoned line) is redone."""
         marker = self.verify(path)
         if marker["layout"] == self.layout:
             return path, False
-        target = self.dir / "universal" / path.name
-        if self.rank == 0 and not (target / MARKER).is_file():
+        target = self.dir / UNIVERSAL / path.name
+        source = hashlib.new(DIGEST, (path / MARKER).read_bytes()).hexdigest()
+        if self.rank == 0 and not self._converted(target, source):
             shutil.rmtree(target, ignore_errors=True)
             convert_for_layout(path, target, marker["layout"]["pp"] > 1, self.layout["pp"] > 1,
                                self.cfg.model.n_layers)
-            _write_atomic(target / MARKER, json.dumps(marker | {"universal": True, "source": str(path)}, indent=1))
+            _write_atomic(target / MARKER, json.dumps(
+                marker | {"universal": True, "source": str(path), "source_marker": source}, indent=1))
         dist.barrier()
         return target, True
 
+    @staticmethod
+    def _converted(target: Path, source: str) -> bool:
+        if marker_problem(target) is not None:
+            return False
+        return json.loads((target / MARKER).read_text()).get("source_marker") == source
+
     def load(self, engine, path: Path) -> dict:
         """Load model, optimizer, scheduler and (same layout only) this rank's RNG state; returns the client state."""
-        marker = json.loads((path / MARKER).read_text())
-        if not marker.get("universal"):
+        marker = read_marker(path)
+        if not marker.get("universal") and path not in self.verified:
             self.verify(path)
         _, client = engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True)
         if client is None:
             raise CheckpointError(f"DeepSpeed could not load {path}; see the log above")
         if marker.get("universal"):
             _set_adam_steps(engine, client["step"])
-        rng = path / f"rng-rank{self.rank:05d}.pt"
-        if marker["layout"] == self.layout and rng.is_file():
-            set_rng_state(torch.load(rng, weights_only=False))
+        if marker["layout"] == self.layout:
+            if (rng := path / RNG_FILE.format(self.rank)).is_file():
+                set_rng_state(read_rng_state(rng))
+            elif (legacy := path / LEGACY_RNG_FILE.format(self.rank)).is_file():
+                set_rng_state(read_legacy_rng_state(legacy))
         return client
