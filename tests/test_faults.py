@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -197,3 +198,38 @@ def test_a_failed_prepare_data_leaves_nothing_behind(tmp_path, data):
     assert not out.exists() and not list(tmp_path.glob(".shards.*"))
     run_cli(args)  # the rerun is not refused
     assert (out / "manifest.json").is_file()
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of ``rank`` among the launcher's child processes (read from /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(fields[1]) == launcher and f"RANK={rank}".encode() in environ:
+            return int(stat.parent.name)
+    raise LookupError(f"rank {rank} of launcher {launcher} not found")
+
+
+def test_one_rank_killed_mid_save_loses_nothing_saved(tmp_path, data):
+    import os
+
+    reference = train_run(tmp_path, data, "ref", 2, "parallel.zero_stage=1", steps=6)
+    args = train_args(tmp_path / "run", data, 2, "parallel.zero_stage=1", "train.checkpoint_interval=2", steps=6)
+    env = os.environ | {"MHF_DIST_TEST_SAVE_PAUSE": "3"}  # every save stalls before it is marked complete
+    proc = subprocess.Popen([sys.executable, "-m", "mhf_dist", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    ckpts = tmp_path / "run" / "checkpoints"
+    deadline = time.time() + 300
+    while not (ckpts / "step-00000004").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)  # rank 1 alone, mid-save of step 4
+    out = proc.communicate(timeout=300)[0].decode()
+    assert proc.returncode != 0, out[-3000:]  # the launcher stopped rank 0, which waited for rank 1
+    assert (ckpts / "step-00000002" / "complete.json").is_file()
+    assert not (ckpts / "step-00000004" / "complete.json").exists()
+    out = run_cli(args)  # the relaunch cleans the interrupted save and continues from step 2
+    assert "resumed from" in out and "step-00000002" in out
+    assert [r["loss"] for r in metrics(tmp_path / "run")] == [r["loss"] for r in reference]
