@@ -53,7 +53,7 @@ from mhf_dist.train.divergence import LossWatch
 from mhf_dist.train.engine import build_trainer, device_type, preflight
 from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.optim import apply_optimizer_changes
-from mhf_dist.train.preemption import StopSignal
+from mhf_dist.train.preemption import GRACE_ENV, StopSignal
 from mhf_dist.train.throughput import memory_gb, total_peak_flops
 
 
@@ -132,6 +132,16 @@ def load_init_weights(model: torch.nn.Module, path: Path) -> None:
     except Exception as e:  # truncated file, or weights of another architecture
         raise CheckpointError(f"train.init_from: {path} cannot initialise this model ({e}); "
                               "use weights exported from a run with the same model config") from e
+
+
+def log_save(path: Path, reason: str, seconds: float) -> None:
+    """The save and its duration; a warning when it took more than half the job's grace period (the time between
+    SLURM's warning signal and the kill), since a save on that signal might then not finish."""
+    tqdm.write(f"saved {path} ({reason}, {seconds:.1f} s)")
+    grace = float(os.environ.get(GRACE_ENV, "inf"))
+    if seconds > grace / 2:
+        tqdm.write(f"warning: this save took {seconds:.0f} s, more than half the grace period of {grace:.0f} s "
+                   f"between SLURM's warning and the time limit; submit with a longer --grace")
 
 
 def take_lock(run_path: Path, rank: int, scalars: ScalarCollectives) -> None:
@@ -292,7 +302,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopS
                                           reason)
                 clock.reset()
                 if rank == 0:
-                    tqdm.write(f"saved {saved} ({reason}, {time.perf_counter() - save_began:.1f} s)")
+                    log_save(saved, reason, time.perf_counter() - save_began)
             if result.preempted:
                 break
     finally:

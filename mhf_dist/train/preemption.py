@@ -4,12 +4,16 @@ The handler is installed before anything slow starts (imports of the training
 stack, data preparation, the model build), so a signal at any moment of a
 rank's life is noted instead of killing it: the ranks agree on it, save if
 they trained anything, and exit with :data:`PREEMPTED_EXIT_CODE`, which the
-job script answers with a requeue.
+job script answers with a requeue. The job script also tells the ranks the
+grace period (:data:`GRACE_ENV`), so a save that would not fit in it is
+flagged while there is time to act.
 """
 
 from __future__ import annotations
 
 import signal
+
+GRACE_ENV = "MHF_DIST_GRACE_SECONDS"  # set by the job script: seconds between SLURM's warning and the time limit
 
 
 class StopSignal:
