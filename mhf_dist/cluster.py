@@ -1,11 +1,14 @@
 """Cluster profiles (``cluster/<name>.yaml``): hardware and environment of one kind of node.
 
 Used by ``mhf-dist plan`` (memory per rank, fit) and job submission; MFU uses
-``peak_bf16_tflops`` when training on that cluster.
+``peak_bf16_tflops`` when training on that cluster. The named profiles and the
+job templates ship inside the package (``mhf_dist/clusters/``, which the
+repository's ``cluster/`` links to).
 """
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -13,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mhf_dist.config import ConfigError
 
-PROFILE_DIR = Path(__file__).resolve().parents[1] / "cluster"
+PROFILE_DIR = resources.files("mhf_dist") / "clusters"  # named profiles and job templates
 
 
 class ClusterProfile(BaseModel):
@@ -35,7 +38,8 @@ class ClusterProfile(BaseModel):
 def load_profile(name_or_path: str) -> ClusterProfile:
     path = Path(name_or_path) if name_or_path.endswith((".yaml", ".yml")) else PROFILE_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
-        names = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.yaml")))
+        names = ", ".join(sorted(p.name.removesuffix(".yaml") for p in PROFILE_DIR.iterdir()
+                                 if p.name.endswith(".yaml")))
         raise ConfigError(f"cluster profile {name_or_path!r} not found ({path}); use one of {names} or a .yaml path")
     try:
         return ClusterProfile.model_validate(yaml.safe_load(path.read_text()))

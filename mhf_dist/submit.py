@@ -22,6 +22,7 @@ from mhf_dist.cluster import PROFILE_DIR, ClusterProfile
 from mhf_dist.config import ConfigError, RunConfig
 from mhf_dist.train.checkpoint import PREEMPTED_EXIT_CODE
 from mhf_dist.train.engine import preflight
+from mhf_dist.train.preemption import GRACE_ENV
 
 
 def _train_args(run_dir: Path, preset: str | None, config: str | None, overrides: list[str]) -> str:
@@ -41,7 +42,7 @@ def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_d
     """The job script (``kind``: ``sbatch`` or ``hostfile``); the layout is checked against the nodes first."""
     if nodes < 1:
         raise ConfigError(f"--nodes={nodes}: need at least one node")
-    preflight(cfg, nodes * profile.gpus_per_node)  # nodes × ranks per node must fit tp·pp·dp
+    preflight(cfg, nodes * profile.gpus_per_node, data_here=False)  # nodes × ranks per node must fit tp·pp·dp
     run_dir = run_dir.resolve()
     extra = [f"#SBATCH --{key}={value}" for key, value in (
         ("partition", profile.partition), ("account", profile.account),
@@ -54,7 +55,7 @@ def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_d
         setup="\n".join(profile.setup), exports="\n".join(f"export {k}={shlex.quote(v)}" for k, v in profile.env.items()),
         deepspeed_env="\n".join(f"{k}={v}" for k, v in profile.env.items()), hostfile=hostfile,
         master_port=29500, python=shlex.quote(python), train_args=_train_args(run_dir, preset, config, overrides),
-        preempted_exit_code=PREEMPTED_EXIT_CODE,
+        preempted_exit_code=PREEMPTED_EXIT_CODE, grace_env=GRACE_ENV,
     )
     return Template((PROFILE_DIR / f"{kind}.template").read_text()).substitute(values)
 

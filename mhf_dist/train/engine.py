@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import deepspeed
@@ -30,7 +31,7 @@ from mhf_dist.parallel.pipeline import build_pipeline
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.train.optim import build_optimizer
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "deepspeed_configs"
+CONFIG_DIR = resources.files("mhf_dist") / "deepspeed_configs"  # the named configs, shipped in the package
 
 
 @dataclass
@@ -68,7 +69,8 @@ def deepspeed_config(cfg: RunConfig, layout: Layout, device_type: str) -> dict:
     try:
         base = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        available = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.json")))
+        available = ", ".join(sorted(p.name.removesuffix(".json") for p in CONFIG_DIR.iterdir()
+                                     if p.name.endswith(".json")))
         raise ConfigError(f"parallel.deepspeed_config={name!r}: cannot read {path} ({e}); use one of {available} "
                           "or a path to a .json file") from e
     stage = cfg.parallel.zero_stage
@@ -96,10 +98,10 @@ def device_type(cfg: RunConfig) -> str:
     return cfg.train.device
 
 
-def preflight(cfg: RunConfig, world_size: int) -> tuple[Layout, dict]:
-    """Every check before a launch (the data source; what needs the world size), before any rank starts or any
-    collective runs."""
-    check_data_source(cfg)
+def preflight(cfg: RunConfig, world_size: int, data_here: bool = True) -> tuple[Layout, dict]:
+    """Every check before a launch (the data source, on this machine unless ``data_here`` is False; what needs the
+    world size), before any rank starts or any collective runs."""
+    check_data_source(cfg, data_here)
     layout = resolve_layout(cfg, world_size)
     return layout, deepspeed_config(cfg, layout, device_type(cfg))
 
