@@ -64,7 +64,7 @@ def test_mhf_expansion_adds_no_parameters_and_keeps_every_signature(trained, sup
     # Training continues on text with the new tokens (the embedded corpus, re-tokenised into the new run),
     # only the vocabulary side and the final norm trainable (k = 0 blocks).
     run_cli(["train", "--config", str(tmp_path / "expanded/config.yaml"), "--run-dir", str(tmp_path / "expanded"),
-             "--set", "data.path=null", "--set", "train.max_steps=2", "--set", "train.micro_batch_size=4"])
+             "--set", "data.path=embedded", "--set", "train.max_steps=2", "--set", "train.micro_batch_size=4"])
     assert len(metrics(tmp_path / "expanded")) == 2
     after = trained_weights(tmp_path / "expanded").state
     for name, p in old.state_dict().items():
