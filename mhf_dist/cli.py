@@ -11,15 +11,28 @@ from pathlib import Path
 
 import yaml
 
+from mhf_dist import __version__
 from mhf_dist.config import ConfigError, load_config, preset_names
-from mhf_dist.data.prepare import DataError
-from mhf_dist.engram_compression import CompressionError
+from mhf_dist.errors import ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, MhfError
 from mhf_dist.output_dir import OVERWRITE_HELP
-from mhf_dist.run_lock import RunDirLocked
-from mhf_dist.signatures import SignatureError
-from mhf_dist.tokenizers import TokenizerError
-from mhf_dist.train.checkpoint import PREEMPTED_EXIT_CODE, CheckpointError
-from mhf_dist.train.divergence import TrainingDiverged
+
+
+DESCRIPTION = """\
+Distributed training for MultiHashFormer language models: each token is a
+signature of H hash coordinates into H bucket tables instead of an embedding
+row. Tensor, pipeline and ZeRO data parallelism on DeepSpeed; sharded
+checkpoints that resume after preemption; SLURM jobs; export to Hugging Face."""
+
+EXAMPLES = """\
+examples:
+  mhf-dist train --preset tiny-h4b16k --nproc-per-node 2 --run-dir runs/tiny
+  mhf-dist status runs/tiny
+  mhf-dist plan --preset 3b-h4b16k --cluster a100-80g --nodes 4
+  mhf-dist submit --preset 1b-h4b16k --set data.path=/shared/shards --cluster a100-80g --nodes 2 \\
+      --run-dir /shared/runs/1b
+  mhf-dist export-hf runs/tiny runs/tiny-hf && mhf-dist generate --model runs/tiny-hf --prompt "In the beginning"
+
+`mhf-dist COMMAND --help` describes a command's options."""
 
 
 def positive_int(text: str) -> int:
@@ -58,9 +71,10 @@ def cmd_train(args) -> int:
         raise ConfigError(f"--run-dir {args.run_dir} is a file; name a directory (it is created if missing)")
     if args.nproc_per_node and "RANK" not in os.environ:
         from mhf_dist.launch import launch_local
-        from mhf_dist.train.engine import preflight
+        from mhf_dist.parallel.layout import preflight
+        from mhf_dist.train.engine import device_type
 
-        preflight(cfg, args.nproc_per_node)
+        preflight(cfg, args.nproc_per_node, device_type(cfg))
         return launch_local(args.nproc_per_node, _without_option(sys.argv[1:], "--nproc-per-node"))
 
     from mhf_dist.train.preemption import StopSignal
@@ -163,32 +177,38 @@ def cmd_expand_vocab(args) -> int:
 
 def cmd_submit(args) -> int:
     from mhf_dist.cluster import load_profile
-    from mhf_dist.submit import render, submit
+    from mhf_dist.submit import manual_submission_note, render, submit, write_script
 
     cfg, profile, run_dir = _load(args), load_profile(args.cluster), Path(args.run_dir)
+    chosen = {k: getattr(args, k) for k in ("partition", "account", "time", "qos") if getattr(args, k) is not None}
+    profile = profile.model_copy(update=chosen | {"sbatch_args": [*profile.sbatch_args, *args.sbatch_args]})
     kind = "hostfile" if args.hostfile else "sbatch"
     script = render(kind, cfg, profile, args.nodes, run_dir, args.preset, args.config, args.overrides,
-                    grace=args.grace, depends_on=args.depends_on, hostfile=args.hostfile)
+                    grace=args.grace, depends_on=args.depends_on, hostfile=args.hostfile, python=args.python)
     if args.dry_run:
         print(script, end="")
+        if kind == "sbatch":
+            print(manual_submission_note(run_dir), file=sys.stderr)
+        return 0
+    if args.write:
+        path = write_script(script, Path(args.write), run_dir)
+        print(f"wrote {path}; " + (f"submit it with: sbatch {path}" if kind == "sbatch" else f"start it with: bash {path}"))
         return 0
     if kind == "hostfile":
-        path = run_dir.resolve() / "launch.sh"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(script)
+        path = write_script(script, run_dir.resolve() / "launch.sh", run_dir)
         print(f"starting {path}")
         return subprocess.call(["bash", str(path)])
-    job = submit(script, run_dir)
+    job = submit(script, run_dir, profile.name, args.nodes)
     print(f"submitted job {job}; logs: {run_dir.resolve() / 'slurm'}/mhf-{run_dir.resolve().name}-{job}.out; "
           f"progress: mhf-dist status {run_dir}")
     return 0
 
 
 def cmd_status(args) -> int:
-    from mhf_dist.status import status
+    from mhf_dist.status import command_target, show
 
-    print(status(args.run_dir))
-    return 0
+    run_dir, watch = command_target(args.run_dir, args.watch)
+    return show(run_dir, args.json, watch, args.stale_minutes)
 
 
 def cmd_profile(args) -> int:
@@ -253,9 +273,11 @@ def cmd_prepare_data(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mhf-dist", description=__doc__)
+    parser = argparse.ArgumentParser(prog="mhf-dist", description=DESCRIPTION, epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"mhf-dist {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")  # commands without help= are unlisted
 
     p = sub.add_parser("train", help="train a model (run under torchrun for many ranks, or use --nproc-per-node)")
     _add_run_options(p)
@@ -265,10 +287,21 @@ def build_parser() -> argparse.ArgumentParser:
                    f"checkpoint directory; a run stopped by a signal exits with {PREEMPTED_EXIT_CODE}")
     p.set_defaults(func=cmd_train)
 
-    from mhf_dist.data.prepare import add_arguments as add_prepare_arguments
-
     p = sub.add_parser("prepare-data", help="tokenize text into WebDataset shards of packed sequences + manifest")
-    add_prepare_arguments(p)
+    p.add_argument("inputs", nargs="+", help="text files or globs: .txt (blank-line separated documents) "
+                   "or .jsonl (one document per line), optionally .gz")
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory, or mistral-v0.3")
+    p.add_argument("--out", required=True, help="output directory (new or empty; see --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    p.add_argument("--seq-len", type=positive_int, required=True, help="model sequence length; samples hold seq_len + 1 ids")
+    p.add_argument("--samples-per-shard", type=positive_int, default=8192, help="samples per tar shard (default 8192)")
+    p.add_argument("--prefix", default="train", help="training shard names: PREFIX-000000.tar ... (default train)")
+    p.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl inputs")
+    p.add_argument("--val-fraction", type=float, default=0.0,
+                   help="fraction of documents held out (by a hash of their text) into val-*.tar shards")
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
+                   help="tokenizer processes (default: all cores)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=cmd_prepare_data)
 
     p = sub.add_parser("plan", help="parameters, ZeRO model states and activations per rank; does it fit?")
@@ -306,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     def model_options(p):
         p.add_argument("--model", required=True, help="export-hf directory, or a run / checkpoint directory")
         p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-        p.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
+        p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda, cuda:1, ...")
         p.add_argument("--trust-remote-code", action="store_true",
                        help="run the model directory's Python files even when they are not this package's own")
 
@@ -350,14 +383,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True, help="run directory on storage every node sees")
     p.add_argument("--cluster", required=True, help="cluster profile: a100-80g, mi300x, cpu-local or a .yaml path")
     p.add_argument("--nodes", type=positive_int, default=1)
+    p.add_argument("--partition", help="SLURM partition (instead of the profile's)")
+    p.add_argument("--account", help="SLURM account to charge (instead of the profile's)")
+    p.add_argument("--time", help="time limit, e.g. 24:00:00 or 2-00:00:00 (instead of the profile's)")
+    p.add_argument("--qos", help="SLURM quality of service (instead of the profile's)")
+    p.add_argument("--sbatch-arg", dest="sbatch_args", action="append", default=[], metavar="OPTION",
+                   help="one more #SBATCH option, e.g. --sbatch-arg=--constraint=a100 (repeatable)")
+    p.add_argument("--python", help="the Python on the nodes (default: the profile's, else this one)")
     p.add_argument("--grace", type=positive_int, default=120, help="seconds between SLURM's USR1 and the time limit")
     p.add_argument("--depends-on", help="start after this job id ends (afterany)")
     p.add_argument("--hostfile", help="no SLURM: launch with DeepSpeed's launcher over this hostfile")
-    p.add_argument("--dry-run", action="store_true", help="print the job script only")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--dry-run", action="store_true", help="print the job script only")
+    what.add_argument("--write", metavar="FILE", help="write the job script and make its log directory; submit nothing")
     p.set_defaults(func=cmd_submit)
 
-    p = sub.add_parser("status", help="a run's progress: step, tokens, loss, throughput, last checkpoint")
-    p.add_argument("run_dir")
+    from mhf_dist.status import DEFAULT_WATCH_S, STALE_HELP, positive_number
+
+    p = sub.add_parser("status", help="a run's progress: step, loss, throughput, ETA, checkpoint, SLURM job; "
+                       "flags a stalled run", description="Read a run directory (no process needs to run there): "
+                       "step, tokens, loss, tokens/s, MFU, time since the last logged step (STALE past a threshold), "
+                       "ETA, newest complete checkpoint, validation, divergence counters, and the SLURM job of a "
+                       "submitted run (scontrol/sacct when present). Exits 2 if RUN_DIR is not a run directory.")
+    p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="the --run-dir of `mhf-dist train` or `submit`")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (keys listed in mhf_dist/status.py; one line per refresh with --watch)")
+    p.add_argument("--watch", nargs="?", const=str(DEFAULT_WATCH_S), metavar="SECONDS",
+                   help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C")
+    p.add_argument("--stale-minutes", type=positive_number, metavar="MINUTES", help=STALE_HELP)
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("profile", help="tokens/s, MFU, memory and communication per hash configuration and layout")
@@ -402,29 +455,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def main(argv: list[str] | None = None) -> int:
-    from mhf_dist.hf.layout import HFImportError
-
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, SignatureError, CompressionError, TokenizerError, DataError, CheckpointError,
-            HFImportError, TrainingDiverged, RunDirLocked) as e:
+    except MhfError as e:
         if args.debug:
             raise
         print(f"mhf-dist: {e}", file=sys.stderr)
-        return 2
+        return ERROR_EXIT_CODE
     except (OSError, json.JSONDecodeError, UnicodeDecodeError, yaml.YAMLError) as e:  # unreadable or malformed files
         if args.debug:
             raise
         print(f"mhf-dist: {_describe(e)} (--debug shows where)", file=sys.stderr)
-        return 2
+        return ERROR_EXIT_CODE
 
 
 def _describe(e: Exception) -> str:

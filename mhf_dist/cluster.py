@@ -4,19 +4,34 @@ Used by ``mhf-dist plan`` (memory per rank, fit) and job submission; MFU uses
 ``peak_bf16_tflops`` when training on that cluster. The named profiles and the
 job templates ship inside the package (``mhf_dist/clusters/``, which the
 repository's ``cluster/`` links to).
+
+Where the code runs on the nodes: ``python`` (an absolute path on storage every
+node sees; unset: the Python that ran ``submit``), optionally inside a
+container — ``launcher`` is a command prefix for each rank (Apptainer:
+``[apptainer, exec, --nv, IMAGE]``; Enroot: ``[enroot, start, --mount, ..., IMAGE]``)
+and ``srun_args`` are extra ``srun`` options (pyxis: ``--container-image=IMAGE``).
 """
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mhf_dist.config import ConfigError
 
 PROFILE_DIR = resources.files("mhf_dist") / "clusters"  # named profiles and job templates
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def no_control_characters(what: str, value: str) -> str:
+    """``value``, refused when it holds a newline or another control character (it would break a job script)."""
+    if _CONTROL.search(value):
+        raise ConfigError(f"{what}={value!r} contains a control character (newline, tab, ...); remove it")
+    return value
 
 
 class ClusterProfile(BaseModel):
@@ -24,15 +39,52 @@ class ClusterProfile(BaseModel):
 
     name: str
     gpus_per_node: int = Field(ge=1, description="ranks per node (GPUs, or CPU processes)")
+    cores_per_node: int = Field(ge=1, description="CPU cores of one node; each rank gets cores_per_node // gpus_per_node")
+    memory_gb_per_node: float | None = Field(None, gt=0, description="host memory of one node")
     device_memory_gb: float = Field(gt=0)
     peak_bf16_tflops: float | None = Field(None, gt=0, description="dense bf16 peak per device; None: measured")
     backend: str = Field(description="torch.distributed backend: nccl (NCCL or RCCL) or gloo")
     partition: str | None = None
     account: str | None = None
+    qos: str | None = None
     time: str = "24:00:00"
-    cpus_per_task: int = Field(1, ge=1)
+    exclusive: bool = Field(False, description="sbatch --exclusive: whole nodes, shared with no other job")
+    all_memory: bool = Field(False, description="sbatch --mem=0: the job may use all of each node's memory")
+    sbatch_args: list[str] = Field(default_factory=list, description="more #SBATCH options, e.g. --constraint=a100")
+    python: str | None = Field(None, description="Python on the nodes (absolute, or a name inside the container); "
+                               "None: the Python that runs submit, which must be on storage every node sees")
+    launcher: list[str] = Field(default_factory=list, description="command prefix for each rank (containers)")
+    srun_args: list[str] = Field(default_factory=list, description="more srun options (e.g. pyxis --container-image)")
     env: dict[str, str] = Field(default_factory=dict, description="exported in every job")
-    setup: list[str] = Field(default_factory=list, description="shell lines before launch (modules, venv, container)")
+    setup: list[str] = Field(default_factory=list, description="shell lines before launch (modules, site setup)")
+
+    @property
+    def cpus_per_task(self) -> int:
+        """Cores per rank."""
+        return self.cores_per_node // self.gpus_per_node
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for key in env:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise ValueError(f"env: {key!r} is not a shell variable name")
+        return env
+
+    @field_validator("sbatch_args")
+    @classmethod
+    def _options(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            if not arg.startswith("-"):
+                raise ValueError(f"sbatch_args: {arg!r} is not an option (e.g. --constraint=a100)")
+        return args
+
+    @model_validator(mode="after")
+    def _cores(self) -> "ClusterProfile":
+        if self.cores_per_node < self.gpus_per_node:
+            raise ValueError(f"cores_per_node={self.cores_per_node} is fewer than one core for each of the "
+                             f"gpus_per_node={self.gpus_per_node} ranks: set cores_per_node to the node's CPU cores")
+        return self
 
 
 def load_profile(name_or_path: str) -> ClusterProfile:

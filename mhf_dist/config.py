@@ -17,8 +17,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from mhf_dist.errors import MhfError
 
-class ConfigError(ValueError):
+
+class ConfigError(MhfError, ValueError):
     """A run configuration is invalid; the message names the field and the fix."""
 
 
@@ -230,6 +232,25 @@ class ParallelConfig(_Strict):
     )
 
 
+class WandbConfig(_Strict):
+    """Weights & Biases logging from rank 0 (needs ``pip install 'mhf-dist[wandb]'``): the scalars of
+    ``metrics.jsonl``, with the run config; every start of a run directory logs to the same W&B run."""
+
+    project: str | None = Field(None, min_length=1, description="W&B project; required unless mode is disabled")
+    entity: str | None = Field(None, min_length=1, description="W&B user or team; None: your default entity")
+    name: str | None = Field(None, min_length=1, description="display name; None: the run directory's name")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="offline: write RUN/wandb/ only, upload later with `wandb sync`; disabled: no W&B at all; "
+        "None: the WANDB_MODE environment variable, else online")
+
+    @model_validator(mode="after")
+    def _project(self):
+        if self.project is None and self.mode != "disabled":
+            raise ValueError("a W&B project is required: --set train.wandb.project=NAME (or turn W&B off: "
+                             "--set train.wandb=null)")
+        return self
+
+
 class TrainConfig(_Strict):
     max_steps: int = Field(200, ge=1, description="optimizer steps; the LR schedule always follows it")
     global_batch_size: int = Field(8, ge=1, description="sequences per optimizer step, over all ranks")
@@ -271,6 +292,8 @@ class TrainConfig(_Strict):
     trainable_blocks: int | None = Field(
         None, ge=0, description="train only the vocabulary side (tables, encoder, decoder), the final norm and the "
         "first and last k blocks, as the paper's vocabulary-expansion stage does; None: every parameter")
+    wandb: WandbConfig | None = Field(
+        None, description="log to Weights & Biases too (--set train.wandb.project=NAME turns it on); None: off")
 
     @model_validator(mode="after")
     def _batches(self):

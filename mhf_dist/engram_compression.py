@@ -28,19 +28,22 @@ import re
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
-from mhf_dist.signatures import tokens_fingerprint
+from mhf_dist.errors import MhfError
 from mhf_dist.stored_table import StoredTable, content_hash
-from mhf_dist.tokenizers import vocabulary
+from mhf_dist.token_list import tokens_fingerprint, vocabulary
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 NORMALIZATION_VERSION = "nfkc-stripaccents-lower-collapse-v1"
 _WHITESPACE = re.compile(r"[ \t\r\n]+")
 
 
-class CompressionError(ValueError):
+class CompressionError(MhfError, ValueError):
     """A compression table cannot be built, loaded or matched to its tokenizer."""
 
 

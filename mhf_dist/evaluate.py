@@ -25,8 +25,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mhf_dist.data.reader import ShardReader
-from mhf_dist.signatures import tokens_fingerprint
-from mhf_dist.tokenizers import vocabulary
+from mhf_dist.token_list import tokens_fingerprint, vocabulary
 
 
 @torch.no_grad()

@@ -32,11 +32,13 @@ def remote_code_is_ours(path: Path) -> bool:
     return True
 
 
-def load_for_inference(path: str | Path, dtype: str = "fp32", device: str = "cpu",
+def load_for_inference(path: str | Path, dtype: str = "fp32", device: str = "auto",
                        trust_remote_code: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A model directory's model and tokenizer; its Python files run only when they are this package's own
-    exported code or ``trust_remote_code`` says so."""
+    exported code or ``trust_remote_code`` says so; ``device="auto"`` is the GPU when there is one."""
     path = Path(path)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if not (path / "config.json").is_file():  # a run or checkpoint directory
         from mhf_dist.hf.export import export_hf
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from mhf_dist.train.checkpoint import PREEMPTED_EXIT_CODE
+from mhf_dist.errors import PREEMPTED_EXIT_CODE
 
 
 # torch's CPU allocator backs large tensors with transparent huge pages: the step's fresh gradient and

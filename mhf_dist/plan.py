@@ -2,10 +2,14 @@
 
 The model is built on the meta device (no memory), sharded on paper with the
 tensor-parallel table (:func:`tp_split_dims`) and cut into pipeline stages by
-the same FLOP-balanced partition the engine uses. Model-state memory comes from
-DeepSpeed's estimators (ZeRO-3 when pp = 1, ZeRO-2's for ZeRO-1 plus the
-gradients ZeRO-1 does not partition), with the data-parallel ranks as the
-partition count. Activations per token and layer, in the run's dtype (SDPA
+the same FLOP-balanced cut the engine uses (:mod:`mhf_dist.parallel.stages`).
+Model states per rank, for ``P`` parameters on a stage and ``dp`` data-parallel
+ranks (mixed-precision Adam: 18 bytes per parameter for the 16-bit gradients
+and the fp32 gradients, weights, momentum and variance, plus 2 for the 16-bit
+weights; the byte counts of DeepSpeed's own estimators): ZeRO-3 partitions all
+of it and gathers the largest layer in fp32 (``4·largest + 18·P/dp``); ZeRO-2
+keeps the 16-bit weights whole (``2·P + 18·P/dp``); ZeRO-1 also keeps whole
+16-bit gradients (``+ 2·P·(1 − 1/dp)``). Activations per token and layer, in the run's dtype (SDPA
 keeps no ``S×S`` scores)::
 
     bytes = e · (4d + (2·n_heads·hd + 2·n_kv·hd) / tp + 4·ffn / tp)
@@ -27,17 +31,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from deepspeed.runtime.utils import partition_balanced
-from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from mhf_dist.cluster import ClusterProfile
 from mhf_dist.config import RunConfig
 from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import build_model
-from mhf_dist.model.flops import forward_flops
+from mhf_dist.parallel.layout import deepspeed_config, resolve_layout
+from mhf_dist.parallel.stages import layer_costs, stage_bounds
 from mhf_dist.parallel.state_dict import split_dim, tp_split_dims
-from mhf_dist.train.engine import deepspeed_config, resolve_layout
 
 GB = 2**30
 
@@ -51,6 +52,13 @@ class StagePlan:
     activations_gb: float
     activations_checkpointed_gb: float
     fits: bool
+
+
+def model_state_bytes(zero: int, params: int, largest: int, dp: int) -> float:
+    """Weights, gradients and Adam states per rank under ZeRO stage ``zero`` (see the module docstring)."""
+    if zero == 3:
+        return 4 * largest + 18 * params / dp
+    return 2 * params + 18 * params / dp + (2 * params * (1 - 1 / dp) if zero <= 1 else 0)
 
 
 def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size: int = 32768) -> list[StagePlan]:
@@ -69,9 +77,8 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
 
     vocab_in = params("vocab.tables.") + params("vocab.encoder.")
     vocab_out = params("vocab.tables.") + params("vocab.decoder.")
-    flops = forward_flops(m, cfg.data.seq_len, vocab_rows=model.vocab.tables.num_rows)
-    costs = [flops.vocab_in + 1] + [flops.layer(i) for i in range(m.n_layers)] + [1, flops.vocab_out + 1]
-    parts = partition_balanced(costs, pp) if pp > 1 else [0, len(costs)]
+    costs = layer_costs(m, cfg.data.seq_len, model.vocab.tables.num_rows)
+    parts = stage_bounds(costs, pp)
 
     e = 2 if cfg.train.dtype == "bf16" else 4
     d, hd = m.d_model, m.resolved_head_dim
@@ -93,15 +100,7 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
         total += params("backbone.norm.") if m.n_layers + 1 in layers else 0
         if pp == 1:
             total = sum(per_rank.values())
-        if zero == 3:
-            largest = max(per_rank.values())
-            _, states, _ = estimate_zero3_model_states_mem_needs(total, largest, num_gpus_per_node=dp, num_nodes=1,
-                                                              cpu_offload=False)
-        else:
-            _, states = estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=dp, num_nodes=1,
-                                                              cpu_offload=False)
-            if zero <= 1:
-                states += 2 * total * (1 - 1 / dp)  # ZeRO-1 keeps full 16-bit gradients
+        states = model_state_bytes(zero, total, max(per_rank.values()), dp)
         in_flight = min(pp - s, layout.accum)
         memories = sum(1 for i in layers if i - 1 in m.engram_layers)
         last = decoder if len(costs) - 1 in layers else 0

@@ -19,12 +19,14 @@ import threading
 import time
 from pathlib import Path
 
+from mhf_dist.errors import MhfError
+
 LOCK_FILE = "lock.json"
 HEARTBEAT_S = 30
 STALE_S = 300
 
 
-class RunDirLocked(RuntimeError):
+class RunDirLocked(MhfError, RuntimeError):
     """Another live job trains in this run directory."""
 
 

@@ -16,8 +16,6 @@ content hash that :meth:`SignatureTable.load` verifies.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -28,12 +26,14 @@ import mmh3
 import numpy as np
 import torch
 
+from mhf_dist.errors import MhfError
 from mhf_dist.stored_table import StoredTable, content_hash
+from mhf_dist.token_list import tokens_fingerprint
 
 HASH_VERSION = "mmh3.hash128-unsigned-v1"
 
 
-class SignatureError(ValueError):
+class SignatureError(MhfError, ValueError):
     """A signature table cannot be built, loaded or matched."""
 
 
@@ -45,11 +45,6 @@ STORAGE = StoredTable(what="signature table", array_file="signatures.safetensors
 def bucket_of(token: str, seed: int, num_buckets: int) -> int:
     """One hash coordinate of ``token``: a bucket in ``1..num_buckets-1`` (SPEC §1)."""
     return mmh3.hash128(token, seed=seed) % (num_buckets - 1) + 1
-
-
-def tokens_fingerprint(tokens: Sequence[str]) -> str:
-    """SHA-256 of the ordered token strings: identifies a tokenizer's vocabulary."""
-    return hashlib.sha256(json.dumps(list(tokens), ensure_ascii=False).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

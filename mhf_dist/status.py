@@ -1,43 +1,475 @@
-"""``mhf-dist status RUN_DIR``: a run's progress from its logs (no process needs to be running)."""
+"""``mhf-dist status RUN_DIR``: a run's progress from its files (no process needs to be running).
+
+It reads ``config.yaml``, ``metrics.jsonl``, the complete checkpoints, ``lock.json``
+and ``slurm/jobs.jsonl``, and asks SLURM (``scontrol``, else ``sacct``, each with a
+:data:`SLURM_TIMEOUT_S` limit) for the state of the run's current job when
+those commands exist. It imports neither torch nor numpy, so it starts fast.
+
+``metrics.jsonl`` records hold no wall-clock time, so the time since the last
+logged step is the age of ``metrics.jsonl`` (its modification time), and rates
+come from the logged ``tokens_per_s``: ``seconds_per_step`` is tokens per step
+(``train.global_batch_size × data.seq_len``) over the recent mean tokens/s.
+That rate counts training steps only (not evaluation or checkpoint saves), so
+the ETA is a lower bound. "Recent" means the last :data:`RECENT` logged
+training records.
+
+A run is STALE when it is not finished and nothing was logged for longer than
+``--stale-minutes``; by default max(:data:`STALE_FLOOR_S` s, :data:`STALE_INTERVALS`
+× the recent mean interval between logged records).
+
+``--json`` prints one JSON object per refresh (one line; NaN and infinities as
+null; unknown values are null). Its keys:
+
+- ``run_dir``: absolute path; ``preset``: the config's preset (null: custom or no config.yaml yet)
+- ``checked_at``: Unix time of this report
+- ``step``: last logged step (null: no steps logged yet); ``max_steps``; ``progress``: step / max_steps
+- ``finished``: step ≥ max_steps
+- ``tokens``: tokens seen (step × global batch × sequence length)
+- ``loss``: the last logged loss; ``head_losses``: its per-head losses;
+  ``loss_recent_mean``: mean of the finite losses of the last ``recent_records`` logged training records
+- ``tokens_per_s``, ``mfu``: means over the last ``recent_records`` logged training records
+- ``recent_records``: how many records those means cover
+- ``seconds_per_step``: tokens per step / ``tokens_per_s``
+- ``last_step_age_s``: seconds since ``metrics.jsonl`` was written
+- ``stale_after_s``: the staleness threshold in use; ``stale``: whether the run is STALE
+- ``eta_s``: seconds to ``max_steps`` at ``seconds_per_step`` (0 when finished)
+- ``checkpoint``: newest complete checkpoint, ``{name, path, step, tokens, reason, age_s}``
+  (``age_s`` from its ``complete.json``), or null
+- ``validation``: ``{step, val_loss, val_ppl, ...}``: every ``val_*`` field of the newest record holding any, or null
+- ``nonfinite_steps``, ``skipped_steps``, ``loss_spikes``: the newest logged value of each counter, or null
+- ``slurm``: ``{job_id, state, restarts, source, submitted, cluster, nodes, submissions}`` or null.
+  The job is the last line of ``slurm/jobs.jsonl`` (else ``lock.json``'s ``slurm_job_id``);
+  ``state``/``restarts`` come from ``source`` (``scontrol`` or ``sacct``; null: not known to SLURM or
+  no SLURM commands); ``submissions``: lines in ``jobs.jsonl``
+- ``lock``: ``{host, pid, slurm_job_id, started, heartbeat_age_s, heartbeat_stopped}`` from ``lock.json``
+  (held while a job trains; its age is a heartbeat refreshed every 30 s), or null
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import re
+import shutil
+import subprocess
+import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
 
-from mhf_dist.train.checkpoint import MARKER, complete_checkpoints
-from mhf_dist.train.metrics import read_metrics
+from mhf_dist.config import ConfigError
+from mhf_dist.run_lock import LOCK_FILE, STALE_S
+from mhf_dist.train.checkpoint_index import MARKER, CheckpointError, complete_checkpoints, read_marker
+from mhf_dist.train.metrics import METRICS_FILE, read_metrics
+
+RECENT = 10  # logged training records the means (loss, tokens/s, MFU) cover
+STALE_FLOOR_S = 600.0
+STALE_INTERVALS = 5
+SLURM_TIMEOUT_S = 5.0
+JOBS_FILE = Path("slurm") / "jobs.jsonl"
+COUNTERS = ("nonfinite_steps", "skipped_steps", "loss_spikes")
+DEFAULT_WATCH_S = 10.0
+STALE_HELP = (f"flag the run STALE when nothing was logged for this long (default: max({STALE_FLOOR_S / 60:g} min, "
+              f"{STALE_INTERVALS} x the recent mean interval between logged steps, estimated from tokens/s))")
 
 
-def status(run_dir: str | Path) -> str:
-    run = Path(run_dir)
-    records = read_metrics(run)
-    if not records:
-        return f"{run}: no steps logged yet"
-    cfg = yaml.safe_load((run / "config.yaml").read_text())
-    t = cfg["train"]
-    last = records[-1]
-    recent = records[-10:]
-    tokens_per_step = t["global_batch_size"] * cfg["data"]["seq_len"]
-    lines = [
-        f"run        {run.resolve()} ({cfg.get('preset') or 'custom config'})",
-        f"step       {last['step']} / {t['max_steps']} ({last['step'] / t['max_steps']:.1%}), "
-        f"{last['step'] * tokens_per_step:,} tokens",
-        f"loss       {last['loss']:.4f} (heads {', '.join(f'{h:.3f}' for h in last['head_losses'])})",
-        f"throughput {sum(r['tokens_per_s'] for r in recent) / len(recent):,.0f} tokens/s, "
-        f"MFU {sum(r['mfu'] for r in recent) / len(recent):.1%} (mean of the last {len(recent)} logged steps)",
-    ]
-    if evals := [r for r in records if "val_ppl" in r]:
-        lines.append(f"validation step {evals[-1]['step']}: loss {evals[-1]['val_loss']:.4f}, "
-                     f"perplexity (P_inf) {evals[-1]['val_ppl']:.2f}")
-    ckpts = complete_checkpoints(run / "checkpoints")
-    if ckpts:
-        marker = json.loads((ckpts[-1] / MARKER).read_text())
-        age = time.time() - (ckpts[-1] / MARKER).stat().st_mtime
-        lines.append(f"checkpoint {ckpts[-1].name} ({marker['reason']}, {age / 60:.0f} min ago)")
+@dataclass
+class Checkpoint:
+    name: str
+    path: str
+    step: int
+    tokens: int
+    reason: str
+    age_s: float
+
+
+@dataclass
+class SlurmJob:
+    job_id: str
+    state: str | None
+    restarts: int | None
+    source: str | None
+    submitted: str | None
+    cluster: str | None
+    nodes: int | None
+    submissions: int
+
+
+@dataclass
+class Lock:
+    host: str | None
+    pid: int | None
+    slurm_job_id: str | None
+    started: str | None
+    heartbeat_age_s: float
+    heartbeat_stopped: bool
+
+
+@dataclass
+class RunStatus:
+    run_dir: str
+    preset: str | None
+    checked_at: float
+    step: int | None = None
+    max_steps: int | None = None
+    progress: float | None = None
+    finished: bool = False
+    tokens: int | None = None
+    loss: float | None = None
+    head_losses: list | None = None
+    loss_recent_mean: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    recent_records: int = 0
+    seconds_per_step: float | None = None
+    last_step_age_s: float | None = None
+    stale_after_s: float = STALE_FLOOR_S
+    stale: bool = False
+    eta_s: float | None = None
+    checkpoint: Checkpoint | None = None
+    validation: dict | None = None
+    nonfinite_steps: int | None = None
+    skipped_steps: int | None = None
+    loss_spikes: int | None = None
+    slurm: SlurmJob | None = None
+    lock: Lock | None = None
+
+
+# ---------------------------------------------------------------- reading a run directory
+
+def check_run_dir(run: Path) -> Path:
+    """``run`` if it looks like a run directory; else a :class:`ConfigError` naming the fix."""
+    hint = "give the --run-dir that `mhf-dist train` or `mhf-dist submit` was started with"
+    if not run.exists():
+        raise ConfigError(f"{run} does not exist: {hint}")
+    if not run.is_dir():
+        raise ConfigError(f"{run} is not a directory: {hint}")
+    if not any(p.exists() for p in (run / "config.yaml", run / METRICS_FILE, run / "checkpoints", run / JOBS_FILE,
+                                      run / LOCK_FILE)):
+        raise ConfigError(f"{run} is not a run directory (no config.yaml, {METRICS_FILE}, checkpoints/ or "
+                          f"{JOBS_FILE}): {hint}")
+    return run
+
+
+def read_config(run: Path) -> dict:
+    """The run's ``config.yaml`` as a plain dict ({} before the job wrote it)."""
+    path = run / "config.yaml"
+    if not path.exists():
+        return {}
+    cfg = yaml.safe_load(path.read_text())
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path} is not a run config (a YAML mapping); restore it from a checkpoint's config")
+    return cfg
+
+
+def _mean(values: list) -> float | None:
+    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else None
+
+
+def _int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def newest_checkpoint(run: Path, now: float) -> Checkpoint | None:
+    for path in reversed(complete_checkpoints(run / "checkpoints")):
+        try:
+            marker, written = read_marker(path), (path / MARKER).stat().st_mtime
+        except (CheckpointError, OSError):  # removed or rewritten since it was listed
+            continue
+        return Checkpoint(path.name, str(path), marker["step"], marker["tokens"], marker["reason"],
+                          max(0.0, now - written))
+    return None
+
+
+def latest_validation(records: list[dict]) -> dict | None:
+    for record in reversed(records):
+        values = {k: v for k, v in record.items() if k.startswith("val_")}
+        if values:
+            return {"step": record.get("step"), **values}
+    return None
+
+
+def read_lock(run: Path, now: float) -> Lock | None:
+    path = run / LOCK_FILE
+    try:
+        age = max(0.0, now - path.stat().st_mtime)
+        holder = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):  # a write in progress
+        holder = {}
+    holder = holder if isinstance(holder, dict) else {}
+    job = holder.get("slurm_job_id")
+    return Lock(holder.get("host"), _int(holder.get("pid")), str(job) if job else None, holder.get("started"), age,
+                age > STALE_S)
+
+
+def read_jobs(run: Path) -> list[dict]:
+    """The submissions in ``slurm/jobs.jsonl``, oldest first (unreadable lines left out)."""
+    path = run / JOBS_FILE
+    jobs = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            job = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(job, dict) and job.get("job_id"):
+            jobs.append(job)
+    return jobs
+
+
+# ---------------------------------------------------------------- SLURM
+
+def _command(argv: list[str]) -> str | None:
+    """A command's stdout, or None when it is missing, fails or takes longer than :data:`SLURM_TIMEOUT_S`."""
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def query_slurm(job_id: str) -> tuple[str | None, int | None, str | None]:
+    """(state, restarts, source) of a job: ``scontrol`` while SLURM remembers it, then ``sacct``."""
+    out = _command(["scontrol", "show", "job", "-o", job_id])
+    first = out.strip().splitlines()[0] if out and out.strip() else ""
+    if state := re.search(r"(?:^|\s)JobState=(\S+)", first):
+        restarts = re.search(r"(?:^|\s)Restarts=(\d+)", first)
+        return state.group(1), int(restarts.group(1)) if restarts else None, "scontrol"
+    out = _command(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"])
+    states = [line.split()[0] for line in (out or "").splitlines() if line.strip()]
+    if states:  # e.g. "CANCELLED by 1000"
+        return states[-1], None, "sacct"
+    return None, None, None
+
+
+def slurm_job(run: Path, lock: Lock | None) -> SlurmJob | None:
+    jobs = read_jobs(run)
+    current = jobs[-1] if jobs else {}
+    job_id = current.get("job_id") or (lock.slurm_job_id if lock else None)
+    if not job_id:
+        return None
+    state, restarts, source = query_slurm(str(job_id))
+    return SlurmJob(str(job_id), state, restarts, source, current.get("submitted"), current.get("cluster"),
+                    _int(current.get("nodes")), len(jobs))
+
+
+# ---------------------------------------------------------------- the report
+
+def _from_records(st: RunStatus, records: list[dict], tokens_per_step: int | None) -> list[dict]:
+    """The step, tokens, loss, throughput, validation and counters from ``metrics.jsonl``'s records."""
+    st.step = _int(records[-1].get("step"))
+    training = [r for r in records if "loss" in r]  # a record may hold validation only
+    recent = training[-RECENT:]
+    st.recent_records = len(recent)
+    if training:
+        st.loss, st.head_losses = training[-1]["loss"], training[-1].get("head_losses")
+    st.loss_recent_mean = _mean([r["loss"] for r in recent])
+    st.tokens_per_s = _mean([r.get("tokens_per_s") for r in recent])
+    st.mfu = _mean([r.get("mfu") for r in recent])
+    if st.step is not None and tokens_per_step:
+        st.tokens = st.step * tokens_per_step
+    if st.step is not None and st.max_steps:
+        st.progress, st.finished = st.step / st.max_steps, st.step >= st.max_steps
+    st.validation = latest_validation(records)
+    for key in COUNTERS:
+        setattr(st, key, next((r[key] for r in reversed(records) if key in r), None))
+    return recent
+
+
+def _timing(st: RunStatus, recent: list[dict], tokens_per_step: int | None, log_interval, written: float,
+            stale_minutes: float | None) -> None:
+    """Seconds per step, ETA, and whether the run is stale (``written``: when ``metrics.jsonl`` was written)."""
+    if tokens_per_step and st.tokens_per_s:
+        st.seconds_per_step = tokens_per_step / st.tokens_per_s
+        steps = [r["step"] for r in recent]
+        between = _mean([b - a for a, b in zip(steps, steps[1:])]) or _int(log_interval) or 1
+        if stale_minutes is None:
+            st.stale_after_s = max(STALE_FLOOR_S, STALE_INTERVALS * between * st.seconds_per_step)
+        if st.step is not None and st.max_steps:
+            st.eta_s = (st.max_steps - st.step) * st.seconds_per_step
+    if st.finished:
+        st.eta_s = 0.0
+    st.last_step_age_s = max(0.0, st.checked_at - written)
+    st.stale = not st.finished and st.last_step_age_s > st.stale_after_s
+
+
+def gather(run_dir: str | Path, stale_minutes: float | None = None) -> RunStatus:
+    """Everything ``status`` reports about ``run_dir``; raises :class:`ConfigError` if it is not a run directory."""
+    run = check_run_dir(Path(run_dir))
+    cfg = read_config(run)
+    now = time.time()
+    train, data = cfg.get("train") or {}, cfg.get("data") or {}
+    batch, seq_len = _int(train.get("global_batch_size")), _int(data.get("seq_len"))
+    tokens_per_step = batch * seq_len if batch and seq_len else None
+    st = RunStatus(run_dir=str(run.resolve()), preset=cfg.get("preset"), checked_at=now,
+                   max_steps=_int(train.get("max_steps")))
+    if stale_minutes is not None:
+        st.stale_after_s = stale_minutes * 60
+    if records := read_metrics(run):
+        recent = _from_records(st, records, tokens_per_step)
+        written = (run / METRICS_FILE).stat().st_mtime
+        _timing(st, recent, tokens_per_step, train.get("log_interval"), written, stale_minutes)
+    st.checkpoint = newest_checkpoint(run, now)
+    st.lock = read_lock(run, now)
+    st.slurm = slurm_job(run, st.lock)
+    return st
+
+
+def _finite(value):
+    """``value`` with NaN and infinities replaced by None (strict JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def to_json(st: RunStatus) -> str:
+    return json.dumps(_finite(asdict(st)), allow_nan=False)
+
+
+def duration(seconds: float) -> str:
+    """``45 s``, ``12 min``, ``3 h 05 min``, ``2 d 4 h``."""
+    s = round(seconds)
+    if s < 90:
+        return f"{s} s"
+    minutes = round(s / 60)
+    if minutes < 90:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours} h {minutes:02d} min"
+    days, hours = divmod(hours, 24)
+    return f"{days} d {hours} h"
+
+
+def _number(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) >= 100 else f"{value:.4f}"
+    return str(value)
+
+
+def _line(label: str, text: str) -> str:
+    return f"{label:<10} {text}"
+
+
+def _progress_lines(st: RunStatus) -> list[str]:
+    of = f" / {st.max_steps} ({st.progress:.1%})" if st.max_steps else ""
+    tokens = f", {st.tokens:,} tokens" if st.tokens is not None else ""
+    lines = [_line("step", f"{st.step}{of}{tokens}")]
+    if st.loss is not None:
+        heads = f" (heads {', '.join(_number(h) for h in st.head_losses)})" if st.head_losses else ""
+        mean = f", {_number(st.loss_recent_mean)} mean of the last {st.recent_records} logged steps" if (
+            st.loss_recent_mean is not None) else ""
+        lines.append(_line("loss", f"{_number(st.loss)} last{mean}{heads}"))
+    if st.tokens_per_s is not None:
+        mfu = f", MFU {st.mfu:.1%}" if st.mfu is not None else ""
+        lines.append(_line("throughput", f"{st.tokens_per_s:,.0f} tokens/s{mfu} "
+                                         f"(mean of the last {st.recent_records} logged steps)"))
+    stale = (f"  STALE: nothing logged for over {duration(st.stale_after_s)} (check the job's log)"
+             if st.stale else "")
+    lines.append(_line("last log", f"{duration(st.last_step_age_s)} ago{stale}"))
+    if st.finished:
+        lines.append(_line("ETA", "finished"))
+    elif st.eta_s is not None:
+        lines.append(_line("ETA", f"{duration(st.eta_s)} ({st.max_steps - st.step:,} steps at "
+                                  f"{st.seconds_per_step:.3g} s/step, training time only)"))
+    return lines
+
+
+def _job_lines(st: RunStatus) -> list[str]:
+    lines = []
+    if job := st.slurm:
+        state = job.state or "state unknown (not known to scontrol/sacct, or no SLURM commands here)"
+        restarts = f", {job.restarts} restart{'s' if job.restarts != 1 else ''}" if job.restarts is not None else ""
+        details = ", ".join(str(x) for x in (
+            job.submitted and f"submitted {job.submitted}", job.cluster,
+            job.nodes and f"{job.nodes} node{'s' if job.nodes != 1 else ''}",
+            job.submissions > 1 and f"{job.submissions} submissions") if x)
+        lines.append(_line("slurm", f"job {job.job_id} {state}{restarts}" + (f" ({details})" if details else "")))
+    if lock := st.lock:
+        stopped = f"  (stopped: over {STALE_S // 60} min old)" if lock.heartbeat_stopped else ""
+        lines.append(_line("lock", f"{lock.host} pid {lock.pid}, started {lock.started}, "
+                                   f"heartbeat {duration(lock.heartbeat_age_s)} ago{stopped}"))
+    return lines
+
+
+def render(st: RunStatus) -> str:
+    """The human-readable report."""
+    lines = [_line("run", f"{st.run_dir} ({st.preset or ('custom config' if st.max_steps else 'no config.yaml yet')})")]
+    if st.step is None:
+        lines.append(_line("step", "no steps logged yet" + (f" (of {st.max_steps})" if st.max_steps else "")))
     else:
-        lines.append("checkpoint none yet")
-    return "\n".join(lines)
+        lines += _progress_lines(st)
+    if ck := st.checkpoint:
+        lines.append(_line("checkpoint", f"{ck.name} (step {ck.step}, {ck.reason}, {duration(ck.age_s)} ago)"))
+    else:
+        lines.append(_line("checkpoint", "none yet"))
+    if val := st.validation:
+        lines.append(_line("validation", f"step {val['step']}: " + ", ".join(
+            f"{k} {_number(v)}" for k, v in val.items() if k != "step")))
+    if counters := [f"{k} {getattr(st, k)}" for k in COUNTERS if getattr(st, k) is not None]:
+        lines.append(_line("counters", ", ".join(counters)))
+    return "\n".join(lines + _job_lines(st))
+
+
+def status(run_dir: str | Path, stale_minutes: float | None = None) -> str:
+    return render(gather(run_dir, stale_minutes))
+
+
+# ---------------------------------------------------------------- command line
+
+def positive_number(text: str) -> float:
+    """An argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def command_target(run_dir: str | None, watch: str | None) -> tuple[str, float | None]:
+    """(run directory, refresh seconds or None); accepts ``--watch RUN_DIR`` as ``RUN_DIR --watch``."""
+    seconds = None
+    if watch is not None:
+        try:
+            seconds = positive_number(watch)
+        except argparse.ArgumentTypeError as e:
+            if run_dir is not None:
+                raise ConfigError(f"--watch {watch}: {e}") from None
+            run_dir, seconds = watch, DEFAULT_WATCH_S
+    if run_dir is None:
+        raise ConfigError("status needs a run directory: mhf-dist status RUN_DIR [--watch [SECONDS]]")
+    return run_dir, seconds
+
+
+def show(run_dir: str, as_json: bool = False, watch: float | None = None, stale_minutes: float | None = None) -> int:
+    """Print the report once, or every ``watch`` seconds until Ctrl-C (exit 0)."""
+    report = (lambda: to_json(gather(run_dir, stale_minutes))) if as_json else (
+        lambda: status(run_dir, stale_minutes))
+    if watch is None:
+        print(report())
+        return 0
+    clear = not as_json and sys.stdout.isatty()
+    try:
+        while True:
+            text = report()
+            if clear:
+                text = f"\033[H\033[2J{text}\n\nrefreshing every {watch:g} s; Ctrl-C stops"
+            elif not as_json:
+                text = f"{text}\n"
+            print(text, flush=True)
+            time.sleep(watch)
+    except KeyboardInterrupt:
+        return 0

@@ -8,21 +8,68 @@ reaches every rank itself, the ranks save and exit with 85, and the script
 requeues the job (``--requeue``), which resumes from that checkpoint
 (``--resume auto``). ``scontrol requeue`` or preemption (SIGTERM) goes the same
 way. Without SLURM, ``--hostfile`` renders a script for DeepSpeed's launcher.
+
+The script depends on nothing of the machine or directory it was submitted
+from: it runs in the run directory, names the Python (or container) by an
+absolute path, and every path in the command is made absolute at submit time.
+Every value a user chose is quoted — for the shell with :func:`shlex.quote`,
+in ``#SBATCH`` lines in sbatch's own double quotes — and values that no
+quoting makes safe (control characters; ``"`` or ``\\`` in an ``#SBATCH``
+value; a job id that is not a number) are refused with the reason.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from string import Template
 
-from mhf_dist.cluster import PROFILE_DIR, ClusterProfile
+from mhf_dist.cluster import PROFILE_DIR, ClusterProfile, no_control_characters
 from mhf_dist.config import ConfigError, RunConfig
-from mhf_dist.train.checkpoint import PREEMPTED_EXIT_CODE
-from mhf_dist.train.engine import preflight
+from mhf_dist.errors import PREEMPTED_EXIT_CODE
+from mhf_dist.parallel.layout import preflight
 from mhf_dist.train.preemption import GRACE_ENV
+
+LOG_DIR = "slurm"  # RUN/slurm: job logs, the submitted script, the job ids (jobs.jsonl)
+JOBS_FILE = "jobs.jsonl"
+_JOB_ID = re.compile(r"\d+(_\d+)?")
+_SBATCH_PLAIN = re.compile(r"[A-Za-z0-9_./:%@+,=-]*")
+
+
+def sbatch_quoted(what: str, value: object) -> str:
+    """``value`` as one argument of an ``#SBATCH`` line (sbatch reads these itself, not the shell)."""
+    text = no_control_characters(what, str(value))
+    if _SBATCH_PLAIN.fullmatch(text):
+        return text
+    if '"' in text or "\\" in text:
+        raise ConfigError(f'{what}={text!r}: sbatch cannot read a double quote or backslash in an #SBATCH value; '
+                          "choose a value without them")
+    return f'"{text}"'
+
+
+def _sbatch_option(what: str, arg: str) -> str:
+    """An ``--option[=value]`` from a profile or ``--sbatch-arg`` as an ``#SBATCH`` line."""
+    no_control_characters(what, arg)
+    name, eq, value = arg.partition("=")
+    if not re.fullmatch(r"--?[A-Za-z][A-Za-z0-9-]*", name):
+        raise ConfigError(f"{what}={arg!r} is not an sbatch option (expected e.g. --constraint=a100 or --exclusive)")
+    return f"#SBATCH {name}={sbatch_quoted(what, value)}" if eq else f"#SBATCH {name}"
+
+
+def _absolute_paths(cfg: RunConfig, overrides: list[str]) -> list[str]:
+    """``overrides`` with the run's relative data and tokenizer paths made absolute (relative to this directory,
+    which the job does not run in)."""
+    out = list(overrides)
+    for key, value in (("data.path", cfg.data.shard_dir), ("tokenizer.path", cfg.tokenizer.path)):
+        if value and value != "mistral-v0.3" and "://" not in value and not value.startswith("pipe:") \
+                and not Path(value).is_absolute():
+            out = [o for o in out if not o.startswith(f"{key}=")] + [f"{key}={Path(value).resolve()}"]
+    return out
 
 
 def _train_args(run_dir: Path, preset: str | None, config: str | None, overrides: list[str]) -> str:
@@ -32,41 +79,89 @@ def _train_args(run_dir: Path, preset: str | None, config: str | None, overrides
     if config:
         args += ["--config", str(Path(config).resolve())]
     for o in overrides:
-        args += ["--set", o]
+        args += ["--set", no_control_characters("--set", o)]
     return shlex.join(args)
+
+
+def _python_check(python: str, profile: ClusterProfile) -> str:
+    """A line that stops the job early, with the fix, when the nodes cannot see the Python."""
+    if profile.launcher or profile.srun_args:
+        return ""  # the container brings its own
+    return (f"[ -x {python} ] || {{ echo \"mhf-dist: {python} is not on $(hostname): install mhf-dist on storage "
+            "every node sees, or set python/launcher in the cluster profile\" >&2; exit 2; }")
 
 
 def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, preset: str | None,
            config: str | None, overrides: list[str], *, grace: int = 120, depends_on: str | None = None,
-           hostfile: str | None = None, python: str = sys.executable, workdir: Path | None = None) -> str:
+           hostfile: str | None = None, python: str | None = None) -> str:
     """The job script (``kind``: ``sbatch`` or ``hostfile``); the layout is checked against the nodes first."""
     if nodes < 1:
         raise ConfigError(f"--nodes={nodes}: need at least one node")
-    preflight(cfg, nodes * profile.gpus_per_node, data_here=False)  # nodes × ranks per node must fit tp·pp·dp
-    run_dir = run_dir.resolve()
-    extra = [f"#SBATCH --{key}={value}" for key, value in (
-        ("partition", profile.partition), ("account", profile.account),
-        ("gpus-per-node", profile.gpus_per_node if profile.backend == "nccl" else None),
-        ("dependency", f"afterany:{depends_on}" if depends_on else None)) if value]
+    if grace < 1:
+        raise ConfigError(f"--grace={grace}: the seconds between SLURM's warning signal and the time limit must be > 0")
+    if depends_on is not None and not _JOB_ID.fullmatch(depends_on):
+        raise ConfigError(f"--depends-on={depends_on!r} is not a SLURM job id (a number, e.g. 123456)")
+    if kind == "hostfile" and (profile.launcher or profile.srun_args):
+        raise ConfigError(f"profile {profile.name} runs in a container (launcher/srun_args), which DeepSpeed's "
+                          "hostfile launcher does not start; submit through SLURM, or use a profile without them")
+    preflight(cfg, nodes * profile.gpus_per_node, "cpu" if profile.backend == "gloo" else "cuda", data_here=False)
+    run_dir = Path(no_control_characters("--run-dir", str(run_dir))).resolve()
+    python = no_control_characters("python", python or profile.python or sys.executable)
+    command = shlex.join([*profile.launcher, python, "-m", "mhf_dist"])
+    extra = [_sbatch_option(f"profile {profile.name}: sbatch_args", a) for a in profile.sbatch_args]
+    for key, value in (("partition", profile.partition), ("account", profile.account), ("qos", profile.qos),
+                       ("gpus-per-node", profile.gpus_per_node if profile.backend == "nccl" else None),
+                       ("mem", 0 if profile.all_memory else None),
+                       ("dependency", f"afterany:{depends_on}" if depends_on else None)):
+        if value is not None:
+            extra.append(f"#SBATCH --{key}={sbatch_quoted(key, value)}")
+    if profile.exclusive:
+        extra.append("#SBATCH --exclusive")
     values = dict(
         profile=profile.name, nodes=nodes, tasks_per_node=profile.gpus_per_node, cpus_per_task=profile.cpus_per_task,
-        time=profile.time, job_name=f"mhf-{run_dir.name}", log_dir=run_dir / "slurm", grace=grace,
-        extra_sbatch="\n".join(extra), workdir=shlex.quote(str(workdir or Path.cwd())),
-        setup="\n".join(profile.setup), exports="\n".join(f"export {k}={shlex.quote(v)}" for k, v in profile.env.items()),
-        deepspeed_env="\n".join(f"{k}={v}" for k, v in profile.env.items()), hostfile=hostfile,
-        master_port=29500, python=shlex.quote(python), train_args=_train_args(run_dir, preset, config, overrides),
+        time=sbatch_quoted("time", profile.time), job_name=re.sub(r"[^A-Za-z0-9_.-]", "_", f"mhf-{run_dir.name}"),
+        log_dir=run_dir / LOG_DIR, sbatch_run_dir=sbatch_quoted("--run-dir", run_dir),
+        sbatch_log=sbatch_quoted("--run-dir", f"{run_dir / LOG_DIR}/%x-%j.out"), grace=grace,
+        extra_sbatch="\n".join(extra), run_dir=shlex.quote(str(run_dir)),
+        setup="\n".join(profile.setup),  # the site's own shell lines
+        exports="\n".join(f"export {k}={shlex.quote(v)}" for k, v in profile.env.items()),
+        deepspeed_env="\n".join(f"{k}={no_control_characters(k, v)}" for k, v in profile.env.items()),
+        hostfile=shlex.quote(no_control_characters("--hostfile", hostfile or "")), master_port=29500,
+        python=shlex.quote(python), python_check=_python_check(shlex.quote(python), profile), command=command,
+        srun_args="".join(f"{shlex.quote(no_control_characters('srun_args', a))} " for a in profile.srun_args),
+        train_args=_train_args(run_dir, preset, config, _absolute_paths(cfg, overrides)),
         preempted_exit_code=PREEMPTED_EXIT_CODE, grace_env=GRACE_ENV,
     )
     return Template((PROFILE_DIR / f"{kind}.template").read_text()).substitute(values)
 
 
-def submit(script: str, run_dir: Path) -> str:
-    """``sbatch`` the script (kept in ``RUN/slurm/``); returns the job id."""
-    log_dir = run_dir.resolve() / "slurm"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    path = log_dir / "job.sbatch"
+def write_script(script: str, path: Path, run_dir: Path) -> Path:
+    """Write the job script to ``path`` and make the log directory SLURM needs before the job starts."""
+    (run_dir.resolve() / LOG_DIR).mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
-    proc = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+    return path
+
+
+def manual_submission_note(run_dir: Path) -> str:
+    """What submitting a printed script by hand needs."""
+    log_dir = shlex.quote(str(run_dir.resolve() / LOG_DIR))
+    return (f"# nothing submitted. SLURM does not create the log directory: to submit this script yourself, run "
+            f"`mkdir -p {log_dir}` first, then `sbatch SCRIPT` (or use --write SCRIPT, which makes the directory)")
+
+
+def submit(script: str, run_dir: Path, cluster: str, nodes: int) -> str:
+    """``sbatch`` the script (kept in ``RUN/slurm/job.sbatch``); records and returns the job id."""
+    log_dir = run_dir.resolve() / LOG_DIR
+    path = write_script(script, log_dir / "job.sbatch", run_dir)
+    try:
+        proc = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise ConfigError("sbatch is not on PATH: submit from a SLURM login node, or use --hostfile / --write") from None
     if proc.returncode:
         raise ConfigError(f"sbatch refused the job: {proc.stderr.strip()}")
-    return proc.stdout.strip().split(";")[0]
+    job = proc.stdout.strip().split(";")[0]
+    with (log_dir / JOBS_FILE).open("a") as f:
+        f.write(json.dumps({"job_id": job, "submitted": time.strftime("%Y-%m-%d %H:%M:%S"), "cluster": cluster,
+                            "nodes": nodes, "script": str(path)}) + "\n")
+    return job

@@ -18,12 +18,14 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from mhf_dist.errors import MhfError
+
 MISTRAL_V03 = "mistral-v0.3"
 _MISTRAL_FILE = "mistral_instruct_tokenizer_240323.model.v3"
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(MhfError, ValueError):
     """A tokenizer cannot be found, written or loaded."""
 
 
@@ -86,8 +88,3 @@ def load_tokenizer(path: str | os.PathLike, cache_dir: str | os.PathLike | None 
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:
         raise TokenizerError(f"cannot load a tokenizer from {path}: {e}") from e
-
-
-def vocabulary(tokenizer: PreTrainedTokenizerBase) -> list[str]:
-    """Token strings in id order, exactly as the vocabulary stores them (SPEC §1)."""
-    return tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))

@@ -82,7 +82,7 @@ def test_invalid_layouts_fail_before_training(tmp_path, nproc, overrides, messag
 def test_real_presets_need_their_data_named(tmp_path, capsys):
     from mhf_dist.cli import main
     from mhf_dist.config import load_config
-    from mhf_dist.train.engine import preflight
+    from mhf_dist.parallel.layout import preflight
 
     run = tmp_path / "run"
     assert main(["train", "--preset", "100m-h4b16k", "--run-dir", str(run)]) == 2
@@ -92,5 +92,5 @@ def test_real_presets_need_their_data_named(tmp_path, capsys):
     assert main(["submit", "--preset", "3b-h4b16k", "--cluster", "a100-80g", "--nodes", "4", "--run-dir", str(run),
                  "--dry-run"]) == 2
     assert "data.path is not set" in capsys.readouterr().err
-    preflight(load_config("100m-h4b16k", overrides=["data.path=embedded"]), 1)  # the demo text, on purpose
-    preflight(load_config("tiny-h4b16k"), 1)  # tiny presets default to it
+    preflight(load_config("100m-h4b16k", overrides=["data.path=embedded"]), 1, "cpu")  # the demo text, on purpose
+    preflight(load_config("tiny-h4b16k"), 1, "cpu")  # tiny presets default to it

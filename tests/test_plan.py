@@ -58,3 +58,25 @@ def test_unknown_or_invalid_profile_is_named(tmp_path):
     bad.write_text("name: x\ngpus_per_node: 0\ndevice_memory_gb: 1\nbackend: nccl\n")
     with pytest.raises(ConfigError, match="gpus_per_node"):
         load_profile(str(bad))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stage_cut_minimises_the_slowest_stage(seed):
+    """Against every possible cut of a small random pipeline: no cut has a cheaper most expensive stage."""
+    import itertools
+    import random
+
+    from mhf_dist.parallel.stages import stage_bounds
+
+    rng = random.Random(seed)
+    costs = [rng.randint(1, 100) for _ in range(rng.randint(2, 9))]
+    stages = rng.randint(1, len(costs))
+    bounds = stage_bounds(costs, stages)
+    assert bounds[0] == 0 and bounds[-1] == len(costs) and len(bounds) == stages + 1
+    assert all(a < b for a, b in zip(bounds, bounds[1:]))  # every stage holds a layer
+
+    def slowest(b):
+        return max(sum(costs[x:y]) for x, y in zip(b, b[1:]))
+
+    best = min(slowest([0, *cut, len(costs)]) for cut in itertools.combinations(range(1, len(costs)), stages - 1))
+    assert slowest(bounds) == best

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -32,8 +33,7 @@ def rendered(name: str) -> str:
     profile, nodes, preset, overrides, extra = CASES[name]
     kind = "hostfile" if "hostfile" in extra else "sbatch"
     return render(kind, load_config(preset, overrides=overrides), load_profile(profile), nodes,
-                  Path("/shared/runs/demo"), preset, None, overrides, python="/opt/venv/bin/python",
-                  workdir=Path("/shared/mhf-dist"), **extra)
+                  Path("/shared/runs/demo"), preset, None, overrides, python="/opt/venv/bin/python", **extra)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -46,6 +46,11 @@ def test_rendered_scripts_match_reviewed_golden_files(name):
 def test_script_contents():
     script = rendered("mi300x-4nodes.sbatch")
     assert "#SBATCH --nodes=4" in script and "#SBATCH --ntasks-per-node=8" in script
+    assert "#SBATCH --cpus-per-task=24" in script  # the node's 192 cores over its 8 ranks
+    assert "srun --cpus-per-task=24 --kill-on-bad-exit=1" in script  # srun does not inherit it
+    assert "#SBATCH --exclusive" in script and "#SBATCH --mem=0" in script
+    assert "#SBATCH --chdir=/shared/runs/demo" in script and "cd " not in script  # nothing of the submitting shell
+    assert "[ -x /opt/venv/bin/python ]" in script and ".venv/bin/activate" not in script
     assert "#SBATCH --signal=USR1@120" in script and "#SBATCH --requeue" in script
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
     assert "export HSA_FORCE_FINE_GRAIN_PCIE=1" in script and "module load rocm" in script
@@ -59,6 +64,133 @@ def test_nodes_that_do_not_fit_the_layout_fail_before_submitting(capsys):
                Path("/x"), "3b-h4b16k", None, [])
     assert main(["submit", "--preset", "tiny-h4b16k", "--cluster", "nope", "--run-dir", "/tmp/x", "--dry-run"]) == 2
     assert "cluster profile 'nope' not found" in capsys.readouterr().err
+
+
+def test_relative_paths_are_resolved_at_submit_time(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("1b-h4b16k", overrides=["data.path=shards", "tokenizer.path=tok"])
+    script = render("sbatch", cfg, load_profile("a100-80g"), 1, Path("runs/r"), "1b-h4b16k", None,
+                    ["data.path=shards", "tokenizer.path=tok"])
+    assert f"--run-dir {tmp_path}/runs/r" in script
+    assert f"--set data.path={tmp_path}/shards" in script and f"--set tokenizer.path={tmp_path}/tok" in script
+    assert "data.path=shards" not in script
+
+
+def test_container_profiles_wrap_each_rank(tmp_path):
+    profile = load_profile("mi300x").model_copy(update={
+        "python": "python3", "launcher": ["apptainer", "exec", "--rocm", "/shared/images/mhf dist.sif"]})
+    script = render("sbatch", load_config("1b-h4b16k", overrides=[DATA]), profile, 1, Path("/r"), "1b-h4b16k", None,
+                    [DATA])
+    assert "apptainer exec --rocm '/shared/images/mhf dist.sif' python3 -m mhf_dist train" in script
+    assert "[ -x" not in script  # the container brings its own Python
+    pyxis = load_profile("a100-80g").model_copy(update={"python": "python", "srun_args": [
+        "--container-image=/shared/images/mhf.sqsh", "--container-mounts=/shared:/shared"]})
+    script = render("sbatch", load_config("1b-h4b16k", overrides=[DATA]), pyxis, 1, Path("/r"), "1b-h4b16k", None,
+                    [DATA])
+    assert ("srun --cpus-per-task=16 --kill-on-bad-exit=1 --container-image=/shared/images/mhf.sqsh "
+            "--container-mounts=/shared:/shared") in script
+    with pytest.raises(ConfigError, match="hostfile launcher does not start"):
+        render("hostfile", load_config("1b-h4b16k", overrides=[DATA]), profile, 1, Path("/r"), "1b-h4b16k", None,
+               [DATA], hostfile="/h")
+
+
+def test_per_submit_overrides(tmp_path, capsys):
+    args = ["submit", "--preset", "1b-h4b16k", "--set", DATA, "--cluster", "a100-80g", "--nodes", "2",
+            "--run-dir", str(tmp_path / "r"), "--dry-run"]
+    assert main([*args, "--partition", "big", "--account", "proj-42", "--time", "2-00:00:00", "--qos", "high",
+                 "--sbatch-arg=--constraint=a100&ib", "--sbatch-arg", "--comment=first run"]) == 0
+    out = capsys.readouterr()
+    for line in ("#SBATCH --partition=big", "#SBATCH --account=proj-42", "#SBATCH --time=2-00:00:00",
+                 "#SBATCH --qos=high", '#SBATCH --constraint="a100&ib"', '#SBATCH --comment="first run"'):
+        assert line in out.out.splitlines(), line
+    assert "#SBATCH --partition=gpu" not in out.out
+    assert f"mkdir -p {tmp_path / 'r' / 'slurm'}" in out.err and not (tmp_path / "r").exists()  # printed, not made
+    assert main([*args, "--sbatch-arg", "constraint=a100"]) == 2
+    assert "is not an sbatch option" in capsys.readouterr().err
+
+
+def test_write_makes_the_log_directory_and_submits_nothing(tmp_path, capsys):
+    script = tmp_path / "job.sbatch"
+    assert main(["submit", "--preset", "tiny-h4b16k", "--set", "train.micro_batch_size=4", "--cluster", "cpu-local",
+                 "--run-dir", str(tmp_path / "r"), "--write", str(script)]) == 0
+    assert f"sbatch {script}" in capsys.readouterr().out
+    assert script.read_text().startswith("#!/bin/bash") and (tmp_path / "r" / "slurm").is_dir()
+    assert not (tmp_path / "r" / "slurm" / "jobs.jsonl").exists()
+
+
+HOSTILE = "run d'ir $(touch PWNED1) `touch PWNED2`; touch PWNED3 & | > <"
+
+
+def _fake_commands(bin_dir: Path, log: Path) -> None:
+    """``srun``, ``scontrol`` and a Python that record their arguments (one JSON list per call) and do nothing."""
+    bin_dir.mkdir()
+    for name in ("srun", "scontrol", "python"):
+        tool = bin_dir / name
+        tool.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                        f"open({str(log)!r}, 'a').write(json.dumps([{name!r}, *sys.argv[1:]]) + '\\n')\n"
+                        "print('localhost') if sys.argv[1:3] == ['show', 'hostnames'] else None\n")
+        tool.chmod(0o755)
+
+
+def test_hostile_values_stay_single_arguments(tmp_path):
+    """A run directory, overrides and a hostfile full of shell syntax: the scripts parse (bash -n), run exactly
+    their own commands with each value as one argument, and nothing the values spell out is executed."""
+    run_dir, hostfile = tmp_path / HOSTILE, str(tmp_path / "hosts; touch PWNED4")
+    run_dir.mkdir()
+    overrides = ["train.max_steps=7", "model.name=$(touch PWNED5) 'x' \"y\""]
+    overrides.append("train.micro_batch_size=4")
+    cfg = load_config("tiny-h4b16k", overrides=[overrides[0], overrides[2]])
+    log, bin_dir = tmp_path / "calls.jsonl", tmp_path / "bin"
+    _fake_commands(bin_dir, log)
+    env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+                        "SLURM_JOB_NODELIST": "localhost"}
+    for kind in ("sbatch", "hostfile"):
+        script = render(kind, cfg, load_profile("cpu-local"), 1, run_dir, "tiny-h4b16k", None, overrides,
+                        hostfile=hostfile, python=str(bin_dir / "python"))
+        path = tmp_path / f"{kind}.sh"
+        path.write_text(script)
+        subprocess.run(["bash", "-n", str(path)], check=True)
+        subprocess.run(["bash", str(path)], env=env, cwd=tmp_path, check=True, capture_output=True)
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    train = ["-m", "mhf_dist", "train", "--run-dir", str(run_dir), "--preset", "tiny-h4b16k",
+             "--set", overrides[0], "--set", overrides[1], "--set", overrides[2]]
+    assert calls == [
+        ["scontrol", "show", "hostnames", "localhost"],
+        ["srun", "--cpus-per-task=1", "--kill-on-bad-exit=1", str(bin_dir / "python"), *train],
+        ["python", "-m", "deepspeed.launcher.runner", "--hostfile", hostfile, "--num_nodes", "1", "--num_gpus", "2",
+         "--master_port", "29500", "--no_local_rank", "--module", "mhf_dist", *train[2:]],
+    ]
+    assert not list(tmp_path.rglob("PWNED*"))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"run_dir": Path("/runs/a\nrm -rf x")}, "control character"),
+    ({"overrides": ["train.max_steps=7\nrm -rf x"]}, "control character"),
+    ({"run_dir": Path('/runs/a"b')}, "double quote or backslash"),
+    ({"depends_on": "123; touch x"}, "is not a SLURM job id"),
+    ({"depends_on": "123\n"}, "is not a SLURM job id"),
+    ({"grace": 0}, "must be > 0"),
+])
+def test_values_no_quoting_makes_safe_are_refused(change, message):
+    args = {"run_dir": Path("/runs/a"), "overrides": ["train.micro_batch_size=4"]} | change
+    extra = {k: v for k, v in args.items() if k in ("depends_on", "grace")}
+    with pytest.raises(ConfigError, match=message):
+        render("sbatch", load_config("tiny-h4b16k", overrides=["train.micro_batch_size=4"]), load_profile("cpu-local"),
+               1, args["run_dir"], "tiny-h4b16k",
+               None, args["overrides"], **extra)
+
+
+def test_a_profile_with_fewer_cores_than_ranks_is_refused(tmp_path, capsys):
+    bad = tmp_path / "small.yaml"
+    bad.write_text((Path(__file__).parents[1] / "cluster" / "a100-80g.yaml").read_text().replace(
+        "cores_per_node: 128", "cores_per_node: 4"))
+    assert main(["submit", "--preset", "1b-h4b16k", "--set", DATA, "--cluster", str(bad), "--run-dir",
+                 str(tmp_path / "r"), "--dry-run"]) == 2
+    assert "cores_per_node=4 is fewer than one core for each of the gpus_per_node=8 ranks" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:  # argparse: usage and exit 2
+        main(["submit", "--preset", "tiny-h4b16k", "--cluster", "cpu-local", "--run-dir", str(tmp_path / "r"),
+              "--grace", "0", "--dry-run"])
+    assert stopped.value.code == 2 and "--grace: must be at least 1" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +222,7 @@ def test_slurm_job_requeued_mid_run_resumes_and_matches(tmp_path, data, slurm):
     steps = 30
     overrides = ["parallel.zero_stage=1"]
     reference = run_cli(train_args(tmp_path / "ref", data, 2, *overrides, steps=steps)) and metrics(tmp_path / "ref")
-    run = tmp_path / "run"
+    run = tmp_path / "run d'ir"  # sbatch reads the quoted #SBATCH --chdir / --output
     submit = train_args(run, data, 2, *overrides, steps=steps)
     submit = ["submit", "--cluster", "cpu-local", "--nodes", "1"] + [a for a in submit[1:] if a not in (
         "--nproc-per-node", "2")]

@@ -11,7 +11,8 @@ import statistics
 import time
 
 from mhf_dist.signatures import SignatureTable
-from mhf_dist.tokenizers import MISTRAL_V03, load_tokenizer, vocabulary
+from mhf_dist.token_list import vocabulary
+from mhf_dist.tokenizers import MISTRAL_V03, load_tokenizer
 
 
 def main() -> None:

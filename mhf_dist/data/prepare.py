@@ -66,9 +66,10 @@ import numpy as np
 import webdataset as wds
 from tqdm.auto import tqdm
 
-from mhf_dist.output_dir import OVERWRITE_HELP, check_target, staged
-from mhf_dist.signatures import tokens_fingerprint
-from mhf_dist.tokenizers import load_tokenizer, vocabulary
+from mhf_dist.errors import MhfError
+from mhf_dist.output_dir import check_target, staged
+from mhf_dist.token_list import tokens_fingerprint, vocabulary
+from mhf_dist.tokenizers import load_tokenizer
 
 FORMAT = "mhf-dist-packed-tokens-v1"
 MANIFEST = "manifest.json"
@@ -79,7 +80,7 @@ _SUFFIXES = (".txt", ".jsonl")
 _CHUNK_CHARS = 1 << 16  # text per tokenization task
 
 
-class DataError(ValueError):
+class DataError(MhfError, ValueError):
     """Input text, shards or a manifest are unusable; the message names the file, the problem and the fix."""
 
 
@@ -342,23 +343,6 @@ def prepare(
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``mhf-dist prepare-data``."""
-    parser.add_argument("inputs", nargs="+", help="text files or globs: .txt (blank-line separated documents) "
-                        "or .jsonl (one document per line), optionally .gz")
-    parser.add_argument("--tokenizer", required=True, help="tokenizer directory, or mistral-v0.3")
-    parser.add_argument("--out", required=True, help="output directory (new or empty; see --overwrite)")
-    parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    parser.add_argument("--seq-len", type=int, required=True, help="model sequence length; samples hold seq_len + 1 ids")
-    parser.add_argument("--samples-per-shard", type=int, default=8192, help="samples per tar shard (default 8192)")
-    parser.add_argument("--prefix", default="train", help="training shard names: PREFIX-000000.tar ... (default train)")
-    parser.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl inputs")
-    parser.add_argument("--val-fraction", type=float, default=0.0,
-                        help="fraction of documents held out (by a hash of their text) into val-*.tar shards")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes (default: all cores)")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -39,7 +39,8 @@ from mhf_dist.model import build_model
 from mhf_dist.output_dir import check_target, staged
 from mhf_dist.run_dir import RunDir
 from mhf_dist.signatures import HASH_VERSION, SignatureTable
-from mhf_dist.tokenizers import load_tokenizer, vocabulary
+from mhf_dist.token_list import vocabulary
+from mhf_dist.tokenizers import load_tokenizer
 
 INIT_WEIGHTS = "init/model.safetensors"
 REPORT = "import-report.json"

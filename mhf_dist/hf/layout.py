@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from mhf_dist.errors import MhfError
+
 _PREFIXES = [  # (ours, exported)
     ("vocab.encoder.", "model.combiner."),
     ("backbone.layers.", "model.layers."),
@@ -37,7 +39,7 @@ _PREFIXES = [  # (ours, exported)
 ]
 
 
-class HFImportError(ValueError):
+class HFImportError(MhfError, ValueError):
     """Weights in the exported layout cannot be imported; the message names the problem and the fix."""
 
 

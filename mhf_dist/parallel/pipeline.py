@@ -23,7 +23,7 @@ from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from torch import nn
 
 from mhf_dist.model.backbone import Backbone, Block, rope_cos_sin
-from mhf_dist.model.flops import forward_flops
+from mhf_dist.parallel.stages import layer_costs, stage_bounds
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.model.vocabulary import TiedVocabulary
 
@@ -98,14 +98,16 @@ def pipeline_name(name: str, n_layers: int) -> str:
 
 
 class BalancedPipeline(PipelineModule):
-    """Partitions stages by analytic FLOPs per layer instead of parameter counts."""
+    """Cuts the stages by analytic FLOPs per layer (:func:`stage_bounds`) instead of parameter counts."""
 
     def __init__(self, *args, layer_costs: list[int], **kwargs):
         self._layer_costs = layer_costs
         super().__init__(*args, **kwargs)
 
-    def _count_layer_params(self) -> list[int]:  # the weights `partition_method="parameters"` balances
-        return self._layer_costs
+    def _partition_layers(self, method: str = "uniform") -> None:  # called once by PipelineModule.__init__
+        self.parts = stage_bounds(self._layer_costs, self.num_stages)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
 
 def build_pipeline(model: LanguageModel, topology, seq_len: int, checkpoint_interval: int) -> tuple[PipelineModule, PipelineLoss]:
@@ -119,10 +121,9 @@ def build_pipeline(model: LanguageModel, topology, seq_len: int, checkpoint_inte
     layers += [BlockStage(block, model.backbone, keep_ids=i < last_memory)
                for i, block in enumerate(model.backbone.layers)]
     layers += [model.backbone.norm, vocab_spec]
-    flops = forward_flops(cfg, seq_len, vocab_rows=model.vocab.tables.num_rows)
-    costs = [flops.vocab_in + 1] + [flops.layer(i) for i in range(cfg.n_layers)] + [1, flops.vocab_out + 1]
+    costs = layer_costs(cfg, seq_len, model.vocab.tables.num_rows)
     pipe = BalancedPipeline(
-        layers=layers, topology=topology, loss_fn=loss, layer_costs=costs, partition_method="parameters",
+        layers=layers, topology=topology, loss_fn=loss, layer_costs=costs,
         activation_checkpoint_interval=checkpoint_interval, checkpointable_layers=[BlockStage.__name__],
     )
     vocab = pipe.tied_modules[VOCAB].vocab

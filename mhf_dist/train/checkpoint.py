@@ -59,7 +59,6 @@ import json
 import logging
 import os
 import random
-import re
 import resource
 import shutil
 import time
@@ -75,13 +74,12 @@ from safetensors.torch import save
 from mhf_dist import __version__
 from mhf_dist.config import RunConfig
 from mhf_dist.parallel.scalars import ScalarCollectives
+from mhf_dist.train.checkpoint_index import (ABANDONED, LATEST, MARKER, CheckpointError, checkpoint_step,
+                                             complete_checkpoints, marker_problem, read_marker, step_directories)
 from mhf_dist.train.universal import convert_for_layout, universal_info
 
 log = logging.getLogger(__name__)
 
-MARKER = "complete.json"
-LATEST = "latest"
-ABANDONED = "abandoned"  # checkpoints of abandoned lines of training, one folder per resume that abandoned them
 UNIVERSAL = "universal"  # conversions for other layouts
 DIGEST = "sha256"  # hardware-accelerated on current x86 and ARM CPUs, and checkable with sha256sum
 DIGEST_CHUNK = 1 << 20
@@ -89,16 +87,9 @@ DIGEST_THREADS = 4
 RNG_FILE = "rng-rank{:05d}.safetensors"
 LEGACY_RNG_FILE = "rng-rank{:05d}.pt"
 RANK_DIGESTS = "digests-rank{:05d}.json"  # each rank's digests during a save, merged into the marker by rank 0
-MARKER_FIELDS = {"step": int, "tokens": int, "reason": str, "files": dict, "model": dict, "layout": dict}
-STEP_DIR = re.compile(r"step-(\d+)")
-PREEMPTED_EXIT_CODE = 85  # "saved and stopped on a signal; requeue me" (cluster scripts test for it)
 SAVE_PAUSE_ENV = "MHF_DIST_TEST_SAVE_PAUSE"  # seconds to stall mid-save (crash-safety tests)
 SAVE_FAIL_ENV = "MHF_DIST_TEST_SAVE_FAIL_RANK"  # this rank's checkpoint writes fail as on a full disk (fault tests)
 MISSING, WRONG_SIZE, WRONG_DIGEST = 1, 2, 3  # what a file check finds (codes summed over the ranks)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is incomplete, corrupt, or belongs to another model / signature table; or a save failed."""
 
 
 # ---------------------------------------------------------------------------------------------------- files
@@ -138,77 +129,6 @@ def file_digests(paths: list[Path]) -> list[str]:
         return [file_digest(p) for p in paths]
     with ThreadPoolExecutor(min(DIGEST_THREADS, len(paths))) as pool:
         return list(pool.map(file_digest, paths))
-
-
-# ---------------------------------------------------------------------------------------------------- markers
-def checkpoint_step(path: Path) -> int | None:
-    """The step in a ``step-XXXXXXXX`` directory name (None for other names)."""
-    match = STEP_DIR.fullmatch(path.name)
-    return int(match.group(1)) if match else None
-
-
-def step_directories(directory: Path) -> list[Path]:
-    """The ``step-*`` directories in ``directory``, complete or not, by step."""
-    if not directory.is_dir():
-        return []
-    return sorted((p for p in directory.iterdir() if p.is_dir() and checkpoint_step(p) is not None),
-                  key=checkpoint_step)
-
-
-def _fields_problem(marker) -> str | None:
-    """What makes a parsed marker unusable, or None."""
-    if not isinstance(marker, dict):
-        return "not a JSON object"
-    for key, kind in MARKER_FIELDS.items():
-        if not isinstance(marker.get(key), kind):
-            return f"{key!r} is missing or not of type {kind.__name__}"
-    if "signatures_hash" not in marker:
-        return "'signatures_hash' is missing"
-    files = marker["files"]
-    if not files or not all(isinstance(v, int) and _safe_name(k) for k, v in files.items()):
-        return "'files' must map the checkpoint's file names to their sizes"
-    if not all(isinstance(marker["layout"].get(k), int) for k in ("tp", "pp", "dp")):
-        return "'layout' must give tp, pp and dp"
-    digests = marker.get("digests")
-    if digests is not None and not (isinstance(digests, dict) and digests.keys() == files.keys()
-                                    and all(isinstance(v, str) for v in digests.values())):
-        return "'digests' must give a digest for every file"
-    return None
-
-
-def _safe_name(name: str) -> bool:
-    parts = Path(name).parts
-    return bool(parts) and not Path(name).is_absolute() and ".." not in parts
-
-
-def marker_problem(path: Path) -> str | None:
-    """Why ``path`` is not a complete checkpoint (no marker, or a malformed one), or None when it is."""
-    marker_path = path / MARKER
-    if not marker_path.is_file():
-        return f"no {MARKER}: the save was interrupted"
-    try:
-        problem = _fields_problem(json.loads(marker_path.read_text()))
-    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
-        problem = str(e)
-    return f"malformed {MARKER}: {problem}" if problem else None
-
-
-def read_marker(path: Path) -> dict:
-    """A checkpoint's ``complete.json``, checked for every field a load uses."""
-    if (problem := marker_problem(path)) is not None:
-        raise CheckpointError(f"{path} is not a complete checkpoint ({problem}); resume from another one")
-    return json.loads((path / MARKER).read_text())
-
-
-def complete_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (by step); incomplete ones are reported and skipped."""
-    found = []
-    for path in step_directories(directory):
-        if (problem := marker_problem(path)) is None:
-            found.append(path)
-        else:
-            log.warning("ignoring incomplete checkpoint %s (%s)", path, problem)
-    return found
 
 
 def checkpoint_bytes(path: Path) -> int:

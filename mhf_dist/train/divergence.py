@@ -15,11 +15,12 @@ import statistics
 from collections import deque
 
 from mhf_dist.config import TrainConfig
+from mhf_dist.errors import MhfError
 
 SPIKE_WINDOW = 50  # finite losses the spike test compares against
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(MhfError, RuntimeError):
     """The loss or gradient norm stayed NaN/inf for ``train.max_nonfinite_steps`` steps in a row."""
 
 

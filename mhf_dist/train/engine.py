@@ -7,103 +7,30 @@
   DeepSpeed's pipeline engine refuses ZeRO-2/3, so asking for them is a
   config error.
 
-The DeepSpeed config is a file from ``deepspeed_configs/`` (``parallel.deepspeed_config``)
-completed from the run config — batch sizes, gradient accumulation, clipping,
-bf16, ZeRO stage — and finally overridden by ``parallel.deepspeed``.
-Both engines expose the same ``train_step`` / ``evaluate``.
+The DeepSpeed config comes from :mod:`mhf_dist.parallel.layout`. Both engines expose the same ``train_step`` / ``evaluate``.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 
 import deepspeed
 import torch
 
-from mhf_dist.config import ConfigError, RunConfig, check_data_source, deep_merge
+from mhf_dist.config import RunConfig
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.parallel.groups import ParallelGroups
+from mhf_dist.parallel.layout import Layout
 from mhf_dist.parallel.pipeline import build_pipeline
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.train.optim import build_optimizer
-
-CONFIG_DIR = resources.files("mhf_dist") / "deepspeed_configs"  # the named configs, shipped in the package
-
-
-@dataclass
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-    accum: int  # micro-batches per optimizer step on each data-parallel rank
-
-
-def resolve_layout(cfg: RunConfig, world_size: int) -> Layout:
-    """tp × pp × dp for ``world_size`` ranks; a clear error before any collective runs."""
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    if world_size % (tp * pp):
-        raise ConfigError(
-            f"world size {world_size} does not fit parallel.tp={tp} × parallel.pp={pp}: launch a multiple of "
-            f"{tp * pp} ranks (dp = world / (tp·pp)) or change tp/pp"
-        )
-    dp = world_size // (tp * pp)
-    per_step = cfg.train.micro_batch_size * dp
-    if cfg.train.global_batch_size % per_step:
-        raise ConfigError(
-            f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of train.micro_batch_size × dp "
-            f"= {cfg.train.micro_batch_size} × {dp}; change the batch sizes"
-        )
-    return Layout(tp=tp, pp=pp, dp=dp, accum=cfg.train.global_batch_size // per_step)
-
-
-def deepspeed_config(cfg: RunConfig, layout: Layout, device_type: str) -> dict:
-    """The DeepSpeed config for this run (see module docstring for the precedence)."""
-    name = cfg.parallel.deepspeed_config
-    if name == "auto":
-        name = "cpu_fp32" if device_type == "cpu" else ("zero3_bf16_actckpt" if layout.pp == 1 else "zero1_pp_bf16")
-    path = Path(name) if name.endswith(".json") else CONFIG_DIR / f"{name}.json"
-    try:
-        base = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        available = ", ".join(sorted(p.name.removesuffix(".json") for p in CONFIG_DIR.iterdir()
-                                     if p.name.endswith(".json")))
-        raise ConfigError(f"parallel.deepspeed_config={name!r}: cannot read {path} ({e}); use one of {available} "
-                          "or a path to a .json file") from e
-    stage = cfg.parallel.zero_stage
-    if stage is None:
-        stage = base.get("zero_optimization", {}).get("stage", 3 if layout.pp == 1 else 1)
-    if layout.pp > 1 and stage >= 2:
-        raise ConfigError(
-            f"ZeRO stage {stage} with parallel.pp={layout.pp}: DeepSpeed's pipeline engine refuses ZeRO-2/3; "
-            "set parallel.zero_stage=1 (or use deepspeed_config zero1_pp_bf16)"
-        )
-    derived = {
-        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
-        "gradient_accumulation_steps": layout.accum,
-        "train_batch_size": cfg.train.global_batch_size,
-        "gradient_clipping": cfg.optimizer.grad_clip,
-        "bf16": {"enabled": cfg.train.dtype == "bf16"},
-        "zero_optimization": {"stage": stage},
-    }
-    return deep_merge(deep_merge(base, derived), cfg.parallel.deepspeed)
 
 
 def device_type(cfg: RunConfig) -> str:
     if cfg.train.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return cfg.train.device
-
-
-def preflight(cfg: RunConfig, world_size: int, data_here: bool = True) -> tuple[Layout, dict]:
-    """Every check before a launch (the data source, on this machine unless ``data_here`` is False; what needs the
-    world size), before any rank starts or any collective runs."""
-    check_data_source(cfg, data_here)
-    layout = resolve_layout(cfg, world_size)
-    return layout, deepspeed_config(cfg, layout, device_type(cfg))
 
 
 def checkpoint_interval(cfg: RunConfig, ds_config: dict) -> int:

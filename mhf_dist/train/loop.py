@@ -46,11 +46,11 @@ from mhf_dist.parallel.plan import apply_tensor_parallel
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.run_dir import RunDir
 from mhf_dist.run_lock import RunDirLocked, RunLock
-from mhf_dist.signatures import tokens_fingerprint
-from mhf_dist.tokenizers import vocabulary
+from mhf_dist.token_list import tokens_fingerprint, vocabulary
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
 from mhf_dist.train.divergence import LossWatch
-from mhf_dist.train.engine import build_trainer, device_type, preflight
+from mhf_dist.parallel.layout import preflight
+from mhf_dist.train.engine import build_trainer, device_type
 from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.optim import apply_optimizer_changes
 from mhf_dist.train.preemption import GRACE_ENV, StopSignal
@@ -179,7 +179,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopS
     stop = stop or StopSignal()
     rank_env_from_slurm()
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    layout, ds_config = preflight(cfg, world)
+    layout, ds_config = preflight(cfg, world, device_type(cfg))
     device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
     init_distributed(device)
     groups = ParallelGroups.create(layout.tp, layout.pp)
@@ -254,7 +254,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopS
 
     eval_batches = max(1, t.eval_sequences // (t.micro_batch_size * layout.dp))
     end = min(t.stop_at_step or t.max_steps, t.max_steps)
-    logger = MetricsLogger(run.path, resume_step=start) if rank == 0 else None
+    logger = MetricsLogger(run.path, resume_step=start, cfg=cfg) if rank == 0 else None
     result, clock, watch = TrainResult(), SaveClock(t.checkpoint_minutes), LossWatch(t)
     progress = tqdm(range(start, end), desc="train", unit="step", dynamic_ncols=True, initial=start,
                     total=t.max_steps, disable=None if rank == 0 else True)

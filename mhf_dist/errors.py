@@ -1,0 +1,13 @@
+"""Errors a user can act on, and the exit codes the command line and job scripts agree on.
+
+Every error that names a problem and its fix derives from :class:`MhfError`;
+the command line prints it without a traceback and exits with
+:data:`ERROR_EXIT_CODE`. This module imports nothing, so every layer can use it.
+"""
+
+ERROR_EXIT_CODE = 2  # bad input: the message names the problem and the fix
+PREEMPTED_EXIT_CODE = 85  # "saved and stopped on a signal; requeue me" (cluster scripts test for it)
+
+
+class MhfError(Exception):
+    """A problem with the user's input, files or run directory, described for the user."""

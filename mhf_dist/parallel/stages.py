@@ -1,0 +1,47 @@
+"""Pipeline stages: the cost of each pipeline layer and the cut into stages (SPEC §7).
+
+The pipeline's layers are the vocabulary input side (tables + gate), the
+backbone blocks, the final norm, and the vocabulary output side (tables +
+cascaded decoder). Each costs its analytic forward FLOPs per sequence
+(:mod:`mhf_dist.model.flops`; the norm counts 1). The cut minimises the most
+expensive stage, the one that sets a pipeline's pace; among equally good cuts
+the later stages are kept lighter (the last one also computes the loss). ``plan`` and the pipeline engine both use
+it, so the plan shows the stages a run will have.
+"""
+
+from __future__ import annotations
+
+from mhf_dist.config import ModelConfig
+from mhf_dist.model.flops import forward_flops
+
+
+def layer_costs(cfg: ModelConfig, seq_len: int, vocab_rows: int) -> list[int]:
+    """One cost per pipeline layer: vocabulary in, each block, final norm, vocabulary out."""
+    flops = forward_flops(cfg, seq_len, vocab_rows=vocab_rows)
+    return [flops.vocab_in + 1] + [flops.layer(i) for i in range(cfg.n_layers)] + [1, flops.vocab_out + 1]
+
+
+def stage_bounds(costs: list[int], stages: int) -> list[int]:
+    """``stages + 1`` boundaries into ``costs`` (stage ``s`` holds layers ``bounds[s]:bounds[s+1]``, at least one
+    each) minimising the largest stage cost."""
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot cut {n} pipeline layers into {stages} stages")
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[s][i]: the smallest possible largest-stage cost of layers[:i] cut into s stages; cut[s][i]: its last start
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for start in range(s - 1, i):
+                worst = max(best[s - 1][start], prefix[i] - prefix[start])
+                if worst <= best[s][i]:  # ties: the later start, a lighter last stage
+                    best[s][i], cut[s][i] = worst, start
+    bounds = [n]
+    for s in range(stages, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    return bounds[::-1]
