@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from mhf_dist import __version__
-from mhf_dist.config import ConfigError, load_config, preset_names
+from mhf_dist.config import SIZES, ConfigError, load_config, preset_names
 from mhf_dist.errors import ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, MhfError
 from mhf_dist.output_dir import OVERWRITE_HELP
 
@@ -80,9 +80,12 @@ def cmd_train(args) -> int:
     from mhf_dist.train.preemption import StopSignal
 
     stop = StopSignal()  # before the training stack loads: from now on a signal is noted, not fatal
-    from mhf_dist.train.loop import train
+    from mhf_dist.train.loop import leave_process_group, train
 
-    result = train(cfg, args.run_dir, args.resume, stop)
+    try:
+        result = train(cfg, args.run_dir, args.resume, stop)
+    finally:  # also after an error: a process group left to interpreter shutdown can abort the process
+        leave_process_group()
     if result.records:  # rank 0
         last = result.records[-1]
         print(f"{'preempted' if result.preempted else 'done'}: step {last['step']}, loss {last['loss']:.4f}, "
@@ -109,7 +112,8 @@ def cmd_plan(args) -> int:
     from mhf_dist.plan import format_plan, memory_plan
 
     cfg, profile = _load(args), load_profile(args.cluster)
-    print(format_plan(cfg, profile, args.nodes, memory_plan(cfg, profile, args.nodes, args.vocab_size)))
+    plans = memory_plan(cfg, profile, args.nodes, args.vocab_size)
+    print(format_plan(cfg, profile, args.nodes, plans, mfu=args.mfu, vocab_size=args.vocab_size))
     return 0
 
 
@@ -123,7 +127,7 @@ def cmd_export(args) -> int:
 def cmd_export_hf(args) -> int:
     from mhf_dist.hf.export import export_hf
 
-    out = export_hf(args.checkpoint, args.out_dir, args.dtype, args.overwrite)
+    out = export_hf(args.checkpoint, args.out_dir, args.dtype, args.overwrite, args.inference_temperature)
     print(f"wrote {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
     return 0
 
@@ -156,8 +160,12 @@ def cmd_eval(args) -> int:
     model, tokenizer = load_for_inference(args.model, args.dtype, args.device, args.trust_remote_code)
     results = {"model": str(args.model)}
     if args.data:
+        calibrate = args.calibrate or args.calibration_split is not None
+        if calibrate and (args.calibration_split or args.split) == args.split:
+            print(f"note: τ is fitted on the evaluated split ({args.split}), so its calibrated perplexity is "
+                  "optimistic; fit it on another split with --calibration-split", file=sys.stderr)
         results["perplexity"] = perplexity(model, tokenizer, args.data, args.split, args.max_sequences,
-                                           args.batch_size)
+                                           args.batch_size, calibrate, args.calibration_split)
     if args.lambada:
         results["last_word"] = last_word_accuracy(model, tokenizer, args.lambada)
     text = json.dumps(results, indent=1)
@@ -304,11 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=cmd_prepare_data)
 
-    p = sub.add_parser("plan", help="parameters, ZeRO model states and activations per rank; does it fit?")
+    p = sub.add_parser("plan", help="the resolved model; ZeRO model states, activations and "
+                       "host memory at construction per rank; does it fit? time per step at an assumed MFU")
     _add_run_options(p)
     p.add_argument("--cluster", required=True, help="cluster profile: a100-80g, mi300x, cpu-local or a .yaml path")
     p.add_argument("--nodes", type=positive_int, default=1)
     p.add_argument("--vocab-size", type=positive_int, default=32768, help="registered tokens (default: Mistral v0.3's)")
+    p.add_argument("--mfu", type=float, default=0.40,
+                   help="assumed model FLOPs utilisation for the time per step, a fraction in (0, 1] (default 0.40)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("export", help="one full state dict (safetensors) + config + signatures + tokenizer "
@@ -325,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    p.add_argument("--inference-temperature", metavar="TAU|auto",
+                   help="τ of the exported logits log_softmax(τ · log P_inf) (config.json's inference_temperature); "
+                   "auto: the val_temperature training fitted last (at or before the checkpoint's step), else one "
+                   "fitted on the run's validation split; default: the run config's inference.temperature (1). "
+                   "A Standard model exports only with 1")
     p.set_defaults(func=cmd_export_hf)
 
     p = sub.add_parser("import-hf", help="a run directory to continue training from a model in the authors' "
@@ -360,7 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(p)
     p.add_argument("--data", help="shard directory (made with the model's tokenizer)")
     p.add_argument("--split", default="val")
-    p.add_argument("--max-sequences", type=positive_int, help="evaluate at most this many sequences of the split")
+    p.add_argument("--max-sequences", type=positive_int,
+                   help="evaluate (and calibrate on) at most this many sequences of the split")
+    p.add_argument("--calibrate", action="store_true",
+                   help="fit the temperature τ of P_τ ∝ P_inf^τ on --calibration-split and report the calibrated "
+                   "perplexity at it (without: at the model's own inference_temperature)")
+    p.add_argument("--calibration-split", metavar="SPLIT",
+                   help="the split τ is fitted on (implies --calibrate; default: --split itself, which is optimistic)")
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--lambada", help='JSONL of {"text": ...}; the target is the last word')
     p.add_argument("--out", help="also write the results (JSON) here")
@@ -414,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("profile", help="tokens/s, MFU, memory and communication per hash configuration and layout")
-    p.add_argument("--size", default="100m", help="tiny, 100m, 1b or 3b")
+    p.add_argument("--size", default="100m", help=", ".join(SIZES))
     p.add_argument("--hash", default="standard,h1b16k,h3b10k,h4b16k",
                    help="comma-separated preset variants; +engram adds the Engram memory, e.g. h4b16k,h4b16k+engram")
     p.add_argument("--layout", default="tp=1", help="comma-separated tensor-parallel layouts, e.g. tp=1,tp=2")

@@ -36,6 +36,12 @@ class HashConfig(_Strict):
     single_id: bool = Field(False, description="H1 ablation: one hash copied into all H coordinates (non-unique)")
     gate_dim: int = Field(64, ge=1, description="d_z of the encoder's gate MLP (SPEC §2)")
     mixer_dim: int = Field(64, ge=1, description="r of the decoder's cascade mixers (SPEC §4)")
+    p_inf_loss_weight: float = Field(
+        0.0, ge=0, allow_inf_nan=False,
+        description="λ: adds λ × mean(−log P_inf(target)) to the training loss, the NLL of the distribution "
+        "inference uses (exact renormalisation over the registered vocabulary, in chunks; MultiHashFormer only). "
+        "λ > 0 runs the decoder unfused (decoder_chunk_tokens unused): the term needs every head's scores, so "
+        "activation memory grows from O(chunk × B) to O(N × H × B / tp) for N tokens per micro-batch; 0: off")
 
 
 class EngramConfig(_Strict):
@@ -130,6 +136,10 @@ class ModelConfig(_Strict):
             )
         if self.engram is not None:
             self._check_engram()
+        if self.variant == "standard" and self.hash.p_inf_loss_weight:
+            raise ValueError(
+                f"model.hash.p_inf_loss_weight={self.hash.p_inf_loss_weight} with model.variant=standard: a Standard "
+                "model's P_inf is its head's softmax, so the term would repeat its training loss; unset it")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads} (GQA groups); "
@@ -308,6 +318,16 @@ class TrainConfig(_Strict):
         return self
 
 
+class InferenceConfig(_Strict):
+    """How the exported model infers (``mhf-dist export-hf``, restored by ``import-hf``)."""
+
+    temperature: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="τ: an exported MultiHashFormer's logits are "
+        "log_softmax(τ · log P_inf) over the vocabulary (calibration; training's evaluations fit it as "
+        "val_temperature); 1: P_inf itself. export-hf --inference-temperature sets it; a Standard model exports "
+        "only with 1")
+
+
 class RunConfig(_Strict):
     preset: str | None = None
     model: ModelConfig
@@ -316,6 +336,7 @@ class RunConfig(_Strict):
     optimizer: OptimizerConfig = OptimizerConfig()
     parallel: ParallelConfig = ParallelConfig()
     train: TrainConfig = TrainConfig()
+    inference: InferenceConfig = InferenceConfig()
 
     @model_validator(mode="after")
     def _layout(self):
@@ -363,6 +384,9 @@ SIZES: dict[str, dict[str, Any]] = {
     "100m": dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=2, ffn_dim=2560),
     "1b": dict(d_model=2048, n_layers=20, n_heads=16, n_kv_heads=8, ffn_dim=6144),
     "3b": dict(d_model=2048, n_layers=36, n_heads=16, n_kv_heads=2, ffn_dim=11008),
+    # Ours, with the backbone shapes of Qwen3-8B (6.95B parameters) and Qwen3-14B (13.2B), head_dim 128.
+    "7b": dict(d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288),
+    "13b": dict(d_model=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_dim=17408),
 }
 
 # Training defaults per size: the paper's recipe for real sizes, a seconds-scale run for tiny.
@@ -381,7 +405,8 @@ _TRAINING = {
     ),
 }
 # 256 x 2048 tokens per step: 10B tokens at 100M, 100B tokens otherwise (SPEC §6).
-_MAX_STEPS = {"100m": 10_000_000_000 // (256 * 2048), "1b": 100_000_000_000 // (256 * 2048), "3b": 100_000_000_000 // (256 * 2048)}
+_MAX_STEPS = {"100m": 10_000_000_000 // (256 * 2048),
+              **{size: 100_000_000_000 // (256 * 2048) for size in ("1b", "3b", "7b", "13b")}}
 
 # H3B10K keeps the public code's B = 10,624 (SPEC §6); other hNbMk read B = M * 1024.
 _SPECIAL_BUCKETS = {("3", "10"): 10_624}

@@ -2,7 +2,14 @@
 
 - Perplexity: ``exp`` of the mean ``-log P_inf`` of every next token over the
   sequences of a shard set's split (the shards must be made with the model's
-  tokenizer; the manifest's fingerprint is checked).
+  tokenizer; the manifest's fingerprint is checked), with the next-token
+  top-1 / top-5 accuracy under ``P_inf`` and the calibrated perplexity: that of
+  ``P_τ ∝ P_inf^τ`` (:mod:`mhf_dist.model.calibration`) at the model's own
+  ``inference_temperature``, or (``calibrate``) at the ``τ`` fitted on
+  ``calibration_split`` — another split for an honest estimate; fitting on the
+  evaluated split itself is optimistic. ``P_inf`` is recovered from the logits
+  whatever ``τ`` the model applies (``log P_τ = τ·log P_inf - const``), and the
+  logits are renormalised, so a Standard export's raw logits work too.
 - Last-word accuracy (LAMBADA style) over a JSONL file of ``{"text": ...}``:
   the target is the text's last word (with its leading space), and a document
   counts as correct when the greedy continuation of the rest reproduces the
@@ -10,14 +17,13 @@
   which is the same thing). The target's mean ``-log P_inf`` per document is
   reported as well, as lm-evaluation-harness does.
 
-The exported model's logits are ``log P_inf``, so the numbers compare with the
-Standard baseline's.
+The exported model's logits are ``log P_inf`` (or ``log P_τ``, from which
+``log P_inf`` is recovered), so the numbers compare with the Standard baseline's.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -25,22 +31,78 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mhf_dist.data.reader import ShardReader
+from mhf_dist.model.calibration import Calibration, evaluate_at, fit_temperature
+from mhf_dist.model.scoring import calibration_sums
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
+
+
+ROWS = 2048  # positions per block of the evaluation sums
+CHUNK_VALUES = 2**22  # logits per vocabulary chunk of a block
+
+
+def model_temperature(model: PreTrainedModel) -> float:
+    """The ``τ`` the model's logits apply (``config.inference_temperature``; 1 without one)."""
+    return float(getattr(model.config, "inference_temperature", 1.0))
+
+
+class SplitPasses:
+    """Passes over ``max_sequences`` sequences of a split (each pass reads them again, in the same order), giving
+    :func:`~mhf_dist.model.scoring.calibration_sums` of the model's ``log P_inf``."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, shards: str | Path, split: str,
+                 max_sequences: int | None, batch_size: int):
+        self.model, self.shards, self.split, self.batch_size = model, shards, split, batch_size
+        self.fingerprint = tokens_fingerprint(vocabulary(tokenizer))
+        with self._reader() as reader:
+            self.sequences = min(max_sequences or reader.samples_per_epoch, reader.samples_per_epoch)
+
+    def _reader(self) -> ShardReader:
+        return ShardReader(self.shards, split=self.split, tokenizer_fingerprint=self.fingerprint)
+
+    def __call__(self, temperatures: torch.Tensor) -> torch.Tensor:
+        tau = model_temperature(self.model)
+        sums = 0
+        with self._reader() as reader:
+            for start in tqdm(range(0, self.sequences, self.batch_size), desc=f"evaluate ({self.split})",
+                              unit="batch", disable=None):
+                batch = reader.next_batch(min(self.batch_size, self.sequences - start)).to(self.model.device)
+                scores = self.model(batch[:, :-1]).logits.float()
+                scores = scores.flatten(0, 1) / tau if tau != 1 else scores.flatten(0, 1)  # log P_inf + const
+                targets = batch[:, 1:].flatten()
+                for rows, wanted in zip(scores.split(ROWS), targets.split(ROWS)):
+                    chunks = rows.split(max(1, CHUNK_VALUES // rows.shape[0]), dim=1)
+                    sums = sums + calibration_sums(chunks, wanted, temperatures).cpu()
+        return sums
+
+
+def _summary(passes: SplitPasses, fit: Calibration) -> dict:
+    return {"split": passes.split, "sequences": passes.sequences, "tokens": fit.tokens, "p_inf_nll": fit.p_inf_nll,
+            "perplexity": fit.perplexity}
 
 
 @torch.no_grad()
 def perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, shards: str | Path, split: str = "val",
-               max_sequences: int | None = None, batch_size: int = 8) -> dict:
-    with ShardReader(shards, split=split, tokenizer_fingerprint=tokens_fingerprint(vocabulary(tokenizer))) as reader:
-        total = min(max_sequences or reader.samples_per_epoch, reader.samples_per_epoch)
-        nll, tokens = 0.0, 0
-        for start in tqdm(range(0, total, batch_size), desc=f"perplexity ({split})", unit="batch", disable=None):
-            batch = reader.next_batch(min(batch_size, total - start)).to(model.device)
-            logp = model(batch[:, :-1]).logits
-            nll -= logp.gather(-1, batch[:, 1:, None]).sum().item()
-            tokens += batch[:, 1:].numel()
-    return {"split": split, "sequences": total, "tokens": tokens, "p_inf_nll": nll / tokens,
-            "perplexity": math.exp(nll / tokens)}
+               max_sequences: int | None = None, batch_size: int = 8, calibrate: bool = False,
+               calibration_split: str | None = None) -> dict:
+    """Perplexity, top-1/top-5 and calibrated perplexity of ``split`` (module docstring); ``calibrate``: ``τ``
+    fitted on ``calibration_split`` (default: ``split`` itself, which is optimistic)."""
+    passes = SplitPasses(model, tokenizer, shards, split, max_sequences, batch_size)
+    calibration = None
+    if not calibrate:
+        fit, source = evaluate_at(passes, model_temperature(model)), "the model's inference_temperature"
+    elif (calibration_split or split) == split:
+        fit, source = fit_temperature(passes), f"fitted on {split}, the evaluated split itself (optimistic)"
+    else:
+        fitting = SplitPasses(model, tokenizer, shards, calibration_split, max_sequences, batch_size)
+        fitted = fit_temperature(fitting)
+        calibration = _summary(fitting, fitted) | {"temperature": fitted.temperature,
+                                                   "p_inf_nll_calibrated": fitted.p_inf_nll_calibrated,
+                                                   "perplexity_calibrated": fitted.perplexity_calibrated}
+        fit, source = evaluate_at(passes, fitted.temperature), f"fitted on {calibration_split}"
+    results = _summary(passes, fit) | {
+        "top1": fit.top1, "top5": fit.top5, "temperature": fit.temperature, "temperature_source": source,
+        "p_inf_nll_calibrated": fit.p_inf_nll_calibrated, "perplexity_calibrated": fit.perplexity_calibrated}
+    return results | ({"calibration": calibration} if calibration else {})
 
 
 def split_last_word(text: str) -> tuple[str, str]:
@@ -54,13 +116,13 @@ def split_last_word(text: str) -> tuple[str, str]:
 @torch.no_grad()
 def last_word_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, jsonl: str | Path) -> dict:
     lines = [line for line in Path(jsonl).read_text().splitlines() if line.strip()]
-    correct, target_nll = 0, 0.0
+    correct, target_nll, tau = 0, 0.0, model_temperature(model)
     for line in tqdm(lines, desc="last word", unit="doc", disable=None):
         context, target = split_last_word(json.loads(line)["text"])
         ctx = tokenizer(context, add_special_tokens=False).input_ids
         tgt = tokenizer(target, add_special_tokens=False).input_ids
         ids = torch.tensor([ctx + tgt], device=model.device)
-        logp = model(ids[:, :-1]).logits[0, len(ctx) - 1:]
+        logp = (model(ids[:, :-1]).logits[0, len(ctx) - 1:].float() / tau).log_softmax(-1)  # log P_inf
         wanted = ids[0, len(ctx):]
         correct += bool((logp.argmax(-1) == wanted).all())
         target_nll -= logp.gather(-1, wanted[:, None]).sum().item()

@@ -1,16 +1,18 @@
-"""``mhf-dist plan``: will a run fit? Parameters, ZeRO model states and activations per rank.
+"""``mhf-dist plan``: will a run fit, and how long is a step? Memory per rank and per node, time per step.
 
 The model is built on the meta device (no memory), sharded on paper with the
 tensor-parallel table (:func:`tp_split_dims`) and cut into pipeline stages by
 the same FLOP-balanced cut the engine uses (:mod:`mhf_dist.parallel.stages`).
-Model states per rank, for ``P`` parameters on a stage and ``dp`` data-parallel
+
+**Model states** per rank, for ``P`` parameters on a stage and ``dp`` data-parallel
 ranks (mixed-precision Adam: 18 bytes per parameter for the 16-bit gradients
 and the fp32 gradients, weights, momentum and variance, plus 2 for the 16-bit
 weights; the byte counts of DeepSpeed's own estimators): ZeRO-3 partitions all
 of it and gathers the largest layer in fp32 (``4·largest + 18·P/dp``); ZeRO-2
 keeps the 16-bit weights whole (``2·P + 18·P/dp``); ZeRO-1 also keeps whole
-16-bit gradients (``+ 2·P·(1 − 1/dp)``). Activations per token and layer, in the run's dtype (SDPA
-keeps no ``S×S`` scores)::
+16-bit gradients (``+ 2·P·(1 − 1/dp)``) (:func:`model_state_bytes`).
+
+**Activations** per token and layer, in the run's dtype of ``e`` bytes (SDPA keeps no ``S×S`` scores)::
 
     bytes = e · (4d + (2·n_heads·hd + 2·n_kv·hd) / tp + 4·ffn / tp)
 
@@ -18,12 +20,37 @@ keeps no ``S×S`` scores)::
 with activation checkpointing a block keeps only its input (``e·d``) plus one
 block's full set during recompute. A block with an Engram memory (SPEC §8)
 adds its looked-up rows and gate tensors, about ``e·((N−1)·K·head_dim + 8d)``
-per token. The last stage adds the decoder: with the fused decoder (the
-default) each head keeps ``c`` and ``ē`` (``2·e·d``) and two fp32 statistics
-per token, plus one chunk's logits in flight, ``2·min(chunk, tokens)·(B/tp)·(e + 4)``
-bytes (the stacked backward products in the run's dtype and fp32); the plain
-path keeps every head's logits and fp32 probabilities, ``H·(B/tp)·(e + 4)`` per
-token. Pipeline stage ``s`` holds up to ``pp - s`` micro-batches in flight (1F1B).
+per token. Pipeline stage ``s`` holds up to ``pp − s`` micro-batches in flight (1F1B).
+
+**Decoder buffers** (:func:`decoder_bytes`), on the last stage only and for one
+micro-batch (the last stage runs each micro-batch's backward right after its
+forward), in both activation columns and printed as their own column: with the
+fused decoder (the default) each of the ``H`` heads keeps ``c`` and ``ē``
+(``2·e·d``) and two fp32 statistics per token, plus one chunk's logits in
+flight, ``2·min(chunk, tokens)·(B/tp)·(e + 4)`` bytes (the stacked backward
+products in the run's dtype and fp32); the plain path keeps every head's logits
+and fp32 probabilities, ``H·(B/tp)·(e + 4)`` per token. The ``log P_inf``
+training term (``model.hash.p_inf_loss_weight`` > 0) runs the plain path and its
+backward adds an fp32 copy of the heads' scores and their gradient,
+``H·(B/tp)·(e + 12)`` per token in all. A stage fits when its
+model states and checkpointed activations take at most 90% of device memory.
+
+**Host memory at construction** (:func:`construction_bytes`): every rank builds
+the whole model in fp32 on the host before tensor parallelism splits its layers
+and DeepSpeed partitions it, ``4·N`` bytes for the ``N`` parameters of the whole
+model; the ranks of a node build at the same time, so a node needs
+``ranks_per_node · 4·N``, which fits when it is at most 90% of the profile's
+``memory_gb_per_node`` (:func:`host_bytes_per_node`).
+
+**Time per step** (:func:`step_seconds`), with the FLOPs that MFU counts in
+training (:mod:`mhf_dist.model.flops`, as the training loop logs it): ``F = 3 ·
+forward`` per token. Activation checkpointing recomputes the forward of every
+checkpointed block in backward; MFU leaves that work out, so an assumed MFU
+already pays for it (the plan prints the implied hardware FLOPs utilisation,
+``HFU = MFU · (F + recompute) / F``). For ``T = global_batch · seq_len`` tokens
+per step on ``n`` devices of dense bf16 peak ``peak`` (the profile's ``peak_bf16_tflops``)::
+
+    seconds per step = T · F / (MFU · n · peak),    tokens/s = T / seconds per step
 """
 
 from __future__ import annotations
@@ -33,14 +60,18 @@ from dataclasses import dataclass
 import torch
 
 from mhf_dist.cluster import ClusterProfile
-from mhf_dist.config import RunConfig
+from mhf_dist.config import ConfigError, ModelConfig, RunConfig, preset
 from mhf_dist.engram_compression import CompressionTable
-from mhf_dist.model import build_model
+from mhf_dist.model import LanguageModel, build_model
+from mhf_dist.model.flops import forward_flops
 from mhf_dist.parallel.layout import deepspeed_config, resolve_layout
 from mhf_dist.parallel.stages import layer_costs, stage_bounds
 from mhf_dist.parallel.state_dict import split_dim, tp_split_dims
 
 GB = 2**30
+HEADROOM = 0.9  # the share of device or host memory a plan may fill
+CONSTRUCTION_MODES = ("full",)
+DEFAULT_MFU = 0.40
 
 
 @dataclass
@@ -51,7 +82,38 @@ class StagePlan:
     model_states_gb: float
     activations_gb: float
     activations_checkpointed_gb: float
-    fits: bool
+    fits: bool  # model states + checkpointed activations within HEADROOM of device memory
+    decoder_gb: float = 0.0  # the decoder's buffers (last stage), included in both activation columns
+    construction_gb: float = 0.0  # host memory of one rank while it builds the model
+    model_params: int = 0  # every parameter of the whole model
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """One optimizer step at an assumed MFU (module docstring)."""
+
+    mfu: float
+    peak_flops: float  # all devices together
+    tokens_per_step: int
+    flops_per_token: int  # model FLOPs, 3 × forward
+    recompute_per_token: int  # forward FLOPs of the checkpointed blocks, done again in backward
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.seconds
+
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs utilisation implied by the assumed MFU: ``MFU · (F + recompute) / F``."""
+        return self.mfu * (self.flops_per_token + self.recompute_per_token) / self.flops_per_token
+
+
+def meta_model(cfg: ModelConfig, vocab_size: int) -> LanguageModel:
+    """The model for ``vocab_size`` tokens on the meta device: every shape, no memory, no tokenizer."""
+    compression = CompressionTable.identity(vocab_size)
+    with torch.device("meta"):
+        return build_model(cfg, vocab_size, torch.ones(vocab_size, cfg.hash.num_hashes, dtype=torch.long), compression)
 
 
 def model_state_bytes(zero: int, params: int, largest: int, dp: int) -> float:
@@ -61,14 +123,50 @@ def model_state_bytes(zero: int, params: int, largest: int, dp: int) -> float:
     return 2 * params + 18 * params / dp + (2 * params * (1 - 1 / dp) if zero <= 1 else 0)
 
 
-def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size: int = 32768) -> list[StagePlan]:
+def decoder_bytes(m: ModelConfig, e: int, tokens: int, rows: int, tp: int) -> float:
+    """The decoder's buffers for one micro-batch of ``tokens`` on the last stage, ``rows`` per table over ``tp``
+    ranks: fused ``tokens·H·(2·e·d + 8) + 2·min(chunk, tokens)·(rows/tp)·(e + 4)``, plain
+    ``tokens·H·(rows/tp)·(e + 4)`` (``H = 1`` for Standard), plain with the ``log P_inf`` term
+    ``tokens·H·(rows/tp)·(e + 12)``."""
+    heads, local = (m.hash.num_hashes if m.variant == "mhf" else 1), rows / tp
+    if m.variant == "mhf" and m.hash.p_inf_loss_weight:
+        return tokens * heads * local * (e + 12)
+    if m.decoder_chunk_tokens:
+        return tokens * heads * (2 * e * m.d_model + 8) + 2 * min(m.decoder_chunk_tokens, tokens) * local * (e + 4)
+    return tokens * heads * local * (e + 4)
+
+
+def construction_bytes(params: int, mode: str = "full") -> float:
+    """Host memory of one rank while it builds a model of ``params`` parameters in all; ``full``: the whole
+    model in fp32 on every rank, ``4·params``."""
+    if mode == "full":
+        return 4 * params
+    raise ValueError(f"construction mode {mode!r}: use one of {', '.join(CONSTRUCTION_MODES)}")
+
+
+def host_bytes_per_node(per_rank: float, ranks_per_node: int) -> float:
+    """``ranks_per_node · per_rank``: the ranks of a node build their models at the same time."""
+    return ranks_per_node * per_rank
+
+
+def host_fits(profile: ClusterProfile, per_rank: float) -> bool | None:
+    """Whether a node's ranks build their models within ``HEADROOM`` of ``memory_gb_per_node``; None when the
+    profile does not give the node's memory."""
+    if profile.memory_gb_per_node is None:
+        return None
+    return host_bytes_per_node(per_rank, profile.gpus_per_node) / GB <= HEADROOM * profile.memory_gb_per_node
+
+
+def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size: int = 32768,
+                construction: str = "full") -> list[StagePlan]:
+    """One :class:`StagePlan` per pipeline stage of ``cfg`` on ``nodes`` nodes of ``profile``."""
     world = nodes * profile.gpus_per_node
     layout = resolve_layout(cfg, world)
     zero = deepspeed_config(cfg, layout, "cuda")["zero_optimization"]["stage"]
     m, tp, pp, dp = cfg.model, layout.tp, layout.pp, layout.dp
-    compression = CompressionTable.identity(vocab_size)  # sizes only: no tokenizer needed
-    with torch.device("meta"):
-        model = build_model(m, vocab_size, torch.ones(vocab_size, m.hash.num_hashes, dtype=torch.long), compression)
+    model = meta_model(m, vocab_size)
+    model_params = sum(p.numel() for p in model.parameters())
+    host = construction_bytes(model_params, construction)
     dims = tp_split_dims(m, tp)
     per_rank = {n: p.numel() // (tp if split_dim(n, dims) is not None else 1) for n, p in model.named_parameters()}
 
@@ -85,11 +183,7 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
     act_layer = e * (4 * d + (2 * m.n_heads * hd + 2 * m.n_kv_heads * hd) / tp + 4 * m.ffn_dim / tp)
     act_engram = e * ((m.engram.max_ngram - 1) * m.engram.heads * m.engram_head_dim + 8 * d) if m.engram else 0
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
-    heads, rows = (m.hash.num_hashes if m.variant == "mhf" else 1), model.vocab.tables.num_rows / tp
-    if m.decoder_chunk_tokens:
-        decoder = tokens * heads * (2 * e * d + 8) + 2 * min(m.decoder_chunk_tokens, tokens) * rows * (e + 4)
-    else:
-        decoder = tokens * heads * rows * (e + 4)
+    decoder = decoder_bytes(m, e, tokens, model.vocab.tables.num_rows, tp)
 
     plans = []
     for s in range(pp):
@@ -110,26 +204,125 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
         plans.append(StagePlan(
             stage=s, blocks=blocks, params_per_rank=int(total), model_states_gb=states / GB,
             activations_gb=full / GB, activations_checkpointed_gb=ckpt / GB,
-            fits=(states + ckpt) / GB <= 0.9 * profile.device_memory_gb,
+            fits=(states + ckpt) / GB <= HEADROOM * profile.device_memory_gb,
+            decoder_gb=last / GB, construction_gb=host / GB, model_params=model_params,
         ))
     return plans
 
 
-def format_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, plans: list[StagePlan]) -> str:
+def checkpoint_interval(cfg: RunConfig, ds_config: dict) -> int:
+    """Every k-th block is recomputed in backward: ``parallel.activation_checkpoint_interval``, else 1 when the
+    DeepSpeed config has an ``activation_checkpointing`` section (the engine's rule); 0: none."""
+    interval = cfg.parallel.activation_checkpoint_interval
+    return interval if interval is not None else int("activation_checkpointing" in ds_config)
+
+
+def step_seconds(tokens: int, flops_per_token: float, mfu: float, peak_flops: float) -> float:
+    """Seconds per optimizer step: ``T · F / (MFU · peak)`` for ``peak`` FLOP/s of all devices together."""
+    return tokens * flops_per_token / (mfu * peak_flops)
+
+
+def step_estimate(cfg: RunConfig, profile: ClusterProfile, nodes: int, mfu: float = DEFAULT_MFU,
+                  vocab_size: int = 32768) -> StepEstimate | None:
+    """Time and throughput of one optimizer step at an assumed ``mfu``; None when the profile gives no nominal
+    peak (``peak_bf16_tflops``)."""
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"--mfu {mfu:g} is not a fraction in (0, 1]; pass e.g. --mfu 0.4")
+    if profile.peak_bf16_tflops is None:
+        return None
+    world = nodes * profile.gpus_per_node
+    layout = resolve_layout(cfg, world)
+    m = cfg.model
+    rows = m.padded_vocab_rows(vocab_size) if m.variant == "standard" else m.hash.num_buckets
+    flops = forward_flops(m, cfg.data.seq_len, rows)
+    k = checkpoint_interval(cfg, deepspeed_config(cfg, layout, "cuda"))
+    recompute = sum(flops.layer(i) for i in range(m.n_layers) if k and i % k == 0)
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    peak = profile.peak_bf16_tflops * 1e12 * world
+    return StepEstimate(mfu=mfu, peak_flops=peak, tokens_per_step=tokens, flops_per_token=flops.train,
+                        recompute_per_token=recompute, seconds=step_seconds(tokens, flops.train, mfu, peak))
+
+
+def count(n: float) -> str:
+    """``n`` with a B (billions) or M (millions) suffix."""
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,.0f}"
+
+
+def describe_model(cfg: RunConfig, params: int) -> str:
+    """The resolved model in one line: layers, width, heads, FFN, vocabulary side, parameters and its origin."""
+    m = cfg.model
+    vocab = "standard" if m.variant == "standard" else (
+        f"H{m.hash.num_hashes}×B{m.hash.num_buckets}" + (" single-ID" if m.hash.single_id else ""))
+    head_dim = f" of {m.head_dim}" if m.head_dim else ""
+    engram = f", Engram memory on layers {m.engram_layers}" if m.engram else ""
+    return (f"model: {m.n_layers} layers, d={m.d_model}, {m.n_heads}/{m.n_kv_heads} heads{head_dim}, "
+            f"ffn {m.ffn_dim}, {vocab}{engram}, {count(params)} parameters ({origin(cfg)})")
+
+
+def origin(cfg: RunConfig) -> str:
+    """``preset NAME``, with ``with overrides`` when the model differs from the preset's."""
+    if not cfg.preset:
+        return "no preset"
+    same = ModelConfig.model_validate(preset(cfg.preset)["model"]) == cfg.model
+    return f"preset {cfg.preset}" + ("" if same else " with overrides")
+
+
+def format_time(seconds: float) -> str:
+    """Seconds, hours or days, whichever reads best."""
+    if seconds < 3600:
+        return f"{seconds:.3g} s"
+    return f"{seconds / 3600:.1f} hours" if seconds < 2 * 86400 else f"{seconds / 86400:.1f} days"
+
+
+def format_estimate(cfg: RunConfig, profile: ClusterProfile, world: int, est: StepEstimate | None) -> list[str]:
+    """The time-per-step lines (or why there is none)."""
+    if est is None:
+        return [f"time per step: not estimated (profile {profile.name} gives no nominal peak_bf16_tflops)"]
+    steps = cfg.train.max_steps
+    recompute = (f"; activation checkpointing recomputes {est.recompute_per_token / (est.flops_per_token / 3):.2f}× "
+                 f"forward more (HFU ≈ {est.hfu:.2f})" if est.recompute_per_token else "")
+    return [
+        f"time per step: {est.seconds:.3g} s, {est.tokens_per_s:,.0f} tokens/s for the job; "
+        f"train.max_steps={steps:,}: {format_time(steps * est.seconds)}",
+        f"  assuming MFU {est.mfu:.2f} (--mfu) of {world} × {profile.peak_bf16_tflops:g} TFLOP/s (bf16 peak); "
+        f"{est.tokens_per_step:,} tokens × {est.flops_per_token:.3g} FLOPs (3 × forward) per step{recompute}",
+    ]
+
+
+def format_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, plans: list[StagePlan],
+                mfu: float = DEFAULT_MFU, vocab_size: int = 32768) -> str:
+    """The printed plan: model, layout, one row per stage, host memory, time per step and the verdicts."""
     world = nodes * profile.gpus_per_node
     layout = resolve_layout(cfg, world)
     zero = deepspeed_config(cfg, layout, "cuda")["zero_optimization"]["stage"]
+    host_rank = plans[0].construction_gb
+    host_node = host_bytes_per_node(host_rank, profile.gpus_per_node)
+    node_memory = f"{profile.memory_gb_per_node:g} GB" if profile.memory_gb_per_node else "unknown"
     lines = [
-        f"{cfg.preset or 'config'} on {nodes} × {profile.name} ({world} ranks, {profile.device_memory_gb:g} GB each): "
-        f"tp={layout.tp} pp={layout.pp} dp={layout.dp}, ZeRO-{zero}, {cfg.train.dtype}, micro-batch "
-        f"{cfg.train.micro_batch_size} × {cfg.data.seq_len} tokens, {layout.accum} micro-batches per step",
+        describe_model(cfg, plans[0].model_params),
+        f"on {nodes} × {profile.name} ({world} ranks, {profile.device_memory_gb:g} GB each, {node_memory} host "
+        f"memory per node): tp={layout.tp} pp={layout.pp} dp={layout.dp}, ZeRO-{zero}, {cfg.train.dtype}, "
+        f"micro-batch {cfg.train.micro_batch_size} × {cfg.data.seq_len} tokens, {layout.accum} micro-batches per step",
         f"{'stage':>5} {'blocks':>6} {'params/rank':>12} {'model states':>13} {'activations':>12} "
-        f"{'act. ckpt':>10} {'fits (ckpt)':>11}",
+        f"{'act. ckpt':>10} {'decoder':>8} {'host/rank':>10} {'fits (ckpt)':>11}",
     ]
     for p in plans:
+        decoder = f"{p.decoder_gb:>6.1f}GB" if p.decoder_gb else f"{'-':>8}"
         lines.append(f"{p.stage:>5} {p.blocks:>6} {p.params_per_rank / 1e6:>11.1f}M {p.model_states_gb:>11.1f}GB "
-                     f"{p.activations_gb:>10.1f}GB {p.activations_checkpointed_gb:>8.1f}GB "
-                     f"{'yes' if p.fits else 'NO':>11}")
-    verdict = "fits" if all(p.fits for p in plans) else "does not fit: raise tp/pp, lower the micro-batch, or add nodes"
-    lines.append(f"with activation checkpointing the run {verdict} (limit: 90% of device memory)")
+                     f"{p.activations_gb:>10.1f}GB {p.activations_checkpointed_gb:>8.1f}GB {decoder} "
+                     f"{p.construction_gb:>8.1f}GB {'yes' if p.fits else 'NO':>11}")
+    lines.append(f"host memory at construction: every rank builds the whole model in fp32 "
+                 f"({host_rank:.1f} GB = 4 B × {count(plans[0].model_params)} parameters); "
+                 f"{profile.gpus_per_node} ranks per node need {host_node:.1f} GB of {node_memory}")
+    lines += format_estimate(cfg, profile, world, step_estimate(cfg, profile, nodes, mfu, vocab_size))
+    device = "fits" if all(p.fits for p in plans) else "does not fit"
+    advice = "" if device == "fits" else ": raise tp/pp, lower the micro-batch, or add nodes"
+    lines.append(f"device memory: with activation checkpointing the run {device} "
+                 f"(limit: {HEADROOM:.0%} of device memory){advice}")
+    host = host_fits(profile, host_rank * GB)
+    lines.append("host memory: " + (
+        "unknown (the profile does not set memory_gb_per_node)" if host is None else
+        f"fits (limit: {HEADROOM:.0%} of node memory)" if host else
+        f"does not fit (limit: {HEADROOM:.0%} of node memory): every rank of a node holds a full fp32 copy while "
+        "the model is built; use nodes with more memory or fewer ranks per node"))
     return "\n".join(lines)

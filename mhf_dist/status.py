@@ -62,7 +62,7 @@ import yaml
 
 from mhf_dist.config import ConfigError
 from mhf_dist.run_lock import LOCK_FILE, STALE_S
-from mhf_dist.train.checkpoint_index import MARKER, CheckpointError, complete_checkpoints, read_marker
+from mhf_dist.train.checkpoint_index import MARKER, CheckpointError, marker_problem, read_marker, step_directories
 from mhf_dist.train.metrics import METRICS_FILE, read_metrics
 
 RECENT = 10  # logged training records the means (loss, tokens/s, MFU) cover
@@ -175,7 +175,9 @@ def _int(value) -> int | None:
 
 
 def newest_checkpoint(run: Path, now: float) -> Checkpoint | None:
-    for path in reversed(complete_checkpoints(run / "checkpoints")):
+    for path in reversed(step_directories(run / "checkpoints")):  # quietly: one may be being saved right now
+        if marker_problem(path) is not None:
+            continue
         try:
             marker, written = read_marker(path), (path / MARKER).stat().st_mtime
         except (CheckpointError, OSError):  # removed or rewritten since it was listed
@@ -416,7 +418,8 @@ def render(st: RunStatus) -> str:
         lines.append(_line("checkpoint", "none yet"))
     if val := st.validation:
         lines.append(_line("validation", f"step {val['step']}: " + ", ".join(
-            f"{k} {_number(v)}" for k, v in val.items() if k != "step")))
+            f"{k} " + (f"[{' '.join(map(_number, v))}]" if isinstance(v, list) else _number(v))
+            for k, v in val.items() if k != "step")))
     if counters := [f"{k} {getattr(st, k)}" for k in COUNTERS if getattr(st, k) is not None]:
         lines.append(_line("counters", ", ".join(counters)))
     return "\n".join(lines + _job_lines(st))

@@ -19,7 +19,11 @@ def assert_same_losses(a, b, what):
         assert abs(ra["loss"] - rb["loss"]) <= 1e-4 * abs(rb["loss"]), (what, ra["step"], ra["loss"], rb["loss"])
         for ha, hb in zip(ra["head_losses"], rb["head_losses"]):
             assert abs(ha - hb) <= 1e-4 * abs(hb), (what, ra["step"], ra["head_losses"], rb["head_losses"])
-    assert abs(a[-1]["val_ppl"] - b[-1]["val_ppl"]) <= 1e-4 * b[-1]["val_ppl"], what
+    va, vb = a[-1], b[-1]
+    for key in ("val_loss", "val_ppl", "val_ppl_calibrated", "val_top1", "val_top5", "val_temperature"):
+        assert abs(va[key] - vb[key]) <= 1e-4 * abs(vb[key]), (what, key, va[key], vb[key])
+    for ha, hb in zip(va["val_head_losses"], vb["val_head_losses"], strict=True):
+        assert abs(ha - hb) <= 1e-4 * abs(hb), (what, va["val_head_losses"], vb["val_head_losses"])
 
 
 LAYOUTS = {  # name: (ranks, overrides); dp = ranks / (tp·pp)
@@ -49,6 +53,20 @@ def test_standard_pipeline_ties_embedding_and_head(tmp_path, data):
     single = train_run(tmp_path, data, "std", 1, preset="tiny-standard")
     piped = train_run(tmp_path, data, "std-pp2", 2, "parallel.pp=2", preset="tiny-standard")
     assert_same_losses(piped, single, "standard pp=2")
+
+
+def test_p_inf_loss_term_trains_and_logs_the_same_under_the_pipeline(tmp_path, data):
+    """``model.hash.p_inf_loss_weight``: the logged loss is the total, ``p_inf_loss`` its term's mean -log P_inf,
+    from either engine."""
+    weight = 0.5
+    single = train_run(tmp_path, data, "single", 1, f"model.hash.p_inf_loss_weight={weight}")
+    piped = train_run(tmp_path, data, "pp2", 2, "parallel.pp=2", f"model.hash.p_inf_loss_weight={weight}")
+    assert_same_losses(piped, single, "p_inf_loss_weight pp=2")
+    for a, b in zip(piped, single):
+        assert abs(a["p_inf_loss"] - b["p_inf_loss"]) <= 1e-4 * b["p_inf_loss"], (a["step"], a, b)
+        for r in (a, b):
+            assert abs(r["loss"] - sum(r["head_losses"]) - weight * r["p_inf_loss"]) <= 1e-5 * r["loss"], r
+    assert single[0]["p_inf_loss"] > single[-1]["p_inf_loss"]
 
 
 @pytest.mark.parametrize("nproc, overrides", [(1, []), (2, ["parallel.pp=2"])])

@@ -59,6 +59,48 @@ def test_export_logits_are_log_p_inf(trained, exported):
             "hash_head.cascade_mixer.2.2.bias", "model.layers.1.self_attn.q_norm.weight", "model.norm.weight"} <= set(weights)
     config = json.loads((exported["mhf"] / "config.json").read_text())
     assert (config["num_hashes"], config["num_buckets"], config["bottle_neck_dim"], config["num_lsh"]) == (4, 256, 64, 0)
+    # τ = 1 (the default) leaves log P_inf exactly as it was computed before there was a τ
+    assert config["inference_temperature"] == 1.0
+    with torch.no_grad():
+        assert torch.equal(logits, unscaled_scores(hf, ids).log_softmax(-1))
+
+
+def unscaled_scores(hf, ids: torch.Tensor) -> torch.Tensor:
+    """``score(w)`` as the exported model computes it (``-inf`` for unregistered tokens), before any τ."""
+    hidden, hash_map = hf.model(ids).last_hidden_state, hf.model.hash_map
+    score = sum(logp[..., hash_map[:, i]] for i, logp in enumerate(hf.hash_head(hidden, hf.lm_head.weight)))
+    return score.masked_fill(~(hash_map != 0).any(dim=1), float("-inf"))
+
+
+def test_inference_temperature_survives_export_import_export(trained, exported, tmp_path):
+    """``--inference-temperature auto`` takes the run's fitted val_temperature; the logits are log_softmax(τ · log
+    P_inf); import keeps τ in the run config, so the next export applies it again. Standard refuses τ ≠ 1."""
+    last = metrics(trained["mhf"])[-1]
+    tau = last["val_temperature"]
+    assert last["val_p_inf_nll_calibrated"] < last["val_p_inf_nll"] and tau != 1.0
+    out = run_cli(["export-hf", str(trained["mhf"]), str(tmp_path / "hf"), "--inference-temperature", "auto"])
+    assert f"val_temperature of step {last['step']}" in out
+    assert json.loads((tmp_path / "hf/config.json").read_text())["inference_temperature"] == tau
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True)
+    raw = AutoModelForCausalLM.from_pretrained(exported["mhf"], trust_remote_code=True)
+    ids = AutoTokenizer.from_pretrained(tmp_path / "hf")(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = hf(ids).logits
+        assert torch.equal(logits, (tau * unscaled_scores(hf, ids)).log_softmax(-1))
+        torch.testing.assert_close(logits, (tau * raw(ids).logits).log_softmax(-1), rtol=0, atol=1e-5)
+    assert torch.equal(logits.argmax(-1), raw(ids).logits.argmax(-1))  # the ranking does not depend on τ
+
+    run_cli(["import-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "imported")])
+    assert yaml.safe_load((tmp_path / "imported/config.yaml").read_text())["inference"] == {"temperature": tau}
+    run_cli(["train", "--config", str(tmp_path / "imported/config.yaml"), "--run-dir", str(tmp_path / "imported"),
+             "--set", "train.max_steps=1"])
+    run_cli(["export-hf", str(tmp_path / "imported"), str(tmp_path / "again")])
+    assert json.loads((tmp_path / "again/config.json").read_text())["inference_temperature"] == tau
+    assert yaml.safe_load((tmp_path / "again/mhf_dist.yaml").read_text())["inference"] == {"temperature": tau}
+
+    out = run_cli(["export-hf", str(trained["standard"]), str(tmp_path / "std"), "--inference-temperature", "0.5"],
+                  expect_rc=2)
+    assert "plain Qwen3ForCausalLM" in out and "sample at temperature 2" in out and not (tmp_path / "std").exists()
 
 
 def test_generate_with_and_without_cache_and_only_registered_tokens(exported):
@@ -193,8 +235,10 @@ def test_only_our_own_model_code_runs_without_trust_remote_code(exported, tmp_pa
 
 def test_eval_perplexity_and_last_word_under_p_inf(trained, exported, data, tmp_path):
     lambada = REPO / "tools/lm_eval/lambada_local.jsonl"
-    run_cli(["eval", "--model", str(exported["mhf"]), "--data", str(data["shards"]), "--max-sequences", "6",
-             "--batch-size", "4", "--lambada", str(lambada), "--out", str(tmp_path / "eval.json")])
+    out = run_cli(["eval", "--model", str(exported["mhf"]), "--data", str(data["shards"]), "--max-sequences", "6",
+                   "--batch-size", "4", "--lambada", str(lambada), "--out", str(tmp_path / "eval.json"),
+                   "--calibration-split", "train"])
+    assert "optimistic" not in out
     results = json.loads((tmp_path / "eval.json").read_text())
 
     ours, tokenizer, _ = trained_model(trained["mhf"])
@@ -202,8 +246,19 @@ def test_eval_perplexity_and_last_word_under_p_inf(trained, exported, data, tmp_
         batch = r.next_batch(6)
     with torch.no_grad():
         nll = ours(batch[:, :-1], batch[:, 1:], with_p_inf=True).p_inf_nll.item()
-    assert results["perplexity"]["tokens"] == batch[:, 1:].numel()
-    assert results["perplexity"]["p_inf_nll"] == pytest.approx(nll, rel=1e-5)
+        logp = ours.log_p_inf(batch[:, :-1])
+    ppl = results["perplexity"]
+    assert ppl["tokens"] == batch[:, 1:].numel()
+    assert ppl["p_inf_nll"] == pytest.approx(nll, rel=1e-5)
+    top5 = logp.topk(5, dim=-1).indices
+    assert ppl["top1"] == (top5[..., 0] == batch[:, 1:]).double().mean().item()
+    assert ppl["top5"] == (top5 == batch[:, 1:, None]).any(-1).double().mean().item()
+    # τ fitted on the training split lowers the held-out NLL; at that τ it is log_softmax(τ · log P_inf)'s NLL
+    tau = ppl["temperature"]
+    assert ppl["calibration"]["split"] == "train" and ppl["calibration"]["temperature"] == tau
+    assert ppl["p_inf_nll_calibrated"] < ppl["p_inf_nll"] - 0.1
+    expected = -(tau * logp.double()).log_softmax(-1).gather(-1, batch[:, 1:, None]).mean().item()
+    assert ppl["p_inf_nll_calibrated"] == pytest.approx(expected, rel=1e-5)
 
     hf = AutoModelForCausalLM.from_pretrained(exported["mhf"], trust_remote_code=True)
     correct = 0

@@ -6,8 +6,13 @@ import pytest
 
 from mhf_dist.cli import main
 from mhf_dist.cluster import load_profile
-from mhf_dist.config import ConfigError, load_config
-from mhf_dist.plan import GB, memory_plan
+from mhf_dist.config import ConfigError, load_config, preset_names
+from mhf_dist.model.flops import forward_flops
+from mhf_dist.plan import (GB, construction_bytes, format_plan, memory_plan, meta_model, step_estimate,
+                           step_seconds)
+
+# Llama-2-70B's backbone shape over the 3b preset: 69.1B parameters
+LARGE = ["model.n_layers=80", "model.d_model=8192", "model.n_heads=64", "model.n_kv_heads=8", "model.ffn_dim=28672"]
 
 
 def test_3b_zero3_model_states_follow_deepspeed_estimator():
@@ -26,6 +31,7 @@ def test_pipeline_stages_split_the_parameters():
     assert [p.stage for p in plans] == [0, 1] and sum(p.blocks for p in plans) == 36
     # the last stage carries the decoder's (2H-1)·B·d work, so it gets fewer blocks
     assert plans[1].blocks < plans[0].blocks
+    assert plans[0].decoder_gb == 0 and plans[1].decoder_gb > 0  # the decoder's buffers live on the last stage
 
 
 def test_plan_counts_the_fused_decoder_and_engram_activations():
@@ -40,6 +46,8 @@ def test_plan_counts_the_fused_decoder_and_engram_activations():
     fused_decoder = tokens * heads * (2 * 2 * d + 8) + 2 * 8192 * rows * (2 + 4)
     assert (plain.activations_gb - fused.activations_gb) * GB == pytest.approx(
         tokens * heads * rows * (2 + 4) - fused_decoder)
+    assert fused.decoder_gb * GB == pytest.approx(fused_decoder)
+    assert plain.decoder_gb * GB == pytest.approx(tokens * heads * rows * (2 + 4))
     # two memories: (N-1)·K·head_dim = d for the sigmoid gate's default head_dim, plus 8d, in bf16
     engram = plan("1b-h4b16k+engram")
     assert (engram.activations_gb - fused.activations_gb) * GB == pytest.approx(2 * tokens * 2 * (d + 8 * d))
@@ -49,6 +57,77 @@ def test_plan_cli_prints_fit(capsys):
     assert main(["plan", "--preset", "3b-h4b16k", "--cluster", "a100-80g", "--nodes", "2"]) == 0
     out = capsys.readouterr().out
     assert "ZeRO-3" in out and "16 ranks" in out and "fits" in out
+    assert "(preset 3b-h4b16k)" in out and "decoder" in out and "host/rank" in out and "MFU 0.40" in out
+    assert main(["plan", "--preset", "3b-h4b16k", "--cluster", "a100-80g", "--mfu", "0.5"]) == 0
+    assert "MFU 0.50" in capsys.readouterr().out
+    assert main(["plan", "--preset", "3b-h4b16k", "--cluster", "a100-80g", "--mfu", "0"]) == 2
+    assert "--mfu 0 is not a fraction" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size, shape, low, high", [
+    ("7b", dict(d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288), 6.9e9, 7.0e9),
+    ("13b", dict(d_model=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_dim=17408), 13.1e9, 13.3e9),
+])
+def test_7b_and_13b_presets(size, shape, low, high):
+    """Qwen3-8B's and Qwen3-14B's backbones (head_dim 128), the training recipe of the other real sizes."""
+    names = [n for n in preset_names() if n.startswith(f"{size}-")]
+    assert {f"{size}-standard", f"{size}-h4b16k", f"{size}-h3b10k+engram"} <= set(names)
+    for name in names:
+        load_config(name)
+    cfg = load_config(f"{size}-h4b16k")
+    assert {k: getattr(cfg.model, k) for k in shape} == shape and cfg.model.resolved_head_dim == 128
+    assert cfg.train.dtype == "bf16" and cfg.train.max_steps == 100_000_000_000 // (256 * 2048)
+    model = meta_model(cfg.model, 32768)
+    backbone = sum(p.numel() for p in model.backbone.parameters())
+    assert low < backbone < high
+    # the vocabulary side adds the H·B·d bucket tables, W_s (d²) and a little more (gate MLP, mixers)
+    d = cfg.model.d_model
+    vocab = sum(p.numel() for p in model.parameters()) - backbone
+    assert 4 * 16384 * d + d * d < vocab < 1.02 * (4 * 16384 * d + d * d)
+
+
+def test_header_describes_the_overridden_model_and_host_memory():
+    cfg, profile = load_config("3b-h4b16k", overrides=LARGE), load_profile("a100-80g")
+    plans = memory_plan(cfg, profile, nodes=1)
+    out = format_plan(cfg, profile, 1, plans)
+    assert out.splitlines()[0] == ("model: 80 layers, d=8192, 64/8 heads, ffn 28672, H4×B16384, "
+                                   f"{plans[0].model_params / 1e9:.1f}B parameters (preset 3b-h4b16k with overrides)")
+    assert plans[0].model_params == pytest.approx(69e9, rel=0.01)
+    # 8 ranks × 4 bytes × 69B parameters = 2.2 TB > 90% of a 1 TB node
+    assert "8 ranks per node need 2058" in out and "host memory: does not fit" in out
+
+
+def test_construction_is_a_full_fp32_model_per_rank():
+    cfg, profile = load_config("1b-h4b16k", overrides=["parallel.pp=2"]), load_profile("a100-80g")
+    plans = memory_plan(cfg, profile, nodes=1)
+    params = sum(p.numel() for p in meta_model(cfg.model, 32768).parameters())
+    assert all(p.model_params == params and p.construction_gb * GB == 4 * params for p in plans)
+    assert construction_bytes(params) == 4 * params
+    with pytest.raises(ValueError, match="construction mode"):
+        construction_bytes(params, "sharded")
+    assert "host memory: fits" in format_plan(cfg, profile, 1, plans)
+
+
+def test_time_per_step_follows_the_formula():
+    """Standard, no recompute: seconds = T · F / (MFU · n · peak) with F = 3 · forward =
+    6 · (block matrices) + 12 · L · n_heads · head_dim · S + 6 · R · d (the tied head)."""
+    cfg = load_config("1b-standard", overrides=["parallel.activation_checkpoint_interval=0"])
+    m, profile = cfg.model, load_profile("a100-80g")
+    est = step_estimate(cfg, profile, nodes=2, mfu=0.5)
+    matrices = sum(p.numel() for n, p in meta_model(m, 32768).named_parameters()
+                   if n.startswith("backbone.layers.") and p.dim() == 2)
+    flops = 6 * matrices + 12 * m.n_layers * m.n_heads * m.resolved_head_dim * 2048 + 6 * 32768 * m.d_model
+    tokens = 256 * 2048
+    assert est.flops_per_token == flops and est.recompute_per_token == 0 and est.hfu == 0.5
+    assert est.seconds == pytest.approx(tokens * flops / (0.5 * 16 * 312e12))
+    assert est.tokens_per_s == pytest.approx(tokens / est.seconds)
+    assert step_seconds(100, 6.0, 0.5, 1200.0) == 1.0
+    # activation checkpointing (every block): one more forward of the blocks, in the hardware FLOPs only
+    ckpt = step_estimate(load_config("1b-standard"), profile, nodes=2, mfu=0.5)
+    block = forward_flops(m, 2048, 32768).block
+    assert ckpt.seconds == est.seconds and ckpt.recompute_per_token == m.n_layers * block
+    assert ckpt.hfu == pytest.approx(0.5 * (flops + m.n_layers * block) / flops)
+    assert step_estimate(cfg, load_profile("cpu-local"), nodes=1) is None  # no nominal peak
 
 
 def test_unknown_or_invalid_profile_is_named(tmp_path):

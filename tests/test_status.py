@@ -156,15 +156,15 @@ def test_a_finished_run_is_not_stale(run, capsys):
 def test_every_validation_field_and_counter_is_shown(run, capsys):
     write_metrics(run, [record(2), record(4, loss_spikes=3, nonfinite_steps=2),
                         {"step": 5, "val_loss": 6.9, "val_p_inf_nll": 7.0, "val_ppl": 1096.6,
-                         "val_ppl_calibrated": 990.25, "val_top1": 0.125}])
+                         "val_ppl_calibrated": 990.25, "val_top1": 0.125, "val_head_losses": [5.5, 5.25]}])
     got = status_json(capsys, run)
     assert got["step"] == 5 and got["loss"] == 7.0  # a validation-only record: the loss is the newest logged one
     assert got["validation"] == {"step": 5, "val_loss": 6.9, "val_p_inf_nll": 7.0, "val_ppl": 1096.6,
-                                 "val_ppl_calibrated": 990.25, "val_top1": 0.125}
+                                 "val_ppl_calibrated": 990.25, "val_top1": 0.125, "val_head_losses": [5.5, 5.25]}
     assert (got["nonfinite_steps"], got["skipped_steps"], got["loss_spikes"]) == (2, 1, 3)
     out = status_text(capsys, run)
     assert ("validation step 5: val_loss 6.9000, val_p_inf_nll 7.0000, val_ppl 1096.60, val_ppl_calibrated 990.25, "
-            "val_top1 0.1250") in out
+            "val_top1 0.1250, val_head_losses [5.5000 5.2500]") in out
     assert "counters   nonfinite_steps 2, skipped_steps 1, loss_spikes 3" in out
 
 

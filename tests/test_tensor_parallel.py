@@ -13,6 +13,7 @@ from dist_utils import run_ranks
 from equivalence import INIT_STD, assert_tensor_close
 from mhf_dist.config import load_config
 from mhf_dist.model import build_model
+from mhf_dist.model.scoring import TARGET_CHUNK
 from mhf_dist.parallel.accounting import expected_collective_bytes
 from mhf_dist.parallel.comm import count_collectives
 from mhf_dist.parallel.groups import ParallelGroups
@@ -21,21 +22,26 @@ from mhf_dist.parallel.state_dict import merge_state_dicts, shard_state_dict, tp
 from mhf_dist.signatures import SignatureTable
 
 V = 300
-# (preset, buckets per tp): H4, and H3 with an odd number of buckets per shard
+# (preset, buckets per tp[, overrides]): H4, H3 with an odd number of buckets per shard, and H4 trained with the
+# log P_inf term, its vocabulary in chunks of 7 tokens (P_INF_CHUNK values per position), which do not divide V
 CASES = {
     "h4": ("tiny-h4b16k", {2: 64, 4: 64}),
     "h3-odd": ("tiny-h3b10k", {2: 66, 4: 68}),
     "standard": ("tiny-standard", {2: 64, 4: 64}),
+    "h4-p-inf": ("tiny-h4b16k", {2: 64, 4: 64}, ["model.hash.p_inf_loss_weight=0.5"]),
 }
+P_INF_CHUNK = 4 * 7
 
 
 CHUNKS = (0, 5)  # the plain decoder, and the fused one with chunks that do not divide the 16 tokens
+EVAL_CHUNKS = (TARGET_CHUNK, 21)  # evaluation sums over the vocabulary in one chunk, and in chunks that split it
 
 
 def case_config(name: str, tp: int, chunk: int = 0):
-    preset, buckets = CASES[name]
+    preset, buckets, *extra = CASES[name]
     return load_config(preset, overrides=[f"model.hash.num_buckets={buckets[tp]}", f"parallel.tp={tp}",
-                                          f"model.decoder_chunk_tokens={chunk}", f"model.init_std={INIT_STD}"]).model
+                                          f"model.decoder_chunk_tokens={chunk}", f"model.init_std={INIT_STD}",
+                                          *(extra[0] if extra else [])]).model
 
 
 def make_case(name: str, tp: int, chunk: int = 0):
@@ -43,6 +49,7 @@ def make_case(name: str, tp: int, chunk: int = 0):
     table = SignatureTable.build([f"tok{i}" for i in range(V)], cfg.hash.num_hashes, cfg.hash.num_buckets, pad_id=0)
     torch.manual_seed(0)
     model = build_model(cfg, V, table.codes)
+    model.vocab.p_inf_loss_chunk = P_INF_CHUNK
     batch = torch.randint(1, V, (2, 9), generator=torch.Generator().manual_seed(1))
     return cfg, model, batch
 
@@ -54,9 +61,11 @@ def step(model, batch):
         out.loss.backward()
     with torch.no_grad():
         logp = model.log_p_inf(batch[:, :-1])
+        h = model.hidden(batch[:, :-1]).flatten(0, 1)
+        sums = [model.vocab.calibration_sums(h, batch[:, 1:].flatten(), chunk_size=c) for c in EVAL_CHUNKS]
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return {"loss": out.loss.detach(), "heads": out.head_losses.detach(), "grads": grads, "logp": logp,
-            "bytes": dict(log.bytes)}
+            "bytes": dict(log.bytes), "eval": sums}
 
 
 def tp_worker(rank, world, names):
@@ -76,18 +85,22 @@ def test_tensor_parallel_equals_single_process(tp):
     for name in CASES:
         cfg, model, batch = make_case(name, tp)  # the single-process plain path is the reference
         ref = step(model, batch)
+        torch.testing.assert_close(ref["eval"][1], ref["eval"][0], rtol=1e-5, atol=1e-5)
         for chunk in CHUNKS:
             for r in ranks:
                 got = r[name, chunk]
                 torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-5, atol=0, msg=f"{name} loss")
                 torch.testing.assert_close(got["heads"], ref["heads"], rtol=1e-5, atol=0)
                 torch.testing.assert_close(got["logp"], ref["logp"], rtol=1e-5, atol=1e-5, msg=f"{name} log P_inf")
+                for sums in got["eval"]:  # P_inf NLL, top-1/top-5 hits, NLL and slope at every τ: as one process
+                    torch.testing.assert_close(sums, ref["eval"][0], rtol=1e-5, atol=1e-5, msg=f"{name} eval sums")
             grads = merge_state_dicts([r[name, chunk]["grads"] for r in ranks], tp_split_dims(cfg, tp))
             assert grads.keys() == ref["grads"].keys()
             for key, g in ref["grads"].items():
                 assert_tensor_close(grads[key], g, f"{name} grad {key}")
             # measured collective payload equals the documented analytic count (of this decoder path)
-            expected = expected_collective_bytes(case_config(name, tp, chunk), batch[:, 1:].numel(), tp)
+            expected = expected_collective_bytes(case_config(name, tp, chunk), batch[:, 1:].numel(), tp,
+                                                 vocab_size=V)
             assert ranks[0][name, chunk]["bytes"] == dict(expected), (name, chunk)
 
 

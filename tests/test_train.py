@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
+
+import pytest
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -38,11 +41,19 @@ def test_train_writes_metrics_and_tensorboard(tmp_path):
                 "grad_norm"} <= set(line) and len(line["head_losses"]) == 4
         assert abs(sum(line["head_losses"]) - line["loss"]) < 1e-4
         assert 0 < line["mfu"] < 1 and line["tflops"] > 0
-    assert {"val_loss", "val_ppl"} <= set(lines[-1])
+    val = lines[-1]
+    assert {"val_loss", "val_p_inf_nll", "val_ppl", "val_ppl_calibrated", "val_temperature", "val_p_inf_nll_calibrated",
+            "val_top1", "val_top5", "val_head_losses"} <= set(val)
+    assert len(val["val_head_losses"]) == 4 and abs(sum(val["val_head_losses"]) - val["val_loss"]) < 1e-4
+    assert val["val_ppl"] == pytest.approx(math.exp(val["val_p_inf_nll"]))
+    assert val["val_ppl_calibrated"] == pytest.approx(math.exp(val["val_p_inf_nll_calibrated"]))
+    assert val["val_p_inf_nll_calibrated"] <= val["val_p_inf_nll"]  # τ = 1 is among the candidates
+    assert 0.02 <= val["val_temperature"] <= 4 and 0 <= val["val_top1"] <= val["val_top5"] <= 1
     acc = EventAccumulator(str(run / "tensorboard"))
     acc.Reload()
     expected = {"loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "memory_gb", "val_ppl",
-                "head_losses/0", "head_losses/3"}
+                "head_losses/0", "head_losses/3", "val_ppl_calibrated", "val_temperature", "val_top1", "val_top5",
+                "val_head_losses/0", "val_head_losses/3"}
     assert expected <= set(acc.Tags()["scalars"])
     assert [e.step for e in acc.Scalars("loss")] == [1, 2, 4]
     assert (run / "signatures" / "signatures.json").is_file() and (run / "config.yaml").is_file()

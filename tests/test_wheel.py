@@ -76,7 +76,7 @@ def test_plan_reads_the_shipped_profile_and_deepspeed_config(venv, tmp_path):
 
 
 def test_plan_takes_a_profile_and_a_deepspeed_config_by_path(venv, tmp_path):
-    (tmp_path / "mine.yaml").write_text("name: mine\ngpus_per_node: 2\ndevice_memory_gb: 80\nbackend: nccl\n")
+    (tmp_path / "mine.yaml").write_text("name: mine\ngpus_per_node: 2\ncores_per_node: 32\ndevice_memory_gb: 80\nbackend: nccl\n")
     (tmp_path / "zero2.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     out = cli(venv, "plan", "--preset", "3b-h4b16k", "--cluster", "mine.yaml", "--nodes", "4",
               "--set", "parallel.deepspeed_config=zero2.json", cwd=tmp_path)
@@ -96,7 +96,8 @@ def test_submit_dry_run_renders_the_shipped_template(venv, tmp_path):
     out = cli(venv, "submit", "--preset", "3b-h4b16k", "--cluster", "a100-80g", "--nodes", "4", "--run-dir",
               "RUN", "--set", "data.path=/shared/data", "--dry-run", cwd=tmp_path)
     assert "#SBATCH --nodes=4" in out and "#SBATCH --ntasks-per-node=8" in out
-    assert f"srun {shlex.quote(str(venv / 'bin' / 'python'))} -m mhf_dist train --run-dir {tmp_path / 'RUN'}" in out
+    assert "srun --cpus-per-task=16 --kill-on-bad-exit=1" in out
+    assert f"  {shlex.quote(str(venv / 'bin' / 'python'))} -m mhf_dist train --run-dir {tmp_path / 'RUN'}" in out
 
 
 def test_two_training_steps_on_cpu(venv, tmp_path):

@@ -6,7 +6,9 @@ A Qwen3 config plus the authors' hash keys (``num_hashes``, ``num_buckets``,
 their ``qwen3_hashformer`` code and in ours. ``mixer_dim`` is ours: the
 cascade mixers' width when it differs from the gate's ``bottle_neck_dim``;
 ``signature_rule`` records how ``hash_map`` was built (SPEC §1), so an
-import restores the signature table exactly.
+import restores the signature table exactly. ``inference_temperature`` is
+ours too: ``τ`` of the calibrated logits ``log_softmax(τ · log P_inf)``
+(1: ``log P_inf``; see the modeling file).
 
 This file is copied next to the weights by ``mhf-dist export-hf`` and loaded
 with ``trust_remote_code=True``: it imports only torch and transformers.
@@ -29,3 +31,4 @@ class MultiHashFormerConfig(Qwen3Config):
     lsh_only_embed: bool = False
     fused_decoding: bool = False
     signature_rule: dict | None = None  # ours: how hash_map was built (seeds, uniqueness, pad id)
+    inference_temperature: float = 1.0  # ours: τ of the logits log_softmax(τ · log P_inf)

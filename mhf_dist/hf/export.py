@@ -9,6 +9,16 @@ Standard runs become a plain ``Qwen3ForCausalLM`` (no remote code): its
 table to ``pad_vocab_to`` are never predicted in training), so its softmax is
 our ``log P_inf``.
 
+``--inference-temperature`` (``inference_temperature`` in ``config.json``,
+``inference.temperature`` in the run config) makes a MultiHashFormer's logits
+``log_softmax(τ · log P_inf)``, calibrated (:mod:`mhf_dist.model.calibration`);
+``auto`` takes the ``val_temperature`` training's evaluation fitted last, at or
+before the checkpoint's step, else fits one on the run's validation split. A
+Standard model is refused any ``τ ≠ 1``: a plain ``Qwen3ForCausalLM`` cannot
+express it without custom code (its ``lm_head`` is tied to the input
+embeddings, so scaling it would change the inputs too), and its fitted ``τ`` is
+near 1 anyway; sample at temperature ``1/τ`` instead.
+
 The directory also holds the tokenizer, a generation config and
 ``mhf_dist.yaml`` (the run config, so ``import-hf`` restores the run exactly).
 It is written beside ``OUT`` and renamed into place when complete
@@ -17,6 +27,8 @@ It is written beside ``OUT`` and renamed into place when complete
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import torch
@@ -24,7 +36,8 @@ import yaml
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from mhf_dist.config import ConfigError, ModelConfig, RunConfig
-from mhf_dist.export import DTYPES, trained_weights
+from mhf_dist.data.prepare import MANIFEST
+from mhf_dist.export import DTYPES, TrainedWeights, trained_weights
 from mhf_dist.hf.configuration_multihashformer import MultiHashFormerConfig
 from mhf_dist.hf.layout import EMBED, LM_HEAD, to_export
 from mhf_dist.hf.modeling_multihashformer import MultiHashFormerForCausalLM
@@ -36,8 +49,10 @@ RUN_CONFIG = "mhf_dist.yaml"
 MAX_POSITIONS = 32768  # RoPE has no learned positions; this only sizes static caches
 
 
-def hf_config(model: ModelConfig, vocab_size: int, tokenizer, table: SignatureTable | None) -> PretrainedConfig:
-    """The Qwen3 config of ``model`` (+ the authors' hash keys for MultiHashFormer)."""
+def hf_config(model: ModelConfig, vocab_size: int, tokenizer, table: SignatureTable | None,
+              inference_temperature: float = 1.0) -> PretrainedConfig:
+    """The Qwen3 config of ``model`` (+ the authors' hash keys and our ``inference_temperature`` for
+    MultiHashFormer)."""
     common = dict(
         vocab_size=vocab_size, hidden_size=model.d_model, intermediate_size=model.ffn_dim,
         num_hidden_layers=model.n_layers, num_attention_heads=model.n_heads, num_key_value_heads=model.n_kv_heads,
@@ -53,7 +68,7 @@ def hf_config(model: ModelConfig, vocab_size: int, tokenizer, table: SignatureTa
     return MultiHashFormerConfig(
         **common, num_hashes=h.num_hashes, num_buckets=h.num_buckets, bottle_neck_dim=h.gate_dim,
         mixer_dim=None if h.mixer_dim == h.gate_dim else h.mixer_dim, num_lsh=0,
-        signature_rule=table.hashing_rule(),
+        signature_rule=table.hashing_rule(), inference_temperature=inference_temperature,
     )
 
 
@@ -61,7 +76,12 @@ def build_hf_model(cfg: RunConfig, state: dict[str, torch.Tensor], tokenizer,
                    table: SignatureTable | None) -> PreTrainedModel:
     """Our full state dict -> the Hugging Face model holding the same weights."""
     vocab_size = len(tokenizer)
-    config = hf_config(cfg.model, vocab_size, tokenizer, table)
+    if table is None and cfg.inference.temperature != 1:
+        raise ConfigError(
+            f"inference temperature {cfg.inference.temperature:g}: a Standard model exports as a plain "
+            "Qwen3ForCausalLM, whose logits cannot apply a temperature without custom code; export with 1 "
+            f"(--inference-temperature 1) and sample at temperature {1 / cfg.inference.temperature:.4g} instead")
+    config = hf_config(cfg.model, vocab_size, tokenizer, table, cfg.inference.temperature)
     weights = to_export(state, table.codes if table is not None else None)
     if table is None:  # Standard: only the real vocabulary's rows
         weights[EMBED] = weights[LM_HEAD] = weights[EMBED][:vocab_size]
@@ -75,7 +95,44 @@ def build_hf_model(cfg: RunConfig, state: dict[str, torch.Tensor], tokenizer,
     return model.eval()
 
 
-def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", overwrite: bool = False) -> Path:
+def parse_temperature(value: str | float) -> float:
+    """A ``--inference-temperature`` number: finite and > 0."""
+    try:
+        tau = float(value)
+    except ValueError:
+        tau = math.nan
+    if not (math.isfinite(tau) and tau > 0):
+        raise ConfigError(f"--inference-temperature {value}: use a number > 0 (1: log P_inf itself) or auto")
+    return tau
+
+
+def fitted_temperature(trained: TrainedWeights, tokenizer, table: SignatureTable | None) -> tuple[float, str]:
+    """``--inference-temperature auto``: ``(τ, where it comes from)``: the newest ``val_temperature`` of the run's
+    ``metrics.jsonl`` at or before the checkpoint's step, else one fitted on the run's validation split."""
+    from mhf_dist.train.metrics import read_metrics
+
+    logged = [r for r in read_metrics(trained.run.path) if "val_temperature" in r and r["step"] <= trained.step]
+    if logged:
+        return float(logged[-1]["val_temperature"]), f"val_temperature of step {logged[-1]['step']}"
+    cfg = trained.cfg
+    shards = Path(cfg.data.shard_dir) if cfg.data.shard_dir is not None else trained.run.data_dir
+    manifest = shards / MANIFEST
+    if not manifest.is_file() or "val" not in json.loads(manifest.read_text()).get("splits", {}):
+        raise ConfigError(f"--inference-temperature auto: {trained.run.path / 'metrics.jsonl'} holds no "
+                          f"val_temperature up to step {trained.step} and {shards} has no validation split to fit "
+                          "one on; pass a number (mhf-dist eval --calibrate fits one)")
+    from mhf_dist.evaluate import SplitPasses
+    from mhf_dist.model.calibration import fit_temperature
+
+    model = build_hf_model(cfg, trained.state, tokenizer, table)
+    with torch.no_grad():
+        fit = fit_temperature(SplitPasses(model, tokenizer, shards, "val", cfg.train.eval_sequences, 8))
+    return fit.temperature, f"fitted on {fit.tokens} tokens of {shards}'s validation split"
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", overwrite: bool = False,
+              inference_temperature: str | float | None = None) -> Path:
+    """``inference_temperature``: a number, ``"auto"`` (:func:`fitted_temperature`) or None (the run config's)."""
     out = check_target(out, [checkpoint], overwrite)
     trained = trained_weights(checkpoint)
     run, cfg = trained.run, trained.cfg
@@ -84,6 +141,14 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", over
                           "with `mhf-dist export` instead")
     tokenizer = load_tokenizer(run.tokenizer_source(cfg))
     table = SignatureTable.load(run.signatures_dir) if cfg.model.variant == "mhf" else None
+    if inference_temperature is not None:
+        if str(inference_temperature) == "auto" and table is None:
+            raise ConfigError("--inference-temperature auto: a Standard model exports as a plain Qwen3ForCausalLM, "
+                              "which cannot apply a temperature; its fitted τ (val_temperature) is near 1 anyway")
+        tau, source = (fitted_temperature(trained, tokenizer, table) if str(inference_temperature) == "auto"
+                       else (parse_temperature(inference_temperature), "given"))
+        print(f"inference temperature {tau:.6g} ({source})")
+        cfg = RunConfig.model_validate(cfg.model_dump(mode="json") | {"inference": {"temperature": tau}})
     model = build_hf_model(cfg, trained.state, tokenizer, table).to(DTYPES[dtype])
 
     with staged(out) as tmp:

@@ -6,7 +6,9 @@ shards) and the tokenizer of a Hugging Face directory — one of the authors'
 
 - ``RUN/config.yaml``: the exported run config when the directory has one
   (``mhf_dist.yaml``), else one derived from ``config.json``; the architecture
-  always comes from ``config.json``. ``train.init_from`` points at the weights.
+  always comes from ``config.json``, and so does ``inference.temperature``
+  (``inference_temperature``, when it has one), so a re-export applies the same
+  ``τ``. ``train.init_from`` points at the weights.
 - ``RUN/init/model.safetensors``: the weights under our names (fp32).
 - ``RUN/tokenizer/`` and ``RUN/signatures/``: the signature table is
   ``model.hash_map`` itself (the weights were trained with it), never rebuilt.
@@ -172,6 +174,8 @@ def import_hf(src: str | Path, run_dir: str | Path, overrides: list[str] = (), o
     raw = deep_merge(raw, {"model": model_config_from_hf(config), "preset": None,
                            "tokenizer": {"path": str(final.tokenizer_dir.resolve())},
                            "train": {"init_from": INIT_WEIGHTS}})
+    if "inference_temperature" in config:  # what the model's logits apply
+        raw = deep_merge(raw, {"inference": {"temperature": config["inference_temperature"]}})
     for assignment in overrides:
         raw = apply_override(raw, assignment)
     try:

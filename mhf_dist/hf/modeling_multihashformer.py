@@ -10,6 +10,15 @@ So ``generate()`` (greedy, sampling, beam search), the KV cache and
 lm-evaluation-harness work unchanged, and every generated id is a registered
 token.
 
+Calibration: ``config.inference_temperature`` ``τ`` (default 1) makes the
+logits ``log P_τ = log_softmax(τ · log P_inf)``, i.e. ``P_τ ∝ P_inf^τ``. Each
+head is trained as a marginal, so their product ``P_inf`` is too sharp (about
+H times); ``τ`` fitted on held-out text (``mhf-dist export-hf
+--inference-temperature auto`` takes the one training's evaluation fitted)
+gives calibrated probabilities, hence perplexity and sampling at temperature 1.
+The order of the tokens, and so greedy decoding and top-k, is the same for
+every ``τ``; ``τ = 1`` returns ``log P_inf`` exactly (no multiplication).
+
 Parameter and buffer names are the authors' (``HUIYINXUE/MHF``,
 ``qwen3_hashformer``): ``model.embed_tokens.weight [H·B, d]`` (head k's rows at
 offset k·B), ``lm_head.weight`` tied to it, ``model.hash_map [V, H]``,
@@ -107,11 +116,15 @@ class MultiHashFormerForCausalLM(Qwen3PreTrainedModel, GenerationMixin):
         return self.model.embed_tokens
 
     def log_p_inf(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-norm output ``[..., d]`` -> ``log P_inf [..., V]`` (fp32)."""
+        """Final-norm output ``[..., d]`` -> ``log P_inf [..., V]`` (fp32), or ``log P_τ`` with the config's
+        ``inference_temperature`` ``τ ≠ 1`` (module docstring)."""
         hash_map = self.model.hash_map
         log_probs = self.hash_head(hidden, self.lm_head.weight)
         score = sum(logp[..., hash_map[:, i]] for i, logp in enumerate(log_probs))
         score = score.masked_fill(~(hash_map != 0).any(dim=1), float("-inf"))
+        temperature = getattr(self.config, "inference_temperature", 1.0)
+        if temperature != 1:  # log P_inf = score - const, so τ·score renormalised is log P_τ
+            score = score * temperature
         return F.log_softmax(score, dim=-1)
 
     def forward(self, input_ids=None, labels=None, logits_to_keep: int | torch.Tensor = 0, **kwargs):

@@ -57,6 +57,15 @@ class CascadedDecoder(nn.Module):
         heads = enumerate(self._heads(h, tables, normalised=True))
         return torch.stack([-tables.pick(log_p, targets[..., i]) for i, log_p in heads], dim=-1)
 
+    def nll_and_log_probs(self, h: torch.Tensor, tables: BucketTables,
+                          targets: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The plain path's ``-log p_i[target_i]`` ``[N, H]`` and every head's ``log p_i [N, R_local]``, from one
+        pass down the cascade; the log-probabilities are also :meth:`scores` for ``log P_inf`` (each head's
+        normaliser cancels there), which is how the training loss's ``log P_inf`` term gets them."""
+        log_probs = list(self._heads(h, tables, normalised=True))
+        nll = torch.stack([-tables.pick(log_p, targets[..., i]) for i, log_p in enumerate(log_probs)], dim=-1)
+        return nll, log_probs
+
     def _fused_nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor) -> torch.Tensor:
         c, nll, split = h, [], tables.per_table()
         for i in range(self.num_heads):

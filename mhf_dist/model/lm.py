@@ -52,8 +52,9 @@ class LanguageModel(nn.Module):
         """Final-norm output ``h [B, S, d]``."""
         return self.backbone(self.vocab.embed(input_ids), input_ids)
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, with_p_inf: bool = False) -> LMOutput:
-        return self.vocab.loss(self.hidden(input_ids), targets, with_p_inf)
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, with_p_inf: bool = False,
+                temperatures: torch.Tensor | None = None) -> LMOutput:
+        return self.vocab.loss(self.hidden(input_ids), targets, with_p_inf, temperatures)
 
     def log_p_inf(self, input_ids: torch.Tensor, last_only: bool = False,
                   chunk_size: int = LOG_P_INF_CHUNK) -> torch.Tensor:
@@ -86,7 +87,7 @@ class MultiHashFormer(LanguageModel):
         if codes.shape[1] != h.num_hashes:
             raise ValueError(f"signature table has H={codes.shape[1]} but model.hash.num_hashes={h.num_hashes}")
         super().__init__(cfg, HashVocabulary(codes, h.num_buckets, cfg.d_model, h.gate_dim, h.mixer_dim,
-                                             cfg.decoder_chunk_tokens), compression)
+                                             cfg.decoder_chunk_tokens, h.p_inf_loss_weight), compression)
 
 
 class StandardLM(LanguageModel):

@@ -86,6 +86,10 @@ class BucketTables(nn.Module):
     def reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    def recompute_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`reduce_sum` without autograd, for a custom ``backward`` that recomputes a reduced value."""
+        return x
+
     def replicated_input(self, x: torch.Tensor) -> torch.Tensor:
         """Marks a replicated input of the per-shard logits (its gradient is summed over shards)."""
         return x

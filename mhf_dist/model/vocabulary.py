@@ -8,7 +8,9 @@
   a plain row lookup in and a one-head tied decoder out; ``codes`` is the identity.
 
 Training loss: ``Σ_i -log p_i[H_i(w)]`` — each head's mean NLL over tokens,
-summed over heads; targets ``< 0`` are ignored. Inference: ``log P_inf`` over
+summed over heads; targets ``< 0`` are ignored; MultiHashFormer may add
+``λ × mean(-log P_inf(target))`` (``model.hash.p_inf_loss_weight``), the NLL of
+the distribution it infers with. Inference: ``log P_inf`` over
 registered tokens. Keeping this side in one module lets the pipeline engine
 place it on the first and last stage as one tied unit.
 """
@@ -20,9 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mhf_dist.model.calibration import coarse_temperatures
 from mhf_dist.model.decoder import CascadedDecoder
 from mhf_dist.model.hash_encoder import HashEncoder
-from mhf_dist.model.scoring import LOG_P_INF_CHUNK, log_p_inf, signature_columns, target_log_p_inf
+from mhf_dist.model.scoring import (LOG_P_INF_CHUNK, SUM_P_INF_NLL, SUM_TOKENS, TARGET_CHUNK, log_normaliser,
+                                    log_p_inf, signature_columns, target_calibration_sums)
 from mhf_dist.model.tables import BucketTables
 
 
@@ -31,13 +35,19 @@ class LMOutput:
     loss: torch.Tensor  # sum over heads of the mean per-head NLL
     head_losses: torch.Tensor  # [H]
     p_inf_nll: torch.Tensor | None = None  # mean -log P_inf(target), for perplexity (evaluation only)
+    # evaluation only: this micro-batch's sums for P_inf and temperature calibration, float64 [4 + 2K]
+    # (mhf_dist.model.scoring.calibration_sums: tokens, NLL, top-1/top-5 hits, NLL and its slope at each τ_k)
+    eval_sums: torch.Tensor | None = None
 
 
 class TiedVocabulary(nn.Module):
+    p_inf_loss_chunk = TARGET_CHUNK  # values gathered per position in one chunk of the log P_inf term's log Z
+
     def __init__(self, tables: BucketTables, encoder: nn.Module | None, decoder: CascadedDecoder,
-                 codes: torch.Tensor, registered: torch.Tensor):
+                 codes: torch.Tensor, registered: torch.Tensor, p_inf_loss_weight: float = 0.0):
         super().__init__()
         self.tables, self.encoder, self.decoder = tables, encoder, decoder
+        self.p_inf_loss_weight = p_inf_loss_weight  # λ of the training loss's log P_inf term
         self.register_buffer("codes", codes.long(), persistent=False)
         self.register_buffer("registered", registered.bool(), persistent=False)
         self._columns: tuple[tuple, torch.Tensor] | None = None
@@ -57,17 +67,49 @@ class TiedVocabulary(nn.Module):
             self._columns = (key, signature_columns(self.codes, self.tables))
         return self._columns[1]
 
-    def loss(self, h: torch.Tensor, targets: torch.Tensor, with_p_inf: bool = False) -> LMOutput:
+    def loss(self, h: torch.Tensor, targets: torch.Tensor, with_p_inf: bool = False,
+             temperatures: torch.Tensor | None = None) -> LMOutput:
         """``h [..., d]`` (final-norm output), ``targets [...]`` token ids -> SPEC §5 training loss
-        (and, ``with_p_inf``, the mean ``-log P_inf`` of the targets: perplexity comparable across models)."""
+        (and, ``with_p_inf``, the mean ``-log P_inf`` of the targets: perplexity comparable across models, with
+        the evaluation sums of :meth:`calibration_sums` at ``temperatures``)."""
         keep = targets >= 0
         h, targets = h[keep], targets[keep]
-        head_losses = self.decoder.nll(h, self.tables, self.codes[targets]).mean(dim=0)
-        p_inf_nll = None
+        if self.p_inf_loss_weight:
+            head_losses, p_inf_loss = self._head_and_p_inf_losses(h, targets)
+        else:
+            head_losses, p_inf_loss = self.decoder.nll(h, self.tables, self.codes[targets]).mean(dim=0), None
+        p_inf_nll = eval_sums = None
         if with_p_inf:
-            p_inf_nll = -target_log_p_inf(self.decoder.scores(h, self.tables), self.signature_columns(),
-                                          self.registered, self.tables, targets).mean()
-        return LMOutput(loss=head_losses.sum(), head_losses=head_losses, p_inf_nll=p_inf_nll)
+            eval_sums = self.calibration_sums(h, targets, temperatures)
+            p_inf_nll = eval_sums[SUM_P_INF_NLL] / eval_sums[SUM_TOKENS]
+            p_inf_nll = p_inf_nll.to(torch.promote_types(h.dtype, torch.float32))
+        loss = head_losses.sum()
+        if p_inf_loss is not None:  # the training term; in training it is also the logged P_inf NLL
+            loss = loss + self.p_inf_loss_weight * p_inf_loss
+            p_inf_nll = p_inf_loss.detach() if p_inf_nll is None else p_inf_nll
+        return LMOutput(loss=loss, head_losses=head_losses, p_inf_nll=p_inf_nll, eval_sums=eval_sums)
+
+    def _head_and_p_inf_losses(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(head losses [H], mean -log P_inf(target))`` with gradients, from one plain pass down the cascade
+        (:meth:`CascadedDecoder.nll_and_log_probs`): ``-log P_inf(w) = log Z - Σ_i log p_i[H_i(w)] = log Z +
+        Σ_i nll_i``, with ``log Z`` from :func:`~mhf_dist.model.scoring.log_normaliser`. The fused decoder path
+        is not used: this term needs every head's scores ``[N, R_local]`` anyway, and the plain path's are them.
+        A target that is not registered (the pad token) has ``P_inf = 0``: its term is ``+inf``, as in evaluation."""
+        nll, log_probs = self.decoder.nll_and_log_probs(h, self.tables, self.codes[targets])
+        log_z = log_normaliser(log_probs, self.signature_columns(), self.registered, self.tables,
+                               self.p_inf_loss_chunk)
+        p_inf_nll = torch.where(self.registered[targets], log_z + nll.sum(dim=-1), float("inf"))
+        return nll.mean(dim=0), p_inf_nll.mean()
+
+    def calibration_sums(self, h: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor | None = None,
+                         chunk_size: int = TARGET_CHUNK) -> torch.Tensor:
+        """``h [N, d]``, ``targets [N]`` -> :func:`~mhf_dist.model.scoring.calibration_sums` (``P_inf`` NLL, top-1/5
+        hits, and the NLL of ``P_τ`` with its slope at each of ``temperatures``, default
+        :func:`~mhf_dist.model.calibration.coarse_temperatures`), streamed over the vocabulary."""
+        if temperatures is None:
+            temperatures = coarse_temperatures()
+        return target_calibration_sums(self.decoder.scores(h, self.tables), self.signature_columns(), self.registered,
+                                       self.tables, targets, temperatures, chunk_size)
 
     def log_p_inf(self, h: torch.Tensor, chunk_size: int = LOG_P_INF_CHUNK) -> torch.Tensor:
         """``h [..., d]`` -> ``log P_inf [..., V]``."""
@@ -79,7 +121,7 @@ class TiedVocabulary(nn.Module):
 
 class HashVocabulary(TiedVocabulary):
     def __init__(self, codes: torch.Tensor, num_buckets: int, dim: int, gate_dim: int, mixer_dim: int,
-                 chunk_tokens: int = 0):
+                 chunk_tokens: int = 0, p_inf_loss_weight: float = 0.0):
         num_hashes = codes.shape[1]
         super().__init__(
             tables=BucketTables(num_hashes, num_buckets, dim),
@@ -87,6 +129,7 @@ class HashVocabulary(TiedVocabulary):
             decoder=CascadedDecoder(dim, num_hashes, mixer_dim, chunk_tokens=chunk_tokens),
             codes=codes,
             registered=(codes != 0).any(dim=1),
+            p_inf_loss_weight=p_inf_loss_weight,
         )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,10 @@ backward, ``all_reduce_sum``
   - decoder, per head: the hidden state entering the sharded logits ``N·d``;
     with the plain (unfused) decoder also its log-normaliser ``N``
 
+With the ``log P_inf`` training term (``model.hash.p_inf_loss_weight`` > 0,
+over ``V`` tokens) the decoder runs unfused, and the signature scores are
+all-reduced ``N·V`` in the forward and again (recomputed) ``N·V`` in the backward.
+
 The profiler reports these next to measured counts (:func:`count_collectives`).
 """
 
@@ -28,10 +32,17 @@ from collections import Counter
 from mhf_dist.config import ModelConfig
 
 
-def expected_collective_bytes(cfg: ModelConfig, tokens: int, tp: int, elem_size: int = 4) -> Counter:
-    """``{(op, phase): bytes}`` for one forward + backward of the training loss."""
+def expected_collective_bytes(cfg: ModelConfig, tokens: int, tp: int, elem_size: int = 4,
+                              vocab_size: int | None = None) -> Counter:
+    """``{(op, phase): bytes}`` for one forward + backward of the training loss (``vocab_size``: the rows of the
+    signature table, needed with the ``log P_inf`` term)."""
     if tp == 1:
         return Counter()
+    p_inf = cfg.variant == "mhf" and cfg.hash.p_inf_loss_weight > 0
+    if p_inf and vocab_size is None:
+        raise ValueError("the log P_inf training term's traffic depends on the vocabulary: pass vocab_size")
+    scores = tokens * vocab_size if p_inf else 0
+    fused = cfg.decoder_chunk_tokens and not p_inf
     n, d, hd, layers = tokens, cfg.d_model, cfg.resolved_head_dim, cfg.n_layers
     heads = cfg.hash.num_hashes if cfg.variant == "mhf" else 1
     replicated_kv = 2 * cfg.n_kv_heads * hd * d if cfg.n_kv_heads % tp else 0
@@ -40,9 +51,9 @@ def expected_collective_bytes(cfg: ModelConfig, tokens: int, tp: int, elem_size:
         memory = len(cfg.engram_layers) * n * (cfg.engram.max_ngram - 1) * cfg.engram.heads * cfg.engram_head_dim
     elements = Counter({
         ("all_reduce_sum", "forward"): n * heads * d + layers * 2 * n * d + heads * 2 * n + (heads - 1) * n * d
-        + memory,
+        + memory + scores,
         ("all_reduce_max", "forward"): heads * n,
         ("all_reduce_sum", "backward"): layers * (2 * n * d + 2 * hd + replicated_kv) + heads * n * d
-        + (0 if cfg.decoder_chunk_tokens else heads * n),
+        + (0 if fused else heads * n) + scores,
     })
     return Counter({k: v * elem_size for k, v in elements.items()})

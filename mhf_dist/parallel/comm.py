@@ -3,8 +3,14 @@
 Megatron's conjugate pair: :func:`copy_to_tp` (identity forward, all-reduce
 backward) marks where replicated values enter a region that each rank computes
 only part of; :func:`reduce_from_tp` (all-reduce forward, identity backward)
-marks where partial results leave it. :func:`all_reduce_max` carries no
-gradient (it is only applied to detached softmax maxima).
+marks where partial results leave it. Its identity backward is right
+wherever every rank goes on to compute the same loss from the reduced value:
+the gradient of each rank's partial is then ``dL/dsum``, which every rank
+already holds (the decoder's picked log-probabilities and soft retrieval, the
+``log P_inf`` training term's signature scores). :func:`all_reduce_max` carries no
+gradient (it is only applied to detached softmax maxima), nor does
+:func:`all_reduce_sum`, the plain sum a custom backward uses to recompute a
+reduced value (recorded under the phase it runs in).
 
 :func:`count_collectives` records every collective issued through this module:
 operation, phase (forward/backward) and payload bytes (the tensor's size; the
@@ -93,3 +99,8 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
 
 def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
     return _all_reduce(x.detach().clone(), group, "all_reduce_max", "forward", dist.ReduceOp.MAX)
+
+
+def all_reduce_sum(x: torch.Tensor, group, phase: str = "backward") -> torch.Tensor:
+    """The sum over the group, without autograd: for values recomputed inside a custom ``backward``."""
+    return _all_reduce(x.detach().clone(), group, "all_reduce_sum", phase)

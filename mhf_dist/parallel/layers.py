@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mhf_dist.model.tables import BucketTables
-from mhf_dist.parallel.comm import all_reduce_max, copy_to_tp, reduce_from_tp
+from mhf_dist.parallel.comm import all_reduce_max, all_reduce_sum, copy_to_tp, reduce_from_tp
 
 
 class BucketParallelEmbedding(BucketTables):
@@ -46,6 +46,9 @@ class BucketParallelEmbedding(BucketTables):
 
     def reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce_max(x, self.group)
+
+    def recompute_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(x, self.group)
 
     def replicated_input(self, x: torch.Tensor) -> torch.Tensor:
         # x is replicated; each rank's logits see it, so its gradient is summed over the group.

@@ -64,15 +64,17 @@ class BlockStage(nn.Module):
 
 
 class PipelineLoss:
-    """``loss_fn(h, targets)`` on the last stage; keeps each micro-batch's head losses (and P_inf NLL in eval)."""
+    """``loss_fn(h, targets)`` on the last stage; keeps each micro-batch's head losses (and, in evaluation, its
+    P_inf NLL and evaluation sums at ``temperatures``)."""
 
     def __init__(self):
         self.vocab: TiedVocabulary | None = None
         self.with_p_inf = False
+        self.temperatures: torch.Tensor | None = None
         self.outputs = []
 
     def __call__(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        out = self.vocab.loss(h, targets, with_p_inf=self.with_p_inf)
+        out = self.vocab.loss(h, targets, with_p_inf=self.with_p_inf, temperatures=self.temperatures)
         self.outputs.append(out)
         return out.loss
 

@@ -19,6 +19,7 @@ import torch
 
 from mhf_dist.config import RunConfig
 from mhf_dist.data.reader import ShardReader
+from mhf_dist.model.calibration import fit_temperature, validation_metrics
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.layout import Layout
@@ -43,6 +44,7 @@ class StepStats:
     loss: float  # mean over the global batch
     head_losses: list[float]
     grad_norm: float | None  # DeepSpeed reports none without ZeRO
+    p_inf_loss: float | None = None  # mean -log P_inf(target) of the loss's term (model.hash.p_inf_loss_weight > 0)
 
 
 def _grad_norm(engine) -> float | None:
@@ -74,21 +76,37 @@ class DataParallelTrainer:
             out = self.engine(batch[:, :-1], batch[:, 1:])
             self.engine.backward(out.loss)
             self.engine.step()
-            losses.append(torch.cat([out.loss.detach()[None], out.head_losses.detach()]))
+            # a training forward returns a P_inf NLL only with the loss's log P_inf term (λ > 0)
+            p_inf = [] if out.p_inf_nll is None else [out.p_inf_nll.detach()[None]]
+            values = [out.loss.detach()[None], out.head_losses.detach(), *p_inf]
+            losses.append(torch.cat([v.to(out.loss.dtype) for v in values]))
         stats = self.scalars.mean(torch.stack(losses).mean(0), self.groups.dp_group)
-        return StepStats(loss=stats[0], head_losses=stats[1:], grad_norm=_grad_norm(self.engine))
+        heads = len(out.head_losses)
+        return StepStats(loss=stats[0], head_losses=stats[1:1 + heads], grad_norm=_grad_norm(self.engine),
+                         p_inf_loss=stats[1 + heads] if p_inf else None)
 
     @torch.no_grad()
-    def evaluate(self, reader: ShardReader, batches: int) -> tuple[float, float]:
-        """(mean training loss, mean -log P_inf) over ``batches`` micro-batches on each data-parallel rank."""
+    def evaluate(self, reader: ShardReader, batches: int) -> dict:
+        """The ``val_*`` metrics over ``batches`` micro-batches on each data-parallel rank: the training loss and
+        head losses (means over micro-batches and ranks), and ``P_inf``'s NLL, top-1/top-5 and temperature fit
+        from sums over every token of every rank (:func:`~mhf_dist.model.calibration.fit_temperature`: two
+        passes over the same micro-batches)."""
         self.engine.eval()
-        values = []
-        for _ in range(batches):
-            batch = reader.next_batch(self.micro).to(self.engine.device)
-            out = self.engine(batch[:, :-1], batch[:, 1:], with_p_inf=True)
-            values.append(torch.stack([out.loss, out.p_inf_nll]))
-        loss, nll = self.scalars.mean(torch.stack(values).mean(0), self.groups.dp_group)
-        return loss, nll
+        data = [reader.next_batch(self.micro).to(self.engine.device) for _ in range(batches)]
+        losses = []
+
+        def one_pass(temperatures: torch.Tensor) -> list[float]:
+            sums = 0
+            for batch in data:
+                out = self.engine(batch[:, :-1], batch[:, 1:], with_p_inf=True, temperatures=temperatures)
+                sums = sums + out.eval_sums
+                if len(losses) < len(data):  # the first pass's
+                    losses.append(torch.cat([out.loss.detach().float()[None], out.head_losses.detach().float()]))
+            return self.scalars.sum(sums, self.groups.dp_group)
+
+        fit = fit_temperature(one_pass)
+        loss, *heads = self.scalars.mean(torch.stack(losses).mean(0), self.groups.dp_group)
+        return validation_metrics(loss, heads, fit)
 
 
 class PipelineTrainer:
@@ -103,6 +121,7 @@ class PipelineTrainer:
         )
         self.groups, self.accum, self.micro = groups, layout.accum, cfg.train.micro_batch_size
         self.num_heads = model.vocab.decoder.num_heads
+        self.p_inf_term = model.vocab.p_inf_loss_weight > 0
         self.scalars = ScalarCollectives()
 
     @property
@@ -114,27 +133,50 @@ class PipelineTrainer:
             batch = reader.next_batch(self.micro)
             yield batch[:, :-1], batch[:, 1:]
 
-    def _last_stage_mean(self, field: str) -> list[float]:
-        """Mean over micro-batches and dp of a loss output kept on the last stage, sent to every rank."""
+    def _last_stage_mean(self, field: str, clear: bool = True) -> list[float]:
+        """Mean over micro-batches and dp of a loss output kept on the last stage, sent to every rank (``clear``:
+        then forget the outputs)."""
         n = self.num_heads if field == "head_losses" else 1
         values = [0.0] * n
         if self.engine.is_last_stage() and self.groups.tp_rank == 0:
             values = torch.stack([getattr(o, field).detach().float().reshape(n) for o in self.loss_fn.outputs])
             values = values.mean(0) / self.groups.dp
-        self.loss_fn.outputs.clear()
+        if clear:
+            self.loss_fn.outputs.clear()
         return self.scalars.sum(values)
 
     def train_step(self, reader: ShardReader) -> StepStats:
         loss = self.engine.train_batch(data_iter=self._batches(reader, self.accum))
-        heads = self._last_stage_mean("head_losses")
-        return StepStats(loss=float(loss), head_losses=heads, grad_norm=_grad_norm(self.engine))
+        heads = self._last_stage_mean("head_losses", clear=not self.p_inf_term)
+        p_inf = self._last_stage_mean("p_inf_nll")[0] if self.p_inf_term else None
+        return StepStats(loss=float(loss), head_losses=heads, grad_norm=_grad_norm(self.engine), p_inf_loss=p_inf)
+
+    def _last_stage_sum(self, field: str, length: int) -> list[float]:
+        """Sum over micro-batches and dp of a loss output ``[length]`` kept on the last stage, sent to every rank;
+        then forget the outputs."""
+        values = [0.0] * length
+        if self.engine.is_last_stage() and self.groups.tp_rank == 0:
+            values = torch.stack([getattr(o, field).detach().double() for o in self.loss_fn.outputs]).sum(0)
+        self.loss_fn.outputs.clear()
+        return self.scalars.sum(values)
 
     @torch.no_grad()
-    def evaluate(self, reader: ShardReader, batches: int) -> tuple[float, float]:
-        self.loss_fn.with_p_inf = True
-        loss = self.engine.eval_batch(data_iter=self._batches(reader, batches), num_micro_batches=batches)
-        self.loss_fn.with_p_inf = False
-        return float(loss), self._last_stage_mean("p_inf_nll")[0]
+    def evaluate(self, reader: ShardReader, batches: int) -> dict:
+        """As :meth:`DataParallelTrainer.evaluate`; the last stage computes the loss outputs."""
+        data = [reader.next_batch(self.micro) for _ in range(batches)]
+        first = {}
+
+        def one_pass(temperatures: torch.Tensor) -> list[float]:
+            self.loss_fn.with_p_inf, self.loss_fn.temperatures = True, temperatures
+            loss = self.engine.eval_batch(data_iter=iter([(b[:, :-1], b[:, 1:]) for b in data]),
+                                          num_micro_batches=batches)
+            self.loss_fn.with_p_inf, self.loss_fn.temperatures = False, None
+            if not first:
+                first.update(loss=float(loss), heads=self._last_stage_mean("head_losses", clear=False))
+            return self._last_stage_sum("eval_sums", 4 + 2 * len(temperatures))
+
+        fit = fit_temperature(one_pass)
+        return validation_metrics(first["loss"], first["heads"], fit)
 
 
 def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout):

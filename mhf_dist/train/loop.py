@@ -57,6 +57,12 @@ from mhf_dist.train.preemption import GRACE_ENV, StopSignal
 from mhf_dist.train.throughput import memory_gb, total_peak_flops
 
 
+def leave_process_group() -> None:
+    """Shut this rank's process group down (its communication threads end here, not at interpreter exit)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -277,16 +283,16 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopS
                     "mfu": tokens_per_s * flops_per_token / peak, "memory_gb": memory_gb(device),
                     "nonfinite_steps": watch.nonfinite_steps, "skipped_steps": trainer.engine.skipped_steps,
                 } | ({"grad_norm": stats.grad_norm} if stats.grad_norm is not None else {}) | (
-                    {"loss_spikes": watch.loss_spikes} if t.spike_factor is not None else {})
+                    {"loss_spikes": watch.loss_spikes} if t.spike_factor is not None else {}) | (
+                    {"p_inf_loss": stats.p_inf_loss} if stats.p_inf_loss is not None else {})
             if has_val and ((t.eval_interval and (step + 1) % t.eval_interval == 0) or last):
                 with ShardReader(shards, split="val", **reader_args) as val:
-                    val_loss, val_nll = trainer.evaluate(val, eval_batches)
-                record |= {"val_loss": val_loss, "val_p_inf_nll": val_nll, "val_ppl": float(np.exp(val_nll))}
+                    record |= trainer.evaluate(val, eval_batches)  # mhf_dist.model.calibration.validation_metrics
             if record and rank == 0:
                 logger.log(step + 1, record)
                 result.records.append({"step": step + 1, **record})
-                tqdm.write(f"step {step + 1:>6} | " + " | ".join(
-                    f"{k} {v:.4g}" for k, v in record.items() if k in ("loss", "val_ppl", "lr", "tokens_per_s", "mfu")))
+                tqdm.write(f"step {step + 1:>6} | " + " | ".join(f"{k} {v:.4g}" for k, v in record.items() if k in (
+                    "loss", "val_ppl", "val_ppl_calibrated", "lr", "tokens_per_s", "mfu")))
             watch.stop_if_diverged()
             result.preempted, time_due = scalars.any(stop.received, clock.due)
             reason = ("signal" if result.preempted else "end" if step + 1 == end else
