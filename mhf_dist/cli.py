@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from mhf_dist import __version__
-from mhf_dist.config import SIZES, ConfigError, load_config, preset_names
+from mhf_dist.config import SIZES, ConfigError, RunConfig, load_config, preset_names
 from mhf_dist.errors import ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, MhfError
 from mhf_dist.output_dir import OVERWRITE_HELP
 
@@ -54,14 +54,25 @@ def _int_at_least(text: str, low: int) -> int:
     return value
 
 
+def _add_overrides(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def _add_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+
+
+def _add_overwrite(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+
+
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="{size}-{variant}, e.g. tiny-h4b16k, 100m-standard+4l, 3b-h4b16k")
     p.add_argument("--config", help="run YAML (may name a `preset:` to start from)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config field, e.g. --set model.hash.num_buckets=4096 (repeatable)")
+    _add_overrides(p, "override any config field, e.g. --set model.hash.num_buckets=4096 (repeatable)")
 
 
-def _load(args) -> "RunConfig":  # noqa: F821
+def _load(args) -> RunConfig:
     return load_config(args.preset, args.config, args.overrides)
 
 
@@ -280,13 +291,8 @@ def cmd_prepare_data(args) -> int:
     return run(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mhf-dist", description=DESCRIPTION, epilog=EXAMPLES,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"mhf-dist {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")  # commands without help= are unlisted
-
+# ---------------------------------------------------------------- the parser: one function per command
+def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model (run under torchrun for many ranks, or use --nproc-per-node)")
     _add_run_options(p)
     p.add_argument("--run-dir", required=True, help="run directory (created if missing)")
@@ -295,12 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
                    f"checkpoint directory; a run stopped by a signal exits with {PREEMPTED_EXIT_CODE}")
     p.set_defaults(func=cmd_train)
 
+
+def _prepare_data_parser(sub) -> None:
     p = sub.add_parser("prepare-data", help="tokenize text into WebDataset shards of packed sequences + manifest")
     p.add_argument("inputs", nargs="+", help="text files or globs: .txt (blank-line separated documents) "
                    "or .jsonl (one document per line), optionally .gz")
     p.add_argument("--tokenizer", required=True, help="tokenizer directory, or mistral-v0.3")
     p.add_argument("--out", required=True, help="output directory (new or empty; see --overwrite)")
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    _add_overwrite(p)
     p.add_argument("--seq-len", type=positive_int, required=True, help="model sequence length; samples hold seq_len + 1 ids")
     p.add_argument("--samples-per-shard", type=positive_int, default=8192, help="samples per tar shard (default 8192)")
     p.add_argument("--prefix", default="train", help="training shard names: PREFIX-000000.tar ... (default train)")
@@ -312,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=cmd_prepare_data)
 
+
+def _plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="the resolved model; ZeRO model states, activations and "
                        "host memory at construction per rank; does it fit? time per step at an assumed MFU")
     _add_run_options(p)
@@ -322,20 +332,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="assumed model FLOPs utilisation for the time per step, a fraction in (0, 1] (default 0.40)")
     p.set_defaults(func=cmd_plan)
 
+
+def _export_parser(sub) -> None:
     p = sub.add_parser("export", help="one full state dict (safetensors) + config + signatures + tokenizer "
                        "from a sharded checkpoint")
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")
     p.add_argument("--out", required=True)
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    _add_dtype(p)
+    _add_overwrite(p)
     p.set_defaults(func=cmd_export)
 
+
+def _export_hf_parser(sub) -> None:
     p = sub.add_parser("export-hf", help="a Hugging Face model directory (authors' layout, SPEC §9) from a "
                        "checkpoint; logits are log P_inf")
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")
     p.add_argument("out_dir")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    _add_dtype(p)
+    _add_overwrite(p)
     p.add_argument("--inference-temperature", metavar="TAU|auto",
                    help="τ of the exported logits log_softmax(τ · log P_inf) (config.json's inference_temperature); "
                    "auto: the val_temperature training fitted last (at or before the checkpoint's step), else one "
@@ -343,24 +357,28 @@ def build_parser() -> argparse.ArgumentParser:
                    "A Standard model exports only with 1")
     p.set_defaults(func=cmd_export_hf)
 
+
+def _import_hf_parser(sub) -> None:
     p = sub.add_parser("import-hf", help="a run directory to continue training from a model in the authors' "
                        "layout (their releases or export-hf); lists signature differences")
     p.add_argument("dir", help="Hugging Face model directory (config.json, safetensors, tokenizer)")
     p.add_argument("--run-dir", required=True, help="new run directory")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override the imported run config, e.g. --set data.path=SHARDS (repeatable)")
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    _add_overrides(p, "override the imported run config, e.g. --set data.path=SHARDS (repeatable)")
+    _add_overwrite(p)
     p.set_defaults(func=cmd_import_hf)
 
-    def model_options(p):
-        p.add_argument("--model", required=True, help="export-hf directory, or a run / checkpoint directory")
-        p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-        p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda, cuda:1, ...")
-        p.add_argument("--trust-remote-code", action="store_true",
-                       help="run the model directory's Python files even when they are not this package's own")
 
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="export-hf directory, or a run / checkpoint directory")
+    _add_dtype(p)
+    p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda, cuda:1, ...")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model directory's Python files even when they are not this package's own")
+
+
+def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text under P_inf (greedy, temperature, top-k, top-p, beams)")
-    model_options(p)
+    _add_model_options(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=positive_int, default=50)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -372,8 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="static KV cache and a compiled decode step (CUDA graphs on GPUs); compiling takes a while")
     p.set_defaults(func=cmd_generate)
 
+
+def _eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="perplexity on shards and LAMBADA-style last-word accuracy, under P_inf")
-    model_options(p)
+    _add_model_options(p)
     p.add_argument("--data", help="shard directory (made with the model's tokenizer)")
     p.add_argument("--split", default="val")
     p.add_argument("--max-sequences", type=positive_int,
@@ -388,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="also write the results (JSON) here")
     p.set_defaults(func=cmd_eval)
 
+
+def _expand_vocab_parser(sub) -> None:
     p = sub.add_parser("expand-vocab", help="register a superset tokenizer's new tokens (MHF: 0 new parameters) "
                        "into a new run directory that continues training")
     p.add_argument("--run-dir", required=True, help="the trained run (its newest checkpoint is used)")
@@ -395,11 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="new run directory (default: RUN_DIR-vocab<V>)")
     p.add_argument("--trainable-blocks", type=non_negative_int, help="train only the vocabulary side, the final norm and the "
                    "first and last k blocks (the paper's expansion stage); default: everything")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override the new run's config, e.g. --set train.max_steps=1000 (repeatable)")
-    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    _add_overrides(p, "override the new run's config, e.g. --set train.max_steps=1000 (repeatable)")
+    _add_overwrite(p)
     p.set_defaults(func=cmd_expand_vocab)
 
+
+def _submit_parser(sub) -> None:
     p = sub.add_parser("submit", help="submit a multi-node training job (SLURM, or a hostfile for DeepSpeed's launcher)")
     _add_run_options(p)
     p.add_argument("--run-dir", required=True, help="run directory on storage every node sees")
@@ -420,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--write", metavar="FILE", help="write the job script and make its log directory; submit nothing")
     p.set_defaults(func=cmd_submit)
 
+
+def _status_parser(sub) -> None:
     from mhf_dist.status import DEFAULT_WATCH_S, STALE_HELP, positive_number
 
     p = sub.add_parser("status", help="a run's progress: step, loss, throughput, ETA, checkpoint, SLURM job; "
@@ -435,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stale-minutes", type=positive_number, metavar="MINUTES", help=STALE_HELP)
     p.set_defaults(func=cmd_status)
 
+
+def _profile_parser(sub) -> None:
     p = sub.add_parser("profile", help="tokens/s, MFU, memory and communication per hash configuration and layout")
     p.add_argument("--size", default="100m", help=", ".join(SIZES))
     p.add_argument("--hash", default="standard,h1b16k,h3b10k,h4b16k",
@@ -444,27 +471,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=non_negative_int, default=1)
     p.add_argument("--seq-len", type=positive_int, default=2048)
     p.add_argument("--micro-batch", type=positive_int, default=1)
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    _add_dtype(p)
     p.add_argument("--cluster", help="profile whose nominal peak is reported next to the measured one")
     p.add_argument("--vocab-sizes", default="32768,131072,1048576", help="registered tokens for the scoring benchmark")
     p.add_argument("--out", default="profile", help="output directory")
     p.add_argument("--trace", action="store_true", help="write a PyTorch profiler trace of the first configuration")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config overrides applied to every configuration")
+    _add_overrides(p, "config overrides applied to every configuration")
     p.set_defaults(func=cmd_profile)
 
+
+def _profile_worker_parser(sub) -> None:
     p = sub.add_parser("profile-worker")  # the ranks of one tensor-parallel layout, started by `profile`
     p.add_argument("--rows", required=True, help="where rank 0 writes its measurements (JSON)")
     p.add_argument("--spec", required=True, help="JSON of profile_training's arguments")
     p.set_defaults(func=cmd_profile_worker)
 
+
+def _config_parser(sub) -> None:
     p = sub.add_parser("config", help="print the resolved run config")
     _add_run_options(p)
     p.set_defaults(func=cmd_config)
 
+
+def _presets_parser(sub) -> None:
     p = sub.add_parser("presets", help="list the canonical presets")
     p.set_defaults(func=cmd_presets)
 
+
+def _tokenizer_parser(sub) -> None:
     tok = sub.add_parser("tokenizer", help="offline tokenizers").add_subparsers(dest="tokenizer_command", required=True)
     p = tok.add_parser("train", help="train a byte-level BPE on local text")
     p.add_argument("--input", nargs="+", required=True, help="text files (.txt or .txt.gz)")
@@ -474,6 +508,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = tok.add_parser("mistral-v0.3", help="write the paper's tokenizer (needs mistral-common)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_tokenizer_mistral)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mhf-dist", description=DESCRIPTION, epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"mhf-dist {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")  # commands without help= are unlisted
+    for add in (_train_parser, _prepare_data_parser, _plan_parser, _export_parser, _export_hf_parser, _import_hf_parser, _generate_parser, _eval_parser, _expand_vocab_parser, _submit_parser, _status_parser, _profile_parser, _profile_worker_parser, _config_parser, _presets_parser, _tokenizer_parser):
+        add(sub)
     return parser
 
 
