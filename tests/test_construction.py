@@ -139,8 +139,11 @@ def test_every_layout_starts_from_the_single_process_weights(tmp_path, world):
 # ---------------------------------------------------------------- memory
 MEMORY_PRESET = ("100m-h4b16k", ["model.hash.num_buckets=4096"])  # 101M parameters, 405 MB in fp32
 MEMORY_VOCAB = 32768
-# What construction may add to a rank's resident memory besides its 1/dp of the model and one full parameter:
-# the allocator's slack between freed and new blocks, gloo's broadcast buffers, DeepSpeed's bookkeeping.
+# What construction may add to a rank's resident memory besides its 1/dp of the model and one full parameter (the
+# buffer each leaf is filled in; the largest is the bucket tables, 48 MiB here, larger than a block's 28 MiB):
+# the signature table and other buffers (1 MiB), gloo's broadcast buffers, DeepSpeed's bookkeeping per parameter,
+# the allocator's rounding. Measured: 6 MiB above the two terms on the 2-core CPU machine; the allowance is
+# ten times that, still far below the 385 MiB a full copy needs.
 RUNTIME_ALLOWANCE = 64 * 2**20
 
 
@@ -173,10 +176,11 @@ def test_zero3_construction_holds_one_dp_share_and_one_parameter():
     quarter of the fp32 weights, one full parameter (the largest: the bucket tables) and the runtime allowance —
     where building the full model first (the previous construction) needs all of it on every rank."""
     ranks = run_ranks(memory_worker, 4)
+    if not all(r["reset"] for r in ranks):
+        pytest.skip("this kernel refuses to restart the peak resident memory (/proc/self/clear_refs)")
     for r in ranks:
         bound = r["full"] / 4 + r["largest"] + RUNTIME_ALLOWANCE
         assert abs(r["held"] - r["full"] / 4) < 2**20  # each rank keeps its quarter (up to padding)
         assert r["peak"] <= bound, (f"peak {r['peak'] / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB "
                                     f"(full model {r['full'] / 2**20:.0f} MiB)")
-        assert bound < 0.6 * r["full"]  # the bound is far below a full copy, so this test tells them apart
-    print({f"rank{i}": f"{r['peak'] / 2**20:.0f} MiB" for i, r in enumerate(ranks)}, f"full {ranks[0]['full'] / 2**20:.0f} MiB")
+        assert bound < 0.6 * r["full"]  # far below a full copy, so the test tells the two constructions apart
