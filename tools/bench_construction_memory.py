@@ -205,6 +205,9 @@ def main() -> None:
             worst = max(r[phase]["host"] for r in result["ranks"])
             device = max(r[phase].get("device", 0) for r in result["ranks"])
             rows.append((name, dp, phase, worst, device, max(r[phase]["seconds"] for r in result["ranks"])))
+        share = 4 * params / (result["tp"] * dp) if result["pp"] == 1 else None
+        if share is not None:
+            rows.append((name, dp, "1/(tp·dp) of the model + largest parameter", share + 4 * largest, 0, None))
         if not args.old:
             rows.append((name, dp, "previous construction (computed: ≥ 4 B × params)", 4 * params, 0, None))
 
@@ -216,8 +219,7 @@ def main() -> None:
         dev = f"{device / MiB:,.0f} MiB" if device else "-"
         t = f"{seconds:.1f} s" if seconds is not None else ""
         print(f"{name:<10} {dp:>3}  {phase:<50} {host / MiB:>14,.0f} MiB {dev:>14} {t:>8}")
-    print(f"\nfull fp32 model {4 * params / MiB:,.0f} MiB; 1/dp of it + the largest parameter: " + ", ".join(
-        f"dp={d}: {(4 * params / d + 4 * largest) / MiB:,.0f} MiB" for d in sorted({r[1] for r in rows})))
+    print(f"\nfull fp32 model {4 * params / MiB:,.0f} MiB, largest parameter {4 * largest / MiB:,.0f} MiB")
 
 
 if __name__ == "__main__":

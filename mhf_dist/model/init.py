@@ -19,6 +19,7 @@ keeps its slice (:func:`initial_shard`).
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 
 import torch
@@ -46,23 +47,33 @@ def stream(seed: int, name: str, index: int | None = None) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
 
-def _draw(out: torch.Tensor, shape, std: float, generator: torch.Generator, keep) -> None:
-    """``out <- keep(N(0, std²) of ``shape``)``, drawn on the CPU; straight into ``out`` when it is that whole
-    draw (contiguous fp32 CPU), which spares a temporary."""
+def draw_size(name: str, full_shape: tuple[int, ...]) -> int:
+    """Elements drawn at once for parameter ``name``: one table of a stack, else the whole parameter."""
+    rule = rule_for(name)
+    return 0 if rule in ("ones", "zeros") else math.prod(full_shape[1:] if rule == "tables" else full_shape)
+
+
+def _draw(out: torch.Tensor, shape, std: float, generator: torch.Generator, keep,
+          buffer: torch.Tensor | None) -> None:
+    """``out <- keep(N(0, std²) of ``shape``)``, drawn on the CPU: straight into ``out`` when it is that whole
+    draw (contiguous fp32 CPU), else into ``buffer`` (CPU fp32, reused between calls) or a new tensor."""
     if keep is None and out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous() \
             and tuple(out.shape) == tuple(shape):
         out.normal_(0.0, std, generator=generator)
         return
-    value = torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
+    numel = math.prod(shape)
+    value = buffer[:numel].view(shape) if buffer is not None and buffer.numel() >= numel else torch.empty(shape)
+    value.normal_(0.0, std, generator=generator)
     out.copy_(value if keep is None else keep(value))
 
 
 @torch.no_grad()
 def initial_shard(name: str, full_shape: torch.Size | tuple[int, ...], out: torch.Tensor, std: float, seed: int,
-                  dim: int | None = None, rank: int = 0, parts: int = 1) -> None:
+                  dim: int | None = None, rank: int = 0, parts: int = 1, buffer: torch.Tensor | None = None) -> None:
     """Write into ``out`` chunk ``rank`` of ``parts`` along ``dim`` (the whole parameter when ``dim`` is None) of
     parameter ``name``'s initial value, whose full shape is ``full_shape``. At most one full table (stacks) or one
-    full parameter (otherwise) exists at a time besides ``out``."""
+    full parameter (otherwise) is drawn at a time besides ``out``, into ``buffer`` when it holds
+    :func:`draw_size` elements."""
     rule = rule_for(name)
     if rule in ("ones", "zeros"):
         out.fill_(1.0 if rule == "ones" else 0.0)
@@ -74,9 +85,10 @@ def initial_shard(name: str, full_shape: torch.Size | tuple[int, ...], out: torc
             tables = [int(i) for i in torch.arange(full_shape[0]).chunk(parts)[rank]]
         keep = None if dim in (None, 0) else (lambda table: table.chunk(parts, dim - 1)[rank])
         for j, i in enumerate(tables):
-            _draw(out[j], full_shape[1:], std, stream(seed, name, i), keep)
+            _draw(out[j], full_shape[1:], std, stream(seed, name, i), keep, buffer)
         return
-    _draw(out, full_shape, std, stream(seed, name), None if dim is None else (lambda v: v.chunk(parts, dim)[rank]))
+    _draw(out, full_shape, std, stream(seed, name), None if dim is None else (lambda v: v.chunk(parts, dim)[rank]),
+          buffer)
 
 
 def initialise(model: nn.Module, std: float, seed: int) -> None:

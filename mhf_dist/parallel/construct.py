@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mhf_dist.model.init import initial_shard
+from mhf_dist.model.init import draw_size, initial_shard
 from mhf_dist.model.lm import LanguageModel, model_structure
 from mhf_dist.parallel.plan import shard_modules
 from mhf_dist.parallel.state_dict import split_dim, tp_split_dims
@@ -76,20 +76,36 @@ def model_skeleton(cfg, vocab_size: int, codes: torch.Tensor | None, compression
 
 
 class SeededValues:
-    """Initial values from the run's seed (:mod:`mhf_dist.model.init`)."""
+    """Initial values from the run's seed (:mod:`mhf_dist.model.init`). Between :meth:`reserve` and
+    :meth:`release`, the draws that cannot go straight into a parameter share one buffer."""
 
     def __init__(self, std: float, seed: int):
         self.std, self.seed = std, seed
+        self.buffer: torch.Tensor | None = None
+
+    def reserve(self, names: dict[str, tuple[int, ...]]) -> None:
+        """A draw buffer for the parameters ``{name: full shape}`` about to be initialised."""
+        size = max((draw_size(n, s) for n, s in names.items()), default=0)
+        self.buffer = torch.empty(size) if size else None
+
+    def release(self) -> None:
+        self.buffer = None
 
     def shard(self, name: str, full_shape: tuple[int, ...], out: torch.Tensor, dim: int | None, rank: int,
               parts: int) -> None:
-        initial_shard(name, full_shape, out, self.std, self.seed, dim, rank, parts)
+        initial_shard(name, full_shape, out, self.std, self.seed, dim, rank, parts, self.buffer)
 
 
 class FileValues:
     """Initial values from a safetensors file of full weights in the LanguageModel's naming (``train.init_from``):
     each rank reads only its slices, one parameter at a time. Raises ValueError, naming the tensors, unless
     the file holds exactly the model's parameters at their full shapes (``shapes``)."""
+
+    def reserve(self, names: dict[str, tuple[int, ...]]) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
 
     def __init__(self, path: Path, shapes: dict[str, tuple[int, ...]]):
         from safetensors import safe_open
@@ -152,27 +168,33 @@ class Materialiser:
 
     def __call__(self, module: nn.Module) -> nn.Module:
         base = self.prefixes[id(module)]
-        leaves = [(prefix, leaf, [n for n, p in leaf.named_parameters(recurse=False) if p.is_meta])
-                  for prefix, leaf in module.named_modules(prefix=base)]
-        leaves = [(prefix, leaf, names) for prefix, leaf, names in leaves if names]
+        # [(leaf, [(attribute, full parameter name)])] for the leaves with meta parameters
+        leaves = [(leaf, [(n, f"{prefix}.{n}" if prefix else n) for n, p in leaf.named_parameters(recurse=False)
+                          if p.is_meta]) for prefix, leaf in module.named_modules(prefix=base)]
+        leaves = [(leaf, params) for leaf, params in leaves if params]
+        # A parameter is drawn straight into its own memory when that is the whole fp32 draw on the CPU; else the
+        # draws share one buffer (one table, or one full parameter), so no temporary is allocated per parameter.
+        direct = self.tp == 1 and self.device.type == "cpu" and self.dtype in (None, torch.float32)
+        self.values.reserve({} if direct else {name: self.shapes[name] for _, params in leaves for _, name in params})
         scratch = None
         if self.zero3 is not None and leaves:
             # Each leaf is filled in one buffer, reused leaf after leaf: ZeRO-3 keeps a copy of its slice and lets
             # the leaf's tensors go, so the only other allocations are the slices, which stay packed (a fresh
             # full-size tensor per leaf would leave the allocator holes that later, larger leaves cannot reuse).
-            scratch = torch.empty(max(sum(leaf._parameters[n].numel() for n in names) for _, leaf, names in leaves),
+            scratch = torch.empty(max(sum(leaf._parameters[n].numel() for n, _ in params) for leaf, params in leaves),
                                   dtype=self.dtype, device=self.device)
-        for prefix, leaf, names in leaves:
+        for leaf, params in leaves:
             offset = 0
-            for n in names:
+            for n, name in params:
                 meta = leaf._parameters[n]
                 out = None
                 if scratch is not None:
                     out = scratch[offset:offset + meta.numel()].view(meta.shape)
                     offset += meta.numel()
-                leaf._parameters[n] = self._real(f"{prefix}.{n}" if prefix else n, meta, out)
+                leaf._parameters[n] = self._real(name, meta, out)
             if scratch is not None:
                 self._partition(leaf)
+        self.values.release()
         for owner in module.modules():
             for n, buffer in owner._buffers.items():
                 if buffer is not None:
