@@ -35,12 +35,15 @@ backward adds an fp32 copy of the heads' scores and their gradient,
 ``H·(B/tp)·(e + 12)`` per token in all. A stage fits when its
 model states and checkpointed activations take at most 90% of device memory.
 
-**Host memory at construction** (:func:`construction_bytes`): every rank builds
-the whole model in fp32 on the host before tensor parallelism splits its layers
-and DeepSpeed partitions it, ``4·N`` bytes for the ``N`` parameters of the whole
-model; the ranks of a node build at the same time, so a node needs
-``ranks_per_node · 4·N``, which fits when it is at most 90% of the profile's
-``memory_gb_per_node`` (:func:`host_bytes_per_node`).
+**Host memory at construction** (:func:`construction_bytes`): no rank builds the
+whole model (:mod:`mhf_dist.parallel.construct`). A rank keeps, in fp32, its
+ZeRO-3 share of its tensor-parallel parameters (``1/dp`` of them; pp = 1) or
+its stage's tensor-parallel parameters (ZeRO-1/2, pp > 1), and draws one
+parameter at a time at full size: ``4·kept + 4·largest``, ``largest`` the
+biggest parameter it creates (the bucket tables, usually). The ranks of a node
+build at the same time, so a node needs ``ranks_per_node`` times that, which
+fits when it is at most 90% of the profile's ``memory_gb_per_node``
+(:func:`host_bytes_per_node`).
 
 **Time per step** (:func:`step_seconds`), with the FLOPs that MFU counts in
 training (:mod:`mhf_dist.model.flops`, as the training loop logs it): ``F = 3 ·
@@ -70,7 +73,6 @@ from mhf_dist.parallel.state_dict import split_dim, tp_split_dims
 
 GB = 2**30
 HEADROOM = 0.9  # the share of device or host memory a plan may fill
-CONSTRUCTION_MODES = ("full",)
 DEFAULT_MFU = 0.40
 
 
@@ -136,12 +138,10 @@ def decoder_bytes(m: ModelConfig, e: int, tokens: int, rows: int, tp: int) -> fl
     return tokens * heads * local * (e + 4)
 
 
-def construction_bytes(params: int, mode: str = "full") -> float:
-    """Host memory of one rank while it builds a model of ``params`` parameters in all; ``full``: the whole
-    model in fp32 on every rank, ``4·params``."""
-    if mode == "full":
-        return 4 * params
-    raise ValueError(f"construction mode {mode!r}: use one of {', '.join(CONSTRUCTION_MODES)}")
+def construction_bytes(kept: float, largest: int) -> float:
+    """Host memory of one rank while it builds its part of the model: ``kept`` parameters in fp32 plus the
+    ``largest`` one drawn whole (see the module docstring)."""
+    return 4 * kept + 4 * largest
 
 
 def host_bytes_per_node(per_rank: float, ranks_per_node: int) -> float:
@@ -157,8 +157,7 @@ def host_fits(profile: ClusterProfile, per_rank: float) -> bool | None:
     return host_bytes_per_node(per_rank, profile.gpus_per_node) / GB <= HEADROOM * profile.memory_gb_per_node
 
 
-def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size: int = 32768,
-                construction: str = "full") -> list[StagePlan]:
+def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size: int = 32768) -> list[StagePlan]:
     """One :class:`StagePlan` per pipeline stage of ``cfg`` on ``nodes`` nodes of ``profile``."""
     world = nodes * profile.gpus_per_node
     layout = resolve_layout(cfg, world)
@@ -166,9 +165,9 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
     m, tp, pp, dp = cfg.model, layout.tp, layout.pp, layout.dp
     model = meta_model(m, vocab_size)
     model_params = sum(p.numel() for p in model.parameters())
-    host = construction_bytes(model_params, construction)
     dims = tp_split_dims(m, tp)
-    per_rank = {n: p.numel() // (tp if split_dim(n, dims) is not None else 1) for n, p in model.named_parameters()}
+    full = {n: p.numel() for n, p in model.named_parameters()}
+    per_rank = {n: v // (tp if split_dim(n, dims) is not None else 1) for n, v in full.items()}
 
     def params(prefix: str) -> int:
         return sum(v for n, v in per_rank.items() if n.startswith(prefix))
@@ -195,19 +194,33 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
         if pp == 1:
             total = sum(per_rank.values())
         states = model_state_bytes(zero, total, max(per_rank.values()), dp)
+        stage_names = [n for n in per_rank if pp == 1 or _on_stage(n, layers, m.n_layers, len(costs) - 1)]
+        host = construction_bytes(total / dp if zero == 3 else total, max(full[n] for n in stage_names))
         in_flight = min(pp - s, layout.accum)
         memories = sum(1 for i in layers if i - 1 in m.engram_layers)
         last = decoder if len(costs) - 1 in layers else 0
-        full = in_flight * tokens * (act_layer * blocks + act_engram * memories) + last
+        kept = in_flight * tokens * (act_layer * blocks + act_engram * memories) + last
         recompute = act_layer + (act_engram if memories else 0)  # one block's full set, memory included
         ckpt = in_flight * tokens * e * d * blocks + tokens * recompute * min(blocks, 1) + last
         plans.append(StagePlan(
             stage=s, blocks=blocks, params_per_rank=int(total), model_states_gb=states / GB,
-            activations_gb=full / GB, activations_checkpointed_gb=ckpt / GB,
+            activations_gb=kept / GB, activations_checkpointed_gb=ckpt / GB,
             fits=(states + ckpt) / GB <= HEADROOM * profile.device_memory_gb,
             decoder_gb=last / GB, construction_gb=host / GB, model_params=model_params,
         ))
     return plans
+
+
+def _on_stage(name: str, layers: range, n_layers: int, last: int) -> bool:
+    """Whether pipeline layers ``layers`` (0: vocabulary in, 1..L: blocks, L+1: final norm, ``last``: vocabulary
+    out) create parameter ``name``."""
+    if name.startswith("backbone.layers."):
+        return int(name.split(".")[2]) + 1 in layers
+    if name.startswith("backbone.norm."):
+        return n_layers + 1 in layers
+    if name.startswith("vocab.tables.") or name.startswith("vocab.encoder."):
+        return 0 in layers or (name.startswith("vocab.tables.") and last in layers)
+    return last in layers  # the decoder
 
 
 def checkpoint_interval(cfg: RunConfig, ds_config: dict) -> int:
@@ -295,7 +308,7 @@ def format_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, plans: list
     world = nodes * profile.gpus_per_node
     layout = resolve_layout(cfg, world)
     zero = deepspeed_config(cfg, layout, "cuda")["zero_optimization"]["stage"]
-    host_rank = plans[0].construction_gb
+    host_rank = max(p.construction_gb for p in plans)
     host_node = host_bytes_per_node(host_rank, profile.gpus_per_node)
     node_memory = f"{profile.memory_gb_per_node:g} GB" if profile.memory_gb_per_node else "unknown"
     lines = [
@@ -311,8 +324,8 @@ def format_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, plans: list
         lines.append(f"{p.stage:>5} {p.blocks:>6} {p.params_per_rank / 1e6:>11.1f}M {p.model_states_gb:>11.1f}GB "
                      f"{p.activations_gb:>10.1f}GB {p.activations_checkpointed_gb:>8.1f}GB {decoder} "
                      f"{p.construction_gb:>8.1f}GB {'yes' if p.fits else 'NO':>11}")
-    lines.append(f"host memory at construction: every rank builds the whole model in fp32 "
-                 f"({host_rank:.1f} GB = 4 B × {count(plans[0].model_params)} parameters); "
+    lines.append(f"host memory at construction: up to {host_rank:.1f} GB per rank (its share in fp32 plus the "
+                 f"largest parameter drawn whole; the whole model would be {4 * plans[0].model_params / GB:.1f} GB); "
                  f"{profile.gpus_per_node} ranks per node need {host_node:.1f} GB of {node_memory}")
     lines += format_estimate(cfg, profile, world, step_estimate(cfg, profile, nodes, mfu, vocab_size))
     device = "fits" if all(p.fits for p in plans) else "does not fit"
@@ -323,6 +336,6 @@ def format_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, plans: list
     lines.append("host memory: " + (
         "unknown (the profile does not set memory_gb_per_node)" if host is None else
         f"fits (limit: {HEADROOM:.0%} of node memory)" if host else
-        f"does not fit (limit: {HEADROOM:.0%} of node memory): every rank of a node holds a full fp32 copy while "
-        "the model is built; use nodes with more memory or fewer ranks per node"))
+        f"does not fit (limit: {HEADROOM:.0%} of node memory) while the ranks build the model; use nodes with more "
+        "memory, fewer ranks per node, or more ranks to share it (dp under ZeRO-3, tp, pp)"))
     return "\n".join(lines)

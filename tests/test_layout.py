@@ -6,14 +6,14 @@ import torch
 
 from mhf_dist.config import load_config
 from mhf_dist.hf.layout import from_export, to_export
-from mhf_dist.model import MultiHashFormer, StandardLM
+from mhf_dist.model import build_model
 from mhf_dist.signatures import SignatureTable
 
 
 def test_mhf_export_names_are_the_authors():
     cfg = load_config("tiny-h4b16k", overrides=["model.hash.num_buckets=32"]).model
     table = SignatureTable.build([f"t{i}" for i in range(50)], 4, 32)
-    model = MultiHashFormer(cfg, table.codes)
+    model = build_model(cfg, 50, table.codes)
     exported = to_export(model.state_dict(), table.codes)
     expected = {
         "model.embed_tokens.weight", "lm_head.weight", "model.hash_map", "model.norm.weight",
@@ -39,7 +39,7 @@ def test_mhf_export_names_are_the_authors():
 
 
 def test_standard_exports_as_plain_qwen3():
-    model = StandardLM(load_config("tiny-standard").model, vocab_size=200)
+    model = build_model(load_config("tiny-standard").model, 200)
     exported = to_export(model.state_dict())
     assert exported["model.embed_tokens.weight"].shape == (256, 64)
     assert not any(k.startswith(("hash_head", "model.combiner", "model.hash_map")) for k in exported)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from equivalence import INIT_STD, assert_tensor_close
 from mhf_dist.config import load_config
-from mhf_dist.model import MultiHashFormer, StandardLM, build_model
+from mhf_dist.model import MultiHashFormer, build_model
 from mhf_dist.model.tables import BucketTables, TableGradients
 from mhf_dist.signatures import SignatureTable
 
@@ -22,8 +22,7 @@ def table():
 
 @pytest.fixture
 def model(tiny_cfg, table):
-    torch.manual_seed(0)
-    m = MultiHashFormer(tiny_cfg, table.codes).double()
+    m = build_model(tiny_cfg, V, table.codes).double()
     with torch.no_grad():  # non-trivial biases so the references check them too
         for name, p in m.named_parameters():
             if name.endswith("bias"):
@@ -134,8 +133,7 @@ def test_gradients_reach_tables_through_lookup_and_retrieval(model, variant):
 
 def test_standard_lm_is_tied_softmax_over_real_vocabulary():
     cfg = load_config("tiny-standard").model
-    torch.manual_seed(0)
-    m = StandardLM(cfg, vocab_size=V).double()
+    m = build_model(cfg, V).double()
     assert m.vocab.tables.weight.shape[1] == 384  # padded to a multiple of 128
     x = torch.randint(0, V, (2, 7))
     h = m.hidden(x[:, :-1])
@@ -235,8 +233,7 @@ def test_compiled_blocks_equal_eager(tiny_cfg, table):
     x = torch.randint(0, V, (2, 17), generator=torch.Generator().manual_seed(1))
     results = []
     for compiled in (False, True):
-        torch.manual_seed(0)
-        m = MultiHashFormer(tiny_cfg, table.codes)
+        m = build_model(tiny_cfg, V, table.codes)
         if compiled:
             m.backbone.compile_blocks()
         out = m(x[:, :-1], x[:, 1:])

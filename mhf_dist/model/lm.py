@@ -4,6 +4,11 @@ Both are ``vocabulary.embed -> backbone -> vocabulary.loss / log_p_inf``; they
 differ only in their :mod:`vocabulary <mhf_dist.model.vocabulary>`. Either may
 carry Engram memories in its backbone (SPEC §8, ``cfg.engram``), built from the
 tokenizer's compression table.
+
+The constructors build the modules only; :func:`build_model` also gives every
+parameter its initial value (:mod:`mhf_dist.model.init`: a function of the seed
+and the parameter's name, so a model built in parts on many ranks starts from
+the same weights).
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ from torch import nn
 
 from mhf_dist.config import ModelConfig
 from mhf_dist.model.backbone import Backbone
+from mhf_dist.model.init import initialise
 from mhf_dist.model.scoring import LOG_P_INF_CHUNK
-from mhf_dist.model.tables import BucketTables
 from mhf_dist.model.vocabulary import HashVocabulary, LMOutput, TiedVocabulary, TokenVocabulary
 
 if TYPE_CHECKING:
@@ -29,20 +34,6 @@ class LanguageModel(nn.Module):
         self.cfg = cfg
         self.vocab = vocab
         self.backbone = Backbone(cfg, compression)
-        self.init_weights()
-
-    def init_weights(self) -> None:
-        """Normal(0, init_std) for matrices, tables and the memories' convolutions; zero biases, unit norms."""
-        std = self.cfg.init_std
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Conv1d)):
-                nn.init.normal_(module.weight, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, BucketTables):
-                nn.init.normal_(module.weight, std=std)
-            elif isinstance(module, nn.RMSNorm):
-                nn.init.ones_(module.weight)
 
     @property
     def vocab_size(self) -> int:
@@ -98,10 +89,9 @@ class StandardLM(LanguageModel):
         super().__init__(cfg, TokenVocabulary(vocab_size, rows, cfg.d_model, cfg.decoder_chunk_tokens), compression)
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None = None,
-                compression: CompressionTable | None = None) -> LanguageModel:
-    """The model ``cfg.variant`` names; MultiHashFormer needs its signature table's ``codes [V, H]``, a model
-    with ``cfg.engram`` the tokenizer's compression table (SPEC §8; ignored without ``cfg.engram``)."""
+def model_structure(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None = None,
+                    compression: CompressionTable | None = None) -> LanguageModel:
+    """The modules of the model ``cfg.variant`` names, their weights not yet initialised (see :func:`build_model`)."""
     if compression is not None and cfg.engram and compression.vocab_size != vocab_size:
         raise ValueError(f"the compression table has {compression.vocab_size} rows, the vocabulary {vocab_size}")
     if cfg.variant == "standard":
@@ -109,3 +99,13 @@ def build_model(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None = 
     if codes is None or codes.shape[0] != vocab_size:
         raise ValueError(f"MultiHashFormer needs a signature table with {vocab_size} rows")
     return MultiHashFormer(cfg, codes, compression)
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None = None,
+                compression: CompressionTable | None = None, seed: int = 0) -> LanguageModel:
+    """The model ``cfg.variant`` names, initialised from ``seed`` (:mod:`~mhf_dist.model.init`); MultiHashFormer
+    needs its signature table's ``codes [V, H]``, a model with ``cfg.engram`` the tokenizer's compression table
+    (SPEC §8; ignored without ``cfg.engram``). Parameters on the meta device stay uninitialised."""
+    model = model_structure(cfg, vocab_size, codes, compression)
+    initialise(model, cfg.init_std, seed)
+    return model

@@ -7,6 +7,10 @@ each hold the bucket tables (and the signature table), DeepSpeed sums the
 tables' gradients over the tie. The encoder is used only on the first stage and
 the decoder's mixers only on the last, so the other stage freezes its copy.
 
+Each stage creates only its own layers: the layers are LayerSpecs, which
+DeepSpeed builds on the stage holding them alone, and building one
+materialises that part of the model skeleton (:mod:`~mhf_dist.parallel.construct`).
+
 Stages are balanced by analytic forward FLOPs per layer (:mod:`flops`), which
 counts the decoder's ``(2H−1)·B·d`` work: the last stage gets fewer blocks.
 
@@ -18,8 +22,10 @@ with a memory (integer tensors carry no gradient through DeepSpeed's pipeline).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from deepspeed.pipe import PipelineModule, TiedLayerSpec
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from mhf_dist.model.backbone import Backbone, Block, rope_cos_sin
@@ -99,6 +105,28 @@ def pipeline_name(name: str, n_layers: int) -> str:
     return f"{n_layers + 1}.{name[len('backbone.norm.'):]}"
 
 
+class LocalLayer(LayerSpec):
+    """A pipeline layer made by ``make()``, which DeepSpeed calls only on the stage holding the layer."""
+
+    def __init__(self, typename: type[nn.Module], make: Callable[[], nn.Module]):
+        super().__init__(typename)
+        self.make = make
+
+    def build(self, log: bool = False) -> nn.Module:
+        return self.make()
+
+
+class TiedLocalLayer(TiedLayerSpec):
+    """:class:`LocalLayer` for a tied layer (made once per stage holding it)."""
+
+    def __init__(self, key: str, typename: type[nn.Module], make: Callable[[], nn.Module], tied_weight_attr: list[str]):
+        super().__init__(key, typename, tied_weight_attr=tied_weight_attr)
+        self.make = make
+
+    def build(self, log: bool = False) -> nn.Module:
+        return self.make()
+
+
 class BalancedPipeline(PipelineModule):
     """Cuts the stages by analytic FLOPs per layer (:func:`stage_bounds`) instead of parameter counts."""
 
@@ -112,27 +140,35 @@ class BalancedPipeline(PipelineModule):
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
 
-def build_pipeline(model: LanguageModel, topology, seq_len: int, checkpoint_interval: int) -> tuple[PipelineModule, PipelineLoss]:
-    """Cut a (tensor-parallel) ``model`` into pipeline stages; returns the module and its loss function."""
+def build_pipeline(model: LanguageModel, topology, seq_len: int, checkpoint_interval: int,
+                   materialise: Callable[[nn.Module], nn.Module] | None = None) -> tuple[PipelineModule, PipelineLoss]:
+    """Cut a (tensor-parallel) ``model`` into pipeline stages; returns the module and its loss function.
+    ``materialise`` makes a part of ``model`` real (a :class:`~mhf_dist.parallel.construct.Materialiser` when
+    ``model`` is a skeleton); it runs on the parts this stage holds only."""
     cfg = model.cfg
+    real = materialise or (lambda module: module)
     loss = PipelineLoss()
     last_memory = max(cfg.engram_layers, default=-1)
-    vocab_spec = TiedLayerSpec(VOCAB, VocabularyStage, model.vocab, last_memory >= 0,
-                               tied_weight_attr=["vocab.tables.weight"])
+    vocab_spec = TiedLocalLayer(VOCAB, VocabularyStage, lambda: VocabularyStage(real(model.vocab), last_memory >= 0),
+                                tied_weight_attr=["vocab.tables.weight"])
+
+    def block_layer(i: int, block: Block) -> LocalLayer:
+        return LocalLayer(BlockStage, lambda: BlockStage(real(block), model.backbone, keep_ids=i < last_memory))
+
     layers = [vocab_spec]
-    layers += [BlockStage(block, model.backbone, keep_ids=i < last_memory)
-               for i, block in enumerate(model.backbone.layers)]
-    layers += [model.backbone.norm, vocab_spec]
+    layers += [block_layer(i, block) for i, block in enumerate(model.backbone.layers)]
+    layers += [LocalLayer(nn.RMSNorm, lambda: real(model.backbone.norm)), vocab_spec]
     costs = layer_costs(cfg, seq_len, model.vocab.tables.num_rows)
     pipe = BalancedPipeline(
         layers=layers, topology=topology, loss_fn=loss, layer_costs=costs,
         activation_checkpoint_interval=checkpoint_interval, checkpointable_layers=[BlockStage.__name__],
     )
-    vocab = pipe.tied_modules[VOCAB].vocab
-    loss.vocab = vocab
-    stage, last = pipe.stage_id, pipe.num_stages - 1
-    if stage != 0 and vocab.encoder is not None:
-        vocab.encoder.requires_grad_(False)
-    if stage != last:
-        vocab.decoder.requires_grad_(False)
+    if VOCAB in pipe.tied_modules:  # the first and the last stage
+        vocab = pipe.tied_modules[VOCAB].vocab
+        loss.vocab = vocab
+        stage, last = pipe.stage_id, pipe.num_stages - 1
+        if stage != 0 and vocab.encoder is not None:
+            vocab.encoder.requires_grad_(False)
+        if stage != last:
+            vocab.decoder.requires_grad_(False)
     return pipe, loss

@@ -1,8 +1,11 @@
 """The tensor-parallel plan: which module of a LanguageModel becomes which parallel layer (SPEC §7).
 
-Applied in place to a model built at full size with the run's seed, so every
-rank starts from exactly the single-process weights: modules are swapped for
-their parallel forms, then each rank loads its shard (:mod:`state_dict`).
+:func:`shard_modules` swaps the modules for their parallel forms, built at
+this rank's shard size (training applies it to a model whose parameters are
+still on the meta device, then materialises only the shards:
+:mod:`mhf_dist.parallel.construct`); :func:`apply_tensor_parallel` does the
+same to a model built at full size and loads each rank's shard of its weights
+(:mod:`state_dict`), which the equivalence tests compare with one process.
 Attention heads and the MLP are column/row parallel with one all-reduce after
 each in forward; k/v heads are split when ``n_kv_heads`` is a multiple of tp,
 else each rank computes the one kv head its query heads share. The Engram
@@ -26,15 +29,16 @@ from mhf_dist.parallel.state_dict import shard_state_dict, tp_split_dims
 
 
 def row_sharded(tables: BucketTables, group, rank: int, size: int) -> BucketParallelEmbedding:
-    """This rank's rows of ``tables`` (weights loaded afterwards, from the full state dict)."""
+    """This rank's rows of ``tables`` (weights not initialised)."""
     return BucketParallelEmbedding(*tables.weight.shape, group, rank, size)
 
 
-def apply_tensor_parallel(model: LanguageModel, group, rank: int, size: int) -> LanguageModel:
+def shard_modules(model: LanguageModel, group, rank: int, size: int) -> LanguageModel:
+    """Swap every sharded module for its parallel form at this rank's size, created on the current default device
+    (its weights not initialised; the meta device creates none); replicated modules are left as they are."""
     if size == 1:
         return model
     cfg = model.cfg
-    full = model.state_dict()
     model.vocab.tables = row_sharded(model.vocab.tables, group, rank, size)
     d, hd = cfg.d_model, cfg.resolved_head_dim
     kv_split = cfg.n_kv_heads % size == 0
@@ -57,5 +61,14 @@ def apply_tensor_parallel(model: LanguageModel, group, rank: int, size: int) -> 
         mlp.gate_proj = ColumnParallelLinear(d, cfg.ffn_dim, size)
         mlp.up_proj = ColumnParallelLinear(d, cfg.ffn_dim, size)
         mlp.down_proj = RowParallelLinear(cfg.ffn_dim, d, group, size)
-    model.load_state_dict(shard_state_dict(full, tp_split_dims(cfg, size), rank, size))
+    return model
+
+
+def apply_tensor_parallel(model: LanguageModel, group, rank: int, size: int) -> LanguageModel:
+    """:func:`shard_modules` on a model built at full size, then this rank's shard of its weights."""
+    if size == 1:
+        return model
+    full = model.state_dict()
+    shard_modules(model, group, rank, size)
+    model.load_state_dict(shard_state_dict(full, tp_split_dims(model.cfg, size), rank, size))
     return model

@@ -7,15 +7,23 @@
   DeepSpeed's pipeline engine refuses ZeRO-2/3, so asking for them is a
   config error.
 
+The model arrives as a skeleton (:mod:`mhf_dist.parallel.construct`) with the
+``materialise`` that makes it real: pp = 1 materialises it whole (partitioned
+leaf by leaf under ZeRO-3) before ``deepspeed.initialize``; pp > 1 hands it to the
+pipeline, whose stages materialise their own layers. Without ``materialise``
+the model is taken as built.
+
 The DeepSpeed config comes from :mod:`mhf_dist.parallel.layout`. Both engines expose the same ``train_step`` / ``evaluate``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import deepspeed
 import torch
+from torch import nn
 
 from mhf_dist.config import RunConfig
 from mhf_dist.data.reader import ShardReader
@@ -32,6 +40,10 @@ def device_type(cfg: RunConfig) -> str:
     if cfg.train.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return cfg.train.device
+
+
+def zero_stage(ds_config: dict) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 
 
 def checkpoint_interval(cfg: RunConfig, ds_config: dict) -> int:
@@ -55,7 +67,10 @@ def _grad_norm(engine) -> float | None:
 class DataParallelTrainer:
     """pp = 1: the model (tensor-parallel or not) under a DeepSpeed engine, ZeRO-0…3."""
 
-    def __init__(self, cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout):
+    def __init__(self, cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout,
+                 materialise: Callable[[nn.Module], nn.Module] | None = None):
+        if materialise is not None:
+            model = materialise(model)
         model.backbone.checkpoint_interval = checkpoint_interval(cfg, ds_config)
         optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.train.max_steps)
         self.engine, *_ = deepspeed.initialize(
@@ -112,9 +127,10 @@ class DataParallelTrainer:
 class PipelineTrainer:
     """pp > 1: DeepSpeed's pipeline engine over the stages of :func:`build_pipeline`, ZeRO-0/1."""
 
-    def __init__(self, cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout):
+    def __init__(self, cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout,
+                 materialise: Callable[[nn.Module], nn.Module] | None = None):
         self.pipe, self.loss_fn = build_pipeline(model, groups.topology, cfg.data.seq_len,
-                                                 checkpoint_interval(cfg, ds_config))
+                                                 checkpoint_interval(cfg, ds_config), materialise)
         optimizer, scheduler = build_optimizer(self.pipe, cfg.optimizer, cfg.train.max_steps)
         self.engine, *_ = deepspeed.initialize(
             model=self.pipe, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
@@ -179,6 +195,7 @@ class PipelineTrainer:
         return validation_metrics(first["loss"], first["heads"], fit)
 
 
-def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout):
+def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout,
+                  materialise: Callable[[nn.Module], nn.Module] | None = None):
     cls = PipelineTrainer if layout.pp > 1 else DataParallelTrainer
-    return cls(cfg, model, groups, ds_config, layout)
+    return cls(cfg, model, groups, ds_config, layout, materialise)

@@ -4,8 +4,11 @@ Order of work: resolve the layout and DeepSpeed config (every config error
 before any collective runs) → initialise ``torch.distributed`` → rank 0
 prepares the run directory (tokenizer, signature table, Engram compression
 table, shards of the embedded corpus) while the others wait → every rank
-builds the same full model from the run seed (or loads ``train.init_from``),
-applies the tensor-parallel plan, and hands it to the engine → steps.
+builds the model's skeleton (its tensor-parallel modules, parameters on the
+meta device) and hands it to the engine, which creates only the parameters
+this rank keeps — its ZeRO-3 partition, or its pipeline stage — initialised
+from the run seed or from ``train.init_from`` (:mod:`mhf_dist.parallel.construct`)
+→ steps.
 
 A run resumes from its newest complete checkpoint by default (``--resume
 auto``) and continues bit-identically: the same data, optimizer, scheduler and
@@ -33,16 +36,15 @@ import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from mhf_dist.config import RunConfig
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.launch import free_port
-from mhf_dist.model import build_model
 from mhf_dist.model.flops import forward_flops
+from mhf_dist.model.lm import LanguageModel
+from mhf_dist.parallel.construct import FileValues, Materialiser, SeededValues, full_shapes, model_skeleton
 from mhf_dist.parallel.groups import ParallelGroups
-from mhf_dist.parallel.plan import apply_tensor_parallel
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.run_dir import RunDir
 from mhf_dist.run_lock import RunDirLocked, RunLock
@@ -50,7 +52,7 @@ from mhf_dist.token_list import tokens_fingerprint, vocabulary
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
 from mhf_dist.train.divergence import LossWatch
 from mhf_dist.parallel.layout import preflight
-from mhf_dist.train.engine import build_trainer, device_type
+from mhf_dist.train.engine import build_trainer, device_type, zero_stage
 from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.optim import apply_optimizer_changes
 from mhf_dist.train.preemption import GRACE_ENV, StopSignal
@@ -128,13 +130,13 @@ def _resume_path(resume: str, checkpointer: Checkpointer) -> Path | None:
     return Path(resume)
 
 
-def load_init_weights(model: torch.nn.Module, path: Path) -> None:
-    """``train.init_from``: every parameter from a full state dict (our names)."""
+def init_weights_file(path: Path, model: LanguageModel, tp: int) -> FileValues:
+    """``train.init_from``: every parameter from a full state dict (our names), each rank reading its shards."""
     if not path.is_file():
         raise CheckpointError(f"train.init_from: {path} does not exist; point it at a model.safetensors "
                               "(mhf-dist export, import-hf or expand-vocab write one)")
     try:
-        model.load_state_dict(load_file(str(path)))
+        return FileValues(path, full_shapes(model, tp))
     except Exception as e:  # truncated file, or weights of another architecture
         raise CheckpointError(f"train.init_from: {path} cannot initialise this model ({e}); "
                               "use weights exported from a run with the same model config") from e
@@ -202,7 +204,8 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopS
         tqdm.write(compression.summary())
 
     seed_everything(cfg.train.seed)
-    model = build_model(cfg.model, len(tokenizer), table.codes if table else None, compression).to(device)
+    model = model_skeleton(cfg.model, len(tokenizer), table.codes if table else None, compression,
+                           groups.tp_group, groups.tp_rank, groups.tp)
     checkpointer = Checkpointer(run.path, cfg, table.content_hash if table else None,
                                 {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
                                 [n for n, _ in model.named_parameters()])
@@ -213,15 +216,17 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopS
         if universal:
             ds_config = ds_config | {"checkpoint": {"load_universal": True}}
 
+    values = SeededValues(cfg.model.init_std, cfg.train.seed)
     if cfg.train.init_from:  # also when resuming: a checkpoint need not hold the frozen parameters
-        load_init_weights(model, run.path / cfg.train.init_from)
-    apply_tensor_parallel(model, groups.tp_group, groups.tp_rank, groups.tp)
+        values = init_weights_file(run.path / cfg.train.init_from, model, groups.tp)
     if cfg.train.trainable_blocks is not None:
         model.train_only_vocabulary_and_ends(cfg.train.trainable_blocks)
     if cfg.train.compile:
         model.backbone.compile_blocks()
     vocab_rows = model.vocab.tables.num_rows
-    trainer = build_trainer(cfg, model, groups, ds_config, layout)
+    zero3 = ds_config if layout.pp == 1 and zero_stage(ds_config) == 3 else None
+    materialise = Materialiser(model, values, device, groups.tp_rank, groups.tp, zero3, groups)
+    trainer = build_trainer(cfg, model, groups, ds_config, layout, materialise)
     del model
     if scalars.any(stop.received)[0]:  # signalled during start-up: nothing trained yet, so nothing to save
         if rank == 0:

@@ -49,3 +49,33 @@ def memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def host_rss_bytes() -> int:
+    """This process's resident memory now."""
+    return _status_bytes("VmRSS")
+
+
+def host_peak_bytes() -> int:
+    """This process's peak resident memory since it started or since :func:`reset_host_peak`."""
+    return _status_bytes("VmHWM")
+
+
+def reset_host_peak() -> bool:
+    """Restart the peak (``VmHWM``) from the present resident memory (Linux ≥ 4.0); False where that is refused,
+    and the peak then also covers what came before."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,222 @@
+"""Partitioned model construction: every rank creates only the parameters it keeps (SPEC §7).
+
+Design: meta-device construction with per-rank materialisation (as torchtitan does), each materialised
+module handed to ZeRO-3 at once:
+
+1. :func:`model_skeleton` builds the whole model with its parameters on the meta device (no memory; the
+   buffers — signature table, the memories' hash constants — are real: they are small and come from the run
+   directory), then the tensor-parallel plan swaps in its modules at this rank's shard size
+   (:func:`~mhf_dist.parallel.plan.shard_modules`). No full-size tensor is ever allocated.
+2. :class:`Materialiser` turns the meta parameters of a module into real ones, one leaf module at a time
+   (every module holding parameters here is a leaf: Linear, RMSNorm, Conv1d, BucketTables): it allocates
+   this rank's tensor-parallel shard on the device, fills it with that shard of the initial value
+   (:func:`~mhf_dist.model.init.initial_shard`, or of a ``train.init_from`` file read one tensor slice at a
+   time) and, under ZeRO-3, converts the leaf's parameters to DeepSpeed's partitioned ones right away
+   (``deepspeed.zero.Init(module=...)``, the documented way to partition an allocated module), which keeps
+   this rank's 1/dp and frees the rest before the next leaf.
+3. pp > 1: the pipeline's layers are LayerSpecs that materialise their part of the skeleton, which DeepSpeed
+   builds only on the stage holding them (:func:`~mhf_dist.parallel.pipeline.build_pipeline`).
+
+Why not ``deepspeed.zero.Init`` as a context around the model's constructor (GPT-NeoX, Megatron-DeepSpeed)?
+It partitions each module as its ``__init__`` returns, so the tensor-parallel layers would have to be
+created by the model code itself — which knows nothing of process groups and reads like the paper; the
+plan swaps modules after construction — and every parameter would first be filled by PyTorch's default
+initialiser and broadcast, then gathered again to receive its seeded value. The meta skeleton keeps the
+model code and the plan as they are, and writes each parameter once, from its own stream, in any layout.
+
+Peak memory while constructing, per rank: ZeRO-3 — its 1/dp of its tensor-parallel shard of the model, plus
+one leaf module's tensor-parallel shard in full and the draw of one full parameter (one table, for the
+stacked tables); pp > 1 — its stage's layers (tensor-parallel shards), plus one parameter's draw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mhf_dist.model.init import draw_size, initial_shard
+from mhf_dist.model.lm import LanguageModel, model_structure
+from mhf_dist.parallel.plan import shard_modules
+from mhf_dist.parallel.state_dict import split_dim, tp_split_dims
+
+
+@contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Modules built inside put their parameters on the meta device and keep their buffers real (as
+    ``accelerate.init_empty_weights(include_buffers=False)``): a parameter's tensor is moved to meta as it is
+    registered, before any initialiser writes it, so its memory is never touched."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            param = meta
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def model_skeleton(cfg, vocab_size: int, codes: torch.Tensor | None, compression, tp_group=None, tp_rank: int = 0,
+                   tp: int = 1) -> LanguageModel:
+    """The model with this rank's tensor-parallel modules, every parameter on the meta device (see the module
+    docstring); :class:`Materialiser` makes them real."""
+    with meta_parameters():
+        model = model_structure(cfg, vocab_size, codes, compression)
+        shard_modules(model, tp_group, tp_rank, tp)
+    return model
+
+
+class SeededValues:
+    """Initial values from the run's seed (:mod:`mhf_dist.model.init`). Between :meth:`reserve` and
+    :meth:`release`, the draws that cannot go straight into a parameter share one buffer."""
+
+    def __init__(self, std: float, seed: int):
+        self.std, self.seed = std, seed
+        self.buffer: torch.Tensor | None = None
+
+    def reserve(self, names: dict[str, tuple[int, ...]]) -> None:
+        """A draw buffer for the parameters ``{name: full shape}`` about to be initialised."""
+        size = max((draw_size(n, s) for n, s in names.items()), default=0)
+        self.buffer = torch.empty(size) if size else None
+
+    def release(self) -> None:
+        self.buffer = None
+
+    def shard(self, name: str, full_shape: tuple[int, ...], out: torch.Tensor, dim: int | None, rank: int,
+              parts: int) -> None:
+        initial_shard(name, full_shape, out, self.std, self.seed, dim, rank, parts, self.buffer)
+
+
+class FileValues:
+    """Initial values from a safetensors file of full weights in the LanguageModel's naming (``train.init_from``):
+    each rank reads only its slices, one parameter at a time. Raises ValueError, naming the tensors, unless
+    the file holds exactly the model's parameters at their full shapes (``shapes``)."""
+
+    def reserve(self, names: dict[str, tuple[int, ...]]) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def __init__(self, path: Path, shapes: dict[str, tuple[int, ...]]):
+        from safetensors import safe_open
+
+        self.path = path
+        self.file = safe_open(str(path), "pt")
+        held = {name: tuple(self.file.get_slice(name).get_shape()) for name in self.file.keys()}
+        problems = [f"missing {n}" for n in shapes if n not in held]
+        problems += [f"unexpected {n}" for n in held if n not in shapes]
+        problems += [f"{n} is {list(held[n])}, the model's {list(s)}" for n, s in shapes.items()
+                     if n in held and held[n] != s]
+        if problems:
+            more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
+            raise ValueError("; ".join(problems[:5]) + more)
+
+    def shard(self, name: str, full_shape: tuple[int, ...], out: torch.Tensor, dim: int | None, rank: int,
+              parts: int) -> None:
+        index = [slice(None)] * len(full_shape)
+        if dim is not None:
+            size = full_shape[dim] // parts
+            index[dim] = slice(rank * size, (rank + 1) * size)
+        out.copy_(self.file.get_slice(name)[tuple(index)])
+
+
+def full_shapes(model: LanguageModel, tp: int) -> dict[str, tuple[int, ...]]:
+    """``{name: full shape}`` of a (skeleton) model whose tensor-parallel modules hold 1/tp of their split dim."""
+    dims = tp_split_dims(model.cfg, tp)
+    out = {}
+    for name, param in model.named_parameters():
+        shape, dim = list(param.shape), split_dim(name, dims) if tp > 1 else None
+        if dim is not None:
+            shape[dim] *= tp
+        out[name] = tuple(shape)
+    return out
+
+
+def training_dtype(ds_config: dict) -> torch.dtype:
+    if ds_config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if ds_config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
+class Materialiser:
+    """``materialise(module)``: the meta parameters of ``module`` (``model`` or a part of it) become real on this
+    rank, initialised from ``values``, leaf by leaf; with ``zero3`` (the DeepSpeed config, for pp = 1 under
+    ZeRO-3) each leaf is partitioned over the data-parallel group as soon as it is filled. Buffers move to
+    ``device``. Returns ``module``."""
+
+    def __init__(self, model: LanguageModel, values, device: torch.device, tp_rank: int = 0, tp: int = 1,
+                 zero3: dict | None = None, groups=None):
+        self.prefixes = {id(m): prefix for prefix, m in model.named_modules()}
+        self.shapes = full_shapes(model, tp)
+        self.dims = tp_split_dims(model.cfg, tp) if tp > 1 else []
+        self.values, self.device, self.tp_rank, self.tp = values, device, tp_rank, tp
+        self.zero3, self.groups = zero3, groups
+        self.dtype = training_dtype(zero3) if zero3 is not None else None
+        self._zero_param = None  # the first partitioned parameter: it converts the later ones
+
+    def __call__(self, module: nn.Module) -> nn.Module:
+        base = self.prefixes[id(module)]
+        # [(leaf, [(attribute, full parameter name)])] for the leaves with meta parameters
+        leaves = [(leaf, [(n, f"{prefix}.{n}" if prefix else n) for n, p in leaf.named_parameters(recurse=False)
+                          if p.is_meta]) for prefix, leaf in module.named_modules(prefix=base)]
+        leaves = [(leaf, params) for leaf, params in leaves if params]
+        # A parameter is drawn straight into its own memory when that is the whole fp32 draw on the CPU; else the
+        # draws share one buffer (one table, or one full parameter), so no temporary is allocated per parameter.
+        direct = self.tp == 1 and self.device.type == "cpu" and self.dtype in (None, torch.float32)
+        self.values.reserve({} if direct else {name: self.shapes[name] for _, params in leaves for _, name in params})
+        scratch = None
+        if self.zero3 is not None and leaves:
+            # Each leaf is filled in one buffer, reused leaf after leaf: ZeRO-3 keeps a copy of its slice and lets
+            # the leaf's tensors go, so the only other allocations are the slices, which stay packed (a fresh
+            # full-size tensor per leaf would leave the allocator holes that later, larger leaves cannot reuse).
+            scratch = torch.empty(max(sum(leaf._parameters[n].numel() for n, _ in params) for leaf, params in leaves),
+                                  dtype=self.dtype, device=self.device)
+        for leaf, params in leaves:
+            offset = 0
+            for n, name in params:
+                meta = leaf._parameters[n]
+                out = None
+                if scratch is not None:
+                    out = scratch[offset:offset + meta.numel()].view(meta.shape)
+                    offset += meta.numel()
+                leaf._parameters[n] = self._real(name, meta, out)
+            if scratch is not None:
+                self._partition(leaf)
+        self.values.release()
+        for owner in module.modules():
+            for n, buffer in owner._buffers.items():
+                if buffer is not None:
+                    owner._buffers[n] = buffer.to(self.device)
+        return module
+
+    def _real(self, name: str, meta: nn.Parameter, out: torch.Tensor | None = None) -> nn.Parameter:
+        """The parameter ``name`` on this rank, its values written into ``out`` (or a new tensor)."""
+        if out is None:
+            out = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        self.values.shard(name, self.shapes[name], out, split_dim(name, self.dims), self.tp_rank, self.tp)
+        param = nn.Parameter(out, requires_grad=meta.requires_grad)
+        param.__dict__.update(meta.__dict__)  # tensor_model_parallel and the like
+        return param
+
+    def _partition(self, leaf: nn.Module) -> None:
+        params = list(leaf.parameters(recurse=False))
+        if self._zero_param is None:
+            import deepspeed
+
+            deepspeed.zero.Init(module=leaf, data_parallel_group=self.groups.dp_group, config_dict_or_path=self.zero3,
+                                mpu=self.groups, dtype=self.dtype)
+            self._zero_param = params[0]
+        else:
+            self._zero_param.convert_to_zero_parameters(param_list=params)

@@ -1,0 +1,226 @@
+"""Benchmark: peak memory per rank while the model is constructed, the engine set up and the first step taken.
+
+Usage: python tools/bench_construction_memory.py [--preset 1b-h4b16k] [--ranks 4] [--layouts zero3,tp2]
+                                                 [--step] [--old] [--seq-len 64]
+
+Each layout runs on ``--ranks`` local ranks (gloo on CPU, one GPU per rank with ``--device cuda``), as
+``mhf-dist train`` builds the model: the skeleton, then each rank materialises only what it keeps
+(:mod:`mhf_dist.parallel.construct`). Layouts: ``zero3`` (tp = 1, dp = ranks, ZeRO-3), ``tpN`` (tp = N, ZeRO-3
+over dp = ranks / N), ``ppN`` (N pipeline stages, ZeRO-1), ``tpNppM``. Reported per rank (the largest over the
+ranks is printed): the rise of peak resident host memory (``VmHWM``, restarted before each phase) above the
+memory held before construction, for
+
+- construction: skeleton + materialisation (+ ZeRO-3 partitioning),
+- engine (``--step``): ``deepspeed.initialize`` with AdamW,
+- first step (``--step``): one optimizer step on a synthetic batch of ``--seq-len`` tokens;
+
+and on a GPU the device's peak allocated memory in each phase. The previous construction built the whole fp32
+model on every rank before anything was sharded: at least ``4 bytes × parameters`` per rank, which the table
+shows as computed (``--old`` measures it instead — as much memory per rank, on every rank at once; then the
+tensor-parallel plan adds its shards twice more). Ranks report their progress as they go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mhf_dist.config import load_config  # noqa: E402
+from mhf_dist.launch import free_port  # noqa: E402
+
+VOCAB = 32768  # the paper's tokenizer
+MiB = 2**20
+
+
+def parse_layout(name: str, ranks: int) -> tuple[int, int]:
+    """``zero3`` / ``tpN`` / ``ppN`` / ``tpNppM`` -> (tp, pp)."""
+    if name == "zero3":
+        return 1, 1
+    match = re.fullmatch(r"(?:tp(\d+))?(?:pp(\d+))?", name)
+    if not match or not any(match.groups()):
+        raise SystemExit(f"--layouts: {name!r} is not zero3, tpN, ppN or tpNppM")
+    tp, pp = int(match[1] or 1), int(match[2] or 1)
+    if ranks % (tp * pp):
+        raise SystemExit(f"--layouts: {name} needs a multiple of {tp * pp} ranks, not {ranks}")
+    return tp, pp
+
+
+class SyntheticBatches:
+    """What the trainers read: ``next_batch(n)`` -> ``[n, seq_len + 1]`` token ids."""
+
+    def __init__(self, seq_len: int):
+        self.seq_len, self.gen = seq_len, torch.Generator().manual_seed(0)
+
+    def next_batch(self, n: int) -> torch.Tensor:
+        return torch.randint(0, VOCAB, (n, self.seq_len + 1), generator=self.gen)
+
+
+class Phases:
+    """Peak host (and device) memory of successive phases, above what the rank held before the first."""
+
+    def __init__(self, rank: int, device: torch.device):
+        from mhf_dist.train.throughput import host_rss_bytes
+
+        self.rank, self.device, self.base, self.rows = rank, device, host_rss_bytes(), {}
+        self.began = time.perf_counter()
+
+    def start(self, phase: str) -> None:
+        from mhf_dist.train.throughput import reset_host_peak
+
+        self.phase = phase
+        reset_host_peak()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.rank == 0:
+            print(f"  rank 0: {phase} ...", flush=True)
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        from mhf_dist.train.throughput import host_peak_bytes
+
+        row = {"host": host_peak_bytes() - self.base, "seconds": time.perf_counter() - self.t0}
+        if self.device.type == "cuda":
+            row["device"] = torch.cuda.max_memory_allocated(self.device)
+        self.rows[self.phase] = row
+        if self.rank == 0:
+            print(f"  rank 0: {self.phase} done in {row['seconds']:.1f} s, peak +{row['host'] / MiB:,.0f} MiB host",
+                  flush=True)
+
+
+def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namespace, tp: int, pp: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    warnings.filterwarnings("ignore")  # torch's and DeepSpeed's notices, once per rank
+    import deepspeed
+
+    from mhf_dist.engram_compression import CompressionTable
+    from mhf_dist.model import build_model
+    from mhf_dist.parallel.construct import Materialiser, SeededValues, model_skeleton
+    from mhf_dist.parallel.groups import ParallelGroups
+    from mhf_dist.parallel.layout import preflight
+    from mhf_dist.parallel.pipeline import build_pipeline
+    from mhf_dist.parallel.plan import apply_tensor_parallel
+    from mhf_dist.train.engine import build_trainer, zero_stage
+
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    deepspeed.utils.logger.setLevel("WARNING")
+    deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else None)
+    cfg = load_config(args.preset, overrides=[
+        f"parallel.tp={tp}", f"parallel.pp={pp}", "data.path=embedded", f"data.seq_len={args.seq_len}",
+        "train.micro_batch_size=1", f"train.global_batch_size={world // (tp * pp)}", f"train.device={args.device}",
+        f"train.dtype={'bf16' if device.type == 'cuda' else 'fp32'}"])
+    layout, ds_config = preflight(cfg, world, device.type)
+    groups = ParallelGroups.create(tp, pp)
+    m = cfg.model
+    codes = torch.randint(1, m.hash.num_buckets, (VOCAB, m.hash.num_hashes), generator=torch.Generator().manual_seed(0))
+    compression = CompressionTable.identity(VOCAB) if m.engram else None
+    torch.distributed.barrier()
+    phases = Phases(rank, device)
+
+    phases.start("construction")
+    materialise = None
+    if args.old:  # the previous construction: the full model on every rank, then the tensor-parallel shards
+        model = build_model(m, VOCAB, codes, compression, seed=cfg.train.seed).to(device)
+        apply_tensor_parallel(model, groups.tp_group, groups.tp_rank, tp)
+    else:
+        model = model_skeleton(m, VOCAB, codes, compression, groups.tp_group, groups.tp_rank, tp)
+        zero3 = ds_config if pp == 1 and zero_stage(ds_config) == 3 else None
+        materialise = Materialiser(model, SeededValues(m.init_std, cfg.train.seed), device, groups.tp_rank, tp,
+                                   zero3, groups)
+        if pp == 1:
+            materialise(model)
+        else:  # each stage materialises its layers as the pipeline is built
+            build_pipeline(model, groups.topology, args.seq_len, 0, materialise)
+    torch.distributed.barrier()
+    phases.stop()
+
+    if args.step:
+        phases.start("engine")
+        # (pp > 1: the pipeline is built again around the layers made above, which are real now)
+        trainer = build_trainer(cfg, model, groups, ds_config, layout, materialise)
+        torch.distributed.barrier()
+        phases.stop()
+        phases.start("first step")
+        trainer.train_step(SyntheticBatches(args.seq_len))
+        torch.distributed.barrier()
+        phases.stop()
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(phases.rows))
+
+
+def run_layout(args: argparse.Namespace, name: str) -> dict:
+    tp, pp = parse_layout(name, args.ranks)
+    print(f"{name}: tp={tp} pp={pp} dp={args.ranks // (tp * pp)} on {args.ranks} ranks "
+          f"({'previous' if args.old else 'partitioned'} construction)", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(args.ranks, free_port(), tmp, args, tp, pp), nprocs=args.ranks, join=True)
+        return {"tp": tp, "pp": pp, "ranks": [json.loads((Path(tmp) / f"rank{r}.json").read_text())
+                                              for r in range(args.ranks)]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="1b-h4b16k")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--layouts", default="zero3,tp2", help="comma-separated: zero3, tpN, ppN, tpNppM")
+    parser.add_argument("--step", action="store_true", help="also set up the engine and take one step "
+                        "(ZeRO-3 AdamW in fp32 holds 16 bytes per parameter / dp on each rank)")
+    parser.add_argument("--old", action="store_true", help="measure the previous full-copy construction instead")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = parser.parse_args()
+
+    from mhf_dist.engram_compression import CompressionTable
+    from mhf_dist.model.lm import model_structure
+    from mhf_dist.parallel.construct import meta_parameters
+
+    m = load_config(args.preset).model
+    with meta_parameters():  # sizes only
+        counted = model_structure(m, VOCAB, torch.ones(VOCAB, m.hash.num_hashes, dtype=torch.long),
+                                  CompressionTable.identity(VOCAB) if m.engram else None)
+    params = sum(p.numel() for p in counted.parameters())
+    largest = max(p.numel() for p in counted.parameters())
+    print(f"{args.preset}: {params / 1e9:.2f}B parameters, {4 * params / 2**30:.2f} GiB in fp32 "
+          f"(largest parameter {4 * largest / MiB:,.0f} MiB)", flush=True)
+
+    rows = []
+    for name in args.layouts.split(","):
+        result = run_layout(args, name)
+        dp = args.ranks // (result["tp"] * result["pp"])
+        for phase in result["ranks"][0]:
+            worst = max(r[phase]["host"] for r in result["ranks"])
+            device = max(r[phase].get("device", 0) for r in result["ranks"])
+            rows.append((name, dp, phase, worst, device, max(r[phase]["seconds"] for r in result["ranks"])))
+        share = 4 * params / (result["tp"] * dp) if result["pp"] == 1 else None
+        if share is not None:
+            rows.append((name, dp, "1/(tp·dp) of the model + largest parameter", share + 4 * largest, 0, None))
+        if not args.old:
+            rows.append((name, dp, "previous construction (computed: ≥ 4 B × params)", 4 * params, 0, None))
+
+    print()
+    header = f"{'layout':<10} {'dp':>3}  {'phase':<50} {'peak host / rank':>18} {'device / rank':>14} {'time':>8}"
+    print(header)
+    print("-" * len(header))
+    for name, dp, phase, host, device, seconds in rows:
+        dev = f"{device / MiB:,.0f} MiB" if device else "-"
+        t = f"{seconds:.1f} s" if seconds is not None else ""
+        print(f"{name:<10} {dp:>3}  {phase:<50} {host / MiB:>14,.0f} MiB {dev:>14} {t:>8}")
+    print(f"\nfull fp32 model {4 * params / MiB:,.0f} MiB, largest parameter {4 * largest / MiB:,.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
