@@ -15,6 +15,7 @@ from torch import nn
 
 from mhf_dist.config import ModelConfig
 from mhf_dist.model.backbone import Backbone
+from mhf_dist.model.host_tables import HostTables
 from mhf_dist.model.scoring import LOG_P_INF_CHUNK
 from mhf_dist.model.tables import BucketTables
 from mhf_dist.model.vocabulary import HashVocabulary, LMOutput, TiedVocabulary, TokenVocabulary
@@ -39,7 +40,7 @@ class LanguageModel(nn.Module):
                 nn.init.normal_(module.weight, std=std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, BucketTables):
+            elif isinstance(module, (BucketTables, HostTables)):
                 nn.init.normal_(module.weight, std=std)
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
@@ -72,9 +73,10 @@ class LanguageModel(nn.Module):
     def parameter_counts(self) -> dict[str, int]:
         """``embedding`` (tables, encoder, decoder), ``backbone`` (without memories) and ``engram`` (the memories)
         parameter counts."""
-        engram = sum(p.numel() for n, p in self.backbone.named_parameters() if ".engram." in n)
-        backbone = sum(p.numel() for p in self.backbone.parameters()) - engram
-        total = sum(p.numel() for p in self.parameters())
+        host = sum(m.weight.numel() for m in self.modules() if isinstance(m, HostTables))  # model.engram.offload
+        engram = sum(p.numel() for n, p in self.backbone.named_parameters() if ".engram." in n) + host
+        backbone = sum(p.numel() for p in self.backbone.parameters()) + host - engram
+        total = sum(p.numel() for p in self.parameters()) + host
         return {"embedding": total - backbone - engram, "backbone": backbone, "engram": engram, "total": total}
 
 

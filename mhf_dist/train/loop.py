@@ -216,6 +216,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopS
         model.backbone.compile_blocks()
     vocab_rows = model.vocab.tables.num_rows
     trainer = build_trainer(cfg, model, groups, ds_config, layout)
+    checkpointer.host = getattr(trainer, "host", None)
     del model
     if scalars.any(stop.received)[0]:  # signalled during start-up: nothing trained yet, so nothing to save
         if rank == 0:
