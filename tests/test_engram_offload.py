@@ -88,3 +88,12 @@ def test_offloaded_training_equals_dense_tables_and_resumes(tmp_path, data):
     resumed = metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in host]
+
+
+def test_offloaded_training_with_two_data_parallel_ranks(tmp_path, data):
+    """dp = 2: the host gradients are averaged over the ranks, so the losses are the single dense run's."""
+    for name, nproc, extra in (("dense", 1, ()), ("host-dp2", 2, (OFFLOAD,))):
+        run_cli(train_args(tmp_path / name, data, nproc, *ENGRAM, *extra, preset="tiny-h4b16k+engram", steps=3))
+    for a, b in zip(metrics(tmp_path / "host-dp2"), metrics(tmp_path / "dense"), strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * b["loss"], (a["step"], a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (a["step"], a["grad_norm"], b["grad_norm"])
