@@ -73,6 +73,10 @@ class EngramConfig(_Strict):
     seed: int = Field(0, description="RNG seed of the hash multipliers/keys (per layer: seed + 10007·layer)")
     pad_rows_to: int = Field(
         128, ge=1, description="tables are padded to a multiple of this many rows (a multiple of parallel.tp)")
+    offload: bool = Field(
+        False, description="keep the tables in (pinned) host memory outside DeepSpeed: each micro-batch's rows "
+        "are gathered to the device ahead of use, their gradients added back on the host, and the tables step "
+        "with a host AdamW of the same hyperparameters (pp = tp = 1, ZeRO 1-3)")
 
     @model_validator(mode="after")
     def _gate(self):
@@ -365,6 +369,14 @@ class RunConfig(_Strict):
                 f"model.engram.pad_rows_to={m.engram.pad_rows_to} is not a multiple of parallel.tp={tp}: memory "
                 "tables are split along their rows; set pad_rows_to to a multiple of tp"
             )
+        if m.engram is not None and m.engram.offload and (tp > 1 or self.parallel.pp > 1):
+            raise ValueError(
+                f"model.engram.offload with parallel.tp={tp}, parallel.pp={self.parallel.pp}: host-memory tables "
+                "support tp = pp = 1 only (dp may be any); unset model.engram.offload or use tp = pp = 1")
+        if m.engram is not None and m.engram.offload and self.parallel.zero_stage == 0:
+            raise ValueError(
+                "model.engram.offload with parallel.zero_stage=0: the host tables' gradient norm joins the "
+                "clipping norm of DeepSpeed's ZeRO optimizer; use parallel.zero_stage 1, 2 or 3")
         if self.parallel.pp > 1 and self.parallel.zero_stage in (2, 3):
             raise ValueError(
                 f"parallel.zero_stage={self.parallel.zero_stage} with parallel.pp={self.parallel.pp}: DeepSpeed's "

@@ -23,6 +23,7 @@ from mhf_dist.config import RunConfig
 from mhf_dist.output_dir import check_target, staged
 from mhf_dist.run_dir import RunDir
 from mhf_dist.train.checkpoint import MARKER, CheckpointError, complete_checkpoints, verify_files
+from mhf_dist.train.host_tables import host_table_weights
 from mhf_dist.train.universal import consolidate
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -55,7 +56,7 @@ def trained_weights(checkpoint: str | Path) -> TrainedWeights:
     run = RunDir(ckpt.parent.parent)
     raw = yaml.safe_load(run.config_path.read_text())
     cfg = RunConfig.model_validate(raw | {"model": marker["model"]})  # the shapes the weights were saved with
-    state = consolidate(ckpt, pipeline=marker["layout"]["pp"] > 1)
+    state = consolidate(ckpt, pipeline=marker["layout"]["pp"] > 1) | host_table_weights(ckpt)
     if cfg.train.init_from:  # frozen parameters (train.trainable_blocks) are not in the checkpoint
         state = load_file(str(run.path / cfg.train.init_from)) | state
     return TrainedWeights(ckpt, marker["step"], run, cfg, state)

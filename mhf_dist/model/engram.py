@@ -21,6 +21,8 @@ causal backbone and the convolution is left-padded. The tables are one
 ``R`` rows, a multiple of ``pad_rows_to``; rows ``>= M_k`` are never read), so
 the tensor-parallel plan shards them along their rows like the bucket tables
 (SPEC §7) and every use of them goes through the module's ``forward`` (ZeRO-3).
+With ``offload`` they are a :class:`HostTables` in host memory instead, whose rows
+the trainer prefetches per micro-batch (:meth:`EngramMemory.prefetch`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mhf_dist.config import ModelConfig
+from mhf_dist.model.host_tables import HostTables
 from mhf_dist.model.ngram_hash import NgramHash
 from mhf_dist.model.tables import BucketTables
 
@@ -103,7 +106,13 @@ class EngramMemory(nn.Module):
         e = cfg.engram
         self.hash = NgramHash(e, layer, sizes, compression.old_to_new, compression.num_ids, compression.pad_id)
         rows = -(-max(max(order) for order in sizes) // e.pad_rows_to) * e.pad_rows_to
-        self.tables = BucketTables(self.hash.num_heads, rows, cfg.engram_head_dim)
+        if e.offload:
+            self.tables = HostTables(self.hash.num_heads, rows, cfg.engram_head_dim)
+            # a host copy of the hash for prefetching, not a submodule: model.to(device) leaves it on the host
+            object.__setattr__(self, "host_hash", NgramHash(e, layer, sizes, compression.old_to_new,
+                                                            compression.num_ids, compression.pad_id))
+        else:
+            self.tables = BucketTables(self.hash.num_heads, rows, cfg.engram_head_dim)
         if e.gate == "softmax":
             self.gate = SoftmaxGate(cfg.d_model, e.threshold)
         else:
@@ -111,4 +120,8 @@ class EngramMemory(nn.Module):
                                     e.max_ngram, cfg.norm_eps)
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.gate(h, self.tables.lookup(self.hash(input_ids)))
+        return self.gate(h, self.tables.lookup(self.hash(input_ids)).to(h.dtype))
+
+    def prefetch(self, input_ids: torch.Tensor) -> None:
+        """Offloaded tables: start gathering the rows that ``input_ids [B, S]`` (on the host) will read."""
+        self.tables.prefetch(self.host_hash(input_ids))

@@ -25,6 +25,8 @@ import re
 import torch
 from torch import nn
 
+from mhf_dist.model.host_tables import HostTables
+
 RULES: list[tuple[re.Pattern, str]] = [(re.compile(p), rule) for p, rule in (
     (r"(.*\.)?tables\.weight", "tables"),
     (r"(.*\.)?\w*norm\.weight", "ones"),
@@ -91,8 +93,18 @@ def initial_shard(name: str, full_shape: torch.Size | tuple[int, ...], out: torc
           buffer)
 
 
+def host_tables(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``{name: weight}`` of the Engram tables kept in host memory (``model.engram.offload``): tensors, not
+    parameters, initialised by the same rule as the device tables they replace."""
+    return {f"{prefix}.weight": module.weight for prefix, module in model.named_modules()
+            if isinstance(module, HostTables)}
+
+
 def initialise(model: nn.Module, std: float, seed: int) -> None:
-    """Every parameter of a full (unsharded) model from its rule; parameters on the meta device are skipped."""
+    """Every parameter of a full (unsharded) model from its rule, host tables included; parameters on the meta
+    device are skipped."""
     for name, param in model.named_parameters():
         if not param.is_meta:
             initial_shard(name, param.shape, param.data, std, seed)
+    for name, weight in host_tables(model).items():
+        initial_shard(name, weight.shape, weight, std, seed)

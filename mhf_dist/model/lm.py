@@ -20,6 +20,7 @@ from torch import nn
 
 from mhf_dist.config import ModelConfig
 from mhf_dist.model.backbone import Backbone
+from mhf_dist.model.host_tables import HostTables
 from mhf_dist.model.init import initialise
 from mhf_dist.model.scoring import LOG_P_INF_CHUNK
 from mhf_dist.model.vocabulary import HashVocabulary, LMOutput, TiedVocabulary, TokenVocabulary
@@ -64,9 +65,10 @@ class LanguageModel(nn.Module):
     def parameter_counts(self) -> dict[str, int]:
         """``embedding`` (tables, encoder, decoder), ``backbone`` (without memories) and ``engram`` (the memories)
         parameter counts."""
-        engram = sum(p.numel() for n, p in self.backbone.named_parameters() if ".engram." in n)
-        backbone = sum(p.numel() for p in self.backbone.parameters()) - engram
-        total = sum(p.numel() for p in self.parameters())
+        host = sum(m.weight.numel() for m in self.modules() if isinstance(m, HostTables))  # model.engram.offload
+        engram = sum(p.numel() for n, p in self.backbone.named_parameters() if ".engram." in n) + host
+        backbone = sum(p.numel() for p in self.backbone.parameters()) + host - engram
+        total = sum(p.numel() for p in self.parameters()) + host
         return {"embedding": total - backbone - engram, "backbone": backbone, "engram": engram, "total": total}
 
 

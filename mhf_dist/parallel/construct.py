@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mhf_dist.model.init import draw_size, initial_shard
+from mhf_dist.model.init import draw_size, host_tables, initial_shard
 from mhf_dist.model.lm import LanguageModel, model_structure
 from mhf_dist.parallel.plan import shard_modules
 from mhf_dist.parallel.state_dict import split_dim, tp_split_dims
@@ -139,7 +139,7 @@ def full_shapes(model: LanguageModel, tp: int) -> dict[str, tuple[int, ...]]:
         if dim is not None:
             shape[dim] *= tp
         out[name] = tuple(shape)
-    return out
+    return out | {name: tuple(weight.shape) for name, weight in host_tables(model).items()}  # tp = 1 only
 
 
 def training_dtype(ds_config: dict) -> torch.dtype:
@@ -195,6 +195,9 @@ class Materialiser:
             if scratch is not None:
                 self._partition(leaf)
         self.values.release()
+        for name, weight in host_tables(module).items():  # model.engram.offload: whole, in host memory
+            self.values.shard(self.prefixes[id(module)] + ("." if self.prefixes[id(module)] else "") + name,
+                              tuple(weight.shape), weight, None, 0, 1)
         for owner in module.modules():
             for n, buffer in owner._buffers.items():
                 if buffer is not None:

@@ -67,6 +67,10 @@ def deepspeed_config(cfg: RunConfig, layout: Layout, device_type: str) -> dict:
             f"ZeRO stage {stage} with parallel.pp={layout.pp}: DeepSpeed's pipeline engine refuses ZeRO-2/3; "
             "set parallel.zero_stage=1 (or use deepspeed_config zero1_pp_bf16)"
         )
+    if stage == 0 and cfg.model.engram is not None and cfg.model.engram.offload:
+        raise ConfigError(
+            "model.engram.offload with ZeRO stage 0: the host tables' gradient norm joins the clipping norm of "
+            "DeepSpeed's ZeRO optimizer; set parallel.zero_stage to 1, 2 or 3")
     derived = {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": layout.accum,

@@ -69,13 +69,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save
+from safetensors.torch import load_file, save
 
 from mhf_dist import __version__
 from mhf_dist.config import RunConfig
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.train.checkpoint_index import (ABANDONED, LATEST, MARKER, CheckpointError, checkpoint_step,
                                              complete_checkpoints, marker_problem, read_marker, step_directories)
+from mhf_dist.train.host_tables import HOST_TABLES_FILE
 from mhf_dist.train.universal import convert_for_layout, universal_info
 
 log = logging.getLogger(__name__)
@@ -302,6 +303,7 @@ class Checkpointer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.scalars = ScalarCollectives()
         self.verified: set[Path] = set()
+        self.host = None  # model.engram.offload: the trainer's HostTablesStep, saved beside DeepSpeed's files
         if self.rank == 0:
             self._remove_interrupted_saves()
         dist.barrier()
@@ -425,6 +427,9 @@ class Checkpointer:
         finally:
             engine.checkpoint_engine = writer.engine
         writer.write(path / RNG_FILE.format(self.rank), write_rng_state)
+        if self.host is not None and self.rank == 0:  # tp = pp = 1: every rank holds the same host tables
+            tensors, metadata = self.host.state()
+            writer.write(path / HOST_TABLES_FILE, lambda p: p.write_bytes(save(tensors, metadata=metadata)))
         digests = {str(p.relative_to(path)): d for p, d in writer.digests.items() if p.is_relative_to(path)}
         writer.write(path / RANK_DIGESTS.format(self.rank), lambda p: _write_atomic(p, json.dumps(digests)))
         return writer
@@ -539,6 +544,16 @@ class Checkpointer:
             return False
         return json.loads((target / MARKER).read_text()).get("source_marker") == source
 
+    def _load_host_tables(self, path: Path, marker: dict) -> None:
+        """The offloaded Engram tables and their AdamW state (from the source of a universal conversion)."""
+        source = Path(marker["source"]) if marker.get("universal") else path
+        try:
+            tensors = load_file(str(source / HOST_TABLES_FILE))
+        except Exception as e:  # missing (a run without model.engram.offload) or unreadable
+            raise CheckpointError(f"checkpoint {source} has no readable {HOST_TABLES_FILE} ({e}), which "
+                                  "model.engram.offload needs; resume with the config it was saved with") from e
+        self.host.load(tensors)
+
     def load(self, engine, path: Path) -> dict:
         """Load model, optimizer, scheduler and (same layout only) this rank's RNG state; returns the client state."""
         marker = read_marker(path)
@@ -549,6 +564,8 @@ class Checkpointer:
             raise CheckpointError(f"DeepSpeed could not load {path}; see the log above")
         if marker.get("universal"):
             _set_adam_steps(engine, client["step"])
+        if self.host is not None:
+            self._load_host_tables(path, marker)
         if marker["layout"] == self.layout:
             if (rng := path / RNG_FILE.format(self.rank)).is_file():
                 set_rng_state(read_rng_state(rng))

@@ -33,6 +33,7 @@ from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.layout import Layout
 from mhf_dist.parallel.pipeline import build_pipeline
 from mhf_dist.parallel.scalars import ScalarCollectives
+from mhf_dist.train.host_tables import HostTablesStep
 from mhf_dist.train.optim import build_optimizer
 
 
@@ -78,6 +79,10 @@ class DataParallelTrainer:
         )
         self.groups, self.accum, self.micro = groups, layout.accum, cfg.train.micro_batch_size
         self.scalars = ScalarCollectives()
+        self.host = None  # model.engram.offload: the Engram tables in host memory
+        if cfg.model.engram is not None and cfg.model.engram.offload:
+            dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
+            self.host = HostTablesStep(model, self.engine, dtype, groups.dp_group, groups.dp)
 
     @property
     def lr(self) -> float:
@@ -86,15 +91,29 @@ class DataParallelTrainer:
     def train_step(self, reader: ShardReader) -> StepStats:
         self.engine.train()
         losses = []
-        for _ in range(self.accum):
-            batch = reader.next_batch(self.micro).to(self.engine.device)
+        host = self.host
+        batch = reader.next_batch(self.micro)
+        if host:
+            host.prefetch(batch[:, :-1])
+        for i in range(self.accum):
+            if host:
+                host.advance()
+            batch = batch.to(self.engine.device)
             out = self.engine(batch[:, :-1], batch[:, 1:])
+            if i + 1 < self.accum:  # the next micro-batch's rows are gathered while this one computes
+                batch = reader.next_batch(self.micro)
+                if host:
+                    host.prefetch(batch[:, :-1])
             self.engine.backward(out.loss)
+            if host and i + 1 == self.accum:
+                host.before_step()
             self.engine.step()
             # a training forward returns a P_inf NLL only with the loss's log P_inf term (λ > 0)
             p_inf = [] if out.p_inf_nll is None else [out.p_inf_nll.detach()[None]]
             values = [out.loss.detach()[None], out.head_losses.detach(), *p_inf]
             losses.append(torch.cat([v.to(out.loss.dtype) for v in values]))
+        if host:
+            host.after_step()
         stats = self.scalars.mean(torch.stack(losses).mean(0), self.groups.dp_group)
         heads = len(out.head_losses)
         return StepStats(loss=stats[0], head_losses=stats[1:1 + heads], grad_norm=_grad_norm(self.engine),

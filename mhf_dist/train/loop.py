@@ -227,6 +227,7 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopS
     zero3 = ds_config if layout.pp == 1 and zero_stage(ds_config) == 3 else None
     materialise = Materialiser(model, values, device, groups.tp_rank, groups.tp, zero3, groups)
     trainer = build_trainer(cfg, model, groups, ds_config, layout, materialise)
+    checkpointer.host = getattr(trainer, "host", None)
     del model
     if scalars.any(stop.received)[0]:  # signalled during start-up: nothing trained yet, so nothing to save
         if rank == 0:

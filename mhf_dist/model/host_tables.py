@@ -1,0 +1,126 @@
+"""HostTables: Engram tables kept in host memory, outside DeepSpeed (``model.engram.offload``).
+
+The Engram memory's rows are addressed by token ids alone (hashes of compressed N-grams), so the rows a
+micro-batch reads are known before its forward pass. :class:`HostTables` has :class:`BucketTables`' lookup
+interface, but its ``weight [T, R, d]`` is a plain fp32 host tensor — not a parameter, so neither DeepSpeed nor
+ZeRO nor ``model.to(device)`` touch it:
+
+- **Gather** (:meth:`prefetch`, or synchronously inside :meth:`lookup` when nothing was prefetched): the unique
+  flat rows ``t·R + row`` of the micro-batch are selected on the host, staged in pinned memory and copied to the
+  device on a side CUDA stream (``non_blocking``), so the copy of micro-batch ``i+1`` overlaps the compute of
+  micro-batch ``i``. On a CPU device the gather is an ordinary synchronous ``index_select``.
+- **Forward**: the lookup reads the gathered rows through the indices remapped onto the compact unique set.
+- **Backward**: the gathered rows are an autograd leaf whose hook adds its gradient — rows of the unique set
+  only — into the fp32 host buffer ``grad [T, R, d]`` (``index_add_``), accumulated over micro-batches.
+
+The optimizer step (a host AdamW with the dense tables' hyperparameters) and the checkpoint files are the
+trainer's (:mod:`mhf_dist.train.host_tables`). ``state_dict`` does not list the weight (DeepSpeed would save it
+with the module); loading a full state dict (``train.init_from``, an export) fills it from ``<prefix>weight``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GatheredRows:
+    index: torch.Tensor  # [U] unique flat host rows (t·R + row), on the host
+    inverse: torch.Tensor  # [..., T] position of each looked-up row in ``rows``, on the device
+    rows: torch.Tensor  # [U, d] the rows, on the device
+    ready: torch.cuda.Event | None  # the side stream's copy finished (CUDA only)
+    staged: torch.Tensor | None = None  # the pinned source, kept alive until the copy finished
+
+
+class HostTables(nn.Module):
+    """``T`` tables of ``R`` rows of width ``d`` in host memory, looked up like :class:`BucketTables` (tp = 1)."""
+
+    def __init__(self, num_tables: int, num_rows: int, dim: int):
+        super().__init__()
+        self.num_rows = num_rows
+        self.weight = torch.empty(num_tables, num_rows, dim)
+        self.grad: torch.Tensor | None = None  # fp32 host gradient, allocated by the trainer
+        self.device = torch.device("cpu")  # where the gathered rows go (the trainer sets the engine's device)
+        self.transfer_dtype = torch.float32  # the model's compute dtype
+        self._next: GatheredRows | None = None
+        self._current: GatheredRows | None = None
+        self._stream = None
+
+    # ------------------------------------------------------------------ BucketTables' interface (tp = 1)
+    @property
+    def row_offset(self) -> int:
+        return 0
+
+    @property
+    def local_rows(self) -> int:
+        return self.weight.shape[1]
+
+    def forward(self, op: str, *args: torch.Tensor) -> torch.Tensor:
+        return getattr(self, f"_{op}")(*args)
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows [..., T]`` (row of each table) -> ``[..., T, d]``: ``u_i = E_i[rows_i]``, in ``transfer_dtype``."""
+        return self("lookup", rows)
+
+    # ------------------------------------------------------------------ gathering
+    def flat_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Host rows ``[..., T]`` -> flat row ids ``t·R + row`` into ``weight.view(T·R, d)``."""
+        return rows + torch.arange(self.weight.shape[0], device=rows.device) * self.weight.shape[1]
+
+    def gather(self, rows: torch.Tensor) -> GatheredRows:
+        """The unique rows that ``rows [..., T]`` (on the host) reads, on their way to ``self.device``."""
+        index, inverse = torch.unique(self.flat_rows(rows), return_inverse=True)
+        selected = self.weight.view(-1, self.weight.shape[-1]).index_select(0, index).to(self.transfer_dtype)
+        if self.device.type != "cuda":
+            return GatheredRows(index, inverse.to(self.device), selected.to(self.device), None)
+        staged = (selected.pin_memory(), inverse.pin_memory())
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._stream):
+            rows_on_device = staged[0].to(self.device, non_blocking=True)
+            inverse_on_device = staged[1].to(self.device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return GatheredRows(index, inverse_on_device, rows_on_device, ready, staged)
+
+    def prefetch(self, rows: torch.Tensor) -> None:
+        """Start gathering the rows of the next micro-batch (``rows [B, S, T]`` on the host)."""
+        self._next = self.gather(rows)
+
+    def advance(self) -> None:
+        """The prefetched rows become those the next forward (and its recomputation in backward) reads."""
+        self._current, self._next = self._next, None
+
+    def release(self) -> None:
+        """Drop the gathered rows (end of a training step): later lookups gather for themselves."""
+        self._current = self._next = None
+
+    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        gathered = self._current
+        if gathered is None or gathered.inverse.shape != rows.shape:
+            gathered = self.gather(rows.cpu())
+        if gathered.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(gathered.ready)
+            gathered.rows.record_stream(torch.cuda.current_stream(self.device))
+            gathered.inverse.record_stream(torch.cuda.current_stream(self.device))
+        leaf = gathered.rows.detach().requires_grad_(torch.is_grad_enabled())
+        if leaf.requires_grad:
+            leaf.register_hook(lambda g, index=gathered.index: self._add_grad(index, g))
+        return F.embedding(gathered.inverse, leaf)
+
+    def _add_grad(self, index: torch.Tensor, grad: torch.Tensor) -> None:
+        if self.grad is None:
+            self.grad = torch.zeros_like(self.weight)
+        self.grad.view(-1, self.weight.shape[-1]).index_add_(0, index, grad.detach().float().cpu())
+
+    # ------------------------------------------------------------------ state dict
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if (weight := state_dict.pop(prefix + "weight", None)) is not None:
+            self.weight.copy_(weight)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)

@@ -1,0 +1,164 @@
+"""The training side of offloaded Engram tables (``model.engram.offload``, :class:`HostTables`).
+
+Per step (:class:`mhf_dist.train.engine.DataParallelTrainer` calls these):
+
+1. :meth:`HostTablesStep.prefetch` / :meth:`~HostTablesStep.advance` gather each micro-batch's rows ahead of its
+   forward (the next micro-batch's while the current one computes).
+2. :meth:`~HostTablesStep.before_step`, before DeepSpeed's optimizer step: with dp > 1 the host gradients are
+   averaged over the data-parallel ranks (as DeepSpeed averages its own: the dense buffers are all-reduced on the
+   communication device, never handed to NCCL from the host), their norm is taken, and the learning rate, betas,
+   eps and weight decay of the engine's decayed (>= 2-D) group are read.
+3. DeepSpeed's step: :meth:`~HostTablesStep.install_norm` made its ZeRO optimizer's global gradient norm include the
+   host tables' (``sqrt(n_device² + n_host²)``), so its clipping and the logged grad norm are those of the dense run.
+4. :meth:`~HostTablesStep.after_step`: the same clip coefficient ``max(1, (norm + 1e-6) / grad_clip)`` on the host
+   gradients, then ``torch.optim.AdamW`` (fused, as the dense path) on the host tables with those hyperparameters:
+   every row is updated each step (weight decay and the moments' decay reach rows without gradient), exactly as
+   the dense tables. The bias correction follows the host optimizer's own step count, equal to DeepSpeed's.
+
+Checkpoints hold the tables and their AdamW state in ``engram-host-tables.safetensors`` (:meth:`state`/:meth:`load`),
+written by rank 0 only: with tp = pp = 1 every rank holds the same tables.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch import nn
+
+from mhf_dist.model.host_tables import HostTables
+from mhf_dist.parallel.scalars import communication_device
+
+HOST_TABLES_FILE = "engram-host-tables.safetensors"
+
+
+def host_table_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The offloaded tables of a checkpoint in the LanguageModel's naming (empty without offloaded tables)."""
+    path = checkpoint / HOST_TABLES_FILE
+    if not path.is_file():
+        return {}
+    return {f"backbone.{name.removesuffix('.weight')}.engram.tables.weight": tensor
+            for name, tensor in load_file(str(path)).items() if name.endswith(".weight")}
+ALL_REDUCE_ROWS = 1 << 16  # rows per all-reduce of the dense host gradient (bounds the device copy)
+
+
+def host_tables(model: nn.Module) -> dict[int, HostTables]:
+    """``{layer: HostTables}`` of the model's offloaded memories."""
+    return {i: block.engram.tables for i, block in enumerate(model.backbone.layers)
+            if block.engram is not None and isinstance(block.engram.tables, HostTables)}
+
+
+class HostTablesStep:
+    def __init__(self, model: nn.Module, engine, compute_dtype: torch.dtype, dp_group, dp: int):
+        self.memories = [block.engram for block in model.backbone.layers
+                         if block.engram is not None and isinstance(block.engram.tables, HostTables)]
+        self.tables = host_tables(model)
+        self.engine, self.dp_group, self.dp = engine, dp_group, dp
+        for t in self.tables.values():
+            t.device, t.transfer_dtype = engine.device, compute_dtype
+            t.grad = torch.zeros_like(t.weight)
+        # parameters sharing the tables' storage: the optimizer updates the tables in place
+        self.params = {i: nn.Parameter(t.weight) for i, t in self.tables.items()}
+        group = self._engine_group()
+        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=group["lr"], betas=group["betas"],
+                                           eps=group["eps"], weight_decay=group["weight_decay"], fused=True)
+        self.host_norm = torch.zeros(())
+        self.install_norm()
+
+    def _engine_group(self) -> dict:
+        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        return inner.param_groups[0]  # matrices and tables (build_optimizer's first group)
+
+    # ------------------------------------------------------------------ gathering
+    def prefetch(self, input_ids: torch.Tensor) -> None:
+        for memory in self.memories:
+            memory.prefetch(input_ids)
+
+    def advance(self) -> None:
+        for t in self.tables.values():
+            t.advance()
+
+    # ------------------------------------------------------------------ the step
+    def install_norm(self) -> None:
+        """Make the ZeRO optimizer's global gradient norm include the host tables' gradient norm."""
+        from deepspeed.runtime.utils import combine_grad_norm_groups
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        opt = self.engine.optimizer
+        if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
+            original_groups = opt._get_norm_groups
+
+            def norm_groups():
+                groups = original_groups()
+                return [*groups, self.host_norm.to(groups[0].device, groups[0].dtype) * opt.loss_scale]
+            opt._get_norm_groups = norm_groups
+        elif isinstance(opt, DeepSpeedZeroOptimizer):
+            original_norm = opt.scaled_global_norm
+
+            def scaled_global_norm(norm_type=2):
+                norm = original_norm(norm_type)
+                host = self.host_norm.to(norm.device, norm.dtype) * opt.loss_scale
+                return combine_grad_norm_groups([norm, host])
+            opt.scaled_global_norm = scaled_global_norm
+        else:
+            raise RuntimeError(f"model.engram.offload needs a DeepSpeed ZeRO optimizer (stage 1-3), not "
+                               f"{type(opt).__name__}")
+
+    def before_step(self) -> None:
+        """At the accumulation boundary, before DeepSpeed's step: dp-average the host gradients, take their norm
+        and this step's hyperparameters."""
+        if self.dp > 1:
+            device = communication_device(dist.get_backend(self.dp_group))
+            for t in self.tables.values():
+                flat = t.grad.view(-1, t.grad.shape[-1])
+                for start in range(0, flat.shape[0], ALL_REDUCE_ROWS):
+                    part = flat[start:start + ALL_REDUCE_ROWS]
+                    buf = part.to(device, copy=True)
+                    dist.all_reduce(buf, group=self.dp_group)
+                    part.copy_(buf.cpu()).div_(self.dp)
+        norms = [torch.linalg.vector_norm(t.grad) for t in self.tables.values()]
+        self.host_norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        self.hyper = {k: self._engine_group()[k] for k in ("lr", "betas", "eps", "weight_decay")}
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """After DeepSpeed's step: clip with the global norm it used, then AdamW on the host tables."""
+        opt = self.engine.optimizer
+        skipped = getattr(opt, "overflow", False)
+        if not skipped:
+            clip = self.engine.gradient_clipping()
+            if clip > 0:  # DeepSpeed's coefficient, from the global norm it stashed (the host tables' included)
+                total = torch.as_tensor(opt._global_grad_norm, dtype=torch.float32)
+                coefficient = torch.clamp((total + 1e-6) / clip, min=1.0)
+                scale = (1.0 / coefficient).cpu()
+                for t in self.tables.values():
+                    t.grad.mul_(scale)
+            group = self.optimizer.param_groups[0]
+            group.update(self.hyper)
+            for i, p in self.params.items():
+                p.grad = self.tables[i].grad
+            self.optimizer.step()
+        for t in self.tables.values():
+            t.grad.zero_()
+            t.release()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The tables and their AdamW state as safetensors ``(tensors, metadata)``."""
+        tensors = {}
+        for i, p in self.params.items():
+            tensors[f"layers.{i}.weight"] = self.tables[i].weight
+            for key, value in self.optimizer.state.get(p, {}).items():
+                tensors[f"layers.{i}.{key}"] = value
+        return tensors, {"layers": ",".join(map(str, self.params))}
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        for i, p in self.params.items():
+            self.tables[i].weight.copy_(tensors[f"layers.{i}.weight"])
+            state = {k.removeprefix(f"layers.{i}."): v for k, v in tensors.items()
+                     if k.startswith(f"layers.{i}.") and not k.endswith(".weight")}
+            if state:
+                self.optimizer.state[p] = state
