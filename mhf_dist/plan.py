@@ -5,12 +5,15 @@ tensor-parallel table (:func:`tp_split_dims`) and cut into pipeline stages by
 the same FLOP-balanced cut the engine uses (:mod:`mhf_dist.parallel.stages`).
 
 **Model states** per rank, for ``P`` parameters on a stage and ``dp`` data-parallel
-ranks (mixed-precision Adam: 18 bytes per parameter for the 16-bit gradients
-and the fp32 gradients, weights, momentum and variance, plus 2 for the 16-bit
-weights; the byte counts of DeepSpeed's own estimators): ZeRO-3 partitions all
-of it and gathers the largest layer in fp32 (``4·largest + 18·P/dp``); ZeRO-2
-keeps the 16-bit weights whole (``2·P + 18·P/dp``); ZeRO-1 also keeps whole
-16-bit gradients (``+ 2·P·(1 − 1/dp)``) (:func:`model_state_bytes`).
+ranks (:func:`model_state_bytes`). bf16 (mixed-precision Adam; the byte counts
+of DeepSpeed's own estimators): 18 bytes per parameter that ZeRO partitions (the
+16-bit and fp32 gradients, the fp32 weights, momentum and variance) plus 2 for
+the 16-bit weights; ZeRO-3 partitions all of it and gathers the largest layer in
+fp32 (``4·largest + 18·P/dp``); ZeRO-2 keeps the 16-bit weights whole (``2·P +
+18·P/dp``); ZeRO-1 also keeps whole 16-bit gradients (``+ 2·P·(1 − 1/dp)``).
+fp32 (no master copy): 4 bytes of weights, 4 of gradients, 8 of Adam moments;
+ZeRO-3: ``4·largest + 16·P/dp``; ZeRO-2: ``4·P + 12·P/dp``; ZeRO-1: ``+ 4·P·(1 −
+1/dp)``.
 
 **Activations** per token and layer, in the run's dtype of ``e`` bytes (SDPA keeps no ``S×S`` scores)::
 
@@ -67,7 +70,7 @@ from mhf_dist.config import ConfigError, ModelConfig, RunConfig, preset
 from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import LanguageModel, build_model
 from mhf_dist.model.flops import forward_flops
-from mhf_dist.parallel.layout import deepspeed_config, resolve_layout
+from mhf_dist.parallel.layout import checkpoint_interval, deepspeed_config, resolve_layout
 from mhf_dist.parallel.stages import layer_costs, stage_bounds
 from mhf_dist.parallel.state_dict import split_dim, tp_split_dims
 
@@ -118,11 +121,18 @@ def meta_model(cfg: ModelConfig, vocab_size: int) -> LanguageModel:
         return build_model(cfg, vocab_size, torch.ones(vocab_size, cfg.hash.num_hashes, dtype=torch.long), compression)
 
 
-def model_state_bytes(zero: int, params: int, largest: int, dp: int) -> float:
-    """Weights, gradients and Adam states per rank under ZeRO stage ``zero`` (see the module docstring)."""
+def device_of(profile: ClusterProfile) -> str:
+    """The device type of a profile's ranks (its DeepSpeed config depends on it)."""
+    return "cpu" if profile.backend == "gloo" else "cuda"
+
+
+def model_state_bytes(zero: int, params: int, largest: int, dp: int, dtype: str = "bf16") -> float:
+    """Weights, gradients and Adam states per rank under ZeRO stage ``zero`` in ``dtype`` (see the module
+    docstring)."""
+    weights, grads, partitioned = (2, 2, 18) if dtype == "bf16" else (4, 4, 12)
     if zero == 3:
-        return 4 * largest + 18 * params / dp
-    return 2 * params + 18 * params / dp + (2 * params * (1 - 1 / dp) if zero <= 1 else 0)
+        return 4 * largest + (partitioned if dtype == "bf16" else weights + partitioned) * params / dp
+    return weights * params + partitioned * params / dp + (grads * params * (1 - 1 / dp) if zero <= 1 else 0)
 
 
 def decoder_bytes(m: ModelConfig, e: int, tokens: int, rows: int, tp: int) -> float:
@@ -161,7 +171,7 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
     """One :class:`StagePlan` per pipeline stage of ``cfg`` on ``nodes`` nodes of ``profile``."""
     world = nodes * profile.gpus_per_node
     layout = resolve_layout(cfg, world)
-    zero = deepspeed_config(cfg, layout, "cuda")["zero_optimization"]["stage"]
+    zero = deepspeed_config(cfg, layout, device_of(profile))["zero_optimization"]["stage"]
     m, tp, pp, dp = cfg.model, layout.tp, layout.pp, layout.dp
     model = meta_model(m, vocab_size)
     model_params = sum(p.numel() for p in model.parameters())
@@ -193,7 +203,7 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
         total += params("backbone.norm.") if m.n_layers + 1 in layers else 0
         if pp == 1:
             total = sum(per_rank.values())
-        states = model_state_bytes(zero, total, max(per_rank.values()), dp)
+        states = model_state_bytes(zero, total, max(per_rank.values()), dp, cfg.train.dtype)
         stage_names = [n for n in per_rank if pp == 1 or _on_stage(n, layers, m.n_layers, len(costs) - 1)]
         host = construction_bytes(total / dp if zero == 3 else total, max(full[n] for n in stage_names))
         in_flight = min(pp - s, layout.accum)
@@ -223,13 +233,6 @@ def _on_stage(name: str, layers: range, n_layers: int, last: int) -> bool:
     return last in layers  # the decoder
 
 
-def checkpoint_interval(cfg: RunConfig, ds_config: dict) -> int:
-    """Every k-th block is recomputed in backward: ``parallel.activation_checkpoint_interval``, else 1 when the
-    DeepSpeed config has an ``activation_checkpointing`` section (the engine's rule); 0: none."""
-    interval = cfg.parallel.activation_checkpoint_interval
-    return interval if interval is not None else int("activation_checkpointing" in ds_config)
-
-
 def step_seconds(tokens: int, flops_per_token: float, mfu: float, peak_flops: float) -> float:
     """Seconds per optimizer step: ``T · F / (MFU · peak)`` for ``peak`` FLOP/s of all devices together."""
     return tokens * flops_per_token / (mfu * peak_flops)
@@ -248,7 +251,7 @@ def step_estimate(cfg: RunConfig, profile: ClusterProfile, nodes: int, mfu: floa
     m = cfg.model
     rows = m.padded_vocab_rows(vocab_size) if m.variant == "standard" else m.hash.num_buckets
     flops = forward_flops(m, cfg.data.seq_len, rows)
-    k = checkpoint_interval(cfg, deepspeed_config(cfg, layout, "cuda"))
+    k = checkpoint_interval(cfg, deepspeed_config(cfg, layout, device_of(profile)))
     recompute = sum(flops.layer(i) for i in range(m.n_layers) if k and i % k == 0)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     peak = profile.peak_bf16_tflops * 1e12 * world
@@ -307,7 +310,7 @@ def format_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, plans: list
     """The printed plan: model, layout, one row per stage, host memory, time per step and the verdicts."""
     world = nodes * profile.gpus_per_node
     layout = resolve_layout(cfg, world)
-    zero = deepspeed_config(cfg, layout, "cuda")["zero_optimization"]["stage"]
+    zero = deepspeed_config(cfg, layout, device_of(profile))["zero_optimization"]["stage"]
     host_rank = max(p.construction_gb for p in plans)
     host_node = host_bytes_per_node(host_rank, profile.gpus_per_node)
     node_memory = f"{profile.memory_gb_per_node:g} GB" if profile.memory_gb_per_node else "unknown"

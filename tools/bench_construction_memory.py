@@ -120,10 +120,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
         torch.cuda.set_device(device)
     deepspeed.utils.logger.setLevel("WARNING")
     deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else None)
-    cfg = load_config(args.preset, overrides=[
-        f"parallel.tp={tp}", f"parallel.pp={pp}", "data.path=embedded", f"data.seq_len={args.seq_len}",
-        "train.micro_batch_size=1", f"train.global_batch_size={world // (tp * pp)}", f"train.device={args.device}",
-        f"train.dtype={'bf16' if device.type == 'cuda' else 'fp32'}"])
+    cfg = worker_config(args, tp, pp, world, device.type)
     layout, ds_config = preflight(cfg, world, device.type)
     groups = ParallelGroups.create(tp, pp)
     m = cfg.model
@@ -172,6 +169,40 @@ def run_layout(args: argparse.Namespace, name: str) -> dict:
                                               for r in range(args.ranks)]}
 
 
+def worker_config(args: argparse.Namespace, tp: int, pp: int, world: int, device: str):
+    """The run config each rank measures (micro-batch 1 of ``--seq-len`` tokens, fp32 on CPU, bf16 on GPUs)."""
+    return load_config(args.preset, overrides=[
+        f"parallel.tp={tp}", f"parallel.pp={pp}", "data.path=embedded", f"data.seq_len={args.seq_len}",
+        "train.micro_batch_size=1", f"train.global_batch_size={world // (tp * pp)}", f"train.device={device}",
+        f"train.dtype={'bf16' if device == 'cuda' else 'fp32'}"])
+
+
+def planned(args: argparse.Namespace, name: str, result: dict) -> list[tuple]:
+    """`mhf-dist plan`'s numbers for the measured layout, each beside its measurement with the relative error."""
+    from mhf_dist.cluster import load_profile
+    from mhf_dist.parallel.layout import checkpoint_interval, deepspeed_config, resolve_layout
+    from mhf_dist.plan import GB, memory_plan
+
+    tp, pp = result["tp"], result["pp"]
+    cfg = worker_config(args, tp, pp, args.ranks, args.device)
+    profile = load_profile("cpu-local").model_copy(update={"gpus_per_node": args.ranks, "cores_per_node": args.ranks,
+                                                           "backend": "gloo" if args.device == "cpu" else "nccl"})
+    plans = memory_plan(cfg, profile, 1, VOCAB)
+    checkpointed = checkpoint_interval(cfg, deepspeed_config(cfg, resolve_layout(cfg, args.ranks), args.device))
+    dp = args.ranks // (tp * pp)
+    predictions = {"construction": max(p.construction_gb for p in plans) * GB}
+    if args.step:
+        predictions["first step"] = max(
+            p.model_states_gb + (p.activations_checkpointed_gb if checkpointed else p.activations_gb)
+            for p in plans) * GB
+    out = []
+    for phase, predicted in predictions.items():
+        measured = max(r[phase]["host"] for r in result["ranks"])
+        out.append((name, dp, f"plan: {phase} ({(predicted - measured) / measured:+.0%} vs measured)", predicted,
+                    0, None))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="1b-h4b16k")
@@ -182,6 +213,8 @@ def main() -> None:
     parser.add_argument("--old", action="store_true", help="measure the previous full-copy construction instead")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--plan", action="store_true", help="also print `mhf-dist plan`'s prediction for each "
+                        "measured phase and its error (construction; with --step, model states + activations)")
     args = parser.parse_args()
 
     from mhf_dist.engram_compression import CompressionTable
@@ -210,6 +243,8 @@ def main() -> None:
             rows.append((name, dp, "1/(tp·dp) of the model + largest parameter", share + 4 * largest, 0, None))
         if not args.old:
             rows.append((name, dp, "previous construction (computed: ≥ 4 B × params)", 4 * params, 0, None))
+        if args.plan:
+            rows += planned(args, name, result)
 
     print()
     header = f"{'layout':<10} {'dp':>3}  {'phase':<50} {'peak host / rank':>18} {'device / rank':>14} {'time':>8}"

@@ -88,3 +88,10 @@ def preflight(cfg: RunConfig, world_size: int, device: str, data_here: bool = Tr
     check_data_source(cfg, data_here)
     layout = resolve_layout(cfg, world_size)
     return layout, deepspeed_config(cfg, layout, device)
+
+
+def checkpoint_interval(cfg: RunConfig, ds_config: dict) -> int:
+    """Every k-th block is recomputed in backward: ``parallel.activation_checkpoint_interval``, else 1 when the
+    DeepSpeed config has an ``activation_checkpointing`` section; 0: none."""
+    interval = cfg.parallel.activation_checkpoint_interval
+    return interval if interval is not None else int("activation_checkpointing" in ds_config)

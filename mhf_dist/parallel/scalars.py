@@ -58,3 +58,13 @@ class ScalarCollectives:
     def mean(self, values: torch.Tensor | Sequence[float], group=None) -> list[float]:
         """Element-wise mean over the ranks of ``group`` (default: all)."""
         return [v / dist.get_world_size(group) for v in self.sum(values, group)]
+
+    def mean_into(self, tensor: torch.Tensor, group=None, chunk: int = 1 << 24) -> None:
+        """``tensor`` (a host buffer, e.g. gradients kept outside DeepSpeed) <- its element-wise mean over the ranks
+        of ``group``, sent through the communication device ``chunk`` elements at a time."""
+        flat, size = tensor.view(-1), dist.get_world_size(group)
+        for start in range(0, flat.numel(), chunk):
+            part = flat[start:start + chunk]
+            buf = part.to(self.device, copy=True)
+            dist.all_reduce(buf, group=group)
+            part.copy_(buf).div_(size)  # copy_ brings it back across devices

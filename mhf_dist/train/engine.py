@@ -30,7 +30,7 @@ from mhf_dist.data.reader import ShardReader
 from mhf_dist.model.calibration import fit_temperature, validation_metrics
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.parallel.groups import ParallelGroups
-from mhf_dist.parallel.layout import Layout
+from mhf_dist.parallel.layout import Layout, checkpoint_interval
 from mhf_dist.parallel.pipeline import build_pipeline
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.train.host_tables import HostTablesStep
@@ -45,11 +45,6 @@ def device_type(cfg: RunConfig) -> str:
 
 def zero_stage(ds_config: dict) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
-
-
-def checkpoint_interval(cfg: RunConfig, ds_config: dict) -> int:
-    interval = cfg.parallel.activation_checkpoint_interval
-    return interval if interval is not None else int("activation_checkpointing" in ds_config)
 
 
 @dataclass

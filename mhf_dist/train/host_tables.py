@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from mhf_dist.model.host_tables import HostTables
-from mhf_dist.parallel.scalars import communication_device
+from mhf_dist.parallel.scalars import ScalarCollectives, communication_device
 
 HOST_TABLES_FILE = "engram-host-tables.safetensors"
 
@@ -111,14 +111,9 @@ class HostTablesStep:
         """At the accumulation boundary, before DeepSpeed's step: dp-average the host gradients, take their norm
         and this step's hyperparameters."""
         if self.dp > 1:
-            device = communication_device(dist.get_backend(self.dp_group))
+            collectives = ScalarCollectives(communication_device(dist.get_backend(self.dp_group)))
             for t in self.tables.values():
-                flat = t.grad.view(-1, t.grad.shape[-1])
-                for start in range(0, flat.shape[0], ALL_REDUCE_ROWS):
-                    part = flat[start:start + ALL_REDUCE_ROWS]
-                    buf = part.to(device, copy=True)
-                    dist.all_reduce(buf, group=self.dp_group)
-                    part.copy_(buf.cpu()).div_(self.dp)
+                collectives.mean_into(t.grad, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1])
         norms = [torch.linalg.vector_norm(t.grad) for t in self.tables.values()]
         self.host_norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
         self.hyper = {k: self._engine_group()[k] for k in ("lr", "betas", "eps", "weight_decay")}
