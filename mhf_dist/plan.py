@@ -11,9 +11,11 @@ of DeepSpeed's own estimators): 18 bytes per parameter that ZeRO partitions (the
 the 16-bit weights; ZeRO-3 partitions all of it and gathers the largest layer in
 fp32 (``4·largest + 18·P/dp``); ZeRO-2 keeps the 16-bit weights whole (``2·P +
 18·P/dp``); ZeRO-1 also keeps whole 16-bit gradients (``+ 2·P·(1 − 1/dp)``).
-fp32 (no master copy): 4 bytes of weights, 4 of gradients, 8 of Adam moments;
-ZeRO-3: ``4·largest + 16·P/dp``; ZeRO-2: ``4·P + 12·P/dp``; ZeRO-1: ``+ 4·P·(1 −
-1/dp)``.
+fp32: DeepSpeed still keeps an fp32 master copy and an fp32 gradient partition
+beside the (fp32) weights and gradients, so 16 bytes per parameter are partitioned
+(master, gradient partition, two moments) plus 4 of weights and 4 of gradients:
+ZeRO-3 partitions everything (``4·largest + 24·P/dp``); ZeRO-2: ``4·P + 20·P/dp``;
+ZeRO-1: ``+ 4·P·(1 − 1/dp)``.
 
 **Activations** per token and layer, in the run's dtype of ``e`` bytes (SDPA keeps no ``S×S`` scores)::
 
@@ -129,7 +131,7 @@ def device_of(profile: ClusterProfile) -> str:
 def model_state_bytes(zero: int, params: int, largest: int, dp: int, dtype: str = "bf16") -> float:
     """Weights, gradients and Adam states per rank under ZeRO stage ``zero`` in ``dtype`` (see the module
     docstring)."""
-    weights, grads, partitioned = (2, 2, 18) if dtype == "bf16" else (4, 4, 12)
+    weights, grads, partitioned = (2, 2, 18) if dtype == "bf16" else (4, 4, 20)
     if zero == 3:
         return 4 * largest + (partitioned if dtype == "bf16" else weights + partitioned) * params / dp
     return weights * params + partitioned * params / dp + (grads * params * (1 - 1 / dp) if zero <= 1 else 0)
