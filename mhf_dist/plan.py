@@ -181,11 +181,6 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
     full = {n: p.numel() for n, p in model.named_parameters()}
     per_rank = {n: v // (tp if split_dim(n, dims) is not None else 1) for n, v in full.items()}
 
-    def params(prefix: str) -> int:
-        return sum(v for n, v in per_rank.items() if n.startswith(prefix))
-
-    vocab_in = params("vocab.tables.") + params("vocab.encoder.")
-    vocab_out = params("vocab.tables.") + params("vocab.decoder.")
     costs = layer_costs(m, cfg.data.seq_len, model.vocab.tables.num_rows)
     parts = stage_bounds(costs, pp)
 
@@ -200,14 +195,10 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
     for s in range(pp):
         layers = range(parts[s], parts[s + 1])
         blocks = sum(1 for i in layers if 1 <= i <= m.n_layers)
-        total = sum(params(f"backbone.layers.{i - 1}.") for i in layers if 1 <= i <= m.n_layers)
-        total += (vocab_in if 0 in layers else 0) + (vocab_out if len(costs) - 1 in layers else 0)
-        total += params("backbone.norm.") if m.n_layers + 1 in layers else 0
-        if pp == 1:
-            total = sum(per_rank.values())
+        names = [n for n in per_rank if n.startswith(stage_prefixes(layers, m.n_layers, len(costs) - 1))]
+        total = sum(per_rank[n] for n in names)
         states = model_state_bytes(zero, total, max(per_rank.values()), dp, cfg.train.dtype)
-        stage_names = [n for n in per_rank if pp == 1 or _on_stage(n, layers, m.n_layers, len(costs) - 1)]
-        host = construction_bytes(total / dp if zero == 3 else total, max(full[n] for n in stage_names))
+        host = construction_bytes(total / dp if zero == 3 else total, max(full[n] for n in names))
         in_flight = min(pp - s, layout.accum)
         memories = sum(1 for i in layers if i - 1 in m.engram_layers)
         last = decoder if len(costs) - 1 in layers else 0
@@ -223,16 +214,14 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
     return plans
 
 
-def _on_stage(name: str, layers: range, n_layers: int, last: int) -> bool:
-    """Whether pipeline layers ``layers`` (0: vocabulary in, 1..L: blocks, L+1: final norm, ``last``: vocabulary
-    out) create parameter ``name``."""
-    if name.startswith("backbone.layers."):
-        return int(name.split(".")[2]) + 1 in layers
-    if name.startswith("backbone.norm."):
-        return n_layers + 1 in layers
-    if name.startswith("vocab.tables.") or name.startswith("vocab.encoder."):
-        return 0 in layers or (name.startswith("vocab.tables.") and last in layers)
-    return last in layers  # the decoder
+def stage_prefixes(layers: range, n_layers: int, last: int) -> tuple[str, ...]:
+    """Name prefixes of the parameters that pipeline layers ``layers`` hold (0: vocabulary in — tables and
+    encoder, 1..L: blocks, L+1: final norm, ``last``: vocabulary out — tables and decoder)."""
+    prefixes = [f"backbone.layers.{i - 1}." for i in layers if 1 <= i <= n_layers]
+    prefixes += ["backbone.norm."] if n_layers + 1 in layers else []
+    prefixes += ["vocab.tables.", "vocab.encoder."] if 0 in layers else []
+    prefixes += ["vocab.tables.", "vocab.decoder."] if last in layers else []
+    return tuple(prefixes)
 
 
 def step_seconds(tokens: int, flops_per_token: float, mfu: float, peak_flops: float) -> float:
