@@ -62,7 +62,7 @@ import yaml
 
 from mhf_dist.config import ConfigError
 from mhf_dist.run_lock import LOCK_FILE, STALE_S
-from mhf_dist.train.checkpoint_index import MARKER, CheckpointError, marker_problem, read_marker, step_directories
+from mhf_dist.train.checkpoint_index import MARKER, CheckpointError, read_marker, step_directories
 from mhf_dist.train.metrics import METRICS_FILE, read_metrics
 
 RECENT = 10  # logged training records the means (loss, tokens/s, MFU) cover
@@ -175,12 +175,10 @@ def _int(value) -> int | None:
 
 
 def newest_checkpoint(run: Path, now: float) -> Checkpoint | None:
-    for path in reversed(step_directories(run / "checkpoints")):  # quietly: one may be being saved right now
-        if marker_problem(path) is not None:
-            continue
+    for path in reversed(step_directories(run / "checkpoints")):
         try:
             marker, written = read_marker(path), (path / MARKER).stat().st_mtime
-        except (CheckpointError, OSError):  # removed or rewritten since it was listed
+        except (CheckpointError, OSError):  # incomplete (perhaps being saved right now), or removed since listed
             continue
         return Checkpoint(path.name, str(path), marker["step"], marker["tokens"], marker["reason"],
                           max(0.0, now - written))
