@@ -87,8 +87,9 @@ def _python_check(python: str, profile: ClusterProfile) -> str:
     """A line that stops the job early, with the fix, when the nodes cannot see the Python."""
     if profile.launcher or profile.srun_args:
         return ""  # the container brings its own
-    return (f"[ -x {python} ] || {{ echo \"mhf-dist: {python} is not on $(hostname): install mhf-dist on storage "
-            "every node sees, or set python/launcher in the cluster profile\" >&2; exit 2; }")
+    # the quoted path stands outside the message's double quotes, where the shell would expand it
+    return (f"[ -x {python} ] || {{ echo \"mhf-dist: \"{python}\" is not on $(hostname): install mhf-dist on "
+            "storage every node sees, or set python/launcher in the cluster profile\" >&2; exit 2; }")
 
 
 def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, preset: str | None,

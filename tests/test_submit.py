@@ -162,6 +162,14 @@ def test_hostile_values_stay_single_arguments(tmp_path):
     ]
     assert not list(tmp_path.rglob("PWNED*"))
 
+    # a Python path that is itself hostile: the job stops at the check, naming it, and runs nothing it spells
+    python = str(tmp_path / "$(touch PWNED6)" / "python")
+    script = render("sbatch", cfg, load_profile("cpu-local"), 1, run_dir, "tiny-h4b16k", None, overrides, python=python)
+    (tmp_path / "check.sh").write_text(script)
+    proc = subprocess.run(["bash", str(tmp_path / "check.sh")], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 2 and f"mhf-dist: {python} is not on" in proc.stderr
+    assert not list(tmp_path.rglob("PWNED*"))
+
 
 @pytest.mark.parametrize("change, message", [
     ({"run_dir": Path("/runs/a\nrm -rf x")}, "control character"),

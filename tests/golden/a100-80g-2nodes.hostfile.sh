@@ -9,7 +9,7 @@ export NCCL_IB_HCA=mlx5
 export NCCL_DEBUG=WARN
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export OMP_NUM_THREADS=8
-[ -x /opt/venv/bin/python ] || { echo "mhf-dist: /opt/venv/bin/python is not on $(hostname): install mhf-dist on storage every node sees, or set python/launcher in the cluster profile" >&2; exit 2; }
+[ -x /opt/venv/bin/python ] || { echo "mhf-dist: "/opt/venv/bin/python" is not on $(hostname): install mhf-dist on storage every node sees, or set python/launcher in the cluster profile" >&2; exit 2; }
 # DeepSpeed's launcher forwards only some variables to the other nodes; list the profile's in .deepspeed_env.
 cat > .deepspeed_env <<'ENV'
 NCCL_SOCKET_IFNAME=ib0
