@@ -120,7 +120,7 @@ def _without_option(argv: list[str], option: str) -> list[str]:
 
 def cmd_plan(args) -> int:
     from mhf_dist.cluster import load_profile
-    from mhf_dist.plan import format_plan, memory_plan
+    from mhf_dist.memory_plan import format_plan, memory_plan
 
     cfg, profile = _load(args), load_profile(args.cluster)
     plans = memory_plan(cfg, profile, args.nodes, args.vocab_size)
@@ -129,7 +129,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from mhf_dist.export import export
+    from mhf_dist.consolidate import export
 
     print(f"wrote {export(args.checkpoint, args.out, args.dtype, args.overwrite)}")
     return 0
@@ -270,7 +270,7 @@ def cmd_presets(args) -> int:
 
 
 def cmd_tokenizer_train(args) -> int:
-    from mhf_dist.tokenizers import read_text_files, train_bpe
+    from mhf_dist.offline_tokenizers import read_text_files, train_bpe
 
     out = train_bpe(read_text_files(args.input), args.vocab_size, args.out)
     print(f"wrote a {args.vocab_size}-token byte-level BPE to {out}")
@@ -278,7 +278,7 @@ def cmd_tokenizer_train(args) -> int:
 
 
 def cmd_tokenizer_mistral(args) -> int:
-    from mhf_dist.tokenizers import load_tokenizer, write_mistral_v03
+    from mhf_dist.offline_tokenizers import load_tokenizer, write_mistral_v03
 
     out = write_mistral_v03(args.out)
     print(f"wrote Mistral v0.3 ({len(load_tokenizer(out))} pieces) to {out}")

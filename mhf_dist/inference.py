@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from mhf_dist.config import ConfigError
-from mhf_dist.export import DTYPES
+from mhf_dist.consolidate import DTYPES
 
 
 def remote_code_is_ours(path: Path) -> bool:

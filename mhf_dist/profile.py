@@ -38,7 +38,7 @@ from mhf_dist.model import build_model
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.vocabulary import HashVocabulary
 from mhf_dist.parallel.comm import count_collectives
-from mhf_dist.parallel.plan import apply_tensor_parallel
+from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
 from mhf_dist.train.optim import build_optimizer
 from mhf_dist.train.throughput import measured_peak_flops, memory_gb
 

@@ -25,7 +25,7 @@ from mhf_dist.data.prepare import MANIFEST, TOKENIZER_DIR, prepare
 from mhf_dist.engram_compression import NORMALIZATION_VERSION, CompressionError, CompressionTable
 from mhf_dist.signatures import SignatureError, SignatureTable
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
-from mhf_dist.tokenizers import embedded_corpus, load_tokenizer, train_bpe
+from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
 
 
 class RunDir:
@@ -41,7 +41,7 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
-    def tokenizer(self, cfg: RunConfig) -> PreTrainedTokenizerBase:
+    def ensure_tokenizer(self, cfg: RunConfig) -> PreTrainedTokenizerBase:
         """The run's tokenizer: ``tokenizer.path``, else the one ``data.path``'s shards were made with, else a
         BPE trained once on the embedded corpus."""
         source = self.tokenizer_source(cfg)
@@ -49,7 +49,7 @@ class RunDir:
             train_bpe(embedded_corpus(), cfg.tokenizer.vocab_size, self.tokenizer_dir)
         return load_tokenizer(source)
 
-    def signatures(self, hash_cfg: HashConfig, tokenizer: PreTrainedTokenizerBase) -> SignatureTable:
+    def ensure_signatures(self, hash_cfg: HashConfig, tokenizer: PreTrainedTokenizerBase) -> SignatureTable:
         """Build the table on first start; afterwards load it and check it matches tokenizer and config."""
         tokens = vocabulary(tokenizer)
         if not self.signatures_dir.exists():
@@ -72,7 +72,7 @@ class RunDir:
             )
         return table
 
-    def compression(self, tokenizer: PreTrainedTokenizerBase) -> CompressionTable:
+    def ensure_compression(self, tokenizer: PreTrainedTokenizerBase) -> CompressionTable:
         """The Engram compression table: built on first start; afterwards loaded and checked against the tokenizer."""
         if not self.engram_dir.exists():
             table = CompressionTable.build(tokenizer)
@@ -99,7 +99,7 @@ class RunDir:
             return str(Path(cfg.data.shard_dir) / TOKENIZER_DIR)
         return str(self.tokenizer_dir)
 
-    def shards(self, cfg: RunConfig) -> Path:
+    def ensure_shards(self, cfg: RunConfig) -> Path:
         """``data.path``'s shards, or shards of the embedded corpus prepared once into ``RUN/data`` (5 % held out)."""
         if cfg.data.shard_dir is not None:
             return Path(cfg.data.shard_dir)

@@ -25,12 +25,12 @@ from mhf_dist.model.ngram_hash import NgramHash, table_sizes
 from mhf_dist.parallel.accounting import expected_collective_bytes
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.pipeline import canonical_name, pipeline_name
-from mhf_dist.parallel.plan import apply_tensor_parallel
+from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
 from mhf_dist.parallel.state_dict import merge_state_dicts, tp_split_dims
 from mhf_dist.profile import profile_training
 from mhf_dist.run_dir import RunDir
 from mhf_dist.signatures import SignatureTable
-from mhf_dist.tokenizers import load_tokenizer, train_bpe
+from mhf_dist.offline_tokenizers import load_tokenizer, train_bpe
 from mhf_dist.train.universal import universal_info
 from test_tensor_parallel import assert_tensor_close, step
 from train_utils import metrics, run_cli, train_args, train_run
@@ -91,20 +91,20 @@ def test_compression_merges_tokens_equal_after_normalization(bpe):
 
 def test_compression_is_persisted_and_verified(tmp_path, bpe):
     run = RunDir(tmp_path / "run")
-    built = run.compression(bpe)
+    built = run.ensure_compression(bpe)
     assert (run.engram_dir / "compression.safetensors").is_file()
-    loaded = run.compression(bpe)
+    loaded = run.ensure_compression(bpe)
     assert torch.equal(loaded.old_to_new, built.old_to_new) and loaded.content_hash == built.content_hash
     other_dir = tmp_path / "other"
     train_bpe(["a small other corpus, with other words"] * 20, 300, other_dir)
     with pytest.raises(CompressionError, match=r"built for another tokenizer .* delete .*engram to rebuild"):
-        run.compression(load_tokenizer(other_dir))
+        run.ensure_compression(load_tokenizer(other_dir))
     meta_path = run.engram_dir / "compression.json"
     meta = json.loads(meta_path.read_text())
     meta["keys"][5] = "tampered"
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(CompressionError, match=r"fails its content check.*delete"):
-        run.compression(bpe)
+        run.ensure_compression(bpe)
 
 
 # ---------------------------------------------------------------- N-gram hashes

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from mhf_dist.config import ConfigError, load_config
 from mhf_dist.engram_compression import CompressionTable
-from mhf_dist.export import trained_weights
+from mhf_dist.consolidate import trained_weights
 from mhf_dist.model import build_model
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.train.checkpoint_index import read_marker

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.evaluate import split_last_word
-from mhf_dist.export import trained_weights
+from mhf_dist.consolidate import trained_weights
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
 from train_utils import metrics, run_cli, trained_model

@@ -42,10 +42,10 @@ def train_run(tmp_path: Path, data: dict, name: str, nproc: int, *overrides: str
 
 def trained_model(run: Path):
     """A run's newest checkpoint as our LanguageModel (eval mode), with its tokenizer and signature table."""
-    from mhf_dist.export import trained_weights
+    from mhf_dist.consolidate import trained_weights
     from mhf_dist.model import build_model
     from mhf_dist.signatures import SignatureTable
-    from mhf_dist.tokenizers import load_tokenizer
+    from mhf_dist.offline_tokenizers import load_tokenizer
 
     tw = trained_weights(run)
     tokenizer = load_tokenizer(tw.run.tokenizer_source(tw.cfg))

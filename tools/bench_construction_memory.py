@@ -112,7 +112,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
     from mhf_dist.parallel.groups import ParallelGroups
     from mhf_dist.parallel.layout import preflight
     from mhf_dist.parallel.pipeline import build_pipeline
-    from mhf_dist.parallel.plan import apply_tensor_parallel
+    from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
     from mhf_dist.train.engine import build_trainer, zero_stage
 
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
@@ -181,7 +181,7 @@ def planned(args: argparse.Namespace, name: str, result: dict) -> list[tuple]:
     """`mhf-dist plan`'s numbers for the measured layout, each beside its measurement with the relative error."""
     from mhf_dist.cluster import load_profile
     from mhf_dist.parallel.layout import checkpoint_interval, deepspeed_config, resolve_layout
-    from mhf_dist.plan import GB, memory_plan
+    from mhf_dist.memory_plan import GB, memory_plan
 
     tp, pp = result["tp"], result["pp"]
     cfg = worker_config(args, tp, pp, args.ranks, args.device)

@@ -32,8 +32,8 @@ from tqdm.auto import tqdm
 
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
-from mhf_dist.plan import meta_model
-from mhf_dist.tokenizers import embedded_corpus, train_bpe
+from mhf_dist.memory_plan import meta_model
+from mhf_dist.offline_tokenizers import embedded_corpus, train_bpe
 from mhf_dist.train.metrics import read_metrics
 
 DEFAULT_RUNS = ["tiny-standard", "tiny-standard+6l", "tiny-h4b2k", "tiny-h4b16k",

@@ -69,7 +69,7 @@ from tqdm.auto import tqdm
 from mhf_dist.errors import MhfError
 from mhf_dist.output_dir import check_target, staged
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
-from mhf_dist.tokenizers import load_tokenizer
+from mhf_dist.offline_tokenizers import load_tokenizer
 
 FORMAT = "mhf-dist-packed-tokens-v1"
 MANIFEST = "manifest.json"
@@ -283,7 +283,7 @@ def prepare(
     """Tokenize ``inputs`` and write packed shards and ``manifest.json`` into ``out_dir``; returns the manifest.
 
     ``tokenizer`` is a tokenizer directory (or ``mistral-v0.3``, see
-    :func:`mhf_dist.tokenizers.load_tokenizer`). ``out_dir`` must be new or empty.
+    :func:`mhf_dist.offline_tokenizers.load_tokenizer`). ``out_dir`` must be new or empty.
     """
     if seq_len < 1 or samples_per_shard < 1 or workers < 1:
         raise DataError(f"seq_len={seq_len}, samples_per_shard={samples_per_shard} and workers={workers} must be >= 1")

@@ -42,7 +42,7 @@ from mhf_dist.output_dir import check_target, staged
 from mhf_dist.run_dir import RunDir
 from mhf_dist.signatures import HASH_VERSION, SignatureTable
 from mhf_dist.token_list import vocabulary
-from mhf_dist.tokenizers import load_tokenizer
+from mhf_dist.offline_tokenizers import load_tokenizer
 
 INIT_WEIGHTS = "init/model.safetensors"
 REPORT = "import-report.json"

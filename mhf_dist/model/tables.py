@@ -28,7 +28,7 @@ from mhf_dist.model.fused_head import FusedHead
 
 class TableGradients:
     """One ``[T, R, d]`` buffer whose slices the heads' backward write their tables' gradients into (allocated
-    by the first head to need it), so :class:`_SplitTables` hands it on whole instead of stacking T copies."""
+    by the first head to need it), so :class:`_TableViews` hands it on whole instead of stacking T copies."""
 
     def __init__(self):
         self.num_tables = 0
@@ -41,7 +41,7 @@ class TableGradients:
         return self.buffer[table]
 
 
-class _SplitTables(torch.autograd.Function):
+class _TableViews(torch.autograd.Function):
     """``weight [T, R, d]`` -> its ``T`` tables as views. Backward takes the shared buffer when every table's
     gradient is its own slice of it (the fused heads' case), and stacks the gradients otherwise."""
 
@@ -150,7 +150,7 @@ class BucketTables(nn.Module):
         return self.replicated_input(x) @ self.weight[table].t()
 
     def _per_table(self, gradients: TableGradients) -> tuple[torch.Tensor, ...]:
-        return _SplitTables.apply(self.weight, gradients)
+        return _TableViews.apply(self.weight, gradients)
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """``log p = logits - logsumexp(logits)`` over all rows (one kernel here; the sharded tables reduce the

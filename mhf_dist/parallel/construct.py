@@ -6,7 +6,7 @@ module handed to ZeRO-3 at once:
 1. :func:`model_skeleton` builds the whole model with its parameters on the meta device (no memory; the
    buffers — signature table, the memories' hash constants — are real: they are small and come from the run
    directory), then the tensor-parallel plan swaps in its modules at this rank's shard size
-   (:func:`~mhf_dist.parallel.plan.shard_modules`). No full-size tensor is ever allocated.
+   (:func:`~mhf_dist.parallel.tensor_parallel.shard_modules`). No full-size tensor is ever allocated.
 2. :class:`Materialiser` turns the meta parameters of a module into real ones, one leaf module at a time
    (every module holding parameters here is a leaf: Linear, RMSNorm, Conv1d, BucketTables): it allocates
    this rank's tensor-parallel shard on the device, fills it with that shard of the initial value
@@ -40,7 +40,7 @@ from torch import nn
 
 from mhf_dist.model.init import draw_size, host_tables, initial_shard
 from mhf_dist.model.lm import LanguageModel, model_structure
-from mhf_dist.parallel.plan import shard_modules
+from mhf_dist.parallel.tensor_parallel import shard_modules
 from mhf_dist.parallel.state_dict import split_dim, tp_split_dims
 
 

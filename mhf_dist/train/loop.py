@@ -92,10 +92,10 @@ def init_distributed(device: torch.device) -> None:
 def _run_assets(run: RunDir, cfg: RunConfig):
     """(tokenizer, signature table or None, Engram compression table or None, shard directory), created on
     first use."""
-    tokenizer = run.tokenizer(cfg)
-    table = run.signatures(cfg.model.hash, tokenizer) if cfg.model.variant == "mhf" else None
-    compression = run.compression(tokenizer) if cfg.model.engram is not None else None
-    return tokenizer, table, compression, run.shards(cfg)
+    tokenizer = run.ensure_tokenizer(cfg)
+    table = run.ensure_signatures(cfg.model.hash, tokenizer) if cfg.model.variant == "mhf" else None
+    compression = run.ensure_compression(tokenizer) if cfg.model.engram is not None else None
+    return tokenizer, table, compression, run.ensure_shards(cfg)
 
 
 class SaveClock:
