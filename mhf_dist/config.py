@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mhf_dist.errors import MhfError
 
@@ -61,12 +61,12 @@ class EngramConfig(_Strict):
     head_dim: int | None = Field(
         None, ge=1, description="width of a table row; None: d_model for the softmax gate, "
         "d_model / ((N-1)·K) for the sigmoid gate")
-    hash: Literal["engram", "seed"] = Field(
-        "engram", description="engram: XOR of per-token odd multipliers (DeepSeek); seed: the packed N-gram "
-        "times a per-head key, XOR the key (seed 002)")
+    hash: Literal["engram", "keyed"] = Field(
+        "engram", description="engram: XOR of per-token odd multipliers (DeepSeek); keyed: the packed N-gram "
+        "times a per-head key, XOR the key (docs/spec.md §8); 'seed' is read as keyed")
     gate: Literal["sigmoid", "softmax"] = Field(
         "sigmoid", description="sigmoid: scalar gate on a projected value + short causal conv (DeepSeek); "
-        "softmax: weights over the heads from h · E_k (seed 002)")
+        "softmax: weights over the heads from h · E_k (docs/spec.md §8)")
     threshold: float | None = Field(
         None, description="softmax gate: heads scoring below this are masked (None: no mask)")
     kernel_size: int = Field(4, ge=1, description="sigmoid gate: taps of the causal depthwise convolution")
@@ -77,6 +77,11 @@ class EngramConfig(_Strict):
         False, description="keep the tables in (pinned) host memory outside DeepSpeed: each micro-batch's rows "
         "are gathered to the device ahead of use, their gradients added back on the host, and the tables step "
         "with a host AdamW of the same hyperparameters (pp = tp = 1, ZeRO 1-3)")
+
+    @field_validator("hash", mode="before")
+    @classmethod
+    def _keyed_alias(cls, value):
+        return "keyed" if value == "seed" else value  # the mode's former name
 
     @model_validator(mode="after")
     def _gate(self):

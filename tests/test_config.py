@@ -91,3 +91,15 @@ def test_overrides_reach_every_field(tmp_path):
 def test_invalid_configs_name_field_and_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny-h4b16k", overrides=overrides)
+
+
+def test_engram_hash_mode_former_name_reads_as_keyed():
+    cfg = load_config("tiny-h4b16k+engram", overrides=["model.engram.hash=seed"])
+    assert cfg.model.engram.hash == "keyed"
+    # a checkpoint marker written under the former name compares equal to today's config
+    from mhf_dist.train.checkpoint import _as_written_now
+
+    marker_model = cfg.model.model_dump(mode="json")
+    marker_model["engram"]["hash"] = "seed"
+    assert _as_written_now(marker_model) == cfg.model.model_dump(mode="json")
+    assert _as_written_now({"n_layers": "many"}) == {"n_layers": "many"}  # no longer valid: compared as stored

@@ -124,7 +124,7 @@ def reference_indices(hasher: NgramHash, ids: list[int], compression: Compressio
         back = [x[t - j] if t - j >= 0 else pad for j in range(hasher.max_ngram)]  # x_t, x_{t-1}, ...
         row = []
         for n in range(2, hasher.max_ngram + 1):
-            if mode == "seed":
+            if mode == "keyed":
                 v = 0
                 for tok in reversed(back[:n]):  # v = a·V' + b for (a, b) = (x_{t-1}, x_t)
                     v = wrap(times(v, vp) + tok)
@@ -139,7 +139,7 @@ def reference_indices(hasher: NgramHash, ids: list[int], compression: Compressio
     return rows, wrapped
 
 
-@pytest.mark.parametrize("mode", ["seed", "engram"])
+@pytest.mark.parametrize("mode", ["keyed", "engram"])
 def test_hash_indices_match_spec_formulas(mode):
     cfg = EngramConfig(hash=mode, max_ngram=4, heads=3, table_size=5000, seed=7)
     sizes = table_sizes(cfg, [2, 5])
@@ -155,7 +155,7 @@ def test_hash_indices_match_spec_formulas(mode):
         expected, wrapped = reference_indices(hasher, ids[b].tolist(), compression, mode)
         assert got[b].tolist() == expected
         any_wrapped |= wrapped
-    if mode == "seed":
+    if mode == "keyed":
         assert any_wrapped  # v·key leaves int64: the wrap-around is exercised
         assert ((hasher.keys >= 1) & (hasher.keys < 2**31)).all()
     else:  # DeepSeek's per-layer multipliers: odd, from default_rng(seed + 10007·layer), x·m never overflows
@@ -199,7 +199,7 @@ def memory_case(gate: str, mode: str, **extra) -> tuple[EngramMemory, Compressio
 
 
 def test_softmax_memory_reads_hashed_rows():
-    memory, _ = memory_case("softmax", "seed", threshold=0.0)
+    memory, _ = memory_case("softmax", "keyed", threshold=0.0)
     ids = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(3))
     h = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     idx, table = memory.hash(ids), memory.tables.weight
@@ -237,7 +237,7 @@ def test_sigmoid_gate_equals_formula():
         torch.testing.assert_close(got[t], v[t] + F.silu(y))
 
 
-@pytest.mark.parametrize("gate, mode", [("softmax", "seed"), ("sigmoid", "engram")])
+@pytest.mark.parametrize("gate, mode", [("softmax", "keyed"), ("sigmoid", "engram")])
 def test_memory_is_causal(gate, mode):
     memory, compression = memory_case(gate, mode, threshold=0.0) if gate == "softmax" else memory_case(gate, mode)
     S = 10

@@ -31,7 +31,7 @@ def test_mhf_counts_hash_encoder_and_decoder():
 
 
 def test_mhf_to_standard_ratio_at_100m():
-    # 100m H4B16K vs Standard (V = 32,768): the issue's ≈ 1.56 counts matmul parameters only;
+    # 100m H4B16K vs Standard (V = 32,768): ≈ 1.56 counting matmul parameters only;
     # with attention at seq 2048 (PaLM's convention, used for MFU) the ratio is ≈ 1.43.
     mhf_cfg, std_cfg = load_config("100m-h4b16k").model, load_config("100m-standard").model
     mhf, std = forward_flops(mhf_cfg, 2048), forward_flops(std_cfg, 2048, vocab_rows=32768)

@@ -6,7 +6,7 @@ position are hashed to one row per head (:class:`NgramHash`), the rows are
 looked up (``u_k = E_k[idx_k]``) and fused by a gate that reads the hidden
 state ``h = x`` at that position. Two gates:
 
-- :class:`SoftmaxGate` (seed 002): ``s_k = h · u_k / sqrt(d)``, heads with
+- :class:`SoftmaxGate`: ``s_k = h · u_k / sqrt(d)``, heads with
   ``s_k < θ`` masked (optional; a position whose heads are all masked reads
   nothing), ``w = softmax(s)``, ``m = Σ_k w_k u_k``, output ``W_o m``.
 - :class:`SigmoidGate` (DeepSeek's demo): ``e`` = the concatenated head

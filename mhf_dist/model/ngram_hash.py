@@ -5,7 +5,7 @@ At position ``t`` the N-gram of order ``n`` is the compressed ids
 id, so position ``t`` sees only tokens ``<= t`` (causal). Each order has K
 heads, head ``k`` a table of prime size ``M_k``. Two hash modes:
 
-- ``seed`` (seed 002): ``v`` packs the N-gram into one int64 by Horner's rule,
+- ``keyed``: ``v`` packs the N-gram into one int64 by Horner's rule,
   ``v = (x_{t-n+1}·V' + ...)·V' + x_t`` (``v = a·V' + b`` for a 2-gram), and
   ``idx_k = ((v·key_k) XOR key_k) mod M_k``.
 - ``engram`` (DeepSeek's public demo): ``mix = (x_t·m_0) XOR (x_{t-1}·m_1) XOR ...``
@@ -19,7 +19,7 @@ batch and sequence: the only Python loops run over orders and shifts.
 Constants, drawn deterministically per layer from
 ``numpy.random.default_rng(seed + 10007·layer)`` (DeepSeek's rule): the
 ``engram`` multipliers ``m_j = 2·r_j + 1`` with ``r_j`` uniform in
-``[0, ⌊⌊(2^63-1)/V'⌋/2⌋)`` (odd, and ``x·m_j`` never overflows), and the ``seed``
+``[0, ⌊⌊(2^63-1)/V'⌋/2⌋)`` (odd, and ``x·m_j`` never overflows), and the ``keyed``
 keys uniform in ``[1, 2^31)``, one per head and order. Table sizes
 (:func:`table_sizes`): the next unused prime ``>= table_size`` for each
 (layer, order, head) in that order, so all are distinct.

@@ -68,11 +68,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from mhf_dist import __version__
-from mhf_dist.config import RunConfig
+from mhf_dist.config import ModelConfig, RunConfig
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.train.checkpoint_index import (ABANDONED, LATEST, MARKER, CheckpointError, checkpoint_step,
                                              complete_checkpoints, marker_problem, read_marker, step_directories)
@@ -502,11 +503,10 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint {path} was trained with signature table {str(marker['signatures_hash'])[:12]}, this run "
                 f"has {str(self.signatures_hash)[:12]}: use the run's own signatures/ (or expand-vocab to extend it)")
-        ours = self.cfg.model.model_dump(mode="json")
-        differ = sorted(k for k in set(ours) | set(marker["model"]) if ours.get(k) != marker["model"].get(k))
+        ours, theirs = self.cfg.model.model_dump(mode="json"), _as_written_now(marker["model"])
+        differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         if differ:
-            details = "; ".join(f"model.{k}: checkpoint {marker['model'].get(k)!r}, config {ours.get(k)!r}"
-                                for k in differ)
+            details = "; ".join(f"model.{k}: checkpoint {theirs.get(k)!r}, config {ours.get(k)!r}" for k in differ)
             raise CheckpointError(f"checkpoint {path} is of another model ({details}); resume with its config")
         return marker
 
@@ -572,3 +572,12 @@ class Checkpointer:
             elif (legacy := path / LEGACY_RNG_FILE.format(self.rank)).is_file():
                 set_rng_state(read_legacy_rng_state(legacy))
         return client
+
+
+def _as_written_now(model: dict) -> dict:
+    """A marker's model section as this version writes it (a former spelling, such as the Engram hash mode
+    ``seed``, reads as today's); one that no longer validates is compared as stored, naming what differs."""
+    try:
+        return ModelConfig.model_validate(model).model_dump(mode="json")
+    except ValidationError:
+        return model
