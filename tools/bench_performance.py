@@ -1,4 +1,4 @@
-"""Benchmark: MultiHashFormer vs Standard at the 100m preset, side by side in one run (issue: performance).
+"""Benchmark: MultiHashFormer vs Standard at the 100m preset, side by side in one run.
 
 Reports, on this machine and dtype:
 - training tokens/s and MFU of 100m-h4b16k and 100m-standard (AdamW step, fused decoder), eager and with
