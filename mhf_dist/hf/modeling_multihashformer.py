@@ -1,9 +1,20 @@
-"""Hugging Face model of an exported MultiHashFormer (SPEC §2–§5, layout of SPEC §9).
+"""Hugging Face model of an exported MultiHashFormer (hash-signature language model).
 
-Built on transformers' Qwen3 layers: only the input map and the output head
-are new. The input is the gated fusion of a token's H bucket rows (SPEC §2);
-the output runs the cascaded decoder (SPEC §4) and returns, as ``logits``,
-``log P_inf`` over the real vocabulary (SPEC §5):
+Every token ``w`` of the vocabulary has a signature of ``H`` hash coordinates,
+``hash_map[w] = (H_0(w), ..., H_{H-1}(w))``, each a bucket in ``1..B-1`` of
+its own table ``E_i [B, d]`` (bucket 0 is padding; the pad token's signature
+is all zeros, and no two tokens share a full signature). Built on transformers' Qwen3 layers: only the input map and the output
+head are new.
+
+Input: the token's H bucket rows ``u_i = E_i[H_i(w)]`` are fused by a gate
+that sees only them, ``α = softmax_i(σ(u_i W1 + b1) W2 + b2)``, into
+``e(w) = (Σ_i α_i u_i) W_s + b_s`` (σ = SiLU).
+
+Output (cascaded decoder, tables tied with the input): ``c_1`` = the final
+norm's output; for ``i = 1..H``, ``p_i = softmax(E_i c_i)`` over the B buckets,
+and before the next head a mixer reads the soft retrieval ``ē_i = E_iᵀ p_i``:
+``c_{i+1} = c_i + W_up σ(W_dn [c_i ; ē_i] + b_dn) + b_up``. The returned
+``logits`` are ``log P_inf`` over the real vocabulary:
 ``score(w) = Σ_i log p_i[hash_map[w, i]]``, renormalised over the registered
 tokens (rows of ``hash_map`` that are not all zero; the rest get ``-inf``).
 So ``generate()`` (greedy, sampling, beam search), the KV cache and
@@ -40,7 +51,8 @@ from .configuration_multihashformer import MultiHashFormerConfig
 
 
 class ContextualGatingCombiner(nn.Module):
-    """SPEC §2: ``α = softmax_i(σ(u_i W1 + b1) W2 + b2)``, ``e = (Σ_i α_i u_i) W_s + b_s``."""
+    """The input gate: ``α = softmax_i(σ(u_i W1 + b1) W2 + b2)``, ``e = (Σ_i α_i u_i) W_s + b_s``, over a token's
+    H bucket vectors ``u_i`` (``scorer`` is ``W1, σ, W2``; ``output_proj`` is ``W_s``)."""
 
     def __init__(self, config: MultiHashFormerConfig):
         super().__init__()
@@ -55,7 +67,8 @@ class ContextualGatingCombiner(nn.Module):
 
 
 class CascadeMixer(nn.Module):
-    """SPEC §4: the H-1 mixers ``c_{i+1} = c_i + W_up σ(W_dn [c_i ; ē_i] + b_dn) + b_up``."""
+    """The cascaded decoder: head i's bucket log-probs ``log softmax(E_i c_i)``, then one of the H-1 mixers
+    ``c_{i+1} = c_i + W_up σ(W_dn [c_i ; ē_i] + b_dn) + b_up`` with ``ē_i = E_iᵀ p_i``."""
 
     def __init__(self, config: MultiHashFormerConfig):
         super().__init__()
@@ -80,7 +93,7 @@ class CascadeMixer(nn.Module):
 
 
 class MultiHashFormerModel(Qwen3Model):
-    """Qwen3 with the hash encoder as its input map (SPEC §2)."""
+    """Qwen3 whose input embedding is the gated fusion of each token's H bucket rows (``hash_map`` gives them)."""
 
     config_class = MultiHashFormerConfig
 
