@@ -303,7 +303,7 @@ class TrainConfig(_Strict):
     )
     compile: bool = Field(
         False, description="torch.compile every backbone block (the decoder's fused autograd stays eager); off by "
-        "default: see the README's benchmark for what it gains on your hardware")
+        "default: see docs/benchmarks.md for what it gains on your hardware")
     init_from: str | None = Field(
         None, description="start from these weights (a model.safetensors with our parameter names, as export, "
         "import-hf and expand-vocab write; relative to the run directory) instead of a random init; a resumed "
