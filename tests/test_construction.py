@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from helpers.ranks import run_ranks
 from mhf_dist.config import load_config
 from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import build_model

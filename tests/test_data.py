@@ -18,8 +18,8 @@ import pytest
 
 from mhf_dist.data.prepare import DataError, documents, expand_inputs, is_validation, prepare
 from mhf_dist.data.reader import ShardReader
-from mhf_dist.token_list import tokens_fingerprint, vocabulary
 from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
+from mhf_dist.token_list import tokens_fingerprint, vocabulary
 
 SEQ, PER_SHARD, SEED, WINDOW = 32, 100, 7, 3
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from train_utils import run_cli, train_run
+from helpers.runs import run_cli, train_run
 
 STEPS = 3
 

@@ -6,14 +6,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.runs import metrics, run_cli, train_args
 from mhf_dist.config import ConfigError, load_config
-from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.consolidate import trained_weights
+from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import build_model
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.train.checkpoint_index import read_marker
 from mhf_dist.train.host_tables import HOST_TABLES_FILE
-from train_utils import metrics, run_cli, train_args
 
 V = 300
 ENGRAM = ("model.engram.layers=[0,1]", "model.engram.table_size=1000")

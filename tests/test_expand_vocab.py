@@ -7,13 +7,13 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from helpers.runs import metrics, run_cli, trained_model
 from mhf_dist.config import RunConfig
 from mhf_dist.consolidate import trained_weights
 from mhf_dist.model import build_model
+from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.token_list import vocabulary
-from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
-from train_utils import metrics, run_cli, trained_model
 
 NEW_TOKENS = [" Jerusalem", " Israel", " wilderness", " tabernacle", " Pharaoh", "iniquity"]
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers.runs import metrics, run_cli, train_args, train_run
 from mhf_dist.cli import main
 from mhf_dist.config import ConfigError, load_config
-from train_utils import metrics, run_cli, train_args, train_run
 
 
 @pytest.mark.parametrize("override, message", [

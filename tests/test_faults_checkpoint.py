@@ -18,8 +18,8 @@ import sys
 import numpy as np
 import torch
 
+from helpers.runs import metrics, run_cli, train_args, train_run
 from mhf_dist.train.checkpoint import read_legacy_rng_state, read_rng_state, set_rng_state, write_rng_state
-from train_utils import metrics, run_cli, train_args, train_run
 
 ZERO1 = "parallel.zero_stage=1"
 

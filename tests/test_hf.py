@@ -14,12 +14,12 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from helpers.runs import metrics, run_cli, trained_model
+from mhf_dist.consolidate import trained_weights
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.evaluate import split_last_word
-from mhf_dist.consolidate import trained_weights
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
-from train_utils import metrics, run_cli, trained_model
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

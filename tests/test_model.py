@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from equivalence import INIT_STD, assert_tensor_close
+from helpers.equivalence import INIT_STD, assert_tensor_close
 from mhf_dist.config import load_config
 from mhf_dist.model import MultiHashFormer, build_model
 from mhf_dist.model.tables import BucketTables, TableGradients

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_ranks
+from helpers.ranks import run_ranks
 from mhf_dist.parallel import scalars
 from mhf_dist.parallel.scalars import ScalarCollectives, communication_device
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers.runs import metrics, run_cli, train_args
+from helpers.slurm import LocalSlurm, missing_binaries
 from mhf_dist.cli import main
 from mhf_dist.cluster import load_profile
 from mhf_dist.config import ConfigError, load_config
 from mhf_dist.submit import render
-from slurm_cluster import LocalSlurm, missing_binaries
-from train_utils import metrics, run_cli, train_args
 
 GOLDEN = Path(__file__).parent / "golden"
 DATA = "data.path=/shared/data"

@@ -6,11 +6,10 @@ import json
 import math
 
 import pytest
-
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from helpers.runs import run_cli
 from mhf_dist.cli import main
-from train_utils import run_cli
 
 
 def test_tiny_mhf_loss_falls_on_real_text(tmp_path):

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.runs import metrics, run_cli
 from mhf_dist.config import ConfigError, load_config
-from train_utils import metrics, run_cli
 
 
 def test_wandb_config_is_off_by_default_and_set_from_the_command_line(tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from train_utils import metrics
+from helpers.runs import metrics
 
 REPO = Path(__file__).resolve().parents[1]
 GENERATED = (".git", ".venv", "build", "dist", "runs", "*.egg-info", "__pycache__", ".pytest_cache")
