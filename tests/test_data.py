@@ -174,7 +174,8 @@ def test_ranks_read_disjoint_shares_of_one_global_order(shards, reference, writt
     per_rank = -(-len(written) // global_batch) * global_batch // ranks  # just over one epoch
     stream, states = _global_stream(shards, ranks, per_rank, micro=micro)
     assert stream == reference[: len(stream)]
-    assert Counter(stream[: len(written)]) == Counter(s for s, _ in written)  # one epoch: every sample once over all ranks
+    # one epoch: every sample once over all ranks
+    assert Counter(stream[: len(written)]) == Counter(s for s, _ in written)
     assert all(s == states[0] for s in states)
 
 

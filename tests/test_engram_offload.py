@@ -72,7 +72,8 @@ def test_offloaded_training_equals_dense_tables_and_resumes(tmp_path, data):
     dense, host = metrics(tmp_path / "dense"), metrics(tmp_path / "host")
     for a, b in zip(host, dense, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * b["loss"], (a["step"], a["loss"], b["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (a["step"], a["grad_norm"], b["grad_norm"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (
+            a["step"], a["grad_norm"], b["grad_norm"])
     assert dense[0]["grad_norm"] > 1.0  # clipping was active
     ckpt = tmp_path / "host" / "checkpoints" / f"step-{STEPS:08d}"
     assert HOST_TABLES_FILE in read_marker(ckpt)["digests"]
@@ -96,4 +97,5 @@ def test_offloaded_training_with_two_data_parallel_ranks(tmp_path, data):
         run_cli(train_args(tmp_path / name, data, nproc, *ENGRAM, *extra, preset="tiny-h4b16k+engram", steps=3))
     for a, b in zip(metrics(tmp_path / "host-dp2"), metrics(tmp_path / "dense"), strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * b["loss"], (a["step"], a["loss"], b["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (a["step"], a["grad_norm"], b["grad_norm"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (
+            a["step"], a["grad_norm"], b["grad_norm"])

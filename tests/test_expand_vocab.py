@@ -79,7 +79,10 @@ def test_standard_expansion_adds_mean_initialised_rows(trained, superset, tmp_pa
     old, old_tok, _ = trained_model(trained["standard"])
     new, new_tok, _ = expanded_model(tmp_path / "expanded")
     v, d = len(old_tok), old.cfg.d_model
-    rows = lambda m: m.vocab.tables.weight[0]  # noqa: E731
+
+    def rows(m):
+        return m.vocab.tables.weight[0]
+
     added = (rows(new).shape[0] - rows(old).shape[0]) * d
     assert f"{added} parameters added" in out
     assert new.parameter_counts()["total"] - old.parameter_counts()["total"] == added > 0

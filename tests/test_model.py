@@ -140,7 +140,8 @@ def test_standard_lm_is_tied_softmax_over_real_vocabulary():
     W = m.vocab.tables.weight[0, :V]
     torch.testing.assert_close(m.vocab.embed(x), W[x])
     logits = h @ W.T
-    torch.testing.assert_close(m(x[:, :-1], x[:, 1:]).loss, F.cross_entropy(logits.reshape(-1, V), x[:, 1:].reshape(-1)))
+    torch.testing.assert_close(m(x[:, :-1], x[:, 1:]).loss,
+                               F.cross_entropy(logits.reshape(-1, V), x[:, 1:].reshape(-1)))
     torch.testing.assert_close(m.log_p_inf(x[:, :-1]), logits.log_softmax(-1))
 
 

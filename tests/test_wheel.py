@@ -76,7 +76,8 @@ def test_plan_reads_the_shipped_profile_and_deepspeed_config(venv, tmp_path):
 
 
 def test_plan_takes_a_profile_and_a_deepspeed_config_by_path(venv, tmp_path):
-    (tmp_path / "mine.yaml").write_text("name: mine\ngpus_per_node: 2\ncores_per_node: 32\ndevice_memory_gb: 80\nbackend: nccl\n")
+    (tmp_path / "mine.yaml").write_text(
+        "name: mine\ngpus_per_node: 2\ncores_per_node: 32\ndevice_memory_gb: 80\nbackend: nccl\n")
     (tmp_path / "zero2.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     out = cli(venv, "plan", "--preset", "3b-h4b16k", "--cluster", "mine.yaml", "--nodes", "4",
               "--set", "parallel.deepspeed_config=zero2.json", cwd=tmp_path)
