@@ -15,6 +15,9 @@ import torch
 from helpers.runs import metrics, run_cli, train_args, train_run
 from mhf_dist.train.universal import consolidate
 
+# every test trains under `mhf-dist train`
+pytestmark = pytest.mark.multirank
+
 
 def assert_same_weights(a, b, pipeline):
     """Consolidated fp32 weights (all shards merged) are bitwise equal."""

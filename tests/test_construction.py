@@ -20,6 +20,9 @@ from mhf_dist.model import build_model
 from mhf_dist.parallel.state_dict import merge_state_dicts, tp_split_dims
 from mhf_dist.signatures import SignatureTable
 
+# every test builds the model on several gloo ranks
+pytestmark = pytest.mark.multirank
+
 V = 300
 SEED = 1234
 

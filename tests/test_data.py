@@ -105,6 +105,7 @@ def test_documents_come_in_input_order(inputs, docs):
     assert list(documents(files, "body")) == docs
 
 
+@pytest.mark.slow
 def test_prepare_is_byte_identical_across_runs_and_worker_counts(shards, inputs, tok_dir, tmp_path):
     _prepare(inputs, tok_dir, tmp_path / "again", workers=2)
     names = sorted(str(p.relative_to(shards)) for p in shards.rglob("*") if p.is_file())

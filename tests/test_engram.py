@@ -331,6 +331,7 @@ def engram_tp_worker(rank, world):
     return results
 
 
+@pytest.mark.multirank
 def test_tensor_parallel_with_memory_equals_single_process():
     ranks = run_ranks(engram_tp_worker, 2)
     for name in TP_CASES:
@@ -369,6 +370,7 @@ def single(tmp_path_factory, data):
     return metrics(run), out, run
 
 
+@pytest.mark.multirank
 def test_tiny_model_with_memory_trains_on_real_text(single):
     records, out, run = single
     assert "Engram tokenizer compression: 1,024 -> " in out  # the ratio is reported at start
@@ -378,6 +380,7 @@ def test_tiny_model_with_memory_trains_on_real_text(single):
     assert last < first - 1.5, (first, last)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("nproc, layout", [(2, ["parallel.pp=2"]), (4, ["parallel.tp=2", "parallel.pp=2"])],
                          ids=["pp2", "tp2-pp2"])
 def test_pipeline_with_memory_gives_single_process_losses(tmp_path, data, single, nproc, layout):
@@ -390,6 +393,7 @@ def test_pipeline_with_memory_gives_single_process_losses(tmp_path, data, single
             assert abs(a - b) <= 1e-4 * b
 
 
+@pytest.mark.multirank
 def test_resume_with_memory_under_another_tensor_parallel_layout(tmp_path, data, single):
     # tp = 2 for two steps, then the universal checkpoint continues at tp = 1: the memory tables are merged
     # along their rows (tp_split_dims), so the losses continue the uninterrupted single-process run's

@@ -60,6 +60,7 @@ def test_offload_scope_errors(overrides, message):
         load_config("tiny-h4b16k+engram", overrides=[OFFLOAD, *overrides])
 
 
+@pytest.mark.multirank
 def test_offloaded_training_equals_dense_tables_and_resumes(tmp_path, data):
     """fp32, 1 rank, ZeRO-3, 4 micro-batches per step, grad_clip 1.0 (the tiny preset's): the offloaded run's
     losses, grad norms and every table row after 4 steps equal the dense run's; a resume at step 2 continues it."""
@@ -91,6 +92,7 @@ def test_offloaded_training_equals_dense_tables_and_resumes(tmp_path, data):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in host]
 
 
+@pytest.mark.multirank
 def test_offloaded_training_with_two_data_parallel_ranks(tmp_path, data):
     """dp = 2: the host gradients are averaged over the ranks, so the losses are the single dense run's."""
     for name, nproc, extra in (("dense", 1, ()), ("host-dp2", 2, (OFFLOAD,))):

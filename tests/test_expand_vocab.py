@@ -15,6 +15,9 @@ from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_b
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.token_list import vocabulary
 
+# every test expands the runs the `trained` fixture trains under `mhf-dist train`
+pytestmark = pytest.mark.multirank
+
 NEW_TOKENS = [" Jerusalem", " Israel", " wilderness", " tabernacle", " Pharaoh", "iniquity"]
 
 

@@ -21,6 +21,9 @@ from mhf_dist.evaluate import split_last_word
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
 
+# every test exports or reads the runs the `trained` fixture trains under `mhf-dist train`
+pytestmark = pytest.mark.multirank
+
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -6,6 +6,7 @@ import csv
 import json
 import math
 
+import pytest
 from PIL import Image
 
 from helpers.runs import run_cli
@@ -16,6 +17,7 @@ COLUMNS = {"size", "hash", "layout", "dtype", "seq_len", "micro_batch", "params"
            "peak_tflops_nominal", "mfu", "memory_gb", "comm_bytes_per_step"}
 
 
+@pytest.mark.multirank
 def test_profile_sweep_outputs(tmp_path):
     out = tmp_path / "profile"
     printed = run_cli(["profile", "--size", "tiny", "--hash", "standard,h4b16k", "--layout", "tp=2", "--steps", "2",

@@ -69,6 +69,7 @@ def _reductions(rank, world):
     }
 
 
+@pytest.mark.multirank
 def test_reductions_agree_on_every_rank():
     results = run_ranks(_reductions, 3)
     for rank, r in enumerate(results):

@@ -226,6 +226,8 @@ def wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.slurm
+@pytest.mark.multirank
 def test_slurm_job_requeued_mid_run_resumes_and_matches(tmp_path, data, slurm):
     steps = 30
     overrides = ["parallel.zero_stage=1"]

@@ -62,6 +62,7 @@ def tp_worker(rank, world, names):
     return results
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_equals_single_process(tp):
     ranks = run_ranks(tp_worker, tp, list(CASES))

@@ -19,6 +19,9 @@ import pytest
 
 from helpers.runs import metrics
 
+# the module's tests share a wheel built and installed into a fresh venv: half a minute together
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 GENERATED = (".git", ".venv", "build", "dist", "runs", "*.egg-info", "__pycache__", ".pytest_cache")
 
@@ -101,6 +104,7 @@ def test_submit_dry_run_renders_the_shipped_template(venv, tmp_path):
     assert f"  {shlex.quote(str(venv / 'bin' / 'python'))} -m mhf_dist train --run-dir {tmp_path / 'RUN'}" in out
 
 
+@pytest.mark.multirank
 def test_two_training_steps_on_cpu(venv, tmp_path):
     out = cli(venv, "train", "--preset", "tiny-h4b16k", "--run-dir", "RUN", "--set", "train.max_steps=2",
               "--set", "model.hash.num_buckets=256", "--set", "data.seq_len=64",
