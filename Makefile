@@ -1,4 +1,5 @@
-# Two commands for a fresh machine: `make demo` and `make test`. Both set up .venv first.
+# Two commands for a fresh machine: `make demo` and `make test` (lint, then every test). Both set up .venv first.
+# While developing: `make test-fast` (the single-process tests, a few minutes) and `make lint` (ruff).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -8,7 +9,7 @@ RUN_DIR ?= runs/demo
 export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup slurm demo test clean
+.PHONY: setup slurm demo lint test test-fast clean
 
 setup: $(STAMP)
 
@@ -37,8 +38,15 @@ slurm:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	    slurmctld slurmd slurm-client munge >/dev/null; } || echo "SLURM not installed: its end-to-end test will skip"
 
-test: setup slurm
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: lint slurm
 	$(PY) -m pytest -q tests
+
+# Leaves out the tests marked multirank, slurm or slow (pyproject.toml lists the markers).
+test-fast: setup
+	$(PY) -m pytest -q -m "not multirank and not slurm and not slow" tests
 
 clean:
 	rm -rf $(VENV) runs

@@ -41,7 +41,7 @@ def data(tmp_path_factory, bpe_dir):
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory, data):
     """Single-rank tiny runs trained for 20 steps on the test shards: ``{"mhf": run_dir, "standard": run_dir}``."""
-    from train_utils import train_run
+    from helpers.runs import train_run
 
     root = tmp_path_factory.mktemp("trained")
     train_run(root, data, "mhf", 1, steps=20)

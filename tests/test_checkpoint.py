@@ -12,8 +12,11 @@ import time
 import pytest
 import torch
 
+from helpers.runs import metrics, run_cli, train_args, train_run
 from mhf_dist.train.universal import consolidate
-from train_utils import metrics, run_cli, train_args, train_run
+
+# every test trains under `mhf-dist train`
+pytestmark = pytest.mark.multirank
 
 
 def assert_same_weights(a, b, pipeline):

@@ -74,10 +74,12 @@ def test_overrides_reach_every_field(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["model.hash.num_buckets=1000", "parallel.tp=3"], r"model.hash.num_buckets=1000 is not divisible by parallel.tp=3"),
+        (["model.hash.num_buckets=1000", "parallel.tp=3"],
+         r"model.hash.num_buckets=1000 is not divisible by parallel.tp=3"),
         (["model.d_model=66"], r"model.d_model=66 is not divisible by model.n_heads=4.*model.head_dim"),
         (["model.n_kv_heads=3"], r"n_heads=4 is not divisible by model.n_kv_heads=3"),
-        (["model.n_heads=12", "model.head_dim=16", "model.n_kv_heads=3", "parallel.tp=2"], r"n_kv_heads=3 neither divides nor is a multiple"),
+        (["model.n_heads=12", "model.head_dim=16", "model.n_kv_heads=3", "parallel.tp=2"],
+         r"n_kv_heads=3 neither divides nor is a multiple"),
         (["model.ffn_dim=190", "parallel.tp=4"], r"model.ffn_dim=190 is not divisible by parallel.tp=4"),
         (["parallel.pp=2", "parallel.zero_stage=3"], r"pipeline engine refuses ZeRO-2/3; use parallel.zero_stage=1"),
         (["parallel.pp=3"], r"parallel.pp=3 is more stages than model.n_layers=2"),

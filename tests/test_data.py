@@ -18,8 +18,8 @@ import pytest
 
 from mhf_dist.data.prepare import DataError, documents, expand_inputs, is_validation, prepare
 from mhf_dist.data.reader import ShardReader
-from mhf_dist.token_list import tokens_fingerprint, vocabulary
 from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
+from mhf_dist.token_list import tokens_fingerprint, vocabulary
 
 SEQ, PER_SHARD, SEED, WINDOW = 32, 100, 7, 3
 
@@ -105,6 +105,7 @@ def test_documents_come_in_input_order(inputs, docs):
     assert list(documents(files, "body")) == docs
 
 
+@pytest.mark.slow
 def test_prepare_is_byte_identical_across_runs_and_worker_counts(shards, inputs, tok_dir, tmp_path):
     _prepare(inputs, tok_dir, tmp_path / "again", workers=2)
     names = sorted(str(p.relative_to(shards)) for p in shards.rglob("*") if p.is_file())
@@ -174,7 +175,8 @@ def test_ranks_read_disjoint_shares_of_one_global_order(shards, reference, writt
     per_rank = -(-len(written) // global_batch) * global_batch // ranks  # just over one epoch
     stream, states = _global_stream(shards, ranks, per_rank, micro=micro)
     assert stream == reference[: len(stream)]
-    assert Counter(stream[: len(written)]) == Counter(s for s, _ in written)  # one epoch: every sample once over all ranks
+    # one epoch: every sample once over all ranks
+    assert Counter(stream[: len(written)]) == Counter(s for s, _ in written)
     assert all(s == states[0] for s in states)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from train_utils import run_cli, train_run
+from helpers.runs import run_cli, train_run
 
 STEPS = 3
 
@@ -41,6 +41,7 @@ def reference(tmp_path_factory, data):
     return train_run(tmp_path_factory.mktemp("ref"), data, "single", 1)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(tmp_path, data, reference, layout):
     nproc, overrides = LAYOUTS[layout]
@@ -49,12 +50,14 @@ def test_layout_matches_single_process(tmp_path, data, reference, layout):
     assert records[0]["loss"] > records[-1]["loss"]  # the steps trained
 
 
+@pytest.mark.multirank
 def test_standard_pipeline_ties_embedding_and_head(tmp_path, data):
     single = train_run(tmp_path, data, "std", 1, preset="tiny-standard")
     piped = train_run(tmp_path, data, "std-pp2", 2, "parallel.pp=2", preset="tiny-standard")
     assert_same_losses(piped, single, "standard pp=2")
 
 
+@pytest.mark.multirank
 def test_p_inf_loss_term_trains_and_logs_the_same_under_the_pipeline(tmp_path, data):
     """``model.hash.p_inf_loss_weight``: the logged loss is the total, ``p_inf_loss`` its term's mean -log P_inf,
     from either engine."""
@@ -69,6 +72,7 @@ def test_p_inf_loss_term_trains_and_logs_the_same_under_the_pipeline(tmp_path, d
     assert single[0]["p_inf_loss"] > single[-1]["p_inf_loss"]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("nproc, overrides", [(1, []), (2, ["parallel.pp=2"])])
 def test_activation_checkpointing_gives_identical_losses(tmp_path, data, reference, nproc, overrides):
     off = reference if nproc == 1 else train_run(tmp_path, data, "off", nproc, *overrides,

@@ -15,25 +15,25 @@ import sympy
 import torch
 import torch.nn.functional as F
 
-from dist_utils import run_ranks
+from helpers.equivalence import assert_tensor_close, step
+from helpers.ranks import run_ranks
+from helpers.runs import metrics, run_cli, train_args, train_run
 from mhf_dist.config import ConfigError, EngramConfig, load_config
 from mhf_dist.engram_compression import CompressionError, CompressionTable, normalize
 from mhf_dist.model import build_model
 from mhf_dist.model.engram import EngramMemory, SoftmaxGate
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.ngram_hash import NgramHash, table_sizes
+from mhf_dist.offline_tokenizers import load_tokenizer, train_bpe
 from mhf_dist.parallel.accounting import expected_collective_bytes
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.pipeline import canonical_name, pipeline_name
-from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
 from mhf_dist.parallel.state_dict import merge_state_dicts, tp_split_dims
+from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
 from mhf_dist.profile import profile_training
 from mhf_dist.run_dir import RunDir
 from mhf_dist.signatures import SignatureTable
-from mhf_dist.offline_tokenizers import load_tokenizer, train_bpe
 from mhf_dist.train.universal import universal_info
-from test_tensor_parallel import assert_tensor_close, step
-from train_utils import metrics, run_cli, train_args, train_run
 
 V = 300
 
@@ -331,6 +331,7 @@ def engram_tp_worker(rank, world):
     return results
 
 
+@pytest.mark.multirank
 def test_tensor_parallel_with_memory_equals_single_process():
     ranks = run_ranks(engram_tp_worker, 2)
     for name in TP_CASES:
@@ -369,6 +370,7 @@ def single(tmp_path_factory, data):
     return metrics(run), out, run
 
 
+@pytest.mark.multirank
 def test_tiny_model_with_memory_trains_on_real_text(single):
     records, out, run = single
     assert "Engram tokenizer compression: 1,024 -> " in out  # the ratio is reported at start
@@ -378,6 +380,7 @@ def test_tiny_model_with_memory_trains_on_real_text(single):
     assert last < first - 1.5, (first, last)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("nproc, layout", [(2, ["parallel.pp=2"]), (4, ["parallel.tp=2", "parallel.pp=2"])],
                          ids=["pp2", "tp2-pp2"])
 def test_pipeline_with_memory_gives_single_process_losses(tmp_path, data, single, nproc, layout):
@@ -390,6 +393,7 @@ def test_pipeline_with_memory_gives_single_process_losses(tmp_path, data, single
             assert abs(a - b) <= 1e-4 * b
 
 
+@pytest.mark.multirank
 def test_resume_with_memory_under_another_tensor_parallel_layout(tmp_path, data, single):
     # tp = 2 for two steps, then the universal checkpoint continues at tp = 1: the memory tables are merged
     # along their rows (tp_split_dims), so the losses continue the uninterrupted single-process run's

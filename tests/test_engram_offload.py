@@ -6,14 +6,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.runs import metrics, run_cli, train_args
 from mhf_dist.config import ConfigError, load_config
-from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.consolidate import trained_weights
+from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import build_model
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.train.checkpoint_index import read_marker
 from mhf_dist.train.host_tables import HOST_TABLES_FILE
-from train_utils import metrics, run_cli, train_args
 
 V = 300
 ENGRAM = ("model.engram.layers=[0,1]", "model.engram.table_size=1000")
@@ -60,6 +60,7 @@ def test_offload_scope_errors(overrides, message):
         load_config("tiny-h4b16k+engram", overrides=[OFFLOAD, *overrides])
 
 
+@pytest.mark.multirank
 def test_offloaded_training_equals_dense_tables_and_resumes(tmp_path, data):
     """fp32, 1 rank, ZeRO-3, 4 micro-batches per step, grad_clip 1.0 (the tiny preset's): the offloaded run's
     losses, grad norms and every table row after 4 steps equal the dense run's; a resume at step 2 continues it."""
@@ -72,7 +73,8 @@ def test_offloaded_training_equals_dense_tables_and_resumes(tmp_path, data):
     dense, host = metrics(tmp_path / "dense"), metrics(tmp_path / "host")
     for a, b in zip(host, dense, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * b["loss"], (a["step"], a["loss"], b["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (a["step"], a["grad_norm"], b["grad_norm"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (
+            a["step"], a["grad_norm"], b["grad_norm"])
     assert dense[0]["grad_norm"] > 1.0  # clipping was active
     ckpt = tmp_path / "host" / "checkpoints" / f"step-{STEPS:08d}"
     assert HOST_TABLES_FILE in read_marker(ckpt)["digests"]
@@ -90,10 +92,12 @@ def test_offloaded_training_equals_dense_tables_and_resumes(tmp_path, data):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in host]
 
 
+@pytest.mark.multirank
 def test_offloaded_training_with_two_data_parallel_ranks(tmp_path, data):
     """dp = 2: the host gradients are averaged over the ranks, so the losses are the single dense run's."""
     for name, nproc, extra in (("dense", 1, ()), ("host-dp2", 2, (OFFLOAD,))):
         run_cli(train_args(tmp_path / name, data, nproc, *ENGRAM, *extra, preset="tiny-h4b16k+engram", steps=3))
     for a, b in zip(metrics(tmp_path / "host-dp2"), metrics(tmp_path / "dense"), strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * b["loss"], (a["step"], a["loss"], b["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (a["step"], a["grad_norm"], b["grad_norm"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (
+            a["step"], a["grad_norm"], b["grad_norm"])

@@ -7,13 +7,16 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from helpers.runs import metrics, run_cli, trained_model
 from mhf_dist.config import RunConfig
 from mhf_dist.consolidate import trained_weights
 from mhf_dist.model import build_model
+from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.token_list import vocabulary
-from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
-from train_utils import metrics, run_cli, trained_model
+
+# every test expands the runs the `trained` fixture trains under `mhf-dist train`
+pytestmark = pytest.mark.multirank
 
 NEW_TOKENS = [" Jerusalem", " Israel", " wilderness", " tabernacle", " Pharaoh", "iniquity"]
 
@@ -79,7 +82,10 @@ def test_standard_expansion_adds_mean_initialised_rows(trained, superset, tmp_pa
     old, old_tok, _ = trained_model(trained["standard"])
     new, new_tok, _ = expanded_model(tmp_path / "expanded")
     v, d = len(old_tok), old.cfg.d_model
-    rows = lambda m: m.vocab.tables.weight[0]  # noqa: E731
+
+    def rows(m):
+        return m.vocab.tables.weight[0]
+
     added = (rows(new).shape[0] - rows(old).shape[0]) * d
     assert f"{added} parameters added" in out
     assert new.parameter_counts()["total"] - old.parameter_counts()["total"] == added > 0

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers.runs import metrics, run_cli, train_args, train_run
 from mhf_dist.cli import main
 from mhf_dist.config import ConfigError, load_config
-from train_utils import metrics, run_cli, train_args, train_run
 
 
 @pytest.mark.parametrize("override, message", [
@@ -51,6 +51,7 @@ def test_missing_data_path_is_named_before_start_up(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.multirank
 def test_refused_resume_leaves_the_run_as_it_was(tmp_path, data):
     run = tmp_path / "run"
     train_run(tmp_path, data, "run", 1, "parallel.zero_stage=1", steps=2)
@@ -67,6 +68,7 @@ def test_refused_resume_leaves_the_run_as_it_was(tmp_path, data):
     assert yaml.safe_load((tmp_path / "export/config.yaml").read_text())["model"]["ffn_dim"] == 192
 
 
+@pytest.mark.multirank
 def test_optimizer_changes_on_resume_are_applied_and_logged(tmp_path, data):
     from mhf_dist.train.optim import lr_factor
 
@@ -81,6 +83,7 @@ def test_optimizer_changes_on_resume_are_applied_and_logged(tmp_path, data):
     assert yaml.safe_load((run / "config.yaml").read_text())["optimizer"]["lr"] == 0.01
 
 
+@pytest.mark.multirank
 def test_signal_during_start_up_exits_for_requeue_without_a_checkpoint(tmp_path):
     # no data.path: rank 0 trains a tokenizer and prepares the embedded corpus while rank 1 waits, so the signal
     # lands in the middle of start-up
@@ -100,6 +103,7 @@ def test_signal_during_start_up_exits_for_requeue_without_a_checkpoint(tmp_path)
     assert not list(run.glob("checkpoints/step-*"))
 
 
+@pytest.mark.multirank
 def test_a_diverged_run_stops_and_saves_no_nonfinite_checkpoint(tmp_path, data):
     run = tmp_path / "run"
     args = train_args(run, data, 1, "parallel.zero_stage=1", "optimizer.lr=1e12", "train.checkpoint_interval=1",
@@ -119,6 +123,7 @@ def test_a_diverged_run_stops_and_saves_no_nonfinite_checkpoint(tmp_path, data):
     assert not list((tmp_path / "warn").glob("checkpoints/step-*"))
 
 
+@pytest.mark.multirank
 def test_a_second_job_on_a_run_directory_is_refused(tmp_path, data):
     import json
     import os
@@ -157,6 +162,7 @@ def test_unreadable_inputs_are_named_not_traced(tmp_path, capsys):
               "--out", str(tmp_path / "tok")])
 
 
+@pytest.mark.multirank
 def test_a_cut_short_metrics_line_does_not_block_resume_or_status(tmp_path, data):
     run = tmp_path / "run"
     train_run(tmp_path, data, "run", 1, "parallel.zero_stage=1", "train.stop_at_step=2", steps=3)
@@ -167,6 +173,7 @@ def test_a_cut_short_metrics_line_does_not_block_resume_or_status(tmp_path, data
     assert [r["step"] for r in metrics(run)] == [1, 2, 3]
 
 
+@pytest.mark.multirank
 def test_commands_that_write_a_directory_never_lose_a_run(tmp_path, data):
     run = tmp_path / "run"
     train_run(tmp_path, data, "run", 1, "parallel.zero_stage=1", steps=2)
@@ -187,6 +194,7 @@ def test_commands_that_write_a_directory_never_lose_a_run(tmp_path, data):
     assert not list(tmp_path.glob(".exported.*"))  # no staging left behind
 
 
+@pytest.mark.slow
 def test_a_failed_prepare_data_leaves_nothing_behind(tmp_path, data):
     good, binary = tmp_path / "good.txt", tmp_path / "binary.txt"
     good.write_text("In the beginning was the word.\n\nAnd the word was short.\n")
@@ -213,6 +221,7 @@ def _rank_pid(launcher: int, rank: int) -> int:
     raise LookupError(f"rank {rank} of launcher {launcher} not found")
 
 
+@pytest.mark.multirank
 def test_one_rank_killed_mid_save_loses_nothing_saved(tmp_path, data):
     import os
 

@@ -16,14 +16,16 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
+from helpers.runs import metrics, run_cli, train_args, train_run
 from mhf_dist.train.checkpoint import read_legacy_rng_state, read_rng_state, set_rng_state, write_rng_state
-from train_utils import metrics, run_cli, train_args, train_run
 
 ZERO1 = "parallel.zero_stage=1"
 
 
+@pytest.mark.multirank
 def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, data):
     # Steps 1-3 on disk, resumed from step 1 with keep_checkpoints=1: retention ordering by name would delete the step
     # just saved (2) and keep the abandoned step 3, leaving `latest` naming a directory that no longer exists.
@@ -51,6 +53,7 @@ def _file_size_limit(limit: int):
     return apply
 
 
+@pytest.mark.multirank
 def test_a_failed_save_is_named_and_the_previous_checkpoint_stays(tmp_path, data):
     # A save that cannot write its files (here: past the file size limit, as on a full disk) must end in a named
     # error, not a traceback and a half-written step directory; what an interrupted save left is removed at the
@@ -77,6 +80,7 @@ def test_a_failed_save_is_named_and_the_previous_checkpoint_stays(tmp_path, data
     assert [r["loss"] for r in metrics(run)] == logged
 
 
+@pytest.mark.multirank
 def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path, data, monkeypatch):
     # Rank 1 cannot write its optimizer shard while rank 0 can: every rank must end with the same named error,
     # none waiting for the others in a collective, and the half-written checkpoint must not stay behind.
@@ -90,6 +94,7 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path, data, monkeypa
     assert "Traceback" not in out and not path.exists()
 
 
+@pytest.mark.multirank
 def test_corrupt_or_malformed_checkpoints_are_refused_by_name(tmp_path, data):
     # 4 KB overwritten in the middle of an optimizer shard (same size) must not load (it would train on garbage);
     # a complete.json that is not JSON, or lacks fields, must count as incomplete rather than end in a traceback.
@@ -138,6 +143,7 @@ def _relist(ckpt) -> None:
     (ckpt / "complete.json").write_text(json.dumps(marker))
 
 
+@pytest.mark.multirank
 def test_a_crafted_rng_file_does_not_run_on_resume(tmp_path, data):
     # A pickle in rng-rank00000.pt that runs a shell command when unpickled (complete.json rewritten to match) must
     # be refused on resume, never unpickled without restrictions.

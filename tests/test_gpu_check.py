@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 EXPECTED = ["train-standard", "resume-fp32", "export-hf", "generate-cli", "generate-mhf", "generate-standard",
             "generate-ratio", "eval-perplexity", "profile-tiny-standard", "profile-tiny-h4b16k", "profile-tiny-ratio",
@@ -25,6 +27,7 @@ def _gpu_check():
     return module
 
 
+@pytest.mark.multirank
 def test_cpu_mode_runs_every_step_and_reports_every_check(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--cpu", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=1200, env=os.environ | {"PYTHONUNBUFFERED": "1"})

@@ -14,12 +14,15 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from helpers.runs import metrics, run_cli, trained_model
+from mhf_dist.consolidate import trained_weights
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.evaluate import split_last_word
-from mhf_dist.consolidate import trained_weights
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
-from train_utils import metrics, run_cli, trained_model
+
+# every test exports or reads the runs the `trained` fixture trains under `mhf-dist train`
+pytestmark = pytest.mark.multirank
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -56,9 +59,11 @@ def test_export_logits_are_log_p_inf(trained, exported):
     assert torch.equal(weights["model.hash_map"], table.codes.long())
     assert weights["model.embed_tokens.weight"].shape == (4 * 256, 64)
     assert {"model.combiner.scorer.0.weight", "model.combiner.output_proj.0.weight",
-            "hash_head.cascade_mixer.2.2.bias", "model.layers.1.self_attn.q_norm.weight", "model.norm.weight"} <= set(weights)
+            "hash_head.cascade_mixer.2.2.bias", "model.layers.1.self_attn.q_norm.weight",
+            "model.norm.weight"} <= set(weights)
     config = json.loads((exported["mhf"] / "config.json").read_text())
-    assert (config["num_hashes"], config["num_buckets"], config["bottle_neck_dim"], config["num_lsh"]) == (4, 256, 64, 0)
+    assert (config["num_hashes"], config["num_buckets"], config["bottle_neck_dim"],
+            config["num_lsh"]) == (4, 256, 64, 0)
     # τ = 1 (the default) leaves log P_inf exactly as it was computed before there was a τ
     assert config["inference_temperature"] == 1.0
     with torch.no_grad():
@@ -116,7 +121,8 @@ def test_generate_with_and_without_cache_and_only_registered_tokens(exported):
     registered = (hf.model.hash_map != 0).any(dim=1)
     torch.manual_seed(0)
     for kw in ({"temperature": 5.0}, {"temperature": 3.0, "top_k": 40}, {"temperature": 3.0, "top_p": 0.95}):
-        out = hf.generate(ids.repeat(4, 1), do_sample=True, max_new_tokens=16, pad_token_id=tokenizer.pad_token_id, **kw)
+        out = hf.generate(ids.repeat(4, 1), do_sample=True, max_new_tokens=16, pad_token_id=tokenizer.pad_token_id,
+                          **kw)
         assert registered[out[:, ids.shape[1]:]].all(), kw
 
     bf16 = AutoModelForCausalLM.from_pretrained(exported["mhf"], trust_remote_code=True, dtype=torch.bfloat16)

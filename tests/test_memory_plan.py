@@ -7,9 +7,16 @@ import pytest
 from mhf_dist.cli import main
 from mhf_dist.cluster import load_profile
 from mhf_dist.config import ConfigError, load_config, preset_names
+from mhf_dist.memory_plan import (
+    GB,
+    construction_bytes,
+    format_plan,
+    memory_plan,
+    meta_model,
+    step_estimate,
+    step_seconds,
+)
 from mhf_dist.model.flops import forward_flops
-from mhf_dist.memory_plan import (GB, construction_bytes, format_plan, memory_plan, meta_model, step_estimate,
-                           step_seconds)
 
 # Llama-2-70B's backbone shape over the 3b preset: 69.1B parameters
 LARGE = ["model.n_layers=80", "model.d_model=8192", "model.n_heads=64", "model.n_kv_heads=8", "model.ffn_dim=28672"]

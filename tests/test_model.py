@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from equivalence import INIT_STD, assert_tensor_close
+from helpers.equivalence import INIT_STD, assert_tensor_close
 from mhf_dist.config import load_config
 from mhf_dist.model import MultiHashFormer, build_model
 from mhf_dist.model.tables import BucketTables, TableGradients
@@ -140,7 +140,8 @@ def test_standard_lm_is_tied_softmax_over_real_vocabulary():
     W = m.vocab.tables.weight[0, :V]
     torch.testing.assert_close(m.vocab.embed(x), W[x])
     logits = h @ W.T
-    torch.testing.assert_close(m(x[:, :-1], x[:, 1:]).loss, F.cross_entropy(logits.reshape(-1, V), x[:, 1:].reshape(-1)))
+    torch.testing.assert_close(m(x[:, :-1], x[:, 1:]).loss,
+                               F.cross_entropy(logits.reshape(-1, V), x[:, 1:].reshape(-1)))
     torch.testing.assert_close(m.log_p_inf(x[:, :-1]), logits.log_softmax(-1))
 
 

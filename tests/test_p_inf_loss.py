@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from equivalence import INIT_STD, assert_tensor_close
+from helpers.equivalence import INIT_STD, assert_tensor_close
 from mhf_dist.config import ConfigError, load_config
 from mhf_dist.model import build_model
 from mhf_dist.model.scoring import log_normaliser, side_by_side, signature_columns, signature_scores

@@ -6,16 +6,18 @@ import csv
 import json
 import math
 
+import pytest
 from PIL import Image
 
+from helpers.runs import run_cli
 from mhf_dist.profile import RatioSpread
-from train_utils import run_cli
 
 COLUMNS = {"size", "hash", "layout", "dtype", "seq_len", "micro_batch", "params", "tokens_per_s", "step_s",
            "forward_s", "backward_s", "optimizer_s", "comm_s", "tflops", "peak_tflops_measured",
            "peak_tflops_nominal", "mfu", "memory_gb", "comm_bytes_per_step"}
 
 
+@pytest.mark.multirank
 def test_profile_sweep_outputs(tmp_path):
     out = tmp_path / "profile"
     printed = run_cli(["profile", "--size", "tiny", "--hash", "standard,h4b16k", "--layout", "tp=2", "--steps", "2",

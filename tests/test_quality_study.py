@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TOOL = Path(__file__).parents[1] / "tools" / "quality_study.py"
 
 
+@pytest.mark.multirank
 def test_two_preset_study_writes_finite_results(tmp_path):
     out = tmp_path / "study"
     args = [sys.executable, str(TOOL), "--out", str(out), "--run", "tiny-standard", "--run",

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_ranks
+from helpers.ranks import run_ranks
 from mhf_dist.parallel import scalars
 from mhf_dist.parallel.scalars import ScalarCollectives, communication_device
 
@@ -69,6 +69,7 @@ def _reductions(rank, world):
     }
 
 
+@pytest.mark.multirank
 def test_reductions_agree_on_every_rank():
     results = run_ranks(_reductions, 3)
     for rank, r in enumerate(results):

@@ -30,6 +30,10 @@ def reference_signatures(tokens, H, B, pad_id=None):
     return rows
 
 
+def parameter_count(cfg, table: SignatureTable) -> int:
+    return sum(p.numel() for p in build_model(cfg, table.vocab_size, table.codes).parameters())
+
+
 TOKENS = ["hello", "▁world", "Ġthe", "<s>", "ü", "日本", "12", "\n"]
 
 
@@ -86,8 +90,7 @@ def test_extend_keeps_rows_and_adds_no_parameters(tiny_cfg):
     assert torch.equal(new.codes[: len(TOKENS)], old.codes)
     assert len({tuple(r) for r in new.codes[1:].tolist()}) == new.vocab_size - 1
     assert new.is_extension_of(old) and not old.is_extension_of(new)
-    count = lambda t: sum(p.numel() for p in build_model(tiny_cfg, t.vocab_size, t.codes).parameters())
-    assert count(new) == count(old)
+    assert parameter_count(tiny_cfg, new) == parameter_count(tiny_cfg, old)
     with pytest.raises(SignatureError, match="already registered"):
         new.extend(["hello"])
     # extending equals building the whole list at once
@@ -123,5 +126,4 @@ def test_tampered_or_truncated_table_is_detected(tmp_path):
 def test_param_count_independent_of_vocabulary():
     cfg = load_config("tiny-h4b16k", overrides=["model.hash.num_buckets=128"]).model
     small, large = SignatureTable.build(TOKENS, 4, 128), SignatureTable.build([f"t{i}" for i in range(3000)], 4, 128)
-    n = lambda t: sum(p.numel() for p in build_model(cfg, t.vocab_size, t.codes).parameters())
-    assert n(small) == n(large)
+    assert parameter_count(cfg, small) == parameter_count(cfg, large)

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers.runs import metrics, run_cli, train_args
+from helpers.slurm import LocalSlurm, missing_binaries
 from mhf_dist.cli import main
 from mhf_dist.cluster import load_profile
 from mhf_dist.config import ConfigError, load_config
 from mhf_dist.submit import render
-from slurm_cluster import LocalSlurm, missing_binaries
-from train_utils import metrics, run_cli, train_args
 
 GOLDEN = Path(__file__).parent / "golden"
 DATA = "data.path=/shared/data"
@@ -209,7 +209,7 @@ def slurm(tmp_path_factory):
     cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
     try:
         cluster.start()
-    except Exception as e:  # noqa: BLE001 - report why, then skip (CI must be able to start it)
+    except Exception as e:  # whatever stops it: report why, then skip (CI must be able to start it)
         if os.environ.get("CI"):
             raise
         pytest.skip(f"SLURM could not start here: {e}")
@@ -226,6 +226,8 @@ def wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.slurm
+@pytest.mark.multirank
 def test_slurm_job_requeued_mid_run_resumes_and_matches(tmp_path, data, slurm):
     steps = 30
     overrides = ["parallel.zero_stage=1"]

@@ -9,16 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import run_ranks
-from equivalence import INIT_STD, assert_tensor_close
+from helpers.equivalence import INIT_STD, assert_tensor_close, step
+from helpers.ranks import run_ranks
 from mhf_dist.config import load_config
 from mhf_dist.model import build_model
-from mhf_dist.model.scoring import TARGET_CHUNK
 from mhf_dist.parallel.accounting import expected_collective_bytes
-from mhf_dist.parallel.comm import count_collectives
 from mhf_dist.parallel.groups import ParallelGroups
-from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
 from mhf_dist.parallel.state_dict import merge_state_dicts, shard_state_dict, tp_split_dims
+from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
 from mhf_dist.signatures import SignatureTable
 
 V = 300
@@ -34,7 +32,6 @@ P_INF_CHUNK = 4 * 7
 
 
 CHUNKS = (0, 5)  # the plain decoder, and the fused one with chunks that do not divide the 16 tokens
-EVAL_CHUNKS = (TARGET_CHUNK, 21)  # evaluation sums over the vocabulary in one chunk, and in chunks that split it
 
 
 def case_config(name: str, tp: int, chunk: int = 0):
@@ -54,20 +51,6 @@ def make_case(name: str, tp: int, chunk: int = 0):
     return cfg, model, batch
 
 
-def step(model, batch):
-    """Loss, gradients by parameter name, log P_inf, collectives of one forward + backward."""
-    with count_collectives() as log:
-        out = model(batch[:, :-1], batch[:, 1:])
-        out.loss.backward()
-    with torch.no_grad():
-        logp = model.log_p_inf(batch[:, :-1])
-        h = model.hidden(batch[:, :-1]).flatten(0, 1)
-        sums = [model.vocab.calibration_sums(h, batch[:, 1:].flatten(), chunk_size=c) for c in EVAL_CHUNKS]
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return {"loss": out.loss.detach(), "heads": out.head_losses.detach(), "grads": grads, "logp": logp,
-            "bytes": dict(log.bytes), "eval": sums}
-
-
 def tp_worker(rank, world, names):
     groups = ParallelGroups.create(tp=world)
     results = {}
@@ -79,6 +62,7 @@ def tp_worker(rank, world, names):
     return results
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_equals_single_process(tp):
     ranks = run_ranks(tp_worker, tp, list(CASES))

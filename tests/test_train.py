@@ -6,13 +6,13 @@ import json
 import math
 
 import pytest
-
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from helpers.runs import run_cli
 from mhf_dist.cli import main
-from train_utils import run_cli
 
 
+@pytest.mark.multirank
 def test_tiny_mhf_loss_falls_on_real_text(tmp_path):
     run = tmp_path / "run"
     run_cli(["train", "--preset", "tiny-h4b16k", "--run-dir", str(run), "--set", "model.hash.num_buckets=256",
@@ -28,6 +28,7 @@ def test_tiny_mhf_loss_falls_on_real_text(tmp_path):
     assert 1 < records[-1]["val_ppl"] < float("inf")
 
 
+@pytest.mark.multirank
 def test_train_writes_metrics_and_tensorboard(tmp_path):
     run = tmp_path / "run"
     out = run_cli(["train", "--preset", "tiny-h4b16k", "--run-dir", str(run), "--set", "model.hash.num_buckets=128",

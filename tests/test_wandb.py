@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.runs import metrics, run_cli
 from mhf_dist.config import ConfigError, load_config
-from train_utils import metrics, run_cli
 
 
 def test_wandb_config_is_off_by_default_and_set_from_the_command_line(tmp_path):
@@ -83,6 +83,7 @@ def logged_history(run: Path) -> dict[int, dict]:
     return history
 
 
+@pytest.mark.multirank
 def test_a_resumed_run_logs_to_the_same_wandb_run(tmp_path, monkeypatch, data):
     for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": tmp_path / "wandb-default",
                         "WANDB_CONFIG_DIR": tmp_path / "wandb-config", "WANDB_CACHE_DIR": tmp_path / "wandb-cache",

@@ -17,7 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from train_utils import metrics
+from helpers.runs import metrics
+
+# the module's tests share a wheel built and installed into a fresh venv: half a minute together
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 GENERATED = (".git", ".venv", "build", "dist", "runs", "*.egg-info", "__pycache__", ".pytest_cache")
@@ -76,7 +79,8 @@ def test_plan_reads_the_shipped_profile_and_deepspeed_config(venv, tmp_path):
 
 
 def test_plan_takes_a_profile_and_a_deepspeed_config_by_path(venv, tmp_path):
-    (tmp_path / "mine.yaml").write_text("name: mine\ngpus_per_node: 2\ncores_per_node: 32\ndevice_memory_gb: 80\nbackend: nccl\n")
+    (tmp_path / "mine.yaml").write_text(
+        "name: mine\ngpus_per_node: 2\ncores_per_node: 32\ndevice_memory_gb: 80\nbackend: nccl\n")
     (tmp_path / "zero2.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     out = cli(venv, "plan", "--preset", "3b-h4b16k", "--cluster", "mine.yaml", "--nodes", "4",
               "--set", "parallel.deepspeed_config=zero2.json", cwd=tmp_path)
@@ -100,6 +104,7 @@ def test_submit_dry_run_renders_the_shipped_template(venv, tmp_path):
     assert f"  {shlex.quote(str(venv / 'bin' / 'python'))} -m mhf_dist train --run-dir {tmp_path / 'RUN'}" in out
 
 
+@pytest.mark.multirank
 def test_two_training_steps_on_cpu(venv, tmp_path):
     out = cli(venv, "train", "--preset", "tiny-h4b16k", "--run-dir", "RUN", "--set", "train.max_steps=2",
               "--set", "model.hash.num_buckets=256", "--set", "data.seq_len=64",

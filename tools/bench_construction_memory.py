@@ -37,8 +37,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mhf_dist.config import load_config  # noqa: E402
-from mhf_dist.launch import free_port  # noqa: E402
+from mhf_dist.config import load_config
+from mhf_dist.launch import free_port
 
 VOCAB = 32768  # the paper's tokenizer
 MiB = 2**20
@@ -180,8 +180,8 @@ def worker_config(args: argparse.Namespace, tp: int, pp: int, world: int, device
 def planned(args: argparse.Namespace, name: str, result: dict) -> list[tuple]:
     """`mhf-dist plan`'s numbers for the measured layout, each beside its measurement with the relative error."""
     from mhf_dist.cluster import load_profile
-    from mhf_dist.parallel.layout import checkpoint_interval, deepspeed_config, resolve_layout
     from mhf_dist.memory_plan import GB, memory_plan
+    from mhf_dist.parallel.layout import checkpoint_interval, deepspeed_config, resolve_layout
 
     tp, pp = result["tp"], result["pp"]
     cfg = worker_config(args, tp, pp, args.ranks, args.device)

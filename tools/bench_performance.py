@@ -30,14 +30,14 @@ import statistics
 # at its first allocation, so it is set before torch is imported.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import torch
+from tqdm.auto import tqdm
 
-from mhf_dist.config import load_config  # noqa: E402
-from mhf_dist.model import build_model  # noqa: E402
-from mhf_dist.model.flops import forward_flops  # noqa: E402
-from mhf_dist.profile import VOCAB, InferenceHeads, RatioSpread, TrainingProbe, step_seconds  # noqa: E402
-from mhf_dist.train.throughput import measured_peak_flops  # noqa: E402
+from mhf_dist.config import load_config
+from mhf_dist.model import build_model
+from mhf_dist.model.flops import forward_flops
+from mhf_dist.profile import VOCAB, InferenceHeads, RatioSpread, TrainingProbe, step_seconds
+from mhf_dist.train.throughput import measured_peak_flops
 
 
 def decoder_activation_bytes(chunk_tokens: int, seq_len: int) -> int:

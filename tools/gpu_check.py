@@ -523,7 +523,7 @@ def run_steps(ctx: Context, report: Report) -> tuple[list[Check], list[dict]]:
         try:
             checks += step(ctx)
             status = "done"
-        except Exception as e:  # noqa: BLE001 - any failure ends the check with its message
+        except Exception as e:  # any failure ends the check with its message
             message = str(e) if isinstance(e, StepFailed) else f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
             checks.append(Check(title, FAIL, message.splitlines()[0]))
             ctx.say(f"step {title!r} FAILED: {message}")

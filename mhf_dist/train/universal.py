@@ -33,8 +33,10 @@ def universal_info(param_names: list[str], cfg: ModelConfig, tp: int, pipeline: 
     """Merge patterns for every parameter of the model (``param_names`` in the LanguageModel's naming; each
     stage's file must describe all of them, whichever stage DeepSpeed reads them from)."""
     dims = tp_split_dims(cfg, tp)
-    engine_name = (lambda n: pipeline_name(n, cfg.n_layers)) if pipeline else (lambda n: n)  # noqa: E731
-    exact = lambda names: [re.escape(engine_name(n)) + "$" for n in names]  # noqa: E731
+
+    def exact(names) -> list[str]:
+        return [re.escape(pipeline_name(n, cfg.n_layers) if pipeline else n) + "$" for n in names]
+
     return {
         "universal_checkpoint_version": 0.2,
         "tp_replicated_parameter_patterns": exact(n for n in param_names if split_dim(n, dims) is None),

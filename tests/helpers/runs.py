@@ -44,8 +44,8 @@ def trained_model(run: Path):
     """A run's newest checkpoint as our LanguageModel (eval mode), with its tokenizer and signature table."""
     from mhf_dist.consolidate import trained_weights
     from mhf_dist.model import build_model
-    from mhf_dist.signatures import SignatureTable
     from mhf_dist.offline_tokenizers import load_tokenizer
+    from mhf_dist.signatures import SignatureTable
 
     tw = trained_weights(run)
     tokenizer = load_tokenizer(tw.run.tokenizer_source(tw.cfg))

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from mhf_dist.model.scoring import TARGET_CHUNK
+from mhf_dist.parallel.comm import count_collectives
+
 # Weights well above the training init (0.02): with tiny weights the decoder's soft-retrieval gradients are
 # ~1e-8, and a wrong reduction of them hides under the tolerance.
 INIT_STD = 0.1
+
+EVAL_CHUNKS = (TARGET_CHUNK, 21)  # evaluation sums over the vocabulary in one chunk, and in chunks that split it
 
 
 def assert_tensor_close(got: torch.Tensor, ref: torch.Tensor, what: str, rel: float = 1e-5, floor: float = 1e-6):
@@ -16,3 +21,18 @@ def assert_tensor_close(got: torch.Tensor, ref: torch.Tensor, what: str, rel: fl
     ``INIT_STD`` the real gradients are 1e-3 to 1, so a wrong reduction still fails by orders of magnitude."""
     err, scale = (got - ref).abs().max().item(), ref.abs().max().item()
     assert err <= rel * scale + floor, f"{what}: max error {err:.3e} > {rel} x scale {scale:.3e}"
+
+
+def step(model, batch):
+    """Loss, gradients by parameter name, log P_inf, collectives of one forward + backward, and the evaluation
+    sums over the vocabulary in each of ``EVAL_CHUNKS``."""
+    with count_collectives() as log:
+        out = model(batch[:, :-1], batch[:, 1:])
+        out.loss.backward()
+    with torch.no_grad():
+        logp = model.log_p_inf(batch[:, :-1])
+        h = model.hidden(batch[:, :-1]).flatten(0, 1)
+        sums = [model.vocab.calibration_sums(h, batch[:, 1:].flatten(), chunk_size=c) for c in EVAL_CHUNKS]
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {"loss": out.loss.detach(), "heads": out.head_losses.detach(), "grads": grads, "logp": logp,
+            "bytes": dict(log.bytes), "eval": sums}

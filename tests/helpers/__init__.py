@@ -1,0 +1,5 @@
+"""Helpers shared by the test modules (fixtures stay in conftest.py).
+
+``ranks``: run a function on local gloo ranks; ``runs``: `mhf-dist` in a subprocess and tiny training runs;
+``equivalence``: comparing a parallel or fused computation with the plain one; ``slurm``: a private SLURM.
+"""
