@@ -39,7 +39,8 @@ class ClusterProfile(BaseModel):
 
     name: str
     gpus_per_node: int = Field(ge=1, description="ranks per node (GPUs, or CPU processes)")
-    cores_per_node: int = Field(ge=1, description="CPU cores of one node; each rank gets cores_per_node // gpus_per_node")
+    cores_per_node: int = Field(
+        ge=1, description="CPU cores of one node; each rank gets cores_per_node // gpus_per_node")
     memory_gb_per_node: float | None = Field(None, gt=0, description="host memory of one node")
     device_memory_gb: float = Field(gt=0)
     peak_bf16_tflops: float | None = Field(None, gt=0, description="dense bf16 peak per device; None: measured")

@@ -68,7 +68,8 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", overwri
     run, cfg = trained.run, trained.cfg
     with staged(out) as tmp:
         save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in trained.state.items()},
-                  str(tmp / "model.safetensors"), metadata={"step": str(trained.step), "source": str(trained.checkpoint)})
+                  str(tmp / "model.safetensors"),
+                  metadata={"step": str(trained.step), "source": str(trained.checkpoint)})
         (tmp / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         for source in (run.signatures_dir, run.engram_dir):
             if source.is_dir():

@@ -41,7 +41,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike)
     from tokenizers import ByteLevelBPETokenizer
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[PAD, EOS], show_progress=False)
+    bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[PAD, EOS],
+                            show_progress=False)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOS, pad_token=PAD)
     out = Path(out_dir)
     tok.save_pretrained(str(out))

@@ -67,8 +67,9 @@ class RunDir:
             )
         if table.tokenizer_fingerprint != tokens_fingerprint(tokens):
             raise SignatureError(
-                f"{self.signatures_dir} was built for another tokenizer (fingerprint {table.tokenizer_fingerprint[:12]} "
-                f"vs {tokens_fingerprint(tokens)[:12]}); use the run's tokenizer or extend the vocabulary (expand-vocab)"
+                f"{self.signatures_dir} was built for another tokenizer (fingerprint "
+                f"{table.tokenizer_fingerprint[:12]} vs {tokens_fingerprint(tokens)[:12]}); use the run's tokenizer "
+                "or extend the vocabulary (expand-vocab)"
             )
         return table
 

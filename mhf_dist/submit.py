@@ -158,7 +158,8 @@ def submit(script: str, run_dir: Path, cluster: str, nodes: int) -> str:
     try:
         proc = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
     except FileNotFoundError:
-        raise ConfigError("sbatch is not on PATH: submit from a SLURM login node, or use --hostfile / --write") from None
+        raise ConfigError(
+            "sbatch is not on PATH: submit from a SLURM login node, or use --hostfile / --write") from None
     if proc.returncode:
         raise ConfigError(f"sbatch refused the job: {proc.stderr.strip()}")
     job = proc.stdout.strip().split(";")[0]

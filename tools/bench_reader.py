@@ -46,7 +46,8 @@ def consumer_rate(model_seq: int, repeats: int) -> float:
     """Tokens per second of fp32 forward + backward of 100m-h4b16k on one sequence (best of ``repeats``)."""
     cfg = load_config("100m-h4b16k").model
     vocab = 32768
-    codes = torch.randint(1, cfg.hash.num_buckets, (vocab, cfg.hash.num_hashes), generator=torch.Generator().manual_seed(0))
+    codes = torch.randint(1, cfg.hash.num_buckets, (vocab, cfg.hash.num_hashes),
+                          generator=torch.Generator().manual_seed(0))
     model = build_model(cfg, vocab, codes)
     ids = torch.randint(vocab, (1, model_seq + 1), generator=torch.Generator().manual_seed(1))
     best = float("inf")

@@ -80,7 +80,8 @@ def train(spec: str, run_dir: Path, data: Path, args: argparse.Namespace) -> Non
                "--nproc-per-node", str(args.nproc_per_node), *[a for s in settings for a in ("--set", s)]]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with (run_dir.parent / f"{run_dir.name}.log").open("w") as log:
-        if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"}).returncode:
+        env = os.environ | {"PYTHONUNBUFFERED": "1"}
+        if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode:
             raise SystemExit(f"{spec}: training failed; see {log.name}")
 
 

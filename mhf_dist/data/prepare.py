@@ -111,7 +111,8 @@ def documents(files: Sequence[Path], text_field: str = "text") -> Iterator[str]:
                 else:
                     yield from _paragraphs(f)
         except (UnicodeDecodeError, OSError) as e:  # OSError includes a bad gzip stream
-            raise DataError(f"input {path} is not readable UTF-8 text ({e}); convert or repair it, or leave it out") from None
+            raise DataError(
+                f"input {path} is not readable UTF-8 text ({e}); convert or repair it, or leave it out") from None
 
 
 def _jsonl_documents(lines, path: Path, text_field: str) -> Iterator[str]:
@@ -126,7 +127,8 @@ def _jsonl_documents(lines, path: Path, text_field: str) -> Iterator[str]:
                 "fix the line or name the right field with --text-field"
             ) from None
         if not isinstance(text, str):
-            raise DataError(f"{path}:{number}: field {text_field!r} is not a string; name the text field with --text-field")
+            raise DataError(
+                f"{path}:{number}: field {text_field!r} is not a string; name the text field with --text-field")
         if text.strip():
             yield text
 
@@ -201,7 +203,8 @@ def _tokenized(chunks: Iterator[list[str]], tokenize: _ChunkTokenizer, tokenizer
         for chunk in chunks:
             yield len(chunk), tokenize(chunk)
         return
-    with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer_path, tokenize.val_fraction)) as pool:
+    spawn = multiprocessing.get_context("spawn")
+    with spawn.Pool(workers, _init_worker, (tokenizer_path, tokenize.val_fraction)) as pool:
         pending: deque = deque()
         for chunk in chunks:
             pending.append((len(chunk), pool.apply_async(_tokenize_in_worker, (chunk,))))
@@ -290,7 +293,8 @@ def prepare(
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
     if prefix == VAL_PREFIX or not prefix or "/" in prefix:
-        raise DataError(f"prefix {prefix!r}: pick a plain name other than {VAL_PREFIX!r} (used by the validation shards)")
+        raise DataError(
+            f"prefix {prefix!r}: pick a plain name other than {VAL_PREFIX!r} (used by the validation shards)")
     files = expand_inputs(inputs)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):

@@ -43,7 +43,8 @@ class HFImportError(MhfError, ValueError):
     """Weights in the exported layout cannot be imported; the message names the problem and the fix."""
 
 
-TABLES, EMBED, LM_HEAD, HASH_MAP = "vocab.tables.weight", "model.embed_tokens.weight", "lm_head.weight", "model.hash_map"
+TABLES, EMBED = "vocab.tables.weight", "model.embed_tokens.weight"
+LM_HEAD, HASH_MAP = "lm_head.weight", "model.hash_map"
 
 
 def _rename(name: str, direction: int) -> str:

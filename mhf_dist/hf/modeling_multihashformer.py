@@ -3,8 +3,8 @@
 Every token ``w`` of the vocabulary has a signature of ``H`` hash coordinates,
 ``hash_map[w] = (H_0(w), ..., H_{H-1}(w))``, each a bucket in ``1..B-1`` of
 its own table ``E_i [B, d]`` (bucket 0 is padding; the pad token's signature
-is all zeros, and no two tokens share a full signature). Built on transformers' Qwen3 layers: only the input map and the output
-head are new.
+is all zeros, and no two tokens share a full signature). Built on transformers'
+Qwen3 layers: only the input map and the output head are new.
 
 Input: the token's H bucket rows ``u_i = E_i[H_i(w)]`` are fused by a gate
 that sees only them, ``α = softmax_i(σ(u_i W1 + b1) W2 + b2)``, into
