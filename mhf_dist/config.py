@@ -120,6 +120,18 @@ class ModelConfig(_Strict):
         """Standard: table rows for ``vocab_size`` tokens, rounded up to ``pad_vocab_to``."""
         return -(-vocab_size // self.pad_vocab_to) * self.pad_vocab_to
 
+    def kv_heads_split(self, tp: int) -> bool:
+        """How tp ranks share the kv heads: True, split over the ranks (``n_kv_heads`` a multiple of tp); False,
+        each rank computes the one replicated kv head its query heads share (``n_kv_heads`` divides tp)."""
+        if self.n_kv_heads % tp == 0:
+            return True
+        if tp % self.n_kv_heads == 0:
+            return False
+        raise ConfigError(
+            f"model.n_kv_heads={self.n_kv_heads} neither divides nor is a multiple of parallel.tp={tp}: kv heads "
+            "are split over tp or replicated per rank; choose tp as a divisor or multiple of n_kv_heads"
+        )
+
     @property
     def engram_layers(self) -> list[int]:
         """Layers holding a memory, ascending (none without ``engram``); SPEC §8's example: 1 and L/2."""
@@ -357,11 +369,7 @@ class RunConfig(_Strict):
             )
         if m.n_heads % tp:
             raise ValueError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}; choose tp dividing it")
-        if m.n_kv_heads % tp and tp % m.n_kv_heads:
-            raise ValueError(
-                f"model.n_kv_heads={m.n_kv_heads} neither divides nor is a multiple of parallel.tp={tp}: kv heads "
-                "are split over tp or replicated per rank; choose tp as a divisor or multiple of n_kv_heads"
-            )
+        m.kv_heads_split(tp)
         if m.ffn_dim % tp:
             raise ValueError(f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}; choose tp dividing it")
         if m.variant == "standard" and m.pad_vocab_to % tp:
@@ -378,20 +386,26 @@ class RunConfig(_Strict):
             raise ValueError(
                 f"model.engram.offload with parallel.tp={tp}, parallel.pp={self.parallel.pp}: host-memory tables "
                 "support tp = pp = 1 only (dp may be any); unset model.engram.offload or use tp = pp = 1")
-        if m.engram is not None and m.engram.offload and self.parallel.zero_stage == 0:
-            raise ValueError(
-                "model.engram.offload with parallel.zero_stage=0: the host tables' gradient norm joins the "
-                "clipping norm of DeepSpeed's ZeRO optimizer; use parallel.zero_stage 1, 2 or 3")
-        if self.parallel.pp > 1 and self.parallel.zero_stage in (2, 3):
-            raise ValueError(
-                f"parallel.zero_stage={self.parallel.zero_stage} with parallel.pp={self.parallel.pp}: DeepSpeed's "
-                "pipeline engine refuses ZeRO-2/3; use parallel.zero_stage=1 (or leave it unset)"
-            )
+        if self.parallel.zero_stage is not None:
+            self.check_zero_stage(self.parallel.zero_stage, f"parallel.zero_stage={self.parallel.zero_stage}")
         if self.parallel.pp > m.n_layers:
             raise ValueError(
                 f"parallel.pp={self.parallel.pp} is more stages than model.n_layers={m.n_layers}; lower pp"
             )
         return self
+
+    def check_zero_stage(self, stage: int, source: str) -> None:
+        """The ZeRO ``stage`` this run trains with (``source`` says where it is set) must fit its layout:
+        DeepSpeed's pipeline engine takes ZeRO-0/1 only, and host-memory Engram tables need ZeRO's optimizer."""
+        if self.model.engram is not None and self.model.engram.offload and stage == 0:
+            raise ConfigError(
+                f"model.engram.offload with {source}: the host tables' gradient norm joins the clipping norm of "
+                "DeepSpeed's ZeRO optimizer; use parallel.zero_stage 1, 2 or 3")
+        if self.parallel.pp > 1 and stage >= 2:
+            raise ConfigError(
+                f"{source} with parallel.pp={self.parallel.pp}: DeepSpeed's pipeline engine refuses ZeRO-2/3; "
+                "use parallel.zero_stage=1 (or leave it unset with deepspeed_config auto or zero1_pp_bf16)"
+            )
 
 
 # ---------------------------------------------------------------- presets

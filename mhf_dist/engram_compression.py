@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mhf_dist.errors import MhfError
-from mhf_dist.stored_table import StoredTable, content_hash
+from mhf_dist.stored_table import ContentHashed, StoredTable, content_hash
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def compression_key(decoded: str, token: str) -> str:
 
 
 @dataclass(frozen=True)
-class CompressionTable:
+class CompressionTable(ContentHashed):
     """``old_to_new[v]`` is the compressed id of token ``v``; ``keys[n]`` the normalised text of compressed id ``n``."""
 
     old_to_new: torch.Tensor
@@ -78,10 +78,6 @@ class CompressionTable:
     tokenizer_fingerprint: str
     normalization: str = NORMALIZATION_VERSION
     content_hash: str = field(default="", compare=False)
-
-    def __post_init__(self):
-        if not self.content_hash:
-            object.__setattr__(self, "content_hash", self._compute_hash())
 
     @classmethod
     def build(cls, tokenizer: PreTrainedTokenizerBase) -> "CompressionTable":

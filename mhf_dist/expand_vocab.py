@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from mhf_dist.config import EMBEDDED_CORPUS, ConfigError, RunConfig, apply_override
 from mhf_dist.consolidate import trained_weights
-from mhf_dist.hf.importer import INIT_WEIGHTS
+from mhf_dist.hf.importer import INIT_WEIGHTS, save_initialised_run
 from mhf_dist.model import build_model
 from mhf_dist.output_dir import check_target, staged
 from mhf_dist.run_dir import RunDir
@@ -105,13 +104,7 @@ def expand_vocab(run_dir: str | Path, tokenizer: str | Path, out: str | Path | N
     after_model.load_state_dict(state)  # the expanded weights fit the expanded model exactly
 
     with staged(out.path) as tmp:
-        new_run = RunDir(tmp)
-        new_tok.save_pretrained(new_run.tokenizer_dir)
-        if table is not None:
-            table.save(new_run.signatures_dir)
-        (new_run.path / INIT_WEIGHTS).parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(new_run.path / INIT_WEIGHTS),
-                  metadata={"source": str(trained.checkpoint), "expanded_from_vocab": str(len(old_tokens))})
-        new_run.save_config(new_cfg)
+        save_initialised_run(RunDir(tmp), new_cfg, new_tok, table, state,
+                             {"source": str(trained.checkpoint), "expanded_from_vocab": str(len(old_tokens))})
     added = after_model.parameter_counts()["total"] - before.parameter_counts()["total"]
     return Expansion(out.path, len(old_tokens), len(new_tokens), added)

@@ -74,7 +74,8 @@ from mhf_dist.model import LanguageModel, build_model
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.parallel.layout import checkpoint_interval, deepspeed_config, resolve_layout
 from mhf_dist.parallel.stages import layer_costs, stage_bounds
-from mhf_dist.parallel.state_dict import split_dim, tp_split_dims
+from mhf_dist.parallel.state_dict import split_dim
+from mhf_dist.parallel.tensor_parallel import tp_split_dims
 
 GB = 2**30
 HEADROOM = 0.9  # the share of device or host memory a plan may fill

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from mhf_dist.errors import MhfError
-from mhf_dist.stored_table import StoredTable, content_hash
+from mhf_dist.stored_table import ContentHashed, StoredTable, content_hash
 from mhf_dist.token_list import tokens_fingerprint
 
 HASH_VERSION = "mmh3.hash128-unsigned-v1"
@@ -48,7 +48,7 @@ def bucket_of(token: str, seed: int, num_buckets: int) -> int:
 
 
 @dataclass(frozen=True)
-class SignatureTable:
+class SignatureTable(ContentHashed):
     """``codes[v]`` is the ``H`` bucket coordinates of token id ``v`` (SPEC §1).
 
     ``seeds[i]`` is the mmh3 seed of coordinate ``i`` (``range(H)`` normally;
@@ -64,10 +64,6 @@ class SignatureTable:
     pad_id: int | None = None
     hash_version: str = HASH_VERSION
     content_hash: str = field(default="", compare=False)
-
-    def __post_init__(self):
-        if not self.content_hash:
-            object.__setattr__(self, "content_hash", self._compute_hash())
 
     # ------------------------------------------------------------------ build
     @classmethod

@@ -29,6 +29,15 @@ def content_hash(meta: dict, array: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+class ContentHashed:
+    """Base of a stored table's frozen dataclass: its ``content_hash`` field, left empty, is filled with
+    ``self._compute_hash()``."""
+
+    def __post_init__(self):
+        if not self.content_hash:
+            object.__setattr__(self, "content_hash", self._compute_hash())
+
+
 @dataclass(frozen=True)
 class StoredTable:
     """Where one kind of table is stored and what a user is told when it cannot be loaded."""

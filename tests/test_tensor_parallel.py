@@ -15,8 +15,8 @@ from mhf_dist.config import load_config
 from mhf_dist.model import build_model
 from mhf_dist.parallel.accounting import expected_collective_bytes
 from mhf_dist.parallel.groups import ParallelGroups
-from mhf_dist.parallel.state_dict import merge_state_dicts, shard_state_dict, tp_split_dims
-from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
+from mhf_dist.parallel.state_dict import merge_state_dicts, shard_state_dict
+from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel, tp_split_dims
 from mhf_dist.signatures import SignatureTable
 
 V = 300

@@ -204,14 +204,21 @@ def import_hf(src: str | Path, run_dir: str | Path, overrides: list[str] = (), o
     check_shapes(cfg, vocab_size, table.codes if table is not None else None, state, src)
     with staged(final.path) as tmp:
         run = RunDir(tmp)
-        tokenizer.save_pretrained(run.tokenizer_dir)
-        if table is not None:
-            table.save(run.signatures_dir)
-        (run.path / INIT_WEIGHTS).parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.float().contiguous() for k, v in state.items()}, str(run.path / INIT_WEIGHTS),
-                  metadata={"source": str(src.resolve())})
+        save_initialised_run(run, cfg, tokenizer, table, {k: v.float() for k, v in state.items()},
+                             {"source": str(src.resolve())})
         (run.path / REPORT).write_text(json.dumps(
             {"source": str(src.resolve()), "differing": report.differing, "shared": report.shared}, indent=1,
             ensure_ascii=False))
-        run.save_config(cfg)
     return report
+
+
+def save_initialised_run(run: RunDir, cfg: RunConfig, tokenizer, table: SignatureTable | None,
+                         state: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write a run directory that starts from ``state`` (``train.init_from`` = :data:`INIT_WEIGHTS`, saved with
+    ``metadata``): its tokenizer, its signature table (MHF), the weights and ``cfg``."""
+    tokenizer.save_pretrained(run.tokenizer_dir)
+    if table is not None:
+        table.save(run.signatures_dir)
+    (run.path / INIT_WEIGHTS).parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(run.path / INIT_WEIGHTS), metadata=metadata)
+    run.save_config(cfg)

@@ -45,7 +45,7 @@ def expected_collective_bytes(cfg: ModelConfig, tokens: int, tp: int, elem_size:
     fused = cfg.decoder_chunk_tokens and not p_inf
     n, d, hd, layers = tokens, cfg.d_model, cfg.resolved_head_dim, cfg.n_layers
     heads = cfg.hash.num_hashes if cfg.variant == "mhf" else 1
-    replicated_kv = 2 * cfg.n_kv_heads * hd * d if cfg.n_kv_heads % tp else 0
+    replicated_kv = 0 if cfg.kv_heads_split(tp) else 2 * cfg.n_kv_heads * hd * d
     memory = 0
     if cfg.engram is not None:
         memory = len(cfg.engram_layers) * n * (cfg.engram.max_ngram - 1) * cfg.engram.heads * cfg.engram_head_dim

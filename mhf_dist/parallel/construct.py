@@ -40,8 +40,8 @@ from torch import nn
 
 from mhf_dist.model.init import draw_size, host_tables, initial_shard
 from mhf_dist.model.lm import LanguageModel, model_structure
-from mhf_dist.parallel.tensor_parallel import shard_modules
-from mhf_dist.parallel.state_dict import split_dim, tp_split_dims
+from mhf_dist.parallel.state_dict import split_dim
+from mhf_dist.parallel.tensor_parallel import shard_modules, tp_split_dims
 
 
 @contextmanager

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from mhf_dist.parallel.layout import data_parallel_size
+
 
 @dataclass
 class ParallelGroups:
@@ -31,13 +33,7 @@ class ParallelGroups:
         """Groups for ``world = tp · pp · dp`` (dp derived); every rank must call this, in the same order."""
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-        world = dist.get_world_size()
-        if world % (tp * pp):
-            raise ValueError(
-                f"world size {world} is not divisible by parallel.tp·parallel.pp = {tp}·{pp}; "
-                "launch tp·pp·dp ranks"
-            )
-        dp = world // (tp * pp)
+        dp = data_parallel_size(dist.get_world_size(), tp, pp)
         topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
         rank = dist.get_rank()
         mine = {}

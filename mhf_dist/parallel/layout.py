@@ -28,15 +28,20 @@ class Layout:
     accum: int  # micro-batches per optimizer step on each data-parallel rank
 
 
-def resolve_layout(cfg: RunConfig, world_size: int) -> Layout:
-    """tp × pp × dp for ``world_size`` ranks; a clear error before any collective runs."""
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+def data_parallel_size(world_size: int, tp: int, pp: int) -> int:
+    """dp of ``world_size = tp · pp · dp`` ranks; a clear error when tp·pp does not divide the world."""
     if world_size % (tp * pp):
         raise ConfigError(
             f"world size {world_size} does not fit parallel.tp={tp} × parallel.pp={pp}: launch a multiple of "
             f"{tp * pp} ranks (dp = world / (tp·pp)) or change tp/pp"
         )
-    dp = world_size // (tp * pp)
+    return world_size // (tp * pp)
+
+
+def resolve_layout(cfg: RunConfig, world_size: int) -> Layout:
+    """tp × pp × dp for ``world_size`` ranks; a clear error before any collective runs."""
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    dp = data_parallel_size(world_size, tp, pp)
     per_step = cfg.train.micro_batch_size * dp
     if cfg.train.global_batch_size % per_step:
         raise ConfigError(
@@ -62,15 +67,7 @@ def deepspeed_config(cfg: RunConfig, layout: Layout, device_type: str) -> dict:
     stage = cfg.parallel.zero_stage
     if stage is None:
         stage = base.get("zero_optimization", {}).get("stage", 3 if layout.pp == 1 else 1)
-    if layout.pp > 1 and stage >= 2:
-        raise ConfigError(
-            f"ZeRO stage {stage} with parallel.pp={layout.pp}: DeepSpeed's pipeline engine refuses ZeRO-2/3; "
-            "set parallel.zero_stage=1 (or use deepspeed_config zero1_pp_bf16)"
-        )
-    if stage == 0 and cfg.model.engram is not None and cfg.model.engram.offload:
-        raise ConfigError(
-            "model.engram.offload with ZeRO stage 0: the host tables' gradient norm joins the clipping norm of "
-            "DeepSpeed's ZeRO optimizer; set parallel.zero_stage to 1, 2 or 3")
+        cfg.check_zero_stage(stage, f"ZeRO stage {stage}")  # the DeepSpeed file's stage, or its default
     derived = {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": layout.accum,

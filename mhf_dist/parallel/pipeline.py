@@ -29,9 +29,9 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from mhf_dist.model.backbone import Backbone, Block, rope_cos_sin
-from mhf_dist.parallel.stages import layer_costs, stage_bounds
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.model.vocabulary import TiedVocabulary
+from mhf_dist.parallel.stages import layer_costs, stage_bounds
 
 VOCAB = "vocab"
 

@@ -1,9 +1,9 @@
-"""Tensor-parallel sharding as data: which dimension of each parameter is split.
+"""Tensor-parallel sharding of state dicts: each rank's shard of a full one, and the full one from the shards.
 
-One table, :func:`tp_split_dims`, drives both the parallel plan (each rank
-loads its shard of the full weights) and checkpoint conversion between a full
-(tp = 1) state dict and tp-sharded ones, in both directions. Parameters it does
-not name are replicated.
+The split dimension of every parameter comes from the tensor-parallel plan
+(:func:`mhf_dist.parallel.tensor_parallel.tp_split_dims`); parameters it does
+not name are replicated. The same table serves checkpoint conversion between a
+full (tp = 1) state dict and tp-sharded ones, in both directions.
 """
 
 from __future__ import annotations
@@ -11,26 +11,6 @@ from __future__ import annotations
 import re
 
 import torch
-
-from mhf_dist.config import ModelConfig
-
-_LAYER = r"backbone\.layers\.\d+\."
-
-
-def tp_split_dims(cfg: ModelConfig, tp: int) -> list[tuple[re.Pattern, int]]:
-    """(parameter-name pattern, split dim); k/v projections are replicated when n_kv_heads < tp."""
-    kv_split = cfg.n_kv_heads % tp == 0
-    dims = [
-        (r"vocab\.tables\.weight", 1),  # bucket / vocabulary rows
-        (_LAYER + r"engram\.tables\.weight", 1),  # Engram memory rows (SPEC §8)
-        (_LAYER + r"self_attn\.q_proj\.weight", 0),
-        (_LAYER + r"self_attn\.o_proj\.weight", 1),
-        (_LAYER + r"mlp\.(gate|up)_proj\.weight", 0),
-        (_LAYER + r"mlp\.down_proj\.weight", 1),
-    ]
-    if kv_split:
-        dims.append((_LAYER + r"self_attn\.[kv]_proj\.weight", 0))
-    return [(re.compile(p), d) for p, d in dims]
 
 
 def split_dim(name: str, dims: list[tuple[re.Pattern, int]]) -> int | None:

@@ -1,22 +1,35 @@
 """The tensor-parallel plan: which module of a LanguageModel becomes which parallel layer (SPEC §7).
 
-:func:`shard_modules` swaps the modules for their parallel forms, built at
-this rank's shard size (training applies it to a model whose parameters are
+:func:`tp_plan` is the one table, module-name pattern → :class:`Style`, in the
+manner of a parallelize plan: a style says which parallel layer replaces the
+module and which dimension of its weight is split (None: replicated). Both uses
+read it: :func:`shard_modules` swaps the modules for their parallel forms, built
+at this rank's shard size (training applies it to a model whose parameters are
 still on the meta device, then materialises only the shards:
-:mod:`mhf_dist.parallel.construct`); :func:`apply_tensor_parallel` does the
-same to a model built at full size and loads each rank's shard of its weights
-(:mod:`state_dict`), which the equivalence tests compare with one process.
+:mod:`mhf_dist.parallel.construct`), and :func:`tp_split_dims`, the split
+dimension of every parameter, by which :mod:`mhf_dist.parallel.state_dict`
+shards and merges state dicts and checkpoints. :func:`apply_tensor_parallel`
+does the swap on a model built at full size and loads each rank's shard of its
+weights, which the equivalence tests compare with one process.
+
 Attention heads and the MLP are column/row parallel with one all-reduce after
 each in forward; k/v heads are split when ``n_kv_heads`` is a multiple of tp,
-else each rank computes the one kv head its query heads share. The Engram
-memories' tables (SPEC §8) split along their rows like the bucket tables; their
-gates are replicated (each rank computes them on the all-reduced lookup).
+else each rank computes the one kv head its query heads share
+(:meth:`~mhf_dist.config.ModelConfig.kv_heads_split`). The Engram memories'
+tables (SPEC §8) split along their rows like the bucket tables; their gates are
+replicated (each rank computes them on the all-reduced lookup).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from mhf_dist.config import ModelConfig
 from mhf_dist.model.lm import LanguageModel
-from mhf_dist.model.tables import BucketTables
 from mhf_dist.parallel.layers import (
     BucketParallelEmbedding,
     ColumnParallelLinear,
@@ -25,42 +38,87 @@ from mhf_dist.parallel.layers import (
     RowParallelLinear,
     mark_region,
 )
-from mhf_dist.parallel.state_dict import shard_state_dict, tp_split_dims
+from mhf_dist.parallel.state_dict import shard_state_dict
 
 
-def row_sharded(tables: BucketTables, group, rank: int, size: int) -> BucketParallelEmbedding:
-    """This rank's rows of ``tables`` (weights not initialised)."""
-    return BucketParallelEmbedding(*tables.weight.shape, group, rank, size)
+@dataclass(frozen=True)
+class Shard:
+    """Where a module is sharded: the model's config and this rank of a tensor-parallel group of ``size``."""
+
+    cfg: ModelConfig
+    group: object
+    rank: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Style:
+    """How one module is parallelised: ``build`` makes its parallel form from the full-size module (weights not
+    initialised); ``dim`` is the split dimension of its weight, None when the weight is replicated."""
+
+    dim: int | None
+    build: Callable[[nn.Module, Shard], nn.Module]
+
+
+def _region(module: nn.Module, shard: Shard) -> nn.Module:
+    mark_region(module, shard.group)
+    return module
+
+
+def _replicated_heads(linear: nn.Linear, shard: Shard) -> ReplicatedHeadsLinear:
+    cfg = shard.cfg
+    hd = cfg.resolved_head_dim
+    # With fewer kv heads than ranks, this rank's query heads all share kv head `kv`.
+    kv = shard.rank * (cfg.n_heads // shard.size) // (cfg.n_heads // cfg.n_kv_heads)
+    return ReplicatedHeadsLinear(linear.in_features, linear.out_features, slice(kv * hd, (kv + 1) * hd), shard.group)
+
+
+BUCKET_ROWS = Style(1, lambda t, s: BucketParallelEmbedding(*t.weight.shape, s.group, s.rank, s.size))
+COLUMN = Style(0, lambda m, s: ColumnParallelLinear(m.in_features, m.out_features, s.size))
+ROW = Style(1, lambda m, s: RowParallelLinear(m.in_features, m.out_features, s.group, s.size))
+REPLICATED_HEADS = Style(None, _replicated_heads)
+REGION = Style(None, _region)  # its input is copied into the group once; no parameters of its own
+REGION_NORM = Style(None, lambda m, s: RegionRMSNorm(m.normalized_shape[0], m.eps, s.group))
+
+_LAYER = r"backbone\.layers\.\d+\."
+
+
+def tp_plan(cfg: ModelConfig, tp: int) -> dict[str, Style]:
+    """``{module-name pattern: style}``; modules no pattern names stay as they are (replicated)."""
+    kv = COLUMN if cfg.kv_heads_split(tp) else REPLICATED_HEADS
+    return {
+        r"vocab\.tables": BUCKET_ROWS,  # bucket / vocabulary rows
+        _LAYER + r"engram\.tables": BUCKET_ROWS,  # Engram memory rows (SPEC §8)
+        _LAYER + r"self_attn": REGION,
+        _LAYER + r"self_attn\.q_proj": COLUMN,
+        _LAYER + r"self_attn\.[kv]_proj": kv,
+        _LAYER + r"self_attn\.o_proj": ROW,
+        _LAYER + r"self_attn\.[qk]_norm": REGION_NORM,
+        _LAYER + r"mlp": REGION,
+        _LAYER + r"mlp\.(gate|up)_proj": COLUMN,
+        _LAYER + r"mlp\.down_proj": ROW,
+    }
+
+
+def tp_split_dims(cfg: ModelConfig, tp: int) -> list[tuple[re.Pattern, int]]:
+    """(parameter-name pattern, split dim) of every split weight in :func:`tp_plan`; other parameters are
+    replicated."""
+    return [(re.compile(pattern + r"\.weight"), style.dim) for pattern, style in tp_plan(cfg, tp).items()
+            if style.dim is not None]
 
 
 def shard_modules(model: LanguageModel, group, rank: int, size: int) -> LanguageModel:
-    """Swap every sharded module for its parallel form at this rank's size, created on the current default device
-    (its weights not initialised; the meta device creates none); replicated modules are left as they are."""
+    """Swap every module :func:`tp_plan` names for its parallel form at this rank's size, created on the current
+    default device (its weights not initialised; the meta device creates none)."""
     if size == 1:
         return model
-    cfg = model.cfg
-    model.vocab.tables = row_sharded(model.vocab.tables, group, rank, size)
-    d, hd = cfg.d_model, cfg.resolved_head_dim
-    kv_split = cfg.n_kv_heads % size == 0
-    # With fewer kv heads than ranks, this rank's query heads all share kv head `kv`.
-    kv = rank * (cfg.n_heads // size) // (cfg.n_heads // cfg.n_kv_heads)
-    for block in model.backbone.layers:
-        if block.engram is not None:
-            block.engram.tables = row_sharded(block.engram.tables, group, rank, size)
-        attn, mlp = block.self_attn, block.mlp
-        mark_region(attn, group)
-        attn.q_proj = ColumnParallelLinear(d, cfg.n_heads * hd, size)
-        for name in ("k_proj", "v_proj"):
-            layer = (ColumnParallelLinear(d, cfg.n_kv_heads * hd, size) if kv_split
-                     else ReplicatedHeadsLinear(d, cfg.n_kv_heads * hd, slice(kv * hd, (kv + 1) * hd), group))
-            setattr(attn, name, layer)
-        attn.o_proj = RowParallelLinear(cfg.n_heads * hd, d, group, size)
-        attn.q_norm = RegionRMSNorm(hd, cfg.norm_eps, group)
-        attn.k_norm = RegionRMSNorm(hd, cfg.norm_eps, group)
-        mark_region(mlp, group)
-        mlp.gate_proj = ColumnParallelLinear(d, cfg.ffn_dim, size)
-        mlp.up_proj = ColumnParallelLinear(d, cfg.ffn_dim, size)
-        mlp.down_proj = RowParallelLinear(cfg.ffn_dim, d, group, size)
+    shard = Shard(model.cfg, group, rank, size)
+    plan = [(re.compile(pattern), style) for pattern, style in tp_plan(model.cfg, size).items()]
+    for name, module in list(model.named_modules()):
+        style = next((style for pattern, style in plan if pattern.fullmatch(name)), None)
+        if style is not None:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, style.build(module, shard))
     return model
 
 

@@ -26,7 +26,8 @@ import torch
 
 from mhf_dist.config import ModelConfig
 from mhf_dist.parallel.pipeline import canonical_name, pipeline_name
-from mhf_dist.parallel.state_dict import split_dim, tp_split_dims
+from mhf_dist.parallel.state_dict import split_dim
+from mhf_dist.parallel.tensor_parallel import tp_split_dims
 
 
 def universal_info(param_names: list[str], cfg: ModelConfig, tp: int, pipeline: bool) -> dict:
