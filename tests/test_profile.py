@@ -8,7 +8,7 @@ import math
 
 from PIL import Image
 
-from mhf_dist.profile import RatioSpread
+from mhf_dist.profiling.scoring import RatioSpread
 from train_utils import run_cli
 
 COLUMNS = {"size", "hash", "layout", "dtype", "seq_len", "micro_batch", "params", "tokens_per_s", "step_s",

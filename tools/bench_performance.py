@@ -36,7 +36,8 @@ from tqdm.auto import tqdm  # noqa: E402
 from mhf_dist.config import load_config  # noqa: E402
 from mhf_dist.model import build_model  # noqa: E402
 from mhf_dist.model.flops import forward_flops  # noqa: E402
-from mhf_dist.profile import VOCAB, InferenceHeads, RatioSpread, TrainingProbe, step_seconds  # noqa: E402
+from mhf_dist.profiling.scoring import InferenceHeads, RatioSpread  # noqa: E402
+from mhf_dist.profiling.training import VOCAB, TrainingProbe, step_seconds  # noqa: E402
 from mhf_dist.train.throughput import measured_peak_flops  # noqa: E402
 
 
