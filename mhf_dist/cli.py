@@ -232,7 +232,9 @@ def cmd_status(args) -> int:
 
 def cmd_profile(args) -> int:
     from mhf_dist.cluster import load_profile
-    from mhf_dist.profile import profile_scoring, run_sweep, table, write_outputs
+    from mhf_dist.profiling.report import table, write_outputs
+    from mhf_dist.profiling.scoring import profile_scoring
+    from mhf_dist.profiling.sweep import run_sweep
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -252,7 +254,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_profile_worker(args) -> int:
-    from mhf_dist.profile import worker_main
+    from mhf_dist.profiling.sweep import worker_main
 
     return worker_main(args.rows, args.spec)
 

@@ -30,7 +30,7 @@ from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.pipeline import canonical_name, pipeline_name
 from mhf_dist.parallel.state_dict import merge_state_dicts
 from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel, tp_split_dims
-from mhf_dist.profile import profile_training
+from mhf_dist.profiling.training import profile_training
 from mhf_dist.run_dir import RunDir
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.train.universal import universal_info

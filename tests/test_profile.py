@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from helpers.runs import run_cli
-from mhf_dist.profile import RatioSpread
+from mhf_dist.profiling.scoring import RatioSpread
 
 COLUMNS = {"size", "hash", "layout", "dtype", "seq_len", "micro_batch", "params", "tokens_per_s", "step_s",
            "forward_s", "backward_s", "optimizer_s", "comm_s", "tflops", "peak_tflops_measured",

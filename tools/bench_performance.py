@@ -36,7 +36,8 @@ from tqdm.auto import tqdm
 from mhf_dist.config import load_config
 from mhf_dist.model import build_model
 from mhf_dist.model.flops import forward_flops
-from mhf_dist.profile import VOCAB, InferenceHeads, RatioSpread, TrainingProbe, step_seconds
+from mhf_dist.profiling.scoring import InferenceHeads, RatioSpread
+from mhf_dist.profiling.training import VOCAB, TrainingProbe, step_seconds
 from mhf_dist.train.throughput import measured_peak_flops
 
 

@@ -410,7 +410,7 @@ def flop_ratio(size: str, seq_len: int) -> float:
     """Analytic training FLOPs per token, MHF-H4B16K over Standard (the profile's vocabulary for Standard)."""
     from mhf_dist.config import load_config
     from mhf_dist.model.flops import forward_flops
-    from mhf_dist.profile import VOCAB
+    from mhf_dist.profiling.training import VOCAB
 
     mhf = forward_flops(load_config(f"{size}-h4b16k").model, seq_len).train
     return mhf / forward_flops(load_config(f"{size}-standard").model, seq_len, vocab_rows=VOCAB).train

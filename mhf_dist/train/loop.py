@@ -1,6 +1,7 @@
-"""The training loop, run by every rank (one process, or N under torchrun / the DeepSpeed launcher).
+"""The training loop, run by every rank (one process, or N under torchrun / the DeepSpeed launcher):
+:class:`TrainingLoop`'s set-up, then per step its step, evaluation, log and checkpoint phases.
 
-Order of work: resolve the layout and DeepSpeed config (every config error
+Order of set-up: resolve the layout and DeepSpeed config (every config error
 before any collective runs) → initialise ``torch.distributed`` → rank 0
 prepares the run directory (tokenizer, signature table, Engram compression
 table, shards of the embedded corpus) while the others wait → every rank
@@ -8,7 +9,7 @@ builds the model's skeleton (its tensor-parallel modules, parameters on the
 meta device) and hands it to the engine, which creates only the parameters
 this rank keeps — its ZeRO-3 partition, or its pipeline stage — initialised
 from the run seed or from ``train.init_from`` (:mod:`mhf_dist.parallel.construct`)
-→ steps.
+→ the resumed checkpoint is loaded → steps.
 
 A run resumes from its newest complete checkpoint by default (``--resume
 auto``) and continues bit-identically: the same data, optimizer, scheduler and
@@ -31,6 +32,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import deepspeed
 import numpy as np
@@ -45,14 +47,14 @@ from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.parallel.construct import FileValues, Materialiser, SeededValues, full_shapes, model_skeleton
 from mhf_dist.parallel.groups import ParallelGroups
+from mhf_dist.parallel.layout import preflight
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.run_dir import RunDir
 from mhf_dist.run_lock import RunDirLocked, RunLock
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
 from mhf_dist.train.divergence import LossWatch
-from mhf_dist.parallel.layout import preflight
-from mhf_dist.train.engine import build_trainer, device_type, zero_stage
+from mhf_dist.train.engine import StepStats, build_trainer, device_type, zero_stage
 from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.optim import apply_optimizer_changes
 from mhf_dist.train.preemption import GRACE_ENV, StopSignal
@@ -181,145 +183,243 @@ def rank_env_from_slurm() -> None:
                           WORLD_SIZE=os.environ["SLURM_NTASKS"])
 
 
+class ResumePoint(NamedTuple):
+    """The checkpoint a run resumes from."""
+
+    asked: Path  # the checkpoint named by --resume (or the newest, under auto)
+    load: Path  # what is loaded: that checkpoint, or its conversion to this layout
+    universal: bool  # converted to this layout
+
+
+class Stepped(NamedTuple):
+    """One optimizer step: what the engine reported, the learning rate it used, and its wall time."""
+
+    stats: StepStats
+    lr: float
+    seconds: float
+
+
+class TrainingLoop:
+    """One rank's training, in phases: :meth:`setup`, then per step :meth:`step`, :meth:`evaluate`, :meth:`log` and
+    :meth:`checkpoint` (:meth:`run`)."""
+
+    def __init__(self, cfg: RunConfig, stop: StopSignal):
+        self.cfg, self.stop = cfg, stop
+        self.result = TrainResult()
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, run_dir: str | Path, resume: str) -> bool:
+        """Everything before the first step; False when a signal arrived during it (nothing trained yet, so
+        nothing to save)."""
+        self._join()
+        self._prepare(run_dir)
+        resuming = self._build(resume)
+        if self.scalars.any(self.stop.received)[0]:
+            if self.rank == 0:
+                tqdm.write("stopped by a signal during start-up; nothing to save")
+            return False
+        self._open_data()
+        start = self._resume(resuming)
+        if self.rank == 0:  # only now: a config that a checkpoint refused never reaches config.yaml
+            self.run_dir.save_config(self.cfg)
+        self._start_logs(start)
+        return True
+
+    def _join(self) -> None:
+        """Resolve the layout and DeepSpeed config (every config error before any collective), then join the job's
+        process group and its parallel groups."""
+        rank_env_from_slurm()
+        self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+        self.layout, self.ds_config = preflight(self.cfg, self.world, device_type(self.cfg))
+        self.device = resolve_device(self.cfg, int(os.environ.get("LOCAL_RANK", 0)))
+        init_distributed(self.device)
+        self.groups = ParallelGroups.create(self.layout.tp, self.layout.pp)
+        self.scalars = ScalarCollectives()
+
+    def _prepare(self, run_dir: str | Path) -> None:
+        """Take the run directory's lock; rank 0 creates the run's assets while the others wait, then every rank
+        loads them."""
+        self.run_dir = RunDir(run_dir)
+        take_lock(self.run_dir.path, self.rank, self.scalars)
+        if self.rank == 0:  # rank 0 creates what is missing; then every rank loads it
+            self.run_dir.path.mkdir(parents=True, exist_ok=True)
+            _run_assets(self.run_dir, self.cfg)
+        dist.barrier()
+        self.tokenizer, self.table, self.compression, self.shards = _run_assets(self.run_dir, self.cfg)
+        if self.compression is not None and self.rank == 0:
+            tqdm.write(self.compression.summary())
+
+    def _build(self, resume: str) -> ResumePoint | None:
+        """The model's skeleton, the checkpointer and the engine that materialises this rank's parameters;
+        returns the checkpoint to resume from, if any."""
+        cfg, groups, layout = self.cfg, self.groups, self.layout
+        seed_everything(cfg.train.seed)
+        model = model_skeleton(cfg.model, len(self.tokenizer), self.table.codes if self.table else None,
+                               self.compression, groups.tp_group, groups.tp_rank, groups.tp)
+        self.checkpointer = Checkpointer(self.run_dir.path, cfg, self.table.content_hash if self.table else None,
+                                         {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+                                         [n for n, _ in model.named_parameters()])
+        resuming = None
+        if (path := _resume_path(resume, self.checkpointer)) is not None:
+            resuming = ResumePoint(path, *self.checkpointer.for_this_layout(path))
+            self.checkpointer.continue_from(path)  # newer checkpoints (an abandoned line) are set aside
+            if resuming.universal:
+                self.ds_config = self.ds_config | {"checkpoint": {"load_universal": True}}
+
+        values = SeededValues(cfg.model.init_std, cfg.train.seed)
+        if cfg.train.init_from:  # also when resuming: a checkpoint need not hold the frozen parameters
+            values = init_weights_file(self.run_dir.path / cfg.train.init_from, model, groups.tp)
+        if cfg.train.trainable_blocks is not None:
+            model.train_only_vocabulary_and_ends(cfg.train.trainable_blocks)
+        if cfg.train.compile:
+            model.backbone.compile_blocks()
+        self.vocab_rows = model.vocab.tables.num_rows
+        zero3 = self.ds_config if layout.pp == 1 and zero_stage(self.ds_config) == 3 else None
+        materialise = Materialiser(model, values, self.device, groups.tp_rank, groups.tp, zero3, groups)
+        self.trainer = build_trainer(cfg, model, groups, self.ds_config, layout, materialise)
+        self.checkpointer.host = getattr(self.trainer, "host", None)
+        return resuming
+
+    def _open_data(self) -> None:
+        """This data-parallel rank's reader of the training split."""
+        cfg = self.cfg
+        self.reader_args = dict(
+            seq_len=cfg.data.seq_len, tokenizer_fingerprint=tokens_fingerprint(vocabulary(self.tokenizer)),
+            seed=cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else cfg.train.seed,
+            dp_rank=self.groups.dp_rank, dp_size=self.groups.dp, shuffle_window=cfg.data.shuffle_window,
+            on_bad_shard=cfg.data.on_bad_shard, verify_checksums=cfg.data.verify_checksums,
+            allow_pipe=cfg.data.allow_pipe,
+        )
+        self.reader = ShardReader(self.shards, **self.reader_args)
+        self.has_val = "val" in self.reader.manifest["splits"]
+
+    def _resume(self, resuming: ResumePoint | None) -> int:
+        """Load the checkpoint (engine, optimizer changes, reader position) when resuming; returns the step to
+        start from."""
+        if resuming is None:
+            return 0
+        client = self.checkpointer.load(self.trainer.engine, resuming.load)
+        start = client["step"]
+        for change in apply_optimizer_changes(self.trainer.engine, client["config"]["optimizer"],
+                                              self.cfg.optimizer, self.cfg.train.max_steps):
+            if self.rank == 0:
+                tqdm.write(f"changed on resume, from step {start + 1}: {change}")
+        self.reader.load_state_dict(client["reader"])
+        if self.rank == 0:
+            tqdm.write(f"resumed from {resuming.asked} at step {start}"
+                       + (" (converted to this layout)" if resuming.universal else ""))
+        return start
+
+    def _start_logs(self, start: int) -> None:
+        """The throughput measures, the metrics logger (rank 0), the save clock, the loss watch and the progress
+        bar."""
+        cfg, t = self.cfg, self.cfg.train
+        self.tokens_per_step = t.global_batch_size * cfg.data.seq_len
+        self.flops_per_token = forward_flops(cfg.model, cfg.data.seq_len, self.vocab_rows).train
+        self.peak = self.scalars.from_rank0(total_peak_flops(
+            t.peak_tflops, self.device, torch.bfloat16 if t.dtype == "bf16" else torch.float32, self.world)
+            if self.rank == 0 else 0.0)
+        self.eval_batches = max(1, t.eval_sequences // (t.micro_batch_size * self.layout.dp))
+        self.end = min(t.stop_at_step or t.max_steps, t.max_steps)
+        self.logger = MetricsLogger(self.run_dir.path, resume_step=start, cfg=cfg) if self.rank == 0 else None
+        self.clock, self.watch = SaveClock(t.checkpoint_minutes), LossWatch(t)
+        self.progress = tqdm(range(start, self.end), desc="train", unit="step", dynamic_ncols=True, initial=start,
+                             total=t.max_steps, disable=None if self.rank == 0 else True)
+
+    # ------------------------------------------------------------------ the steps
+    def run(self) -> TrainResult:
+        """The steps from the start to the end, or to a signal (saved, then stopped) or a divergence (raised)."""
+        try:
+            for index in self.progress:
+                step = index + 1
+                stepped = self.step(step)
+                record = self.measures(step, stepped)
+                record |= self.evaluate(step)
+                self.log(step, record)
+                self.watch.stop_if_diverged()
+                self.checkpoint(step, stepped.stats)
+                if self.result.preempted:
+                    break
+        finally:
+            self.reader.close()
+            if self.logger:
+                self.logger.close()
+        dist.barrier()
+        return self.result
+
+    def step(self, step: int) -> Stepped:
+        """One optimizer step, timed, and its loss shown to the divergence watch."""
+        lr = self.trainer.lr
+        began = time.perf_counter()
+        stats = self.trainer.train_step(self.reader)
+        seconds = time.perf_counter() - began
+        for warning in self.watch.observe(step, stats.loss, stats.grad_norm):
+            if self.rank == 0:
+                tqdm.write(f"warning: {warning}")
+        return Stepped(stats, lr, seconds)
+
+    def measures(self, step: int, stepped: Stepped) -> dict:
+        """The step's training metrics when it is logged (the first, every ``train.log_interval``-th, the last), else
+        nothing."""
+        if not (step == 1 or step % self.cfg.train.log_interval == 0 or step == self.end):
+            return {}
+        stats, watch = stepped.stats, self.watch
+        tokens_per_s = self.tokens_per_step / stepped.seconds
+        return {
+            "loss": stats.loss, "head_losses": stats.head_losses, "lr": stepped.lr,
+            "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * self.flops_per_token / 1e12,
+            "mfu": tokens_per_s * self.flops_per_token / self.peak, "memory_gb": memory_gb(self.device),
+            "nonfinite_steps": watch.nonfinite_steps, "skipped_steps": self.trainer.engine.skipped_steps,
+        } | ({"grad_norm": stats.grad_norm} if stats.grad_norm is not None else {}) | (
+            {"loss_spikes": watch.loss_spikes} if self.cfg.train.spike_factor is not None else {}) | (
+            {"p_inf_loss": stats.p_inf_loss} if stats.p_inf_loss is not None else {})
+
+    def evaluate(self, step: int) -> dict:
+        """The validation metrics, calibrated ones included (:func:`mhf_dist.model.calibration.validation_metrics`),
+        every ``train.eval_interval`` steps and at the last; nothing without a validation split."""
+        interval = self.cfg.train.eval_interval
+        if not (self.has_val and ((interval and step % interval == 0) or step == self.end)):
+            return {}
+        with ShardReader(self.shards, split="val", **self.reader_args) as val:
+            return self.trainer.evaluate(val, self.eval_batches)
+
+    def log(self, step: int, record: dict) -> None:
+        """Rank 0 appends a non-empty record to the run's metrics and shows its headline values."""
+        if not record or self.rank != 0:
+            return
+        self.logger.log(step, record)
+        self.result.records.append({"step": step, **record})
+        tqdm.write(f"step {step:>6} | " + " | ".join(f"{k} {v:.4g}" for k, v in record.items() if k in (
+            "loss", "val_ppl", "val_ppl_calibrated", "lr", "tokens_per_s", "mfu")))
+
+    def checkpoint(self, step: int, stats: StepStats) -> None:
+        """Save when due (the ranks agree): on a signal (``result.preempted``: the run stops after it), at the end,
+        every ``train.checkpoint_interval`` steps, or ``train.checkpoint_minutes`` after the last save; never a step
+        whose loss or weights are not finite."""
+        t = self.cfg.train
+        self.result.preempted, time_due = self.scalars.any(self.stop.received, self.clock.due)
+        reason = ("signal" if self.result.preempted else "end" if step == self.end else
+                  "interval" if t.checkpoint_interval and step % t.checkpoint_interval == 0 else
+                  "time" if time_due else None)
+        if reason is None:
+            return
+        if not (self.watch.finite(stats.loss, stats.grad_norm) and weights_finite(self.trainer.engine, self.scalars)):
+            if self.rank == 0:
+                tqdm.write(f"warning: not saving step {step} ({reason}): its loss or weights are not finite; "
+                           f"the newest checkpoint, {self.checkpointer.latest()}, stays the one to resume from")
+            return
+        began = time.perf_counter()
+        saved = self.checkpointer.save(self.trainer.engine, step, step * self.tokens_per_step,
+                                       self.reader.state_dict(), reason)
+        self.clock.reset()
+        if self.rank == 0:
+            log_save(saved, reason, time.perf_counter() - began)
+
+
 def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopSignal | None = None) -> TrainResult:
     """Train ``cfg`` in ``run_dir`` on this rank (``resume``: auto, none, or a checkpoint directory; ``stop``: the
     handler the caller installed first thing, else one installed now)."""
-    stop = stop or StopSignal()
-    rank_env_from_slurm()
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    layout, ds_config = preflight(cfg, world, device_type(cfg))
-    device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
-    init_distributed(device)
-    groups = ParallelGroups.create(layout.tp, layout.pp)
-    scalars = ScalarCollectives()
-
-    run = RunDir(run_dir)
-    take_lock(run.path, rank, scalars)
-    if rank == 0:  # rank 0 creates what is missing; then every rank loads it
-        run.path.mkdir(parents=True, exist_ok=True)
-        _run_assets(run, cfg)
-    dist.barrier()
-    tokenizer, table, compression, shards = _run_assets(run, cfg)
-    if compression is not None and rank == 0:
-        tqdm.write(compression.summary())
-
-    seed_everything(cfg.train.seed)
-    model = model_skeleton(cfg.model, len(tokenizer), table.codes if table else None, compression,
-                           groups.tp_group, groups.tp_rank, groups.tp)
-    checkpointer = Checkpointer(run.path, cfg, table.content_hash if table else None,
-                                {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
-                                [n for n, _ in model.named_parameters()])
-    resume_from, universal = None, False
-    if (path := _resume_path(resume, checkpointer)) is not None:
-        resume_from, universal = checkpointer.for_this_layout(path)
-        checkpointer.continue_from(path)  # newer checkpoints (an abandoned line) are set aside
-        if universal:
-            ds_config = ds_config | {"checkpoint": {"load_universal": True}}
-
-    values = SeededValues(cfg.model.init_std, cfg.train.seed)
-    if cfg.train.init_from:  # also when resuming: a checkpoint need not hold the frozen parameters
-        values = init_weights_file(run.path / cfg.train.init_from, model, groups.tp)
-    if cfg.train.trainable_blocks is not None:
-        model.train_only_vocabulary_and_ends(cfg.train.trainable_blocks)
-    if cfg.train.compile:
-        model.backbone.compile_blocks()
-    vocab_rows = model.vocab.tables.num_rows
-    zero3 = ds_config if layout.pp == 1 and zero_stage(ds_config) == 3 else None
-    materialise = Materialiser(model, values, device, groups.tp_rank, groups.tp, zero3, groups)
-    trainer = build_trainer(cfg, model, groups, ds_config, layout, materialise)
-    checkpointer.host = getattr(trainer, "host", None)
-    del model
-    if scalars.any(stop.received)[0]:  # signalled during start-up: nothing trained yet, so nothing to save
-        if rank == 0:
-            tqdm.write("stopped by a signal during start-up; nothing to save")
+    loop = TrainingLoop(cfg, stop or StopSignal())
+    if not loop.setup(run_dir, resume):
         return TrainResult(preempted=True)
-
-    reader_args = dict(
-        seq_len=cfg.data.seq_len, tokenizer_fingerprint=tokens_fingerprint(vocabulary(tokenizer)),
-        seed=cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else cfg.train.seed,
-        dp_rank=groups.dp_rank, dp_size=groups.dp, shuffle_window=cfg.data.shuffle_window,
-        on_bad_shard=cfg.data.on_bad_shard, verify_checksums=cfg.data.verify_checksums,
-        allow_pipe=cfg.data.allow_pipe,
-    )
-    reader = ShardReader(shards, **reader_args)
-    has_val = "val" in reader.manifest["splits"]
-
-    start = 0
-    if resume_from is not None:
-        client = checkpointer.load(trainer.engine, resume_from)
-        start = client["step"]
-        for change in apply_optimizer_changes(trainer.engine, client["config"]["optimizer"], cfg.optimizer,
-                                              cfg.train.max_steps):
-            if rank == 0:
-                tqdm.write(f"changed on resume, from step {start + 1}: {change}")
-        reader.load_state_dict(client["reader"])
-        if rank == 0:
-            tqdm.write(f"resumed from {path} at step {start}" + (" (converted to this layout)" if universal else ""))
-    if rank == 0:  # only now: a config that a checkpoint refused never reaches config.yaml
-        run.save_config(cfg)
-
-    t = cfg.train
-    tokens_per_step = t.global_batch_size * cfg.data.seq_len
-    flops_per_token = forward_flops(cfg.model, cfg.data.seq_len, vocab_rows).train
-    peak = scalars.from_rank0(total_peak_flops(
-        t.peak_tflops, device, torch.bfloat16 if t.dtype == "bf16" else torch.float32, world) if rank == 0 else 0.0)
-
-    eval_batches = max(1, t.eval_sequences // (t.micro_batch_size * layout.dp))
-    end = min(t.stop_at_step or t.max_steps, t.max_steps)
-    logger = MetricsLogger(run.path, resume_step=start, cfg=cfg) if rank == 0 else None
-    result, clock, watch = TrainResult(), SaveClock(t.checkpoint_minutes), LossWatch(t)
-    progress = tqdm(range(start, end), desc="train", unit="step", dynamic_ncols=True, initial=start,
-                    total=t.max_steps, disable=None if rank == 0 else True)
-    try:
-        for step in progress:
-            lr = trainer.lr
-            began = time.perf_counter()
-            stats = trainer.train_step(reader)
-            elapsed = time.perf_counter() - began
-            for warning in watch.observe(step + 1, stats.loss, stats.grad_norm):
-                if rank == 0:
-                    tqdm.write(f"warning: {warning}")
-            last = step + 1 == end
-            record = {}
-            if step == 0 or (step + 1) % t.log_interval == 0 or last:
-                tokens_per_s = tokens_per_step / elapsed
-                record = {
-                    "loss": stats.loss, "head_losses": stats.head_losses, "lr": lr,
-                    "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * flops_per_token / 1e12,
-                    "mfu": tokens_per_s * flops_per_token / peak, "memory_gb": memory_gb(device),
-                    "nonfinite_steps": watch.nonfinite_steps, "skipped_steps": trainer.engine.skipped_steps,
-                } | ({"grad_norm": stats.grad_norm} if stats.grad_norm is not None else {}) | (
-                    {"loss_spikes": watch.loss_spikes} if t.spike_factor is not None else {}) | (
-                    {"p_inf_loss": stats.p_inf_loss} if stats.p_inf_loss is not None else {})
-            if has_val and ((t.eval_interval and (step + 1) % t.eval_interval == 0) or last):
-                with ShardReader(shards, split="val", **reader_args) as val:
-                    record |= trainer.evaluate(val, eval_batches)  # mhf_dist.model.calibration.validation_metrics
-            if record and rank == 0:
-                logger.log(step + 1, record)
-                result.records.append({"step": step + 1, **record})
-                tqdm.write(f"step {step + 1:>6} | " + " | ".join(f"{k} {v:.4g}" for k, v in record.items() if k in (
-                    "loss", "val_ppl", "val_ppl_calibrated", "lr", "tokens_per_s", "mfu")))
-            watch.stop_if_diverged()
-            result.preempted, time_due = scalars.any(stop.received, clock.due)
-            reason = ("signal" if result.preempted else "end" if step + 1 == end else
-                      "interval" if t.checkpoint_interval and (step + 1) % t.checkpoint_interval == 0 else
-                      "time" if time_due else None)
-            if reason and not (watch.finite(stats.loss, stats.grad_norm) and weights_finite(trainer.engine, scalars)):
-                if rank == 0:
-                    tqdm.write(f"warning: not saving step {step + 1} ({reason}): its loss or weights are not finite; "
-                               f"the newest checkpoint, {checkpointer.latest()}, stays the one to resume from")
-            elif reason:
-                save_began = time.perf_counter()
-                saved = checkpointer.save(trainer.engine, step + 1, (step + 1) * tokens_per_step, reader.state_dict(),
-                                          reason)
-                clock.reset()
-                if rank == 0:
-                    log_save(saved, reason, time.perf_counter() - save_began)
-            if result.preempted:
-                break
-    finally:
-        reader.close()
-        if logger:
-            logger.close()
-    dist.barrier()
-    return result
+    return loop.run()

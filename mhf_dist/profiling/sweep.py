@@ -1,0 +1,62 @@
+"""The sweep: every (layout, hash configuration) profiled in its own set of local processes, one per
+tensor-parallel rank (``mhf-dist profile-worker``), so peak memory is each configuration's own."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mhf_dist.profiling.timing import torch_dtype
+from mhf_dist.profiling.training import TrainRow, profile_training
+from mhf_dist.train.throughput import measured_peak_flops
+
+
+def worker_main(rows_file: str, spec_json: str) -> int:
+    """One rank of a tensor-parallel layout: profile one configuration; rank 0 writes its row to ``rows_file``."""
+    spec = json.loads(spec_json)
+    device = torch.device(spec.pop("device"))
+    if device.type == "cuda":  # each local rank on its own GPU (LOCAL_RANK, as launch_local sets it)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if spec["tp"] > 1:
+        dist.init_process_group("gloo" if device.type == "cpu" else "nccl",
+                                device_id=device if device.type == "cuda" else None)
+    trace = spec.pop("trace_dir")
+    row = profile_training(device=device, trace_dir=Path(trace) if trace else None, **spec)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(rows_file).write_text(json.dumps(asdict(row)))
+    if dist.is_initialized():
+        dist.barrier()  # no rank tears its connections down while another still uses them
+        dist.destroy_process_group()
+    return 0
+
+
+def run_sweep(size: str, hashes: list[str], tps: list[int], steps: int, warmup: int, seq_len: int, micro: int,
+              dtype: str, out: Path, peak_nominal: float | None, overrides: list[str], trace: bool) -> list[TrainRow]:
+    """Every (tp, hash configuration) in ``tps`` × ``hashes``, each in fresh processes; their rows in that order."""
+    from tqdm.auto import tqdm
+
+    from mhf_dist.launch import launch_local
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    peak = measured_peak_flops(device, torch_dtype(dtype))
+    rows = []
+    combos = [(tp, h) for tp in tps for h in hashes]
+    for i, (tp, hash_name) in enumerate(tqdm(combos, desc="profile", unit="config")):
+        # every configuration in fresh processes, so peak memory is its own
+        spec = dict(size=size, hash_name=hash_name, tp=tp, steps=steps, warmup=warmup, seq_len=seq_len, micro=micro,
+                    dtype=dtype, peak_measured=peak, peak_nominal=peak_nominal, overrides=overrides,
+                    trace_dir=str(out / "trace") if trace and i == 0 else None)
+        rows_file = out / f"rows-tp{tp}-{hash_name}.json"
+        rc = launch_local(tp, ["profile-worker", "--rows", str(rows_file), "--spec",
+                               json.dumps(spec | {"device": device.type})])
+        if rc:
+            raise RuntimeError(f"profiling {size}-{hash_name} at tp={tp} failed (exit {rc})")
+        rows.append(TrainRow(**json.loads(rows_file.read_text())))
+        rows_file.unlink()
+    return rows

@@ -1,0 +1,133 @@
+"""One configuration's training steps on one rank, timed: forward, backward, optimizer and collectives."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mhf_dist.config import load_config
+from mhf_dist.engram_compression import CompressionTable
+from mhf_dist.model import build_model
+from mhf_dist.model.flops import forward_flops
+from mhf_dist.parallel.comm import count_collectives
+from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
+from mhf_dist.profiling.timing import Timer, torch_dtype
+from mhf_dist.train.optim import build_optimizer
+from mhf_dist.train.throughput import memory_gb
+
+VOCAB = 32768  # Mistral v0.3's size; signatures are random and ids not compressed (timing does not depend on them)
+
+
+@dataclass
+class TrainRow:
+    """One configuration at one layout: a row of ``profile.csv`` and of ``profile.json``'s ``training``."""
+
+    size: str
+    hash: str
+    layout: str
+    dtype: str
+    seq_len: int
+    micro_batch: int
+    params: int
+    tokens_per_s: float
+    step_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    comm_s: float
+    tflops: float
+    peak_tflops_measured: float
+    peak_tflops_nominal: float | None
+    mfu: float
+    memory_gb: float
+    comm_bytes_per_step: int
+
+
+def step_seconds(step: dict[str, float]) -> float:
+    """Seconds of a whole training step from :meth:`TrainingProbe.step`'s split (collectives fall inside it)."""
+    return step["forward"] + step["backward"] + step["optimizer"]
+
+
+class TrainingProbe:
+    """One configuration trained step by step on this rank (tp ranks build it together): the model of preset
+    ``{size}-{hash_name}``, AdamW and one synthetic batch. :meth:`step` times one step; :meth:`row` summarises
+    the steps it is given, so several probes can be stepped in turn (side by side, as the benchmark does)."""
+
+    def __init__(self, size: str, hash_name: str, tp: int, seq_len: int, micro: int, dtype: str,
+                 device: torch.device, overrides: list[str], max_steps: int):
+        run_cfg = load_config(f"{size}-{hash_name}", overrides=[f"parallel.tp={tp}", *overrides])
+        cfg = run_cfg.model
+        gen = torch.Generator().manual_seed(0)
+        codes = torch.randint(1, cfg.hash.num_buckets, (VOCAB, cfg.hash.num_hashes), generator=gen)
+        torch.manual_seed(0)
+        model = build_model(cfg, VOCAB, codes, CompressionTable.identity(VOCAB)).to(device)
+        self.params = sum(p.numel() for p in model.parameters())
+        apply_tensor_parallel(model, dist.group.WORLD if tp > 1 else None, dist.get_rank() if tp > 1 else 0, tp)
+        model.to(torch_dtype(dtype))
+        if run_cfg.train.compile:
+            model.backbone.compile_blocks()
+        self.model, self.device = model, device
+        self.optimizer, _ = build_optimizer(model, run_cfg.optimizer, max_steps=max_steps)
+        self.batch = torch.randint(0, VOCAB, (micro, seq_len + 1), generator=gen).to(device)
+        self.size, self.hash, self.tp, self.dtype, self.seq_len, self.micro = size, hash_name, tp, dtype, seq_len, micro
+        self.flops_per_token = forward_flops(cfg, seq_len, vocab_rows=model.vocab.tables.num_rows).train
+        self.comm_bytes = 0
+
+    def step(self) -> dict[str, float]:
+        """Seconds of one step's forward, backward, optimizer and (inside them) tensor-parallel collectives."""
+        with count_collectives() as log:
+            with Timer(self.device) as fwd:
+                loss = self.model(self.batch[:, :-1], self.batch[:, 1:]).loss
+            with Timer(self.device) as bwd:
+                loss.backward()
+        with Timer(self.device) as opt:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.comm_bytes = log.total_bytes
+        return {"forward": fwd.seconds, "backward": bwd.seconds, "optimizer": opt.seconds, "comm": log.seconds}
+
+    def row(self, steps: list[dict[str, float]], peak_measured: float, peak_nominal: float | None) -> TrainRow:
+        """Median times of ``steps`` (from :meth:`step`) as a row; MFU against ``peak_measured``."""
+        split = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+        step_s = step_seconds(split)
+        tokens_per_s = self.micro * self.seq_len / step_s  # one data-parallel replica
+        flops = self.flops_per_token * tokens_per_s
+        # a replica spans tp GPUs; CPU ranks share one machine, whose peak was measured
+        peak = peak_measured * (self.tp if self.device.type == "cuda" else 1)
+        return TrainRow(
+            size=self.size, hash=self.hash, layout=f"tp={self.tp}", dtype=self.dtype, seq_len=self.seq_len,
+            micro_batch=self.micro, params=self.params, tokens_per_s=tokens_per_s, step_s=step_s,
+            forward_s=split["forward"], backward_s=split["backward"], optimizer_s=split["optimizer"],
+            comm_s=split["comm"], tflops=flops / 1e12, peak_tflops_measured=peak_measured / 1e12,
+            peak_tflops_nominal=peak_nominal, mfu=flops / peak, memory_gb=memory_gb(self.device),
+            comm_bytes_per_step=self.comm_bytes,
+        )
+
+
+def profile_training(size: str, hash_name: str, tp: int, steps: int, warmup: int, seq_len: int, micro: int,
+                     dtype: str, device: torch.device, peak_measured: float, peak_nominal: float | None,
+                     overrides: list[str], trace_dir: Path | None = None) -> TrainRow:
+    """One configuration on this rank (tp ranks run this together): ``warmup`` steps, then ``steps`` measured."""
+    probe = TrainingProbe(size, hash_name, tp, seq_len, micro, dtype, device, overrides, max_steps=steps + warmup)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    profiler = None
+    if trace_dir is not None:
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        profiler = profile(activities=activities, schedule=schedule(wait=0, warmup=warmup, active=steps),
+                           on_trace_ready=tensorboard_trace_handler(str(trace_dir)), record_shapes=True)
+        profiler.start()
+    times = []
+    for _ in range(warmup + steps):
+        times.append(probe.step())
+        if profiler:
+            profiler.step()
+    if profiler:
+        profiler.stop()
+    return probe.row(times[warmup:], peak_measured, peak_nominal)
