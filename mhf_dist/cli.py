@@ -16,7 +16,6 @@ from mhf_dist.config import SIZES, ConfigError, RunConfig, load_config, preset_n
 from mhf_dist.errors import ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, MhfError
 from mhf_dist.output_dir import OVERWRITE_HELP
 
-
 DESCRIPTION = """\
 Distributed training for MultiHashFormer language models: each token is a
 signature of H hash coordinates into H bucket tables instead of an embedding
@@ -211,7 +210,8 @@ def cmd_submit(args) -> int:
         return 0
     if args.write:
         path = write_script(script, Path(args.write), run_dir)
-        print(f"wrote {path}; " + (f"submit it with: sbatch {path}" if kind == "sbatch" else f"start it with: bash {path}"))
+        how = f"submit it with: sbatch {path}" if kind == "sbatch" else f"start it with: bash {path}"
+        print(f"wrote {path}; {how}")
         return 0
     if kind == "hostfile":
         path = write_script(script, run_dir.resolve() / "launch.sh", run_dir)
@@ -311,7 +311,8 @@ def _prepare_data_parser(sub) -> None:
     p.add_argument("--tokenizer", required=True, help="tokenizer directory, or mistral-v0.3")
     p.add_argument("--out", required=True, help="output directory (new or empty; see --overwrite)")
     _add_overwrite(p)
-    p.add_argument("--seq-len", type=positive_int, required=True, help="model sequence length; samples hold seq_len + 1 ids")
+    p.add_argument("--seq-len", type=positive_int, required=True,
+                   help="model sequence length; samples hold seq_len + 1 ids")
     p.add_argument("--samples-per-shard", type=positive_int, default=8192, help="samples per tar shard (default 8192)")
     p.add_argument("--prefix", default="train", help="training shard names: PREFIX-000000.tar ... (default train)")
     p.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl inputs")
@@ -417,15 +418,17 @@ def _expand_vocab_parser(sub) -> None:
     p.add_argument("--run-dir", required=True, help="the trained run (its newest checkpoint is used)")
     p.add_argument("--tokenizer", required=True, help="the new tokenizer directory (old ids kept, tokens appended)")
     p.add_argument("--out", help="new run directory (default: RUN_DIR-vocab<V>)")
-    p.add_argument("--trainable-blocks", type=non_negative_int, help="train only the vocabulary side, the final norm and the "
-                   "first and last k blocks (the paper's expansion stage); default: everything")
+    p.add_argument("--trainable-blocks", type=non_negative_int,
+                   help="train only the vocabulary side, the final norm and the first and last k blocks (the paper's "
+                   "expansion stage); default: everything")
     _add_overrides(p, "override the new run's config, e.g. --set train.max_steps=1000 (repeatable)")
     _add_overwrite(p)
     p.set_defaults(func=cmd_expand_vocab)
 
 
 def _submit_parser(sub) -> None:
-    p = sub.add_parser("submit", help="submit a multi-node training job (SLURM, or a hostfile for DeepSpeed's launcher)")
+    p = sub.add_parser("submit",
+                       help="submit a multi-node training job (SLURM, or a hostfile for DeepSpeed's launcher)")
     _add_run_options(p)
     p.add_argument("--run-dir", required=True, help="run directory on storage every node sees")
     p.add_argument("--cluster", required=True, help="cluster profile: a100-80g, mi300x, cpu-local or a .yaml path")
@@ -518,7 +521,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mhf-dist {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")  # commands without help= are unlisted
-    for add in (_train_parser, _prepare_data_parser, _plan_parser, _export_parser, _export_hf_parser, _import_hf_parser, _generate_parser, _eval_parser, _expand_vocab_parser, _submit_parser, _status_parser, _profile_parser, _profile_worker_parser, _config_parser, _presets_parser, _tokenizer_parser):
+    for add in (_train_parser, _prepare_data_parser, _plan_parser, _export_parser, _export_hf_parser,
+                _import_hf_parser, _generate_parser, _eval_parser, _expand_vocab_parser, _submit_parser,
+                _status_parser, _profile_parser, _profile_worker_parser, _config_parser, _presets_parser,
+                _tokenizer_parser):
         add(sub)
     return parser
 

@@ -290,7 +290,8 @@ class TrainConfig(_Strict):
     dtype: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_interval: int = Field(1, ge=1, description="log every N steps (and always step 1 and the last)")
-    eval_interval: int = Field(0, ge=0, description="evaluate on the validation split every N steps; 0: only at the end")
+    eval_interval: int = Field(
+        0, ge=0, description="evaluate on the validation split every N steps; 0: only at the end")
     eval_sequences: int = Field(
         32, ge=1, description="validation sequences per evaluation, over all ranks (rounded down to whole "
         "micro-batches per data-parallel rank, at least one), the same set in every layout")

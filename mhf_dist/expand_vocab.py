@@ -24,11 +24,11 @@ from mhf_dist.config import EMBEDDED_CORPUS, ConfigError, RunConfig, apply_overr
 from mhf_dist.consolidate import trained_weights
 from mhf_dist.hf.importer import INIT_WEIGHTS, save_initialised_run
 from mhf_dist.model import build_model
+from mhf_dist.offline_tokenizers import TokenizerError, load_tokenizer
 from mhf_dist.output_dir import check_target, staged
 from mhf_dist.run_dir import RunDir
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.token_list import vocabulary
-from mhf_dist.offline_tokenizers import TokenizerError, load_tokenizer
 
 TABLES = "vocab.tables.weight"
 

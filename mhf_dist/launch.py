@@ -19,7 +19,6 @@ import time
 
 from mhf_dist.errors import PREEMPTED_EXIT_CODE
 
-
 # torch's CPU allocator backs large tensors with transparent huge pages: the step's fresh gradient and
 # activation buffers then fault in 2 MB pages instead of 4 KB ones (CPU ranks step 10-15% faster here).
 CPU_HUGE_PAGES = ("THP_MEM_ALLOC_ENABLE", "1")

@@ -23,9 +23,9 @@ from transformers import PreTrainedTokenizerBase
 from mhf_dist.config import HashConfig, RunConfig
 from mhf_dist.data.prepare import MANIFEST, TOKENIZER_DIR, prepare
 from mhf_dist.engram_compression import NORMALIZATION_VERSION, CompressionError, CompressionTable
+from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
 from mhf_dist.signatures import SignatureError, SignatureTable
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
-from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
 
 
 class RunDir:

@@ -67,9 +67,9 @@ import webdataset as wds
 from tqdm.auto import tqdm
 
 from mhf_dist.errors import MhfError
+from mhf_dist.offline_tokenizers import load_tokenizer
 from mhf_dist.output_dir import check_target, staged
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
-from mhf_dist.offline_tokenizers import load_tokenizer
 
 FORMAT = "mhf-dist-packed-tokens-v1"
 MANIFEST = "manifest.json"

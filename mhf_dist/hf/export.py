@@ -36,14 +36,14 @@ import yaml
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from mhf_dist.config import ConfigError, ModelConfig, RunConfig
-from mhf_dist.data.prepare import MANIFEST
 from mhf_dist.consolidate import DTYPES, TrainedWeights, trained_weights
+from mhf_dist.data.prepare import MANIFEST
 from mhf_dist.hf.configuration_multihashformer import MultiHashFormerConfig
 from mhf_dist.hf.layout import EMBED, LM_HEAD, to_export
 from mhf_dist.hf.modeling_multihashformer import MultiHashFormerForCausalLM
+from mhf_dist.offline_tokenizers import load_tokenizer
 from mhf_dist.output_dir import check_target, staged
 from mhf_dist.signatures import SignatureTable
-from mhf_dist.offline_tokenizers import load_tokenizer
 
 RUN_CONFIG = "mhf_dist.yaml"
 MAX_POSITIONS = 32768  # RoPE has no learned positions; this only sizes static caches

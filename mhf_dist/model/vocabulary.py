@@ -25,8 +25,16 @@ from torch import nn
 from mhf_dist.model.calibration import coarse_temperatures
 from mhf_dist.model.decoder import CascadedDecoder
 from mhf_dist.model.hash_encoder import HashEncoder
-from mhf_dist.model.scoring import (LOG_P_INF_CHUNK, SUM_P_INF_NLL, SUM_TOKENS, TARGET_CHUNK, log_normaliser,
-                                    log_p_inf, signature_columns, target_calibration_sums)
+from mhf_dist.model.scoring import (
+    LOG_P_INF_CHUNK,
+    SUM_P_INF_NLL,
+    SUM_TOKENS,
+    TARGET_CHUNK,
+    log_normaliser,
+    log_p_inf,
+    signature_columns,
+    target_calibration_sums,
+)
 from mhf_dist.model.tables import BucketTables
 
 

@@ -86,7 +86,8 @@ class PipelineLoss:
 
 
 def canonical_name(name: str) -> str:
-    """A pipeline parameter's name in the LanguageModel's naming (``3.block.mlp...`` -> ``backbone.layers.2.mlp...``)."""
+    """A pipeline parameter's name in the LanguageModel's naming
+    (``3.block.mlp...`` -> ``backbone.layers.2.mlp...``)."""
     if name.startswith(f"tied_modules.{VOCAB}."):
         return name[len(f"tied_modules.{VOCAB}."):]
     index, _, rest = name.partition(".")

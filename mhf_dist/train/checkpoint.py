@@ -75,8 +75,17 @@ from safetensors.torch import load_file, save
 from mhf_dist import __version__
 from mhf_dist.config import ModelConfig, RunConfig
 from mhf_dist.parallel.scalars import ScalarCollectives
-from mhf_dist.train.checkpoint_index import (ABANDONED, LATEST, MARKER, CheckpointError, checkpoint_step,
-                                             complete_checkpoints, marker_problem, read_marker, step_directories)
+from mhf_dist.train.checkpoint_index import (
+    ABANDONED,
+    LATEST,
+    MARKER,
+    CheckpointError,
+    checkpoint_step,
+    complete_checkpoints,
+    marker_problem,
+    read_marker,
+    step_directories,
+)
 from mhf_dist.train.host_tables import HOST_TABLES_FILE
 from mhf_dist.train.universal import convert_for_layout, universal_info
 

@@ -13,7 +13,8 @@ leaf by leaf under ZeRO-3) before ``deepspeed.initialize``; pp > 1 hands it to t
 pipeline, whose stages materialise their own layers. Without ``materialise``
 the model is taken as built.
 
-The DeepSpeed config comes from :mod:`mhf_dist.parallel.layout`. Both engines expose the same ``train_step`` / ``evaluate``.
+The DeepSpeed config comes from :mod:`mhf_dist.parallel.layout`. Both engines expose the same ``train_step`` /
+``evaluate``.
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ class MetricsLogger:
         if resume_step and self.path.exists():
             kept = [r for r in _records(self.path) if r["step"] <= resume_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        self.writer = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR), purge_step=resume_step + 1 if resume_step else None)
+        purge_step = resume_step + 1 if resume_step else None
+        self.writer = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR), purge_step=purge_step)
 
     def log(self, step: int, values: dict) -> None:
         record = {"step": step, **values}

@@ -81,7 +81,8 @@ def consolidate(checkpoint: Path, pipeline: bool) -> dict[str, torch.Tensor]:
         return read_universal(to_universal(checkpoint, Path(tmp) / "universal"), pipeline)
 
 
-def convert_for_layout(checkpoint: Path, out: Path, source_pipeline: bool, target_pipeline: bool, n_layers: int) -> Path:
+def convert_for_layout(checkpoint: Path, out: Path, source_pipeline: bool, target_pipeline: bool,
+                       n_layers: int) -> Path:
     """A universal copy of ``checkpoint`` whose parameter folders carry the target engine's names."""
     to_universal(checkpoint, out)
     if source_pipeline != target_pipeline:
