@@ -347,7 +347,7 @@ def _export_parser(sub) -> None:
 
 
 def _export_hf_parser(sub) -> None:
-    p = sub.add_parser("export-hf", help="a Hugging Face model directory (authors' layout, SPEC §9) from a "
+    p = sub.add_parser("export-hf", help="a Hugging Face model directory (the authors' layout) from a "
                        "checkpoint; logits are log P_inf")
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")
     p.add_argument("out_dir")

@@ -29,13 +29,13 @@ class _Strict(BaseModel):
 
 
 class HashConfig(_Strict):
-    """Signatures and the hash encoder/decoder (SPEC §1, §2, §4)."""
+    """Signatures and the hash encoder/decoder (docs/spec.md §1, §2, §4)."""
 
     num_hashes: int = Field(4, ge=1, description="H: hash coordinates per token")
     num_buckets: int = Field(16384, ge=2, description="B: rows per bucket table; bucket 0 is padding")
     single_id: bool = Field(False, description="H1 ablation: one hash copied into all H coordinates (non-unique)")
-    gate_dim: int = Field(64, ge=1, description="d_z of the encoder's gate MLP (SPEC §2)")
-    mixer_dim: int = Field(64, ge=1, description="r of the decoder's cascade mixers (SPEC §4)")
+    gate_dim: int = Field(64, ge=1, description="d_z of the encoder's gate MLP (docs/spec.md §2)")
+    mixer_dim: int = Field(64, ge=1, description="r of the decoder's cascade mixers (docs/spec.md §4)")
     p_inf_loss_weight: float = Field(
         0.0, ge=0, allow_inf_nan=False,
         description="λ: adds λ × mean(−log P_inf(target)) to the training loss, the NLL of the distribution "
@@ -45,9 +45,9 @@ class HashConfig(_Strict):
 
 
 class EngramConfig(_Strict):
-    """Engram N-gram memory (SPEC §8), added to the residual stream before the attention of ``layers``.
+    """Engram N-gram memory (docs/spec.md §8), added to the residual stream before the attention of ``layers``.
 
-    Choices where SPEC §8 is silent: each head's table has the smallest unused prime ``>= table_size`` rows
+    Choices where docs/spec.md §8 is silent: each head's table has the smallest unused prime ``>= table_size`` rows
     (distinct over heads, orders and layers, assigned in that nesting: layer, order, head); the ``engram``
     hash and ``sigmoid`` gate (DeepSeek's public demo) are the defaults; ``head_dim`` makes the concatenated
     head vectors ``d_model`` wide for the sigmoid gate (DeepSeek's proportions), and must be ``d_model`` for
@@ -92,7 +92,7 @@ class EngramConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    """Backbone shape (SPEC §3) and which input/output the model uses."""
+    """Backbone shape (docs/spec.md §3) and which input/output the model uses."""
 
     variant: Literal["mhf", "standard"] = Field("mhf", description="MultiHashFormer or the tied-embedding baseline")
     d_model: int = Field(ge=1)
@@ -110,7 +110,7 @@ class ModelConfig(_Strict):
         "O(chunk × B): a chunk's logits live only inside one head's forward or backward); 0: the plain path, which "
         "keeps every head's logits (reference)")
     hash: HashConfig = HashConfig()
-    engram: EngramConfig | None = Field(None, description="Engram N-gram memory (SPEC §8); None: no memory")
+    engram: EngramConfig | None = Field(None, description="Engram N-gram memory (docs/spec.md §8); None: no memory")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -134,7 +134,7 @@ class ModelConfig(_Strict):
 
     @property
     def engram_layers(self) -> list[int]:
-        """Layers holding a memory, ascending (none without ``engram``); SPEC §8's example: 1 and L/2."""
+        """Layers holding a memory, ascending (none without ``engram``); docs/spec.md §8's example: 1 and L/2."""
         if self.engram is None:
             return []
         if self.engram.layers is None:
@@ -205,7 +205,7 @@ class DataConfig(_Strict):
         "(1 MB of English); None: the embedded text for tiny presets, an error before launch for every other run")
     seq_len: int = Field(128, ge=2)
     shuffle_seed: int | None = Field(
-        None, ge=0, description="seed of the global sample order over shards (SPEC §7); None: train.seed"
+        None, ge=0, description="seed of the global sample order over shards (docs/spec.md §7); None: train.seed"
     )
     shuffle_window: int = Field(16, ge=1, description="shards whose samples are interleaved and shuffled together")
     on_bad_shard: Literal["error", "skip"] = Field(
@@ -221,7 +221,7 @@ class DataConfig(_Strict):
 
 
 class OptimizerConfig(_Strict):
-    """AdamW with linear warm-up then cosine decay to ``min_lr_ratio * lr`` (SPEC §6)."""
+    """AdamW with linear warm-up then cosine decay to ``min_lr_ratio * lr`` (docs/spec.md §6)."""
 
     lr: float = Field(3e-4, gt=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
@@ -242,7 +242,7 @@ class OptimizerConfig(_Strict):
 
 
 class ParallelConfig(_Strict):
-    """Parallel layout (SPEC §7); data parallel is derived: world size / (tp * pp)."""
+    """Parallel layout (docs/spec.md §7); data parallel is derived: world size / (tp * pp)."""
 
     tp: int = Field(1, ge=1, description="tensor-parallel ranks (bucket tables split along B)")
     pp: int = Field(1, ge=1, description="pipeline stages")
@@ -411,7 +411,7 @@ class RunConfig(_Strict):
 
 # ---------------------------------------------------------------- presets
 SIZES: dict[str, dict[str, Any]] = {
-    # SPEC §6 backbones (from the public code); `tiny` is ours, for CPU tests and demos.
+    # docs/spec.md §6 backbones (from the public code); `tiny` is ours, for CPU tests and demos.
     "tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192),
     "100m": dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=2, ffn_dim=2560),
     "1b": dict(d_model=2048, n_layers=20, n_heads=16, n_kv_heads=8, ffn_dim=6144),
@@ -436,11 +436,11 @@ _TRAINING = {
         train={"global_batch_size": 256, "micro_batch_size": 4, "dtype": "bf16", "checkpoint_minutes": 30},
     ),
 }
-# 256 x 2048 tokens per step: 10B tokens at 100M, 100B tokens otherwise (SPEC §6).
+# 256 x 2048 tokens per step: 10B tokens at 100M, 100B tokens otherwise (docs/spec.md §6).
 _MAX_STEPS = {"100m": 10_000_000_000 // (256 * 2048),
               **{size: 100_000_000_000 // (256 * 2048) for size in ("1b", "3b", "7b", "13b")}}
 
-# H3B10K keeps the public code's B = 10,624 (SPEC §6); other hNbMk read B = M * 1024.
+# H3B10K keeps the public code's B = 10,624 (docs/spec.md §6); other hNbMk read B = M * 1024.
 _SPECIAL_BUCKETS = {("3", "10"): 10_624}
 _VARIANT = re.compile(
     r"^(?:(?P<std>standard)(?:\+(?P<extra>\d+)l)?|h(?P<h>\d+)b(?P<b>\d+)k)(?P<engram>\+engram)?$")
@@ -454,7 +454,7 @@ def preset_names() -> list[str]:
 
 
 def preset(name: str) -> dict[str, Any]:
-    """The raw config dict of preset ``{size}-{variant}[+engram]``; ``+engram`` adds the SPEC §8 memory with
+    """The raw config dict of preset ``{size}-{variant}[+engram]``; ``+engram`` adds the docs/spec.md §8 memory with
     its defaults (:class:`EngramConfig`: layers 1 and L/2)."""
     size, _, variant = name.partition("-")
     match = _VARIANT.match(variant)
@@ -471,7 +471,7 @@ def preset(name: str) -> dict[str, Any]:
     else:
         h, b = match["h"], match["b"]
         buckets = _SPECIAL_BUCKETS.get((h, b), int(b) * 1024)
-        # H1 ablation: one hash copied into four coordinates to match parameters (SPEC §6).
+        # H1 ablation: one hash copied into four coordinates to match parameters (docs/spec.md §6).
         hash_cfg = {"num_hashes": 4, "num_buckets": buckets, "single_id": True} if h == "1" else {
             "num_hashes": int(h), "num_buckets": buckets}
         model |= {"variant": "mhf", "hash": hash_cfg}

@@ -3,7 +3,7 @@
 Writes ``OUT/model.safetensors`` (the LanguageModel's parameter names, see
 :mod:`mhf_dist.hf.layout`), ``OUT/config.yaml`` (the run config), ``OUT/signatures/``,
 ``OUT/tokenizer/`` and, with Engram memories, ``OUT/engram/`` (the tokenizer
-compression, SPEC §8). The weights are the fp32 master weights merged over
+compression, docs/spec.md §8). The weights are the fp32 master weights merged over
 every data-, tensor- and pipeline-parallel shard (ZeRO-3 included), cast to
 ``--dtype``. :func:`trained_weights` is the merge, shared with ``export-hf``
 and ``expand-vocab``.

@@ -1,4 +1,4 @@
-"""Tokenizer compression for the Engram memory (SPEC §8): an ``old → new`` token-id table.
+"""Tokenizer compression for the Engram memory (docs/spec.md §8): an ``old → new`` token-id table.
 
 Token ids whose decoded text is equal after normalisation share one compressed
 id; the vocabulary shrinks, sequences keep their length. The normalisation is
@@ -53,7 +53,7 @@ STORAGE = StoredTable(what="compression table", array_file="compression.safetens
 
 
 def normalize(text: str) -> str:
-    """SPEC §8's normalisation of one decoded token (see the module docstring)."""
+    """docs/spec.md §8's normalisation of one decoded token (see the module docstring)."""
     text = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
     text = "".join(c for c in text if unicodedata.category(c) != "Mn").lower()
     text = _WHITESPACE.sub(" ", text)

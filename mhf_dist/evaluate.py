@@ -1,4 +1,4 @@
-"""``mhf-dist eval``: perplexity on shards and last-word accuracy, both under ``P_inf`` (SPEC §5).
+"""``mhf-dist eval``: perplexity on shards and last-word accuracy, both under ``P_inf`` (docs/spec.md §5).
 
 - Perplexity: ``exp`` of the mean ``-log P_inf`` of every next token over the
   sequences of a shard set's split (the shards must be made with the model's

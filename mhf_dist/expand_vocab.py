@@ -1,4 +1,4 @@
-"""``mhf-dist expand-vocab``: grow a trained run's vocabulary (SPEC §1; the paper's vocabulary expansion).
+"""``mhf-dist expand-vocab``: grow a trained run's vocabulary (docs/spec.md §1; the paper's vocabulary expansion).
 
 The new tokenizer must keep every old token at its old id and append the new
 ones. A MultiHashFormer registers the new tokens with fresh unique signatures
@@ -72,7 +72,8 @@ def expand_vocab(run_dir: str | Path, tokenizer: str | Path, out: str | Path | N
     cfg, state = trained.cfg, dict(trained.state)
     if cfg.model.engram is not None:
         raise ConfigError("expand-vocab: the Engram memory's N-gram hashes depend on the compressed vocabulary size "
-                          "(SPEC §8), which new tokens change; vocabulary expansion is not supported with model.engram")
+                          "(docs/spec.md §8), which new tokens change; vocabulary expansion is not supported with "
+                          "model.engram")
     old_tok, new_tok = load_tokenizer(trained.run.tokenizer_source(cfg)), load_tokenizer(tokenizer)
     old_tokens, new_tokens = vocabulary(old_tok), vocabulary(new_tok)
     check_superset(old_tokens, new_tokens)

@@ -3,7 +3,7 @@
 A model is a Hugging Face directory (``mhf-dist export-hf``), loaded with
 transformers exactly as users and lm-evaluation-harness load it; a run or
 checkpoint directory is exported into a temporary directory first. The model's
-logits are ``log P_inf`` over the real vocabulary (SPEC §5), so greedy,
+logits are ``log P_inf`` over the real vocabulary (docs/spec.md §5), so greedy,
 sampled (temperature, top-k, top-p) and beam-search generation only ever pick
 registered tokens, with the KV cache.
 """

@@ -3,8 +3,8 @@
 Nothing is downloaded: a tokenizer is a local directory that
 ``transformers.AutoTokenizer.from_pretrained`` loads (``tokenizer.json`` or a
 SentencePiece ``tokenizer.model``), or the name ``mistral-v0.3``, the paper's
-32,768-piece vocabulary shipped inside the ``mistral-common`` package (SPEC §6).
-A token's string for hashing is ``convert_ids_to_tokens(id)`` (SPEC §1).
+32,768-piece vocabulary shipped inside the ``mistral-common`` package (docs/spec.md §6).
+A token's string for hashing is ``convert_ids_to_tokens(id)`` (docs/spec.md §1).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Layout::
 
     RUN/config.yaml        resolved RunConfig
     RUN/tokenizer/         the tokenizer (trained here on the embedded corpus when tokenizer.path is None)
-    RUN/signatures/        the SignatureTable (SPEC §1), built once, then verified on every start
-    RUN/engram/            the Engram tokenizer compression (SPEC §8, only with model.engram), likewise
+    RUN/signatures/        the SignatureTable (docs/spec.md §1), built once, then verified on every start
+    RUN/engram/            the Engram tokenizer compression (docs/spec.md §8, only with model.engram), likewise
     RUN/data/              shards of the embedded corpus (only when data.path is unset or 'embedded')
     RUN/metrics.jsonl      one JSON object per logged step
     RUN/tensorboard/       TensorBoard event files

@@ -1,4 +1,4 @@
-"""Hash signatures: the MultiHashFormer vocabulary (SPEC §1).
+"""Hash signatures: the MultiHashFormer vocabulary (docs/spec.md §1).
 
 A token is a unique signature of ``H`` hash coordinates, each in ``1..B-1``
 (bucket 0 is padding). Coordinate ``i`` of token ``w`` is
@@ -43,17 +43,17 @@ STORAGE = StoredTable(what="signature table", array_file="signatures.safetensors
 
 
 def bucket_of(token: str, seed: int, num_buckets: int) -> int:
-    """One hash coordinate of ``token``: a bucket in ``1..num_buckets-1`` (SPEC §1)."""
+    """One hash coordinate of ``token``: a bucket in ``1..num_buckets-1`` (docs/spec.md §1)."""
     return mmh3.hash128(token, seed=seed) % (num_buckets - 1) + 1
 
 
 @dataclass(frozen=True)
 class SignatureTable(ContentHashed):
-    """``codes[v]`` is the ``H`` bucket coordinates of token id ``v`` (SPEC §1).
+    """``codes[v]`` is the ``H`` bucket coordinates of token id ``v`` (docs/spec.md §1).
 
     ``seeds[i]`` is the mmh3 seed of coordinate ``i`` (``range(H)`` normally;
     all zeros for the single-ID ablation, whose one hash value is copied into
-    every coordinate). ``unique=False`` allows shared signatures (SPEC §6, H1).
+    every coordinate). ``unique=False`` allows shared signatures (docs/spec.md §6, H1).
     """
 
     codes: torch.Tensor
@@ -95,7 +95,7 @@ class SignatureTable(ContentHashed):
         return empty.extend(tokens)
 
     def extend(self, new_tokens: Sequence[str]) -> "SignatureTable":
-        """Append ``new_tokens`` (ids ``V, V+1, ...``); existing rows never change (SPEC §1)."""
+        """Append ``new_tokens`` (ids ``V, V+1, ...``); existing rows never change (docs/spec.md §1)."""
         new_tokens = list(new_tokens)
         seen = set(self.tokens)
         for tok in new_tokens:

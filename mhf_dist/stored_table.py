@@ -1,5 +1,5 @@
-"""A content-hashed integer table on disk: the storage shared by the signature table (SPEC §1) and the Engram
-compression table (SPEC §8).
+"""A content-hashed integer table on disk: the storage shared by the signature table (docs/spec.md §1) and the Engram
+compression table (docs/spec.md §8).
 
 One ``int32`` array in a safetensors file and its metadata in a JSON file, which also holds a SHA-256
 content hash over the metadata and the array. Each file is written to ``.tmp`` and renamed into place, and a

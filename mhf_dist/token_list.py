@@ -1,4 +1,5 @@
-"""A tokenizer's vocabulary as an ordered list of token strings, and the fingerprint that identifies it (SPEC §1).
+"""A tokenizer's vocabulary as an ordered list of token strings, and the fingerprint that identifies it
+(docs/spec.md §1).
 
 Signature tables, data shards, Engram compression tables and exports record
 the fingerprint of the vocabulary they were made with, so a mismatch is found

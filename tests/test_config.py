@@ -1,4 +1,4 @@
-"""Configs: presets (SPEC §6 parameter counts on the meta device), overrides, named errors."""
+"""Configs: presets (docs/spec.md §6 parameter counts on the meta device), overrides, named errors."""
 
 from __future__ import annotations
 
@@ -31,13 +31,13 @@ def test_every_preset_builds_on_meta():
 
 @pytest.mark.parametrize("size", ["1b", "3b"])
 def test_embedding_parameter_counts_match_spec(size):
-    # SPEC §6: H4B16K embedding ≈ 138M at d=2048, Standard ≈ 65M (65–67M).
+    # docs/spec.md §6: H4B16K embedding ≈ 138M at d=2048, Standard ≈ 65M (65–67M).
     assert within(counts(f"{size}-h4b16k")["embedding"], 138e6)
     assert within(counts(f"{size}-standard")["embedding"], 66e6)
 
 
 def test_backbone_parameter_counts_match_spec():
-    # SPEC §6 table. 1B (d=2048, 20 layers, 16/8 heads, FFN 6144) counts 1.007B non-embedding
+    # docs/spec.md §6 table. 1B (d=2048, 20 layers, 16/8 heads, FFN 6144) counts 1.007B non-embedding
     # parameters by hand: 20 x (2048·(2048+1024+1024+2048) + 3·2048·6144) plus norms.
     assert within(counts("1b-h4b16k")["backbone"], 1.0e9)
     assert within(counts("3b-h4b16k")["backbone"], 2.8e9)

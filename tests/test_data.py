@@ -1,4 +1,4 @@
-"""Data layer (SPEC §7): prepare-data shards, and the rank-disjoint, resumable shard reader."""
+"""Data layer (docs/spec.md §7): prepare-data shards, and the rank-disjoint, resumable shard reader."""
 
 from __future__ import annotations
 

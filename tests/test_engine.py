@@ -1,4 +1,4 @@
-"""The DeepSpeed engine: every tp × pp × dp layout trains the same model to the same losses (SPEC §7).
+"""The DeepSpeed engine: every tp × pp × dp layout trains the same model to the same losses (docs/spec.md §7).
 
 Each run is `mhf-dist train --nproc-per-node N` (torchrun, gloo, fp32) on the same shards, the same
 global batch and seed; the first three optimizer steps' losses must agree to 1e-4.

@@ -1,6 +1,6 @@
-"""Engram memory (SPEC §8): compression, N-gram hashes, gates, causality, parallel equivalence, training.
+"""Engram memory (docs/spec.md §8): compression, N-gram hashes, gates, causality, parallel equivalence, training.
 
-Expected values are computed here from SPEC §8's formulas, one position at a time in plain Python.
+Expected values are computed here from docs/spec.md §8's formulas, one position at a time in plain Python.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def random_compression(vocab: int, num_ids: int, seed: int) -> CompressionTable:
 # ---------------------------------------------------------------- tokenizer compression
 def deepseek_normalizer():
     """The normaliser of DeepSeek's public demo (``CompressedTokenizer``), from the ``tokenizers`` package: an
-    independent implementation of SPEC §8's NFKC, accent stripping, lower-casing and whitespace collapsing."""
+    independent implementation of docs/spec.md §8's NFKC, accent stripping, lower-casing and whitespace collapsing."""
     from tokenizers import Regex, normalizers
 
     sentinel = "\ue000"
@@ -109,7 +109,7 @@ def test_compression_is_persisted_and_verified(tmp_path, bpe):
 
 # ---------------------------------------------------------------- N-gram hashes
 def reference_indices(hasher: NgramHash, ids: list[int], compression: CompressionTable, mode: str) -> tuple[list, bool]:
-    """SPEC §8 at each position t of one sequence; also whether some int64 product wrapped around."""
+    """docs/spec.md §8 at each position t of one sequence; also whether some int64 product wrapped around."""
     x = [compression.old_to_new[i].item() for i in ids]
     moduli, vp, pad = hasher.moduli.tolist(), compression.num_ids, compression.pad_id
     wrapped = False
@@ -284,7 +284,7 @@ def test_engram_config_errors_name_field_and_fix(overrides, message):
 
 def test_presets_and_flops_include_the_memory():
     cfg = load_config("1b-h4b16k+engram").model
-    assert cfg.engram_layers == [1, 10]  # SPEC §8: layers 1 and L/2
+    assert cfg.engram_layers == [1, 10]  # docs/spec.md §8: layers 1 and L/2
     compression = CompressionTable.identity(32768)
     with torch.device("meta"):
         counts = build_model(cfg, 32768, torch.ones(32768, 4, dtype=torch.long), compression).parameter_counts()

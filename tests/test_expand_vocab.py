@@ -1,4 +1,4 @@
-"""Vocabulary expansion (SPEC §1): new tokens, old signatures and rows kept, 0 parameters for MultiHashFormer."""
+"""Vocabulary expansion (docs/spec.md §1): new tokens, old signatures and rows kept, no new MHF parameters."""
 
 from __future__ import annotations
 

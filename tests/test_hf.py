@@ -1,4 +1,4 @@
-"""Hugging Face export and import (SPEC §9), generation and evaluation under P_inf (SPEC §5)."""
+"""Hugging Face export and import (docs/spec.md §9), generation and evaluation under P_inf (docs/spec.md §5)."""
 
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def test_standard_exports_as_plain_qwen3(trained, exported):
 
 def test_import_of_an_export_restores_the_run(trained, exported, data, tmp_path):
     out = run_cli(["import-hf", str(exported["mhf"]), "--run-dir", str(tmp_path / "imported")])
-    assert "0 differ from a fresh SPEC §1 build, 0 shared" in out
+    assert "0 differ from a fresh docs/spec.md §1 build, 0 shared" in out
     tw = trained_weights(trained["mhf"])
     init = load_file(str(tmp_path / "imported/init/model.safetensors"))
     assert init.keys() == tw.state.keys()
@@ -195,7 +195,7 @@ def test_import_lists_signature_differences(exported, tmp_path):
 
     save_file(weights, str(src / "model.safetensors"))
     out = run_cli(["import-hf", str(src), "--run-dir", str(tmp_path / "run")])
-    assert "2 differ from a fresh SPEC §1 build" in out
+    assert "2 differ from a fresh docs/spec.md §1 build" in out
     report = json.loads((tmp_path / "run/import-report.json").read_text())
     assert [d["id"] for d in report["differing"]] == [5, 9]
     assert torch.equal(SignatureTable.load(tmp_path / "run/signatures").codes, hash_map.int())

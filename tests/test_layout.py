@@ -1,4 +1,4 @@
-"""The exported layout adapter (SPEC §9): names, shapes and an exact round trip."""
+"""The exported layout adapter (docs/spec.md §9): names, shapes and an exact round trip."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Model equations (SPEC §2–§5) against loop-based references written from the SPEC."""
+"""Model equations (docs/spec.md §2–§5) against loop-based references written from the specification."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SignatureTable (SPEC §1): hash vectors, collision rule, errors, extension, persistence."""
+"""SignatureTable (docs/spec.md §1): hash vectors, collision rule, errors, extension, persistence."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from mhf_dist.signatures import SignatureError, SignatureTable
 
 
 def reference_signatures(tokens, H, B, pad_id=None):
-    """SPEC §1 written directly: ascending ids, rehash the last coordinate against every taken signature."""
+    """docs/spec.md §1 written directly: ascending ids, rehash the last coordinate against every taken signature."""
     taken, rows = set(), []
     for v, tok in enumerate(tokens):
         if v == pad_id:

@@ -1,4 +1,4 @@
-"""Tensor parallelism (SPEC §7) equals the single-process model: loss, every gradient, log P_inf.
+"""Tensor parallelism (docs/spec.md §7) equals the single-process model: loss, every gradient, log P_inf.
 
 Each case builds the same full model from the same seed on every rank, applies the
 tensor-parallel plan, and compares against tp = 1 computed in the test process.

@@ -1,4 +1,4 @@
-"""Benchmark: shard reader throughput next to what a 100M training step consumes (SPEC §7).
+"""Benchmark: shard reader throughput next to what a 100M training step consumes (docs/spec.md §7).
 
 Usage: python tools/bench_reader.py [--seq-len 2048] [--model-seq 512] [--dp-sizes 1,8] [--epochs 20]
 

@@ -1,4 +1,4 @@
-"""Benchmark: building a SignatureTable over the paper's 32,768-token vocabulary (SPEC §1).
+"""Benchmark: building a SignatureTable over the paper's 32,768-token vocabulary (docs/spec.md §1).
 
 Usage: python tools/bench_signatures.py [--tokenizer DIR|mistral-v0.3] [--repeats 5]
 Prints the median build time per hash configuration; the target is well under a second.

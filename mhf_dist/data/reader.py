@@ -1,4 +1,4 @@
-"""Rank-disjoint, resumable reading of packed token shards (SPEC §7, last bullet).
+"""Rank-disjoint, resumable reading of packed token shards (docs/spec.md §7, last bullet).
 
 Shards and the manifest come from :mod:`mhf_dist.data.prepare`. Shards are
 opened with WebDataset's ``gopen`` (local paths, ``file:``, ``pipe:`` commands

@@ -1,4 +1,4 @@
-"""Hugging Face interchange: the authors' published layout (SPEC §9).
+"""Hugging Face interchange: the authors' published layout (docs/spec.md §9).
 
 Needs transformers 5: exported configs carry its ``rope_parameters`` key, which
 older versions ignore (they load the default RoPE base without a word), and

@@ -1,4 +1,4 @@
-"""``mhf-dist export-hf``: a checkpoint as a Hugging Face model directory (SPEC §9).
+"""``mhf-dist export-hf``: a checkpoint as a Hugging Face model directory (docs/spec.md §9).
 
 MultiHashFormer runs become ``MultiHashFormerForCausalLM`` (remote code copied
 next to the weights: ``AutoModelForCausalLM.from_pretrained(OUT,
@@ -137,8 +137,8 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", over
     trained = trained_weights(checkpoint)
     run, cfg = trained.run, trained.cfg
     if cfg.model.engram is not None:
-        raise ConfigError("export-hf: the authors' layout (SPEC §9) has no Engram memory; export the full state dict "
-                          "with `mhf-dist export` instead")
+        raise ConfigError("export-hf: the authors' layout (docs/spec.md §9) has no Engram memory; export the full "
+                          "state dict with `mhf-dist export` instead")
     tokenizer = load_tokenizer(run.tokenizer_source(cfg))
     table = SignatureTable.load(run.signatures_dir) if cfg.model.variant == "mhf" else None
     if inference_temperature is not None:

@@ -1,4 +1,4 @@
-"""``mhf-dist import-hf``: a model in the authors' layout (SPEC §9) as a run directory to continue from.
+"""``mhf-dist import-hf``: a model in the authors' layout (docs/spec.md §9) as a run directory to continue from.
 
 Reads ``config.json``, the safetensors weights (one file or an index of
 shards) and the tokenizer of a Hugging Face directory — one of the authors'
@@ -13,14 +13,14 @@ shards) and the tokenizer of a Hugging Face directory — one of the authors'
 - ``RUN/tokenizer/`` and ``RUN/signatures/``: the signature table is
   ``model.hash_map`` itself (the weights were trained with it), never rebuilt.
 - ``RUN/import-report.json``: every token whose imported signature differs
-  from a fresh build by SPEC §1 for the same tokenizer, and every signature
+  from a fresh build by docs/spec.md §1 for the same tokenizer, and every signature
   shared by several tokens. The authors' builder remembers only the newest
   token per prefix, so their tables can differ from ours; the differences are
   listed, not hidden. A table with shared signatures is imported as
   non-unique (scoring spreads probability over the tokens sharing one).
 
 Only coordinates from the random hashes are supported (``num_lsh = 0``), as
-SPEC §9 fixes.
+docs/spec.md §9 fixes.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def model_config_from_hf(config: dict) -> dict:
         return model | {"variant": "standard"}
     if config.get("num_lsh", 0) or config.get("lsh_only_embed"):
         raise HFImportError(f"num_lsh={config.get('num_lsh')}: LSH coordinates are not supported; only checkpoints "
-                           "whose coordinates are all random hashes (num_lsh = 0, SPEC §9) import")
+                           "whose coordinates are all random hashes (num_lsh = 0, docs/spec.md §9) import")
     gate = config.get("bottle_neck_dim", 64)
     seeds = (config.get("signature_rule") or {}).get("seeds", [])
     return model | {"variant": "mhf", "hash": dict(
@@ -132,7 +132,7 @@ class ImportReport:
     def summary(self) -> str:
         lines = [f"imported a {self.variant} model ({self.vocab_size} tokens) into {self.run_dir}"]
         if self.variant == "mhf":
-            lines.append(f"signatures: {len(self.differing)} differ from a fresh SPEC §1 build, "
+            lines.append(f"signatures: {len(self.differing)} differ from a fresh docs/spec.md §1 build, "
                          f"{len(self.shared)} shared by several tokens (details: {self.run_dir / REPORT})")
             lines += [f"  id {d['id']} {d['token']!r}: imported {d['imported']}, fresh {d['fresh']}"
                       for d in self.differing[:10]]

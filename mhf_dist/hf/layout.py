@@ -1,4 +1,4 @@
-"""State-dict names: ours, and the one adapter to and from the exported layout (SPEC §9).
+"""State-dict names: ours, and the one adapter to and from the exported layout (docs/spec.md §9).
 
 Our checkpoints store ``LanguageModel.state_dict()`` names. The exported layout
 is the authors' (``HUIYINXUE/MHF``, ``qwen3_hashformer/modeling_qwen3.py``), so
@@ -21,7 +21,7 @@ Qwen3 layer names: ``self_attn.{q,k,v,o}_proj.weight``, ``self_attn.{q,k}_norm.w
 ``mlp.{gate,up,down}_proj.weight``, ``input_layernorm.weight``,
 ``post_attention_layernorm.weight``. The Standard model is a plain Qwen3:
 ``vocab.tables.weight [1, R, d]`` becomes ``model.embed_tokens.weight [R, d]`` and the tied
-``lm_head.weight``; it has no encoder, mixers or hash map. Engram memories (SPEC §8) export under their
+``lm_head.weight``; it has no encoder, mixers or hash map. Engram memories (docs/spec.md §8) export under their
 layer, ``model.layers.{i}.engram.*``; the authors' code has no such module.
 """
 
@@ -54,7 +54,8 @@ def _rename(name: str, direction: int) -> str:
             return dst + name[len(src):]
     if direction > 0:
         raise KeyError(f"no exported name for parameter {name!r}")
-    raise HFImportError(f"unexpected key {name!r} in the weights: not the authors' qwen3_hashformer layout (SPEC §9)")
+    raise HFImportError(
+        f"unexpected key {name!r} in the weights: not the authors' qwen3_hashformer layout (docs/spec.md §9)")
 
 
 def to_export(state: dict[str, torch.Tensor], codes: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Model code: reads like SPEC §2–§5 and knows nothing of process groups."""
+"""Model code: reads like docs/spec.md §2–§5 and knows nothing of process groups."""
 
 from mhf_dist.model.lm import LanguageModel, MultiHashFormer, StandardLM, build_model
 from mhf_dist.model.vocabulary import LMOutput

@@ -1,15 +1,15 @@
-"""Qwen3-style decoder-only backbone (SPEC §3).
+"""Qwen3-style decoder-only backbone (docs/spec.md §3).
 
 Pre-norm RMSNorm blocks with grouped-query attention (RoPE, per-head RMSNorm
 on q and k) and a SwiGLU MLP, no biases, then a final RMSNorm. Parameter names
 follow Hugging Face's Qwen3 (``self_attn.q_proj``, ``mlp.gate_proj``, ...), so
-the exported layout (SPEC §9) is a renaming of prefixes only.
+the exported layout (docs/spec.md §9) is a renaming of prefixes only.
 
 Head counts are read from the projections' output sizes, so the same code runs
 when a tensor-parallel plan swaps the projections for sharded ones.
 
 With ``model.engram``, the blocks of ``cfg.engram_layers`` first add their
-:class:`EngramMemory` (SPEC §8), which reads the token ids: ``x <- x + memory(x, ids)``.
+:class:`EngramMemory` (docs/spec.md §8), which reads the token ids: ``x <- x + memory(x, ids)``.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class Backbone(nn.Module):
 
     ``checkpoint_interval = k > 0`` recomputes every k-th block's activations in
     backward (torch's non-reentrant checkpoint, which also works under ZeRO-3).
-    ``compression`` (the tokenizer's, SPEC §8) is needed only with ``cfg.engram``.
+    ``compression`` (the tokenizer's, docs/spec.md §8) is needed only with ``cfg.engram``.
     """
 
     def __init__(self, cfg: ModelConfig, compression: CompressionTable | None = None):

@@ -1,4 +1,4 @@
-"""CascadedDecoder: predict the H signature coordinates in turn (SPEC §4, §5).
+"""CascadedDecoder: predict the H signature coordinates in turn (docs/spec.md §4, §5).
 
 ``c_1 = h``; for each head ``o_i = E_i c_i`` (the input tables, tied),
 ``p_i = softmax(o_i)``, ``ē_i = E_iᵀ p_i``, and for ``i < H``
@@ -29,7 +29,7 @@ class CascadedDecoder(nn.Module):
                  chunk_tokens: int = 0):
         super().__init__()
         self.num_heads, self.num_valid_rows, self.chunk_tokens = num_heads, num_valid_rows, chunk_tokens
-        # Names match the authors' `hash_head.cascade_mixer.{k}.{0,2}` (SPEC §9).
+        # Names match the authors' `hash_head.cascade_mixer.{k}.{0,2}` (docs/spec.md §9).
         self.cascade_mixer = nn.ModuleList(
             nn.Sequential(nn.Linear(2 * dim, mixer_dim), nn.SiLU(), nn.Linear(mixer_dim, dim))
             for _ in range(num_heads - 1)
@@ -80,6 +80,6 @@ class CascadedDecoder(nn.Module):
     def scores(self, h: torch.Tensor, tables: BucketTables) -> list[torch.Tensor]:
         """Each head's bucket scores for :mod:`~mhf_dist.model.scoring` over the rows held here: H tensors
         ``[..., R_local]``, its logits ``o_i``. ``log P_inf`` renormalises ``Σ_i log p_i[H_i(w)]`` over the
-        vocabulary, where each head's ``log Z_i`` is one more constant and cancels (SPEC §5); so inference
+        vocabulary, where each head's ``log Z_i`` is one more constant and cancels (docs/spec.md §5); so inference
         takes one softmax per retrieving head and no normaliser at all for the last."""
         return list(self._heads(h, tables, normalised=False))

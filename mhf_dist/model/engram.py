@@ -1,4 +1,4 @@
-"""EngramMemory: a conditional N-gram memory added to the residual stream (SPEC §8).
+"""EngramMemory: a conditional N-gram memory added to the residual stream (docs/spec.md §8).
 
 At a configured layer, before the block's attention (as in DeepSeek's demo),
 ``x <- x + memory(x, ids)``: the N-grams of compressed ids ending at each
@@ -20,7 +20,7 @@ causal backbone and the convolution is left-padded. The tables are one
 :class:`BucketTables` ``[(N-1)·K, R, head_dim]`` (each head's table padded to
 ``R`` rows, a multiple of ``pad_rows_to``; rows ``>= M_k`` are never read), so
 the tensor-parallel plan shards them along their rows like the bucket tables
-(SPEC §7) and every use of them goes through the module's ``forward`` (ZeRO-3).
+(docs/spec.md §7) and every use of them goes through the module's ``forward`` (ZeRO-3).
 With ``offload`` they are a :class:`HostTables` in host memory instead, whose rows
 the trainer prefetches per micro-batch (:meth:`EngramMemory.prefetch`).
 """

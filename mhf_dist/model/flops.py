@@ -11,7 +11,7 @@ backward for inputs, backward for weights), as in PaLM's MFU. Forward per token:
   ``H · 2·(d·d_z + d_z)``, ``W_s`` ``2·d²``; the decoder's H bucket-logit matmuls
   ``2·H·B·d``, its H−1 soft retrievals ``2·(H−1)·B·d`` and H−1 mixers
   ``2·(2d·r + r·d)`` each. Lookups, norms, softmax and biases are not counted.
-- Engram memory (SPEC §8), per layer that has one, with ``T = (N−1)·K`` heads of
+- Engram memory (docs/spec.md §8), per layer that has one, with ``T = (N−1)·K`` heads of
   ``m = head_dim`` each: sigmoid gate ``W_k`` and ``W_v`` ``2·2·(T·m)·d``, the gate's
   dot product ``2d`` and the depthwise convolution ``2·kernel·d``; softmax gate
   the scores and the weighted sum ``2·2·T·m`` and ``W_o`` ``2·d²``. Hashing and

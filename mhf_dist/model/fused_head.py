@@ -1,4 +1,4 @@
-"""One decoder head fused over token chunks: memory ``O(chunk × B)`` instead of ``O(tokens × B)`` (SPEC §4, §5).
+"""One decoder head fused over token chunks: memory ``O(chunk × B)`` instead of ``O(tokens × B)`` (docs/spec.md §4, §5).
 
 For ``c [N, d]`` and a head's table rows ``E [R, d]`` it returns, per token,
 the softmax normaliser ``log Z = logsumexp_b (E c)_b``, the target's logit and

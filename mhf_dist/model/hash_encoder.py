@@ -1,9 +1,9 @@
-"""HashEncoder: fuse a token's H bucket vectors into its input vector (SPEC §2).
+"""HashEncoder: fuse a token's H bucket vectors into its input vector (docs/spec.md §2).
 
 ``a_i = σ(u_i W1 + b1) W2 + b2``, ``α = softmax_i(a_i)``,
 ``e(w) = (Σ_i α_i u_i) W_s + b_s``. The gate sees only the token's own bucket
 vectors. Submodule names (``scorer.{0,2}``, ``output_proj.0``) are the
-authors' ``combiner`` layout (SPEC §9).
+authors' ``combiner`` layout (docs/spec.md §9).
 """
 
 from __future__ import annotations

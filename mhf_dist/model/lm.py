@@ -1,8 +1,8 @@
-"""The two language models: MultiHashFormer and the Standard baseline (SPEC §2–§5).
+"""The two language models: MultiHashFormer and the Standard baseline (docs/spec.md §2–§5).
 
 Both are ``vocabulary.embed -> backbone -> vocabulary.loss / log_p_inf``; they
 differ only in their :mod:`vocabulary <mhf_dist.model.vocabulary>`. Either may
-carry Engram memories in its backbone (SPEC §8, ``cfg.engram``), built from the
+carry Engram memories in its backbone (docs/spec.md §8, ``cfg.engram``), built from the
 tokenizer's compression table.
 
 The constructors build the modules only; :func:`build_model` also gives every
@@ -107,7 +107,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None = 
                 compression: CompressionTable | None = None, seed: int = 0) -> LanguageModel:
     """The model ``cfg.variant`` names, initialised from ``seed`` (:mod:`~mhf_dist.model.init`); MultiHashFormer
     needs its signature table's ``codes [V, H]``, a model with ``cfg.engram`` the tokenizer's compression table
-    (SPEC §8; ignored without ``cfg.engram``). Parameters on the meta device stay uninitialised."""
+    (docs/spec.md §8; ignored without ``cfg.engram``). Parameters on the meta device stay uninitialised."""
     model = model_structure(cfg, vocab_size, codes, compression)
     initialise(model, cfg.init_std, seed)
     return model

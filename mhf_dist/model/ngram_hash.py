@@ -1,4 +1,4 @@
-"""Multi-head N-gram hashing for the Engram memory (SPEC §8).
+"""Multi-head N-gram hashing for the Engram memory (docs/spec.md §8).
 
 At position ``t`` the N-gram of order ``n`` is the compressed ids
 ``(x_{t-n+1}, ..., x_t)``; positions before the start read the compressed pad

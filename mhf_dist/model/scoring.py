@@ -1,4 +1,4 @@
-"""Inference over the real vocabulary: ``log P_inf`` (SPEC §5).
+"""Inference over the real vocabulary: ``log P_inf`` (docs/spec.md §5).
 
 ``score(w) = Σ_i log p_i[H_i(w)]`` and
 ``log P_inf(w) = score(w) - logsumexp_{w' ∈ V} score(w')``, over registered

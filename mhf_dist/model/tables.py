@@ -1,4 +1,4 @@
-"""Bucket tables: the rows tied between input lookup and output logits (SPEC §2, §4).
+"""Bucket tables: the rows tied between input lookup and output logits (docs/spec.md §2, §4).
 
 ``weight [T, R, d]`` holds ``T`` tables of ``R`` rows: the MultiHashFormer's
 ``H`` bucket tables ``E_i`` (R = B), or the Standard model's single token table

@@ -1,6 +1,6 @@
 """The vocabulary side of a model: bucket tables tied between the input map and the output head.
 
-- :class:`HashVocabulary` (MultiHashFormer, SPEC §2, §4, §5): a token's input is
+- :class:`HashVocabulary` (MultiHashFormer, docs/spec.md §2, §4, §5): a token's input is
   the :class:`HashEncoder` fusion of its signature's H rows; the
   :class:`CascadedDecoder` predicts the H coordinates; ``codes`` is the
   signature table.
@@ -77,7 +77,7 @@ class TiedVocabulary(nn.Module):
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor, with_p_inf: bool = False,
              temperatures: torch.Tensor | None = None) -> LMOutput:
-        """``h [..., d]`` (final-norm output), ``targets [...]`` token ids -> SPEC §5 training loss
+        """``h [..., d]`` (final-norm output), ``targets [...]`` token ids -> docs/spec.md §5 training loss
         (and, ``with_p_inf``, the mean ``-log P_inf`` of the targets: perplexity comparable across models, with
         the evaluation sums of :meth:`calibration_sums` at ``temperatures``)."""
         keep = targets >= 0

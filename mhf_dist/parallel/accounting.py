@@ -7,7 +7,7 @@ Payload bytes per collective, for ``N`` tokens, element size ``s``, tp > 1
 forward, ``all_reduce_sum``
   - input lookup: ``N·H·d`` (MHF; ``N·d`` for Standard, H = 1)
   - per layer: attention output ``N·d`` + MLP output ``N·d``
-  - per Engram memory (SPEC §8): its lookup ``N·(N_max−1)·K·head_dim``
+  - per Engram memory (docs/spec.md §8): its lookup ``N·(N_max−1)·K·head_dim``
   - decoder, per head: softmax normaliser ``N`` + target log-prob ``N``;
     soft retrieval ``N·d`` for each of the first ``H-1`` heads
 forward, ``all_reduce_max``

@@ -1,4 +1,4 @@
-"""Process groups for tensor, pipeline and data parallelism (SPEC §7).
+"""Process groups for tensor, pipeline and data parallelism (docs/spec.md §7).
 
 Built from DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data,
 model; model = tensor parallel, innermost, so a tp group is consecutive ranks,

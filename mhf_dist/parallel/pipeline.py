@@ -1,7 +1,7 @@
-"""Pipeline parallelism: the model as DeepSpeed ``PipelineModule`` layers (SPEC §7).
+"""Pipeline parallelism: the model as DeepSpeed ``PipelineModule`` layers (docs/spec.md §7).
 
 Layers: the vocabulary (input side) · every backbone block · the final norm ·
-the vocabulary again (output side); the loss is the vocabulary's SPEC §5 loss.
+the vocabulary again (output side); the loss is the vocabulary's docs/spec.md §5 loss.
 The two vocabulary layers are one ``TiedLayerSpec``: the first and last stage
 each hold the bucket tables (and the signature table), DeepSpeed sums the
 tables' gradients over the tie. The encoder is used only on the first stage and
@@ -14,7 +14,7 @@ materialises that part of the model skeleton (:mod:`~mhf_dist.parallel.construct
 Stages are balanced by analytic forward FLOPs per layer (:mod:`flops`), which
 counts the decoder's ``(2H−1)·B·d`` work: the last stage gets fewer blocks.
 
-Engram memories (SPEC §8) live in their blocks, so each stage owns the
+Engram memories (docs/spec.md §8) live in their blocks, so each stage owns the
 memories of its layers; they hash the token ids, which therefore travel beside
 the hidden states — ``(x, ids)`` — from the first stage up to the last block
 with a memory (integer tensors carry no gradient through DeepSpeed's pipeline).

@@ -1,4 +1,4 @@
-"""The tensor-parallel plan: which module of a LanguageModel becomes which parallel layer (SPEC §7).
+"""The tensor-parallel plan: which module of a LanguageModel becomes which parallel layer (docs/spec.md §7).
 
 :func:`tp_plan` is the one table, module-name pattern → :class:`Style`, in the
 manner of a parallelize plan: a style says which parallel layer replaces the
@@ -16,7 +16,7 @@ Attention heads and the MLP are column/row parallel with one all-reduce after
 each in forward; k/v heads are split when ``n_kv_heads`` is a multiple of tp,
 else each rank computes the one kv head its query heads share
 (:meth:`~mhf_dist.config.ModelConfig.kv_heads_split`). The Engram memories'
-tables (SPEC §8) split along their rows like the bucket tables; their gates are
+tables (docs/spec.md §8) split along their rows like the bucket tables; their gates are
 replicated (each rank computes them on the all-reduced lookup).
 """
 
@@ -88,7 +88,7 @@ def tp_plan(cfg: ModelConfig, tp: int) -> dict[str, Style]:
     kv = COLUMN if cfg.kv_heads_split(tp) else REPLICATED_HEADS
     return {
         r"vocab\.tables": BUCKET_ROWS,  # bucket / vocabulary rows
-        _LAYER + r"engram\.tables": BUCKET_ROWS,  # Engram memory rows (SPEC §8)
+        _LAYER + r"engram\.tables": BUCKET_ROWS,  # Engram memory rows (docs/spec.md §8)
         _LAYER + r"self_attn": REGION,
         _LAYER + r"self_attn\.q_proj": COLUMN,
         _LAYER + r"self_attn\.[kv]_proj": kv,

@@ -1,7 +1,7 @@
 """``mhf-dist profile``: throughput, MFU, memory and communication per hash configuration and layout.
 
 For every (layout, hash configuration) the model is built from the preset
-``{size}-{hash}`` (``h4b16k+engram``: with the Engram memory, SPEC §8, so its
+``{size}-{hash}`` (``h4b16k+engram``: with the Engram memory, docs/spec.md §8, so its
 cost shows next to the same model without it), tensor-parallelised (tp ranks
 are local processes), and trained with AdamW on the same synthetic token
 batch: warm-up steps, then ``--steps`` measured ones. Each step is split into forward, backward and

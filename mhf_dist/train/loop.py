@@ -17,7 +17,7 @@ RNG states. SIGUSR1/SIGTERM on any rank make all ranks finish the step, save
 and stop with :data:`PREEMPTED_EXIT_CODE`.
 
 Each optimizer step consumes ``train.global_batch_size`` sequences; the logged
-loss is the SPEC §5 training loss averaged over that batch, with each head's
+loss is the docs/spec.md §5 training loss averaged over that batch, with each head's
 term. Rank 0 logs ``metrics.jsonl`` and TensorBoard scalars (loss, head losses,
 lr, grad norm, tokens/s, TFLOP/s, MFU, memory) and shows the progress bar.
 """

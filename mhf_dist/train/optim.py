@@ -1,4 +1,4 @@
-"""AdamW with linear warm-up and cosine decay (SPEC §6 recipe).
+"""AdamW with linear warm-up and cosine decay (docs/spec.md §6 recipe).
 
 Weight decay applies to matrices and tables (``ndim >= 2``), not to biases and
 norm gains, as in the authors' Hugging Face Trainer set-up.

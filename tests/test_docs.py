@@ -1,0 +1,26 @@
+"""The documentation holds together: every spec citation names a section of docs/spec.md, every relative link in
+the README and docs/ points at a file that exists."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_spec_citation_names_a_section():
+    sections = set(re.findall(r"^## (\d+)\. ", (ROOT / "docs" / "spec.md").read_text(), flags=re.M))
+    assert sections == {str(n) for n in range(1, 10)}
+    cited = subprocess.run(["git", "grep", "-ohE", r"docs/spec\.md §[0-9]+(, §[0-9]+|–§[0-9]+)*", "--", "mhf_dist",
+                            "tests", "tools"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    numbers = set(re.findall(r"§(\d+)", cited))
+    assert numbers and numbers <= sections, sorted(numbers - sections)
+
+
+def test_relative_links_resolve():
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).exists(), f"{page.name}: link to missing {target}"
