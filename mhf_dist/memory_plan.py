@@ -85,6 +85,11 @@ DEFAULT_MFU = 0.40
 # no size (32k parameters, 128 KiB), measured 2026-12-01 on a 2-core CPU VM (24 GiB, 4 gloo ranks; largest rank):
 #     python tools/bench_construction_memory.py --runtime --ranks 4 --seq-len 128    # -> 423 MiB
 CPU_RUNTIME_BYTES = 423 * MiB
+# DeepSpeed's defaults for the ``zero_optimization`` keys the plan reads, as its ``DeepSpeedZeroConfig`` fills them in
+# (deepspeed/runtime/zero/config.py; the plan does not import DeepSpeed, tests/test_memory_plan.py checks these
+# against the installed one)
+ZERO_DEFAULTS = {"contiguous_gradients": True, "reduce_bucket_size": 500_000_000,
+                 "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000}
 
 
 @dataclass
@@ -146,32 +151,36 @@ def model_state_bytes(zero: int, params: int, largest: int, dp: int, dtype: str 
     return weights * params + partitioned * params / dp + (grads * params * (1 - 1 / dp) if zero <= 1 else 0)
 
 
-def zero_settings(ds_config: dict):
-    """The ``zero_optimization`` section as the engine reads it: DeepSpeed's own config class, which fills in its
-    defaults."""
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    return DeepSpeedZeroConfig(**ds_config.get("zero_optimization", {}))
+def zero_setting(ds_config: dict, key: str):
+    """``zero_optimization.<key>`` of the engine's DeepSpeed config, else DeepSpeed's default (:data:`ZERO_DEFAULTS`;
+    ``overlap_comm`` defaults to on under ZeRO-3 only)."""
+    zero = ds_config["zero_optimization"]
+    if key in zero:
+        return zero[key]
+    return zero["stage"] == 3 if key == "overlap_comm" else ZERO_DEFAULTS[key]
 
 
 def deepspeed_buffer_bytes(ds_config: dict, params: int, largest: int, e: int, device: str) -> float:
     """DeepSpeed's buffers on a rank holding ``params`` parameters (its stage's tensor-parallel share) in a run of
     ``e`` bytes per value, plus the largest parameter's whole gradient (see the module docstring). ``device``
     ``cpu``: a buffer is resident only where written, at most ``params`` elements."""
-    z = zero_settings(ds_config)
+    stage, contiguous = ds_config["zero_optimization"]["stage"], zero_setting(ds_config, "contiguous_gradients")
+    bucket = zero_setting(ds_config, "reduce_bucket_size")
 
     def allocated(elements: int) -> int:
         return min(elements, params) if device == "cpu" else elements
 
     buckets = 0.0  # ZeRO-0, or gradients not made contiguous
-    if z.contiguous_gradients and z.stage == 3:
-        buckets = e * allocated(z.reduce_bucket_size)
-    elif z.contiguous_gradients and z.stage in (1, 2):
-        buckets = (2 if z.overlap_comm else 1) * (4 if z.stage == 1 else e) * allocated(z.reduce_bucket_size)
+    if contiguous and stage == 3:
+        buckets = e * allocated(bucket)
+    elif contiguous and stage in (1, 2):
+        buckets = (2 if zero_setting(ds_config, "overlap_comm") else 1) * (4 if stage == 1 else e) * allocated(bucket)
     gathered = 0.0
-    if z.stage == 3:  # the prefetched parameters, and the largest one gathered twice in backward: autograd's saved
+    if stage == 3:  # the prefetched parameters, and the largest one gathered twice in backward: autograd's saved
         # views of the forward's copy (the fused heads save their tables') outlive its release, backward gathers again
-        gathered = e * (allocated(min(z.prefetch_bucket_size, z.max_live_parameters)) + largest)
+        ahead = min(zero_setting(ds_config, "stage3_prefetch_bucket_size"),
+                    zero_setting(ds_config, "stage3_max_live_parameters"))
+        gathered = e * (allocated(ahead) + largest)
     return buckets + gathered + e * largest
 
 
@@ -373,8 +382,8 @@ def format_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, plans: list
     advice = "" if device == "fits" else ": raise tp/pp, lower the micro-batch, or add nodes"
     checkpointed = "checkpointed " if checkpoint_interval(cfg, ds_config) else ""
     runtime = " + runtime" if plans[0].runtime_gb else ""
-    lines.append(f"device memory: the step peak (model states + {checkpointed}activations + DeepSpeed's buffers"
-                 f"{runtime}) {device} (limit: {HEADROOM:.0%} of device memory){advice}")
+    lines.append(f"device memory: the run {device} (step peak: model states + {checkpointed}activations + DeepSpeed's "
+                 f"buffers{runtime}; limit: {HEADROOM:.0%} of device memory){advice}")
     host = host_fits(profile, host_rank * GB)
     lines.append("host memory: " + (
         "unknown (the profile does not set memory_gb_per_node)" if host is None else

@@ -7,9 +7,19 @@ import pytest
 from mhf_dist.cli import main
 from mhf_dist.cluster import load_profile
 from mhf_dist.config import ConfigError, load_config, preset_names
+from mhf_dist.memory_plan import (
+    CPU_RUNTIME_BYTES,
+    GB,
+    ZERO_DEFAULTS,
+    construction_bytes,
+    format_plan,
+    memory_plan,
+    meta_model,
+    step_estimate,
+    step_seconds,
+    zero_setting,
+)
 from mhf_dist.model.flops import forward_flops
-from mhf_dist.memory_plan import (CPU_RUNTIME_BYTES, GB, construction_bytes, format_plan, memory_plan, meta_model,
-                                  step_estimate, step_seconds)
 
 # Llama-2-70B's backbone shape over the 3b preset: 69.1B parameters
 LARGE = ["model.n_layers=80", "model.d_model=8192", "model.n_heads=64", "model.n_kv_heads=8", "model.ffn_dim=28672"]
@@ -78,6 +88,17 @@ def test_zero3_buffers_follow_the_deepspeed_config():
     assert base.step_peak_gb == pytest.approx(
         base.model_states_gb + base.activations_checkpointed_gb + base.buffers_gb)  # no runtime on a GPU
     assert base.runtime_gb == 0
+
+
+def test_zero_defaults_are_deepspeeds():
+    """The defaults the plan assumes for keys a config leaves out are those the engine's DeepSpeed fills in."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    resolved = DeepSpeedZeroConfig().model_dump(by_alias=True)
+    assert {key: resolved[key] for key in ZERO_DEFAULTS} == ZERO_DEFAULTS
+    for stage in (1, 2, 3):
+        assert zero_setting({"zero_optimization": {"stage": stage}}, "overlap_comm") == \
+            DeepSpeedZeroConfig(stage=stage).overlap_comm
 
 
 def test_zero1_buckets_double_with_overlap_comm():
@@ -151,8 +172,8 @@ def test_header_describes_the_overridden_model_and_host_memory():
     assert plans[0].model_params == pytest.approx(69e9, rel=0.01)
     # each of 8 ranks keeps 1/8 of the fp32 weights plus the largest parameter: the node's memory suffices,
     # its devices do not
-    assert "host memory: fits" in out and ("device memory: the step peak (model states + checkpointed activations + "
-                                           "DeepSpeed's buffers) does not fit") in out
+    assert "host memory: fits" in out and ("device memory: the run does not fit (step peak: model states + "
+                                           "checkpointed activations + DeepSpeed's buffers") in out
     tight = profile.model_copy(update={"memory_gb_per_node": 256})
     assert "host memory: does not fit" in format_plan(cfg, tight, 1, memory_plan(cfg, tight, nodes=1))
 
