@@ -23,7 +23,7 @@ ZeRO-1: ``+ 4·P·(1 − 1/dp)``.
 
 (norm inputs/outputs, q k v and attention output, gate/up/activation/product);
 with activation checkpointing a block keeps only its input (``e·d``) plus one
-block's full set during recompute. A block with an Engram memory (SPEC §8)
+block's full set during recompute. A block with an Engram memory (docs/spec.md §8)
 adds its looked-up rows and gate tensors, about ``e·((N−1)·K·head_dim + 8d)``
 per token. Pipeline stage ``s`` holds up to ``pp − s`` micro-batches in flight (1F1B).
 
@@ -37,8 +37,7 @@ products in the run's dtype and fp32); the plain path keeps every head's logits
 and fp32 probabilities, ``H·(B/tp)·(e + 4)`` per token. The ``log P_inf``
 training term (``model.hash.p_inf_loss_weight`` > 0) runs the plain path and its
 backward adds an fp32 copy of the heads' scores and their gradient,
-``H·(B/tp)·(e + 12)`` per token in all. A stage fits when its
-model states and checkpointed activations take at most 90% of device memory.
+``H·(B/tp)·(e + 12)`` per token in all.
 
 **Host memory at construction** (:func:`construction_bytes`): no rank builds the
 whole model (:mod:`mhf_dist.parallel.construct`). A rank keeps, in fp32, its
@@ -78,8 +77,20 @@ from mhf_dist.parallel.state_dict import split_dim
 from mhf_dist.parallel.tensor_parallel import tp_split_dims
 
 GB = 2**30
+MiB = 2**20
 HEADROOM = 0.9  # the share of device or host memory a plan may fill
 DEFAULT_MFU = 0.40
+# What a CPU rank holds that does not grow with its model: Python, torch, DeepSpeed and mhf_dist, the gloo process
+# group, the ZeRO-3 engine's bookkeeping for every module and parameter, autograd and the kernels' workspaces. The
+# whole process's peak through construction, engine and first step of the tiny preset's structure with tensors of
+# no size (32k parameters, 128 KiB), measured 2026-12-01 on a 2-core CPU VM (24 GiB, 4 gloo ranks; largest rank):
+#     python tools/bench_construction_memory.py --runtime --ranks 4 --seq-len 128    # -> 423 MiB
+CPU_RUNTIME_BYTES = 423 * MiB
+# DeepSpeed's defaults for the ``zero_optimization`` keys the plan reads, as its ``DeepSpeedZeroConfig`` fills them in
+# (deepspeed/runtime/zero/config.py; the plan does not import DeepSpeed, tests/test_memory_plan.py checks these
+# against the installed one)
+ZERO_DEFAULTS = {"contiguous_gradients": True, "reduce_bucket_size": 500_000_000,
+                 "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000}
 
 
 @dataclass
@@ -90,8 +101,11 @@ class StagePlan:
     model_states_gb: float
     activations_gb: float
     activations_checkpointed_gb: float
-    fits: bool  # model states + checkpointed activations within HEADROOM of device memory
+    fits: bool  # the training peak within HEADROOM of device memory
     decoder_gb: float = 0.0  # the decoder's buffers (last stage), included in both activation columns
+    buffers_gb: float = 0.0  # DeepSpeed's buffers and the largest parameter's whole gradient
+    runtime_gb: float = 0.0  # Python, torch and DeepSpeed (CPU ranks; CPU_RUNTIME_BYTES)
+    step_peak_gb: float = 0.0  # model states + activations (checkpointed if the run does) + buffers + runtime
     construction_gb: float = 0.0  # host memory of one rank while it builds the model
     model_params: int = 0  # every parameter of the whole model
 
@@ -138,6 +152,39 @@ def model_state_bytes(zero: int, params: int, largest: int, dp: int, dtype: str 
     return weights * params + partitioned * params / dp + (grads * params * (1 - 1 / dp) if zero <= 1 else 0)
 
 
+def zero_setting(ds_config: dict, key: str):
+    """``zero_optimization.<key>`` of the engine's DeepSpeed config, else DeepSpeed's default (:data:`ZERO_DEFAULTS`;
+    ``overlap_comm`` defaults to on under ZeRO-3 only)."""
+    zero = ds_config["zero_optimization"]
+    if key in zero:
+        return zero[key]
+    return zero["stage"] == 3 if key == "overlap_comm" else ZERO_DEFAULTS[key]
+
+
+def deepspeed_buffer_bytes(ds_config: dict, params: int, largest: int, e: int, device: str) -> float:
+    """DeepSpeed's buffers on a rank holding ``params`` parameters (its stage's tensor-parallel share) in a run of
+    ``e`` bytes per value, plus the largest parameter's whole gradient (see the module docstring). ``device``
+    ``cpu``: a buffer is resident only where written, at most ``params`` elements."""
+    stage, contiguous = ds_config["zero_optimization"]["stage"], zero_setting(ds_config, "contiguous_gradients")
+    bucket = zero_setting(ds_config, "reduce_bucket_size")
+
+    def allocated(elements: int) -> int:
+        return min(elements, params) if device == "cpu" else elements
+
+    buckets = 0.0  # ZeRO-0, or gradients not made contiguous
+    if contiguous and stage == 3:
+        buckets = e * allocated(bucket)
+    elif contiguous and stage in (1, 2):
+        buckets = (2 if zero_setting(ds_config, "overlap_comm") else 1) * (4 if stage == 1 else e) * allocated(bucket)
+    gathered = 0.0
+    if stage == 3:  # the prefetched parameters, and the largest one gathered twice in backward: autograd's saved
+        # views of the forward's copy (the fused heads save their tables') outlive its release, backward gathers again
+        ahead = min(zero_setting(ds_config, "stage3_prefetch_bucket_size"),
+                    zero_setting(ds_config, "stage3_max_live_parameters"))
+        gathered = e * (allocated(ahead) + largest)
+    return buckets + gathered + e * largest
+
+
 def decoder_bytes(m: ModelConfig, e: int, tokens: int, rows: int, tp: int) -> float:
     """The decoder's buffers for one micro-batch of ``tokens`` on the last stage, ``rows`` per table over ``tp``
     ranks: fused ``tokens·H·(2·e·d + 8) + 2·min(chunk, tokens)·(rows/tp)·(e + 4)``, plain
@@ -174,7 +221,10 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
     """One :class:`StagePlan` per pipeline stage of ``cfg`` on ``nodes`` nodes of ``profile``."""
     world = nodes * profile.gpus_per_node
     layout = resolve_layout(cfg, world)
-    zero = deepspeed_config(cfg, layout, device_of(profile))["zero_optimization"]["stage"]
+    device = device_of(profile)
+    ds_config = deepspeed_config(cfg, layout, device)
+    zero, checkpointed = ds_config["zero_optimization"]["stage"], checkpoint_interval(cfg, ds_config)
+    runtime = CPU_RUNTIME_BYTES if device == "cpu" else 0
     m, tp, pp, dp = cfg.model, layout.tp, layout.pp, layout.dp
     model = meta_model(m, vocab_size)
     model_params = sum(p.numel() for p in model.parameters())
@@ -198,7 +248,9 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
         blocks = sum(1 for i in layers if 1 <= i <= m.n_layers)
         names = [n for n in per_rank if n.startswith(stage_prefixes(layers, m.n_layers, len(costs) - 1))]
         total = sum(per_rank[n] for n in names)
+        largest = max(per_rank[n] for n in names)
         states = model_state_bytes(zero, total, max(per_rank.values()), dp, cfg.train.dtype)
+        buffers = deepspeed_buffer_bytes(ds_config, total, largest, e, device)
         host = construction_bytes(total / dp if zero == 3 else total, max(full[n] for n in names))
         in_flight = min(pp - s, layout.accum)
         memories = sum(1 for i in layers if i - 1 in m.engram_layers)
@@ -206,11 +258,13 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
         kept = in_flight * tokens * (act_layer * blocks + act_engram * memories) + last
         recompute = act_layer + (act_engram if memories else 0)  # one block's full set, memory included
         ckpt = in_flight * tokens * e * d * blocks + tokens * recompute * min(blocks, 1) + last
+        peak = states + (ckpt if checkpointed else kept) + buffers + runtime
         plans.append(StagePlan(
             stage=s, blocks=blocks, params_per_rank=int(total), model_states_gb=states / GB,
             activations_gb=kept / GB, activations_checkpointed_gb=ckpt / GB,
-            fits=(states + ckpt) / GB <= HEADROOM * profile.device_memory_gb,
-            decoder_gb=last / GB, construction_gb=host / GB, model_params=model_params,
+            fits=peak / GB <= HEADROOM * profile.device_memory_gb,
+            decoder_gb=last / GB, buffers_gb=buffers / GB, runtime_gb=runtime / GB, step_peak_gb=peak / GB,
+            construction_gb=host / GB, model_params=model_params,
         ))
     return plans
 
@@ -302,7 +356,8 @@ def format_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, plans: list
     """The printed plan: model, layout, one row per stage, host memory, time per step and the verdicts."""
     world = nodes * profile.gpus_per_node
     layout = resolve_layout(cfg, world)
-    zero = deepspeed_config(cfg, layout, device_of(profile))["zero_optimization"]["stage"]
+    ds_config = deepspeed_config(cfg, layout, device_of(profile))
+    zero = ds_config["zero_optimization"]["stage"]
     host_rank = max(p.construction_gb for p in plans)
     host_node = host_bytes_per_node(host_rank, profile.gpus_per_node)
     node_memory = f"{profile.memory_gb_per_node:g} GB" if profile.memory_gb_per_node else "unknown"
@@ -312,21 +367,24 @@ def format_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, plans: list
         f"memory per node): tp={layout.tp} pp={layout.pp} dp={layout.dp}, ZeRO-{zero}, {cfg.train.dtype}, "
         f"micro-batch {cfg.train.micro_batch_size} × {cfg.data.seq_len} tokens, {layout.accum} micro-batches per step",
         f"{'stage':>5} {'blocks':>6} {'params/rank':>12} {'model states':>13} {'activations':>12} "
-        f"{'act. ckpt':>10} {'decoder':>8} {'host/rank':>10} {'fits (ckpt)':>11}",
+        f"{'act. ckpt':>10} {'decoder':>8} {'buffers':>8} {'step peak':>10} {'host/rank':>10} {'fits':>5}",
     ]
     for p in plans:
         decoder = f"{p.decoder_gb:>6.1f}GB" if p.decoder_gb else f"{'-':>8}"
         lines.append(f"{p.stage:>5} {p.blocks:>6} {p.params_per_rank / 1e6:>11.1f}M {p.model_states_gb:>11.1f}GB "
                      f"{p.activations_gb:>10.1f}GB {p.activations_checkpointed_gb:>8.1f}GB {decoder} "
-                     f"{p.construction_gb:>8.1f}GB {'yes' if p.fits else 'NO':>11}")
+                     f"{p.buffers_gb:>6.1f}GB {p.step_peak_gb:>8.1f}GB {p.construction_gb:>8.1f}GB "
+                     f"{'yes' if p.fits else 'NO':>5}")
     lines.append(f"host memory at construction: up to {host_rank:.1f} GB per rank (its share in fp32 plus the "
                  f"largest parameter drawn whole; the whole model would be {4 * plans[0].model_params / GB:.1f} GB); "
                  f"{profile.gpus_per_node} ranks per node need {host_node:.1f} GB of {node_memory}")
     lines += format_estimate(cfg, profile, world, step_estimate(cfg, profile, nodes, mfu, vocab_size))
     device = "fits" if all(p.fits for p in plans) else "does not fit"
     advice = "" if device == "fits" else ": raise tp/pp, lower the micro-batch, or add nodes"
-    lines.append(f"device memory: with activation checkpointing the run {device} "
-                 f"(limit: {HEADROOM:.0%} of device memory){advice}")
+    checkpointed = "checkpointed " if checkpoint_interval(cfg, ds_config) else ""
+    runtime = " + runtime" if plans[0].runtime_gb else ""
+    lines.append(f"device memory: the run {device} (step peak: model states + {checkpointed}activations + DeepSpeed's "
+                 f"buffers{runtime}; limit: {HEADROOM:.0%} of device memory){advice}")
     host = host_fits(profile, host_rank * GB)
     lines.append("host memory: " + (
         "unknown (the profile does not set memory_gb_per_node)" if host is None else

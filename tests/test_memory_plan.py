@@ -8,13 +8,16 @@ from mhf_dist.cli import main
 from mhf_dist.cluster import load_profile
 from mhf_dist.config import ConfigError, load_config, preset_names
 from mhf_dist.memory_plan import (
+    CPU_RUNTIME_BYTES,
     GB,
+    ZERO_DEFAULTS,
     construction_bytes,
     format_plan,
     memory_plan,
     meta_model,
     step_estimate,
     step_seconds,
+    zero_setting,
 )
 from mhf_dist.model.flops import forward_flops
 
@@ -60,11 +63,78 @@ def test_plan_counts_the_fused_decoder_and_engram_activations():
     assert (engram.activations_gb - fused.activations_gb) * GB == pytest.approx(2 * tokens * 2 * (d + 8 * d))
 
 
+ZERO = "parallel.deepspeed.zero_optimization."
+
+
+def test_zero3_buffers_follow_the_deepspeed_config():
+    """ZeRO-3 (bf16, 2 bytes): the reduce bucket, the prefetched parameters (capped by max_live_parameters), the
+    largest parameter gathered once more and its whole gradient, with the sizes the engine's config gives."""
+    profile = load_profile("a100-80g")
+
+    def plan(*overrides: str):
+        (p,) = memory_plan(load_config("1b-h4b16k", overrides=list(overrides)), profile, nodes=1)
+        return p
+
+    tables = 4 * 16384 * 2048  # the largest parameter
+    base = plan()  # zero3_bf16_actckpt: reduce and prefetch buckets of 5e7 elements
+    assert base.buffers_gb * GB == 2 * 5e7 + 2 * (5e7 + tables) + 2 * tables
+    assert (plan(ZERO + "reduce_bucket_size=200000000").buffers_gb - base.buffers_gb) * GB == 2 * 1.5e8
+    assert (plan(ZERO + "stage3_prefetch_bucket_size=80000000").buffers_gb - base.buffers_gb) * GB == 2 * 3e7
+    assert (base.buffers_gb - plan(ZERO + "stage3_max_live_parameters=10000000").buffers_gb) * GB == 2 * 4e7
+    assert (base.buffers_gb - plan(ZERO + "contiguous_gradients=false").buffers_gb) * GB == 2 * 5e7
+    # a section without the sizes gets DeepSpeed's defaults: reduce bucket 5e8, prefetch 5e7
+    default = plan("parallel.deepspeed_config=cpu_fp32", "train.dtype=bf16")
+    assert default.buffers_gb * GB == 2 * 5e8 + 2 * (5e7 + tables) + 2 * tables
+    assert base.step_peak_gb == pytest.approx(
+        base.model_states_gb + base.activations_checkpointed_gb + base.buffers_gb)  # no runtime on a GPU
+    assert base.runtime_gb == 0
+
+
+def test_zero_defaults_are_deepspeeds():
+    """The defaults the plan assumes for keys a config leaves out are those the engine's DeepSpeed fills in."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    resolved = DeepSpeedZeroConfig().model_dump(by_alias=True)
+    assert {key: resolved[key] for key in ZERO_DEFAULTS} == ZERO_DEFAULTS
+    for stage in (1, 2, 3):
+        assert zero_setting({"zero_optimization": {"stage": stage}}, "overlap_comm") == \
+            DeepSpeedZeroConfig(stage=stage).overlap_comm
+
+
+def test_zero1_buckets_double_with_overlap_comm():
+    """ZeRO-1 accumulates in fp32 gradient buckets of reduce_bucket_size elements, two with overlap_comm."""
+    profile = load_profile("a100-80g")
+
+    def buffers(*overrides: str) -> float:
+        cfg = load_config("1b-h4b16k", overrides=["parallel.pp=2", *overrides])
+        return memory_plan(cfg, profile, nodes=1)[0].buffers_gb * GB
+
+    tables = 4 * 16384 * 2048
+    assert buffers() == 2 * 4 * 5e7 + 2 * tables  # zero1_pp_bf16: overlap_comm, 5e7; the tables' gradient in bf16
+    assert buffers(ZERO + "overlap_comm=false") == 4 * 5e7 + 2 * tables
+
+
+def test_cpu_plan_counts_resident_buffers_and_the_runtime():
+    """In host memory a buffer is resident only where written, at most the rank's parameters; the runtime counts."""
+    cfg = load_config("tiny-h4b16k", overrides=["data.path=embedded"])  # cpu_fp32: DeepSpeed's 5e8 bucket
+    profile = load_profile("cpu-local").model_copy(update={"gpus_per_node": 1})
+    (p,) = memory_plan(cfg, profile, nodes=1)
+    params = sum(q.numel() for q in meta_model(cfg.model, 32768).parameters())
+    tables = 4 * 16384 * 64
+    assert p.params_per_rank == params
+    assert p.buffers_gb * GB == 4 * params + 4 * (params + tables) + 4 * tables
+    assert p.runtime_gb * GB == CPU_RUNTIME_BYTES
+    assert p.step_peak_gb == pytest.approx(p.model_states_gb + p.activations_gb + p.buffers_gb + p.runtime_gb)
+    grown = load_config("tiny-h4b16k", overrides=["data.path=embedded", ZERO + "reduce_bucket_size=1000"])
+    assert (p.buffers_gb - memory_plan(grown, profile, nodes=1)[0].buffers_gb) * GB == 4 * (params - 1000)
+
+
 def test_plan_cli_prints_fit(capsys):
     assert main(["plan", "--preset", "3b-h4b16k", "--cluster", "a100-80g", "--nodes", "2"]) == 0
     out = capsys.readouterr().out
     assert "ZeRO-3" in out and "16 ranks" in out and "fits" in out
     assert "(preset 3b-h4b16k)" in out and "decoder" in out and "host/rank" in out and "MFU 0.40" in out
+    assert "buffers" in out and "step peak" in out
     assert main(["plan", "--preset", "3b-h4b16k", "--cluster", "a100-80g", "--mfu", "0.5"]) == 0
     assert "MFU 0.50" in capsys.readouterr().out
     assert main(["plan", "--preset", "3b-h4b16k", "--cluster", "a100-80g", "--mfu", "0"]) == 2
@@ -102,7 +172,8 @@ def test_header_describes_the_overridden_model_and_host_memory():
     assert plans[0].model_params == pytest.approx(69e9, rel=0.01)
     # each of 8 ranks keeps 1/8 of the fp32 weights plus the largest parameter: the node's memory suffices,
     # its devices do not
-    assert "host memory: fits" in out and "device memory: with activation checkpointing the run does not fit" in out
+    assert "host memory: fits" in out and ("device memory: the run does not fit (step peak: model states + "
+                                           "checkpointed activations + DeepSpeed's buffers") in out
     tight = profile.model_copy(update={"memory_gb_per_node": 256})
     assert "host memory: does not fit" in format_plan(cfg, tight, 1, memory_plan(cfg, tight, nodes=1))
 

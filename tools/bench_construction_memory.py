@@ -1,7 +1,8 @@
 """Benchmark: peak memory per rank while the model is constructed, the engine set up and the first step taken.
 
 Usage: python tools/bench_construction_memory.py [--preset 1b-h4b16k] [--ranks 4] [--layouts zero3,tp2]
-                                                 [--step] [--old] [--seq-len 64]
+                                                 [--step] [--plan] [--old] [--seq-len 64] [--set KEY=VALUE ...]
+       python tools/bench_construction_memory.py --runtime [--ranks 4] [--seq-len 128]
 
 Each layout runs on ``--ranks`` local ranks (gloo on CPU, one GPU per rank with ``--device cuda``), as
 ``mhf-dist train`` builds the model: the skeleton, then each rank materialises only what it keeps
@@ -18,6 +19,14 @@ and on a GPU the device's peak allocated memory in each phase. The previous cons
 model on every rank before anything was sharded: at least ``4 bytes × parameters`` per rank, which the table
 shows as computed (``--old`` measures it instead — as much memory per rank, on every rank at once; then the
 tensor-parallel plan adds its shards twice more). Ranks report their progress as they go.
+
+``--plan`` prints `mhf-dist plan`'s numbers beside the measured ones: construction against its rise, the first
+step's training peak (model states, activations, DeepSpeed's buffers and the runtime) against the whole
+process's peak (what it held before construction plus its rise). ``--runtime`` measures the runtime the plan
+counts for a CPU rank (``mhf_dist.memory_plan.CPU_RUNTIME_BYTES``): the whole process's peak through construction,
+engine and first step of the tiny preset's structure with tensors of no size (:data:`RUNTIME_MODEL`, 32k
+parameters), ZeRO-3 over every rank: Python, torch, DeepSpeed, the process group, the engine's bookkeeping for
+every module and parameter, autograd and the kernels' workspaces.
 """
 
 from __future__ import annotations
@@ -90,7 +99,7 @@ class Phases:
     def stop(self) -> None:
         from mhf_dist.train.throughput import host_peak_bytes
 
-        row = {"host": host_peak_bytes() - self.base, "seconds": time.perf_counter() - self.t0}
+        row = {"host": host_peak_bytes() - self.base, "before": self.base, "seconds": time.perf_counter() - self.t0}
         if self.device.type == "cuda":
             row["device"] = torch.cuda.max_memory_allocated(self.device)
         self.rows[self.phase] = row
@@ -159,6 +168,20 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(phases.rows))
 
 
+# --runtime: the tiny preset's structure (its layers, heads, hooks and collectives) with tensors of no size
+RUNTIME_MODEL = ["model.d_model=16", "model.ffn_dim=32", "model.hash.num_buckets=256"]
+
+
+def measure_runtime(args: argparse.Namespace) -> None:
+    """What a rank holds that does not grow with the model: construction, engine and first step of the tiny preset
+    shrunk to 32k parameters (128 KiB), ZeRO-3 over every rank; the largest rank's whole-process peak."""
+    args.preset, args.set, args.step, args.old = "tiny-h4b16k", [*args.set, *RUNTIME_MODEL], True, False
+    result = run_layout(args, "zero3")
+    peak = max(r["first step"]["before"] + r["first step"]["host"] for r in result["ranks"])
+    print(f"runtime: peak resident memory {peak / MiB:,.0f} MiB per rank (the largest of {args.ranks}; "
+          f"{' '.join(RUNTIME_MODEL)} on tiny-h4b16k, --seq-len {args.seq_len})")
+
+
 def run_layout(args: argparse.Namespace, name: str) -> dict:
     tp, pp = parse_layout(name, args.ranks)
     print(f"{name}: tp={tp} pp={pp} dp={args.ranks // (tp * pp)} on {args.ranks} ranks "
@@ -174,32 +197,31 @@ def worker_config(args: argparse.Namespace, tp: int, pp: int, world: int, device
     return load_config(args.preset, overrides=[
         f"parallel.tp={tp}", f"parallel.pp={pp}", "data.path=embedded", f"data.seq_len={args.seq_len}",
         "train.micro_batch_size=1", f"train.global_batch_size={world // (tp * pp)}", f"train.device={device}",
-        f"train.dtype={'bf16' if device == 'cuda' else 'fp32'}"])
+        f"train.dtype={'bf16' if device == 'cuda' else 'fp32'}", *args.set])
 
 
 def planned(args: argparse.Namespace, name: str, result: dict) -> list[tuple]:
     """`mhf-dist plan`'s numbers for the measured layout, each beside its measurement with the relative error."""
     from mhf_dist.cluster import load_profile
     from mhf_dist.memory_plan import GB, memory_plan
-    from mhf_dist.parallel.layout import checkpoint_interval, deepspeed_config, resolve_layout
 
     tp, pp = result["tp"], result["pp"]
     cfg = worker_config(args, tp, pp, args.ranks, args.device)
     profile = load_profile("cpu-local").model_copy(update={"gpus_per_node": args.ranks, "cores_per_node": args.ranks,
                                                            "backend": "gloo" if args.device == "cpu" else "nccl"})
     plans = memory_plan(cfg, profile, 1, VOCAB)
-    checkpointed = checkpoint_interval(cfg, deepspeed_config(cfg, resolve_layout(cfg, args.ranks), args.device))
     dp = args.ranks // (tp * pp)
-    predictions = {"construction": max(p.construction_gb for p in plans) * GB}
+    # construction: its rise; first step: the training peak, runtime included, against the whole process's peak
+    predictions = {"construction": (max(p.construction_gb for p in plans) * GB, False)}
     if args.step:
-        predictions["first step"] = max(
-            p.model_states_gb + (p.activations_checkpointed_gb if checkpointed else p.activations_gb)
-            for p in plans) * GB
+        predictions["first step"] = (max(p.step_peak_gb for p in plans) * GB, True)
     out = []
-    for phase, predicted in predictions.items():
-        measured = max(r[phase]["host"] for r in result["ranks"])
-        out.append((name, dp, f"plan: {phase} ({(predicted - measured) / measured:+.0%} vs measured)", predicted,
-                    0, None))
+    for phase, (predicted, whole) in predictions.items():
+        measured = max(r[phase]["host"] + (r[phase]["before"] if whole else 0) for r in result["ranks"])
+        label = f"{phase}, whole process" if whole else phase
+        if whole:  # (the rise is printed above)
+            out.append((name, dp, f"measured: {label}", measured, 0, None))
+        out.append((name, dp, f"plan: {label} ({(predicted - measured) / measured:+.0%})", predicted, 0, None))
     return out
 
 
@@ -214,8 +236,16 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--plan", action="store_true", help="also print `mhf-dist plan`'s prediction for each "
-                        "measured phase and its error (construction; with --step, model states + activations)")
+                        "measured phase and its error (construction; with --step, the training peak)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for the measured run and its plan (repeatable), e.g. "
+                        "parallel.deepspeed.zero_optimization.reduce_bucket_size=60000000")
+    parser.add_argument("--runtime", action="store_true", help="measure the runtime a CPU rank holds besides its "
+                        "model (mhf_dist.memory_plan.CPU_RUNTIME_BYTES) instead; --preset and --layouts unused")
     args = parser.parse_args()
+    if args.runtime:
+        measure_runtime(args)
+        return
 
     from mhf_dist.engram_compression import CompressionTable
     from mhf_dist.model.lm import model_structure
