@@ -77,6 +77,11 @@ class EngramConfig(_Strict):
         False, description="keep the tables in (pinned) host memory outside DeepSpeed: each micro-batch's rows "
         "are gathered to the device ahead of use, their gradients added back on the host, and the tables step "
         "with a host AdamW of the same hyperparameters (pp = tp = 1, ZeRO 1-3)")
+    offload_update: Literal["dense", "lazy"] = Field(
+        "dense", description="the host AdamW with offload: dense: every row each step, equal to the tables on the "
+        "device; lazy: only the rows read in the step (by any micro-batch on any data-parallel rank): their "
+        "moments, weight decay and update, bias-corrected by the global step count; the other rows and their "
+        "moments stay as they are (LazyAdam, SparseAdam)")
 
     @field_validator("hash", mode="before")
     @classmethod
@@ -88,6 +93,9 @@ class EngramConfig(_Strict):
         if self.threshold is not None and self.gate != "softmax":
             raise ValueError(f"model.engram.threshold applies to gate=softmax only (gate is {self.gate!r}); "
                              "unset the threshold or set model.engram.gate=softmax")
+        if self.offload_update != "dense" and not self.offload:
+            raise ValueError(f"model.engram.offload_update={self.offload_update} applies to host-memory tables only; "
+                             "set model.engram.offload=true or unset model.engram.offload_update")
         return self
 
 

@@ -11,7 +11,8 @@ ZeRO nor ``model.to(device)`` touch it:
   micro-batch ``i``. On a CPU device the gather is an ordinary synchronous ``index_select``.
 - **Forward**: the lookup reads the gathered rows through the indices remapped onto the compact unique set.
 - **Backward**: the gathered rows are an autograd leaf whose hook adds its gradient — rows of the unique set
-  only — into the fp32 host buffer ``grad [T, R, d]`` (``index_add_``), accumulated over micro-batches.
+  only — into the fp32 host buffer ``grad [T, R, d]`` (``index_add_``), accumulated over micro-batches, and marks
+  them in ``touched [T·R]`` when the trainer keeps that mask (``model.engram.offload_update=lazy``).
 
 The optimizer step (a host AdamW with the dense tables' hyperparameters) and the checkpoint files are the
 trainer's (:mod:`mhf_dist.train.host_tables`). ``state_dict`` does not list the weight (DeepSpeed would save it
@@ -44,6 +45,7 @@ class HostTables(nn.Module):
         self.num_rows = num_rows
         self.weight = torch.empty(num_tables, num_rows, dim)
         self.grad: torch.Tensor | None = None  # fp32 host gradient, allocated by the trainer
+        self.touched: torch.Tensor | None = None  # bool [T·R]: the flat rows given a gradient (lazy update only)
         self.device = torch.device("cpu")  # where the gathered rows go (the trainer sets the engine's device)
         self.transfer_dtype = torch.float32  # the model's compute dtype
         self._next: GatheredRows | None = None
@@ -116,6 +118,8 @@ class HostTables(nn.Module):
         if self.grad is None:
             self.grad = torch.zeros_like(self.weight)
         self.grad.view(-1, self.weight.shape[-1]).index_add_(0, index, grad.detach().float().cpu())
+        if self.touched is not None:
+            self.touched[index] = True
 
     # ------------------------------------------------------------------ state dict
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

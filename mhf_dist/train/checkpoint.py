@@ -512,7 +512,8 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint {path} was trained with signature table {str(marker['signatures_hash'])[:12]}, this run "
                 f"has {str(self.signatures_hash)[:12]}: use the run's own signatures/ (or expand-vocab to extend it)")
-        ours, theirs = self.cfg.model.model_dump(mode="json"), _as_written_now(marker["model"])
+        ours = _model_identity(self.cfg.model.model_dump(mode="json"))
+        theirs = _model_identity(_as_written_now(marker["model"]))
         differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         if differ:
             details = "; ".join(f"model.{k}: checkpoint {theirs.get(k)!r}, config {ours.get(k)!r}" for k in differ)
@@ -581,6 +582,14 @@ class Checkpointer:
             elif (legacy := path / LEGACY_RNG_FILE.format(self.rank)).is_file():
                 set_rng_state(read_legacy_rng_state(legacy))
         return client
+
+
+def _model_identity(model: dict) -> dict:
+    """A model section without ``engram.offload_update``: how the host tables step, not what the model is (both
+    rules keep the same AdamW state, so a checkpoint resumes with either)."""
+    if isinstance(model.get("engram"), dict):
+        return model | {"engram": {k: v for k, v in model["engram"].items() if k != "offload_update"}}
+    return model
 
 
 def _as_written_now(model: dict) -> dict:

@@ -78,7 +78,8 @@ class DataParallelTrainer:
         self.host = None  # model.engram.offload: the Engram tables in host memory
         if cfg.model.engram is not None and cfg.model.engram.offload:
             dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
-            self.host = HostTablesStep(model, self.engine, dtype, groups.dp_group, groups.dp)
+            self.host = HostTablesStep(model, self.engine, dtype, groups.dp_group, groups.dp,
+                                       cfg.model.engram.offload_update)
 
     @property
     def lr(self) -> float:

@@ -15,6 +15,14 @@ Per step (:class:`mhf_dist.train.engine.DataParallelTrainer` calls these):
    every row is updated each step (weight decay and the moments' decay reach rows without gradient), exactly as
    the dense tables. The bias correction follows the host optimizer's own step count, equal to DeepSpeed's.
 
+``model.engram.offload_update=lazy`` steps only the rows read in the step instead: the union, over the micro-batches
+and (with dp > 1, a row mask all-reduced like the gradients) the data-parallel ranks, of the rows whose gradient the
+lookups added (:attr:`HostTables.touched`). Only those rows' gradients are dp-averaged (the others are zero on every
+rank), normed and clipped; the same fused AdamW kernel runs on them (``index_select``), and the rows and their moments
+are written back (``index_copy_``). The step count still advances every step, so the bias correction is the dense
+path's; the other rows and their moments stay exactly as they are (LazyAdam / SparseAdam). Both modes keep the same
+``exp_avg``/``exp_avg_sq``/``step`` state, so a checkpoint of either resumes in either.
+
 Checkpoints hold the tables and their AdamW state in ``engram-host-tables.safetensors`` (:meth:`state`/:meth:`load`),
 written by rank 0 only: with tp = pp = 1 every rank holds the same tables.
 """
@@ -27,6 +35,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
+from torch.optim.adamw import adamw
 
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.parallel.scalars import ScalarCollectives, communication_device
@@ -51,20 +60,25 @@ def host_tables(model: nn.Module) -> dict[int, HostTables]:
 
 
 class HostTablesStep:
-    def __init__(self, model: nn.Module, engine, compute_dtype: torch.dtype, dp_group, dp: int):
+    def __init__(self, model: nn.Module, engine, compute_dtype: torch.dtype, dp_group, dp: int, update: str):
         self.memories = [block.engram for block in model.backbone.layers
                          if block.engram is not None and isinstance(block.engram.tables, HostTables)]
         self.tables = host_tables(model)
         self.engine, self.dp_group, self.dp = engine, dp_group, dp
+        self.lazy = update == "lazy"
         for t in self.tables.values():
             t.device, t.transfer_dtype = engine.device, compute_dtype
             t.grad = torch.zeros_like(t.weight)
+            if self.lazy:
+                t.touched = torch.zeros(t.weight.shape[0] * t.weight.shape[1], dtype=torch.bool)
         # parameters sharing the tables' storage: the optimizer updates the tables in place
         self.params = {i: nn.Parameter(t.weight) for i, t in self.tables.items()}
         group = self._engine_group()
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=group["lr"], betas=group["betas"],
                                            eps=group["eps"], weight_decay=group["weight_decay"], fused=True)
         self.host_norm = torch.zeros(())
+        self.grads: dict[int, torch.Tensor] = {}  # this step's gradients: each table's, or its touched rows' (lazy)
+        self.rows: dict[int, torch.Tensor] = {}  # lazy: this step's touched flat rows of each table
         self.install_norm()
 
     def _engine_group(self) -> dict:
@@ -110,11 +124,21 @@ class HostTablesStep:
     def before_step(self) -> None:
         """At the accumulation boundary, before DeepSpeed's step: dp-average the host gradients, take their norm
         and this step's hyperparameters."""
-        if self.dp > 1:
-            collectives = ScalarCollectives(communication_device(dist.get_backend(self.dp_group)))
-            for t in self.tables.values():
-                collectives.mean_into(t.grad, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1])
-        norms = [torch.linalg.vector_norm(t.grad) for t in self.tables.values()]
+        collectives = ScalarCollectives(communication_device(dist.get_backend(self.dp_group))) if self.dp > 1 else None
+        for i, t in self.tables.items():
+            grad = t.grad.view(-1, t.grad.shape[-1])
+            if self.lazy:
+                if collectives:  # the union of the ranks' rows: a row's mean flag is > 0 iff a rank touched it
+                    flags = t.touched.float()
+                    collectives.mean_into(flags, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1])
+                    torch.gt(flags, 0, out=t.touched)
+                self.rows[i] = t.touched.nonzero().squeeze(1)
+                t.touched.zero_()
+                grad = grad.index_select(0, self.rows[i])  # the other rows' gradients are zero on every rank
+            if collectives:
+                collectives.mean_into(grad, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1])
+            self.grads[i] = grad
+        norms = [torch.linalg.vector_norm(g) for g in self.grads.values()]
         self.host_norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
         self.hyper = {k: self._engine_group()[k] for k in ("lr", "betas", "eps", "weight_decay")}
 
@@ -129,16 +153,38 @@ class HostTablesStep:
                 total = torch.as_tensor(opt._global_grad_norm, dtype=torch.float32)
                 coefficient = torch.clamp((total + 1e-6) / clip, min=1.0)
                 scale = (1.0 / coefficient).cpu()
-                for t in self.tables.values():
-                    t.grad.mul_(scale)
+                for g in self.grads.values():
+                    g.mul_(scale)
             group = self.optimizer.param_groups[0]
             group.update(self.hyper)
-            for i, p in self.params.items():
-                p.grad = self.tables[i].grad
-            self.optimizer.step()
-        for t in self.tables.values():
-            t.grad.zero_()
+            if self.lazy:
+                self._lazy_adamw(group)
+            else:
+                for i, p in self.params.items():
+                    p.grad = self.tables[i].grad
+                self.optimizer.step()
+        for i, t in self.tables.items():
+            if self.lazy:
+                t.grad.view(-1, t.grad.shape[-1]).index_fill_(0, self.rows[i], 0.0)
+            else:
+                t.grad.zero_()
             t.release()
+        self.grads, self.rows = {}, {}
+
+    def _lazy_adamw(self, group: dict) -> None:
+        """The optimizer's fused AdamW on each table's touched rows only, its state kept in the optimizer."""
+        for i, p in self.params.items():
+            state = self.optimizer.state[p]
+            if not state:  # as torch.optim.AdamW(fused=True) initialises it
+                state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                             exp_avg_sq=torch.zeros_like(p))
+            rows, full = self.rows[i], (p, state["exp_avg"], state["exp_avg_sq"])
+            weight, exp_avg, exp_avg_sq = (x.view(-1, p.shape[-1]).index_select(0, rows) for x in full)
+            adamw([weight], [self.grads[i]], [exp_avg], [exp_avg_sq], [], [state["step"]], fused=True,
+                  amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"],
+                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            for x, part in zip(full, (weight, exp_avg, exp_avg_sq), strict=True):
+                x.view(-1, p.shape[-1]).index_copy_(0, rows, part)
 
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
