@@ -1,5 +1,5 @@
-"""Benchmark: `100m-h4b16k+engram` with the Engram tables offloaded to host memory (model.engram.offload) vs on the
-device under DeepSpeed, a few steps each.
+"""Benchmark: `100m-h4b16k+engram` with the Engram tables offloaded to host memory (model.engram.offload), stepped
+densely and lazily (model.engram.offload_update), vs on the device under DeepSpeed, a few steps each.
 
 Usage: python tools/bench_engram_offload.py [--steps 4] [--seq-len 128] [--micro 1]
 Each case is `mhf-dist train` in a fresh process on the embedded text (one rank, ZeRO-3; fp32 on CPU, the preset's
@@ -24,11 +24,13 @@ MEASURE = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check
            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
 
 
-def run_case(run: Path, offload: bool, args) -> dict:
+def run_case(run: Path, offload: bool, update: str, args) -> dict:
     overrides = ["data.path=embedded", f"data.seq_len={args.seq_len}", f"train.max_steps={args.steps}",
                  f"train.global_batch_size={args.micro}", f"train.micro_batch_size={args.micro}",
                  "train.log_interval=1", f"train.eval_sequences={args.micro}", "train.eval_interval=0",
                  f"model.engram.offload={str(offload).lower()}"]
+    if offload:
+        overrides.append(f"model.engram.offload_update={update}")
     if not torch.cuda.is_available():
         overrides.append("train.dtype=fp32")
     argv = [sys.executable, "-m", "mhf_dist", "train", "--preset", "100m-h4b16k+engram", "--run-dir", str(run)]
@@ -52,14 +54,16 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=1, help="sequences per step (one micro-batch)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        results = {name: run_case(Path(tmp) / name, offload, args)
-                   for name, offload in (("device tables", False), ("offload", True))}
-    base, off = results["device tables"], results["offload"]
+        results = {name: run_case(Path(tmp) / name.replace(" ", "-"), offload, update, args)
+                   for name, offload, update in (("device tables", False, "dense"), ("offload", True, "dense"),
+                                                 ("offload, lazy", True, "lazy"))}
+    base = results["device tables"]
     columns = ["step_s", "host_gb"] + (["device_gb"] if "device_gb" in base else [])
     print(f"{'100m-h4b16k+engram':<20}" + "".join(f"{c:>12}" for c in columns) + f"{'last loss':>12}")
     for name, r in results.items():
         print(f"{name:<20}" + "".join(f"{r[c]:>12.3f}" for c in columns) + f"{r['loss']:>12.4f}")
-    print(f"{'offload / device':<20}" + "".join(f"{off[c] / base[c]:>12.2f}" for c in columns))
+    for name in ("offload", "offload, lazy"):
+        print(f"{name + ' / device':<20}" + "".join(f"{results[name][c] / base[c]:>12.2f}" for c in columns))
 
 
 if __name__ == "__main__":
