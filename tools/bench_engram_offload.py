@@ -59,11 +59,11 @@ def main() -> None:
                                                  ("offload, lazy", True, "lazy"))}
     base = results["device tables"]
     columns = ["step_s", "host_gb"] + (["device_gb"] if "device_gb" in base else [])
-    print(f"{'100m-h4b16k+engram':<20}" + "".join(f"{c:>12}" for c in columns) + f"{'last loss':>12}")
+    print(f"{'100m-h4b16k+engram':<24}" + "".join(f"{c:>12}" for c in columns) + f"{'last loss':>12}")
     for name, r in results.items():
-        print(f"{name:<20}" + "".join(f"{r[c]:>12.3f}" for c in columns) + f"{r['loss']:>12.4f}")
+        print(f"{name:<24}" + "".join(f"{r[c]:>12.3f}" for c in columns) + f"{r['loss']:>12.4f}")
     for name in ("offload", "offload, lazy"):
-        print(f"{name + ' / device':<20}" + "".join(f"{results[name][c] / base[c]:>12.2f}" for c in columns))
+        print(f"{name + ' / device':<24}" + "".join(f"{results[name][c] / base[c]:>12.2f}" for c in columns))
 
 
 if __name__ == "__main__":
