@@ -71,7 +71,7 @@ from mhf_dist.config import ConfigError, ModelConfig, RunConfig, preset
 from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import LanguageModel, build_model
 from mhf_dist.model.flops import forward_flops
-from mhf_dist.parallel.layout import checkpoint_interval, deepspeed_config, resolve_layout
+from mhf_dist.parallel.layout import checkpoint_interval, deepspeed_config, resolve_layout, zero_stage
 from mhf_dist.parallel.stages import layer_costs, stage_bounds
 from mhf_dist.parallel.state_dict import split_dim
 from mhf_dist.parallel.tensor_parallel import tp_split_dims
@@ -165,7 +165,7 @@ def deepspeed_buffer_bytes(ds_config: dict, params: int, largest: int, e: int, d
     """DeepSpeed's buffers on a rank holding ``params`` parameters (its stage's tensor-parallel share) in a run of
     ``e`` bytes per value, plus the largest parameter's whole gradient (see the module docstring). ``device``
     ``cpu``: a buffer is resident only where written, at most ``params`` elements."""
-    stage, contiguous = ds_config["zero_optimization"]["stage"], zero_setting(ds_config, "contiguous_gradients")
+    stage, contiguous = zero_stage(ds_config), zero_setting(ds_config, "contiguous_gradients")
     bucket = zero_setting(ds_config, "reduce_bucket_size")
 
     def allocated(elements: int) -> int:
@@ -223,7 +223,7 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
     layout = resolve_layout(cfg, world)
     device = device_of(profile)
     ds_config = deepspeed_config(cfg, layout, device)
-    zero, checkpointed = ds_config["zero_optimization"]["stage"], checkpoint_interval(cfg, ds_config)
+    zero, checkpointed = zero_stage(ds_config), checkpoint_interval(cfg, ds_config)
     runtime = CPU_RUNTIME_BYTES if device == "cpu" else 0
     m, tp, pp, dp = cfg.model, layout.tp, layout.pp, layout.dp
     model = meta_model(m, vocab_size)
@@ -357,7 +357,7 @@ def format_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, plans: list
     world = nodes * profile.gpus_per_node
     layout = resolve_layout(cfg, world)
     ds_config = deepspeed_config(cfg, layout, device_of(profile))
-    zero = ds_config["zero_optimization"]["stage"]
+    zero = zero_stage(ds_config)
     host_rank = max(p.construction_gb for p in plans)
     host_node = host_bytes_per_node(host_rank, profile.gpus_per_node)
     node_memory = f"{profile.memory_gb_per_node:g} GB" if profile.memory_gb_per_node else "unknown"

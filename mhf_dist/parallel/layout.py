@@ -87,6 +87,11 @@ def preflight(cfg: RunConfig, world_size: int, device: str, data_here: bool = Tr
     return layout, deepspeed_config(cfg, layout, device)
 
 
+def zero_stage(ds_config: dict) -> int:
+    """The ZeRO stage of a DeepSpeed config (0 without a ``zero_optimization`` section)."""
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
 def checkpoint_interval(cfg: RunConfig, ds_config: dict) -> int:
     """Every k-th block is recomputed in backward: ``parallel.activation_checkpoint_interval``, else 1 when the
     DeepSpeed config has an ``activation_checkpointing`` section; 0: none."""

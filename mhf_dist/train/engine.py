@@ -44,10 +44,6 @@ def device_type(cfg: RunConfig) -> str:
     return cfg.train.device
 
 
-def zero_stage(ds_config: dict) -> int:
-    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
-
-
 @dataclass
 class StepStats:
     loss: float  # mean over the global batch

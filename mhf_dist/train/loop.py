@@ -47,14 +47,14 @@ from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.parallel.construct import FileValues, Materialiser, SeededValues, full_shapes, model_skeleton
 from mhf_dist.parallel.groups import ParallelGroups
-from mhf_dist.parallel.layout import preflight
+from mhf_dist.parallel.layout import preflight, zero_stage
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.run_dir import RunDir
 from mhf_dist.run_lock import RunDirLocked, RunLock
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
 from mhf_dist.train.divergence import LossWatch
-from mhf_dist.train.engine import StepStats, build_trainer, device_type, zero_stage
+from mhf_dist.train.engine import StepStats, build_trainer, device_type
 from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.optim import apply_optimizer_changes
 from mhf_dist.train.preemption import GRACE_ENV, StopSignal
