@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -49,6 +50,11 @@ class ClusterProfile(BaseModel):
     account: str | None = None
     qos: str | None = None
     time: str = "24:00:00"
+    gpus_per_task: Literal[1] | None = Field(
+        None, description="1: bind each rank to its own GPU (sbatch --gpus-per-task=1, srun --gpu-bind=gpu_bind), "
+        "so every rank sees one device; None: ask for gpus_per_node per node and let every rank see them all")
+    gpu_bind: str = Field("closest", description="srun --gpu-bind value when gpus_per_task is set (closest: the GPU "
+                          "nearest the rank's cores; per_task:1 on sites whose topology SLURM does not know)")
     exclusive: bool = Field(False, description="sbatch --exclusive: whole nodes, shared with no other job")
     all_memory: bool = Field(False, description="sbatch --mem=0: the job may use all of each node's memory")
     sbatch_args: list[str] = Field(default_factory=list, description="more #SBATCH options, e.g. --constraint=a100")

@@ -325,6 +325,17 @@ class TrainConfig(_Strict):
     compile: bool = Field(
         False, description="torch.compile every backbone block (the decoder's fused autograd stays eager); off by "
         "default: see docs/benchmarks.md for what it gains on your hardware")
+    fused_head_kernel: Literal["auto", "compiled", "eager"] = Field(
+        "auto", description="the decoder's fused-head elementwise passes: auto compiles them on GPUs and falls back "
+        "to eager (one warning) when compiling fails (no Triton, an Inductor error); compiled always compiles "
+        "(a failure stops the run); eager never compiles")
+    dist_backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="torch.distributed backend: auto is nccl on GPUs (RCCL on ROCm) and gloo on CPUs; gloo "
+        "on GPUs runs several ranks on one device (checks, not training speed)")
+    dist_timeout_minutes: float = Field(
+        30, gt=0, description="how long a collective may wait for the slowest rank before the job stops (the "
+        "process group's timeout); work that grows with the model, such as converting a checkpoint for another "
+        "layout, is waited for outside collectives")
     init_from: str | None = Field(
         None, description="start from these weights (a model.safetensors with our parameter names, as export, "
         "import-hf and expand-vocab write; relative to the run directory) instead of a random init; a resumed "

@@ -110,8 +110,12 @@ def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_d
     python = no_control_characters("python", python or profile.python or sys.executable)
     command = shlex.join([*profile.launcher, python, "-m", "mhf_dist"])
     extra = [_sbatch_option(f"profile {profile.name}: sbatch_args", a) for a in profile.sbatch_args]
+    gpus = profile.backend == "nccl"
+    srun_args = [f"--gpu-bind={profile.gpu_bind}"] if gpus and profile.gpus_per_task else []
+    srun_args += profile.srun_args
     for key, value in (("partition", profile.partition), ("account", profile.account), ("qos", profile.qos),
-                       ("gpus-per-node", profile.gpus_per_node if profile.backend == "nccl" else None),
+                       ("gpus-per-node", profile.gpus_per_node if gpus and not profile.gpus_per_task else None),
+                       ("gpus-per-task", profile.gpus_per_task if gpus else None),
                        ("mem", 0 if profile.all_memory else None),
                        ("dependency", f"afterany:{depends_on}" if depends_on else None)):
         if value is not None:
@@ -129,7 +133,7 @@ def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_d
         deepspeed_env="\n".join(f"{k}={no_control_characters(k, v)}" for k, v in profile.env.items()),
         hostfile=shlex.quote(no_control_characters("--hostfile", hostfile or "")), master_port=29500,
         python=shlex.quote(python), python_check=_python_check(shlex.quote(python), profile), command=command,
-        srun_args="".join(f"{shlex.quote(no_control_characters('srun_args', a))} " for a in profile.srun_args),
+        srun_args="".join(f"{shlex.quote(no_control_characters('srun_args', a))} " for a in srun_args),
         train_args=_train_args(run_dir, preset, config, _absolute_paths(cfg, overrides)),
         preempted_exit_code=PREEMPTED_EXIT_CODE, grace_env=GRACE_ENV,
     )

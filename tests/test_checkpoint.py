@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helpers.runs import metrics, run_cli, train_args, train_run
+from mhf_dist.train.checkpoint import CONVERT_PAUSE_ENV
 from mhf_dist.train.universal import consolidate
 
 # every test trains under `mhf-dist train`
@@ -119,10 +120,13 @@ def test_mismatched_or_damaged_checkpoints_are_named(tmp_path, data):
     (2, ["parallel.tp=2"], 1, []),  # tp 2 -> 1
     (4, ["parallel.tp=2", "parallel.pp=2"], 2, ["parallel.zero_stage=1"]),  # tp2 x pp2 -> dp 2
 ], ids=["dp1-to-dp2", "tp2-to-tp1", "tp2pp2-to-dp2"])
-def test_resume_under_another_layout(tmp_path, data, nproc, overrides, nproc2, overrides2):
+def test_resume_under_another_layout(tmp_path, data, nproc, overrides, nproc2, overrides2, monkeypatch):
     full = train_run(tmp_path, data, "full", nproc, *overrides, steps=6)
     train_run(tmp_path, data, "split", nproc, *overrides, "train.stop_at_step=3", steps=6)
-    out = run_cli(train_args(tmp_path / "split", data, nproc2, *overrides2, steps=6))
+    # the conversion outlasts the process group's timeout (6 s), as a large one outlasts any: no rank may wait for
+    # it in a collective
+    monkeypatch.setenv(CONVERT_PAUSE_ENV, "10")
+    out = run_cli(train_args(tmp_path / "split", data, nproc2, *overrides2, "train.dist_timeout_minutes=0.1", steps=6))
     assert "converted to this layout" in out
     for got, want in zip(metrics(tmp_path / "split"), full):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * want["loss"], (got["step"], got["loss"], want["loss"])

@@ -219,16 +219,6 @@ def test_fused_heads_fill_one_table_gradient(preset, monkeypatch):
     torch.testing.assert_close(tables.weight.grad, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("preset", ["tiny-h4b16k", "tiny-standard"])
-def test_fused_decoder_compiled_helpers_equal_plain(preset, monkeypatch):
-    """The fused head's elementwise helpers as GPUs run them (``torch.compile``d), here compiled for CPU."""
-    import mhf_dist.model.fused_head as fused_head
-
-    for name in ("_row_max", "_shifted_exp", "_normalised", "_logit_grads_"):
-        monkeypatch.setattr(fused_head, name, torch.compile(getattr(fused_head, name).eager, dynamic=True))
-    test_fused_decoder_equals_plain(preset, 64)
-
-
 def test_compiled_blocks_equal_eager(tiny_cfg, table):
     """``train.compile``: the compiled backbone gives the eager loss and gradients (fp32)."""
     x = torch.randint(0, V, (2, 17), generator=torch.Generator().manual_seed(1))

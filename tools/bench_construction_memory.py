@@ -118,15 +118,14 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
     from mhf_dist.engram_compression import CompressionTable
     from mhf_dist.model import build_model
     from mhf_dist.parallel.construct import Materialiser, SeededValues, model_skeleton
+    from mhf_dist.parallel.devices import bind_gpu
     from mhf_dist.parallel.groups import ParallelGroups
     from mhf_dist.parallel.layout import preflight, zero_stage
     from mhf_dist.parallel.pipeline import build_pipeline
     from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
     from mhf_dist.train.engine import build_trainer
 
-    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = bind_gpu(rank) if args.device == "cuda" else torch.device("cpu")
     deepspeed.utils.logger.setLevel("WARNING")
     deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else None)
     cfg = worker_config(args, tp, pp, world, device.type)

@@ -21,28 +21,74 @@ summed by the caller's ``copy_to_tp``. Softmax statistics are kept in fp32
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
+log = logging.getLogger(__name__)
+
 _NEG_INF = float("-inf")
+
+
+class _KernelPolicy:
+    """How the elementwise passes below run (``train.fused_head_kernel``): ``auto`` compiles them on GPUs and runs
+    them eagerly on CPUs, and the first compile that fails (a torch without Triton, an Inductor error) switches every
+    pass to eager with one warning; ``compiled`` always compiles and lets a failure through; ``eager`` never
+    compiles."""
+
+    def __init__(self):
+        self.mode, self.failed = "auto", False
+        self.compiled: dict[Callable, Callable] = {}  # each pass's compiled form, made on its first compiled call
+
+    def compiles(self, x: torch.Tensor) -> bool:
+        if self.mode == "auto":
+            return _on_gpu(x) and not self.failed
+        return self.mode == "compiled"
+
+    def fall_back(self, error: Exception) -> None:
+        self.failed = True
+        first_line = (str(error).strip().splitlines() or [""])[0][:300]
+        log.warning("the fused decoder head runs eagerly: compiling its kernels failed (%s: %s); set "
+                    "train.fused_head_kernel=eager to skip the attempt, or =compiled to stop on it",
+                    type(error).__name__, first_line)
+
+
+KERNELS = _KernelPolicy()
+
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def use_kernels(mode: str) -> None:
+    """Set how the fused head's passes run: ``auto``, ``compiled`` or ``eager`` (``train.fused_head_kernel``)."""
+    if mode not in ("auto", "compiled", "eager"):
+        raise ValueError(f"fused head kernels: {mode!r} is not auto, compiled or eager")
+    KERNELS.mode, KERNELS.failed = mode, False
+    KERNELS.compiled.clear()
 
 
 def _compiled_on_gpu(fn: Callable) -> Callable:
     """``fn`` as one fused kernel (``torch.compile``) on GPUs, where each elementwise pass over a chunk's
     ``chunk × R`` values costs a trip through memory; eager on CPU, where ``fn`` works in place and compiling
-    costs more than it saves. Compiled on the first GPU call, so CPU-only use never loads the compiler."""
-    compiled = None
+    costs more than it saves (:class:`_KernelPolicy`). Compiled on the first call that wants it, so CPU-only use
+    never loads the compiler; a compile fails before the kernel touches its inputs, so the eager retry sees them
+    unchanged."""
 
     def run(*args):
-        nonlocal compiled
-        if not args[0].is_cuda:
+        if not KERNELS.compiles(args[0]):
             return fn(*args)
-        if compiled is None:
-            compiled = torch.compile(fn, dynamic=True)
-        return compiled(*args)
+        if (compiled := KERNELS.compiled.get(fn)) is None:
+            compiled = KERNELS.compiled[fn] = torch.compile(fn, dynamic=True)
+        if KERNELS.mode == "compiled":
+            return compiled(*args)
+        try:
+            return compiled(*args)
+        except Exception as e:  # Inductor reports a missing Triton or a failed lowering in several exception types
+            KERNELS.fall_back(e)
+            return fn(*args)
 
-    run.eager = fn
     return run
 
 

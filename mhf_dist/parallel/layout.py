@@ -83,8 +83,19 @@ def preflight(cfg: RunConfig, world_size: int, device: str, data_here: bool = Tr
     """Every check before a launch on ``device`` ranks (cpu, cuda): the data source (on this machine unless
     ``data_here`` is False), the layout for ``world_size`` and the DeepSpeed config; before any rank starts."""
     check_data_source(cfg, data_here)
+    backend_name(cfg.train.dist_backend, device)
     layout = resolve_layout(cfg, world_size)
     return layout, deepspeed_config(cfg, layout, device)
+
+
+def backend_name(setting: str, device_type: str) -> str:
+    """``train.dist_backend`` resolved for ranks on ``device_type`` (cpu, cuda): ``auto`` is NCCL (RCCL on ROCm
+    builds, under the same name) on GPUs and gloo on CPUs."""
+    if setting == "auto":
+        return "gloo" if device_type == "cpu" else "nccl"
+    if setting == "nccl" and device_type == "cpu":
+        raise ConfigError("train.dist_backend=nccl needs GPUs; this run is on CPUs (use auto or gloo)")
+    return setting
 
 
 def zero_stage(ds_config: dict) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mhf_dist.parallel.devices import bind_gpu
 from mhf_dist.profiling.timing import torch_dtype
 from mhf_dist.profiling.training import TrainRow, profile_training
 from mhf_dist.train.throughput import measured_peak_flops
@@ -20,9 +21,8 @@ def worker_main(rows_file: str, spec_json: str) -> int:
     """One rank of a tensor-parallel layout: profile one configuration; rank 0 writes its row to ``rows_file``."""
     spec = json.loads(spec_json)
     device = torch.device(spec.pop("device"))
-    if device.type == "cuda":  # each local rank on its own GPU (LOCAL_RANK, as launch_local sets it)
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
+    if device.type == "cuda":  # each local rank on its GPU (LOCAL_RANK, as launch_local sets it)
+        device = bind_gpu(int(os.environ.get("LOCAL_RANK", 0)))
     if spec["tp"] > 1:
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl",
                                 device_id=device if device.type == "cuda" else None)

@@ -9,10 +9,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mhf_dist.config import load_config
+from mhf_dist.config import ModelConfig, load_config
 from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import build_model
 from mhf_dist.model.flops import forward_flops
+from mhf_dist.model.fused_head import use_kernels
+from mhf_dist.model.lm import LanguageModel
 from mhf_dist.parallel.comm import count_collectives
 from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
 from mhf_dist.profiling.timing import Timer, torch_dtype
@@ -52,6 +54,19 @@ def step_seconds(step: dict[str, float]) -> float:
     return step["forward"] + step["backward"] + step["optimizer"]
 
 
+def probe_model(cfg: ModelConfig, tp: int, device: torch.device, dtype: torch.dtype) -> tuple[LanguageModel, int]:
+    """(this rank's model, the whole model's parameter count): built on the host at full size with random
+    signatures, cut to this rank's tensor-parallel shard (the parallel modules are new, on the host and in fp32),
+    then moved to ``device`` and ``dtype`` in one go, so no module is left behind on either."""
+    codes = torch.randint(1, cfg.hash.num_buckets, (VOCAB, cfg.hash.num_hashes),
+                          generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = build_model(cfg, VOCAB, codes, CompressionTable.identity(VOCAB))
+    params = sum(p.numel() for p in model.parameters())
+    apply_tensor_parallel(model, dist.group.WORLD if tp > 1 else None, dist.get_rank() if tp > 1 else 0, tp)
+    return model.to(device=device, dtype=dtype), params
+
+
 class TrainingProbe:
     """One configuration trained step by step on this rank (tp ranks build it together): the model of preset
     ``{size}-{hash_name}``, AdamW and one synthetic batch. :meth:`step` times one step; :meth:`row` summarises
@@ -61,17 +76,13 @@ class TrainingProbe:
                  device: torch.device, overrides: list[str], max_steps: int):
         run_cfg = load_config(f"{size}-{hash_name}", overrides=[f"parallel.tp={tp}", *overrides])
         cfg = run_cfg.model
-        gen = torch.Generator().manual_seed(0)
-        codes = torch.randint(1, cfg.hash.num_buckets, (VOCAB, cfg.hash.num_hashes), generator=gen)
-        torch.manual_seed(0)
-        model = build_model(cfg, VOCAB, codes, CompressionTable.identity(VOCAB)).to(device)
-        self.params = sum(p.numel() for p in model.parameters())
-        apply_tensor_parallel(model, dist.group.WORLD if tp > 1 else None, dist.get_rank() if tp > 1 else 0, tp)
-        model.to(torch_dtype(dtype))
+        model, self.params = probe_model(cfg, tp, device, torch_dtype(dtype))
         if run_cfg.train.compile:
             model.backbone.compile_blocks()
+        use_kernels(run_cfg.train.fused_head_kernel)
         self.model, self.device = model, device
         self.optimizer, _ = build_optimizer(model, run_cfg.optimizer, max_steps=max_steps)
+        gen = torch.Generator().manual_seed(1)
         self.batch = torch.randint(0, VOCAB, (micro, seq_len + 1), generator=gen).to(device)
         self.size, self.hash, self.tp, self.dtype, self.seq_len, self.micro = size, hash_name, tp, dtype, seq_len, micro
         self.flops_per_token = forward_flops(cfg, seq_len, vocab_rows=model.vocab.tables.num_rows).train

@@ -5,7 +5,7 @@ optimizer files (its ``save_checkpoint``, which also keeps the LR scheduler),
 with our client state inside — step, tokens seen, the data reader's position
 (identical on every rank: the global order does not depend on the rank count),
 run config, signature-table content hash, code version, layout — plus one
-``rng-rank*.safetensors`` per rank (python, numpy, torch and CUDA generators).
+``rng-rank*.safetensors`` per rank (python, numpy, torch and the rank's own GPU generator).
 
 Atomicity and integrity: the directory counts only once ``complete.json``
 exists in it. Each rank fsyncs the files it wrote and takes their SHA-256
@@ -53,14 +53,17 @@ states are not restored then (they belong to the old ranks).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import logging
 import os
+import queue
 import random
 import resource
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -71,9 +74,11 @@ import torch.distributed as dist
 from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import load_file, save
+from tqdm.auto import tqdm
 
 from mhf_dist import __version__
 from mhf_dist.config import ModelConfig, RunConfig
+from mhf_dist.parallel.rank0_work import on_rank0
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.train.checkpoint_index import (
     ABANDONED,
@@ -92,6 +97,7 @@ from mhf_dist.train.universal import convert_for_layout, universal_info
 log = logging.getLogger(__name__)
 
 UNIVERSAL = "universal"  # conversions for other layouts
+DELETING = ".deleting"  # checkpoints on their way out, deleted in the background
 DIGEST = "sha256"  # hardware-accelerated on current x86 and ARM CPUs, and checkable with sha256sum
 DIGEST_CHUNK = 1 << 20
 DIGEST_THREADS = 4
@@ -99,6 +105,7 @@ RNG_FILE = "rng-rank{:05d}.safetensors"
 LEGACY_RNG_FILE = "rng-rank{:05d}.pt"
 RANK_DIGESTS = "digests-rank{:05d}.json"  # each rank's digests during a save, merged into the marker by rank 0
 SAVE_PAUSE_ENV = "MHF_DIST_TEST_SAVE_PAUSE"  # seconds to stall mid-save (crash-safety tests)
+CONVERT_PAUSE_ENV = "MHF_DIST_TEST_CONVERT_PAUSE"  # seconds a conversion for another layout takes longer (tests)
 SAVE_FAIL_ENV = "MHF_DIST_TEST_SAVE_FAIL_RANK"  # this rank's checkpoint writes fail as on a full disk (fault tests)
 MISSING, WRONG_SIZE, WRONG_DIGEST = 1, 2, 3  # what a file check finds (codes summed over the ranks)
 
@@ -201,8 +208,8 @@ def write_rng_state(path: Path) -> None:
     metadata = {"python": json.dumps([version, list(internal), gauss_next]),
                 "numpy": json.dumps([generator, key.tolist(), int(pos), int(has_gauss), float(cached_gaussian)])}
     tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors |= {f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    if torch.cuda.is_available():  # the rank's own GPU only: a resume may see fewer GPUs (one bound to each task)
+        tensors["cuda"] = torch.cuda.get_rng_state()
     path.write_bytes(save(tensors, metadata=metadata))
 
 
@@ -218,9 +225,11 @@ def read_rng_state(path: Path) -> dict:
                  "torch": tensors["torch"]}
     except Exception as e:  # a damaged header (SafetensorError), missing or malformed states
         raise CheckpointError(f"{path} is not a readable RNG state ({e}); resume from another checkpoint") from e
-    cuda = sorted((k for k in tensors if k.startswith("cuda.")), key=lambda k: int(k.split(".")[1]))
-    if cuda:
-        state["cuda"] = [tensors[k] for k in cuda]
+    if "cuda" in tensors:
+        state["cuda"] = tensors["cuda"]
+    elif any(k.startswith("cuda.") for k in tensors):  # saved with every visible GPU's state, cuda.0, cuda.1, ...
+        state["cuda"] = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda.")),
+                                                    key=lambda k: int(k.split(".")[1]))]
     return state
 
 
@@ -256,7 +265,16 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(current_device_rng(state["cuda"]))
+
+
+def current_device_rng(cuda: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """This rank's GPU generator state from a checkpoint: the one saved state, or, from checkpoints that saved every
+    visible GPU's, the entry of the current device (the first when the resume sees fewer GPUs than the save did)."""
+    if torch.is_tensor(cuda):
+        return cuda
+    index = torch.cuda.current_device()
+    return cuda[index] if index < len(cuda) else cuda[0]
 
 
 def _set_adam_steps(engine, step: int) -> None:
@@ -266,6 +284,50 @@ def _set_adam_steps(engine, step: int) -> None:
     for state in inner.state.values():
         if "step" in state:
             state["step"] = torch.full_like(state["step"], step) if torch.is_tensor(state["step"]) else step
+
+
+# ---------------------------------------------------------------------------------------------------- deleting
+class BackgroundDeleter:
+    """Rank 0 deletes checkpoint directories off the ranks' path: each is first renamed into
+    ``checkpoints/.deleting/`` (instant, and gone from the run's view at once), then removed by a background
+    thread while training goes on, so no rank waits in a collective for a delete that takes as long as the
+    checkpoint is large. What an exit cuts short there is removed at the next start."""
+
+    def __init__(self, root: Path):
+        self.root = root / DELETING
+        self.queue: queue.SimpleQueue[Path | None] = queue.SimpleQueue()  # None: stop
+        self.thread: threading.Thread | None = None
+        if self.root.is_dir():
+            for leftover in self.root.iterdir():
+                self._enqueue(leftover)
+
+    def discard(self, path: Path) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        moved = self.root / f"{path.name}-{time.time_ns():x}"
+        os.replace(path, moved)
+        self._enqueue(moved)
+
+    def _enqueue(self, path: Path) -> None:
+        self.queue.put(path)
+        if self.thread is None:  # daemon: an exit does not wait for it (the next start finishes the job)
+            self.thread = threading.Thread(target=self._delete, name="checkpoint-deleter", daemon=True)
+            self.thread.start()
+
+    def finish(self) -> None:
+        """Return once everything discarded so far is deleted (at the end of training, when nothing waits)."""
+        if self.thread is not None:
+            self.queue.put(None)
+            self.thread.join()
+            self.thread = None
+            with contextlib.suppress(OSError):
+                self.root.rmdir()
+
+    def _delete(self) -> None:
+        while (path := self.queue.get()) is not None:
+            try:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            except OSError as e:
+                log.warning("could not delete %s (%s); delete it by hand", path, e)
 
 
 # ---------------------------------------------------------------------------------------------------- saving
@@ -314,6 +376,7 @@ class Checkpointer:
         self.scalars = ScalarCollectives()
         self.verified: set[Path] = set()
         self.host = None  # model.engram.offload: the trainer's HostTablesStep, saved beside DeepSpeed's files
+        self.deleter = BackgroundDeleter(self.dir) if self.rank == 0 else None
         if self.rank == 0:
             self._remove_interrupted_saves()
         dist.barrier()
@@ -323,7 +386,12 @@ class Checkpointer:
             if not (path / MARKER).exists():
                 log.warning("ignoring incomplete checkpoint %s (no %s: the save was interrupted); removing it",
                             path, MARKER)
-                shutil.rmtree(path, ignore_errors=True)
+                self.deleter.discard(path)
+
+    def close(self) -> None:
+        """At the end of training: rank 0 waits until the retired checkpoints are deleted (no other rank waits)."""
+        if self.deleter is not None:
+            self.deleter.finish()
 
     # ------------------------------------------------------------------ lineage
     def _latest_name(self) -> str | None:
@@ -389,7 +457,7 @@ class Checkpointer:
         older = [p for p in complete_checkpoints(self.dir) if checkpoint_step(p) < step]
         for old in older[: max(0, len(older) - (self.cfg.train.keep_checkpoints - 1))]:
             try:
-                shutil.rmtree(old)
+                self.deleter.discard(old)
             except OSError as e:
                 log.warning("could not delete the old checkpoint %s (%s); delete it by hand", old, e)
 
@@ -425,7 +493,7 @@ class Checkpointer:
         if (path / MARKER).exists():
             self._set_aside([path], "a new save of the same step replaces it")
         elif path.exists():
-            shutil.rmtree(path)
+            self.deleter.discard(path)
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def _write_files(self, engine, path: Path, client: dict) -> RecordingWriter:
@@ -476,7 +544,8 @@ class Checkpointer:
     def _fail_save(self, path: Path, failed: list[int], error: str | None) -> None:
         """Every rank, after they agreed a save failed: rank 0 removes what was written; all raise the same error."""
         if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
+            if path.exists():
+                self.deleter.discard(path)
             (self.dir / (LATEST + ".tmp")).unlink(missing_ok=True)
         dist.barrier()
         raise CheckpointError(self._failure_message(path, failed, error))
@@ -533,19 +602,28 @@ class Checkpointer:
     def for_this_layout(self, path: Path) -> tuple[Path, bool]:
         """(checkpoint to load, whether it is universal): a checkpoint of another tp/pp/dp layout is converted
         once by rank 0 into ``checkpoints/universal/<tag>`` (DeepSpeed's universal format), then loaded from there;
-        a conversion of another checkpoint of the same name (an abandoned line) is redone."""
+        a conversion of another checkpoint of the same name (an abandoned line) is redone. The other ranks wait for
+        the conversion outside any collective (:func:`on_rank0`): it takes as long as the checkpoint is large."""
         marker = self.verify(path)
         if marker["layout"] == self.layout:
             return path, False
         target = self.dir / UNIVERSAL / path.name
         source = hashlib.new(DIGEST, (path / MARKER).read_bytes()).hexdigest()
-        if self.rank == 0 and not self._converted(target, source):
-            shutil.rmtree(target, ignore_errors=True)
+
+        def convert() -> None:
+            if self._converted(target, source):
+                return
+            if target.exists():
+                self.deleter.discard(target)
+            tqdm.write(f"converting {path} for this layout ({marker['layout']} -> {self.layout})")
             convert_for_layout(path, target, marker["layout"]["pp"] > 1, self.layout["pp"] > 1,
                                self.cfg.model.n_layers)
+            if os.environ.get(CONVERT_PAUSE_ENV):
+                time.sleep(float(os.environ[CONVERT_PAUSE_ENV]))
             _write_atomic(target / MARKER, json.dumps(
                 marker | {"universal": True, "source": str(path), "source_marker": source}, indent=1))
-        dist.barrier()
+
+        on_rank0(convert, self.dir / UNIVERSAL, path.name, self.scalars, CheckpointError)
         return target, True
 
     @staticmethod

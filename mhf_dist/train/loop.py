@@ -31,6 +31,7 @@ import random
 import time
 import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,10 +45,13 @@ from mhf_dist.config import RunConfig
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.launch import free_port
 from mhf_dist.model.flops import forward_flops
+from mhf_dist.model.fused_head import use_kernels
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.parallel.construct import FileValues, Materialiser, SeededValues, full_shapes, model_skeleton
+from mhf_dist.parallel.devices import bind_gpu
 from mhf_dist.parallel.groups import ParallelGroups
-from mhf_dist.parallel.layout import preflight, zero_stage
+from mhf_dist.parallel.layout import backend_name, preflight, zero_stage
+from mhf_dist.parallel.rank0_work import on_rank0
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.run_dir import RunDir
 from mhf_dist.run_lock import RunDirLocked, RunLock
@@ -74,21 +78,20 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_device(cfg: RunConfig, local_rank: int) -> torch.device:
-    if device_type(cfg) == "cuda":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    return bind_gpu(local_rank) if device_type(cfg) == "cuda" else torch.device("cpu")
 
 
-def init_distributed(device: torch.device) -> None:
-    """Join the job's process group (a one-rank group when started without a launcher)."""
+def init_distributed(cfg: RunConfig, device: torch.device) -> None:
+    """Join the job's process group (a one-rank group when started without a launcher) over ``train.dist_backend``,
+    with ``train.dist_timeout_minutes`` as its timeout."""
     # DeepSpeed's per-step info lines and torch's deprecation notices about the collectives it calls
     deepspeed.utils.logger.setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
-    deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else None)
+    deepspeed.init_distributed(dist_backend=backend_name(cfg.train.dist_backend, device.type),
+                               timeout=timedelta(minutes=cfg.train.dist_timeout_minutes))
 
 
 def _run_assets(run: RunDir, cfg: RunConfig):
@@ -232,7 +235,7 @@ class TrainingLoop:
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         self.layout, self.ds_config = preflight(self.cfg, self.world, device_type(self.cfg))
         self.device = resolve_device(self.cfg, int(os.environ.get("LOCAL_RANK", 0)))
-        init_distributed(self.device)
+        init_distributed(self.cfg, self.device)
         self.groups = ParallelGroups.create(self.layout.tp, self.layout.pp)
         self.scalars = ScalarCollectives()
 
@@ -241,10 +244,12 @@ class TrainingLoop:
         loads them."""
         self.run_dir = RunDir(run_dir)
         take_lock(self.run_dir.path, self.rank, self.scalars)
-        if self.rank == 0:  # rank 0 creates what is missing; then every rank loads it
+        def create() -> None:
             self.run_dir.path.mkdir(parents=True, exist_ok=True)
             _run_assets(self.run_dir, self.cfg)
-        dist.barrier()
+
+        # rank 0 creates what is missing (a tokenizer, shards: as long as the corpus takes), then every rank loads it
+        on_rank0(create, self.run_dir.path, "prepare", self.scalars)
         self.tokenizer, self.table, self.compression, self.shards = _run_assets(self.run_dir, self.cfg)
         if self.compression is not None and self.rank == 0:
             tqdm.write(self.compression.summary())
@@ -273,6 +278,7 @@ class TrainingLoop:
             model.train_only_vocabulary_and_ends(cfg.train.trainable_blocks)
         if cfg.train.compile:
             model.backbone.compile_blocks()
+        use_kernels(cfg.train.fused_head_kernel)
         self.vocab_rows = model.vocab.tables.num_rows
         zero3 = self.ds_config if layout.pp == 1 and zero_stage(self.ds_config) == 3 else None
         materialise = Materialiser(model, values, self.device, groups.tp_rank, groups.tp, zero3, groups)
@@ -345,6 +351,8 @@ class TrainingLoop:
             if self.logger:
                 self.logger.close()
         dist.barrier()
+        if not self.result.preempted:  # a preempted job leaves the rest to the next start: its grace is short
+            self.checkpointer.close()
         return self.result
 
     def step(self, step: int) -> Stepped:

@@ -16,6 +16,7 @@ LanguageModel's naming) and for resuming under another layout.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -48,10 +49,20 @@ def universal_info(param_names: list[str], cfg: ModelConfig, tp: int, pipeline: 
     }
 
 
+def conversion_workers() -> tuple[int, int]:
+    """(extract, merge) processes for ``ds_to_universal``: one extract worker per core this process may use (up
+    to 16; each holds one rank's optimizer shard), half as many merge workers (each holds every tp slice of one
+    parameter, the more memory-hungry step)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    extract = max(1, min(16, cores))
+    return extract, max(1, extract // 2)
+
+
 def to_universal(checkpoint: Path, out: Path) -> Path:
-    """Convert a complete checkpoint directory with DeepSpeed's ``ds_to_universal``."""
+    """Convert a complete checkpoint directory with DeepSpeed's ``ds_to_universal``, in parallel processes."""
+    extract, merge = conversion_workers()
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(checkpoint),
-           "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+           "--output_folder", str(out), "--num_extract_workers", str(extract), "--num_merge_workers", str(merge)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"ds_to_universal failed on {checkpoint}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")

@@ -1,0 +1,200 @@
+"""What differs on GPUs, checked on CPU: device binding, the rank's GPU generator state, the fused head's compiled
+kernels and their fallback, where profile's tensor-parallel model ends up, and deletions that no rank waits for
+(a collective's wait is bounded by the process group's timeout; converting for another layout is tested in
+test_checkpoint)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import mhf_dist.model.fused_head as fused_head
+from helpers.ranks import run_ranks
+from mhf_dist.cluster import load_profile
+from mhf_dist.config import load_config
+from mhf_dist.errors import MhfError
+from mhf_dist.model.fused_head import use_kernels
+from mhf_dist.parallel.devices import bind_gpu, device_index
+from mhf_dist.submit import render
+from mhf_dist.train import checkpoint
+from test_model import test_fused_decoder_equals_plain
+
+
+# ---------------------------------------------------------------------------------------------------- binding
+def test_local_ranks_map_onto_the_gpus_each_task_sees():
+    assert [device_index(r, 8) for r in range(8)] == list(range(8))  # every task sees the node's 8 GPUs
+    assert [device_index(r, 1) for r in range(8)] == [0] * 8  # --gpus-per-task=1: each task sees its own, as 0
+    assert [device_index(r, 2) for r in range(4)] == [0, 1, 0, 1]  # more ranks than GPUs share them
+    with pytest.raises(MhfError, match="no GPU is visible"):
+        device_index(0, 0)
+
+
+def test_a_bound_rank_drives_its_one_gpu_and_tells_deepspeed(monkeypatch):
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert bind_gpu(5) == torch.device("cuda", 0)
+    assert chosen == [0] and os.environ["LOCAL_RANK"] == "0"  # DeepSpeed places parameters on cuda:$LOCAL_RANK
+
+
+def test_profile_binding_one_gpu_per_task_renders_into_the_job_script():
+    cfg = load_config("1b-h4b16k", overrides=["data.path=/shared/data"])
+    default = load_profile("a100-80g")
+    bound = default.model_copy(update={"gpus_per_task": 1})
+    kwargs = dict(preset="1b-h4b16k", config=None, overrides=["data.path=/shared/data"], python="/opt/py")
+    plain = render("sbatch", cfg, default, 2, Path("/shared/run"), **kwargs)
+    script = render("sbatch", cfg, bound, 2, Path("/shared/run"), **kwargs)
+    assert "#SBATCH --gpus-per-node=8" in plain and "--gpus-per-task" not in plain and "--gpu-bind" not in plain
+    assert "#SBATCH --gpus-per-task=1" in script and "--gpus-per-node" not in script
+    assert "srun --cpus-per-task=16 --kill-on-bad-exit=1 --gpu-bind=closest " in script
+
+
+# ---------------------------------------------------------------------------------------------------- deletions
+def test_checkpoints_are_deleted_in_the_background_and_leftovers_at_the_next_start(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    olds = [checkpoints / f"step-{s:08d}" for s in (1, 2)]
+    for old in olds:
+        (old / "sub").mkdir(parents=True)
+        (old / "sub" / "shard.pt").write_bytes(b"x" * 1000)
+    leftover = checkpoints / checkpoint.DELETING / "step-00000000-1"  # a deletion an exit cut short
+    leftover.mkdir(parents=True)
+    (leftover / "shard.pt").write_bytes(b"y")
+    deleter = checkpoint.BackgroundDeleter(checkpoints)
+    for old in olds:
+        deleter.discard(old)
+        assert not old.exists()  # gone from the run's view as soon as it is discarded
+    deleter.finish()
+    assert sorted(p.name for p in checkpoints.iterdir()) == []  # everything deleted, .deleting/ too
+
+
+# ---------------------------------------------------------------------------------------------------- RNG state
+class FakeGpus:
+    """torch.cuda's generator functions for ``count`` visible GPUs, the current one ``current``."""
+
+    def __init__(self, monkeypatch, count: int, current: int):
+        self.states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(count)}
+        self.current = current
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: self.states[self.current].clone())
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [self.states[i] for i in range(count)])
+        monkeypatch.setattr(torch.cuda, "set_rng_state", self.set_state)
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all", self.set_all)
+
+    def set_state(self, state):
+        self.states[self.current] = state.clone()
+
+    def set_all(self, states):
+        assert len(states) <= len(self.states), "more states than visible GPUs"
+        for i, s in enumerate(states):
+            self.states[i] = s
+
+
+def host_states() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def test_rng_state_holds_the_ranks_own_gpu_and_resumes_seeing_fewer(tmp_path, monkeypatch):
+    saved = FakeGpus(monkeypatch, count=8, current=3)  # a task that sees the node's 8 GPUs, driving cuda:3
+    checkpoint.write_rng_state(tmp_path / "rng.safetensors")
+    state = checkpoint.read_rng_state(tmp_path / "rng.safetensors")
+    assert torch.equal(state["cuda"], saved.states[3])
+    resumed = FakeGpus(monkeypatch, count=1, current=0)  # the resume binds one GPU to each task
+    checkpoint.set_rng_state(state)
+    assert torch.equal(resumed.states[0], saved.states[3])
+
+
+def test_rng_files_with_every_visible_gpus_state_still_load(tmp_path, monkeypatch):
+    # checkpoints once saved cuda.0 .. cuda.N-1; a resume seeing fewer GPUs must not fail on them
+    state = host_states()
+    every = {f"cuda.{i}": torch.full((16,), 10 + i, dtype=torch.uint8) for i in range(8)}
+    FakeGpus(monkeypatch, count=8, current=0)
+    checkpoint.write_rng_state(tmp_path / "new.safetensors")  # for its python/numpy metadata
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "new.safetensors"), framework="pt") as f:
+        metadata, tensors = f.metadata(), {"torch": f.get_tensor("torch")}
+    save_file(tensors | every, str(tmp_path / "old.safetensors"), metadata=metadata)
+    read = checkpoint.read_rng_state(tmp_path / "old.safetensors")
+    for count, current, want in ((8, 5, 15), (1, 0, 10)):
+        gpus = FakeGpus(monkeypatch, count=count, current=current)
+        checkpoint.set_rng_state(read)
+        assert gpus.states[current][0].item() == want
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+# ---------------------------------------------------------------------------------------------------- compile
+@pytest.fixture
+def kernels():
+    yield use_kernels
+    use_kernels("auto")
+
+
+@pytest.mark.parametrize("preset", ["tiny-h4b16k", "tiny-standard"])
+def test_fused_head_compiled_kernels_equal_eager(kernels, preset):
+    """``train.fused_head_kernel=compiled``: the passes as GPUs run them, here compiled for CPU."""
+    kernels("compiled")
+    test_fused_decoder_equals_plain(preset, 64)
+
+
+def test_a_failed_compile_falls_back_to_eager_with_one_warning(kernels, monkeypatch, caplog):
+    compiles = []
+
+    def broken_compile(fn, **kwargs):
+        compiles.append(fn.__name__)
+
+        def run(*args):
+            raise RuntimeError("Cannot find a working triton installation. Either the package is not installed or "
+                               "it is too old.\nMore details")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(fused_head, "_on_gpu", lambda x: True)  # auto compiles on GPUs only
+    kernels("auto")
+    with caplog.at_level(logging.WARNING, logger=fused_head.__name__):
+        test_fused_decoder_equals_plain("tiny-h4b16k", 64)  # the eager results, after the failed compile
+    warnings = [r for r in caplog.records if "runs eagerly" in r.getMessage()]
+    assert len(warnings) == 1 and "Cannot find a working triton installation" in warnings[0].getMessage()
+    assert "More details" not in warnings[0].getMessage()
+    assert len(compiles) == 1  # the first failure switches every pass to eager: no retries
+
+    kernels("compiled")  # forced: a failure stops the run
+    with pytest.raises(RuntimeError, match="triton"):
+        test_fused_decoder_equals_plain("tiny-h4b16k", 64)
+
+    compiles.clear()
+    kernels("eager")
+    test_fused_decoder_equals_plain("tiny-h4b16k", 64)
+    assert compiles == []
+
+
+# ---------------------------------------------------------------------------------------------------- profile
+def _probe_placement(rank, world, device, dtype):
+    from mhf_dist.profiling.training import probe_model
+
+    cfg = load_config("tiny-h4b16k", overrides=["model.hash.num_buckets=256", "parallel.tp=2"]).model
+    model, params = probe_model(cfg, world, torch.device(device), dtype)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    return params, {n: (str(t.device), t.dtype) for n, t in tensors.items()}
+
+
+@pytest.mark.multirank
+def test_profile_model_at_tp2_is_wholly_on_the_device_and_dtype():
+    # the meta device stands in for a GPU: a module left on the host (the tensor-parallel ones are built there)
+    # would be "cpu" here, as it would stay on the host beside a CUDA model
+    for params, placement in run_ranks(_probe_placement, 2, "meta", torch.bfloat16):
+        assert params > 0 and any("vocab.tables" in n for n in placement)
+        wrong = {n: p for n, p in placement.items() if p[0] != "meta" or (p[1].is_floating_point and p[1] !=
+                                                                          torch.bfloat16)}
+        assert not wrong, wrong
