@@ -131,7 +131,9 @@ def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_d
         setup="\n".join(profile.setup),  # the site's own shell lines
         exports="\n".join(f"export {k}={shlex.quote(v)}" for k, v in profile.env.items()),
         deepspeed_env="\n".join(f"{k}={no_control_characters(k, v)}" for k, v in profile.env.items()),
-        hostfile=shlex.quote(no_control_characters("--hostfile", hostfile or "")), master_port=29500,
+        # absolute: the script runs in the run directory
+        hostfile=shlex.quote(str(Path(no_control_characters("--hostfile", hostfile)).resolve()) if hostfile else ""),
+        master_port=29500,
         python=shlex.quote(python), python_check=_python_check(shlex.quote(python), profile), command=command,
         srun_args="".join(f"{shlex.quote(no_control_characters('srun_args', a))} " for a in srun_args),
         train_args=_train_args(run_dir, preset, config, _absolute_paths(cfg, overrides)),

@@ -43,6 +43,14 @@ def test_rendered_scripts_match_reviewed_golden_files(name):
     assert rendered(name) == (GOLDEN / name).read_text()
 
 
+def test_a_relative_hostfile_is_named_absolutely(tmp_path, monkeypatch):
+    # the script runs in the run directory, where a relative hostfile would name nothing
+    monkeypatch.chdir(tmp_path)
+    script = render("hostfile", load_config("1b-h4b16k", overrides=[DATA]), load_profile("a100-80g"), 2,
+                    Path("/shared/runs/demo"), "1b-h4b16k", None, [DATA], hostfile="hosts")
+    assert f"--hostfile {tmp_path / 'hosts'} " in script and "--hostfile hosts" not in script
+
+
 def test_script_contents():
     script = rendered("mi300x-4nodes.sbatch")
     assert "#SBATCH --nodes=4" in script and "#SBATCH --ntasks-per-node=8" in script
