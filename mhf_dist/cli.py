@@ -90,6 +90,8 @@ def cmd_train(args) -> int:
     from mhf_dist.train.preemption import StopSignal
 
     stop = StopSignal()  # before the training stack loads: from now on a signal is noted, not fatal
+    # each line out as it is written, also into a job log or a pipe (which Python would otherwise fill in blocks)
+    sys.stdout.reconfigure(line_buffering=True)
     from mhf_dist.train.loop import leave_process_group, train
 
     try:
@@ -536,13 +538,20 @@ def main(argv: list[str] | None = None) -> int:
     except MhfError as e:
         if args.debug:
             raise
-        print(f"mhf-dist: {e}", file=sys.stderr)
+        print(f"mhf-dist{_rank_label()}: {e}", file=sys.stderr)
         return ERROR_EXIT_CODE
     except (OSError, json.JSONDecodeError, UnicodeDecodeError, yaml.YAMLError) as e:  # unreadable or malformed files
         if args.debug:
             raise
-        print(f"mhf-dist: {_describe(e)} (--debug shows where)", file=sys.stderr)
+        print(f"mhf-dist{_rank_label()}: {_describe(e)} (--debug shows where)", file=sys.stderr)
         return ERROR_EXIT_CODE
+
+
+def _rank_label() -> str:
+    """`` [rank N]`` in a job of several ranks (whose errors share one log), else nothing."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+    world = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
+    return f" [rank {rank}]" if rank is not None and world != "1" else ""
 
 
 def _describe(e: Exception) -> str:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -64,3 +69,31 @@ def test_bad_config_exits_with_named_error(tmp_path, capsys):
     rc = main(["train", "--preset", "tiny-h4b16k", "--run-dir", str(tmp_path), "--set", "model.d_model=65"])
     assert rc == 2
     assert "model.d_model=65 is not divisible by model.n_heads=4" in capsys.readouterr().err
+
+
+@pytest.mark.multirank
+def test_step_lines_reach_a_log_file_while_the_run_goes_on(tmp_path, data):
+    """A job log is a file, not a terminal: each logged step must be in it at once, not when the run ends."""
+    from helpers.runs import train_args
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as a job script without it
+    log = tmp_path / "job.out"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mhf_dist", *train_args(tmp_path / "run", data, 2, steps=500)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        logged = time.monotonic()  # step 2 is in metrics.jsonl: its console line must follow within a second
+        while "step      2 |" not in log.read_text() and time.monotonic() < logged + 1.5:
+            time.sleep(0.1)
+        seen = log.read_text()
+        assert "step      1 |" in seen and "step      2 |" in seen, seen[-3000:]
+        assert proc.poll() is None  # shown while the run goes on
+    finally:
+        proc.send_signal(signal.SIGTERM)  # saves and stops (exit 85)
+        assert proc.wait(timeout=300) == 85
+    assert seen.count("step      1 |") == 1  # from rank 0 only
