@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from mhf_dist.errors import MhfError
 
@@ -293,7 +293,16 @@ class WandbConfig(_Strict):
 class TrainConfig(_Strict):
     max_steps: int = Field(200, ge=1, description="optimizer steps; the LR schedule always follows it")
     global_batch_size: int = Field(8, ge=1, description="sequences per optimizer step, over all ranks")
-    micro_batch_size: int = Field(8, ge=1, description="sequences per forward pass per rank")
+    micro_batch_size: int = Field(
+        8, ge=1, description="sequences per forward pass per rank; a preset's value is a ceiling that the layout "
+        "lowers to the largest that divides global_batch_size / dp, a value you set is kept (or refused, naming "
+        "the values that fit)")
+    _micro_batch_from_preset: bool = PrivateAttr(False)
+
+    @property
+    def micro_batch_from_preset(self) -> bool:
+        """``micro_batch_size`` is the preset's: no config file or ``--set`` named it (see ``load_config``)."""
+        return self._micro_batch_from_preset
     seed: int = Field(42, ge=0, description="seeds the initial weights and (unless data.shuffle_seed) the data order")
     dtype: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -550,6 +559,7 @@ def _format_errors(err: ValidationError) -> str:
 def load_config(preset_name: str | None = None, path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
     """Preset, then YAML file, then ``--set`` overrides; validated once at the end."""
     raw: dict[str, Any] = {}
+    named = False  # whether a config file or --set names train.micro_batch_size
     if path is not None:
         try:
             from_file = yaml.safe_load(Path(path).read_text()) or {}
@@ -559,13 +569,17 @@ def load_config(preset_name: str | None = None, path: str | Path | None = None, 
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         preset_name = preset_name or from_file.get("preset")
         raw = from_file
+        named = isinstance(from_file.get("train"), dict) and "micro_batch_size" in from_file["train"]
     if preset_name:
         raw = deep_merge(preset(preset_name), raw)
     if not raw:
         raise ConfigError("no configuration: pass --preset NAME (e.g. tiny-h4b16k) or --config run.yaml")
     for assignment in overrides:
         raw = apply_override(raw, assignment)
+        named |= assignment.partition("=")[0].strip() == "train.micro_batch_size"
     try:
-        return RunConfig.model_validate(raw)
+        cfg = RunConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format_errors(e)) from None
+    cfg.train._micro_batch_from_preset = preset_name is not None and not named
+    return cfg

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 
@@ -66,3 +67,55 @@ def test_version():
 
     proc = subprocess.run([sys.executable, "-m", "mhf_dist", "--version"], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == f"mhf-dist {__version__}"
+
+
+def test_every_help_example_validates_as_printed(capsys):
+    """The examples under ``mhf-dist --help`` pass as printed: ``plan`` and ``submit --dry-run`` run whole, ``train``
+    passes every check made before its ranks start."""
+    from mhf_dist.cli import EXAMPLES, main
+    from mhf_dist.parallel.layout import preflight
+
+    lines = EXAMPLES.replace("\\\n", " ").splitlines()
+    commands = [shlex.split(line.strip())[1:] for line in lines if line.strip().startswith("mhf-dist ")]
+    checked = []
+    for argv in commands:
+        argv = argv[:argv.index("&&")] if "&&" in argv else argv
+        if argv[0] == "train":
+            args = build_parser().parse_args(argv)
+            preflight(load_config(args.preset, overrides=args.overrides), args.nproc_per_node, "cpu")
+        elif argv[0] in ("plan", "submit"):
+            assert main(argv + (["--dry-run"] if argv[0] == "submit" else [])) == 0, capsys.readouterr().err
+        else:
+            continue
+        checked.append(argv[0])
+    assert checked == ["train", "plan", "submit"], commands
+
+
+@pytest.mark.parametrize("preset, world, micro, accum", [
+    ("tiny-h4b16k", 2, 4, 1),  # the global batch of 8 over 2 replicas: micro-batches of 4
+    ("tiny-h4b16k", 8, 1, 1),
+    ("3b-h4b16k", 128, 2, 1),  # 16 nodes of 8 GPUs: 256 sequences over 128 replicas
+    ("1b-h4b16k", 16, 4, 4),  # the preset's micro-batch fits: kept
+])
+def test_a_presets_micro_batch_fits_the_layout(preset, world, micro, accum):
+    from mhf_dist.parallel.layout import resolve_layout
+
+    cfg = load_config(preset)
+    layout = resolve_layout(cfg, world)
+    assert (cfg.train.micro_batch_size, layout.accum) == (micro, accum)
+    assert micro * layout.dp * accum == cfg.train.global_batch_size
+
+
+def test_batch_sizes_that_cannot_fit_name_the_values_that_would(tmp_path):
+    from mhf_dist.config import ConfigError
+    from mhf_dist.parallel.layout import resolve_layout
+
+    set_by_user = load_config("tiny-h4b16k", overrides=["train.micro_batch_size=8"])  # kept as set: refused
+    with pytest.raises(ConfigError, match=r"= 8 × 2; set train.micro_batch_size=4 or 2 or 1, or "
+                                          r"train.global_batch_size=16$"):
+        resolve_layout(set_by_user, 2)
+    (tmp_path / "run.yaml").write_text("preset: tiny-h4b16k\ntrain:\n  micro_batch_size: 8\n")
+    with pytest.raises(ConfigError, match="micro_batch_size × dp = 8 × 2"):
+        resolve_layout(load_config(path=tmp_path / "run.yaml"), 2)
+    with pytest.raises(ConfigError, match=r"= 8 × 3; set train.global_batch_size=6 or train.global_batch_size=9$"):
+        resolve_layout(load_config("tiny-h4b16k"), 3)  # no micro-batch divides 8 over 3 replicas

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from mhf_dist.config import ConfigError, RunConfig, check_data_source, deep_merge
+from mhf_dist.config import ConfigError, RunConfig, TrainConfig, check_data_source, deep_merge
 
 CONFIG_DIR = resources.files("mhf_dist") / "deepspeed_configs"  # the named configs, shipped in the package
 
@@ -42,13 +42,27 @@ def resolve_layout(cfg: RunConfig, world_size: int) -> Layout:
     """tp × pp × dp for ``world_size`` ranks; a clear error before any collective runs."""
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     dp = data_parallel_size(world_size, tp, pp)
-    per_step = cfg.train.micro_batch_size * dp
-    if cfg.train.global_batch_size % per_step:
-        raise ConfigError(
-            f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of train.micro_batch_size × dp "
-            f"= {cfg.train.micro_batch_size} × {dp}; change the batch sizes"
-        )
-    return Layout(tp=tp, pp=pp, dp=dp, accum=cfg.train.global_batch_size // per_step)
+    fit_micro_batch(cfg.train, dp)
+    return Layout(tp=tp, pp=pp, dp=dp, accum=cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp))
+
+
+def fit_micro_batch(train: TrainConfig, dp: int) -> None:
+    """Each optimizer step is ``global_batch_size`` sequences in micro-batches of ``micro_batch_size`` on each of
+    ``dp`` replicas. A preset's micro-batch is lowered to the largest that divides (the global batch is the
+    recipe; the micro-batch only trades memory for steps); one the user set is kept or refused, with what fits."""
+    total, micro = train.global_batch_size, train.micro_batch_size
+    if total % (micro * dp) == 0:
+        return
+    fitting = [m for m in range(min(micro, total // dp), 0, -1) if total % (m * dp) == 0]
+    if fitting and train.micro_batch_from_preset:
+        train.micro_batch_size = fitting[0]
+        return
+    step = dp if train.micro_batch_from_preset else micro * dp  # what the global batch must be a multiple of
+    near = " or ".join(f"train.global_batch_size={g}" for g in (total // step * step, (total // step + 1) * step) if g)
+    other_micro = f"train.micro_batch_size={' or '.join(map(str, fitting[:3]))}, or " if fitting else ""
+    raise ConfigError(
+        f"train.global_batch_size={total} is not a multiple of train.micro_batch_size × dp = {micro} × {dp}; "
+        f"set {other_micro}{near}")
 
 
 def deepspeed_config(cfg: RunConfig, layout: Layout, device_type: str) -> dict:
