@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -40,8 +42,15 @@ def test_train_writes_metrics_and_tensorboard(tmp_path):
                    "--set", "train.max_steps=4", "--set", "train.log_interval=2", "--set", "train.global_batch_size=4",
                    "--set", "train.micro_batch_size=2", "--set", "tokenizer.vocab_size=512"])
     assert "tokens/s" in out and "MFU" in out
+    shown = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in shown] == ["step 1/4", "step 2/4", "step 4/4"]
+    assert re.fullmatch(r"step 2/4 \| loss [\d.]+ \| grad [\d.e+-]+ \| lr [\d.e+-]+ \| [\d,]+ tok/s \| mfu [\d.]+% \| "
+                        r"mem [\d.]+ GB \| [\d.e+-]+ s/step \| eta \d+ s", shown[1]), shown[1]
+    assert "val_ppl " in shown[2] and "eta 0 s" in shown[2]
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 4]
+    for line in lines:
+        assert line["step_s"] > 0 and datetime.fromisoformat(line["time"]).tzinfo == timezone.utc
     for line in lines:
         assert {"step", "loss", "head_losses", "lr", "tokens_per_s", "tflops", "mfu", "memory_gb",
                 "grad_norm"} <= set(line) and len(line["head_losses"]) == 4
@@ -88,12 +97,12 @@ def test_step_lines_reach_a_log_file_while_the_run_goes_on(tmp_path, data):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
         logged = time.monotonic()  # step 2 is in metrics.jsonl: its console line must follow within a second
-        while "step      2 |" not in log.read_text() and time.monotonic() < logged + 1.5:
+        while "step 2/500 |" not in log.read_text() and time.monotonic() < logged + 1.5:
             time.sleep(0.1)
         seen = log.read_text()
-        assert "step      1 |" in seen and "step      2 |" in seen, seen[-3000:]
+        assert "step 1/500 |" in seen and "step 2/500 |" in seen, seen[-3000:]
         assert proc.poll() is None  # shown while the run goes on
     finally:
         proc.send_signal(signal.SIGTERM)  # saves and stops (exit 85)
         assert proc.wait(timeout=300) == 85
-    assert seen.count("step      1 |") == 1  # from rank 0 only
+    assert seen.count("step 1/500 |") == 1  # from rank 0 only

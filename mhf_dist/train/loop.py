@@ -28,8 +28,10 @@ import atexit
 import logging
 import os
 import random
+import statistics
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -57,6 +59,7 @@ from mhf_dist.run_dir import RunDir
 from mhf_dist.run_lock import RunDirLocked, RunLock
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
+from mhf_dist.train.console import step_line
 from mhf_dist.train.divergence import LossWatch
 from mhf_dist.train.engine import StepStats, build_trainer, device_type
 from mhf_dist.train.metrics import MetricsLogger
@@ -329,6 +332,7 @@ class TrainingLoop:
         self.end = min(t.stop_at_step or t.max_steps, t.max_steps)
         self.logger = MetricsLogger(self.run_dir.path, resume_step=start, cfg=cfg) if self.rank == 0 else None
         self.clock, self.watch = SaveClock(t.checkpoint_minutes), LossWatch(t)
+        self.step_times: deque[float] = deque(maxlen=20)  # the recent steps' seconds, for the ETA
         self.progress = tqdm(range(start, self.end), desc="train", unit="step", dynamic_ncols=True, initial=start,
                              total=t.max_steps, disable=None if self.rank == 0 else True)
 
@@ -361,6 +365,7 @@ class TrainingLoop:
         began = time.perf_counter()
         stats = self.trainer.train_step(self.reader)
         seconds = time.perf_counter() - began
+        self.step_times.append(seconds)
         for warning in self.watch.observe(step, stats.loss, stats.grad_norm):
             if self.rank == 0:
                 tqdm.write(f"warning: {warning}")
@@ -375,7 +380,8 @@ class TrainingLoop:
         tokens_per_s = self.tokens_per_step / stepped.seconds
         return {
             "loss": stats.loss, "head_losses": stats.head_losses, "lr": stepped.lr,
-            "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * self.flops_per_token / 1e12,
+            "tokens_per_s": tokens_per_s, "step_s": stepped.seconds,
+            "tflops": tokens_per_s * self.flops_per_token / 1e12,
             "mfu": tokens_per_s * self.flops_per_token / self.peak, "memory_gb": memory_gb(self.device),
             "nonfinite_steps": watch.nonfinite_steps, "skipped_steps": self.trainer.engine.skipped_steps,
         } | ({"grad_norm": stats.grad_norm} if stats.grad_norm is not None else {}) | (
@@ -397,8 +403,8 @@ class TrainingLoop:
             return
         self.logger.log(step, record)
         self.result.records.append({"step": step, **record})
-        tqdm.write(f"step {step:>6} | " + " | ".join(f"{k} {v:.4g}" for k, v in record.items() if k in (
-            "loss", "val_ppl", "val_ppl_calibrated", "lr", "tokens_per_s", "mfu")))
+        left = (self.end - step) * statistics.median(self.step_times) if self.step_times else None
+        tqdm.write(step_line(step, self.cfg.train.max_steps, record, left))
 
     def checkpoint(self, step: int, stats: StepStats) -> None:
         """Save when due (the ranks agree): on a signal (``result.preempted``: the run stops after it), at the end,

@@ -16,6 +16,7 @@ import os
 import secrets
 import string
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,7 +50,7 @@ class MetricsLogger:
         self.writer = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR), purge_step=purge_step)
 
     def log(self, step: int, values: dict) -> None:
-        record = {"step": step, **values}
+        record = {"step": step, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), **values}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         scalars = dict(_scalars(values))

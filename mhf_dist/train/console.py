@@ -1,0 +1,32 @@
+"""The line rank 0 prints for each logged step, in units people read:
+
+``step 20/200 | loss 28.37 | grad 1.9 | lr 4.9e-05 | 600 tok/s | mfu 9.8% | mem 2.1 GB | 0.85 s/step | eta 2 min``
+
+and, at evaluations, the validation perplexities. ``metrics.jsonl`` keeps every value at full precision.
+"""
+
+from __future__ import annotations
+
+from mhf_dist.status import duration
+
+# (record key, how it reads): the training measures first, then the evaluation's
+_FIELDS = (
+    ("loss", lambda v: f"loss {v:.4g}"),
+    ("grad_norm", lambda v: f"grad {v:.3g}"),
+    ("lr", lambda v: f"lr {v:.2g}"),
+    ("tokens_per_s", lambda v: f"{v:,.0f} tok/s"),
+    ("mfu", lambda v: f"mfu {v:.1%}"),
+    ("memory_gb", lambda v: f"mem {v:.1f} GB"),
+    ("step_s", lambda v: f"{v:.3g} s/step"),
+    ("val_loss", lambda v: f"val_loss {v:.4g}"),
+    ("val_ppl", lambda v: f"val_ppl {v:.4g}"),
+    ("val_ppl_calibrated", lambda v: f"val_ppl_calibrated {v:.4g}"),
+)
+
+
+def step_line(step: int, total: int, record: dict, seconds_left: float | None) -> str:
+    """``record`` (a logged step's metrics) as one console line; ``seconds_left``: the ETA, when known."""
+    parts = [f"step {step}/{total}"] + [show(record[key]) for key, show in _FIELDS if record.get(key) is not None]
+    if seconds_left is not None:
+        parts.append(f"eta {duration(seconds_left)}")
+    return " | ".join(parts)
