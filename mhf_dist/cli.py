@@ -58,7 +58,7 @@ def _add_overrides(p: argparse.ArgumentParser, help: str) -> None:
 
 
 def _add_dtype(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="floating-point type of the weights")
 
 
 def _add_overwrite(p: argparse.ArgumentParser) -> None:
@@ -264,7 +264,14 @@ def cmd_profile_worker(args) -> int:
 def cmd_config(args) -> int:
     import yaml
 
-    print(yaml.safe_dump(_load(args).model_dump(mode="json"), sort_keys=False), end="")
+    cfg = _load(args)
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    if cfg.train.wandb is None:  # off; its fields would otherwise stay hidden behind `wandb: null`
+        from mhf_dist.config import WandbConfig
+
+        print("# train.wandb is off (null); --set train.wandb.project=NAME turns it on, with these fields:")
+        for name, field in WandbConfig.model_fields.items():
+            print(f"#   train.wandb.{name}: {field.default}  ({field.description})")
     return 0
 
 
@@ -331,7 +338,7 @@ def _plan_parser(sub) -> None:
                        "host memory at construction per rank; does it fit? time per step at an assumed MFU")
     _add_run_options(p)
     p.add_argument("--cluster", required=True, help="cluster profile: a100-80g, mi300x, cpu-local or a .yaml path")
-    p.add_argument("--nodes", type=positive_int, default=1)
+    p.add_argument("--nodes", type=positive_int, default=1, help="nodes of the cluster profile's kind")
     p.add_argument("--vocab-size", type=positive_int, default=32768, help="registered tokens (default: Mistral v0.3's)")
     p.add_argument("--mfu", type=float, default=0.40,
                    help="assumed model FLOPs utilisation for the time per step, a fraction in (0, 1] (default 0.40)")
@@ -385,12 +392,12 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text under P_inf (greedy, temperature, top-k, top-p, beams)")
     _add_model_options(p)
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=positive_int, default=50)
+    p.add_argument("--max-new-tokens", type=positive_int, default=50, help="tokens to generate after the prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=positive_int)
     p.add_argument("--top-p", type=float)
-    p.add_argument("--num-beams", type=positive_int, default=1)
-    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--num-beams", type=positive_int, default=1, help="beam search width (1: greedy or sampling)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="random seed of sampling")
     p.add_argument("--compile", action="store_true",
                    help="static KV cache and a compiled decode step (CUDA graphs on GPUs); compiling takes a while")
     p.set_defaults(func=cmd_generate)
@@ -400,7 +407,7 @@ def _eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="perplexity on shards and LAMBADA-style last-word accuracy, under P_inf")
     _add_model_options(p)
     p.add_argument("--data", help="shard directory (made with the model's tokenizer)")
-    p.add_argument("--split", default="val")
+    p.add_argument("--split", default="val", help="split of the shards to evaluate (val or train)")
     p.add_argument("--max-sequences", type=positive_int,
                    help="evaluate (and calibrate on) at most this many sequences of the split")
     p.add_argument("--calibrate", action="store_true",
@@ -408,7 +415,7 @@ def _eval_parser(sub) -> None:
                    "perplexity at it (without: at the model's own inference_temperature)")
     p.add_argument("--calibration-split", metavar="SPLIT",
                    help="the split τ is fitted on (implies --calibrate; default: --split itself, which is optimistic)")
-    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass")
     p.add_argument("--lambada", help='JSONL of {"text": ...}; the target is the last word')
     p.add_argument("--out", help="also write the results (JSON) here")
     p.set_defaults(func=cmd_eval)
@@ -434,7 +441,7 @@ def _submit_parser(sub) -> None:
     _add_run_options(p)
     p.add_argument("--run-dir", required=True, help="run directory on storage every node sees")
     p.add_argument("--cluster", required=True, help="cluster profile: a100-80g, mi300x, cpu-local or a .yaml path")
-    p.add_argument("--nodes", type=positive_int, default=1)
+    p.add_argument("--nodes", type=positive_int, default=1, help="nodes of the cluster profile's kind")
     p.add_argument("--partition", help="SLURM partition (instead of the profile's)")
     p.add_argument("--account", help="SLURM account to charge (instead of the profile's)")
     p.add_argument("--time", help="time limit, e.g. 24:00:00 or 2-00:00:00 (instead of the profile's)")
@@ -475,9 +482,9 @@ def _profile_parser(sub) -> None:
                    help="comma-separated preset variants; +engram adds the Engram memory, e.g. h4b16k,h4b16k+engram")
     p.add_argument("--layout", default="tp=1", help="comma-separated tensor-parallel layouts, e.g. tp=1,tp=2")
     p.add_argument("--steps", type=positive_int, default=3, help="measured training steps per configuration")
-    p.add_argument("--warmup", type=non_negative_int, default=1)
-    p.add_argument("--seq-len", type=positive_int, default=2048)
-    p.add_argument("--micro-batch", type=positive_int, default=1)
+    p.add_argument("--warmup", type=non_negative_int, default=1, help="unmeasured steps before the measured ones")
+    p.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per step per rank")
     _add_dtype(p)
     p.add_argument("--cluster", help="profile whose nominal peak is reported next to the measured one")
     p.add_argument("--vocab-sizes", default="32768,131072,1048576", help="registered tokens for the scoring benchmark")
@@ -517,9 +524,28 @@ def _tokenizer_parser(sub) -> None:
     p.set_defaults(func=cmd_tokenizer_mistral)
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; each option's default after its help, where it has one worth saying (not an unset
+    value, a switch or an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        unset = action.default is None or action.default == [] or action.default == argparse.SUPPRESS
+        if "default" in text or unset or not action.option_strings or action.nargs == 0:  # a switch says what it does
+            return action.help
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every command's parser (subcommands take the class of their parent) with :class:`_HelpFormatter`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mhf-dist", description=DESCRIPTION, epilog=EXAMPLES,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="mhf-dist", description=DESCRIPTION, epilog=EXAMPLES)
     parser.add_argument("--version", action="version", version=f"mhf-dist {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")  # commands without help= are unlisted

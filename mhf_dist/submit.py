@@ -167,6 +167,7 @@ def submit(script: str, run_dir: Path, cluster: str, nodes: int) -> str:
         raise ConfigError(
             "sbatch is not on PATH: submit from a SLURM login node, or use --hostfile / --write") from None
     if proc.returncode:
+        path.unlink()  # nothing was submitted: no script that looks as if it had been
         raise ConfigError(f"sbatch refused the job: {proc.stderr.strip()}")
     job = proc.stdout.strip().split(";")[0]
     with (log_dir / JOBS_FILE).open("a") as f:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import subprocess
@@ -119,3 +120,35 @@ def test_batch_sizes_that_cannot_fit_name_the_values_that_would(tmp_path):
         resolve_layout(load_config(path=tmp_path / "run.yaml"), 2)
     with pytest.raises(ConfigError, match=r"= 8 × 3; set train.global_batch_size=6 or train.global_batch_size=9$"):
         resolve_layout(load_config("tiny-h4b16k"), 3)  # no micro-batch divides 8 over 3 replicas
+
+
+def test_config_shows_the_fields_of_sections_that_are_off(capsys):
+    import yaml
+
+    from mhf_dist.cli import main
+
+    assert main(["config", "--preset", "tiny-h4b16k"]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["train"]["wandb"] is None  # still the config, as YAML
+    for name in ("project", "entity", "name", "mode"):
+        assert f"#   train.wandb.{name}: " in out
+
+
+def _commands(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, command in action.choices.items():
+                yield name, command
+                yield from _commands(command)
+
+
+def test_help_shows_every_options_default():
+    checked = 0
+    for name, command in _commands(build_parser()):
+        text = " ".join(command.format_help().split())
+        for action in command._actions:
+            if not action.option_strings or action.nargs == 0 or action.default is None or action.default == []:
+                continue
+            checked += 1
+            assert f"default: {action.default}" in text or "default" in (action.help or ""), (name, action.dest)
+    assert checked > 20

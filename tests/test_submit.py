@@ -17,7 +17,7 @@ from helpers.slurm import LocalSlurm, missing_binaries
 from mhf_dist.cli import main
 from mhf_dist.cluster import load_profile
 from mhf_dist.config import ConfigError, load_config
-from mhf_dist.submit import render
+from mhf_dist.submit import render, submit
 
 GOLDEN = Path(__file__).parent / "golden"
 DATA = "data.path=/shared/data"
@@ -49,6 +49,17 @@ def test_a_relative_hostfile_is_named_absolutely(tmp_path, monkeypatch):
     script = render("hostfile", load_config("1b-h4b16k", overrides=[DATA]), load_profile("a100-80g"), 2,
                     Path("/shared/runs/demo"), "1b-h4b16k", None, [DATA], hostfile="hosts")
     assert f"--hostfile {tmp_path / 'hosts'} " in script and "--hostfile hosts" not in script
+
+
+def test_a_refused_job_leaves_no_script_behind(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: gpu' >&2\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    with pytest.raises(ConfigError, match="sbatch refused the job: sbatch: error: invalid partition"):
+        submit("#!/bin/bash\n", tmp_path / "run", "a100-80g", 1)
+    assert not (tmp_path / "run" / "slurm" / "job.sbatch").exists()
 
 
 def test_script_contents():
