@@ -237,6 +237,7 @@ def cmd_profile(args) -> int:
     from mhf_dist.profiling.report import table, write_outputs
     from mhf_dist.profiling.scoring import profile_scoring
     from mhf_dist.profiling.sweep import run_sweep
+    from mhf_dist.profiling.timing import hardware_name
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -249,9 +250,11 @@ def cmd_profile(args) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     scoring = profile_scoring([int(v) for v in args.vocab_sizes.split(",")], cfg, device, args.dtype)
-    write_outputs(rows, scoring, out)
+    no_plots = write_outputs(rows, scoring, out, hardware_name(device))
     print(table(rows, scoring))
-    print(f"wrote {out}/profile.csv, profile.json, scoring.csv, throughput.png, memory.png, scoring.png, tensorboard/")
+    pngs = "" if no_plots else "throughput.png, memory.png, scoring.png, "
+    note = f"; {no_plots}" if no_plots else ""
+    print(f"wrote {out}/profile.csv, profile.json, scoring.csv, {pngs}tensorboard/{note}")
     return 0
 
 

@@ -54,3 +54,13 @@ def test_ratio_spread():
     assert (spread.median, spread.min, spread.max) == (2.0, 1.0, 3.0)
     assert math.isclose(spread.se, math.sqrt(math.pi / 2 / 3))
     assert RatioSpread.of([1.7]) == (1.7, 1.7, 1.7, None)
+
+
+def test_profile_without_matplotlib_writes_its_tables_and_says_why_no_plots(tmp_path, monkeypatch):
+    import sys
+
+    from mhf_dist.profiling.plot import PLOTS_MISSING, plots
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: the [plots] extra
+    assert plots([], [], tmp_path, "cpu") == PLOTS_MISSING and "mhf-dist[plots]" in PLOTS_MISSING
+    assert list(tmp_path.iterdir()) == []

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
     from mhf_dist.profiling.training import TrainRow
 
 
-def write_outputs(rows: list[TrainRow], scoring: list[dict], out: Path) -> None:
-    """The training ``rows`` and ``scoring`` rows as JSON, CSV, TensorBoard scalars and plots in ``out``."""
+def write_outputs(rows: list[TrainRow], scoring: list[dict], out: Path, hardware: str) -> str | None:
+    """The training ``rows`` and ``scoring`` rows as JSON, CSV, TensorBoard scalars and plots in ``out``; returns
+    why there are no plots, if there are none."""
     out.mkdir(parents=True, exist_ok=True)
     records = [asdict(r) for r in rows]
     (out / "profile.json").write_text(json.dumps({"training": records, "scoring": scoring}, indent=1))
@@ -34,7 +35,7 @@ def write_outputs(rows: list[TrainRow], scoring: list[dict], out: Path) -> None:
         for s in scoring:
             tb.add_scalar("scoring/mhf_s_per_token", s["mhf_s_per_token"], s["vocab_size"])
             tb.add_scalar("scoring/standard_s_per_token", s["standard_s_per_token"], s["vocab_size"])
-    plots(rows, scoring, out)
+    return plots(rows, scoring, out, hardware)
 
 
 def table(rows: list[TrainRow], scoring: list[dict]) -> str:

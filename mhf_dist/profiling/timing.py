@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 
 import torch
@@ -33,3 +35,10 @@ class Timer:
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a ``--dtype`` name (fp32, bf16)."""
     return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def hardware_name(device: torch.device) -> str:
+    """What the measurements ran on, for titles: the GPU's name, or the CPU's architecture and core count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores"
