@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mhf_dist.config import load_config
 from mhf_dist.profiling.timing import torch_dtype
 from mhf_dist.profiling.training import TrainRow, profile_training
 from mhf_dist.train.throughput import measured_peak_flops
@@ -20,12 +21,12 @@ def worker_main(rows_file: str, spec_json: str) -> int:
     """One rank of a tensor-parallel layout: profile one configuration; rank 0 writes its row to ``rows_file``."""
     spec = json.loads(spec_json)
     device = torch.device(spec.pop("device"))
-    if device.type == "cuda":  # each local rank on its own GPU (LOCAL_RANK, as launch_local sets it)
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type == "cuda":  # local rank r on GPU r modulo the GPUs here (LOCAL_RANK, as launch_local sets it)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     if spec["tp"] > 1:
-        dist.init_process_group("gloo" if device.type == "cpu" else "nccl",
-                                device_id=device if device.type == "cuda" else None)
+        backend = dist_backend(spec["size"], spec["hash_name"], spec["overrides"], device)
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
     trace = spec.pop("trace_dir")
     row = profile_training(device=device, trace_dir=Path(trace) if trace else None, **spec)
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -34,6 +35,13 @@ def worker_main(rows_file: str, spec_json: str) -> int:
         dist.barrier()  # no rank tears its connections down while another still uses them
         dist.destroy_process_group()
     return 0
+
+
+def dist_backend(size: str, hash_name: str, overrides: list[str], device: torch.device) -> str:
+    """``train.dist_backend`` of the profiled configuration (``--set``; gloo lets two ranks share one GPU); auto:
+    gloo on CPU, nccl on GPUs."""
+    backend = getattr(load_config(f"{size}-{hash_name}", overrides=overrides).train, "dist_backend", "auto")
+    return ("gloo" if device.type == "cpu" else "nccl") if backend == "auto" else backend
 
 
 def run_sweep(size: str, hashes: list[str], tps: list[int], steps: int, warmup: int, seq_len: int, micro: int,
