@@ -66,9 +66,9 @@ fails, any other failure is its own row):
      device-table run's.
    - ``p-inf-tp2-bf16`` (GPU): ``model.hash.p_inf_loss_weight=0.5`` at tp=2 in bf16, 2 ranks over gloo. Every
      logged loss and ``p_inf_loss`` of steps 1..C must be finite, each step's loss must equal its head losses plus
-     0.5 × ``p_inf_loss`` to **1e-2** relative (bf16 rounding; the term is 11% of the loss), the head losses of
-     step 1 must be the bf16 one-rank run's loss of step 1 to **1e-2** (the same weights and batch), and
-     ``p_inf_loss`` must fall from step 1 to C.
+     0.5 × ``p_inf_loss`` to **1e-2** relative (the head losses are logged in bf16, together up to 3e-3 off; the
+     term is about 10% of the loss), the head losses of step 1 must be the bf16 one-rank run's loss of step 1 to
+     **1e-2** (the same weights and batch), and ``p_inf_loss`` must fall from step 1 to C.
    - ``profile-tp2-gloo`` (GPU): ``mhf-dist profile --size 100m --hash h4b16k --layout tp=2 --seq-len 512`` with
      ``--set train.dist_backend=gloo`` (2 ranks on the GPU). A measurement: its row must be finite and positive,
      of layout tp=2, with tensor-parallel traffic. It runs beside the other runs, so its speed means nothing.
@@ -79,7 +79,7 @@ fails, any other failure is its own row):
    support <op>``, ``Invalid scalar type`` raised from a torch.distributed collective, a gloo transport error
    "Bad address" (gloo's send/recv hand the CUDA tensor's device pointer to a CPU socket), or a segmentation
    fault whose Python stack (``PYTHONFAULTHANDLER``) is in torch.distributed's send or recv. Any other failure,
-   a timeout (4 minutes) included, is FAIL.
+   a timeout included (150 s on a GPU, about three times such a run's expected time), is FAIL.
 
 3. **Export and inference.** ``mhf-dist export-hf`` writes the fp32 MHF run and the Standard run as Hugging
    Face models. ``mhf-dist generate`` must print a continuation of the prompt. Decoding speed comes from the
@@ -149,6 +149,7 @@ PROMPT = "In the beginning God created"
 PASS, FAIL, MEASURED, SKIPPED = "PASS", "FAIL", "measured", "skipped"
 NOT_RUNNABLE = "not runnable with gloo"  # a 2-rank run that gloo cannot carry on CUDA tensors (not a failure)
 P_INF_WEIGHT = 0.5  # model.hash.p_inf_loss_weight of the p-inf-tp2-bf16 run
+BF16_TOLERANCE = 1e-2  # relative: bf16 keeps 8 significant bits (see the resume tolerances)
 
 
 @dataclass(frozen=True)
@@ -179,12 +180,12 @@ class Mode:
 
 
 GPU = Mode(name="gpu", device="cuda", dtypes=("bf16", "fp32"), steps=30, split=15,
-           resume_tolerance={"bf16": 1e-2, "fp32": 1e-5}, eval_tolerance=1e-4, new_tokens=64,
+           resume_tolerance={"bf16": BF16_TOLERANCE, "fp32": 1e-5}, eval_tolerance=1e-4, new_tokens=64,
            profiles=(("1b", 2048), ("100m", 2048)), profile_dtype="bf16", profile_steps=5, profile_warmup=2,
            vocab_sizes="32768,131072", jobs=12, timeout_s=300, compare_steps=10, compare_tolerance=1e-4,
            gloo_layouts=("tp=2", "pp=2"),
            features=("compile", "engram-offload", "grad-accum", "p-inf-tp2-bf16", "profile-tp2-gloo"),
-           sdpa_dtypes=("bf16", "fp32"), gloo_timeout_s=240)
+           sdpa_dtypes=("bf16", "fp32"), gloo_timeout_s=150)
 CPU = Mode(name="cpu", device="cpu", dtypes=("fp32",), steps=8, split=4,
            resume_tolerance={"fp32": 0.0}, eval_tolerance=1e-4, new_tokens=8,
            profiles=(("tiny", 128),), profile_dtype="fp32", profile_steps=1, profile_warmup=1,
@@ -565,7 +566,7 @@ def engram_offload_check(ctx: Context) -> Check:
 
 
 def p_inf_check(ctx: Context) -> Check:
-    c, tol = ctx.mode.compare_steps, ctx.mode.resume_tolerance["bf16"]
+    c, tol = ctx.mode.compare_steps, BF16_TOLERANCE
     records, reference = metrics(ctx.run("p-inf-tp2-bf16")), metrics(ctx.run("mhf-bf16"))
     steps = range(1, c + 1)
     if any(s not in records or "p_inf_loss" not in records[s] for s in steps) or 1 not in reference:
