@@ -8,7 +8,7 @@ downloaded, the tiny runs build their tokenizer and shards from the embedded cor
 
 (``--skip`` leaves out layout and feature runs of step 2 by their check names.)
 
-and, at tiny sizes and in fp32, on any machine without one (CI does; about 5 minutes on 2 cores)::
+and, at tiny sizes and in fp32, on any machine without one (CI does; about 5.5 minutes on 2 cores)::
 
     bash tools/gpu_check.sh --cpu [--out DIR]
 
@@ -109,7 +109,7 @@ compilation and again 20-30 s for its final evaluation's no-grad graphs) and by 
 starts of 20-30 s each); the 2-rank runs compile nothing on CUDA, and each job's steps take seconds. Step 3
 about 3 minutes (decoding with ``compile=True`` dominates); step 4 about 2.5 minutes (each 1B configuration builds
 its model in a fresh process). In all about 9 minutes; ``--skip compile`` saves up to a minute. With ``--cpu``
-step 2 adds two runs (tp=2 and accumulation), about a minute on 2 cores.
+step 2 adds two runs (tp=2 and accumulation), 60-90 s on 2 idle cores (the check took 4.3 minutes without them).
 
 Then one table, printed and written as ``gpu_check.md`` and ``gpu_check.json`` in ``--out``. It gives the
 date, the device, the torch build and the deepspeed version. Both files are rewritten after every step, so a
