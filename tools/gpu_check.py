@@ -79,7 +79,7 @@ fails, any other failure is its own row):
    support <op>``, ``Invalid scalar type`` raised from a torch.distributed collective, a gloo transport error
    "Bad address" (gloo's send/recv hand the CUDA tensor's device pointer to a CPU socket), or a segmentation
    fault whose Python stack (``PYTHONFAULTHANDLER``) is in torch.distributed's send or recv. Any other failure,
-   a timeout included (150 s on a GPU, about three times such a run's expected time), is FAIL.
+   a timeout included (180 s on a GPU, about three times such a run's expected time), is FAIL.
 
 3. **Export and inference.** ``mhf-dist export-hf`` writes the fp32 MHF run and the Standard run as Hugging
    Face models. ``mhf-dist generate`` must print a continuation of the prompt. Decoding speed comes from the
@@ -185,7 +185,7 @@ GPU = Mode(name="gpu", device="cuda", dtypes=("bf16", "fp32"), steps=30, split=1
            vocab_sizes="32768,131072", jobs=12, timeout_s=300, compare_steps=10, compare_tolerance=1e-4,
            gloo_layouts=("tp=2", "pp=2"),
            features=("compile", "engram-offload", "grad-accum", "p-inf-tp2-bf16", "profile-tp2-gloo"),
-           sdpa_dtypes=("bf16", "fp32"), gloo_timeout_s=150)
+           sdpa_dtypes=("bf16", "fp32"), gloo_timeout_s=180)
 CPU = Mode(name="cpu", device="cpu", dtypes=("fp32",), steps=8, split=4,
            resume_tolerance={"fp32": 0.0}, eval_tolerance=1e-4, new_tokens=8,
            profiles=(("tiny", 128),), profile_dtype="fp32", profile_steps=1, profile_warmup=1,
