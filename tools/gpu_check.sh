@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job end to end on one GPU, or at tiny sizes on CPU with --cpu (tools/gpu_check.py says what it checks).
-# Usage: bash tools/gpu_check.sh [--cpu] [--out DIR] [--work DIR] [--nominal-tflops TFLOPS]
+# Usage: bash tools/gpu_check.sh [--cpu] [--out DIR] [--work DIR] [--nominal-tflops TFLOPS] [--skip NAMES]
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="$root/.venv/bin/python"

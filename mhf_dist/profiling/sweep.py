@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mhf_dist.config import load_config
 from mhf_dist.parallel.devices import bind_gpu
+from mhf_dist.parallel.layout import backend_name
 from mhf_dist.profiling.timing import torch_dtype
 from mhf_dist.profiling.training import TrainRow, profile_training
 from mhf_dist.train.throughput import measured_peak_flops
@@ -24,8 +26,10 @@ def worker_main(rows_file: str, spec_json: str) -> int:
     if device.type == "cuda":  # each local rank on its GPU (LOCAL_RANK, as launch_local sets it)
         device = bind_gpu(int(os.environ.get("LOCAL_RANK", 0)))
     if spec["tp"] > 1:
-        dist.init_process_group("gloo" if device.type == "cpu" else "nccl",
-                                device_id=device if device.type == "cuda" else None)
+        # train.dist_backend of the profiled configuration (--set): gloo lets two ranks share one GPU
+        cfg = load_config(f"{spec['size']}-{spec['hash_name']}", overrides=spec["overrides"])
+        backend = backend_name(cfg.train.dist_backend, device.type)
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
     trace = spec.pop("trace_dir")
     row = profile_training(device=device, trace_dir=Path(trace) if trace else None, **spec)
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -7,7 +7,6 @@ module load cuda/12.4 || true
 export NCCL_SOCKET_IFNAME=ib0
 export NCCL_IB_HCA=mlx5
 export NCCL_DEBUG=WARN
-export CUDA_DEVICE_MAX_CONNECTIONS=1
 export OMP_NUM_THREADS=8
 [ -x /opt/venv/bin/python ] || { echo "mhf-dist: "/opt/venv/bin/python" is not on $(hostname): install mhf-dist on storage every node sees, or set python/launcher in the cluster profile" >&2; exit 2; }
 # DeepSpeed's launcher forwards only some variables to the other nodes; list the profile's in .deepspeed_env.
@@ -15,7 +14,6 @@ cat > .deepspeed_env <<'ENV'
 NCCL_SOCKET_IFNAME=ib0
 NCCL_IB_HCA=mlx5
 NCCL_DEBUG=WARN
-CUDA_DEVICE_MAX_CONNECTIONS=1
 OMP_NUM_THREADS=8
 ENV
 /opt/venv/bin/python -m deepspeed.launcher.runner --hostfile /shared/hostfile --num_nodes 2 --num_gpus 8 \
