@@ -5,10 +5,12 @@ Per step (:class:`mhf_dist.train.engine.DataParallelTrainer` calls these):
 1. :meth:`HostTablesStep.prefetch` / :meth:`~HostTablesStep.advance` gather each micro-batch's rows ahead of its
    forward (the next micro-batch's while the current one computes).
 2. :meth:`~HostTablesStep.before_step`, before DeepSpeed's optimizer step: the gradients still on their way from the
-   device are added (:meth:`HostTables.accumulate`, waiting for their copies), with dp > 1 the host gradients are
-   averaged over the data-parallel ranks (as DeepSpeed averages its own: the dense buffers are all-reduced on the
-   communication device through pinned staging buffers, never handed to NCCL from the host), their norm is taken,
-   and the learning rate, betas, eps and weight decay of the engine's decayed (>= 2-D) group are read.
+   device are added (:meth:`HostTables.accumulate`, waiting for their copies); with dp > 1 the host gradients are
+   averaged over the data-parallel ranks (as DeepSpeed averages its own), rows read on some rank only: the ranks'
+   row masks (:attr:`HostTables.touched`, kept whenever dp > 1) are all-reduced with MAX, one byte a row, and only
+   the union's rows are all-reduced — every other row's gradient is zero on every rank — through pinned staging
+   buffers on the communication device, never handed to NCCL from the host. Then their norm is taken, and the
+   learning rate, betas, eps and weight decay of the engine's decayed (>= 2-D) group are read.
 3. DeepSpeed's step: :meth:`~HostTablesStep.install_norm` made its ZeRO optimizer's global gradient norm include the
    host tables' (``sqrt(n_device² + n_host²)``), so its clipping and the logged grad norm are those of the dense run.
 4. :meth:`~HostTablesStep.after_step`: the same clip coefficient ``max(1, (norm + 1e-6) / grad_clip)`` on the host
@@ -18,12 +20,11 @@ Per step (:class:`mhf_dist.train.engine.DataParallelTrainer` calls these):
    the dense tables. The bias correction follows the host optimizer's own step count, equal to DeepSpeed's.
 
 ``model.engram.offload_update=lazy`` steps only the rows read in the step instead: the union, over the micro-batches
-and (with dp > 1) the data-parallel ranks, of the rows whose gradient the lookups added (:attr:`HostTables.touched`;
-with dp > 1 that mask is all-reduced with MAX, one byte a row). Only those rows' gradients are dp-averaged (the others
-are zero on every rank), normed and clipped; the same fused AdamW kernel runs on them (``index_select``), and the rows
-and their moments are written back (``index_copy_``). The step count still advances every step, so the bias correction
-is the dense path's; the other rows and their moments stay exactly as they are (LazyAdam / SparseAdam). Both modes keep
-the same ``exp_avg``/``exp_avg_sq``/``step`` state, so a checkpoint of either resumes in either.
+and (with dp > 1) the data-parallel ranks, of the rows whose gradient the lookups added (the same mask). Only those
+rows' gradients are dp-averaged, normed and clipped; the same fused AdamW kernel runs on them (``index_select``), and
+the rows and their moments are written back (``index_copy_``). The step count still advances every step, so the bias
+correction is the dense path's; the other rows and their moments stay exactly as they are (LazyAdam / SparseAdam).
+Both modes keep the same ``exp_avg``/``exp_avg_sq``/``step`` state, so a checkpoint of either resumes in either.
 
 Checkpoints hold the tables and their AdamW state in ``engram-host-tables.safetensors`` (:meth:`state`/:meth:`load`),
 written by rank 0 only: with tp = pp = 1 every rank holds the same tables.
@@ -71,7 +72,7 @@ class HostTablesStep:
         for t in self.tables.values():
             t.device, t.transfer_dtype = engine.device, compute_dtype
             t.grad = torch.zeros_like(t.weight)
-            if self.lazy:
+            if self.lazy or dp > 1:  # the rows read: the lazy update's, and the only ones a dp all-reduce needs
                 t.touched = torch.zeros(t.weight.shape[0] * t.weight.shape[1], dtype=torch.bool)
         # parameters sharing the tables' storage: the optimizer updates the tables in place
         self.params = {i: nn.Parameter(t.weight) for i, t in self.tables.items()}
@@ -136,14 +137,18 @@ class HostTablesStep:
         for i, t in self.tables.items():
             t.accumulate()
             grad = t.grad.view(-1, t.grad.shape[-1])
-            if self.lazy:
+            if t.touched is not None:  # lazy, or dp > 1: only the rows read on some rank have a gradient
                 if collectives:  # the union of the ranks' rows, one byte a row
                     collectives.max_into(t.touched, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1])
-                self.rows[i] = t.touched.nonzero().squeeze(1)
+                rows = t.touched.nonzero().squeeze(1)
                 t.touched.zero_()
-                grad = grad.index_select(0, self.rows[i])  # the other rows' gradients are zero on every rank
-            if collectives:
-                collectives.mean_into(grad, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1])
+                selected = grad.index_select(0, rows)  # the other rows' gradients are zero on every rank
+                if collectives:
+                    collectives.mean_into(selected, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1])
+                if self.lazy:
+                    self.rows[i], grad = rows, selected
+                else:  # dense: the averaged rows back into the whole gradient
+                    grad.index_copy_(0, rows, selected)
             self.grads[i] = grad
         norms = [torch.linalg.vector_norm(g) for g in self.grads.values()]
         norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
