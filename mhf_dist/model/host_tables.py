@@ -12,7 +12,7 @@ ZeRO nor ``model.to(device)`` touch it:
 - **Forward**: the lookup reads the gathered rows through the indices remapped onto the compact unique set.
 - **Backward**: the gathered rows are an autograd leaf whose hook adds its gradient — rows of the unique set
   only — into the fp32 host buffer ``grad [T, R, d]`` (``index_add_``), accumulated over micro-batches, and marks
-  them in ``touched [T·R]`` when the trainer keeps that mask (``model.engram.offload_update=lazy``). On a CUDA device
+  them in ``touched [T·R]`` when the trainer keeps that mask (lazy update, or dp > 1). On a CUDA device
   the hook only starts the gradient's copy (in the compute dtype) into a pinned buffer on a side stream and records
   an event, so the backward pass goes on; the ``index_add_`` waits for that event in :meth:`accumulate`, between
   micro-batches for the copies already done (:meth:`advance`) and for all of them before the optimizer step (the
@@ -57,8 +57,10 @@ class HostTables(nn.Module):
         super().__init__()
         self.num_rows = num_rows
         self.weight = torch.empty(num_tables, num_rows, dim)
-        self.grad: torch.Tensor | None = None  # fp32 host gradient, allocated by the trainer
-        self.touched: torch.Tensor | None = None  # bool [T·R]: the flat rows given a gradient (lazy update only)
+        # fp32 host gradient, allocated by the trainer; on a CUDA device complete only after accumulate()
+        self.grad: torch.Tensor | None = None
+        # bool [T·R]: the flat rows given a gradient, when the trainer keeps it (lazy update, or dp > 1)
+        self.touched: torch.Tensor | None = None
         self.device = torch.device("cpu")  # where the gathered rows go (the trainer sets the engine's device)
         self.transfer_dtype = torch.float32  # the model's compute dtype
         self._next: GatheredRows | None = None
