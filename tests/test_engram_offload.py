@@ -81,8 +81,8 @@ def train_step(model, host: HostTablesStep, ids: torch.Tensor) -> dict[int, torc
     model.hidden(ids).square().sum().backward()
     read = {i: t.touched.view(t.weight.shape[:2]).clone() for i, t in host.tables.items()} if host.lazy else {}
     host.before_step()
-    host.engine.optimizer._global_grad_norm = host.host_norm
-    host.after_step()
+    host.engine.optimizer._global_grad_norm = float("nan")  # not read: the trainer hands the norm it read over
+    host.after_step(host.host_norm.item())
     return read
 
 

@@ -67,13 +67,14 @@ def parse_layout(name: str, ranks: int) -> tuple[int, int]:
 
 
 class SyntheticBatches:
-    """What the trainers read: ``next_batch(n)`` -> ``[n, seq_len + 1]`` token ids."""
+    """What the trainers read: ``next_batch(n, pin)`` -> ``[n, seq_len + 1]`` token ids (pinned with ``pin``)."""
 
     def __init__(self, seq_len: int):
         self.seq_len, self.gen = seq_len, torch.Generator().manual_seed(0)
 
-    def next_batch(self, n: int) -> torch.Tensor:
-        return torch.randint(0, VOCAB, (n, self.seq_len + 1), generator=self.gen)
+    def next_batch(self, n: int, pin: bool = False) -> torch.Tensor:
+        batch = torch.randint(0, VOCAB, (n, self.seq_len + 1), generator=self.gen)
+        return batch.pin_memory() if pin else batch
 
 
 class Phases:

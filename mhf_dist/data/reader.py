@@ -162,8 +162,9 @@ class ShardReader:
         self._error: BaseException | None = None
 
     # ------------------------------------------------------------ consumer
-    def next_batch(self, micro_batch: int) -> torch.Tensor:
-        """This rank's next ``micro_batch`` samples: a LongTensor ``[micro_batch, seq_len + 1]``."""
+    def next_batch(self, micro_batch: int, pin: bool = False) -> torch.Tensor:
+        """This rank's next ``micro_batch`` samples: a LongTensor ``[micro_batch, seq_len + 1]``, in pinned memory
+        with ``pin`` (for a CUDA device: its copy there can then be ``non_blocking``; needs CUDA)."""
         if self._error is not None:
             raise self._error
         if self._thread is None:
@@ -180,7 +181,11 @@ class ShardReader:
                 self._buffer.extend(item)
             rows.append(self._buffer.popleft())
         self._consumed += micro_batch
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        if not pin:
+            return torch.from_numpy(np.stack(rows).astype(np.int64))
+        batch = torch.empty((len(rows), len(rows[0])), dtype=torch.int64, pin_memory=True)
+        np.stack(rows, out=batch.numpy())  # widened to int64 straight into the pinned buffer
+        return batch
 
     def state_dict(self) -> dict:
         """The next unread global position (the same on every rank once all took equal batches); JSON-serialisable."""

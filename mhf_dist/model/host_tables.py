@@ -12,7 +12,11 @@ ZeRO nor ``model.to(device)`` touch it:
 - **Forward**: the lookup reads the gathered rows through the indices remapped onto the compact unique set.
 - **Backward**: the gathered rows are an autograd leaf whose hook adds its gradient — rows of the unique set
   only — into the fp32 host buffer ``grad [T, R, d]`` (``index_add_``), accumulated over micro-batches, and marks
-  them in ``touched [T·R]`` when the trainer keeps that mask (``model.engram.offload_update=lazy``).
+  them in ``touched [T·R]`` when the trainer keeps that mask (lazy update, or dp > 1). On a CUDA device
+  the hook only starts the gradient's copy (in the compute dtype) into a pinned buffer on a side stream and records
+  an event, so the backward pass goes on; the ``index_add_`` waits for that event in :meth:`accumulate`, between
+  micro-batches for the copies already done (:meth:`advance`) and for all of them before the optimizer step (the
+  trainer's). On a CPU device the hook adds at once.
 
 The optimizer step (a host AdamW with the dense tables' hyperparameters) and the checkpoint files are the
 trainer's (:mod:`mhf_dist.train.host_tables`). ``state_dict`` does not list the weight (DeepSpeed would save it
@@ -34,7 +38,16 @@ class GatheredRows:
     inverse: torch.Tensor  # [..., T] position of each looked-up row in ``rows``, on the device
     rows: torch.Tensor  # [U, d] the rows, on the device
     ready: torch.cuda.Event | None  # the side stream's copy finished (CUDA only)
-    staged: torch.Tensor | None = None  # the pinned source, kept alive until the copy finished
+    staged: tuple[torch.Tensor, ...] = ()  # the pinned sources, kept alive until the copy finished
+
+
+@dataclass
+class PendingGrad:
+    """A gradient on its way from the device to the host (CUDA only)."""
+
+    index: torch.Tensor  # [U] the flat host rows it belongs to
+    values: torch.Tensor  # [U, d] pinned host buffer, in the compute dtype
+    ready: torch.cuda.Event  # the copy into ``values`` finished
 
 
 class HostTables(nn.Module):
@@ -44,13 +57,17 @@ class HostTables(nn.Module):
         super().__init__()
         self.num_rows = num_rows
         self.weight = torch.empty(num_tables, num_rows, dim)
-        self.grad: torch.Tensor | None = None  # fp32 host gradient, allocated by the trainer
-        self.touched: torch.Tensor | None = None  # bool [T·R]: the flat rows given a gradient (lazy update only)
+        # fp32 host gradient, allocated by the trainer; on a CUDA device complete only after accumulate()
+        self.grad: torch.Tensor | None = None
+        # bool [T·R]: the flat rows given a gradient, when the trainer keeps it (lazy update, or dp > 1)
+        self.touched: torch.Tensor | None = None
         self.device = torch.device("cpu")  # where the gathered rows go (the trainer sets the engine's device)
         self.transfer_dtype = torch.float32  # the model's compute dtype
         self._next: GatheredRows | None = None
         self._current: GatheredRows | None = None
-        self._stream = None
+        self._stream = None  # host -> device copies of gathered rows
+        self._grad_stream = None  # device -> host copies of their gradients
+        self._pending: list[PendingGrad] = []
 
     # ------------------------------------------------------------------ BucketTables' interface (tp = 1)
     @property
@@ -76,10 +93,17 @@ class HostTables(nn.Module):
     def gather(self, rows: torch.Tensor) -> GatheredRows:
         """The unique rows that ``rows [..., T]`` (on the host) reads, on their way to ``self.device``."""
         index, inverse = torch.unique(self.flat_rows(rows), return_inverse=True)
-        selected = self.weight.view(-1, self.weight.shape[-1]).index_select(0, index).to(self.transfer_dtype)
+        weight = self.weight.view(-1, self.weight.shape[-1])
         if self.device.type != "cuda":
+            selected = weight.index_select(0, index).to(self.transfer_dtype)
             return GatheredRows(index, inverse.to(self.device), selected.to(self.device), None)
-        staged = (selected.pin_memory(), inverse.pin_memory())
+        # selected (and converted to the compute dtype) straight into pinned memory, then copied on the side stream
+        selected = torch.empty((index.numel(), weight.shape[1]), dtype=self.transfer_dtype, pin_memory=True)
+        if self.transfer_dtype == weight.dtype:
+            torch.index_select(weight, 0, index, out=selected)
+        else:
+            selected.copy_(weight.index_select(0, index))
+        staged = (selected, inverse.pin_memory())
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._stream):
@@ -94,8 +118,10 @@ class HostTables(nn.Module):
         self._next = self.gather(rows)
 
     def advance(self) -> None:
-        """The prefetched rows become those the next forward (and its recomputation in backward) reads."""
+        """The prefetched rows become those the next forward (and its recomputation in backward) reads; the
+        gradients of earlier micro-batches already copied to the host are added."""
         self._current, self._next = self._next, None
+        self.accumulate(wait=False)
 
     def release(self) -> None:
         """Drop the gathered rows (end of a training step): later lookups gather for themselves."""
@@ -115,11 +141,36 @@ class HostTables(nn.Module):
         return F.embedding(gathered.inverse, leaf)
 
     def _add_grad(self, index: torch.Tensor, grad: torch.Tensor) -> None:
-        if self.grad is None:
-            self.grad = torch.zeros_like(self.weight)
-        self.grad.view(-1, self.weight.shape[-1]).index_add_(0, index, grad.detach().float().cpu())
         if self.touched is not None:
             self.touched[index] = True
+        if grad.device.type != "cuda":
+            self._index_add(index, grad.detach())
+            return
+        # the backward pass must not wait for the host: start the copy and leave the addition to accumulate()
+        current = torch.cuda.current_stream(grad.device)
+        if self._grad_stream is None:
+            self._grad_stream = torch.cuda.Stream(grad.device)
+        self._grad_stream.wait_stream(current)  # the gradient is computed
+        with torch.cuda.stream(self._grad_stream):
+            values = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+            values.copy_(grad.detach(), non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._grad_stream)
+        grad.record_stream(self._grad_stream)  # its memory is not reused before the copy read it
+        self._pending.append(PendingGrad(index, values, ready))
+
+    def _index_add(self, index: torch.Tensor, grad: torch.Tensor) -> None:
+        if self.grad is None:
+            self.grad = torch.zeros_like(self.weight)
+        self.grad.view(-1, self.weight.shape[-1]).index_add_(0, index, grad.float())
+
+    def accumulate(self, wait: bool = True) -> None:
+        """Add the gradients copied from the device into ``grad``: all of them (``wait``: waiting for each copy's
+        event, as before reading ``grad``), or those whose copy already finished. Nothing to do on a CPU device."""
+        while self._pending and (wait or self._pending[0].ready.query()):
+            pending = self._pending.pop(0)
+            pending.ready.synchronize()
+            self._index_add(pending.index, pending.values)
 
     # ------------------------------------------------------------------ state dict
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

@@ -48,6 +48,15 @@ class LMOutput:
     eval_sums: torch.Tensor | None = None
 
 
+def _kept_mean(values: torch.Tensor, keep: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The mean over the first dimension of ``values [N, ...]`` at the positions ``keep [N]`` (``count`` of them), as
+    a sum: the others count as exactly 0, in value and in gradient, whatever they hold (``torch.where``, not a
+    product, so an infinite term there cannot turn into NaN). Summed in fp32 at least and rounded once, as ``mean``."""
+    keep = keep.view(-1, *([1] * (values.dim() - 1)))
+    total = torch.where(keep, values, 0).sum(dim=0, dtype=torch.promote_types(values.dtype, torch.float32))
+    return (total / count).to(values.dtype)
+
+
 class TiedVocabulary(nn.Module):
     p_inf_loss_chunk = TARGET_CHUNK  # values gathered per position in one chunk of the log P_inf term's log Z
 
@@ -80,15 +89,20 @@ class TiedVocabulary(nn.Module):
         """``h [..., d]`` (final-norm output), ``targets [...]`` token ids -> docs/spec.md §5 training loss
         (and, ``with_p_inf``, the mean ``-log P_inf`` of the targets: perplexity comparable across models, with
         the evaluation sums of :meth:`calibration_sums` at ``temperatures``)."""
+        # targets < 0 are ignored by weight, not by selection: every position goes through the decoder (ignored ones
+        # reading token 0) and the means are sums over the kept positions / their count, so no shape depends on
+        # the data (boolean indexing would wait for the device to count the kept positions)
+        h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
         keep = targets >= 0
-        h, targets = h[keep], targets[keep]
+        count = keep.sum()
+        safe = targets.clamp_min(0)
         if self.p_inf_loss_weight:
-            head_losses, p_inf_loss = self._head_and_p_inf_losses(h, targets)
+            head_losses, p_inf_loss = self._head_and_p_inf_losses(h, safe, keep, count)
         else:
-            head_losses, p_inf_loss = self.decoder.nll(h, self.tables, self.codes[targets]).mean(dim=0), None
+            head_losses, p_inf_loss = _kept_mean(self.decoder.nll(h, self.tables, self.codes[safe]), keep, count), None
         p_inf_nll = eval_sums = None
-        if with_p_inf:
-            eval_sums = self.calibration_sums(h, targets, temperatures)
+        if with_p_inf:  # evaluation: its sums count tokens, so they take the kept positions only
+            eval_sums = self.calibration_sums(h[keep], targets[keep], temperatures)
             p_inf_nll = eval_sums[SUM_P_INF_NLL] / eval_sums[SUM_TOKENS]
             p_inf_nll = p_inf_nll.to(torch.promote_types(h.dtype, torch.float32))
         loss = head_losses.sum()
@@ -97,8 +111,10 @@ class TiedVocabulary(nn.Module):
             p_inf_nll = p_inf_loss.detach() if p_inf_nll is None else p_inf_nll
         return LMOutput(loss=loss, head_losses=head_losses, p_inf_nll=p_inf_nll, eval_sums=eval_sums)
 
-    def _head_and_p_inf_losses(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(head losses [H], mean -log P_inf(target))`` with gradients, from one plain pass down the cascade
+    def _head_and_p_inf_losses(self, h: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
+                               count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(head losses [H], mean -log P_inf(target))`` with gradients, over the positions ``keep`` (``count`` of
+        them), from one plain pass down the cascade
         (:meth:`CascadedDecoder.nll_and_log_probs`): ``-log P_inf(w) = log Z - Σ_i log p_i[H_i(w)] = log Z +
         Σ_i nll_i``, with ``log Z`` from :func:`~mhf_dist.model.scoring.log_normaliser`. The fused decoder path
         is not used: this term needs every head's scores ``[N, R_local]`` anyway, and the plain path's are them.
@@ -107,7 +123,7 @@ class TiedVocabulary(nn.Module):
         log_z = log_normaliser(log_probs, self.signature_columns(), self.registered, self.tables,
                                self.p_inf_loss_chunk)
         p_inf_nll = torch.where(self.registered[targets], log_z + nll.sum(dim=-1), float("inf"))
-        return nll.mean(dim=0), p_inf_nll.mean()
+        return _kept_mean(nll, keep, count), _kept_mean(p_inf_nll, keep, count)
 
     def calibration_sums(self, h: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor | None = None,
                          chunk_size: int = TARGET_CHUNK) -> torch.Tensor:

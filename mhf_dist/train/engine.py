@@ -15,11 +15,18 @@ the model is taken as built.
 
 The DeepSpeed config comes from :mod:`mhf_dist.parallel.layout`. Both engines expose the same ``train_step`` /
 ``evaluate``.
+
+Host syncs (on a GPU, a host read of a device value waits for all the work queued before it). A training step reads
+its numbers once: the losses (averaged over dp on the device), the global gradient norm and the loop's stop/save flags
+(:class:`TrainingFlags`, agreed over all ranks on the device) come back in one transfer
+(:meth:`ScalarCollectives.read`), and host-memory Engram tables clip with that norm. The micro-batches go to the
+device from pinned memory without blocking, and the loss has no data-dependent shape. What else waits for the device
+in a step is DeepSpeed's own (``tests/test_host_syncs.py`` counts them; docs/design.md, "Host syncs").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import deepspeed
@@ -44,17 +51,32 @@ def device_type(cfg: RunConfig) -> str:
     return cfg.train.device
 
 
+TrainingFlags = Callable[[], Sequence[bool]]  # the loop's flags, asked for at the end of a step
+
+
 @dataclass
 class StepStats:
     loss: float  # mean over the global batch
     head_losses: list[float]
     grad_norm: float | None  # DeepSpeed reports none without ZeRO
     p_inf_loss: float | None = None  # mean -log P_inf(target) of the loss's term (model.hash.p_inf_loss_weight > 0)
+    flags: list[bool] | None = None  # train_step's ``flags``, each raised on any rank (None when not asked)
 
 
-def _grad_norm(engine) -> float | None:
+def read_step(scalars: ScalarCollectives, stats: torch.Tensor, engine, flags: TrainingFlags | None
+              ) -> tuple[list[float], float | None, list[bool] | None]:
+    """``(stats, grad norm, flags agreed over all ranks)`` in one host transfer: ``stats`` (already reduced, on the
+    device), the engine's global gradient norm (a device scalar under ZeRO; a Python number after an overflow) and
+    ``flags()`` (all-reduced with MAX on the device)."""
     norm = engine.get_global_grad_norm()
-    return None if norm is None else float(norm)
+    parts = [stats] + ([norm] if torch.is_tensor(norm) else [])
+    if flags is not None:
+        parts.append(scalars.any_tensor(*flags()))
+    values = scalars.read(*parts)
+    n = stats.numel()
+    grad_norm = values[n] if torch.is_tensor(norm) else None if norm is None else float(norm)
+    agreed = [bool(v) for v in values[n + torch.is_tensor(norm):]] if flags is not None else None
+    return values[:n], grad_norm, agreed
 
 
 class DataParallelTrainer:
@@ -81,20 +103,23 @@ class DataParallelTrainer:
     def lr(self) -> float:
         return self.engine.get_lr()[0]
 
-    def train_step(self, reader: ShardReader) -> StepStats:
+    def train_step(self, reader: ShardReader, flags: TrainingFlags | None = None) -> StepStats:
+        """One optimizer step; ``flags`` (e.g. stop and save requests) are asked for at its end and come back
+        agreed over all ranks in :attr:`StepStats.flags`, read with the step's other numbers."""
         self.engine.train()
         losses = []
-        host = self.host
-        batch = reader.next_batch(self.micro)
+        host, device = self.host, self.engine.device
+        pin = device.type == "cuda"  # pinned micro-batches: copies to the device that do not block the host
+        batch = reader.next_batch(self.micro, pin=pin)
         if host:
             host.prefetch(batch[:, :-1])
         for i in range(self.accum):
             if host:
                 host.advance()
-            batch = batch.to(self.engine.device)
-            out = self.engine(batch[:, :-1], batch[:, 1:])
+            on_device = batch.to(device, non_blocking=True)
+            out = self.engine(on_device[:, :-1], on_device[:, 1:])
             if i + 1 < self.accum:  # the next micro-batch's rows are gathered while this one computes
-                batch = reader.next_batch(self.micro)
+                batch = reader.next_batch(self.micro, pin=pin)
                 if host:
                     host.prefetch(batch[:, :-1])
             self.engine.backward(out.loss)
@@ -105,12 +130,13 @@ class DataParallelTrainer:
             p_inf = [] if out.p_inf_nll is None else [out.p_inf_nll.detach()[None]]
             values = [out.loss.detach()[None], out.head_losses.detach(), *p_inf]
             losses.append(torch.cat([v.to(out.loss.dtype) for v in values]))
+        means = self.scalars.mean_tensor(torch.stack(losses).mean(0), self.groups.dp_group)
+        stats, grad_norm, agreed = read_step(self.scalars, means, self.engine, flags)
         if host:
-            host.after_step()
-        stats = self.scalars.mean(torch.stack(losses).mean(0), self.groups.dp_group)
+            host.after_step(grad_norm)
         heads = len(out.head_losses)
-        return StepStats(loss=stats[0], head_losses=stats[1:1 + heads], grad_norm=_grad_norm(self.engine),
-                         p_inf_loss=stats[1 + heads] if p_inf else None)
+        return StepStats(loss=stats[0], head_losses=stats[1:1 + heads], grad_norm=grad_norm,
+                         p_inf_loss=stats[1 + heads] if p_inf else None, flags=agreed)
 
     @torch.no_grad()
     def evaluate(self, reader: ShardReader, batches: int) -> dict:
@@ -119,7 +145,9 @@ class DataParallelTrainer:
         from sums over every token of every rank (:func:`~mhf_dist.model.calibration.fit_temperature`: two
         passes over the same micro-batches)."""
         self.engine.eval()
-        data = [reader.next_batch(self.micro).to(self.engine.device) for _ in range(batches)]
+        device = self.engine.device
+        data = [reader.next_batch(self.micro, pin=device.type == "cuda").to(device, non_blocking=True)
+                for _ in range(batches)]
         losses = []
 
         def one_pass(temperatures: torch.Tensor) -> list[float]:
@@ -161,23 +189,33 @@ class PipelineTrainer:
             batch = reader.next_batch(self.micro)
             yield batch[:, :-1], batch[:, 1:]
 
-    def _last_stage_mean(self, field: str, clear: bool = True) -> list[float]:
-        """Mean over micro-batches and dp of a loss output kept on the last stage, sent to every rank (``clear``:
-        then forget the outputs)."""
-        n = self.num_heads if field == "head_losses" else 1
-        values = [0.0] * n
+    def _last_stage_means(self, fields: Sequence[str], clear: bool = True) -> torch.Tensor:
+        """Means over micro-batches and dp of loss outputs kept on the last stage (``fields``, concatenated), summed
+        into every rank and left on the device (``clear``: then forget the outputs)."""
+        sizes = [self.num_heads if f == "head_losses" else 1 for f in fields]
+        values = [0.0] * sum(sizes)
         if self.engine.is_last_stage() and self.groups.tp_rank == 0:
-            values = torch.stack([getattr(o, field).detach().float().reshape(n) for o in self.loss_fn.outputs])
+            values = torch.stack([torch.cat([getattr(o, f).detach().float().reshape(n) for f, n in zip(fields, sizes)])
+                                  for o in self.loss_fn.outputs])
             values = values.mean(0) / self.groups.dp
         if clear:
             self.loss_fn.outputs.clear()
-        return self.scalars.sum(values)
+        return self.scalars.sum_tensor(values)
 
-    def train_step(self, reader: ShardReader) -> StepStats:
+    def _last_stage_mean(self, field: str, clear: bool = True) -> list[float]:
+        return self.scalars.read(self._last_stage_means([field], clear))
+
+    def train_step(self, reader: ShardReader, flags: TrainingFlags | None = None) -> StepStats:
+        """As :meth:`DataParallelTrainer.train_step`: the loss, the last stage's head losses (and P_inf term), the
+        gradient norm and ``flags`` in one host transfer."""
         loss = self.engine.train_batch(data_iter=self._batches(reader, self.accum))
-        heads = self._last_stage_mean("head_losses", clear=not self.p_inf_term)
-        p_inf = self._last_stage_mean("p_inf_nll")[0] if self.p_inf_term else None
-        return StepStats(loss=float(loss), head_losses=heads, grad_norm=_grad_norm(self.engine), p_inf_loss=p_inf)
+        fields = ["head_losses"] + (["p_inf_nll"] if self.p_inf_term else [])
+        sums = self._last_stage_means(fields)
+        stats, grad_norm, agreed = read_step(self.scalars, torch.cat([loss.detach().reshape(1).to(sums), sums]),
+                                             self.engine, flags)
+        heads = stats[1:1 + self.num_heads]
+        p_inf = stats[1 + self.num_heads] if self.p_inf_term else None
+        return StepStats(loss=stats[0], head_losses=heads, grad_norm=grad_norm, p_inf_loss=p_inf, flags=agreed)
 
     def _last_stage_sum(self, field: str, length: int) -> list[float]:
         """Sum over micro-batches and dp of a loss output ``[length]`` kept on the last stage, sent to every rank;

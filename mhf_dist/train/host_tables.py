@@ -4,24 +4,27 @@ Per step (:class:`mhf_dist.train.engine.DataParallelTrainer` calls these):
 
 1. :meth:`HostTablesStep.prefetch` / :meth:`~HostTablesStep.advance` gather each micro-batch's rows ahead of its
    forward (the next micro-batch's while the current one computes).
-2. :meth:`~HostTablesStep.before_step`, before DeepSpeed's optimizer step: with dp > 1 the host gradients are
-   averaged over the data-parallel ranks (as DeepSpeed averages its own: the dense buffers are all-reduced on the
-   communication device, never handed to NCCL from the host), their norm is taken, and the learning rate, betas,
-   eps and weight decay of the engine's decayed (>= 2-D) group are read.
+2. :meth:`~HostTablesStep.before_step`, before DeepSpeed's optimizer step: the gradients still on their way from the
+   device are added (:meth:`HostTables.accumulate`, waiting for their copies); with dp > 1 the host gradients are
+   averaged over the data-parallel ranks (as DeepSpeed averages its own), rows read on some rank only: the ranks'
+   row masks (:attr:`HostTables.touched`, kept whenever dp > 1) are all-reduced with MAX, one byte a row, and only
+   the union's rows are all-reduced — every other row's gradient is zero on every rank — through pinned staging
+   buffers on the communication device, never handed to NCCL from the host. Then their norm is taken, and the
+   learning rate, betas, eps and weight decay of the engine's decayed (>= 2-D) group are read.
 3. DeepSpeed's step: :meth:`~HostTablesStep.install_norm` made its ZeRO optimizer's global gradient norm include the
    host tables' (``sqrt(n_device² + n_host²)``), so its clipping and the logged grad norm are those of the dense run.
 4. :meth:`~HostTablesStep.after_step`: the same clip coefficient ``max(1, (norm + 1e-6) / grad_clip)`` on the host
-   gradients, then ``torch.optim.AdamW`` (fused, as the dense path) on the host tables with those hyperparameters:
+   gradients (the global norm as the trainer read it with the step's other numbers, so it costs no host sync of its
+   own), then ``torch.optim.AdamW`` (fused, as the dense path) on the host tables with those hyperparameters:
    every row is updated each step (weight decay and the moments' decay reach rows without gradient), exactly as
    the dense tables. The bias correction follows the host optimizer's own step count, equal to DeepSpeed's.
 
 ``model.engram.offload_update=lazy`` steps only the rows read in the step instead: the union, over the micro-batches
-and (with dp > 1, a row mask all-reduced like the gradients) the data-parallel ranks, of the rows whose gradient the
-lookups added (:attr:`HostTables.touched`). Only those rows' gradients are dp-averaged (the others are zero on every
-rank), normed and clipped; the same fused AdamW kernel runs on them (``index_select``), and the rows and their moments
-are written back (``index_copy_``). The step count still advances every step, so the bias correction is the dense
-path's; the other rows and their moments stay exactly as they are (LazyAdam / SparseAdam). Both modes keep the same
-``exp_avg``/``exp_avg_sq``/``step`` state, so a checkpoint of either resumes in either.
+and (with dp > 1) the data-parallel ranks, of the rows whose gradient the lookups added (the same mask). Only those
+rows' gradients are dp-averaged, normed and clipped; the same fused AdamW kernel runs on them (``index_select``), and
+the rows and their moments are written back (``index_copy_``). The step count still advances every step, so the bias
+correction is the dense path's; the other rows and their moments stay exactly as they are (LazyAdam / SparseAdam).
+Both modes keep the same ``exp_avg``/``exp_avg_sq``/``step`` state, so a checkpoint of either resumes in either.
 
 Checkpoints hold the tables and their AdamW state in ``engram-host-tables.safetensors`` (:meth:`state`/:meth:`load`),
 written by rank 0 only: with tp = pp = 1 every rank holds the same tables.
@@ -69,13 +72,14 @@ class HostTablesStep:
         for t in self.tables.values():
             t.device, t.transfer_dtype = engine.device, compute_dtype
             t.grad = torch.zeros_like(t.weight)
-            if self.lazy:
+            if self.lazy or dp > 1:  # the rows read: the lazy update's, and the only ones a dp all-reduce needs
                 t.touched = torch.zeros(t.weight.shape[0] * t.weight.shape[1], dtype=torch.bool)
         # parameters sharing the tables' storage: the optimizer updates the tables in place
         self.params = {i: nn.Parameter(t.weight) for i, t in self.tables.items()}
         group = self._engine_group()
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=group["lr"], betas=group["betas"],
                                            eps=group["eps"], weight_decay=group["weight_decay"], fused=True)
+        self.pin = engine.device.type == "cuda"  # host values that go to the device are staged in pinned memory
         self.host_norm = torch.zeros(())
         self.grads: dict[int, torch.Tensor] = {}  # this step's gradients: each table's, or its touched rows' (lazy)
         self.rows: dict[int, torch.Tensor] = {}  # lazy: this step's touched flat rows of each table
@@ -107,52 +111,63 @@ class HostTablesStep:
 
             def norm_groups():
                 groups = original_groups()
-                return [*groups, self.host_norm.to(groups[0].device, groups[0].dtype) * opt.loss_scale]
+                return [*groups, self._host_norm_on(groups[0]) * opt.loss_scale]
             opt._get_norm_groups = norm_groups
         elif isinstance(opt, DeepSpeedZeroOptimizer):
             original_norm = opt.scaled_global_norm
 
             def scaled_global_norm(norm_type=2):
                 norm = original_norm(norm_type)
-                host = self.host_norm.to(norm.device, norm.dtype) * opt.loss_scale
+                host = self._host_norm_on(norm) * opt.loss_scale
                 return combine_grad_norm_groups([norm, host])
             opt.scaled_global_norm = scaled_global_norm
         else:
             raise RuntimeError(f"model.engram.offload needs a DeepSpeed ZeRO optimizer (stage 1-3), not "
                                f"{type(opt).__name__}")
 
+    def _host_norm_on(self, like: torch.Tensor) -> torch.Tensor:
+        """The host tables' gradient norm on ``like``'s device and dtype: from pinned memory without blocking (then
+        converted there) on CUDA."""
+        return self.host_norm.to(like.device, non_blocking=self.pin).to(like.dtype)
+
     def before_step(self) -> None:
         """At the accumulation boundary, before DeepSpeed's step: dp-average the host gradients, take their norm
         and this step's hyperparameters."""
         collectives = ScalarCollectives(communication_device(dist.get_backend(self.dp_group))) if self.dp > 1 else None
         for i, t in self.tables.items():
+            t.accumulate()
             grad = t.grad.view(-1, t.grad.shape[-1])
-            if self.lazy:
-                if collectives:  # the union of the ranks' rows: a row's mean flag is > 0 iff a rank touched it
-                    flags = t.touched.float()
-                    collectives.mean_into(flags, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1])
-                    torch.gt(flags, 0, out=t.touched)
-                self.rows[i] = t.touched.nonzero().squeeze(1)
+            if t.touched is not None:  # lazy, or dp > 1: only the rows read on some rank have a gradient
+                if collectives:  # the union of the ranks' rows, one byte a row
+                    collectives.max_into(t.touched, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1])
+                rows = t.touched.nonzero().squeeze(1)
                 t.touched.zero_()
-                grad = grad.index_select(0, self.rows[i])  # the other rows' gradients are zero on every rank
-            if collectives:
-                collectives.mean_into(grad, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1])
+                selected = grad.index_select(0, rows)  # the other rows' gradients are zero on every rank
+                if collectives:
+                    collectives.mean_into(selected, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1])
+                if self.lazy:
+                    self.rows[i], grad = rows, selected
+                else:  # dense: the averaged rows back into the whole gradient
+                    grad.index_copy_(0, rows, selected)
             self.grads[i] = grad
         norms = [torch.linalg.vector_norm(g) for g in self.grads.values()]
-        self.host_norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        self.host_norm = norm.pin_memory() if self.pin else norm  # copied to the device inside DeepSpeed's step
         self.hyper = {k: self._engine_group()[k] for k in ("lr", "betas", "eps", "weight_decay")}
 
     @torch.no_grad()
-    def after_step(self) -> None:
-        """After DeepSpeed's step: clip with the global norm it used, then AdamW on the host tables."""
+    def after_step(self, global_norm: float | None = None) -> None:
+        """After DeepSpeed's step: clip with the global norm it used (``global_norm``, as the trainer read it; else
+        read from the optimizer here), then AdamW on the host tables."""
         opt = self.engine.optimizer
         skipped = getattr(opt, "overflow", False)
         if not skipped:
             clip = self.engine.gradient_clipping()
             if clip > 0:  # DeepSpeed's coefficient, from the global norm it stashed (the host tables' included)
-                total = torch.as_tensor(opt._global_grad_norm, dtype=torch.float32)
-                coefficient = torch.clamp((total + 1e-6) / clip, min=1.0)
-                scale = (1.0 / coefficient).cpu()
+                if global_norm is None:  # not read by the caller: read here (a host sync on a GPU)
+                    global_norm = float(opt._global_grad_norm)
+                total = torch.tensor(global_norm, dtype=torch.float32)
+                scale = 1.0 / torch.clamp((total + 1e-6) / clip, min=1.0)
                 for g in self.grads.values():
                     g.mul_(scale)
             group = self.optimizer.param_groups[0]

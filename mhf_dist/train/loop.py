@@ -363,7 +363,7 @@ class TrainingLoop:
         """One optimizer step, timed, and its loss shown to the divergence watch."""
         lr = self.trainer.lr
         began = time.perf_counter()
-        stats = self.trainer.train_step(self.reader)
+        stats = self.trainer.train_step(self.reader, lambda: (self.stop.received, self.clock.due))  # read with it
         seconds = time.perf_counter() - began
         self.step_times.append(seconds)
         for warning in self.watch.observe(step, stats.loss, stats.grad_norm):
@@ -411,7 +411,7 @@ class TrainingLoop:
         every ``train.checkpoint_interval`` steps, or ``train.checkpoint_minutes`` after the last save; never a step
         whose loss or weights are not finite."""
         t = self.cfg.train
-        self.result.preempted, time_due = self.scalars.any(self.stop.received, self.clock.due)
+        self.result.preempted, time_due = stats.flags  # agreed by the ranks at the end of the step
         reason = ("signal" if self.result.preempted else "end" if step == self.end else
                   "interval" if t.checkpoint_interval and step % t.checkpoint_interval == 0 else
                   "time" if time_due else None)
