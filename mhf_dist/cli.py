@@ -95,7 +95,7 @@ def cmd_train(args) -> int:
     from mhf_dist.train.loop import leave_process_group, train
 
     try:
-        result = train(cfg, args.run_dir, args.resume, stop)
+        result = train(cfg, args.run_dir, args.resume, stop, args.verbose)
     finally:  # also after an error: a process group left to interpreter shutdown can abort the process
         leave_process_group()
     if result.records:  # rank 0
@@ -313,6 +313,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--nproc-per-node", type=positive_int, help="start this many local ranks on this machine")
     p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint, if any), none, or a "
                    f"checkpoint directory; a run stopped by a signal exits with {PREEMPTED_EXIT_CODE}")
+    p.add_argument("--verbose", action="store_true", help="also show DeepSpeed's start-up lines (op builds, "
+                   "pipeline topology), which are held back otherwise")
     p.set_defaults(func=cmd_train)
 
 

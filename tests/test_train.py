@@ -106,3 +106,17 @@ def test_step_lines_reach_a_log_file_while_the_run_goes_on(tmp_path, data):
         proc.send_signal(signal.SIGTERM)  # saves and stops (exit 85)
         assert proc.wait(timeout=300) == 85
     assert seen.count("step 1/500 |") == 1  # from rank 0 only
+    assert "unknown inputs or outputs type" not in seen  # ZeRO-3 sees the model's outputs as tensors
+    assert "DeepSpeed " not in seen  # its start-up lines are held back (train --verbose shows them)
+
+
+@pytest.mark.multirank
+def test_a_pipeline_run_prints_only_its_own_lines(tmp_path, data):
+    from helpers.runs import train_args
+
+    out = run_cli(train_args(tmp_path / "run", data, 2, "parallel.pp=2", "parallel.zero_stage=1", steps=2))
+    ours = ("step ", "saved ", "done: ")
+    assert [line for line in out.splitlines() if not line.startswith(ours)] == [], out
+    verbose = run_cli(train_args(tmp_path / "run2", data, 2, "parallel.pp=2", "parallel.zero_stage=1", steps=1)
+                      + ["--verbose"])
+    assert "Using topology" in verbose

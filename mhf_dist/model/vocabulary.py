@@ -17,7 +17,7 @@ place it on the first and last stage as one tied unit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -38,8 +38,10 @@ from mhf_dist.model.scoring import (
 from mhf_dist.model.tables import BucketTables
 
 
-@dataclass
-class LMOutput:
+class LMOutput(NamedTuple):
+    """A forward's losses. A named tuple, so that DeepSpeed's ZeRO-3 finds the tensors in it and hooks them like
+    any module's outputs."""
+
     loss: torch.Tensor  # sum over heads of the mean per-head NLL
     head_losses: torch.Tensor  # [H]
     p_inf_nll: torch.Tensor | None = None  # mean -log P_inf(target), for perplexity (evaluation only)

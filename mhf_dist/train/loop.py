@@ -25,10 +25,13 @@ lr, grad norm, tokens/s, TFLOP/s, MFU, memory) and shows the progress bar.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import io
 import logging
 import os
 import random
 import statistics
+import sys
 import time
 import warnings
 from collections import deque
@@ -90,11 +93,32 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> None:
     # DeepSpeed's per-step info lines and torch's deprecation notices about the collectives it calls
     deepspeed.utils.logger.setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    # The pipeline engine broadcasts the tied bucket tables between the first and last stage; torch warns that the
+    # broadcast has no autograd kernel. The tables' gradients are summed over the tie by DeepSpeed itself, and the
+    # pipeline tests show them equal to one process's, so the warning is known not to apply.
+    warnings.filterwarnings("ignore", message=r"c10d::broadcast_: an autograd kernel was not registered")
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend=backend_name(cfg.train.dist_backend, device.type),
                                timeout=timedelta(minutes=cfg.train.dist_timeout_minutes))
+
+
+@contextlib.contextmanager
+def deepspeed_prints(shown: bool):
+    """DeepSpeed's own ``print`` lines while it starts (its op builds, ``SEED_LAYERS=...``, ``Using topology:
+    ...``, once per rank) are held back unless ``shown`` (``train --verbose``); they are shown after all if the
+    start fails."""
+    if shown:
+        yield
+        return
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(held):
+            yield
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise
 
 
 def _run_assets(run: RunDir, cfg: RunConfig):
@@ -209,8 +233,8 @@ class TrainingLoop:
     """One rank's training, in phases: :meth:`setup`, then per step :meth:`step`, :meth:`evaluate`, :meth:`log` and
     :meth:`checkpoint` (:meth:`run`)."""
 
-    def __init__(self, cfg: RunConfig, stop: StopSignal):
-        self.cfg, self.stop = cfg, stop
+    def __init__(self, cfg: RunConfig, stop: StopSignal, verbose: bool = False):
+        self.cfg, self.stop, self.verbose = cfg, stop, verbose
         self.result = TrainResult()
 
     # ------------------------------------------------------------------ set-up
@@ -238,7 +262,8 @@ class TrainingLoop:
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         self.layout, self.ds_config = preflight(self.cfg, self.world, device_type(self.cfg))
         self.device = resolve_device(self.cfg, int(os.environ.get("LOCAL_RANK", 0)))
-        init_distributed(self.cfg, self.device)
+        with deepspeed_prints(self.verbose):
+            init_distributed(self.cfg, self.device)
         self.groups = ParallelGroups.create(self.layout.tp, self.layout.pp)
         self.scalars = ScalarCollectives()
 
@@ -285,7 +310,8 @@ class TrainingLoop:
         self.vocab_rows = model.vocab.tables.num_rows
         zero3 = self.ds_config if layout.pp == 1 and zero_stage(self.ds_config) == 3 else None
         materialise = Materialiser(model, values, self.device, groups.tp_rank, groups.tp, zero3, groups)
-        self.trainer = build_trainer(cfg, model, groups, self.ds_config, layout, materialise)
+        with deepspeed_prints(self.verbose):
+            self.trainer = build_trainer(cfg, model, groups, self.ds_config, layout, materialise)
         self.checkpointer.host = getattr(self.trainer, "host", None)
         return resuming
 
@@ -430,10 +456,12 @@ class TrainingLoop:
             log_save(saved, reason, time.perf_counter() - began)
 
 
-def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopSignal | None = None) -> TrainResult:
+def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopSignal | None = None,
+          verbose: bool = False) -> TrainResult:
     """Train ``cfg`` in ``run_dir`` on this rank (``resume``: auto, none, or a checkpoint directory; ``stop``: the
-    handler the caller installed first thing, else one installed now)."""
-    loop = TrainingLoop(cfg, stop or StopSignal())
+    handler the caller installed first thing, else one installed now; ``verbose``: DeepSpeed's start-up lines
+    too)."""
+    loop = TrainingLoop(cfg, stop or StopSignal(), verbose)
     if not loop.setup(run_dir, resume):
         return TrainResult(preempted=True)
     return loop.run()
