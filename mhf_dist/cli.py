@@ -28,7 +28,7 @@ examples:
   mhf-dist status runs/tiny
   mhf-dist plan --preset 3b-h4b16k --cluster a100-80g --nodes 4
   mhf-dist submit --preset 1b-h4b16k --set data.path=/shared/shards --cluster a100-80g --nodes 2 \\
-      --run-dir /shared/runs/1b
+      --partition gpu --time 24:00:00 --run-dir /shared/runs/1b
   mhf-dist export-hf runs/tiny runs/tiny-hf && mhf-dist generate --model runs/tiny-hf --prompt "In the beginning"
 
 `mhf-dist COMMAND --help` describes a command's options."""

@@ -46,10 +46,13 @@ class ClusterProfile(BaseModel):
     device_memory_gb: float = Field(gt=0)
     peak_bf16_tflops: float | None = Field(None, gt=0, description="dense bf16 peak per device; None: measured")
     backend: str = Field(description="torch.distributed backend: nccl (NCCL or RCCL) or gloo")
-    partition: str | None = None
+    hardware_only: bool = Field(
+        False, description="the profile holds only what is true of the hardware (the shipped GPU profiles): a SLURM "
+        "job needs the site's partition and time limit too, from submit's flags or a site profile that extends it")
+    partition: str | None = Field(None, description="SLURM partition; None: the cluster's default partition")
     account: str | None = None
     qos: str | None = None
-    time: str = "24:00:00"
+    time: str | None = Field(None, description="the job's time limit, e.g. 24:00:00 or 2-00:00:00")
     gpus_per_task: Literal[1] | None = Field(
         None, description="1: bind each rank to its own GPU (sbatch --gpus-per-task=1, srun --gpu-bind=gpu_bind), "
         "so every rank sees one device; None: ask for gpus_per_node per node and let every rank see them all")
@@ -95,12 +98,30 @@ class ClusterProfile(BaseModel):
 
 
 def load_profile(name_or_path: str) -> ClusterProfile:
+    """A named profile or a ``.yaml`` path. A site profile may start from another (``extends: a100-80g``): its
+    fields replace the other's (``env`` is merged, the site's values winning), and it is no longer hardware only."""
+    path, raw = _read_profile(name_or_path)
+    if (base := raw.pop("extends", None)) is not None:
+        _, inherited = _read_profile(str(base))
+        inherited.pop("extends", None)
+        env = {**(inherited.get("env") or {}), **(raw.get("env") or {})}
+        raw = {**inherited, "hardware_only": False, **raw, "env": env}
+    try:
+        return ClusterProfile.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"cluster profile {path} is invalid: {e}") from None
+
+
+def _read_profile(name_or_path: str) -> tuple[Path, dict]:
     path = Path(name_or_path) if name_or_path.endswith((".yaml", ".yml")) else PROFILE_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
         names = ", ".join(sorted(p.name.removesuffix(".yaml") for p in PROFILE_DIR.iterdir()
                                  if p.name.endswith(".yaml")))
         raise ConfigError(f"cluster profile {name_or_path!r} not found ({path}); use one of {names} or a .yaml path")
     try:
-        return ClusterProfile.model_validate(yaml.safe_load(path.read_text()))
-    except (ValidationError, yaml.YAMLError) as e:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
         raise ConfigError(f"cluster profile {path} is invalid: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"cluster profile {path} must hold a mapping of its fields")
+    return path, raw

@@ -92,6 +92,27 @@ def _python_check(python: str, profile: ClusterProfile) -> str:
             "storage every node sees, or set python/launcher in the cluster profile\" >&2; exit 2; }")
 
 
+def _check_site_values(profile: ClusterProfile) -> None:
+    """A SLURM job needs a time limit, and on a hardware-only profile the site's partition too: never another
+    site's, rendered as if it were the user's."""
+    missing = [f"{what} ({flag})" for what, flag, value, needed in (
+        ("partition", "--partition NAME", profile.partition, profile.hardware_only),
+        ("time limit", "--time HH:MM:SS", profile.time, True)) if needed and value is None]
+    if missing:
+        base = f"profile {profile.name} holds only its hardware" if profile.hardware_only else \
+            f"profile {profile.name} has no time limit"
+        raise ConfigError(
+            f"{base}; this job also needs your site's {' and '.join(missing)}, or a site profile that has them "
+            f"(a YAML with `extends: {profile.name}` and your partition, time, modules and network settings: "
+            "docs/usage.md#site-profiles)")
+
+
+def _stop_on_failure(line: str, profile: str) -> str:
+    """A setup line (a module load, say) that stops the job when it fails, naming itself."""
+    said = shlex.quote(f"mhf-dist: the setup line of profile {profile} failed: {line}")
+    return f"{{ {no_control_characters('setup', line)}\n}} || {{ echo {said} >&2; exit 2; }}"
+
+
 def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, preset: str | None,
            config: str | None, overrides: list[str], *, grace: int = 120, depends_on: str | None = None,
            hostfile: str | None = None, python: str | None = None) -> str:
@@ -122,13 +143,16 @@ def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_d
             extra.append(f"#SBATCH --{key}={sbatch_quoted(key, value)}")
     if profile.exclusive:
         extra.append("#SBATCH --exclusive")
+    if kind == "sbatch":
+        _check_site_values(profile)
     values = dict(
         profile=profile.name, nodes=nodes, tasks_per_node=profile.gpus_per_node, cpus_per_task=profile.cpus_per_task,
-        time=sbatch_quoted("time", profile.time), job_name=re.sub(r"[^A-Za-z0-9_.-]", "_", f"mhf-{run_dir.name}"),
+        time=sbatch_quoted("time", profile.time) if profile.time else "",
+        job_name=re.sub(r"[^A-Za-z0-9_.-]", "_", f"mhf-{run_dir.name}"),
         log_dir=run_dir / LOG_DIR, sbatch_run_dir=sbatch_quoted("--run-dir", run_dir),
         sbatch_log=sbatch_quoted("--run-dir", f"{run_dir / LOG_DIR}/%x-%j.out"), grace=grace,
         extra_sbatch="\n".join(extra), run_dir=shlex.quote(str(run_dir)),
-        setup="\n".join(profile.setup),  # the site's own shell lines
+        setup="\n".join(_stop_on_failure(line, profile.name) for line in profile.setup),  # the site's own lines
         exports="\n".join(f"export {k}={shlex.quote(v)}" for k, v in profile.env.items()),
         deepspeed_env="\n".join(f"{k}={no_control_characters(k, v)}" for k, v in profile.env.items()),
         # absolute: the script runs in the run directory

@@ -50,7 +50,8 @@ def test_status_loads_nothing_heavy(tmp_path):
 
 def test_plan_and_submit_do_not_load_deepspeed_or_transformers(tmp_path):
     assert loaded_by("submit", "--preset", "3b-h4b16k", "--set", "data.path=/shared/data", "--cluster", "a100-80g",
-                     "--nodes", "4", "--run-dir", str(tmp_path / "r"), "--dry-run") == []
+                     "--partition", "gpu", "--time", "1:00:00", "--nodes", "4", "--run-dir", str(tmp_path / "r"),
+                     "--dry-run") == []
     loaded = loaded_by("plan", "--preset", "3b-h4b16k", "--cluster", "a100-80g", "--nodes", "4")
     assert "deepspeed" not in loaded and "transformers" not in loaded  # the meta-device model needs torch
 

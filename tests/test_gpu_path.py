@@ -47,7 +47,7 @@ def test_a_bound_rank_drives_its_one_gpu_and_tells_deepspeed(monkeypatch):
 
 def test_profile_binding_one_gpu_per_task_renders_into_the_job_script():
     cfg = load_config("1b-h4b16k", overrides=["data.path=/shared/data"])
-    default = load_profile("a100-80g")
+    default = load_profile("a100-80g").model_copy(update={"partition": "gpu", "time": "1:00:00"})
     bound = default.model_copy(update={"gpus_per_task": 1})
     kwargs = dict(preset="1b-h4b16k", config=None, overrides=["data.path=/shared/data"], python="/opt/py")
     plain = render("sbatch", cfg, default, 2, Path("/shared/run"), **kwargs)

@@ -21,19 +21,27 @@ from mhf_dist.submit import render, submit
 
 GOLDEN = Path(__file__).parent / "golden"
 DATA = "data.path=/shared/data"
+SITE = str(Path(__file__).parents[1] / "docs" / "site-profile-example.yaml")  # the documented site profile
+AT_SITE = {"partition": "gpu", "time": "48:00:00"}  # what submit's --partition and --time give a hardware profile
 CASES = {  # golden file: (profile, nodes, preset, overrides, extra)
-    "a100-80g-2nodes.sbatch": ("a100-80g", 2, "1b-h4b16k", [DATA, "parallel.tp=2"], {"depends_on": "1234"}),
+    "a100-80g-2nodes.sbatch": (SITE, 2, "1b-h4b16k", [DATA, "parallel.tp=2"], {"depends_on": "1234"}),
     "mi300x-4nodes.sbatch": ("mi300x", 4, "3b-h4b16k", [DATA, "parallel.tp=2", "parallel.pp=2"], {}),
     "cpu-local-1node.sbatch": ("cpu-local", 1, "tiny-h4b16k", ["train.micro_batch_size=4"], {}),
     "a100-80g-2nodes.hostfile.sh": ("a100-80g", 2, "1b-h4b16k", [DATA], {"hostfile": "/shared/hostfile"}),
 }
 
 
+def at_site(name: str):
+    """A shipped hardware profile with the partition and time limit submit's flags would give it."""
+    return load_profile(name).model_copy(update=AT_SITE)
+
+
 def rendered(name: str) -> str:
     profile, nodes, preset, overrides, extra = CASES[name]
     kind = "hostfile" if "hostfile" in extra else "sbatch"
-    return render(kind, load_config(preset, overrides=overrides), load_profile(profile), nodes,
-                  Path("/shared/runs/demo"), preset, None, overrides, python="/opt/venv/bin/python", **extra)
+    return render(kind, load_config(preset, overrides=overrides), at_site(profile) if profile == "mi300x" else
+                  load_profile(profile), nodes, Path("/shared/runs/demo"), preset, None, overrides,
+                  python="/opt/venv/bin/python", **extra)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -62,6 +70,37 @@ def test_a_refused_job_leaves_no_script_behind(tmp_path, monkeypatch):
     assert not (tmp_path / "run" / "slurm" / "job.sbatch").exists()
 
 
+def test_a_hardware_profile_asks_for_the_sites_values(tmp_path, capsys):
+    # the shipped GPU profiles hold no partition, time limit, network interface or module of anyone's site
+    for name in ("a100-80g", "mi300x"):
+        profile = load_profile(name)
+        assert profile.hardware_only and profile.partition is None and profile.time is None and not profile.setup
+        assert not {"NCCL_SOCKET_IFNAME", "NCCL_IB_HCA"} & set(profile.env)
+    args = ["submit", "--preset", "1b-h4b16k", "--set", DATA, "--cluster", "a100-80g", "--run-dir",
+            str(tmp_path / "r"), "--dry-run"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert ("profile a100-80g holds only its hardware; this job also needs your site's partition (--partition NAME) "
+            "and time limit (--time HH:MM:SS), or a site profile that has them (a YAML with `extends: a100-80g`") in err
+    assert main([*args, "--partition", "gpu"]) == 2 and "time limit (--time" in capsys.readouterr().err
+    assert main([*args, "--partition", "gpu", "--time", "1:00:00"]) == 0
+    assert main([*args[:5], "--cluster", SITE, *args[7:]]) == 0  # the site profile has them
+    script = capsys.readouterr().out
+    for line in ("#SBATCH --partition=gpu-a100", "#SBATCH --account=my-project", "#SBATCH --time=2-00:00:00",
+                 "export NCCL_SOCKET_IFNAME=ib0", "#SBATCH --gpus-per-node=8", "export NCCL_DEBUG=WARN"):
+        assert line in script.splitlines(), line
+
+
+def test_a_failed_setup_line_stops_the_job(tmp_path):
+    profile = load_profile("cpu-local").model_copy(update={"setup": ["false  # a module that is not there"]})
+    script = render("sbatch", load_config("tiny-h4b16k", overrides=["train.micro_batch_size=4"]), profile, 1,
+                    tmp_path / "r", "tiny-h4b16k", None, ["train.micro_batch_size=4"], python="/no/python")
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "the setup line of profile cpu-local failed: false  # a module that is not there" in proc.stderr
+    assert "is not on" not in proc.stderr  # stopped there, before anything else ran
+
+
 def test_script_contents():
     script = rendered("mi300x-4nodes.sbatch")
     assert "#SBATCH --nodes=4" in script and "#SBATCH --ntasks-per-node=8" in script
@@ -72,7 +111,7 @@ def test_script_contents():
     assert "[ -x /opt/venv/bin/python ]" in script and ".venv/bin/activate" not in script
     assert "#SBATCH --signal=USR1@120" in script and "#SBATCH --requeue" in script
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
-    assert "export HSA_FORCE_FINE_GRAIN_PCIE=1" in script and "module load rocm" in script
+    assert "export HSA_FORCE_FINE_GRAIN_PCIE=1" in script and "module load" not in script  # the site adds modules
     assert 'if [ "$rc" -eq 85 ]' in script
     assert "#SBATCH --dependency=afterany:1234" in rendered("a100-80g-2nodes.sbatch")
 
@@ -88,7 +127,7 @@ def test_nodes_that_do_not_fit_the_layout_fail_before_submitting(capsys):
 def test_relative_paths_are_resolved_at_submit_time(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config("1b-h4b16k", overrides=["data.path=shards", "tokenizer.path=tok"])
-    script = render("sbatch", cfg, load_profile("a100-80g"), 1, Path("runs/r"), "1b-h4b16k", None,
+    script = render("sbatch", cfg, at_site("a100-80g"), 1, Path("runs/r"), "1b-h4b16k", None,
                     ["data.path=shards", "tokenizer.path=tok"])
     assert f"--run-dir {tmp_path}/runs/r" in script
     assert f"--set data.path={tmp_path}/shards" in script and f"--set tokenizer.path={tmp_path}/tok" in script
@@ -96,13 +135,13 @@ def test_relative_paths_are_resolved_at_submit_time(tmp_path, monkeypatch):
 
 
 def test_container_profiles_wrap_each_rank(tmp_path):
-    profile = load_profile("mi300x").model_copy(update={
+    profile = load_profile("mi300x").model_copy(update=AT_SITE | {
         "python": "python3", "launcher": ["apptainer", "exec", "--rocm", "/shared/images/mhf dist.sif"]})
     script = render("sbatch", load_config("1b-h4b16k", overrides=[DATA]), profile, 1, Path("/r"), "1b-h4b16k", None,
                     [DATA])
     assert "apptainer exec --rocm '/shared/images/mhf dist.sif' python3 -m mhf_dist train" in script
     assert "[ -x" not in script  # the container brings its own Python
-    pyxis = load_profile("a100-80g").model_copy(update={"python": "python", "srun_args": [
+    pyxis = load_profile("a100-80g").model_copy(update=AT_SITE | {"python": "python", "srun_args": [
         "--container-image=/shared/images/mhf.sqsh", "--container-mounts=/shared:/shared"]})
     script = render("sbatch", load_config("1b-h4b16k", overrides=[DATA]), pyxis, 1, Path("/r"), "1b-h4b16k", None,
                     [DATA])

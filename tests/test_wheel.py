@@ -98,7 +98,8 @@ def test_unknown_names_list_the_shipped_ones(venv, tmp_path):
 
 def test_submit_dry_run_renders_the_shipped_template(venv, tmp_path):
     out = cli(venv, "submit", "--preset", "3b-h4b16k", "--cluster", "a100-80g", "--nodes", "4", "--run-dir",
-              "RUN", "--set", "data.path=/shared/data", "--dry-run", cwd=tmp_path)
+              "RUN", "--set", "data.path=/shared/data", "--partition", "gpu", "--time", "1:00:00", "--dry-run",
+              cwd=tmp_path)
     assert "#SBATCH --nodes=4" in out and "#SBATCH --ntasks-per-node=8" in out
     assert "srun --cpus-per-task=16 --kill-on-bad-exit=1" in out
     assert f"  {shlex.quote(str(venv / 'bin' / 'python'))} -m mhf_dist train --run-dir {tmp_path / 'RUN'}" in out

@@ -3,16 +3,12 @@
 # started by DeepSpeed's launcher over ssh/pdsh. Re-run this script after a stop: it resumes.
 set -uo pipefail
 cd /shared/runs/demo
-module load cuda/12.4 || true
-export NCCL_SOCKET_IFNAME=ib0
-export NCCL_IB_HCA=mlx5
+
 export NCCL_DEBUG=WARN
 export OMP_NUM_THREADS=8
 [ -x /opt/venv/bin/python ] || { echo "mhf-dist: "/opt/venv/bin/python" is not on $(hostname): install mhf-dist on storage every node sees, or set python/launcher in the cluster profile" >&2; exit 2; }
 # DeepSpeed's launcher forwards only some variables to the other nodes; list the profile's in .deepspeed_env.
 cat > .deepspeed_env <<'ENV'
-NCCL_SOCKET_IFNAME=ib0
-NCCL_IB_HCA=mlx5
 NCCL_DEBUG=WARN
 OMP_NUM_THREADS=8
 ENV
