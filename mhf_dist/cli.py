@@ -517,6 +517,15 @@ def _presets_parser(sub) -> None:
     p.set_defaults(func=cmd_presets)
 
 
+def _gpu_check_parser(sub) -> None:
+    from mhf_dist import gpu_check  # the standard library only, until it runs
+
+    p = sub.add_parser("gpu-check", help="the main job end to end on one GPU (or tiny, on CPU: --cpu), as one dated "
+                       "table", description=gpu_check.__doc__)
+    gpu_check.add_arguments(p)
+    p.set_defaults(func=gpu_check.run)
+
+
 def _tokenizer_parser(sub) -> None:
     tok = sub.add_parser("tokenizer", help="offline tokenizers").add_subparsers(dest="tokenizer_command", required=True)
     p = tok.add_parser("train", help="train a byte-level BPE on local text")
@@ -556,8 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")  # commands without help= are unlisted
     for add in (_train_parser, _prepare_data_parser, _plan_parser, _export_parser, _export_hf_parser,
                 _import_hf_parser, _generate_parser, _eval_parser, _expand_vocab_parser, _submit_parser,
-                _status_parser, _profile_parser, _profile_worker_parser, _config_parser, _presets_parser,
-                _tokenizer_parser):
+                _status_parser, _profile_parser, _profile_worker_parser, _gpu_check_parser, _config_parser,
+                _presets_parser, _tokenizer_parser):
         add(sub)
     return parser
 

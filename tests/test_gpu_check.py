@@ -5,12 +5,10 @@ and their configs validate (they run only on a GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,11 +20,9 @@ EXPECTED = ["build", "sdpa", "train-standard", "resume-fp32", "layout-tp2-gloo",
 
 
 def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    from mhf_dist import gpu_check
+
+    return gpu_check
 
 
 @pytest.mark.multirank

@@ -4,13 +4,15 @@ and throughput.
 Run it on a machine with one GPU (estimated 9 minutes on one H200 with 16 cores, see the budget below; nothing is
 downloaded, the tiny runs build their tokenizer and shards from the embedded corpus)::
 
-    bash tools/gpu_check.sh [--out gpu_check/] [--work DIR] [--skip compile,layout-pp2-gloo,...]
+    mhf-dist gpu-check [--out gpu_check/] [--work DIR] [--skip compile,layout-pp2-gloo,...]
+
+(``bash tools/gpu_check.sh ...`` in a checkout runs the same with the checkout's ``.venv``)
 
 (``--skip`` leaves out layout and feature runs of step 2 by their check names.)
 
 and, at tiny sizes and in fp32, on any machine without one (CI does; about 5.5 minutes on 2 cores)::
 
-    bash tools/gpu_check.sh --cpu [--out DIR]
+    mhf-dist gpu-check --cpu [--out DIR]
 
 Steps (each prints a line when it starts and ends; a command that later steps depend on stops the check when it
 fails, any other failure is its own row):
@@ -144,7 +146,9 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from mhf_dist.config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent  # a checkout's root when installed editable (its .venv, its commit)
 PROMPT = "In the beginning God created"
 PASS, FAIL, MEASURED, SKIPPED = "PASS", "FAIL", "measured", "skipped"
 NOT_RUNNABLE = "not runnable with gloo"  # a 2-rank run that gloo cannot carry on CUDA tensors (not a failure)
@@ -939,8 +943,8 @@ def run_steps(ctx: Context, report: Report) -> tuple[list[Check], list[dict]]:
     return checks, timings
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``mhf-dist gpu-check``'s options."""
     parser.add_argument("--cpu", action="store_true", help="tiny sizes, fp32, on CPU (what CI runs)")
     parser.add_argument("--out", default="gpu_check", help="where gpu_check.md, gpu_check.json and logs/ go")
     parser.add_argument("--work", help="runs, models and profiles (emptied first; default OUT/work)")
@@ -949,11 +953,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", default="", metavar="NAMES",
                         help="layout and feature runs of step 2 to leave out, by check name, comma-separated "
                         "(e.g. compile,layout-pp2-gloo)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The whole check with ``args`` (:func:`add_arguments`); 1 if any check failed."""
     try:
         mode = without(CPU if args.cpu else GPU, {name for name in args.skip.split(",") if name})
     except ValueError as e:
-        parser.error(str(e))
+        raise ConfigError(str(e)) from None
     if args.cpu:  # children too: no GPU, DeepSpeed on its CPU accelerator
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -975,7 +982,3 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + report.write(checks, timings), flush=True)
     print(f"wrote {out / 'gpu_check.md'} and {out / 'gpu_check.json'}", flush=True)
     return 1 if any(c.status == FAIL for c in checks) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
