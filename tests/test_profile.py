@@ -36,9 +36,8 @@ def test_profile_sweep_outputs(tmp_path):
         assert abs(row["step_s"] - row["forward_s"] - row["backward_s"] - row["optimizer_s"]) < 1e-9
     for s in data["scoring"]:
         assert s["mhf_s_per_token"] > 0 and s["standard_s_per_token"] > 0
-        # one round: the median ratio is that round's, mhf over standard
-        assert s["rounds"] == 1 and s["ratio_min"] == s["ratio"] == s["ratio_max"] and s["ratio_se"] is None
-        assert math.isclose(s["ratio"], s["mhf_s_per_token"] / s["standard_s_per_token"])
+        # the median of the rounds' ratios, within their range
+        assert s["rounds"] == 5 and s["ratio_min"] <= s["ratio"] <= s["ratio_max"] and s["ratio_se"] > 0
         # tiny-h4b16k: 4 logit and 3 retrieval matmuls over 16,384 × 64 tables, 3 mixers (64 wide) against V × 64
         mixers = 3 * 2 * (2 * 64 * 64 + 64 * 64)
         assert s["flop_ratio"] == (2 * 7 * 16384 * 64 + mixers) / (2 * s["vocab_size"] * 64)

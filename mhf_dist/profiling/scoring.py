@@ -98,11 +98,13 @@ class InferenceHeads:
 
 
 def profile_scoring(vocab_sizes: list[int], cfg: ModelConfig, device: torch.device, dtype: str, repeats: int = 5,
-                    tokens: int = 1, compiled: bool = False) -> list[dict]:
-    """:class:`InferenceHeads` rows per vocabulary size, one round of the best of ``repeats`` calls each."""
-
-    def one_size(v: int) -> dict:  # built and freed one size at a time: a 1M-token Standard head holds 3 GB in fp32
-        heads = InferenceHeads(v, cfg, device, dtype, tokens, compiled)
-        return heads.row([heads.time(repeats)])
-
-    return [one_size(v) for v in vocab_sizes]
+                    tokens: int = 1, compiled: bool = False, rounds: int = 5) -> list[dict]:
+    """:class:`InferenceHeads` rows per vocabulary size: ``rounds`` rounds, each timing every size in turn (the best
+    of ``repeats`` calls), so that a machine whose speed drifts moves every size alike; medians over the rounds.
+    Every size's heads are held at once (a 1M-token Standard head at d = 768 is 3 GB in fp32)."""
+    heads = [InferenceHeads(v, cfg, device, dtype, tokens, compiled) for v in vocab_sizes]
+    timings = [[] for _ in heads]
+    for _ in range(rounds):
+        for h, times in zip(heads, timings):
+            times.append(h.time(repeats))
+    return [h.row(times) for h, times in zip(heads, timings)]
