@@ -11,6 +11,12 @@ of DeepSpeed's own estimators): 18 bytes per parameter that ZeRO partitions (the
 the 16-bit weights; ZeRO-3 partitions all of it and gathers the largest layer in
 fp32 (``4·largest + 18·P/dp``); ZeRO-2 keeps the 16-bit weights whole (``2·P +
 18·P/dp``); ZeRO-1 also keeps whole 16-bit gradients (``+ 2·P·(1 − 1/dp)``).
+Accumulating the gradients in fp32 (``data_types.grad_accum_dtype``, which a bf16
+run's DeepSpeed config sets, :mod:`mhf_dist.parallel.layout`) costs ZeRO-3 2 more
+bytes per partitioned parameter (``4·largest + 20·P/dp``: its gradient partition is
+fp32), and under ZeRO-1 DeepSpeed then runs its bf16 optimizer instead, which keeps
+the 16-bit weights and an fp32 gradient whole (each parameter's bf16 gradient is
+added in and freed as backward makes it) and partitions the rest (``6·P + 12·P/dp``).
 fp32: DeepSpeed still keeps an fp32 master copy and an fp32 gradient partition
 beside the (fp32) weights and gradients, so 16 bytes per parameter are partitioned
 (master, gradient partition, two moments) plus 4 of weights and 4 of gradients:
@@ -33,7 +39,9 @@ forward), in both activation columns and printed as their own column: with the
 fused decoder (the default) each of the ``H`` heads keeps ``c`` and ``ē``
 (``2·e·d``) and two fp32 statistics per token, plus one chunk's logits in
 flight, ``2·min(chunk, tokens)·(B/tp)·(e + 4)`` bytes (the stacked backward
-products in the run's dtype and fp32); the plain path keeps every head's logits
+products in the run's dtype and fp32); below fp32 a head's backward also sums its
+table's gradient over the chunks in fp32, ``(B/tp)·d·(4 + e)`` bytes (the sum and one
+chunk's part of it); the plain path keeps every head's logits
 and fp32 probabilities, ``H·(B/tp)·(e + 4)`` per token. The ``log P_inf``
 training term (``model.hash.p_inf_loss_weight`` > 0) runs the plain path and its
 backward adds an fp32 copy of the heads' scores and their gradient,
@@ -71,8 +79,8 @@ from mhf_dist.config import ConfigError, ModelConfig, RunConfig, preset
 from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import LanguageModel, build_model
 from mhf_dist.model.flops import forward_flops
-from mhf_dist.parallel.layout import checkpoint_interval, deepspeed_config, resolve_layout, zero_stage
-from mhf_dist.parallel.stages import layer_costs, stage_bounds
+from mhf_dist.parallel.layout import checkpoint_interval, deepspeed_config, grad_accum_dtype, resolve_layout, zero_stage
+from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
 from mhf_dist.parallel.state_dict import split_dim
 from mhf_dist.parallel.tensor_parallel import tp_split_dims
 
@@ -143,10 +151,15 @@ def device_of(profile: ClusterProfile) -> str:
     return "cpu" if profile.backend == "gloo" else "cuda"
 
 
-def model_state_bytes(zero: int, params: int, largest: int, dp: int, dtype: str = "bf16") -> float:
-    """Weights, gradients and Adam states per rank under ZeRO stage ``zero`` in ``dtype`` (see the module
-    docstring)."""
+def model_state_bytes(zero: int, params: int, largest: int, dp: int, dtype: str = "bf16",
+                      fp32_accumulation: bool = False) -> float:
+    """Weights, gradients and Adam states per rank under ZeRO stage ``zero`` in ``dtype``, bf16 gradients
+    accumulated in fp32 or not (see the module docstring)."""
     weights, grads, partitioned = (2, 2, 18) if dtype == "bf16" else (4, 4, 20)
+    if dtype == "bf16" and fp32_accumulation and zero == 3:
+        partitioned += 2  # the gradient partition in fp32
+    if dtype == "bf16" and fp32_accumulation and zero == 1:  # DeepSpeed's bf16 optimizer
+        return (2 + 4) * params + 12 * params / dp
     if zero == 3:
         return 4 * largest + (partitioned if dtype == "bf16" else weights + partitioned) * params / dp
     return weights * params + partitioned * params / dp + (grads * params * (1 - 1 / dp) if zero <= 1 else 0)
@@ -161,19 +174,40 @@ def zero_setting(ds_config: dict, key: str):
     return zero["stage"] == 3 if key == "overlap_comm" else ZERO_DEFAULTS[key]
 
 
+def fp32_accumulation(ds_config: dict) -> bool:
+    """Whether a bf16 DeepSpeed config accumulates its gradients in fp32 (``data_types.grad_accum_dtype``)."""
+    return bool(ds_config.get("bf16", {}).get("enabled")) and grad_accum_dtype(ds_config) == "fp32"
+
+
+def bf16_optimizer(ds_config: dict) -> bool:
+    """Whether DeepSpeed runs its bf16 optimizer (``BF16_Optimizer``) instead of its ZeRO one: bf16 with fp32
+    gradient accumulation under ZeRO-1, the optimizer's states not offloaded (DeepSpeed's own rule)."""
+    offload = ds_config["zero_optimization"].get("offload_optimizer") or {}
+    return fp32_accumulation(ds_config) and zero_stage(ds_config) == 1 and offload.get("device") != "cpu"
+
+
+def communication_bytes(ds_config: dict, e: int) -> int:
+    """Bytes per value of DeepSpeed's gradient reduction: ``communication_data_type``, else the run's."""
+    return {"fp32": 4, "bf16": 2, "fp16": 2}.get(ds_config.get("communication_data_type"), e)
+
+
 def deepspeed_buffer_bytes(ds_config: dict, params: int, largest: int, e: int, device: str) -> float:
     """DeepSpeed's buffers on a rank holding ``params`` parameters (its stage's tensor-parallel share) in a run of
     ``e`` bytes per value, plus the largest parameter's whole gradient (see the module docstring). ``device``
     ``cpu``: a buffer is resident only where written, at most ``params`` elements."""
     stage, contiguous = zero_stage(ds_config), zero_setting(ds_config, "contiguous_gradients")
     bucket = zero_setting(ds_config, "reduce_bucket_size")
+    comm = communication_bytes(ds_config, e)
 
     def allocated(elements: int) -> int:
         return min(elements, params) if device == "cpu" else elements
 
+    if bf16_optimizer(ds_config):  # no reduce buckets: the fp32 gradients are all-reduced in place (in fp32), or
+        # through a copy in the communication dtype
+        return (0 if comm == 4 else comm * params) + e * largest
     buckets = 0.0  # ZeRO-0, or gradients not made contiguous
     if contiguous and stage == 3:
-        buckets = e * allocated(bucket)
+        buckets = comm * allocated(bucket)  # the reduce bucket holds the gradients in the communication dtype
     elif contiguous and stage in (1, 2):
         buckets = (2 if zero_setting(ds_config, "overlap_comm") else 1) * (4 if stage == 1 else e) * allocated(bucket)
     gathered = 0.0
@@ -187,14 +221,17 @@ def deepspeed_buffer_bytes(ds_config: dict, params: int, largest: int, e: int, d
 
 def decoder_bytes(m: ModelConfig, e: int, tokens: int, rows: int, tp: int) -> float:
     """The decoder's buffers for one micro-batch of ``tokens`` on the last stage, ``rows`` per table over ``tp``
-    ranks: fused ``tokens·H·(2·e·d + 8) + 2·min(chunk, tokens)·(rows/tp)·(e + 4)``, plain
-    ``tokens·H·(rows/tp)·(e + 4)`` (``H = 1`` for Standard), plain with the ``log P_inf`` term
+    ranks: fused ``tokens·H·(2·e·d + 8) + 2·min(chunk, tokens)·(rows/tp)·(e + 4)``, and below fp32 (``e < 4``)
+    also one head's fp32 table gradient and a chunk's share of it in the run's dtype, ``(rows/tp)·d·(4 + e)``;
+    plain ``tokens·H·(rows/tp)·(e + 4)`` (``H = 1`` for Standard), plain with the ``log P_inf`` term
     ``tokens·H·(rows/tp)·(e + 12)``."""
     heads, local = (m.hash.num_hashes if m.variant == "mhf" else 1), rows / tp
     if m.variant == "mhf" and m.hash.p_inf_loss_weight:
         return tokens * heads * local * (e + 12)
     if m.decoder_chunk_tokens:
-        return tokens * heads * (2 * e * m.d_model + 8) + 2 * min(m.decoder_chunk_tokens, tokens) * local * (e + 4)
+        accumulator = local * m.d_model * (4 + e) if e < 4 else 0
+        return (tokens * heads * (2 * e * m.d_model + 8) + 2 * min(m.decoder_chunk_tokens, tokens) * local * (e + 4)
+                + accumulator)
     return tokens * heads * local * (e + 4)
 
 
@@ -233,7 +270,7 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
     per_rank = {n: v // (tp if split_dim(n, dims) is not None else 1) for n, v in full.items()}
 
     costs = layer_costs(m, cfg.data.seq_len, model.vocab.tables.num_rows)
-    parts = stage_bounds(costs, pp)
+    parts = pipeline_bounds(costs, pp)
 
     e = 2 if cfg.train.dtype == "bf16" else 4
     d, hd = m.d_model, m.resolved_head_dim
@@ -249,7 +286,8 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
         names = [n for n in per_rank if n.startswith(stage_prefixes(layers, m.n_layers, len(costs) - 1))]
         total = sum(per_rank[n] for n in names)
         largest = max(per_rank[n] for n in names)
-        states = model_state_bytes(zero, total, max(per_rank.values()), dp, cfg.train.dtype)
+        states = model_state_bytes(zero, total, max(per_rank.values()), dp, cfg.train.dtype,
+                                   fp32_accumulation(ds_config))
         buffers = deepspeed_buffer_bytes(ds_config, total, largest, e, device)
         host = construction_bytes(total / dp if zero == 3 else total, max(full[n] for n in names))
         in_flight = min(pp - s, layout.accum)

@@ -20,6 +20,7 @@ from mhf_dist.memory_plan import (
     zero_setting,
 )
 from mhf_dist.model.flops import forward_flops
+from mhf_dist.parallel.stages import layer_costs
 
 # Llama-2-70B's backbone shape over the 3b preset: 69.1B parameters
 LARGE = ["model.n_layers=80", "model.d_model=8192", "model.n_heads=64", "model.n_kv_heads=8", "model.ffn_dim=28672"]
@@ -30,9 +31,13 @@ def test_3b_zero3_model_states_follow_deepspeed_estimator():
     (plan,) = memory_plan(cfg, profile, nodes=1)
     tables = 4 * 16384 * 2048  # the largest parameter, gathered whole under ZeRO-3
     assert plan.params_per_rank == pytest.approx(2.914e9, rel=0.01)
-    # DeepSpeed's ZeRO-3 estimate: 18 bytes/param over 8 data-parallel ranks + 4 bytes x largest layer
-    assert plan.model_states_gb == pytest.approx((18 * plan.params_per_rank / 8 + 4 * tables) / GB, rel=1e-6)
+    # DeepSpeed's ZeRO-3 estimate: 18 bytes/param over 8 data-parallel ranks + 4 bytes x largest layer, and 2 more
+    # per partitioned parameter for the gradient partition accumulated in fp32 (the bf16 config's grad_accum_dtype)
+    assert plan.model_states_gb == pytest.approx((20 * plan.params_per_rank / 8 + 4 * tables) / GB, rel=1e-6)
     assert plan.activations_checkpointed_gb < plan.activations_gb and plan.fits
+    bf16_sums = load_config("3b-h4b16k", overrides=[ZERO_ACCUM + "=bf16"])  # DeepSpeed's own estimate again
+    (estimate,) = memory_plan(bf16_sums, profile, nodes=1)
+    assert estimate.model_states_gb == pytest.approx((18 * plan.params_per_rank / 8 + 4 * tables) / GB, rel=1e-6)
 
 
 def test_pipeline_stages_split_the_parameters():
@@ -53,7 +58,8 @@ def test_plan_counts_the_fused_decoder_and_engram_activations():
 
     fused, plain = plan("1b-h4b16k"), plan("1b-h4b16k", "model.decoder_chunk_tokens=0")
     tokens, heads, rows, d = 4 * 2048, 4, 16384, 2048  # micro-batch 4 x 2048, bf16 (2 bytes) + fp32 (4)
-    fused_decoder = tokens * heads * (2 * 2 * d + 8) + 2 * 8192 * rows * (2 + 4)
+    # ... and one head's table gradient summed over the chunks in fp32, with a chunk's part in bf16
+    fused_decoder = tokens * heads * (2 * 2 * d + 8) + 2 * 8192 * rows * (2 + 4) + rows * d * (4 + 2)
     assert (plain.activations_gb - fused.activations_gb) * GB == pytest.approx(
         tokens * heads * rows * (2 + 4) - fused_decoder)
     assert fused.decoder_gb * GB == pytest.approx(fused_decoder)
@@ -64,11 +70,13 @@ def test_plan_counts_the_fused_decoder_and_engram_activations():
 
 
 ZERO = "parallel.deepspeed.zero_optimization."
+ZERO_ACCUM = "parallel.deepspeed.data_types.grad_accum_dtype"
 
 
 def test_zero3_buffers_follow_the_deepspeed_config():
-    """ZeRO-3 (bf16, 2 bytes): the reduce bucket, the prefetched parameters (capped by max_live_parameters), the
-    largest parameter gathered once more and its whole gradient, with the sizes the engine's config gives."""
+    """ZeRO-3 (bf16, 2 bytes): the reduce bucket (in fp32, the bf16 config's communication_data_type), the
+    prefetched parameters (capped by max_live_parameters), the largest parameter gathered once more and its whole
+    gradient, with the sizes the engine's config gives."""
     profile = load_profile("a100-80g")
 
     def plan(*overrides: str):
@@ -77,14 +85,15 @@ def test_zero3_buffers_follow_the_deepspeed_config():
 
     tables = 4 * 16384 * 2048  # the largest parameter
     base = plan()  # zero3_bf16_actckpt: reduce and prefetch buckets of 5e7 elements
-    assert base.buffers_gb * GB == 2 * 5e7 + 2 * (5e7 + tables) + 2 * tables
-    assert (plan(ZERO + "reduce_bucket_size=200000000").buffers_gb - base.buffers_gb) * GB == 2 * 1.5e8
+    assert base.buffers_gb * GB == 4 * 5e7 + 2 * (5e7 + tables) + 2 * tables
+    assert (plan(ZERO + "reduce_bucket_size=200000000").buffers_gb - base.buffers_gb) * GB == 4 * 1.5e8
+    assert (base.buffers_gb - plan("parallel.deepspeed.communication_data_type=bf16").buffers_gb) * GB == 2 * 5e7
     assert (plan(ZERO + "stage3_prefetch_bucket_size=80000000").buffers_gb - base.buffers_gb) * GB == 2 * 3e7
     assert (base.buffers_gb - plan(ZERO + "stage3_max_live_parameters=10000000").buffers_gb) * GB == 2 * 4e7
-    assert (base.buffers_gb - plan(ZERO + "contiguous_gradients=false").buffers_gb) * GB == 2 * 5e7
+    assert (base.buffers_gb - plan(ZERO + "contiguous_gradients=false").buffers_gb) * GB == 4 * 5e7
     # a section without the sizes gets DeepSpeed's defaults: reduce bucket 5e8, prefetch 5e7
     default = plan("parallel.deepspeed_config=cpu_fp32", "train.dtype=bf16")
-    assert default.buffers_gb * GB == 2 * 5e8 + 2 * (5e7 + tables) + 2 * tables
+    assert default.buffers_gb * GB == 4 * 5e8 + 2 * (5e7 + tables) + 2 * tables
     assert base.step_peak_gb == pytest.approx(
         base.model_states_gb + base.activations_checkpointed_gb + base.buffers_gb)  # no runtime on a GPU
     assert base.runtime_gb == 0
@@ -102,16 +111,27 @@ def test_zero_defaults_are_deepspeeds():
 
 
 def test_zero1_buckets_double_with_overlap_comm():
-    """ZeRO-1 accumulates in fp32 gradient buckets of reduce_bucket_size elements, two with overlap_comm."""
+    """ZeRO-1's optimizer accumulates in fp32 gradient buckets of reduce_bucket_size elements, two with overlap_comm;
+    in bf16 with fp32 accumulation (the bf16 config) DeepSpeed runs its bf16 optimizer instead, without buckets, and
+    keeps whole fp32 gradients."""
     profile = load_profile("a100-80g")
 
-    def buffers(*overrides: str) -> float:
+    def stage(*overrides: str):
         cfg = load_config("1b-h4b16k", overrides=["parallel.pp=2", *overrides])
-        return memory_plan(cfg, profile, nodes=1)[0].buffers_gb * GB
+        return memory_plan(cfg, profile, nodes=1)[0]
 
     tables = 4 * 16384 * 2048
-    assert buffers() == 2 * 4 * 5e7 + 2 * tables  # zero1_pp_bf16: overlap_comm, 5e7; the tables' gradient in bf16
-    assert buffers(ZERO + "overlap_comm=false") == 4 * 5e7 + 2 * tables
+    zero_optimizer = [ZERO_ACCUM + "=bf16", "parallel.deepspeed.communication_data_type=bf16"]
+    # zero1_pp_bf16: overlap_comm, buckets of 5e7; the tables' gradient in bf16
+    assert stage(*zero_optimizer).buffers_gb * GB == 2 * 4 * 5e7 + 2 * tables
+    assert stage(*zero_optimizer, ZERO + "overlap_comm=false").buffers_gb * GB == 4 * 5e7 + 2 * tables
+    bf16_optimizer, old = stage(), stage(*zero_optimizer)
+    assert bf16_optimizer.buffers_gb * GB == 2 * tables  # all-reduced in place, in fp32
+    assert stage("parallel.deepspeed.communication_data_type=bf16").buffers_gb * GB == \
+        2 * bf16_optimizer.params_per_rank + 2 * tables  # through a bf16 copy
+    p, dp = bf16_optimizer.params_per_rank, 8 // 2
+    assert bf16_optimizer.model_states_gb * GB == pytest.approx(6 * p + 12 * p / dp)
+    assert old.model_states_gb * GB == pytest.approx(2 * p + 18 * p / dp + 2 * p * (1 - 1 / dp))
 
 
 def test_cpu_plan_counts_resident_buffers_and_the_runtime():
@@ -244,3 +264,29 @@ def test_stage_cut_minimises_the_slowest_stage(seed):
 
     best = min(slowest([0, *cut, len(costs)]) for cut in itertools.combinations(range(1, len(costs)), stages - 1))
     assert slowest(bounds) == best
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_pipeline_cut_keeps_the_final_norm_on_the_last_stage(seed):
+    """The pipeline's cut (layers: vocabulary in, blocks, final norm, vocabulary out) leaves the last stage the final
+    norm beside the vocabulary (whose weights DeepSpeed counts on the first stage only), and no such cut has a cheaper
+    most expensive stage."""
+    import itertools
+    import random
+
+    from mhf_dist.parallel.stages import pipeline_bounds, stage_bounds
+
+    rng = random.Random(seed)
+    costs = [rng.randint(1, 100) for _ in range(rng.randint(2, 7))] + [1, rng.randint(100, 400)]
+    n, stages = len(costs), rng.randint(2, len(costs) - 1)
+    bounds = pipeline_bounds(costs, stages)
+    assert bounds[0] == 0 and bounds[-1] == n and len(bounds) == stages + 1
+    assert all(a < b for a, b in zip(bounds, bounds[1:])) and bounds[-2] <= n - 2
+
+    def slowest(b):
+        return max(sum(costs[x:y]) for x, y in zip(b, b[1:]))
+
+    assert slowest(bounds) == min(slowest([0, *cut, n]) for cut in itertools.combinations(range(1, n - 1), stages - 1))
+    tiny = load_config("tiny-h4b16k", overrides=["model.hash.num_buckets=256"]).model
+    tiny_costs = layer_costs(tiny, 64, 256)  # the free cut gives the vocabulary out a stage of its own
+    assert stage_bounds(tiny_costs, 2)[-2] == len(tiny_costs) - 1 and pipeline_bounds(tiny_costs, 2)[-2] == 3

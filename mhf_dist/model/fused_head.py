@@ -17,6 +17,10 @@ the max, the sum of exponentials, ``ē`` and the target logit over the shards
 ``ē`` are global, every other term is local, and the partial ``∂L/∂c`` is
 summed by the caller's ``copy_to_tp``. Softmax statistics are kept in fp32
 (or wider) whatever the training dtype; ``ē`` and the gradients come back in ``c``'s dtype.
+In a lower precision the table's gradient is summed over the chunks in an fp32
+accumulator (one ``[R, d]`` per head, alive during its backward) and rounded
+once into its slot: summed in bf16 it would round at every chunk, and a chunk
+smaller than half the running sum's spacing would add nothing at all.
 """
 
 from __future__ import annotations
@@ -159,7 +163,10 @@ class FusedHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_z, g_t, g_e):
         c, weight, rows, owned, valid, log_z, e_bar = ctx.saved_tensors
-        grad_c, grad_w = torch.empty_like(c), ctx.gradients.slot(ctx.table, weight)
+        grad_c, slot = torch.empty_like(c), ctx.gradients.slot(ctx.table, weight)
+        # ∂L/∂E is summed over the chunks in fp32 (or wider): in place in its slot when that is fp32, else in an
+        # accumulator rounded into the slot once at the end
+        grad_w = slot if slot.dtype == log_z.dtype else None
         retrieve = g_e is not None
         for s in range(0, c.shape[0], ctx.chunk):
             sl = slice(s, s + ctx.chunk)
@@ -170,7 +177,7 @@ class FusedHead(torch.autograd.Function):
             # ∂L/∂o = p (g_Z + E_b·g_ē − ē·g_ē) + g_t [b = target]
             coeff = torch.zeros_like(log_z[sl]) if g_z is None else g_z[sl].to(log_z.dtype)
             if retrieve:
-                coeff = coeff - (e_bar[sl] * g_e[sl]).sum(-1).to(log_z.dtype)
+                coeff = coeff - (e_bar[sl].to(log_z.dtype) * g_e[sl].to(log_z.dtype)).sum(-1)
             _logit_grads_(products, valid, log_z[sl], coeff, retrieve)
             d_logits = products[:n]
             if g_t is not None:
@@ -179,8 +186,16 @@ class FusedHead(torch.autograd.Function):
             grad_c[sl] = d_logits @ weight
             inputs = torch.cat([c[sl], g_e[sl]]) if retrieve else c[sl]
             # ∂L/∂E = d_logitsᵀ c + pᵀ g_ē, accumulated over chunks
-            if s == 0:
+            if grad_w is slot and s == 0:
                 torch.mm(products.t(), inputs, out=grad_w)
-            else:
+            elif grad_w is slot:
                 grad_w.addmm_(products.t(), inputs)
-        return grad_c, grad_w, None, None, None, None, None, None, None, None
+            elif s == 0:  # (a chunk's product is rounded once, then summed in fp32)
+                grad_w = (products.t() @ inputs).to(log_z.dtype)
+            else:
+                grad_w.add_(products.t() @ inputs)
+        if c.shape[0] == 0:  # no tokens, no chunk wrote it
+            slot.zero_()
+        elif grad_w is not slot:
+            slot.copy_(grad_w)
+        return grad_c, slot, None, None, None, None, None, None, None, None

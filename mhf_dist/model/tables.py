@@ -154,8 +154,9 @@ class BucketTables(nn.Module):
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """``log p = logits - logsumexp(logits)`` over all rows (one kernel here; the sharded tables reduce the
-        normaliser across shards)."""
-        return logits.log_softmax(dim=-1)
+        normaliser across shards), computed in fp32 (or wider) and rounded once: PyTorch's bf16 kernel rounds the
+        normaliser to bf16 on its own, off by up to half its spacing in every log-probability."""
+        return logits.log_softmax(dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32)).to(logits.dtype)
 
     def softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """``p = softmax(logits)`` over all rows (the sharded tables normalise across shards)."""

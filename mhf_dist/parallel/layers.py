@@ -5,7 +5,8 @@
   softmax statistics, picked log-probabilities and soft retrieval are reduced
   over the group (vocab-parallel cross entropy). The plain decoder's log-softmax
   brings the replicated ``log Z`` back into the shards through ``copy_to_tp``, so
-  its gradient sums every shard's part (the fused head needs no such reduction).
+  its gradient sums every shard's part (the fused head needs no such reduction);
+  its statistics are kept in fp32 whatever the training dtype, as the fused head's.
 - :class:`ColumnParallelLinear` / :class:`RowParallelLinear`: output / input
   features split. A *region* (attention, MLP) copies its input into the group
   once (:func:`mark_region`), so its column-parallel projections need no copy.
@@ -54,14 +55,20 @@ class BucketParallelEmbedding(BucketTables):
         # x is replicated; each rank's logits see it, so its gradient is summed over the group.
         return copy_to_tp(x, self.group)
 
-    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+    def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``log p`` in fp32 (or wider) whatever the logits' dtype: in bf16 the normaliser ``log Z`` alone would be
+        off by up to half its spacing, 0.03–0.06 at ``|log Z|`` of 8–32, in every log-probability."""
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         peak = self.reduce_max(logits.detach().amax(dim=-1, keepdim=True))
         log_z = peak + self.reduce_sum((logits - peak).exp().sum(dim=-1, keepdim=True)).log()
         # log Z is replicated and enters every shard's log p: its gradient is the sum over the shards
         return logits - copy_to_tp(log_z, self.group)
 
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._log_probs(logits).to(logits.dtype)
+
     def softmax(self, logits: torch.Tensor) -> torch.Tensor:
-        return self.log_softmax(logits).exp()
+        return self._log_probs(logits).exp().to(logits.dtype)
 
 
 class ColumnParallelLinear(nn.Linear):

@@ -5,7 +5,10 @@ DeepSpeed or torch, so they run in a fraction of a second on a login node.
 
 The DeepSpeed config is a file from ``deepspeed_configs/`` (``parallel.deepspeed_config``)
 completed from the run config — batch sizes, gradient accumulation, clipping,
-bf16, ZeRO stage — and finally overridden by ``parallel.deepspeed``.
+bf16, ZeRO stage — and finally overridden by ``parallel.deepspeed``. A bf16 run
+accumulates its gradients over micro-batches and reduces them over dp in fp32
+(:data:`BF16_GRADIENTS`, beneath the file: DeepSpeed's own default for both is
+bf16, and under ZeRO-1 only fp32 accumulation selects its bf16 optimizer).
 """
 
 from __future__ import annotations
@@ -18,6 +21,14 @@ from pathlib import Path
 from mhf_dist.config import ConfigError, RunConfig, TrainConfig, check_data_source, deep_merge
 
 CONFIG_DIR = resources.files("mhf_dist") / "deepspeed_configs"  # the named configs, shipped in the package
+# What a bf16 run's DeepSpeed config says unless its file or parallel.deepspeed says otherwise: gradients accumulated
+# (ZeRO-3: its gradient partitions; ZeRO-1: the bf16 optimizer's whole fp32 gradients) and reduced over dp in fp32.
+# The bf16 optimizer adds each parameter's gradient into fp32 as soon as backward has made it (immediate_grad_update).
+# Otherwise it keeps the bf16 gradients to the step and clears them between micro-batches in a hook DeepSpeed attaches
+# to the forward's output tensors, which the LanguageModel's output (a dataclass) does not get: every micro-batch's
+# gradient would be added again with each later one.
+BF16_GRADIENTS = {"bf16": {"immediate_grad_update": True}, "data_types": {"grad_accum_dtype": "fp32"},
+                  "communication_data_type": "fp32"}
 
 
 @dataclass
@@ -71,8 +82,9 @@ def deepspeed_config(cfg: RunConfig, layout: Layout, device_type: str) -> dict:
     if name == "auto":
         name = "cpu_fp32" if device_type == "cpu" else ("zero3_bf16_actckpt" if layout.pp == 1 else "zero1_pp_bf16")
     path = Path(name) if name.endswith(".json") else CONFIG_DIR / f"{name}.json"
+    bf16 = cfg.train.dtype == "bf16"
     try:
-        base = json.loads(path.read_text())
+        base = deep_merge(BF16_GRADIENTS if bf16 else {}, json.loads(path.read_text()))
     except (OSError, json.JSONDecodeError) as e:
         available = ", ".join(sorted(p.name.removesuffix(".json") for p in CONFIG_DIR.iterdir()
                                      if p.name.endswith(".json")))
@@ -87,10 +99,15 @@ def deepspeed_config(cfg: RunConfig, layout: Layout, device_type: str) -> dict:
         "gradient_accumulation_steps": layout.accum,
         "train_batch_size": cfg.train.global_batch_size,
         "gradient_clipping": cfg.optimizer.grad_clip,
-        "bf16": {"enabled": cfg.train.dtype == "bf16"},
+        "bf16": {"enabled": bf16},
         "zero_optimization": {"stage": stage},
     }
-    return deep_merge(deep_merge(base, derived), cfg.parallel.deepspeed)
+    resolved = deep_merge(deep_merge(base, derived), cfg.parallel.deepspeed)
+    if bf16 and zero_stage(resolved) == 0 and grad_accum_dtype(resolved) == "fp32":
+        raise ConfigError("train.dtype=bf16 with ZeRO stage 0: DeepSpeed accumulates gradients in fp32 only under "
+                          "ZeRO; use parallel.zero_stage 1, 2 or 3 (or accept bf16 accumulation: --set "
+                          "parallel.deepspeed.data_types.grad_accum_dtype=bf16)")
+    return resolved
 
 
 def preflight(cfg: RunConfig, world_size: int, device: str, data_here: bool = True) -> tuple[Layout, dict]:
@@ -115,6 +132,12 @@ def backend_name(setting: str, device_type: str) -> str:
 def zero_stage(ds_config: dict) -> int:
     """The ZeRO stage of a DeepSpeed config (0 without a ``zero_optimization`` section)."""
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def grad_accum_dtype(ds_config: dict) -> str:
+    """The dtype a DeepSpeed config accumulates gradients in: ``data_types.grad_accum_dtype``, else the model's."""
+    default = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
+    return ds_config.get("data_types", {}).get("grad_accum_dtype") or default
 
 
 def checkpoint_interval(cfg: RunConfig, ds_config: dict) -> int:

@@ -31,7 +31,7 @@ from torch import nn
 from mhf_dist.model.backbone import Backbone, Block, rope_cos_sin
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.model.vocabulary import TiedVocabulary
-from mhf_dist.parallel.stages import layer_costs, stage_bounds
+from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
 
 VOCAB = "vocab"
 
@@ -129,14 +129,14 @@ class TiedLocalLayer(TiedLayerSpec):
 
 
 class BalancedPipeline(PipelineModule):
-    """Cuts the stages by analytic FLOPs per layer (:func:`stage_bounds`) instead of parameter counts."""
+    """Cuts the stages by analytic FLOPs per layer (:func:`pipeline_bounds`) instead of parameter counts."""
 
     def __init__(self, *args, layer_costs: list[int], **kwargs):
         self._layer_costs = layer_costs
         super().__init__(*args, **kwargs)
 
     def _partition_layers(self, method: str = "uniform") -> None:  # called once by PipelineModule.__init__
-        self.parts = stage_bounds(self._layer_costs, self.num_stages)
+        self.parts = pipeline_bounds(self._layer_costs, self.num_stages)
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 

@@ -5,7 +5,8 @@ backbone blocks, the final norm, and the vocabulary output side (tables +
 cascaded decoder). Each costs its analytic forward FLOPs per sequence
 (:mod:`mhf_dist.model.flops`; the norm counts 1). The cut minimises the most
 expensive stage, the one that sets a pipeline's pace; among equally good cuts
-the later stages are kept lighter (the last one also computes the loss). ``plan`` and the pipeline engine both use
+the later stages are kept lighter (the last one also computes the loss). The
+final norm always stays on the last stage (:func:`pipeline_bounds`). ``plan`` and the pipeline engine both use
 it, so the plan shows the stages a run will have.
 """
 
@@ -45,3 +46,12 @@ def stage_bounds(costs: list[int], stages: int) -> list[int]:
     for s in range(stages, 0, -1):
         bounds.append(cut[s][bounds[-1]])
     return bounds[::-1]
+
+
+def pipeline_bounds(costs: list[int], stages: int) -> list[int]:
+    """:func:`stage_bounds` of the pipeline's layers (:func:`layer_costs`) with the final norm kept on the last stage,
+    beside the vocabulary out. That stage then holds a parameter of its own: DeepSpeed counts the tied vocabulary's
+    gradients on the first stage only, and its bf16 optimizer fails on a stage with none to count. (The norm costs 1,
+    so the balance is the same.)"""
+    merged = stage_bounds([*costs[:-2], costs[-2] + costs[-1]], stages)
+    return [*merged[:-1], len(costs)]
