@@ -24,9 +24,9 @@ CONFIG_DIR = resources.files("mhf_dist") / "deepspeed_configs"  # the named conf
 # What a bf16 run's DeepSpeed config says unless its file or parallel.deepspeed says otherwise: gradients accumulated
 # (ZeRO-3: its gradient partitions; ZeRO-1: the bf16 optimizer's whole fp32 gradients) and reduced over dp in fp32.
 # The bf16 optimizer adds each parameter's gradient into fp32 as soon as backward has made it (immediate_grad_update).
-# Otherwise it keeps the bf16 gradients to the step and clears them between micro-batches in a hook DeepSpeed attaches
-# to the forward's output tensors, which the LanguageModel's output (a dataclass) does not get: every micro-batch's
-# gradient would be added again with each later one.
+# Otherwise it keeps the bf16 gradients to the step and clears them between micro-batches only in a hook DeepSpeed
+# attaches to the forward's output tensors; where that hook does not run, every micro-batch's gradient is added again
+# with each later one (seen under ZeRO-1, pp = 1 and pp = 2). immediate_grad_update depends on no such hook.
 BF16_GRADIENTS = {"bf16": {"immediate_grad_update": True}, "data_types": {"grad_accum_dtype": "fp32"},
                   "communication_data_type": "fp32"}
 

@@ -55,9 +55,10 @@ from mhf_dist.model.lm import LanguageModel
 from mhf_dist.parallel.construct import FileValues, Materialiser, SeededValues, full_shapes, model_skeleton
 from mhf_dist.parallel.devices import bind_gpu
 from mhf_dist.parallel.groups import ParallelGroups
-from mhf_dist.parallel.layout import backend_name, preflight, zero_stage
+from mhf_dist.parallel.layout import Layout, backend_name, preflight, zero_stage
 from mhf_dist.parallel.rank0_work import on_rank0
 from mhf_dist.parallel.scalars import ScalarCollectives
+from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
 from mhf_dist.run_dir import RunDir
 from mhf_dist.run_lock import RunDirLocked, RunLock
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
@@ -150,6 +151,16 @@ class SaveClock:
 class TrainResult:
     records: list[dict] = field(default_factory=list)  # what rank 0 logged in this process
     preempted: bool = False  # stopped on a signal after saving
+
+
+def checkpoint_layout(cfg: RunConfig, layout: Layout, vocab_rows: int) -> dict:
+    """The layout a checkpoint records, and a resume compares to load it as it is: tp, pp, dp and, with a pipeline,
+    its cut (layers per stage), which also follows from the model and the sequence length: a checkpoint of another
+    cut holds other layers' optimizer state in each stage's files, so it loads through a conversion."""
+    recorded = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
+    if layout.pp > 1:
+        recorded["stages"] = pipeline_bounds(layer_costs(cfg.model, cfg.data.seq_len, vocab_rows), layout.pp)
+    return recorded
 
 
 def _resume_path(resume: str, checkpointer: Checkpointer) -> Path | None:
@@ -290,7 +301,7 @@ class TrainingLoop:
         model = model_skeleton(cfg.model, len(self.tokenizer), self.table.codes if self.table else None,
                                self.compression, groups.tp_group, groups.tp_rank, groups.tp)
         self.checkpointer = Checkpointer(self.run_dir.path, cfg, self.table.content_hash if self.table else None,
-                                         {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+                                         checkpoint_layout(cfg, layout, model.vocab.tables.num_rows),
                                          [n for n, _ in model.named_parameters()])
         resuming = None
         if (path := _resume_path(resume, self.checkpointer)) is not None:
