@@ -145,3 +145,17 @@ def test_export_of_zero3_checkpoint_equals_unsharded_weights(tmp_path, data):
         assert torch.equal(exported[k], reference[k]), k
     assert exported["vocab.tables.weight"].shape == (4, 256, 64)
     assert {"config.yaml", "signatures", "tokenizer"} <= {p.name for p in (tmp_path / "export").iterdir()}
+
+
+def test_a_checkpoint_of_another_pipeline_cut_resumes_through_a_conversion(tmp_path, data):
+    # same tp, pp and dp, but stages that held other layers (a checkpoint written before the cut was recorded, or
+    # under another sequence length): its files cannot be loaded as they are
+    layout = ["parallel.pp=2", "parallel.zero_stage=1"]
+    train_run(tmp_path, data, "run", 2, *layout, "train.stop_at_step=2", steps=4)
+    marker_path = next((tmp_path / "run" / "checkpoints").glob("step-*")) / "complete.json"
+    marker = json.loads(marker_path.read_text())
+    assert marker["layout"]["stages"][-1] == 2 + 2 + 1  # vocabulary in, 2 blocks, norm, vocabulary out
+    del marker["layout"]["stages"]
+    marker_path.write_text(json.dumps(marker))
+    out = run_cli(train_args(tmp_path / "run", data, 2, *layout, steps=4))
+    assert "resumed from" in out and "converted to this layout" in out
