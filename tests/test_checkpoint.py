@@ -159,3 +159,11 @@ def test_a_checkpoint_of_another_pipeline_cut_resumes_through_a_conversion(tmp_p
     marker_path.write_text(json.dumps(marker))
     out = run_cli(train_args(tmp_path / "run", data, 2, *layout, steps=4))
     assert "resumed from" in out and "converted to this layout" in out
+
+
+def test_a_pipeline_checkpoint_under_zero3_is_refused_with_the_layout_that_resumes_it(tmp_path, data):
+    train_run(tmp_path, data, "run", 2, "parallel.pp=2", "parallel.zero_stage=1", "train.stop_at_step=2", steps=4)
+    out = run_cli(train_args(tmp_path / "run", data, 2, steps=4), expect_rc=2)  # dp=2, ZeRO-3
+    assert "cannot load it under ZeRO-3: resume with --set parallel.zero_stage=1" in out and "Traceback" not in out
+    out = run_cli(train_args(tmp_path / "run", data, 2, "parallel.zero_stage=1", steps=4))
+    assert "converted to this layout" in out

@@ -46,7 +46,8 @@ rewrite ``complete.json``.
 
 Resuming under another layout (dp, tp or pp changed) goes through DeepSpeed's
 universal checkpoint (:mod:`mhf_dist.train.universal`): every combination of
-dp, tp and pp (pp = 1 ↔ pp > 1 included) converts; the data position carries
+dp, tp and pp (pp = 1 ↔ pp > 1 included, but a pipeline's under ZeRO-1/2 only:
+:meth:`Checkpointer.for_this_layout`) converts; the data position carries
 over because the reader's order does not depend on the rank count. The RNG
 states are not restored then (they belong to the old ranks).
 """
@@ -599,14 +600,22 @@ class Checkpointer:
             more = f" ({len(problems) - 1} more damaged file(s))" if len(problems) > 1 else ""
             raise CheckpointError(describe_problem(path, marker, *problems[0]) + more)
 
-    def for_this_layout(self, path: Path) -> tuple[Path, bool]:
+    def for_this_layout(self, path: Path, zero3: bool) -> tuple[Path, bool]:
         """(checkpoint to load, whether it is universal): a checkpoint of another tp/pp/dp layout is converted
         once by rank 0 into ``checkpoints/universal/<tag>`` (DeepSpeed's universal format), then loaded from there;
         a conversion of another checkpoint of the same name (an abandoned line) is redone. The other ranks wait for
-        the conversion outside any collective (:func:`on_rank0`): it takes as long as the checkpoint is large."""
+        the conversion outside any collective (:func:`on_rank0`): it takes as long as the checkpoint is large.
+        ``zero3``: this run's engine is ZeRO-3, which DeepSpeed 0.19.8 cannot load a pipeline checkpoint's
+        conversion into (it looks for per-rank ZeRO-3 model-state files the conversion does not have): refused
+        with the layouts that do resume it."""
         marker = self.verify(path)
         if marker["layout"] == self.layout:
             return path, False
+        if zero3 and marker["layout"]["pp"] > 1:
+            raise CheckpointError(
+                f"checkpoint {path} was saved by a pipeline (pp={marker['layout']['pp']}); DeepSpeed converts it for "
+                "ZeRO-1/2 but cannot load it under ZeRO-3: resume with --set parallel.zero_stage=1 (or with pp > 1), "
+                "then switch to ZeRO-3 from a checkpoint that run saves")
         target = self.dir / UNIVERSAL / path.name
         source = hashlib.new(DIGEST, (path / MARKER).read_bytes()).hexdigest()
 

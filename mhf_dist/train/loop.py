@@ -303,9 +303,9 @@ class TrainingLoop:
         self.checkpointer = Checkpointer(self.run_dir.path, cfg, self.table.content_hash if self.table else None,
                                          checkpoint_layout(cfg, layout, model.vocab.tables.num_rows),
                                          [n for n, _ in model.named_parameters()])
-        resuming = None
+        resuming, zero3 = None, layout.pp == 1 and zero_stage(self.ds_config) == 3
         if (path := _resume_path(resume, self.checkpointer)) is not None:
-            resuming = ResumePoint(path, *self.checkpointer.for_this_layout(path))
+            resuming = ResumePoint(path, *self.checkpointer.for_this_layout(path, zero3))
             self.checkpointer.continue_from(path)  # newer checkpoints (an abandoned line) are set aside
             if resuming.universal:
                 self.ds_config = self.ds_config | {"checkpoint": {"load_universal": True}}
@@ -319,8 +319,8 @@ class TrainingLoop:
             model.backbone.compile_blocks()
         use_kernels(cfg.train.fused_head_kernel)
         self.vocab_rows = model.vocab.tables.num_rows
-        zero3 = self.ds_config if layout.pp == 1 and zero_stage(self.ds_config) == 3 else None
-        materialise = Materialiser(model, values, self.device, groups.tp_rank, groups.tp, zero3, groups)
+        materialise = Materialiser(model, values, self.device, groups.tp_rank, groups.tp,
+                                   self.ds_config if zero3 else None, groups)
         with deepspeed_prints(self.verbose):
             self.trainer = build_trainer(cfg, model, groups, self.ds_config, layout, materialise)
         self.checkpointer.host = getattr(self.trainer, "host", None)
