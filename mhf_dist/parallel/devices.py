@@ -1,4 +1,4 @@
-"""Which GPU a rank drives, and the process group it joins on it.
+"""Which GPU a rank drives.
 
 A launcher tells each rank its index among the ranks of its node (``LOCAL_RANK``,
 ``SLURM_LOCALID``). Where every task sees all of the node's GPUs, that index is
@@ -22,7 +22,7 @@ def device_index(local_rank: int, visible: int) -> int:
     when the task sees the whole node, the only one when the task is bound to one, round-robin in between."""
     if visible < 1:
         raise MhfError("no GPU is visible to this rank (CUDA_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES, or the "
-                           "job's GPU binding); ask for GPUs in the job, or train on CPUs with train.device=cpu")
+                       "job's GPU binding); ask for GPUs in the job, or train on CPUs with train.device=cpu")
     return local_rank % visible
 
 
@@ -33,4 +33,3 @@ def bind_gpu(local_rank: int) -> torch.device:
     torch.cuda.set_device(index)
     os.environ["LOCAL_RANK"] = str(index)
     return torch.device("cuda", index)
-
