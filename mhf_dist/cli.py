@@ -454,7 +454,8 @@ def _submit_parser(sub) -> None:
     p.add_argument("--sbatch-arg", dest="sbatch_args", action="append", default=[], metavar="OPTION",
                    help="one more #SBATCH option, e.g. --sbatch-arg=--constraint=a100 (repeatable)")
     p.add_argument("--python", help="the Python on the nodes (default: the profile's, else this one)")
-    p.add_argument("--grace", type=positive_int, default=120, help="seconds between SLURM's USR1 and the time limit")
+    p.add_argument("--grace", type=positive_int, help="seconds between SLURM's USR1 and the time limit (default: "
+                   "what plan estimates a step and a save need, at least 120)")
     p.add_argument("--depends-on", help="start after this job id ends (afterany)")
     p.add_argument("--hostfile", help="no SLURM: launch with DeepSpeed's launcher over this hostfile")
     what = p.add_mutually_exclusive_group()

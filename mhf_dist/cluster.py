@@ -46,6 +46,10 @@ class ClusterProfile(BaseModel):
     device_memory_gb: float = Field(gt=0)
     peak_bf16_tflops: float | None = Field(None, gt=0, description="dense bf16 peak per device; None: measured")
     backend: str = Field(description="torch.distributed backend: nccl (NCCL or RCCL) or gloo")
+    storage_gb_per_s: float = Field(
+        1.0, gt=0, description="write rate of one node to the run directory's filesystem, GB/s (the default is "
+        "cautious: measure yours, or read it off a run's save lines); plan and submit size checkpoint saves and the "
+        "grace period before the time limit from it")
     hardware_only: bool = Field(
         False, description="the profile holds only what is true of the hardware (the shipped GPU profiles): a SLURM "
         "job needs the site's partition and time limit too, from submit's flags or a site profile that extends it")

@@ -57,15 +57,7 @@ build at the same time, so a node needs ``ranks_per_node`` times that, which
 fits when it is at most 90% of the profile's ``memory_gb_per_node``
 (:func:`host_bytes_per_node`).
 
-**Time per step** (:func:`step_seconds`), with the FLOPs that MFU counts in
-training (:mod:`mhf_dist.model.flops`, as the training loop logs it): ``F = 3 ·
-forward`` per token. Activation checkpointing recomputes the forward of every
-checkpointed block in backward; MFU leaves that work out, so an assumed MFU
-already pays for it (the plan prints the implied hardware FLOPs utilisation,
-``HFU = MFU · (F + recompute) / F``). For ``T = global_batch · seq_len`` tokens
-per step on ``n`` devices of dense bf16 peak ``peak`` (the profile's ``peak_bf16_tflops``)::
-
-    seconds per step = T · F / (MFU · n · peak),    tokens/s = T / seconds per step
+**Time per step** and **checkpoints**: :mod:`mhf_dist.train.job_estimates`.
 """
 
 from __future__ import annotations
@@ -75,19 +67,26 @@ from dataclasses import dataclass
 import torch
 
 from mhf_dist.cluster import ClusterProfile
-from mhf_dist.config import ConfigError, ModelConfig, RunConfig, preset
+from mhf_dist.config import ModelConfig, RunConfig, preset
 from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import LanguageModel, build_model
-from mhf_dist.model.flops import forward_flops
 from mhf_dist.parallel.layout import checkpoint_interval, deepspeed_config, grad_accum_dtype, resolve_layout, zero_stage
 from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
 from mhf_dist.parallel.state_dict import split_dim
 from mhf_dist.parallel.tensor_parallel import tp_split_dims
+from mhf_dist.train.job_estimates import (
+    DEFAULT_MFU,
+    PLANNING_VOCAB_SIZE,
+    SaveEstimate,
+    StepEstimate,
+    device_of,
+    save_estimate,
+    step_estimate,
+)
 
 GB = 2**30
 MiB = 2**20
 HEADROOM = 0.9  # the share of device or host memory a plan may fill
-DEFAULT_MFU = 0.40
 # What a CPU rank holds that does not grow with its model: Python, torch, DeepSpeed and mhf_dist, the gloo process
 # group, the ZeRO-3 engine's bookkeeping for every module and parameter, autograd and the kernels' workspaces. The
 # whole process's peak through construction, engine and first step of the tiny preset's structure with tensors of
@@ -118,37 +117,11 @@ class StagePlan:
     model_params: int = 0  # every parameter of the whole model
 
 
-@dataclass(frozen=True)
-class StepEstimate:
-    """One optimizer step at an assumed MFU (module docstring)."""
-
-    mfu: float
-    peak_flops: float  # all devices together
-    tokens_per_step: int
-    flops_per_token: int  # model FLOPs, 3 × forward
-    recompute_per_token: int  # forward FLOPs of the checkpointed blocks, done again in backward
-    seconds: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_per_step / self.seconds
-
-    @property
-    def hfu(self) -> float:
-        """Hardware FLOPs utilisation implied by the assumed MFU: ``MFU · (F + recompute) / F``."""
-        return self.mfu * (self.flops_per_token + self.recompute_per_token) / self.flops_per_token
-
-
 def meta_model(cfg: ModelConfig, vocab_size: int) -> LanguageModel:
     """The model for ``vocab_size`` tokens on the meta device: every shape, no memory, no tokenizer."""
     compression = CompressionTable.identity(vocab_size)
     with torch.device("meta"):
         return build_model(cfg, vocab_size, torch.ones(vocab_size, cfg.hash.num_hashes, dtype=torch.long), compression)
-
-
-def device_of(profile: ClusterProfile) -> str:
-    """The device type of a profile's ranks (its DeepSpeed config depends on it)."""
-    return "cpu" if profile.backend == "gloo" else "cuda"
 
 
 def model_state_bytes(zero: int, params: int, largest: int, dp: int, dtype: str = "bf16",
@@ -317,32 +290,6 @@ def stage_prefixes(layers: range, n_layers: int, last: int) -> tuple[str, ...]:
     return tuple(prefixes)
 
 
-def step_seconds(tokens: int, flops_per_token: float, mfu: float, peak_flops: float) -> float:
-    """Seconds per optimizer step: ``T · F / (MFU · peak)`` for ``peak`` FLOP/s of all devices together."""
-    return tokens * flops_per_token / (mfu * peak_flops)
-
-
-def step_estimate(cfg: RunConfig, profile: ClusterProfile, nodes: int, mfu: float = DEFAULT_MFU,
-                  vocab_size: int = 32768) -> StepEstimate | None:
-    """Time and throughput of one optimizer step at an assumed ``mfu``; None when the profile gives no nominal
-    peak (``peak_bf16_tflops``)."""
-    if not 0 < mfu <= 1:
-        raise ConfigError(f"--mfu {mfu:g} is not a fraction in (0, 1]; pass e.g. --mfu 0.4")
-    if profile.peak_bf16_tflops is None:
-        return None
-    world = nodes * profile.gpus_per_node
-    layout = resolve_layout(cfg, world)
-    m = cfg.model
-    rows = m.padded_vocab_rows(vocab_size) if m.variant == "standard" else m.hash.num_buckets
-    flops = forward_flops(m, cfg.data.seq_len, rows)
-    k = checkpoint_interval(cfg, deepspeed_config(cfg, layout, device_of(profile)))
-    recompute = sum(flops.layer(i) for i in range(m.n_layers) if k and i % k == 0)
-    tokens = cfg.train.global_batch_size * cfg.data.seq_len
-    peak = profile.peak_bf16_tflops * 1e12 * world
-    return StepEstimate(mfu=mfu, peak_flops=peak, tokens_per_step=tokens, flops_per_token=flops.train,
-                        recompute_per_token=recompute, seconds=step_seconds(tokens, flops.train, mfu, peak))
-
-
 def count(n: float) -> str:
     """``n`` with a B (billions) or M (millions) suffix."""
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,.0f}"
@@ -389,8 +336,18 @@ def format_estimate(cfg: RunConfig, profile: ClusterProfile, world: int, est: St
     ]
 
 
+def format_save(profile: ClusterProfile, est: SaveEstimate) -> list[str]:
+    """The checkpoint lines: size, time to write, and the grace period ``submit`` asks SLURM for."""
+    rate = "profile storage_gb_per_s" if "storage_gb_per_s" in profile.model_fields_set else \
+        "the default storage_gb_per_s; set your storage's in a site profile"
+    step = "" if est.step_seconds is None else f"a step of {format_time(est.step_seconds)} and "
+    return [f"checkpoints: {est.bytes / 1e9:.3g} GB each, written in about {format_time(est.seconds)} at "
+            f"{est.storage_gb_per_s:g} GB/s per node ({rate}); a save on SLURM's warning signal needs {step}the save: "
+            f"submit asks for the signal {est.grace} s before the time limit (--grace)"]
+
+
 def format_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, plans: list[StagePlan],
-                mfu: float = DEFAULT_MFU, vocab_size: int = 32768) -> str:
+                mfu: float = DEFAULT_MFU, vocab_size: int = PLANNING_VOCAB_SIZE) -> str:
     """The printed plan: model, layout, one row per stage, host memory, time per step and the verdicts."""
     world = nodes * profile.gpus_per_node
     layout = resolve_layout(cfg, world)
@@ -417,6 +374,7 @@ def format_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, plans: list
                  f"largest parameter drawn whole; the whole model would be {4 * plans[0].model_params / GB:.1f} GB); "
                  f"{profile.gpus_per_node} ranks per node need {host_node:.1f} GB of {node_memory}")
     lines += format_estimate(cfg, profile, world, step_estimate(cfg, profile, nodes, mfu, vocab_size))
+    lines += format_save(profile, save_estimate(cfg, profile, nodes, vocab_size))
     device = "fits" if all(p.fits for p in plans) else "does not fit"
     advice = "" if device == "fits" else ": raise tp/pp, lower the micro-batch, or add nodes"
     checkpointed = "checkpointed " if checkpoint_interval(cfg, ds_config) else ""

@@ -33,6 +33,7 @@ from mhf_dist.cluster import PROFILE_DIR, ClusterProfile, no_control_characters
 from mhf_dist.config import ConfigError, RunConfig
 from mhf_dist.errors import PREEMPTED_EXIT_CODE
 from mhf_dist.parallel.layout import preflight
+from mhf_dist.train.job_estimates import save_estimate, time_limit_seconds
 from mhf_dist.train.preemption import GRACE_ENV
 
 LOG_DIR = "slurm"  # RUN/slurm: job logs, the submitted script, the job ids (jobs.jsonl)
@@ -113,13 +114,32 @@ def _stop_on_failure(line: str, profile: str) -> str:
     return f"{{ {no_control_characters('setup', line)}\n}} || {{ echo {said} >&2; exit 2; }}"
 
 
+def signal_grace(cfg: RunConfig, profile: ClusterProfile, nodes: int, asked: int | None) -> int:
+    """The seconds before the time limit at which SLURM signals the ranks to save: ``asked`` (``--grace``), else
+    what a step and a save of this job need (:mod:`mhf_dist.train.job_estimates`). A grace that leaves the job no
+    time to train is refused; an asked one shorter than the estimate is warned about."""
+    est = save_estimate(cfg, profile, nodes)
+    grace = est.grace if asked is None else asked
+    why = (f"a checkpoint of {est.bytes / 1e9:.3g} GB takes about {est.seconds:.0f} s at {est.storage_gb_per_s:g} "
+           f"GB/s per node (profile storage_gb_per_s)")
+    if asked is not None and asked < est.grace:
+        print(f"warning: --grace {asked} is shorter than the {est.grace} s a save on SLURM's signal needs ({why}); "
+              "a save cut short by the time limit is lost and the job is not requeued", file=sys.stderr)
+    limit = time_limit_seconds(profile.time) if profile.time else None
+    if limit is not None and grace >= limit:
+        raise ConfigError(f"the job's time limit ({profile.time}) is not longer than the {grace} s it needs after "
+                          f"SLURM's warning signal ({why}): ask for a longer --time, or faster storage "
+                          "(storage_gb_per_s in a site profile)")
+    return grace
+
+
 def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, preset: str | None,
-           config: str | None, overrides: list[str], *, grace: int = 120, depends_on: str | None = None,
+           config: str | None, overrides: list[str], *, grace: int | None = None, depends_on: str | None = None,
            hostfile: str | None = None, python: str | None = None) -> str:
     """The job script (``kind``: ``sbatch`` or ``hostfile``); the layout is checked against the nodes first."""
     if nodes < 1:
         raise ConfigError(f"--nodes={nodes}: need at least one node")
-    if grace < 1:
+    if grace is not None and grace < 1:
         raise ConfigError(f"--grace={grace}: the seconds between SLURM's warning signal and the time limit must be > 0")
     if depends_on is not None and not _JOB_ID.fullmatch(depends_on):
         raise ConfigError(f"--depends-on={depends_on!r} is not a SLURM job id (a number, e.g. 123456)")
@@ -145,6 +165,7 @@ def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_d
         extra.append("#SBATCH --exclusive")
     if kind == "sbatch":
         _check_site_values(profile)
+        grace = signal_grace(cfg, profile, nodes, grace)
     values = dict(
         profile=profile.name, nodes=nodes, tasks_per_node=profile.gpus_per_node, cpus_per_task=profile.cpus_per_task,
         time=sbatch_quoted("time", profile.time) if profile.time else "",

@@ -14,7 +14,7 @@ import torch
 
 from helpers.equivalence import step
 from helpers.ranks import run_ranks
-from helpers.runs import train_run
+from helpers.runs import checkpoint_size_estimate, train_run
 from mhf_dist.config import ConfigError, load_config
 from mhf_dist.model.tables import BucketTables
 from mhf_dist.parallel.groups import ParallelGroups
@@ -280,3 +280,9 @@ def test_pipeline_bf16_matches_one_process_in_bf16_and_in_fp32(tmp_path, data):
     for got, ref in [(pp, full), (one, full), (pp2, full2), (one2, full2)]:
         for key in ("loss", "grad_norm", "val_loss") if ref["step"] == 2 else ("loss", "grad_norm"):
             assert close(got[key], ref[key], STEP_BUDGET), (key, got["step"], got[key], ref[key])
+    # the checkpoints these runs saved have the size plan estimates: a pipeline's in bf16 (its layer files' bf16
+    # weights, the tied tables on both end stages), ZeRO-3's in bf16 and in fp32 (master weights and moments only),
+    # less the small files (RNG states, DeepSpeed's bookkeeping) of at most 128 KiB per rank
+    for name, ranks in (("bf16-pp2", 2), ("bf16", 1), ("fp32", 1)):
+        estimated, saved = checkpoint_size_estimate(tmp_path / name)
+        assert 0 <= saved - estimated < ranks * 128 * 1024, (name, estimated, saved)

@@ -22,8 +22,9 @@ from mhf_dist.config import ConfigError, EngramConfig, load_config
 from mhf_dist.engram_compression import CompressionError, CompressionTable, normalize
 from mhf_dist.model import build_model
 from mhf_dist.model.engram import EngramMemory, SoftmaxGate
+from mhf_dist.model.engram_sizes import table_sizes
 from mhf_dist.model.flops import forward_flops
-from mhf_dist.model.ngram_hash import NgramHash, table_sizes
+from mhf_dist.model.ngram_hash import NgramHash
 from mhf_dist.offline_tokenizers import load_tokenizer, train_bpe
 from mhf_dist.parallel.accounting import expected_collective_bytes
 from mhf_dist.parallel.groups import ParallelGroups

@@ -15,12 +15,13 @@ from mhf_dist.memory_plan import (
     format_plan,
     memory_plan,
     meta_model,
-    step_estimate,
-    step_seconds,
     zero_setting,
 )
 from mhf_dist.model.flops import forward_flops
+from mhf_dist.model.host_tables import HostTables
+from mhf_dist.model.parameter_count import parameter_count
 from mhf_dist.parallel.stages import layer_costs
+from mhf_dist.train.job_estimates import save_estimate, step_estimate, step_seconds
 
 # Llama-2-70B's backbone shape over the 3b preset: 69.1B parameters
 LARGE = ["model.n_layers=80", "model.d_model=8192", "model.n_heads=64", "model.n_kv_heads=8", "model.ffn_dim=28672"]
@@ -290,3 +291,32 @@ def test_pipeline_cut_keeps_the_final_norm_on_the_last_stage(seed):
     tiny = load_config("tiny-h4b16k", overrides=["model.hash.num_buckets=256"]).model
     tiny_costs = layer_costs(tiny, 64, 256)  # the free cut gives the vocabulary out a stage of its own
     assert stage_bounds(tiny_costs, 2)[-2] == len(tiny_costs) - 1 and pipeline_bounds(tiny_costs, 2)[-2] == 3
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("tiny-h4b16k", []), ("tiny-standard", []), ("tiny-h1b16k", ["model.head_dim=32"]), ("100m-h3b10k", []),
+    ("tiny-h4b16k+engram", []), ("tiny-h4b16k+engram", ["model.engram.gate=softmax"]),
+    ("tiny-h4b16k+engram", ["model.engram.offload=true"]), ("1b-standard+2l", []),
+])
+def test_parameter_count_from_the_config_is_the_built_models(name, overrides):
+    cfg = load_config(name, overrides=overrides).model
+    count = parameter_count(cfg, 30000)
+    model = meta_model(cfg, 30000)
+    assert count.trained_by_deepspeed == sum(p.numel() for p in model.parameters())
+    assert count.vocab_tables == model.vocab.tables.weight.numel()
+    host = [m.weight.numel() for m in model.modules() if isinstance(m, HostTables)]
+    assert count.host_tables == sum(host) and (count.host_tables > 0) == bool(cfg.engram and cfg.engram.offload)
+
+
+def test_plan_prints_the_checkpoint_size_and_the_grace_submit_asks_for(capsys):
+    cfg, profile = load_config("13b-h4b16k"), load_profile("a100-80g")
+    assert main(["plan", "--preset", "13b-h4b16k", "--cluster", "a100-80g", "--nodes", "16"]) == 0
+    out = capsys.readouterr().out
+    params = sum(p.numel() for p in meta_model(cfg.model, 32768).parameters())
+    est = save_estimate(cfg, profile, 16)
+    assert est.bytes == 12 * params  # ZeRO-3 saves the fp32 master weights and two moments
+    assert f"checkpoints: {12 * params / 1e9:.3g} GB each" in out and "the default storage_gb_per_s" in out
+    assert f"submit asks for the signal {est.grace} s before the time limit" in out
+    piped = load_config("13b-h4b16k", overrides=["parallel.pp=4"])  # the layer files' bf16 weights, the tied tables
+    tables = meta_model(cfg.model, 32768).vocab.tables.weight.numel()
+    assert save_estimate(piped, profile, 16).bytes == 14 * (params + tables)

@@ -18,6 +18,7 @@ from mhf_dist.cli import main
 from mhf_dist.cluster import load_profile
 from mhf_dist.config import ConfigError, load_config
 from mhf_dist.submit import render, submit
+from mhf_dist.train.job_estimates import MIN_GRACE_SECONDS, grace_seconds, save_estimate, time_limit_seconds
 
 GOLDEN = Path(__file__).parent / "golden"
 DATA = "data.path=/shared/data"
@@ -313,3 +314,37 @@ def test_slurm_job_requeued_mid_run_resumes_and_matches(tmp_path, data, slurm):
     assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in reference]
     shown = run_cli(["status", str(run)])
     assert f"step       {steps} / {steps}" in shown and f"checkpoint step-{steps:08d}" in shown
+
+
+def test_the_grace_is_sized_from_the_save_and_must_fit_in_the_time_limit(capsys):
+    cfg = load_config("13b-h4b16k", overrides=[DATA])
+    slow = at_site("a100-80g").model_copy(update={"storage_gb_per_s": 0.5})
+    est = save_estimate(cfg, slow, 2)
+    assert est.seconds == pytest.approx(est.bytes / (2 * 0.5e9)) and est.grace > MIN_GRACE_SECONDS
+    assert est.grace == grace_seconds(est.step_seconds, est.seconds)
+    script = render("sbatch", cfg, slow, 2, Path("/r"), "13b-h4b16k", None, [DATA])
+    assert f"#SBATCH --signal=USR1@{est.grace}\n" in script and f"MHF_DIST_GRACE_SECONDS={est.grace} " in script
+    # an asked grace shorter than the estimate is used, with a warning
+    assert "#SBATCH --signal=USR1@200\n" in render("sbatch", cfg, slow, 2, Path("/r"), None, None, [DATA], grace=200)
+    assert f"--grace 200 is shorter than the {est.grace} s a save on SLURM's signal needs" in capsys.readouterr().err
+    # a time limit no longer than the grace would never train
+    with pytest.raises(ConfigError, match=rf"time limit \(0:03:00\) is not longer than the {est.grace} s"):
+        render("sbatch", cfg, slow.model_copy(update={"time": "0:03:00"}), 2, Path("/r"), None, None, [DATA])
+
+
+def test_grace_seconds_covers_a_step_and_a_save():
+    assert grace_seconds(0.0, 1.0) == MIN_GRACE_SECONDS
+    assert grace_seconds(10.0, 100.0) == 200  # 1.5 × 110 + 30 = 195, rounded up to ten seconds
+
+
+@pytest.mark.parametrize("limit, seconds", [
+    ("30", 1800), ("30:15", 1815), ("1:00:00", 3600), ("2-00:00:00", 172800), ("2-3", 183600), ("1-0:30", 88200),
+    ("UNLIMITED", None), ("infinite", None),
+])
+def test_time_limits_are_read_as_slurm_reads_them(limit, seconds):
+    assert time_limit_seconds(limit) == seconds
+
+
+def test_an_unreadable_time_limit_is_named():
+    with pytest.raises(ConfigError, match="'two days' is not a SLURM time limit"):
+        time_limit_seconds("two days")

@@ -1,6 +1,20 @@
-"""Model code: reads like docs/spec.md §2–§5 and knows nothing of process groups."""
+"""Model code: reads like docs/spec.md §2–§5 and knows nothing of process groups.
 
-from mhf_dist.model.lm import LanguageModel, MultiHashFormer, StandardLM, build_model
-from mhf_dist.model.vocabulary import LMOutput
+The package's names are loaded on first use, so that the analytic modules
+(:mod:`~mhf_dist.model.flops`, :mod:`~mhf_dist.model.parameter_count`,
+:mod:`~mhf_dist.model.engram_sizes`) import without torch: ``submit`` runs on
+login nodes that may not have it.
+"""
 
-__all__ = ["LanguageModel", "LMOutput", "MultiHashFormer", "StandardLM", "build_model"]
+from importlib import import_module
+
+_EXPORTS = {"LanguageModel": "lm", "MultiHashFormer": "lm", "StandardLM": "lm", "build_model": "lm",
+            "LMOutput": "vocabulary"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)

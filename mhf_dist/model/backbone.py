@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mhf_dist.config import ModelConfig
 from mhf_dist.model.engram import EngramMemory
-from mhf_dist.model.ngram_hash import table_sizes
+from mhf_dist.model.engram_sizes import table_sizes
 
 if TYPE_CHECKING:
     from mhf_dist.engram_compression import CompressionTable

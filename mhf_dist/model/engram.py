@@ -98,7 +98,8 @@ class SigmoidGate(nn.Module):
 class EngramMemory(nn.Module):
     """The memory of backbone layer ``layer``: ``(h [B, S, d], input_ids [B, S]) -> [B, S, d]``, to be added to ``h``.
 
-    ``sizes[n-2][k]`` is the prime size ``M_k`` of head ``k`` of order ``n`` (:func:`table_sizes`).
+    ``sizes[n-2][k]`` is the prime size ``M_k`` of head ``k`` of order ``n``
+    (:func:`~mhf_dist.model.engram_sizes.table_sizes`).
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, sizes: list[list[int]], compression: "CompressionTable"):

@@ -21,13 +21,11 @@ Constants, drawn deterministically per layer from
 ``engram`` multipliers ``m_j = 2·r_j + 1`` with ``r_j`` uniform in
 ``[0, ⌊⌊(2^63-1)/V'⌋/2⌋)`` (odd, and ``x·m_j`` never overflows), and the ``keyed``
 keys uniform in ``[1, 2^31)``, one per head and order. Table sizes
-(:func:`table_sizes`): the next unused prime ``>= table_size`` for each
+(:func:`~mhf_dist.model.engram_sizes.table_sizes`): the next unused prime ``>= table_size`` for each
 (layer, order, head) in that order, so all are distinct.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
@@ -37,28 +35,6 @@ from mhf_dist.config import EngramConfig
 
 INT64_MAX = 2**63 - 1
 LAYER_SEED_STRIDE = 10007
-
-
-def is_prime(n: int) -> bool:
-    if n < 4:
-        return n > 1
-    return n % 2 != 0 and all(n % p for p in range(3, math.isqrt(n) + 1, 2))
-
-
-def table_sizes(cfg: EngramConfig, layers: list[int]) -> dict[int, list[list[int]]]:
-    """``{layer: [[M of each head] for each order 2..N]}``: distinct primes, each the next unused ``>= table_size``."""
-    sizes, candidate = {}, cfg.table_size
-    for layer in layers:
-        sizes[layer] = []
-        for _ in range(2, cfg.max_ngram + 1):
-            heads = []
-            for _ in range(cfg.heads):
-                while not is_prime(candidate):
-                    candidate += 1
-                heads.append(candidate)
-                candidate += 1
-            sizes[layer].append(heads)
-    return sizes
 
 
 class NgramHash(nn.Module):

@@ -128,7 +128,7 @@ def _write_atomic(path: Path, text: str) -> None:
     _fsync(path.parent)
 
 
-def _size(n: float) -> str:
+def readable_size(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
@@ -556,15 +556,16 @@ class Checkpointer:
         cause = f"{ranks}: {error}" if error else f"{ranks} could not write its part (see its message)"
         previous = complete_checkpoints(self.dir)
         if previous:
-            need = f"about {_size(checkpoint_bytes(previous[-1]))} (the size of {previous[-1].name})"
+            need = f"about {readable_size(checkpoint_bytes(previous[-1]))} (the size of {previous[-1].name})"
             resume = f"{previous[-1]} stays the newest checkpoint"
         else:
             need, resume = "an unknown amount (the run has no earlier checkpoint to measure)", "the run has none yet"
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         limited = limit != resource.RLIM_INFINITY
         return (f"could not save checkpoint {path}: {cause}. A checkpoint takes {need}; "
-                f"{_size(shutil.disk_usage(self.dir).free)} are free on its filesystem"
-                + (f", and this process may write files of at most {_size(limit)} (ulimit -f)" if limited else "")
+                f"{readable_size(shutil.disk_usage(self.dir).free)} are free on its filesystem"
+                + (f", and this process may write files of at most {readable_size(limit)} (ulimit -f)"
+                   if limited else "")
                 + f". The incomplete {path.name} was removed and {resume}: free space (or lower "
                 f"train.keep_checkpoints{', or raise ulimit -f' if limited else ''}), then rerun to resume "
                 "(--resume auto)")

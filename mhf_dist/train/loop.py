@@ -62,10 +62,11 @@ from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
 from mhf_dist.run_dir import RunDir
 from mhf_dist.run_lock import RunDirLocked, RunLock
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
-from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
+from mhf_dist.train.checkpoint import Checkpointer, CheckpointError, checkpoint_bytes, readable_size
 from mhf_dist.train.console import step_line
 from mhf_dist.train.divergence import LossWatch
 from mhf_dist.train.engine import StepStats, build_trainer, device_type
+from mhf_dist.train.job_estimates import grace_seconds
 from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.optim import apply_optimizer_changes
 from mhf_dist.train.preemption import GRACE_ENV, StopSignal
@@ -185,14 +186,20 @@ def init_weights_file(path: Path, model: LanguageModel, tp: int) -> FileValues:
                               "use weights exported from a run with the same model config") from e
 
 
-def log_save(path: Path, reason: str, seconds: float) -> None:
-    """The save and its duration; a warning when it took more than half the job's grace period (the time between
-    SLURM's warning signal and the kill), since a save on that signal might then not finish."""
-    tqdm.write(f"saved {path} ({reason}, {seconds:.1f} s)")
+def log_save(path: Path, reason: str, seconds: float, step_s: float) -> None:
+    """The save with its size, duration and write rate; a warning when a step and a save like this one would not
+    fit in the job's grace period (the time between SLURM's warning signal and the time limit), naming the grace
+    that would (:func:`~mhf_dist.train.job_estimates.grace_seconds`)."""
+    size = checkpoint_bytes(path)
+    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", 1))
+    per_node = size / max(seconds, 1e-9) / nodes / 1e9
+    tqdm.write(f"saved {path} ({reason}, {readable_size(size)} in {seconds:.1f} s, {per_node:.3g} GB/s per node)")
     grace = float(os.environ.get(GRACE_ENV, "inf"))
-    if seconds > grace / 2:
-        tqdm.write(f"warning: this save took {seconds:.0f} s, more than half the grace period of {grace:.0f} s "
-                   f"between SLURM's warning and the time limit; submit with a longer --grace")
+    if (needed := grace_seconds(step_s, seconds)) > grace:
+        tqdm.write(f"warning: a save on SLURM's signal (the step in progress, {step_s:.1f} s, then a save like this "
+                   f"one) needs a grace of about {needed} s, and this job has {grace:.0f} s: submit with --grace "
+                   f"{needed}, or set storage_gb_per_s: {per_node:.3g} (this save's rate) in the cluster profile, "
+                   "from which submit sizes the grace")
 
 
 def take_lock(run_path: Path, rank: int, scalars: ScalarCollectives) -> None:
@@ -464,7 +471,7 @@ class TrainingLoop:
                                        self.reader.state_dict(), reason)
         self.clock.reset()
         if self.rank == 0:
-            log_save(saved, reason, time.perf_counter() - began)
+            log_save(saved, reason, time.perf_counter() - began, statistics.median(self.step_times))
 
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopSignal | None = None,

@@ -53,3 +53,21 @@ def trained_model(run: Path):
     model = build_model(tw.cfg.model, len(tokenizer), table.codes if table else None)
     model.load_state_dict(tw.state)
     return model.eval(), tokenizer, table
+
+
+def checkpoint_size_estimate(run: Path) -> tuple[int, int]:
+    """(the size ``plan`` estimates for a checkpoint of ``run``'s config and layout, the size of its newest one)."""
+    import yaml
+
+    from mhf_dist.config import RunConfig
+    from mhf_dist.offline_tokenizers import load_tokenizer
+    from mhf_dist.run_dir import RunDir
+    from mhf_dist.train.checkpoint import checkpoint_bytes
+    from mhf_dist.train.checkpoint_index import complete_checkpoints, read_marker
+    from mhf_dist.train.job_estimates import checkpoint_bytes as estimated_bytes
+
+    cfg = RunConfig.model_validate(yaml.safe_load((run / "config.yaml").read_text()))
+    newest = complete_checkpoints(run / "checkpoints")[-1]
+    pp = read_marker(newest)["layout"]["pp"]
+    vocab_size = len(load_tokenizer(RunDir(run).tokenizer_source(cfg)))
+    return estimated_bytes(cfg, pp, vocab_size), checkpoint_bytes(newest)

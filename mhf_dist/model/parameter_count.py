@@ -1,0 +1,75 @@
+"""Parameter counts from the config alone, without building the model or importing torch (``submit`` sizes a job's
+checkpoints from them on a login node). tests/test_memory_plan.py checks them against the built model.
+
+Per backbone layer: attention ``d·(n_heads·hd)·2 + d·(n_kv·hd)·2`` and its two head-dim norms, SwiGLU
+``3·d·ffn``, two RMSNorms of ``d``; one final norm. The vocabulary (docs/spec.md §2–§4): ``H`` bucket tables
+of ``B × d`` (Standard: one of the padded vocabulary rows), the gate MLP ``d·d_z + d_z + d_z + 1`` and ``W_s``
+``d² + d``, and ``H − 1`` mixers ``2d·r + r + r·d + d``. An Engram memory (docs/spec.md §8): its ``(N−1)·K``
+tables of ``R`` rows (the largest prime size rounded up to ``pad_rows_to``) × ``head_dim``, and its gate: the
+sigmoid gate's key and value projections ``2·T·m·d``, two norms and the short convolution's norm and
+``kernel·d`` weights, or the softmax gate's ``d²``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mhf_dist.config import ModelConfig
+from mhf_dist.model.engram_sizes import table_sizes
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    """The model's parameters by where they live."""
+
+    vocab_tables: int  # the bucket tables (Standard: the embedding), tied between input and output
+    vocab_other: int  # the gate MLP, W_s and the cascade's mixers
+    backbone: int  # every layer (Engram gates included) and the final norm
+    engram_tables: int  # the Engram memories' tables that DeepSpeed trains
+    host_tables: int  # the Engram tables kept in host memory outside DeepSpeed (model.engram.offload)
+
+    @property
+    def trained_by_deepspeed(self) -> int:
+        return self.vocab_tables + self.vocab_other + self.backbone + self.engram_tables
+
+    @property
+    def total(self) -> int:
+        return self.trained_by_deepspeed + self.host_tables
+
+
+def engram_table_rows(cfg: ModelConfig, layer: int) -> int:
+    """The rows ``R`` of each of layer ``layer``'s Engram tables: its largest prime size, padded."""
+    e = cfg.engram
+    largest = max(max(order) for order in table_sizes(e, cfg.engram_layers)[layer])
+    return -(-largest // e.pad_rows_to) * e.pad_rows_to
+
+
+def engram_gate_parameters(cfg: ModelConfig) -> int:
+    e, d = cfg.engram, cfg.d_model
+    if e.gate == "softmax":
+        return d * d
+    width = (e.max_ngram - 1) * e.heads * cfg.engram_head_dim  # T·m
+    return 2 * width * d + 3 * d + e.kernel_size * d
+
+
+def parameter_count(cfg: ModelConfig, vocab_size: int) -> ParameterCount:
+    """``cfg``'s parameters for a tokenizer of ``vocab_size`` tokens (which only Standard's tables depend on)."""
+    d, hd = cfg.d_model, cfg.resolved_head_dim
+    attention = 2 * d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd + 2 * hd
+    layer = attention + 3 * d * cfg.ffn_dim + 2 * d
+    engram_tables = 0
+    if cfg.engram is not None:
+        heads = (cfg.engram.max_ngram - 1) * cfg.engram.heads
+        engram_tables = sum(heads * engram_table_rows(cfg, i) * cfg.engram_head_dim for i in cfg.engram_layers)
+    backbone = cfg.n_layers * layer + d + len(cfg.engram_layers) * (engram_gate_parameters(cfg) if cfg.engram else 0)
+    if cfg.variant == "standard":
+        tables, other = cfg.padded_vocab_rows(vocab_size) * d, 0
+    else:
+        h = cfg.hash
+        tables = h.num_hashes * h.num_buckets * d
+        other = (d * h.gate_dim + 2 * h.gate_dim + 1) + (d * d + d) + (h.num_hashes - 1) * (
+            2 * d * h.mixer_dim + h.mixer_dim + h.mixer_dim * d + d)
+    offloaded = cfg.engram is not None and cfg.engram.offload
+    return ParameterCount(vocab_tables=tables, vocab_other=other, backbone=backbone,
+                          engram_tables=0 if offloaded else engram_tables,
+                          host_tables=engram_tables if offloaded else 0)

@@ -1,0 +1,168 @@
+"""What a training job will take, from its config and cluster profile alone: time per step, checkpoint size, save
+time, and the grace period a save on SLURM's warning signal needs. Nothing here imports torch: ``plan`` prints
+these estimates and ``submit`` sizes the job's ``--signal`` from them on a login node.
+
+**Time per step** (:func:`step_seconds`), with the FLOPs that MFU counts in
+training (:mod:`mhf_dist.model.flops`, as the training loop logs it): ``F = 3 ·
+forward`` per token. Activation checkpointing recomputes the forward of every
+checkpointed block in backward; MFU leaves that work out, so an assumed MFU
+already pays for it (the plan prints the implied hardware FLOPs utilisation,
+``HFU = MFU · (F + recompute) / F``). For ``T = global_batch · seq_len`` tokens
+per step on ``n`` devices of dense bf16 peak ``peak`` (the profile's ``peak_bf16_tflops``)::
+
+    seconds per step = T · F / (MFU · n · peak),    tokens/s = T / seconds per step
+
+**Checkpoint size** (:func:`checkpoint_bytes`), for the parameters ``P`` DeepSpeed trains
+(:mod:`mhf_dist.model.parameter_count`): every ZeRO stage saves the fp32 master weights and AdamW's two fp32
+moments, 12 bytes per parameter; under ZeRO-3 that is all (its 16-bit weights are partitions of the master),
+while a pipeline's layer files also hold the weights in the run's dtype (4 or 2 bytes), and its first and last
+stage each hold, optimise and save the tied vocabulary tables. Engram tables in host memory
+(``model.engram.offload``) add their weights and moments, 12 bytes per parameter. The RNG states and
+DeepSpeed's bookkeeping are small beside these.
+
+**Save time** (:func:`save_seconds`): the nodes write their ranks' shares at once, each at the profile's
+``storage_gb_per_s``, so ``bytes / (nodes · storage_gb_per_s)``; the digests read the files back from the page
+cache.
+
+**Grace** (:func:`grace_seconds`): SLURM's warning signal arrives during a step; the ranks finish it, save and
+exit. The grace asked for is ``1.5 · (step + save) + 30 s`` (slow storage days, the exit), rounded up to ten
+seconds, and never below :data:`MIN_GRACE_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from mhf_dist.cluster import ClusterProfile
+from mhf_dist.config import ConfigError, RunConfig
+from mhf_dist.model.flops import forward_flops
+from mhf_dist.model.parameter_count import parameter_count
+from mhf_dist.parallel.layout import checkpoint_interval, deepspeed_config, resolve_layout
+
+DEFAULT_MFU = 0.40
+PLANNING_VOCAB_SIZE = 32768  # the tokenizer size estimates assume (only Standard's tables depend on it)
+MIN_GRACE_SECONDS = 120
+GRACE_SAFETY = 1.5
+EXIT_SECONDS = 30
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """One optimizer step at an assumed MFU (module docstring)."""
+
+    mfu: float
+    peak_flops: float  # all devices together
+    tokens_per_step: int
+    flops_per_token: int  # model FLOPs, 3 × forward
+    recompute_per_token: int  # forward FLOPs of the checkpointed blocks, done again in backward
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.seconds
+
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs utilisation implied by the assumed MFU: ``MFU · (F + recompute) / F``."""
+        return self.mfu * (self.flops_per_token + self.recompute_per_token) / self.flops_per_token
+
+
+def device_of(profile: ClusterProfile) -> str:
+    """The device type of a profile's ranks (its DeepSpeed config depends on it)."""
+    return "cpu" if profile.backend == "gloo" else "cuda"
+
+
+def step_seconds(tokens: int, flops_per_token: float, mfu: float, peak_flops: float) -> float:
+    """Seconds per optimizer step: ``T · F / (MFU · peak)`` for ``peak`` FLOP/s of all devices together."""
+    return tokens * flops_per_token / (mfu * peak_flops)
+
+
+def step_estimate(cfg: RunConfig, profile: ClusterProfile, nodes: int, mfu: float = DEFAULT_MFU,
+                  vocab_size: int = PLANNING_VOCAB_SIZE) -> StepEstimate | None:
+    """Time and throughput of one optimizer step at an assumed ``mfu``; None when the profile gives no nominal
+    peak (``peak_bf16_tflops``)."""
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"--mfu {mfu:g} is not a fraction in (0, 1]; pass e.g. --mfu 0.4")
+    if profile.peak_bf16_tflops is None:
+        return None
+    world = nodes * profile.gpus_per_node
+    layout = resolve_layout(cfg, world)
+    m = cfg.model
+    rows = m.padded_vocab_rows(vocab_size) if m.variant == "standard" else m.hash.num_buckets
+    flops = forward_flops(m, cfg.data.seq_len, rows)
+    k = checkpoint_interval(cfg, deepspeed_config(cfg, layout, device_of(profile)))
+    recompute = sum(flops.layer(i) for i in range(m.n_layers) if k and i % k == 0)
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    peak = profile.peak_bf16_tflops * 1e12 * world
+    return StepEstimate(mfu=mfu, peak_flops=peak, tokens_per_step=tokens, flops_per_token=flops.train,
+                        recompute_per_token=recompute, seconds=step_seconds(tokens, flops.train, mfu, peak))
+
+
+def checkpoint_bytes(cfg: RunConfig, pp: int, vocab_size: int = PLANNING_VOCAB_SIZE) -> int:
+    """The size of one checkpoint of ``cfg`` trained with ``pp`` pipeline stages (module docstring)."""
+    count = parameter_count(cfg.model, vocab_size)
+    master_and_moments = 12
+    if pp == 1:
+        saved = master_and_moments * count.trained_by_deepspeed
+    else:
+        weights = 2 if cfg.train.dtype == "bf16" else 4
+        saved = (master_and_moments + weights) * (count.trained_by_deepspeed + count.vocab_tables)
+    return saved + master_and_moments * count.host_tables
+
+
+def save_seconds(size: float, nodes: int, storage_gb_per_s: float) -> float:
+    """Seconds to write ``size`` bytes from ``nodes`` nodes, each at ``storage_gb_per_s``."""
+    return size / (nodes * storage_gb_per_s * 1e9)
+
+
+def grace_seconds(step_s: float, save_s: float) -> int:
+    """The grace period that fits a step and a save after SLURM's warning (module docstring)."""
+    needed = GRACE_SAFETY * (step_s + save_s) + EXIT_SECONDS
+    return max(MIN_GRACE_SECONDS, 10 * math.ceil(needed / 10))
+
+
+@dataclass(frozen=True)
+class SaveEstimate:
+    """One checkpoint of a job: its size, the time to write it, and the grace period a save on the signal needs."""
+
+    bytes: int
+    seconds: float
+    step_seconds: float | None  # None: the profile gives no peak to estimate a step from
+    storage_gb_per_s: float
+
+    @property
+    def grace(self) -> int:
+        return grace_seconds(self.step_seconds or 0.0, self.seconds)
+
+
+def save_estimate(cfg: RunConfig, profile: ClusterProfile, nodes: int,
+                  vocab_size: int = PLANNING_VOCAB_SIZE) -> SaveEstimate:
+    """The checkpoints of ``cfg`` on ``nodes`` nodes of ``profile`` (step time at :data:`DEFAULT_MFU`)."""
+    layout = resolve_layout(cfg, nodes * profile.gpus_per_node)
+    size = checkpoint_bytes(cfg, layout.pp, vocab_size)
+    step = step_estimate(cfg, profile, nodes, vocab_size=vocab_size)
+    return SaveEstimate(bytes=size, seconds=save_seconds(size, nodes, profile.storage_gb_per_s),
+                        step_seconds=step.seconds if step else None, storage_gb_per_s=profile.storage_gb_per_s)
+
+
+_TIME_LIMIT = re.compile(r"(?:(?P<days>\d+)-)?(?P<a>\d+)(?::(?P<b>\d+))?(?::(?P<c>\d+))?")
+
+
+def time_limit_seconds(limit: str) -> int | None:
+    """A SLURM ``--time`` value in seconds (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``,
+    ``D-HH:MM:SS``); None for ``UNLIMITED``/``INFINITE``."""
+    if limit.strip().upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    m = _TIME_LIMIT.fullmatch(limit.strip())
+    if m is None:
+        raise ConfigError(f"--time={limit!r} is not a SLURM time limit (e.g. 30, 24:00:00 or 2-00:00:00)")
+    days, parts = int(m["days"] or 0), [int(p) for p in (m["a"], m["b"], m["c"]) if p is not None]
+    if m["days"]:  # D-HH[:MM[:SS]]
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        hours, minutes, seconds = parts
+    else:  # MM[:SS]
+        hours, (minutes, seconds) = 0, (parts + [0])[:2]
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
