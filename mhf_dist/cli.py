@@ -321,7 +321,8 @@ def _train_parser(sub) -> None:
 def _prepare_data_parser(sub) -> None:
     p = sub.add_parser("prepare-data", help="tokenize text into WebDataset shards of packed sequences + manifest")
     p.add_argument("inputs", nargs="+", help="text files or globs: .txt (blank-line separated documents) "
-                   "or .jsonl (one document per line), optionally .gz")
+                   "or .jsonl (one document per line), optionally .gz or .zst, and .parquet (one document per row); "
+                   ".zst and .parquet need pip install 'mhf-dist[data]'")
     p.add_argument("--tokenizer", required=True, help="tokenizer directory, or mistral-v0.3")
     p.add_argument("--out", required=True, help="output directory (new or empty; see --overwrite)")
     _add_overwrite(p)
@@ -329,7 +330,10 @@ def _prepare_data_parser(sub) -> None:
                    help="model sequence length; samples hold seq_len + 1 ids")
     p.add_argument("--samples-per-shard", type=positive_int, default=8192, help="samples per tar shard (default 8192)")
     p.add_argument("--prefix", default="train", help="training shard names: PREFIX-000000.tar ... (default train)")
-    p.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl inputs")
+    p.add_argument("--text-field", default="text", help="the field (.jsonl) or column (.parquet) holding the text")
+    p.add_argument("--on-bad-document", choices=("error", "skip"), default="error",
+                   help="a document that is not a string: stop, naming its file and line or row (error), or leave it "
+                   "out and count it in the manifest (skip)")
     p.add_argument("--val-fraction", type=float, default=0.0,
                    help="fraction of documents held out (by a hash of their text) into val-*.tar shards")
     p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,

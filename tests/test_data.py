@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mhf_dist.cli import main
 from mhf_dist.data.prepare import DataError, documents, expand_inputs, is_validation, prepare
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
@@ -160,6 +161,56 @@ def test_prepare_names_bad_inputs(tmp_path, tok_dir, shards):
         prepare([str(tmp_path / "none*.txt")], tok_dir, tmp_path / "o2", seq_len=SEQ, progress=False)
     with pytest.raises(DataError, match="not empty"):
         prepare([bad], tok_dir, shards, seq_len=SEQ, progress=False)
+
+
+def _shard_digests(manifest: dict) -> list[str]:
+    return [e["sha256"] for split in manifest["splits"].values() for e in split["shards"]]
+
+
+def test_parquet_and_zstd_inputs_give_the_shards_of_the_same_documents_in_jsonl(inputs, docs, tok_dir, shards,
+                                                                                 tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    # docs[:20] as .txt.zst, docs[20:35] as a Parquet file of several row groups, docs[35:] as .jsonl.zst
+    (tmp_path / "a.txt.zst").write_bytes(zstandard.compress(("\n\n\n".join(docs[:20]) + "\n").encode()))
+    pq.write_table(pa.table({"id": list(range(15)), "body": docs[20:35]}), tmp_path / "b.parquet", row_group_size=4)
+    assert pq.ParquetFile(tmp_path / "b.parquet").num_row_groups == 4
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.compress(
+        "".join(json.dumps({"body": t}) + "\n" for t in docs[35:]).encode()))
+    files = [tmp_path / "a.txt.zst", tmp_path / "b.parquet", tmp_path / "c.jsonl.zst"]
+    assert list(documents(files, "body")) == docs
+    manifest = _prepare([str(f) for f in files], tok_dir, tmp_path / "out", workers=1)
+    reference = json.loads((shards / "manifest.json").read_text())
+    assert _shard_digests(manifest) == _shard_digests(reference) and manifest["skipped_documents"] == 0
+
+
+def test_documents_that_are_not_strings_are_named_or_skipped_and_counted(docs, tok_dir, tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [docs[0], None, docs[1]]}), tmp_path / "rows.parquet", row_group_size=2)
+    (tmp_path / "lines.jsonl").write_text(f'{json.dumps({"text": docs[2]})}\n{{"text": 7}}\nnot json\n')
+    with pytest.raises(DataError, match=r"rows.parquet: row 1: column 'text' holds None, not a string.*"
+                                        r"--on-bad-document skip"):
+        list(documents([tmp_path / "rows.parquet"]))
+    with pytest.raises(DataError, match=r"lines.jsonl:2: field 'text' is not a string"):
+        list(documents([tmp_path / "lines.jsonl"]))
+    with pytest.raises(DataError, match=r"has no column 'body' \(it has text\); name the text column"):
+        list(documents([tmp_path / "rows.parquet"], "body"))
+    assert main(["prepare-data", str(tmp_path / "rows.parquet"), str(tmp_path / "lines.jsonl"), "--tokenizer",
+                 str(tok_dir), "--out", str(tmp_path / "out"), "--seq-len", "8", "--on-bad-document", "skip",
+                 "--no-progress"]) == 0
+    assert "skipped 3 documents that were not strings" in capsys.readouterr().out
+    manifest = json.loads((tmp_path / "out/manifest.json").read_text())
+    assert manifest["skipped_documents"] == 3 and manifest["splits"]["train"]["documents"] == 3
+    (tmp_path / "broken.jsonl.zst").write_bytes(b"not zstd at all")
+    with pytest.raises(DataError, match="broken.jsonl.zst is not a readable zstd stream"):
+        list(documents([tmp_path / "broken.jsonl.zst"]))
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 truncated")
+    with pytest.raises(DataError, match="broken.parquet is not a readable Parquet file"):
+        list(documents([tmp_path / "broken.parquet"]))
 
 
 # ---------------------------------------------------------------- reader: order, ranks, resume

@@ -1,11 +1,18 @@
 """Text files -> WebDataset tar shards of packed token ids, plus ``manifest.json`` (docs/spec.md §7).
 
 Inputs and documents
-    ``.txt`` and ``.jsonl`` files, each optionally gzipped (``.gz``), and glob
-    patterns over them (matches are taken in sorted order; inputs in the order
-    given). In a ``.txt`` file, documents are separated by blank lines; in a
-    ``.jsonl`` file every line is one JSON object and its ``text_field`` is one
-    document. Whitespace-only documents are ignored.
+    ``.txt`` and ``.jsonl`` files, each optionally compressed (``.gz``, or
+    ``.zst`` with the ``data`` extra), ``.parquet`` files (the ``data`` extra:
+    pyarrow), and glob patterns over them (matches are taken in sorted order;
+    inputs in the order given). In a ``.txt`` file, documents are separated by
+    blank lines; in a ``.jsonl`` file every line is one JSON object and its
+    ``text_field`` is one document; in a Parquet file each row's ``text_field``
+    column is one, read one row group at a time (a corpus's files need not fit
+    in memory). Whitespace-only documents are ignored. A document that is not a
+    string (a JSON line that does not parse, a missing field, a null or a
+    number) stops the preparation with its file and line or row, or, with
+    ``on_bad_document="skip"``, is left out and counted in the manifest
+    (``skipped_documents``).
 
 Packing
     Every document is tokenized without special tokens and followed by the
@@ -40,7 +47,7 @@ Validation split
      "dtype": "uint16" | "uint32", "vocab_size": V, "eos_id": E,
      "tokenizer_fingerprint": tokens_fingerprint(vocabulary(tokenizer)),
      "sample_member": "tokens.npy", "samples_per_shard": n, "val_fraction": f,
-     "text_field": "text", "inputs": [input files],
+     "text_field": "text", "inputs": [input files], "skipped_documents": n,
      "splits": {"train": SPLIT, "val": SPLIT (only when val_fraction > 0)}}
     SPLIT = {"documents": d, "input_tokens": t (EOS included), "samples": s,
              "tokens": s * (L + 1), "dropped_tokens": t - s * (L + 1),
@@ -54,6 +61,7 @@ import argparse
 import glob
 import gzip
 import hashlib
+import importlib
 import io
 import json
 import multiprocessing
@@ -76,7 +84,11 @@ MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 SAMPLE_MEMBER = "tokens.npy"
 VAL_PREFIX = "val"
-_SUFFIXES = (".txt", ".jsonl")
+_TEXT_SUFFIXES = (".txt", ".jsonl")
+_COMPRESSED = (".gz", ".zst")
+PARQUET = ".parquet"
+ON_BAD_DOCUMENT = ("error", "skip")
+DATA_EXTRA = "pip install 'mhf-dist[data]'"
 _CHUNK_CHARS = 1 << 16  # text per tokenization task
 
 
@@ -94,43 +106,112 @@ def expand_inputs(patterns: Sequence[str | os.PathLike]) -> list[Path]:
         for match in map(Path, matches):
             if not match.is_file():
                 raise DataError(f"input {match}: no such file; check the path")
-            if not match.name.removesuffix(".gz").endswith(_SUFFIXES):
-                raise DataError(f"input {match}: unsupported file type; use .txt or .jsonl, optionally gzipped (.gz)")
+            if not _readable_kind(match):
+                raise DataError(f"input {match}: unsupported file type; use .txt or .jsonl (optionally compressed: "
+                                ".gz, .zst) or .parquet")
             files.append(match)
     return files
 
 
-def documents(files: Sequence[Path], text_field: str = "text") -> Iterator[str]:
-    """Documents of the input files, in order (blank-line separated in .txt, one per line in .jsonl)."""
+def _uncompressed_name(path: Path) -> str:
+    return path.name.removesuffix(path.suffix) if path.suffix in _COMPRESSED else path.name
+
+
+def _readable_kind(path: Path) -> bool:
+    return path.suffix == PARQUET or _uncompressed_name(path).endswith(_TEXT_SUFFIXES)
+
+
+class BadDocuments:
+    """What to do with a document that is not a string (``on_bad_document``), and how many were left out."""
+
+    def __init__(self, action: str = "error"):
+        if action not in ON_BAD_DOCUMENT:
+            raise DataError(f"on_bad_document={action!r}: use one of {', '.join(ON_BAD_DOCUMENT)}")
+        self.action, self.skipped = action, 0
+
+    def found(self, where: str, problem: str, fix: str) -> None:
+        """A bad document at ``where``: raised, or counted when skipping."""
+        if self.action == "error":
+            raise DataError(f"{where}: {problem}; {fix}, or leave such documents out with --on-bad-document skip")
+        self.skipped += 1
+
+
+def _open_text(path: Path):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    if path.suffix == ".zst":
+        return _optional("zstandard", path).open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _optional(module: str, path: Path):
+    """A module of the ``data`` extra, or an error naming the input that needs it and the install command."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(f"input {path} needs {module}, which is not installed: {DATA_EXTRA}") from None
+
+
+def documents(files: Sequence[Path], text_field: str = "text", bad: BadDocuments | None = None) -> Iterator[str]:
+    """Documents of the input files, in order (blank-line separated in .txt, one per line in .jsonl, one per row in
+    .parquet); ``bad`` decides about documents that are not strings (default: stop)."""
+    bad = bad or BadDocuments()
     for path in files:
-        opener = gzip.open if path.suffix == ".gz" else open
+        if path.suffix == PARQUET:
+            yield from _parquet_documents(path, text_field, bad)
+            continue
         try:
-            with opener(path, "rt", encoding="utf-8") as f:
-                if path.name.removesuffix(".gz").endswith(".jsonl"):
-                    yield from _jsonl_documents(f, path, text_field)
+            with _open_text(path) as f:
+                if _uncompressed_name(path).endswith(".jsonl"):
+                    yield from _jsonl_documents(f, path, text_field, bad)
                 else:
                     yield from _paragraphs(f)
         except (UnicodeDecodeError, OSError) as e:  # OSError includes a bad gzip stream
             raise DataError(
                 f"input {path} is not readable UTF-8 text ({e}); convert or repair it, or leave it out") from None
+        except Exception as e:  # zstandard's ZstdError, which is no OSError, for a damaged .zst
+            if path.suffix != ".zst" or isinstance(e, DataError):
+                raise
+            raise DataError(f"input {path} is not a readable zstd stream ({e}); repair it, or leave it out") from None
 
 
-def _jsonl_documents(lines, path: Path, text_field: str) -> Iterator[str]:
+def _jsonl_documents(lines, path: Path, text_field: str, bad: BadDocuments) -> Iterator[str]:
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             text = json.loads(line)[text_field]
         except (json.JSONDecodeError, TypeError, KeyError) as e:
-            raise DataError(
-                f"{path}:{number}: not a JSON object with a string field {text_field!r} ({e!r}); "
-                "fix the line or name the right field with --text-field"
-            ) from None
+            bad.found(f"{path}:{number}", f"not a JSON object with a string field {text_field!r} ({e!r})",
+                      "fix the line or name the right field with --text-field")
+            continue
         if not isinstance(text, str):
-            raise DataError(
-                f"{path}:{number}: field {text_field!r} is not a string; name the text field with --text-field")
-        if text.strip():
+            bad.found(f"{path}:{number}", f"field {text_field!r} is not a string",
+                      "name the text field with --text-field")
+        elif text.strip():
             yield text
+
+
+def _parquet_documents(path: Path, text_field: str, bad: BadDocuments) -> Iterator[str]:
+    """Each row's ``text_field``, one row group at a time."""
+    parquet = _optional("pyarrow.parquet", path)
+    try:
+        table = parquet.ParquetFile(path)
+    except Exception as e:  # pyarrow's ArrowInvalid and OSError for a file that is not Parquet, or is truncated
+        raise DataError(f"input {path} is not a readable Parquet file ({e}); repair it, or leave it out") from None
+    columns = table.schema_arrow.names
+    if text_field not in columns:
+        raise DataError(f"input {path} has no column {text_field!r} (it has {', '.join(columns)}); name the text "
+                        "column with --text-field")
+    row = 0
+    for group in range(table.num_row_groups):
+        for text in table.read_row_group(group, columns=[text_field]).column(0).to_pylist():
+            if not isinstance(text, str):
+                bad.found(f"{path}: row {row}", f"column {text_field!r} holds {text!r}, not a string",
+                          "fix the row or name the text column with --text-field")
+            elif text.strip():
+                yield text
+            row += 1
 
 
 def _paragraphs(lines) -> Iterator[str]:
@@ -282,6 +363,7 @@ def prepare(
     val_fraction: float = 0.0,
     workers: int = 1,
     progress: bool = True,
+    on_bad_document: str = "error",
 ) -> dict:
     """Tokenize ``inputs`` and write packed shards and ``manifest.json`` into ``out_dir``; returns the manifest.
 
@@ -296,6 +378,7 @@ def prepare(
         raise DataError(
             f"prefix {prefix!r}: pick a plain name other than {VAL_PREFIX!r} (used by the validation shards)")
     files = expand_inputs(inputs)
+    bad = BadDocuments(on_bad_document)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise DataError(f"output directory {out} is not empty; remove it or choose another --out")
@@ -310,7 +393,7 @@ def prepare(
     if val_fraction > 0:
         writers.append(_SplitWriter(out, VAL_PREFIX, seq_len + 1, dtype, samples_per_shard))
 
-    chunks = _chunks(documents(files, text_field))
+    chunks = _chunks(documents(files, text_field, bad))
     results = _tokenized(chunks, _ChunkTokenizer(tok, val_fraction), str(tokenizer), workers)
     with tqdm(desc="tokenizing", unit="doc", disable=not progress) as bar:
         for n_docs, (train_ids, val_ids, n_train, n_val) in results:
@@ -343,6 +426,7 @@ def prepare(
         "val_fraction": val_fraction,
         "text_field": text_field,
         "inputs": [str(f) for f in files],
+        "skipped_documents": bad.skipped,
         "splits": splits,
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -358,10 +442,12 @@ def run(args: argparse.Namespace) -> int:
         manifest = prepare(
             args.inputs, args.tokenizer, tmp, seq_len=args.seq_len, samples_per_shard=args.samples_per_shard,
             prefix=args.prefix, text_field=args.text_field, val_fraction=args.val_fraction, workers=args.workers,
-            progress=args.progress,
+            progress=args.progress, on_bad_document=args.on_bad_document,
         )
     for name, split in manifest["splits"].items():
         print(f"{name}: {split['documents']} documents, {split['samples']} samples of {manifest['sample_tokens']} "
               f"tokens in {len(split['shards'])} shards ({split['dropped_tokens']} trailing tokens dropped)")
+    if manifest["skipped_documents"]:
+        print(f"skipped {manifest['skipped_documents']} documents that were not strings (--on-bad-document skip)")
     print(f"wrote {Path(args.out) / MANIFEST}")
     return 0
