@@ -23,8 +23,18 @@ import torch
 
 from helpers.runs import metrics, run_cli, train_args, train_run
 from mhf_dist.cli import main
-from mhf_dist.train.checkpoint import read_legacy_rng_state, read_rng_state, set_rng_state, write_rng_state
-from mhf_dist.train.checkpoint_index import checkpoint_bytes
+from mhf_dist.config import load_config
+from mhf_dist.train.checkpoint import (
+    DISK_BYTES_ENV,
+    BackgroundDeleter,
+    Checkpointer,
+    free_bytes,
+    read_legacy_rng_state,
+    read_rng_state,
+    set_rng_state,
+    write_rng_state,
+)
+from mhf_dist.train.checkpoint_index import checkpoint_bytes, complete_checkpoints
 
 ZERO1 = "parallel.zero_stage=1"
 
@@ -193,6 +203,53 @@ def test_the_rerun_a_full_disk_message_suggests_succeeds(tmp_path, data, monkeyp
     assert "deleting step-00000001 before saving step-00000003 to make room (train.keep_checkpoints=2)" in out
     assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000002", "step-00000003"]
     assert (ckpts / "latest").read_text() == "step-00000003"
+
+
+def _sized_checkpoint(ckpts: Path, step: int, size: int) -> None:
+    """A complete checkpoint of one ``size``-byte file."""
+    path = ckpts / f"step-{step:08d}"
+    path.mkdir(parents=True)
+    (path / "model.pt").write_bytes(b"x" * size)
+    (path / "complete.json").write_text(json.dumps({
+        "step": step, "tokens": step, "reason": "interval", "files": {"model.pt": size}, "model": {},
+        "layout": {"tp": 1, "pp": 1, "dp": 1}, "signatures_hash": None}))
+
+
+def _rank0_checkpointer(ckpts: Path, keep: int) -> Checkpointer:
+    """A Checkpointer's rank-0 side without a process group: what retention before a save reads."""
+    checkpointer = object.__new__(Checkpointer)
+    checkpointer.dir, checkpointer.deleter = ckpts, BackgroundDeleter(ckpts)
+    checkpointer.cfg = load_config("tiny-h4b16k", overrides=[f"train.keep_checkpoints={keep}"])
+    return checkpointer
+
+
+def test_retention_before_a_save_deletes_only_what_makes_room(tmp_path, monkeypatch):
+    # Room for half a checkpoint: before the save, the oldest checkpoints train.keep_checkpoints lets go are deleted
+    # (and waited for) when that makes room, never the newest; when even that would not make room, nothing is.
+    ckpts = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        _sized_checkpoint(ckpts, step, 1000)
+
+    def leave_room_for(size: int) -> None:
+        used = sum(f.stat().st_size for f in ckpts.rglob("*") if f.is_file())
+        monkeypatch.setenv(DISK_BYTES_ENV, str(used + size))
+
+    leave_room_for(500)
+    _rank0_checkpointer(ckpts, keep=3)._retire_to_fit(ckpts / "step-00000004")
+    assert [p.name for p in complete_checkpoints(ckpts)] == ["step-00000002", "step-00000003"]
+    assert not (ckpts / ".deleting").exists()  # deleted, not only moved out of the way
+    leave_room_for(500)
+    _rank0_checkpointer(ckpts, keep=1)._retire_to_fit(ckpts / "step-00000004")
+    assert [p.name for p in complete_checkpoints(ckpts)] == ["step-00000003"]  # the newest stays
+
+    _sized_checkpoint(ckpts, 5, 4000)  # no delete can make room for another of these
+    leave_room_for(500)
+    checkpointer = _rank0_checkpointer(ckpts, keep=1)
+    checkpointer._retire_to_fit(ckpts / "step-00000006")
+    assert [p.name for p in complete_checkpoints(ckpts)] == ["step-00000003", "step-00000005"]
+    assert checkpointer._space_fix(complete_checkpoints(ckpts), free_bytes(ckpts), limited=False) == (
+        "free space, then rerun to resume (--resume auto); deleting older checkpoints would not make room "
+        "(step-00000005, the newest, is always kept)")
 
 
 class RunsCommand:

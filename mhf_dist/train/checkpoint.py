@@ -587,20 +587,19 @@ class Checkpointer:
         return (f"could not save checkpoint {path}: {cause}. A checkpoint takes {need}; {_size(free)} are free on its "
                 "filesystem" + (f", and this process may write files of at most {_size(limit)} (ulimit -f)" if limited
                                 else "")
-                + f". The incomplete {path.name} was removed and {resume}: {self._space_fix(previous, free, limited)}, "
-                "then rerun to resume (--resume auto)")
+                + f". The incomplete {path.name} was removed and {resume}: {self._space_fix(previous, free, limited)}")
 
     def _space_fix(self, previous: list[Path], free: int, limited: bool) -> str:
-        """What makes room for the next save: free space (or raise ``ulimit -f``), or a lower
+        """How to make room for the next save: free space (or raise ``ulimit -f``), or rerun with a lower
         ``train.keep_checkpoints`` when the deletes it allows before a save would make room."""
         fix = "free space" + (" (or raise ulimit -f)" if limited else "")
         if not previous or checkpoint_bytes(previous[-1]) <= free:
-            return fix
+            return f"{fix}, then rerun to resume (--resume auto)"
         if (keep := self._keep_that_fits(previous, free)) is None:
-            return (f"{fix}; deleting older checkpoints would not make room ({previous[-1].name}, the newest, is "
-                    "always kept)")
-        return (f"{fix}, or rerun with --set train.keep_checkpoints={keep} (older checkpoints are then deleted before "
-                f"the save, {previous[-1].name} kept)")
+            return (f"{fix}, then rerun to resume (--resume auto); deleting older checkpoints would not make room "
+                    f"({previous[-1].name}, the newest, is always kept)")
+        return (f"{fix} and rerun to resume (--resume auto), or rerun with --set train.keep_checkpoints={keep} (older "
+                f"checkpoints are then deleted before the save, {previous[-1].name} kept)")
 
     # ------------------------------------------------------------------ load
     def verify(self, path: Path) -> dict:
