@@ -229,7 +229,7 @@ def cmd_status(args) -> int:
     from mhf_dist.status import command_target, show
 
     run_dir, watch = command_target(args.run_dir, args.watch)
-    return show(run_dir, args.json, watch, args.stale_minutes)
+    return show(run_dir, args.json, watch, args.stale_minutes, args.verify)
 
 
 def cmd_profile(args) -> int:
@@ -474,14 +474,17 @@ def _status_parser(sub) -> None:
     p = sub.add_parser("status", help="a run's progress: step, loss, throughput, ETA, checkpoint, SLURM job; "
                        "flags a stalled run", description="Read a run directory (no process needs to run there): "
                        "step, tokens, loss, tokens/s, MFU, time since the last logged step (STALE past a threshold), "
-                       "ETA, newest complete checkpoint, validation, divergence counters, and the SLURM job of a "
-                       "submitted run (scontrol/sacct when present). Exits 2 if RUN_DIR is not a run directory.")
+                       "ETA, newest complete checkpoint whose files check out (and those that do not), validation, "
+                       "divergence counters, the run lock's holder (gone or not), and the SLURM job of a submitted "
+                       "run (scontrol/sacct when present). Exits 2 if RUN_DIR is not a run directory.")
     p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="the --run-dir of `mhf-dist train` or `submit`")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (keys listed in mhf_dist/status.py; one line per refresh with --watch)")
     p.add_argument("--watch", nargs="?", const=str(DEFAULT_WATCH_S), metavar="SECONDS",
                    help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C")
     p.add_argument("--stale-minutes", type=positive_number, metavar="MINUTES", help=STALE_HELP)
+    p.add_argument("--verify", action="store_true", help="check the checkpoints' SHA-256 digests too, not only their "
+                   "files' sizes (reads every file of the newest ones, as a resume does)")
     p.set_defaults(func=cmd_status)
 
 

@@ -8,6 +8,9 @@ modification time every :data:`HEARTBEAT_S` seconds. A lock is stale, and
 taken over with a warning, when its process is gone (same host), when it was
 taken by an earlier run of the same SLURM job (a requeue), or when its
 heartbeat stopped more than :data:`STALE_S` seconds ago (a crashed node).
+``status`` calls its holder gone sooner (:func:`holder_gone`): once the
+process is not running (same host) or the heartbeat missed
+:data:`MISSED_BEATS` refreshes.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from mhf_dist.errors import MhfError
 
 LOCK_FILE = "lock.json"
 HEARTBEAT_S = 30
-STALE_S = 300
+STALE_S = 300  # a heartbeat this old lets another job take the lock over (a busy filesystem may delay a few)
+MISSED_BEATS = 3  # a heartbeat this many intervals old tells status the holder is gone
 
 
 class RunDirLocked(MhfError, RuntimeError):
@@ -38,6 +42,24 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # someone else's live process
         return True
     return True
+
+
+def _exited(holder: dict) -> str | None:
+    """Why ``holder``'s process no longer runs when it ran on this host, else None (running, or on another host)."""
+    host = socket.gethostname()
+    if holder.get("host") == host and not _alive(int(holder.get("pid", 0))):
+        return f"process {holder.get('pid')} on {host} has exited"
+    return None
+
+
+def holder_gone(holder: dict, age_s: float) -> str | None:
+    """Why the job holding a lock (heartbeat ``age_s`` seconds ago) is gone as far as this host can tell, or None
+    while it may be alive: its process is not running here, or its heartbeat missed :data:`MISSED_BEATS` refreshes."""
+    if (exited := _exited(holder)) is not None:
+        return exited
+    if age_s > MISSED_BEATS * HEARTBEAT_S:
+        return f"its heartbeat missed over {MISSED_BEATS} refreshes (a live job refreshes it every {HEARTBEAT_S} s)"
+    return None
 
 
 def _owner() -> dict:
@@ -55,8 +77,8 @@ class RunLock:
         me = _owner()
         if holder.get("slurm_job_id") and holder.get("slurm_job_id") == me["slurm_job_id"]:
             return f"it was taken by an earlier run of this SLURM job ({me['slurm_job_id']})"
-        if holder.get("host") == me["host"] and not _alive(int(holder.get("pid", 0))):
-            return f"process {holder.get('pid')} on {me['host']} has exited"
+        if (exited := _exited(holder)) is not None:
+            return exited
         if age_s > STALE_S:
             return f"its heartbeat stopped {age_s / 60:.0f} minutes ago"
         return None

@@ -1,9 +1,11 @@
 """``mhf-dist status RUN_DIR``: a run's progress from its files (no process needs to be running).
 
-It reads ``config.yaml``, ``metrics.jsonl``, the complete checkpoints, ``lock.json``
-and ``slurm/jobs.jsonl``, and asks SLURM (``scontrol``, else ``sacct``, each with a
-:data:`SLURM_TIMEOUT_S` limit) for the state of the run's current job when
-those commands exist. It imports neither torch nor numpy, so it starts fast.
+It reads ``config.yaml``, ``metrics.jsonl``, the complete checkpoints (checking
+their files' sizes against ``complete.json``; ``--verify`` also their SHA-256
+digests, which reads every file), ``lock.json`` and ``slurm/jobs.jsonl``, and
+asks SLURM (``scontrol``, else ``sacct``, each with a :data:`SLURM_TIMEOUT_S`
+limit) for the state of the run's current job when those commands exist. It
+imports neither torch nor numpy, so it starts fast.
 
 ``metrics.jsonl`` records hold no wall-clock time, so the time since the last
 logged step is the age of ``metrics.jsonl`` (its modification time), and rates
@@ -33,16 +35,23 @@ null; unknown values are null). Its keys:
 - ``last_step_age_s``: seconds since ``metrics.jsonl`` was written
 - ``stale_after_s``: the staleness threshold in use; ``stale``: whether the run is STALE
 - ``eta_s``: seconds to ``max_steps`` at ``seconds_per_step`` (0 when finished)
-- ``checkpoint``: newest complete checkpoint, ``{name, path, step, tokens, reason, age_s}``
-  (``age_s`` from its ``complete.json``), or null
+- ``checkpoint``: newest complete checkpoint whose files check out (the one ``train --resume auto`` continues
+  from), ``{name, path, step, tokens, reason, age_s}`` (``age_s`` from its ``complete.json``), or null
+- ``checkpoint_check``: what was checked: ``sizes`` (every file's size), or ``digests`` (sizes and SHA-256:
+  ``--verify``, for checkpoints that record digests)
+- ``damaged_checkpoints``: the newer complete checkpoints that fail that check, newest first:
+  ``[{name, path, step, problem}]`` (``train --resume auto`` moves them to ``checkpoints/corrupt/``)
 - ``validation``: ``{step, val_loss, val_ppl, ...}``: every ``val_*`` field of the newest record holding any, or null
 - ``nonfinite_steps``, ``skipped_steps``, ``loss_spikes``: the newest logged value of each counter, or null
 - ``slurm``: ``{job_id, state, restarts, source, submitted, cluster, nodes, submissions}`` or null.
   The job is the last line of ``slurm/jobs.jsonl`` (else ``lock.json``'s ``slurm_job_id``);
   ``state``/``restarts`` come from ``source`` (``scontrol`` or ``sacct``; null: not known to SLURM or
   no SLURM commands); ``submissions``: lines in ``jobs.jsonl``
-- ``lock``: ``{host, pid, slurm_job_id, started, heartbeat_age_s, heartbeat_stopped}`` from ``lock.json``
-  (held while a job trains; its age is a heartbeat refreshed every 30 s), or null
+- ``lock``: ``{host, pid, slurm_job_id, started, heartbeat_age_s, heartbeat_stopped, holder_gone,
+  next_train_takes_over}`` from ``lock.json`` (held while a job trains; its age is a heartbeat refreshed every 30 s),
+  or null. ``heartbeat_stopped``: older than 5 min; ``holder_gone``: why the job holding it is gone (its process is
+  not running on this host, or its heartbeat missed 3 refreshes), else null; ``next_train_takes_over``: a ``train``
+  started now would take the lock over
 """
 
 from __future__ import annotations
@@ -55,14 +64,14 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
 
 from mhf_dist.config import ConfigError
-from mhf_dist.run_lock import LOCK_FILE, STALE_S
-from mhf_dist.train.checkpoint_index import MARKER, CheckpointError, read_marker, step_directories
+from mhf_dist.run_lock import LOCK_FILE, STALE_S, RunLock, holder_gone
+from mhf_dist.train.checkpoint_index import MARKER, CheckpointError, damage, read_marker, step_directories
 from mhf_dist.train.metrics import METRICS_FILE, read_metrics
 
 RECENT = 10  # logged training records the means (loss, tokens/s, MFU) cover
@@ -87,6 +96,14 @@ class Checkpoint:
 
 
 @dataclass
+class DamagedCheckpoint:
+    name: str
+    path: str
+    step: int
+    problem: str
+
+
+@dataclass
 class SlurmJob:
     job_id: str
     state: str | None
@@ -106,6 +123,8 @@ class Lock:
     started: str | None
     heartbeat_age_s: float
     heartbeat_stopped: bool
+    holder_gone: str | None
+    next_train_takes_over: bool
 
 
 @dataclass
@@ -130,6 +149,8 @@ class RunStatus:
     stale: bool = False
     eta_s: float | None = None
     checkpoint: Checkpoint | None = None
+    checkpoint_check: str = "sizes"
+    damaged_checkpoints: list[DamagedCheckpoint] = field(default_factory=list)
     validation: dict | None = None
     nonfinite_steps: int | None = None
     skipped_steps: int | None = None
@@ -174,15 +195,25 @@ def _int(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def newest_checkpoint(run: Path, now: float) -> Checkpoint | None:
+def newest_checkpoint(run: Path, now: float, digests: bool = False) -> tuple[Checkpoint | None, str,
+                                                                             list[DamagedCheckpoint]]:
+    """(the newest complete checkpoint whose files have their saved sizes — with ``digests``, their saved content
+    too — or None; what was checked of it, ``sizes`` or ``digests``; the newer complete ones that fail that check,
+    newest first)."""
+    damaged = []
     for path in reversed(step_directories(run / "checkpoints")):
         try:
             marker, written = read_marker(path), (path / MARKER).stat().st_mtime
+            problem = damage(path, digests)
         except (CheckpointError, OSError):  # incomplete (perhaps being saved right now), or removed since listed
             continue
+        if problem is not None:
+            damaged.append(DamagedCheckpoint(path.name, str(path), marker["step"], problem))
+            continue
+        checked = "digests" if digests and "digests" in marker else "sizes"  # older checkpoints have no digests
         return Checkpoint(path.name, str(path), marker["step"], marker["tokens"], marker["reason"],
-                          max(0.0, now - written))
-    return None
+                          max(0.0, now - written)), checked, damaged
+    return None, "digests" if digests else "sizes", damaged
 
 
 def latest_validation(records: list[dict]) -> dict | None:
@@ -205,7 +236,7 @@ def read_lock(run: Path, now: float) -> Lock | None:
     holder = holder if isinstance(holder, dict) else {}
     job = holder.get("slurm_job_id")
     return Lock(holder.get("host"), _int(holder.get("pid")), str(job) if job else None, holder.get("started"), age,
-                age > STALE_S)
+                age > STALE_S, holder_gone(holder, age), RunLock(run).stale_reason(holder, age) is not None)
 
 
 def read_jobs(run: Path) -> list[dict]:
@@ -300,8 +331,9 @@ def _timing(st: RunStatus, recent: list[dict], tokens_per_step: int | None, log_
     st.stale = not st.finished and st.last_step_age_s > st.stale_after_s
 
 
-def gather(run_dir: str | Path, stale_minutes: float | None = None) -> RunStatus:
-    """Everything ``status`` reports about ``run_dir``; raises :class:`ConfigError` if it is not a run directory."""
+def gather(run_dir: str | Path, stale_minutes: float | None = None, verify: bool = False) -> RunStatus:
+    """Everything ``status`` reports about ``run_dir`` (``verify``: check the checkpoints' digests, not only their
+    sizes); raises :class:`ConfigError` if it is not a run directory."""
     run = check_run_dir(Path(run_dir))
     cfg = read_config(run)
     now = time.time()
@@ -316,7 +348,7 @@ def gather(run_dir: str | Path, stale_minutes: float | None = None) -> RunStatus
         recent = _from_records(st, records, tokens_per_step)
         written = (run / METRICS_FILE).stat().st_mtime
         _timing(st, recent, tokens_per_step, train.get("log_interval"), written, stale_minutes)
-    st.checkpoint = newest_checkpoint(run, now)
+    st.checkpoint, st.checkpoint_check, st.damaged_checkpoints = newest_checkpoint(run, now, verify)
     st.lock = read_lock(run, now)
     st.slurm = slurm_job(run, st.lock)
     return st
@@ -397,9 +429,27 @@ def _job_lines(st: RunStatus) -> list[str]:
             job.submissions > 1 and f"{job.submissions} submissions") if x)
         lines.append(_line("slurm", f"job {job.job_id} {state}{restarts}" + (f" ({details})" if details else "")))
     if lock := st.lock:
-        stopped = f"  (stopped: over {STALE_S // 60} min old)" if lock.heartbeat_stopped else ""
+        takeover = ("the next train takes the lock over" if lock.next_train_takes_over else
+                    f"train takes the lock over once its heartbeat is {STALE_S // 60} min old")
+        gone = f"  (holder gone: {lock.holder_gone}; {takeover})" if lock.holder_gone else ""
         lines.append(_line("lock", f"{lock.host} pid {lock.pid}, started {lock.started}, "
-                                   f"heartbeat {duration(lock.heartbeat_age_s)} ago{stopped}"))
+                                   f"heartbeat {duration(lock.heartbeat_age_s)} ago{gone}"))
+    return lines
+
+
+def _checkpoint_lines(st: RunStatus) -> list[str]:
+    verified = ", digests verified" if st.checkpoint_check == "digests" else ""
+    if ck := st.checkpoint:
+        lines = [_line("checkpoint", f"{ck.name} (step {ck.step}, {ck.reason}, {duration(ck.age_s)} ago){verified}")]
+    else:
+        lines = [_line("checkpoint", "none that verifies" if st.damaged_checkpoints else "none yet")]
+    for bad in st.damaged_checkpoints:
+        lines.append(_line("damaged", f"{bad.name} (step {bad.step}): {bad.problem}"))
+    if st.damaged_checkpoints and st.checkpoint:
+        lines.append(_line("", "train --resume auto moves the damaged ones to checkpoints/corrupt/ and continues from "
+                               f"{st.checkpoint.name}"))
+    elif st.damaged_checkpoints:
+        lines.append(_line("", "train --resume auto refuses to start: copy the damaged files back intact"))
     return lines
 
 
@@ -410,10 +460,7 @@ def render(st: RunStatus) -> str:
         lines.append(_line("step", "no steps logged yet" + (f" (of {st.max_steps})" if st.max_steps else "")))
     else:
         lines += _progress_lines(st)
-    if ck := st.checkpoint:
-        lines.append(_line("checkpoint", f"{ck.name} (step {ck.step}, {ck.reason}, {duration(ck.age_s)} ago)"))
-    else:
-        lines.append(_line("checkpoint", "none yet"))
+    lines += _checkpoint_lines(st)
     if val := st.validation:
         lines.append(_line("validation", f"step {val['step']}: " + ", ".join(
             f"{k} " + (f"[{' '.join(map(_number, v))}]" if isinstance(v, list) else _number(v))
@@ -423,8 +470,8 @@ def render(st: RunStatus) -> str:
     return "\n".join(lines + _job_lines(st))
 
 
-def status(run_dir: str | Path, stale_minutes: float | None = None) -> str:
-    return render(gather(run_dir, stale_minutes))
+def status(run_dir: str | Path, stale_minutes: float | None = None, verify: bool = False) -> str:
+    return render(gather(run_dir, stale_minutes, verify))
 
 
 # ---------------------------------------------------------------- command line
@@ -455,10 +502,11 @@ def command_target(run_dir: str | None, watch: str | None) -> tuple[str, float |
     return run_dir, seconds
 
 
-def show(run_dir: str, as_json: bool = False, watch: float | None = None, stale_minutes: float | None = None) -> int:
+def show(run_dir: str, as_json: bool = False, watch: float | None = None, stale_minutes: float | None = None,
+         verify: bool = False) -> int:
     """Print the report once, or every ``watch`` seconds until Ctrl-C (exit 0)."""
-    report = (lambda: to_json(gather(run_dir, stale_minutes))) if as_json else (
-        lambda: status(run_dir, stale_minutes))
+    report = (lambda: to_json(gather(run_dir, stale_minutes, verify))) if as_json else (
+        lambda: status(run_dir, stale_minutes, verify))
     if watch is None:
         print(report())
         return 0

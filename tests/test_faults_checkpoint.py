@@ -10,17 +10,31 @@ import hashlib
 import json
 import os
 import random
+import re
 import resource
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from helpers.runs import metrics, run_cli, train_args, train_run
-from mhf_dist.train.checkpoint import read_legacy_rng_state, read_rng_state, set_rng_state, write_rng_state
+from mhf_dist.cli import main
+from mhf_dist.config import load_config
+from mhf_dist.train.checkpoint import (
+    DISK_BYTES_ENV,
+    BackgroundDeleter,
+    Checkpointer,
+    free_bytes,
+    read_legacy_rng_state,
+    read_rng_state,
+    set_rng_state,
+    write_rng_state,
+)
+from mhf_dist.train.checkpoint_index import checkpoint_bytes, complete_checkpoints
 
 ZERO1 = "parallel.zero_stage=1"
 
@@ -51,6 +65,14 @@ def _file_size_limit(limit: int):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails instead of killing
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     return apply
+
+
+def _overwrite_middle(path: Path) -> bytes:
+    """4 KB in the middle of a file overwritten (same size: only the digest tells); returns the new content."""
+    intact = path.read_bytes()
+    middle = len(intact) // 2
+    path.write_bytes(intact[:middle] + b"\xff" * 4096 + intact[middle + 4096:])
+    return path.read_bytes()
 
 
 @pytest.mark.multirank
@@ -102,12 +124,13 @@ def test_corrupt_or_malformed_checkpoints_are_refused_by_name(tmp_path, data):
     train_run(tmp_path, data, "run", 1, ZERO1, "train.checkpoint_interval=1", steps=2)
     shard = next((ckpts / "step-00000002").glob("*optim_states.pt"))
     intact = shard.read_bytes()
-    middle = len(intact) // 2
-    shard.write_bytes(intact[:middle] + b"\xff" * 4096 + intact[middle + 4096:])
+    _overwrite_middle(shard)
     args = train_args(run, data, 1, ZERO1, steps=4)
-    out = run_cli(args, expect_rc=2)
+    out = run_cli(args + ["--resume", str(shard.parent)], expect_rc=2)  # named: refused, not replaced
     assert f"checkpoint {shard.parent}: {shard.name} does not match its sha256 digest" in out
-    assert "Traceback" not in out
+    assert (f"the newest checkpoint in {ckpts} that verifies is step-00000001: give {ckpts / 'step-00000001'} "
+            "instead") in out
+    assert "Traceback" not in out and not (ckpts / "corrupt").exists()
     shard.write_bytes(intact)
     marker = ckpts / "step-00000002/complete.json"
     marker.write_text(json.dumps({"step": 2}))
@@ -121,6 +144,112 @@ def test_corrupt_or_malformed_checkpoints_are_refused_by_name(tmp_path, data):
     assert f"checkpoint {older.parent} has no content digests" in out
     assert f"resumed from {older.parent} at step 1" in out and "Traceback" not in out
     assert [p.name for p in (ckpts / "abandoned").glob("*/*")] == ["step-00000002"]  # kept: its files are intact
+
+
+@pytest.mark.multirank
+def test_resume_auto_falls_back_past_a_corrupt_checkpoint(tmp_path, data, capsys):
+    # The newest checkpoint's shard corrupted in place: --resume auto must continue from the newest one that
+    # verifies, with one warning naming the corrupt one, which is moved aside (not deleted); the commands that read
+    # a run's newest checkpoint still refuse it, naming the newest one that verifies.
+    run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
+    train_run(tmp_path, data, "run", 1, ZERO1, "train.checkpoint_interval=1", steps=2)
+    older, shard = ckpts / "step-00000001", next((ckpts / "step-00000002").glob("*optim_states.pt"))
+    corrupt = _overwrite_middle(shard)
+    for argv in (["export", str(run), "--out", str(tmp_path / "out")], ["export-hf", str(run), str(tmp_path / "hf")],
+                 ["generate", "--model", str(run), "--prompt", "In the beginning"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{shard.name} does not match its sha256 digest" in err, argv
+        assert f"the newest checkpoint in {ckpts} that verifies is step-00000001: give {older} instead" in err, argv
+
+    args = train_args(run, data, 1, ZERO1, "train.checkpoint_interval=1", steps=3)
+    older_shard = next(older.glob("*optim_states.pt"))
+    intact = older_shard.read_bytes()
+    _overwrite_middle(older_shard)  # no checkpoint verifies: nothing moves, nothing trains
+    out = run_cli(args, expect_rc=2)
+    assert f"{shard.name} does not match its sha256 digest" in out and "Traceback" not in out
+    assert f"no older checkpoint in {ckpts} verifies either: copy the damaged files back intact" in out
+    assert not (ckpts / "corrupt").exists() and (ckpts / "step-00000002" / shard.name).read_bytes() == corrupt
+    older_shard.write_bytes(intact)
+
+    out = run_cli(args)
+    (aside,) = (ckpts / "corrupt").iterdir()
+    assert out.count(f"{shard.name} does not match its sha256 digest") == 1
+    assert (f"Moved step-00000002 to {aside}; resuming from {older}, the newest checkpoint that verifies") in out
+    assert f"resumed from {older} at step 1" in out and "Traceback" not in out
+    assert (aside / "step-00000002" / shard.name).read_bytes() == corrupt  # kept as it was
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000001", "step-00000002", "step-00000003"]
+    assert (ckpts / "latest").read_text() == "step-00000003"
+    assert (ckpts / "step-00000002" / shard.name).read_bytes() != corrupt  # saved anew by the resumed run
+
+
+@pytest.mark.multirank
+def test_the_rerun_a_full_disk_message_suggests_succeeds(tmp_path, data, monkeypatch):
+    # The disk has room for half a checkpoint more than steps 1 and 2 take: the save of step 3 fails, and the
+    # rerun its message suggests (a lower train.keep_checkpoints) must succeed, deleting step 1 before the save.
+    run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
+    train_run(tmp_path, data, "run", 1, ZERO1, "train.checkpoint_interval=1", "train.stop_at_step=2", steps=3)
+    used = sum(f.stat().st_size for f in ckpts.rglob("*") if f.is_file())
+    monkeypatch.setenv("MHF_DIST_TEST_DISK_BYTES", str(used + checkpoint_bytes(ckpts / "step-00000002") // 2))
+    args = train_args(run, data, 1, ZERO1, "train.checkpoint_interval=1", steps=3)
+    out = run_cli(args, expect_rc=2)
+    assert "No space left on device" in out and "Traceback" not in out
+    fix = re.search(r"or rerun with --set (train\.keep_checkpoints=\d+) \(older checkpoints are then deleted before "
+                    r"the save, step-00000002 kept\)", out)
+    assert fix and fix.group(1) == "train.keep_checkpoints=2", out[-3000:]
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000001", "step-00000002"]
+
+    out = run_cli(args + ["--set", fix.group(1)])
+    assert "deleting step-00000001 before saving step-00000003 to make room (train.keep_checkpoints=2)" in out
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000002", "step-00000003"]
+    assert (ckpts / "latest").read_text() == "step-00000003"
+
+
+def _sized_checkpoint(ckpts: Path, step: int, size: int) -> None:
+    """A complete checkpoint of one ``size``-byte file."""
+    path = ckpts / f"step-{step:08d}"
+    path.mkdir(parents=True)
+    (path / "model.pt").write_bytes(b"x" * size)
+    (path / "complete.json").write_text(json.dumps({
+        "step": step, "tokens": step, "reason": "interval", "files": {"model.pt": size}, "model": {},
+        "layout": {"tp": 1, "pp": 1, "dp": 1}, "signatures_hash": None}))
+
+
+def _rank0_checkpointer(ckpts: Path, keep: int) -> Checkpointer:
+    """A Checkpointer's rank-0 side without a process group: what retention before a save reads."""
+    checkpointer = object.__new__(Checkpointer)
+    checkpointer.dir, checkpointer.deleter = ckpts, BackgroundDeleter(ckpts)
+    checkpointer.cfg = load_config("tiny-h4b16k", overrides=[f"train.keep_checkpoints={keep}"])
+    return checkpointer
+
+
+def test_retention_before_a_save_deletes_only_what_makes_room(tmp_path, monkeypatch):
+    # Room for half a checkpoint: before the save, the oldest checkpoints train.keep_checkpoints lets go are deleted
+    # (and waited for) when that makes room, never the newest; when even that would not make room, nothing is.
+    ckpts = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        _sized_checkpoint(ckpts, step, 1000)
+
+    def leave_room_for(size: int) -> None:
+        used = sum(f.stat().st_size for f in ckpts.rglob("*") if f.is_file())
+        monkeypatch.setenv(DISK_BYTES_ENV, str(used + size))
+
+    leave_room_for(500)
+    _rank0_checkpointer(ckpts, keep=3)._retire_to_fit(ckpts / "step-00000004")
+    assert [p.name for p in complete_checkpoints(ckpts)] == ["step-00000002", "step-00000003"]
+    assert not (ckpts / ".deleting").exists()  # deleted, not only moved out of the way
+    leave_room_for(500)
+    _rank0_checkpointer(ckpts, keep=1)._retire_to_fit(ckpts / "step-00000004")
+    assert [p.name for p in complete_checkpoints(ckpts)] == ["step-00000003"]  # the newest stays
+
+    _sized_checkpoint(ckpts, 5, 4000)  # no delete can make room for another of these
+    leave_room_for(500)
+    checkpointer = _rank0_checkpointer(ckpts, keep=1)
+    checkpointer._retire_to_fit(ckpts / "step-00000006")
+    assert [p.name for p in complete_checkpoints(ckpts)] == ["step-00000003", "step-00000005"]
+    assert checkpointer._space_fix(complete_checkpoints(ckpts), free_bytes(ckpts), limited=False) == (
+        "free space, then rerun to resume (--resume auto); deleting older checkpoints would not make room "
+        "(step-00000005, the newest, is always kept)")
 
 
 class RunsCommand:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -248,7 +250,64 @@ def test_the_lock_names_the_job_and_its_heartbeat(run, bin_dir, capsys):
     assert got["lock"]["host"] == "node07" and got["lock"]["pid"] == 4242 and got["lock"]["heartbeat_stopped"] is False
     os.utime(lock, (time.time() - HOUR,) * 2)
     out = status_text(capsys, run)
-    assert "lock       node07 pid 4242, started 2026-12-01 03:01:00, heartbeat 60 min ago  (stopped" in out
+    assert ("lock       node07 pid 4242, started 2026-12-01 03:01:00, heartbeat 60 min ago  (holder gone: its "
+            "heartbeat missed over 3 refreshes (a live job refreshes it every 30 s); the next train takes the lock "
+            "over)") in out
+
+
+def test_a_dead_lock_holder_is_named_gone(run, capsys):
+    # After a kill -9 the lock stays behind with a fresh heartbeat: its process not running on this host, or its
+    # heartbeat missing for 3 refreshes on another host, must read as a holder that is gone, not as a live job.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid, host = int(dead.stdout), socket.gethostname()
+    lock = run / "lock.json"
+    lock.write_text(json.dumps({"host": host, "pid": pid, "slurm_job_id": None, "started": "2026-12-01 03:01:00"}))
+    got = status_json(capsys, run)["lock"]
+    assert got["holder_gone"] == f"process {pid} on {host} has exited" and got["next_train_takes_over"] is True
+    assert got["heartbeat_stopped"] is False
+    assert (f"heartbeat 0 s ago  (holder gone: process {pid} on {host} has exited; the next train takes the lock "
+            "over)") in status_text(capsys, run)
+
+    lock.write_text(json.dumps({"host": "node07", "pid": pid, "slurm_job_id": None, "started": "2026-12-01 03:01:00"}))
+    assert status_json(capsys, run)["lock"]["holder_gone"] is None  # another host, heartbeat fresh: may be alive
+    os.utime(lock, (time.time() - 120,) * 2)
+    got = status_json(capsys, run)["lock"]
+    assert got["holder_gone"] == "its heartbeat missed over 3 refreshes (a live job refreshes it every 30 s)"
+    assert got["next_train_takes_over"] is False  # a train takes it over 5 minutes after the last heartbeat
+    assert "the lock over once its heartbeat is 5 min old)" in status_text(capsys, run)
+
+
+def test_a_damaged_checkpoint_is_marked_and_not_the_newest(run, capsys):
+    # A checkpoint whose file is cut short must not be listed as the newest (a resume would not continue from it);
+    # one whose content changed at the same size is found by --verify, which checks the SHA-256 digests.
+    write_checkpoint(run, 5, age_s=60)
+    ckpt = run / "checkpoints" / "step-00000005"
+    (ckpt / "model.pt").write_bytes(b"xy")
+    got = status_json(capsys, run)
+    assert got["checkpoint"]["name"] == "step-00000004" and got["checkpoint_check"] == "sizes"
+    assert got["damaged_checkpoints"] == [{"name": "step-00000005", "path": str(ckpt), "step": 5, "problem":
+                                           f"checkpoint {ckpt}: model.pt has 2 bytes, 1 were written (truncated or "
+                                           "corrupt); resume from an older checkpoint"}]
+    out = status_text(capsys, run)
+    assert f"damaged    step-00000005 (step 5): checkpoint {ckpt}: model.pt has 2 bytes" in out
+    assert "moves the damaged ones to checkpoints/corrupt/ and continues from step-00000004" in out
+
+    (ckpt / "model.pt").write_bytes(b"y")  # the size it was saved with, another content
+    marker = json.loads((ckpt / "complete.json").read_text())
+    digests = {"digest_algorithm": "sha256", "digests": {"model.pt": hashlib.sha256(b"x").hexdigest()}}
+    (ckpt / "complete.json").write_text(json.dumps(marker | digests))
+    got = status_json(capsys, run)
+    assert got["checkpoint"]["name"] == "step-00000005" and got["damaged_checkpoints"] == []  # sizes only
+    got = status_json(capsys, run, "--verify")
+    assert got["checkpoint"]["name"] == "step-00000004" and got["checkpoint_check"] == "sizes"  # it has no digests
+    assert [d["name"] for d in got["damaged_checkpoints"]] == ["step-00000005"]
+    assert "model.pt does not match its sha256 digest" in got["damaged_checkpoints"][0]["problem"]
+    (ckpt / "model.pt").write_bytes(b"x")
+    got = status_json(capsys, run, "--verify")
+    assert got["checkpoint"]["name"] == "step-00000005" and got["checkpoint_check"] == "digests"
+    os.utime(ckpt / "complete.json", (time.time() - HOUR,) * 2)
+    out = status_text(capsys, run, "--verify")
+    assert "checkpoint step-00000005 (step 5, interval, 60 min ago), digests verified" in out
 
 
 def test_watch_refreshes_until_ctrl_c(run, capsys, monkeypatch):

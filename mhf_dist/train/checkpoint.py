@@ -21,16 +21,22 @@ marker also counts as incomplete, but that directory is kept (its files may be
 intact). A save that fails on any rank (disk full, file size limit) fails on
 every rank together: the ranks agree on it through an all-reduce, rank 0
 removes the incomplete directory, and a :class:`CheckpointError` names the
-space a checkpoint needs; the previous checkpoint stays the newest.
+space a checkpoint needs, and the ``train.keep_checkpoints`` that would make
+room when that is a fix; the previous checkpoint stays the newest.
 
-Lineage: ``--resume auto`` continues from the newest complete checkpoint,
-which is the one ``latest`` names (a warning says when a crash between the two
-writes left them apart). Resuming from an
+Lineage: ``--resume auto`` continues from the newest complete checkpoint whose
+files verify, normally the one ``latest`` names (a warning says when a crash
+between the two writes left them apart); newer ones with a damaged file are
+moved to ``checkpoints/corrupt/<time>/`` with a warning naming each, never
+deleted. A checkpoint named with ``--resume PATH`` that does not verify is
+refused, naming the newest one that does. Resuming from an
 older checkpoint abandons the newer ones: before training continues, rank 0
 moves them to ``checkpoints/abandoned/<time>/`` and logs it, so
 ``checkpoints/`` holds one line of history and ``latest`` names its head.
 Retention keeps the newest ``train.keep_checkpoints`` of that line, by step,
-and never deletes the checkpoint just written.
+and never deletes the checkpoint just written. It runs after each save, and
+also before one when the filesystem has less free space than the newest
+checkpoint takes (then it is waited for, and never deletes the newest).
 
 Pickle: our own files are read without it — RNG states are safetensors (torch
 and CUDA states) with JSON metadata (python's and numpy's), and checkpoints
@@ -66,7 +72,6 @@ import resource
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -83,14 +88,24 @@ from mhf_dist.parallel.rank0_work import on_rank0
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.train.checkpoint_index import (
     ABANDONED,
+    CORRUPT,
+    DIGEST,
     LATEST,
     MARKER,
     CheckpointError,
+    CorruptCheckpoint,
+    checkpoint_bytes,
     checkpoint_step,
     complete_checkpoints,
+    describe_problems,
+    file_digest,
+    file_digests,
+    file_problems,
+    intact_note,
     marker_problem,
     read_marker,
     step_directories,
+    warn_if_without_digests,
 )
 from mhf_dist.train.host_tables import HOST_TABLES_FILE
 from mhf_dist.train.universal import convert_for_layout, universal_info
@@ -99,16 +114,13 @@ log = logging.getLogger(__name__)
 
 UNIVERSAL = "universal"  # conversions for other layouts
 DELETING = ".deleting"  # checkpoints on their way out, deleted in the background
-DIGEST = "sha256"  # hardware-accelerated on current x86 and ARM CPUs, and checkable with sha256sum
-DIGEST_CHUNK = 1 << 20
-DIGEST_THREADS = 4
 RNG_FILE = "rng-rank{:05d}.safetensors"
 LEGACY_RNG_FILE = "rng-rank{:05d}.pt"
 RANK_DIGESTS = "digests-rank{:05d}.json"  # each rank's digests during a save, merged into the marker by rank 0
 SAVE_PAUSE_ENV = "MHF_DIST_TEST_SAVE_PAUSE"  # seconds to stall mid-save (crash-safety tests)
 CONVERT_PAUSE_ENV = "MHF_DIST_TEST_CONVERT_PAUSE"  # seconds a conversion for another layout takes longer (tests)
 SAVE_FAIL_ENV = "MHF_DIST_TEST_SAVE_FAIL_RANK"  # this rank's checkpoint writes fail as on a full disk (fault tests)
-MISSING, WRONG_SIZE, WRONG_DIGEST = 1, 2, 3  # what a file check finds (codes summed over the ranks)
+DISK_BYTES_ENV = "MHF_DIST_TEST_DISK_BYTES"  # the checkpoints' filesystem holds only this many bytes (fault tests)
 
 
 # ---------------------------------------------------------------------------------------------------- files
@@ -132,72 +144,18 @@ def readable_size(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def file_digest(path: Path) -> str:
-    """The SHA-256 of a file's content, read in 1 MiB chunks."""
-    digest, chunk = hashlib.new(DIGEST), bytearray(DIGEST_CHUNK)
-    view = memoryview(chunk)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(chunk):
-            digest.update(view[:n])
-    return digest.hexdigest()
+def free_bytes(directory: Path) -> int:
+    """Free space on ``directory``'s filesystem; under :data:`DISK_BYTES_ENV`, what that capacity leaves beside the
+    files in ``directory``."""
+    if DISK_BYTES_ENV in os.environ:
+        return int(os.environ[DISK_BYTES_ENV]) - sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    return shutil.disk_usage(directory).free
 
 
-def file_digests(paths: list[Path]) -> list[str]:
-    """The digests of ``paths``, several files at a time (hashing releases the GIL)."""
-    if len(paths) < 2:
-        return [file_digest(p) for p in paths]
-    with ThreadPoolExecutor(min(DIGEST_THREADS, len(paths))) as pool:
-        return list(pool.map(file_digest, paths))
-
-
-def checkpoint_bytes(path: Path) -> int:
-    """A complete checkpoint's size on disk, from its marker."""
-    return sum(read_marker(path)["files"].values())
-
-
-def file_problems(path: Path, marker: dict, names: list[str]) -> dict[str, int]:
-    """``{name: MISSING | WRONG_SIZE | WRONG_DIGEST}`` for those of ``names`` that differ from what was saved."""
-    problems, to_digest = {}, []
-    for name in names:
-        f = path / name
-        if not f.is_file():
-            problems[name] = MISSING
-        elif f.stat().st_size != marker["files"][name]:
-            problems[name] = WRONG_SIZE
-        elif "digests" in marker:
-            to_digest.append(name)
-    for name, digest in zip(to_digest, file_digests([path / n for n in to_digest])):
-        if digest != marker["digests"][name]:
-            problems[name] = WRONG_DIGEST
-    return problems
-
-
-def describe_problem(path: Path, marker: dict, name: str, problem: int) -> str:
-    if problem == MISSING:
-        return f"checkpoint {path} is missing {name}; copy it back or resume from an older one"
-    if problem == WRONG_SIZE:
-        return (f"checkpoint {path}: {name} has {(path / name).stat().st_size} bytes, {marker['files'][name]} were "
-                "written (truncated or corrupt); resume from an older checkpoint")
-    return (f"checkpoint {path}: {name} does not match its {marker.get('digest_algorithm', DIGEST)} digest in "
-            f"{MARKER} (same size, different content: corrupt); copy it back intact or resume from an older checkpoint")
-
-
-def verify_files(path: Path) -> dict:
-    """The marker of a complete checkpoint whose every file has the size and digest it was saved with (one process
-    checks them all: for tools that read a checkpoint outside training)."""
-    marker = read_marker(path)
-    _warn_if_without_digests(path, marker)
-    problems = file_problems(path, marker, sorted(marker["files"]))
-    if problems:
-        name = min(problems)
-        raise CheckpointError(describe_problem(path, marker, name, problems[name]))
-    return marker
-
-
-def _warn_if_without_digests(path: Path, marker: dict) -> None:
-    if "digests" not in marker:
-        log.warning("checkpoint %s has no content digests (saved by an older version): only file sizes are checked",
-                    path)
+def _simulated_disk_full(path: Path) -> bool:
+    """Under :data:`DISK_BYTES_ENV`: whether the checkpoints directory (the parent of ``path``'s step directory) has
+    no space left for ``path``."""
+    return DISK_BYTES_ENV in os.environ and free_bytes(path.parent.parent) <= 0
 
 
 # ---------------------------------------------------------------------------------------------------- RNG states
@@ -351,7 +309,7 @@ class RecordingWriter:
         if self.error is not None:
             return
         try:
-            if self.injected_failure:
+            if self.injected_failure or _simulated_disk_full(path):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             write_file(path)
             _fsync(path)
@@ -402,15 +360,37 @@ class Checkpointer:
             return None
 
     def latest(self) -> Path | None:
-        """The checkpoint ``--resume auto`` continues from: the newest complete one, None when there is none. It is
-        the one ``latest`` names, since a resume from an older one sets the newer ones aside; they differ only when a
-        crash fell between a checkpoint's ``complete.json`` and ``latest`` (warned about)."""
+        """The newest complete checkpoint, None when there is none (``--resume auto`` continues from it when its files
+        verify: :meth:`resumable`). It is the one ``latest`` names, since a resume from an older one sets the newer
+        ones aside; they differ only when a crash fell between a checkpoint's ``complete.json`` and ``latest`` (warned
+        about)."""
+        found = self._complete_line()
+        return found[-1] if found else None
+
+    def _complete_line(self) -> list[Path]:
+        """This run's complete checkpoints, oldest first, with a warning when ``latest`` does not name the newest."""
         found = complete_checkpoints(self.dir)
         name = self._latest_name()
         if found and name != found[-1].name and self.rank == 0:
             named = f"names {name!r}" if name else "is missing"
             log.warning("%s %s; resuming from the newest complete checkpoint, %s", self.dir / LATEST, named, found[-1])
-        return found[-1] if found else None
+        return found
+
+    def resumable(self) -> Path | None:
+        """``--resume auto``: the newest complete checkpoint whose files are as saved (every rank calls this), None
+        when there is none. Newer ones whose files are damaged are moved to ``checkpoints/corrupt/<time>/`` (never
+        deleted), each with a warning naming it; when no checkpoint verifies, nothing moves and the newest one's
+        damage is raised."""
+        intact, damaged = self._newest_intact(self._complete_line())
+        if damaged and intact is None:
+            raise CorruptCheckpoint(f"{damaged[0][1]}; no older checkpoint in {self.dir} verifies either: copy the "
+                                    "damaged files back intact, or start over in a new --run-dir")
+        if damaged and self.rank == 0:
+            target = self._move_aside([path for path, _ in damaged], CORRUPT)
+            for path, problem in damaged:
+                log.warning("%s. Moved %s to %s; resuming from %s, the newest checkpoint that verifies", problem,
+                            path.name, target, intact)
+        return intact
 
     def continue_from(self, resumed: Path) -> None:
         """Make ``resumed`` the head of this run's line of checkpoints before training continues from it: rank 0
@@ -426,18 +406,23 @@ class Checkpointer:
 
     def _set_aside(self, paths: list[Path], why: str) -> Path:
         """Move checkpoints (and their conversions for other layouts) into a new ``abandoned/<time>`` folder."""
+        target = self._move_aside(paths, ABANDONED)
+        log.warning("moved %s to %s: %s (resume from one of them with --resume PATH, or delete them)",
+                    ", ".join(p.name for p in paths), target, why)
+        return target
+
+    def _move_aside(self, paths: list[Path], folder: str) -> Path:
+        """Move checkpoints (and their conversions for other layouts) into a new ``<folder>/<time>`` folder."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        target, n = self.dir / ABANDONED / stamp, 1
+        target, n = self.dir / folder / stamp, 1
         while target.exists():
-            target, n = self.dir / ABANDONED / f"{stamp}-{n}", n + 1
+            target, n = self.dir / folder / f"{stamp}-{n}", n + 1
         target.mkdir(parents=True)
         for path in paths:
             os.replace(path, target / path.name)
             if (converted := self.dir / UNIVERSAL / path.name).is_dir():
                 (target / UNIVERSAL).mkdir(exist_ok=True)
                 os.replace(converted, target / UNIVERSAL / path.name)
-        log.warning("moved %s to %s: %s (resume from one of them with --resume PATH, or delete them)",
-                    ", ".join(p.name for p in paths), target, why)
         return target
 
     def _point_latest_at(self, resumed: Path) -> None:
@@ -454,13 +439,47 @@ class Checkpointer:
 
     def _retire_old(self, saved: Path) -> None:
         """Delete the complete checkpoints before the newest ``train.keep_checkpoints`` (``saved`` among them)."""
-        step = checkpoint_step(saved)
+        self._discard_all(self._beyond_retention(checkpoint_step(saved), self.cfg.train.keep_checkpoints - 1))
+
+    def _beyond_retention(self, step: int, kept: int) -> list[Path]:
+        """The complete checkpoints before ``step`` but the newest ``kept`` of them, oldest first."""
         older = [p for p in complete_checkpoints(self.dir) if checkpoint_step(p) < step]
-        for old in older[: max(0, len(older) - (self.cfg.train.keep_checkpoints - 1))]:
+        return older[: max(0, len(older) - kept)]
+
+    def _discard_all(self, paths: list[Path]) -> None:
+        for old in paths:
             try:
                 self.deleter.discard(old)
             except OSError as e:
                 log.warning("could not delete the old checkpoint %s (%s); delete it by hand", old, e)
+
+    def _retire_to_fit(self, path: Path) -> None:
+        """Rank 0, before saving ``path``: when the free space is less than the newest checkpoint's size, retention
+        runs now instead of after the save, and is waited for — if deleting what ``train.keep_checkpoints`` lets go
+        makes room. The newest checkpoint always stays (the save may still fail), and nothing is deleted in vain."""
+        found = complete_checkpoints(self.dir)
+        if not found or (need := checkpoint_bytes(found[-1])) <= free_bytes(self.dir):
+            return
+        self.deleter.finish()  # what earlier deletes left pending frees space too
+        free = free_bytes(self.dir)
+        retired = self._beyond_retention(checkpoint_step(path), max(1, self.cfg.train.keep_checkpoints - 1))
+        if need <= free or free + sum(map(checkpoint_bytes, retired)) < need:
+            return
+        log.warning("deleting %s before saving %s to make room (train.keep_checkpoints=%d): a checkpoint takes "
+                    "about %s, %s are free", ", ".join(p.name for p in retired), path.name,
+                    self.cfg.train.keep_checkpoints, readable_size(need), readable_size(free))
+        self._discard_all(retired)
+        self.deleter.finish()
+
+    def _keep_that_fits(self, found: list[Path], free: int) -> int | None:
+        """The highest ``train.keep_checkpoints`` whose deletes before a save (:meth:`_retire_to_fit`) make room for
+        a checkpoint the size of the newest of ``found``, or None when even 1 would not."""
+        need, freed = checkpoint_bytes(found[-1]), free
+        for deleted, old in enumerate(found[:-1], start=1):
+            freed += checkpoint_bytes(old)
+            if freed >= need:
+                return len(found) - deleted + 1
+        return None
 
     # ------------------------------------------------------------------ save
     def save(self, engine, step: int, tokens: int, reader_state: dict, reason: str) -> Path:
@@ -490,12 +509,14 @@ class Checkpointer:
 
     def _clear_for_save(self, path: Path) -> None:
         """Rank 0: make room for ``path`` — leftovers of an interrupted save of this step are removed; a directory
-        with a marker (complete, or malformed but perhaps intact) is set aside, never deleted."""
+        with a marker (complete, or malformed but perhaps intact) is set aside, never deleted; older checkpoints are
+        retired first when the disk has no room for another (:meth:`_retire_to_fit`)."""
         if (path / MARKER).exists():
             self._set_aside([path], "a new save of the same step replaces it")
         elif path.exists():
             self.deleter.discard(path)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._retire_to_fit(path)
 
     def _write_files(self, engine, path: Path, client: dict) -> RecordingWriter:
         """This rank's part of the checkpoint: DeepSpeed's files, the RNG state, then the digests of what it wrote."""
@@ -547,6 +568,7 @@ class Checkpointer:
         if self.rank == 0:
             if path.exists():
                 self.deleter.discard(path)
+                self.deleter.finish()  # so that the free space the message names counts the removed files
             (self.dir / (LATEST + ".tmp")).unlink(missing_ok=True)
         dist.barrier()
         raise CheckpointError(self._failure_message(path, failed, error))
@@ -554,7 +576,7 @@ class Checkpointer:
     def _failure_message(self, path: Path, failed: list[int], error: str | None) -> str:
         ranks = f"rank {failed[0]}" if len(failed) == 1 else "ranks " + ", ".join(map(str, failed))
         cause = f"{ranks}: {error}" if error else f"{ranks} could not write its part (see its message)"
-        previous = complete_checkpoints(self.dir)
+        previous, free = complete_checkpoints(self.dir), free_bytes(self.dir)
         if previous:
             need = f"about {readable_size(checkpoint_bytes(previous[-1]))} (the size of {previous[-1].name})"
             resume = f"{previous[-1]} stays the newest checkpoint"
@@ -562,13 +584,22 @@ class Checkpointer:
             need, resume = "an unknown amount (the run has no earlier checkpoint to measure)", "the run has none yet"
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         limited = limit != resource.RLIM_INFINITY
-        return (f"could not save checkpoint {path}: {cause}. A checkpoint takes {need}; "
-                f"{readable_size(shutil.disk_usage(self.dir).free)} are free on its filesystem"
-                + (f", and this process may write files of at most {readable_size(limit)} (ulimit -f)"
-                   if limited else "")
-                + f". The incomplete {path.name} was removed and {resume}: free space (or lower "
-                f"train.keep_checkpoints{', or raise ulimit -f' if limited else ''}), then rerun to resume "
-                "(--resume auto)")
+        return (f"could not save checkpoint {path}: {cause}. A checkpoint takes {need}; {readable_size(free)} are free "
+                "on its filesystem" + (f", and this process may write files of at most {readable_size(limit)} "
+                                       "(ulimit -f)" if limited else "")
+                + f". The incomplete {path.name} was removed and {resume}: {self._space_fix(previous, free, limited)}")
+
+    def _space_fix(self, previous: list[Path], free: int, limited: bool) -> str:
+        """How to make room for the next save: free space (or raise ``ulimit -f``), or rerun with a lower
+        ``train.keep_checkpoints`` when the deletes it allows before a save would make room."""
+        fix = "free space" + (" (or raise ulimit -f)" if limited else "")
+        if not previous or checkpoint_bytes(previous[-1]) <= free:
+            return f"{fix}, then rerun to resume (--resume auto)"
+        if (keep := self._keep_that_fits(previous, free)) is None:
+            return (f"{fix}, then rerun to resume (--resume auto); deleting older checkpoints would not make room "
+                    f"({previous[-1].name}, the newest, is always kept)")
+        return (f"{fix} and rerun to resume (--resume auto), or rerun with --set train.keep_checkpoints={keep} (older "
+                f"checkpoints are then deleted before the save, {previous[-1].name} kept)")
 
     # ------------------------------------------------------------------ load
     def verify(self, path: Path) -> dict:
@@ -576,9 +607,9 @@ class Checkpointer:
         and digest, the files shared among the ranks) and of this model and vocabulary. Every rank calls this."""
         marker = read_marker(path)
         if self.rank == 0:
-            _warn_if_without_digests(path, marker)
-        self._check_files_together(path, marker)
-        self.verified.add(path)
+            warn_if_without_digests(path, marker)
+        if path not in self.verified:  # a fallback of --resume auto checked it already
+            self._check_files_together(path, marker)
         if marker["signatures_hash"] != self.signatures_hash:
             raise CheckpointError(
                 f"checkpoint {path} was trained with signature table {str(marker['signatures_hash'])[:12]}, this run "
@@ -592,14 +623,33 @@ class Checkpointer:
         return marker
 
     def _check_files_together(self, path: Path, marker: dict) -> None:
-        """Each rank checks every world-th file; the ranks sum what they found, so every rank names the same one."""
+        """Raise :class:`CorruptCheckpoint` when a file differs from what was saved, naming the newest of this run's
+        other checkpoints that verifies."""
+        if (problem := self._damage_together(path, marker)) is None:
+            return
+        others = [p for p in complete_checkpoints(self.dir) if p.resolve() != path.resolve()]
+        raise CorruptCheckpoint(problem + intact_note(self._newest_intact(others)[0], self.dir))
+
+    def _damage_together(self, path: Path, marker: dict) -> str | None:
+        """What is wrong with the checkpoint's files, or None (then it counts as verified): each rank checks every
+        world-th file and the ranks sum what they found, so every rank names the same one."""
         names = sorted(marker["files"])
         found = file_problems(path, marker, names[self.rank::self.world])
         codes = self.scalars.sum([float(found.get(n, 0)) for n in names])
-        problems = [(n, int(c)) for n, c in zip(names, codes) if c]
-        if problems:
-            more = f" ({len(problems) - 1} more damaged file(s))" if len(problems) > 1 else ""
-            raise CheckpointError(describe_problem(path, marker, *problems[0]) + more)
+        problem = describe_problems(path, marker, {n: int(c) for n, c in zip(names, codes) if c})
+        if problem is None:
+            self.verified.add(path)
+        return problem
+
+    def _newest_intact(self, candidates: list[Path]) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """(the newest of ``candidates`` whose files are as saved, or None; the newer damaged ones, newest first,
+        each with what is wrong). Every rank calls this."""
+        damaged = []
+        for path in reversed(candidates):
+            if (problem := self._damage_together(path, read_marker(path))) is None:
+                return path, damaged
+            damaged.append((path, problem))
+        return None, damaged
 
     def for_this_layout(self, path: Path, zero3: bool) -> tuple[Path, bool]:
         """(checkpoint to load, whether it is universal): a checkpoint of another tp/pp/dp layout is converted

@@ -1,18 +1,22 @@
-"""Which checkpoints a run directory holds, and which of them are complete (no torch needed: ``status`` reads it).
+"""Which checkpoints a run directory holds, which of them are complete, and whether their files are as saved (no
+torch needed: ``status`` reads it).
 
 A checkpoint is ``RUN/checkpoints/step-XXXXXXXX/``; it counts only once its
 ``complete.json`` marker exists and lists every file with its size (and
 digest), the step, tokens seen, model and layout. ``latest`` names the head of
 the run's line of checkpoints; ``abandoned/`` holds lines set aside by a resume
-from an older checkpoint. Writing and verifying them is
-:mod:`mhf_dist.train.checkpoint`.
+from an older checkpoint, ``corrupt/`` the checkpoints whose files no longer
+match their marker, set aside by ``--resume auto``. Writing them, and checking
+them with every rank, is :mod:`mhf_dist.train.checkpoint`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mhf_dist.errors import MhfError
@@ -22,12 +26,21 @@ log = logging.getLogger(__name__)
 MARKER = "complete.json"
 LATEST = "latest"
 ABANDONED = "abandoned"  # checkpoints of abandoned lines of training, one folder per resume that abandoned them
+CORRUPT = "corrupt"  # checkpoints whose files differ from their marker, one folder per resume that set them aside
+DIGEST = "sha256"  # hardware-accelerated on current x86 and ARM CPUs, and checkable with sha256sum
+DIGEST_CHUNK = 1 << 20
+DIGEST_THREADS = 4
+MISSING, WRONG_SIZE, WRONG_DIGEST = 1, 2, 3  # what a file check finds (codes summed over the ranks)
 MARKER_FIELDS = {"step": int, "tokens": int, "reason": str, "files": dict, "model": dict, "layout": dict}
 STEP_DIR = re.compile(r"step-(\d+)")
 
 
 class CheckpointError(MhfError, ValueError):
     """A checkpoint is incomplete, corrupt, or belongs to another model / signature table; or a save failed."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A complete checkpoint's file is missing, or differs in size or content from what was saved."""
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -98,3 +111,98 @@ def complete_checkpoints(directory: Path) -> list[Path]:
         else:
             log.warning("ignoring incomplete checkpoint %s (%s)", path, problem)
     return found
+
+
+# ---------------------------------------------------------------------------------------------------- file checks
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a file's content, read in 1 MiB chunks."""
+    digest, chunk = hashlib.new(DIGEST), bytearray(DIGEST_CHUNK)
+    view = memoryview(chunk)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(chunk):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def file_digests(paths: list[Path]) -> list[str]:
+    """The digests of ``paths``, several files at a time (hashing releases the GIL)."""
+    if len(paths) < 2:
+        return [file_digest(p) for p in paths]
+    with ThreadPoolExecutor(min(DIGEST_THREADS, len(paths))) as pool:
+        return list(pool.map(file_digest, paths))
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """A complete checkpoint's size on disk, from its marker."""
+    return sum(read_marker(path)["files"].values())
+
+
+def file_problems(path: Path, marker: dict, names: list[str], digests: bool = True) -> dict[str, int]:
+    """``{name: MISSING | WRONG_SIZE | WRONG_DIGEST}`` for those of ``names`` that differ from what was saved
+    (``digests=False``: sizes only, which reads no file)."""
+    problems, to_digest = {}, []
+    for name in names:
+        f = path / name
+        if not f.is_file():
+            problems[name] = MISSING
+        elif f.stat().st_size != marker["files"][name]:
+            problems[name] = WRONG_SIZE
+        elif digests and "digests" in marker:
+            to_digest.append(name)
+    for name, digest in zip(to_digest, file_digests([path / n for n in to_digest])):
+        if digest != marker["digests"][name]:
+            problems[name] = WRONG_DIGEST
+    return problems
+
+
+def describe_problem(path: Path, marker: dict, name: str, problem: int) -> str:
+    if problem == MISSING:
+        return f"checkpoint {path} is missing {name}; copy it back or resume from an older one"
+    if problem == WRONG_SIZE:
+        return (f"checkpoint {path}: {name} has {(path / name).stat().st_size} bytes, {marker['files'][name]} were "
+                "written (truncated or corrupt); resume from an older checkpoint")
+    return (f"checkpoint {path}: {name} does not match its {marker.get('digest_algorithm', DIGEST)} digest in "
+            f"{MARKER} (same size, different content: corrupt); copy it back intact or resume from an older checkpoint")
+
+
+def describe_problems(path: Path, marker: dict, problems: dict[str, int]) -> str | None:
+    """The first damaged file of ``problems`` (by name) and how many more there are, or None when there are none."""
+    if not problems:
+        return None
+    name = min(problems)
+    more = f" ({len(problems) - 1} more damaged file(s))" if len(problems) > 1 else ""
+    return describe_problem(path, marker, name, problems[name]) + more
+
+
+def damage(path: Path, digests: bool = True) -> str | None:
+    """What is wrong with a complete checkpoint's files (one process checks them all), or None when every file has
+    the size (and, with ``digests``, the content) it was saved with."""
+    marker = read_marker(path)
+    return describe_problems(path, marker, file_problems(path, marker, sorted(marker["files"]), digests))
+
+
+def intact_note(intact: Path | None, directory: Path) -> str:
+    """The end of a corrupt checkpoint's error: the newest checkpoint beside it that verifies, to name instead."""
+    if intact is None:
+        return f"; no other checkpoint in {directory} verifies"
+    return f"; the newest checkpoint in {directory} that verifies is {intact.name}: give {intact} instead"
+
+
+def verify_files(path: Path) -> dict:
+    """The marker of a complete checkpoint whose every file has the size and digest it was saved with (one process
+    checks them all: for tools that read a checkpoint outside training). A damaged one raises
+    :class:`CorruptCheckpoint` naming the newest checkpoint beside it that verifies."""
+    marker = read_marker(path)
+    warn_if_without_digests(path, marker)
+    problem = describe_problems(path, marker, file_problems(path, marker, sorted(marker["files"])))
+    if problem is not None:
+        others = [p for p in complete_checkpoints(path.parent) if p.resolve() != path.resolve()]
+        intact = next((p for p in reversed(others) if damage(p) is None), None)
+        raise CorruptCheckpoint(problem + intact_note(intact, path.parent))
+    return marker
+
+
+def warn_if_without_digests(path: Path, marker: dict) -> None:
+    if "digests" not in marker:
+        log.warning("checkpoint %s has no content digests (saved by an older version): only file sizes are checked",
+                    path)

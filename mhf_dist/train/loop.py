@@ -166,7 +166,7 @@ def checkpoint_layout(cfg: RunConfig, layout: Layout, vocab_rows: int) -> dict:
 
 def _resume_path(resume: str, checkpointer: Checkpointer) -> Path | None:
     if resume == "auto":
-        return checkpointer.latest()
+        return checkpointer.resumable()
     if resume == "none":
         if checkpointer.latest() is not None:
             raise CheckpointError(f"{checkpointer.dir} holds checkpoints; resume (--resume auto) or use a new run dir")
