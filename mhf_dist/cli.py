@@ -13,7 +13,7 @@ import yaml
 
 from mhf_dist import __version__
 from mhf_dist.config import SIZES, ConfigError, RunConfig, load_config, preset_names
-from mhf_dist.errors import ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, MhfError
+from mhf_dist.errors import ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE, MhfError
 from mhf_dist.output_dir import OVERWRITE_HELP
 
 DESCRIPTION = """\
@@ -79,31 +79,48 @@ def cmd_train(args) -> int:
     cfg = _load(args)  # validate before starting any rank
     if Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
         raise ConfigError(f"--run-dir {args.run_dir} is a file; name a directory (it is created if missing)")
-    if args.nproc_per_node and "RANK" not in os.environ:
-        from mhf_dist.launch import launch_local
+    from mhf_dist.launch import launch_local, slurm_rank_env, supervise_slurm_task
+    from mhf_dist.train.preemption import StopSignal, lost_work
+
+    def lost() -> str:
+        return lost_work(args.run_dir, cfg.train.checkpoint_minutes)
+
+    if "RANK" not in os.environ and args.nproc_per_node:
         from mhf_dist.parallel.layout import preflight
         from mhf_dist.train.engine import device_type
 
         preflight(cfg, args.nproc_per_node, device_type(cfg))
-        return launch_local(args.nproc_per_node, _without_option(sys.argv[1:], "--nproc-per-node"))
+        return launch_local(args.nproc_per_node, _without_option(sys.argv[1:], "--nproc-per-node"), lost)
+    if "RANK" not in os.environ and slurm_rank_env():  # an srun task: its rank runs watched, so its death is named
+        return supervise_slurm_task(sys.argv[1:], lost)
 
-    from mhf_dist.train.preemption import StopSignal
-
-    stop = StopSignal()  # before the training stack loads: from now on a signal is noted, not fatal
+    stop = StopSignal(lost)  # before the training stack loads: from now on a signal is noted, not fatal
     # each line out as it is written, also into a job log or a pipe (which Python would otherwise fill in blocks)
     sys.stdout.reconfigure(line_buffering=True)
-    from mhf_dist.train.loop import leave_process_group, train
+    from mhf_dist.train.loop import collective_failure, leave_process_group, train
 
     try:
         result = train(cfg, args.run_dir, args.resume, stop, args.verbose)
+    except Exception as e:
+        if args.debug or (failure := collective_failure(e)) is None:
+            raise
+        print(f"mhf-dist{_rank_label()}: {failure}; stopping (--debug shows the traceback)", file=sys.stderr)
+        return RANK_LOST_EXIT_CODE
     finally:  # also after an error: a process group left to interpreter shutdown can abort the process
         leave_process_group()
     if result.records:  # rank 0
-        last = result.records[-1]
-        print(f"{'preempted' if result.preempted else 'done'}: step {last['step']}, loss {last['loss']:.4f}, "
-              f"{last['tokens_per_s']:.0f} tokens/s, MFU {last['mfu']:.1%}; run directory "
-              f"{Path(args.run_dir).resolve()} (tensorboard --logdir {Path(args.run_dir).resolve() / 'tensorboard'})")
+        print(_outcome(result, stop, Path(args.run_dir)))
     return PREEMPTED_EXIT_CODE if result.preempted else 0
+
+
+def _outcome(result, stop, run_dir: Path) -> str:
+    """Rank 0's last line: where a Ctrl-C left the run, or the last step's numbers and where the logs are."""
+    if stop.interrupted and result.saved is not None:
+        return f"interrupted: saved {result.saved.name}; rerun the same command to resume"
+    last = result.records[-1]
+    return (f"{'preempted' if result.preempted else 'done'}: step {last['step']}, loss {last['loss']:.4f}, "
+            f"{last['tokens_per_s']:.0f} tokens/s, MFU {last['mfu']:.1%}; run directory {run_dir.resolve()} "
+            f"(tensorboard --logdir {run_dir.resolve() / 'tensorboard'})")
 
 
 def _without_option(argv: list[str], option: str) -> list[str]:

@@ -1,27 +1,45 @@
-"""Starting ranks on this machine (``mhf-dist train --nproc-per-node N``).
+"""Starting and watching ranks: ``mhf-dist train --nproc-per-node N`` on one machine, and each task of an ``srun``
+step.
 
-The N ranks are plain child processes with torch.distributed's environment
+The N local ranks are plain child processes with torch.distributed's environment
 (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``), as torchrun
-would set it, but the launcher keeps what torchrun hides: SIGUSR1 and SIGTERM
-are forwarded to every rank (so a preempted job saves before it stops), and the
-ranks' exit code is returned — :data:`PREEMPTED_EXIT_CODE` when they stopped on
-a signal after saving. If one rank fails, the others are stopped.
+would set it, but the launcher keeps what torchrun hides: the ranks run in a
+session of their own, so a terminal's signals reach the launcher alone, which
+passes them on. SIGUSR1 and SIGTERM are forwarded to every rank (so a preempted
+job saves before it stops); so is a first Ctrl-C, while a second kills the ranks
+at once (:data:`ABORTED_EXIT_CODE`). The ranks' exit code is returned:
+:data:`PREEMPTED_EXIT_CODE` when they stopped on a signal after saving. A rank
+that dies by a signal (``kill -9``, the OOM killer) is named, the others are
+stopped and the launcher exits with :data:`RANK_LOST_EXIT_CODE`; a rank that
+fails with an error code stops the others too, and its code is returned. The
+launcher reaps every rank before it returns, and a rank dies with its launcher.
+
+Under ``srun`` each task is such a launcher around its one rank, so that the job
+log names a rank killed by a signal; SLURM signals every process of the step
+and stops the other tasks itself (``--kill-on-bad-exit``), so nothing is
+forwarded there.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
-from mhf_dist.errors import PREEMPTED_EXIT_CODE
+from mhf_dist.errors import ABORTED_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
 
 # torch's CPU allocator backs large tensors with transparent huge pages: the step's fresh gradient and
 # activation buffers then fault in 2 MB pages instead of 4 KB ones (CPU ranks step 10-15% faster here).
 CPU_HUGE_PAGES = ("THP_MEM_ALLOC_ENABLE", "1")
+STOP_GRACE_S = 5  # after a rank failed: time for the others to report their own error before they are killed
+POLL_S = 0.2
+FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def free_port() -> int:
@@ -31,33 +49,122 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(nproc: int, argv: list[str]) -> int:
-    """Run ``mhf-dist <argv>`` as ``nproc`` ranks; returns their common exit code (the first failure's)."""
+def slurm_rank_env() -> dict[str, str]:
+    """Inside an ``srun`` step each task is one rank: its RANK/LOCAL_RANK/WORLD_SIZE from SLURM (empty outside)."""
+    if "SLURM_STEP_ID" not in os.environ:
+        return {}
+    return {"RANK": os.environ["SLURM_PROCID"], "LOCAL_RANK": os.environ["SLURM_LOCALID"],
+            "WORLD_SIZE": os.environ["SLURM_NTASKS"]}
+
+
+def launch_local(nproc: int, argv: list[str], lost_work: Callable[[], str]) -> int:
+    """Run ``mhf-dist <argv>`` as ``nproc`` ranks; returns their common exit code (see the module's docstring).
+    ``lost_work``: what stopping without a save loses, said when a rank dies or a second Ctrl-C aborts."""
     base = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
                          "LOCAL_WORLD_SIZE": str(nproc)}
     base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     base.setdefault(*CPU_HUGE_PAGES)
-    procs = [subprocess.Popen([sys.executable, "-m", "mhf_dist", *argv],
-                              env=base | {"RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
+    envs = [base | {"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)]
+    return RankSupervisor(argv, lost_work, forward=True).run(envs)
 
-    def forward(signum, _frame):
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR1, signal.SIGTERM)}
-    try:
-        while any(p.poll() is None for p in procs):
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            if failed and failed[0] != PREEMPTED_EXIT_CODE:
-                time.sleep(5)  # let the others report, then stop them: they would wait on collectives forever
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-            time.sleep(0.2)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    codes = [p.returncode for p in procs]
-    return next((c for c in codes if c not in (0, PREEMPTED_EXIT_CODE)), max(codes))
+def supervise_slurm_task(argv: list[str], lost_work: Callable[[], str]) -> int:
+    """Run ``mhf-dist <argv>`` as this ``srun`` task's rank, watched; returns its exit code."""
+    return RankSupervisor(argv, lost_work, forward=False).run([os.environ | slurm_rank_env()])
 
+
+# prctl(PR_SET_PDEATHSIG), looked up here: a rank's pre-exec hook should only call it
+_set_death_signal = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:
+    """In a rank before it starts: the kernel kills it if the launcher dies (killed itself, it cannot reap)."""
+    if _set_death_signal is not None:
+        _set_death_signal(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def exit_description(rank: int, proc: subprocess.Popen) -> str:
+    """``rank 1 (pid 4242) was killed by SIGKILL`` / ``... exited with code 2``."""
+    code = proc.returncode
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return f"rank {rank} (pid {proc.pid}) {how}"
+
+
+class RankSupervisor:
+    """Ranks started as child processes and watched until every one has ended (see the module's docstring)."""
+
+    def __init__(self, argv: list[str], lost_work: Callable[[], str], forward: bool):
+        self.argv, self.lost_work, self.forward = argv, lost_work, forward
+        self.procs: dict[int, subprocess.Popen] = {}  # rank -> process
+        self.world = 1
+        self.interrupts = 0
+        self.killed: set[int] = set()  # ranks this supervisor killed (not failures to report)
+
+    def run(self, envs: list[dict[str, str]]) -> int:
+        """Start a rank per environment and watch them; returns the exit code of the whole."""
+        self.world = int(envs[0]["WORLD_SIZE"])
+        previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED}  # before the first rank starts
+        try:
+            for env in envs:
+                self.procs[int(env["RANK"])] = subprocess.Popen(
+                    [sys.executable, "-m", "mhf_dist", *self.argv], env=env, start_new_session=self.forward,
+                    preexec_fn=_die_with_parent)
+            return self._watch()
+        finally:
+            self._kill_all()  # also after an error of the launcher itself: no rank outlives it
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, signum, _frame):
+        if not self.forward:  # SLURM signalled the rank itself
+            return
+        self.interrupts += signum == signal.SIGINT
+        if self.interrupts < 2:  # the watch loop answers a second Ctrl-C
+            for rank in self._running():
+                self.procs[rank].send_signal(signum)
+
+    def _running(self) -> list[int]:
+        return [rank for rank, proc in self.procs.items() if proc.poll() is None]
+
+    def _watch(self) -> int:
+        """Wait for every rank; after a failure, the others get :data:`STOP_GRACE_S` to end on their own."""
+        failure = deadline = None
+        while self._running():
+            if self.interrupts > 1:
+                self._kill_all()
+                print(f"aborted without saving: {self.lost_work()}", file=sys.stderr)
+                return ABORTED_EXIT_CODE
+            if failure is None and (failure := self._first_failure()) is not None:
+                self._report(failure)
+                deadline = time.monotonic() + STOP_GRACE_S
+            if deadline is not None and time.monotonic() > deadline:
+                self._kill_all()  # the others would wait on collectives with the failed rank forever
+            time.sleep(POLL_S)
+        if failure is None and (failure := self._first_failure()) is not None:
+            self._report(failure)  # it ended with the others, between two looks
+        if failure is None:
+            return max(proc.returncode for proc in self.procs.values())  # 0, or 85 when any stopped on a signal
+        code = self.procs[failure].returncode
+        return RANK_LOST_EXIT_CODE if code < 0 else code
+
+    def _first_failure(self) -> int | None:
+        """A rank that ended with an error (one killed by a signal first), None while there is none."""
+        failed = [rank for rank, proc in self.procs.items() if proc.returncode not in (None, 0, PREEMPTED_EXIT_CODE)
+                  and rank not in self.killed]
+        return min(failed, key=lambda rank: (self.procs[rank].returncode >= 0, rank), default=None)
+
+    def _report(self, rank: int) -> None:
+        """A rank killed by a signal cannot say so itself: name it, and what the stop loses (a rank that ended with
+        an error code printed its error)."""
+        if self.procs[rank].returncode >= 0:
+            return
+        others = "; stopping the others" if self.world > 1 else ""
+        print(f"{exit_description(rank, self.procs[rank])}{others}", file=sys.stderr)
+        print(self.lost_work(), file=sys.stderr)
+
+    def _kill_all(self) -> None:
+        for rank in self._running():
+            self.procs[rank].kill()
+            self.killed.add(rank)
+        for proc in self.procs.values():
+            proc.wait()

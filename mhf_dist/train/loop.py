@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 
 from mhf_dist.config import RunConfig
 from mhf_dist.data.reader import ShardReader
-from mhf_dist.launch import free_port
+from mhf_dist.launch import free_port, slurm_rank_env
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.fused_head import use_kernels
 from mhf_dist.model.lm import LanguageModel
@@ -77,6 +77,16 @@ def leave_process_group() -> None:
     """Shut this rank's process group down (its communication threads end here, not at interpreter exit)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def collective_failure(e: BaseException) -> str | None:
+    """What a failed collective reports (another rank ended, or stopped answering: gloo's closed or reset
+    connection, a backend's error), in one line; None for any other error."""
+    gloo = isinstance(e, RuntimeError) and "/gloo/" in str(e)
+    if not (gloo or isinstance(e, dist.DistError)):
+        return None
+    text = str(e).split("] ", 1)[-1] if gloo else str(e)  # gloo's message starts with its source location
+    return f"a collective failed, as another rank ended or stopped answering ({text.split('. ', 1)[0].strip()})"
 
 
 def seed_everything(seed: int) -> None:
@@ -152,6 +162,7 @@ class SaveClock:
 class TrainResult:
     records: list[dict] = field(default_factory=list)  # what rank 0 logged in this process
     preempted: bool = False  # stopped on a signal after saving
+    saved: Path | None = None  # the checkpoint saved on that signal
 
 
 def checkpoint_layout(cfg: RunConfig, layout: Layout, vocab_rows: int) -> dict:
@@ -226,9 +237,8 @@ def weights_finite(engine, scalars: ScalarCollectives) -> bool:
 
 def rank_env_from_slurm() -> None:
     """Inside an ``srun`` step, each task is one rank: take RANK/LOCAL_RANK/WORLD_SIZE from SLURM."""
-    if "RANK" not in os.environ and "SLURM_STEP_ID" in os.environ:
-        os.environ.update(RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ["SLURM_LOCALID"],
-                          WORLD_SIZE=os.environ["SLURM_NTASKS"])
+    if "RANK" not in os.environ:
+        os.environ.update(slurm_rank_env())
 
 
 class ResumePoint(NamedTuple):
@@ -470,6 +480,8 @@ class TrainingLoop:
         saved = self.checkpointer.save(self.trainer.engine, step, step * self.tokens_per_step,
                                        self.reader.state_dict(), reason)
         self.clock.reset()
+        if self.result.preempted:
+            self.result.saved = saved
         if self.rank == 0:
             log_save(saved, reason, time.perf_counter() - began, statistics.median(self.step_times))
 

@@ -1,4 +1,5 @@
-"""Preemption: SIGUSR1 (SLURM's warning before the time limit) or SIGTERM (preemption, ``scancel``).
+"""Stopping on a signal: SIGUSR1 (SLURM's warning before the time limit), SIGTERM (preemption, ``scancel``) or
+Ctrl-C (SIGINT).
 
 The handler is installed before anything slow starts (imports of the training
 stack, data preparation, the model build), so a signal at any moment of a
@@ -7,22 +8,67 @@ they trained anything, and exit with :data:`PREEMPTED_EXIT_CODE`, which the
 job script answers with a requeue. The job script also tells the ranks the
 grace period (:data:`GRACE_ENV`), so a save that would not fit in it is
 flagged while there is time to act.
+
+A first Ctrl-C is taken as SIGTERM is; a second aborts at once without saving
+(:data:`ABORTED_EXIT_CODE`) and says what that loses: the steps since the
+newest checkpoint, which the next start resumes from.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+from collections.abc import Callable
+from pathlib import Path
+
+from mhf_dist.errors import ABORTED_EXIT_CODE
+from mhf_dist.train.checkpoint_index import marker_problem, step_directories
 
 GRACE_ENV = "MHF_DIST_GRACE_SECONDS"  # set by the job script: seconds between SLURM's warning and the time limit
+INTERRUPT_NOTE = "interrupted: finishing this step, then saving (Ctrl-C again aborts without saving)"
+
+
+def lost_work(run_dir: str | Path, checkpoint_minutes: float | None) -> str:
+    """What stopping now without a save loses, and where the next start (``--resume auto``) continues from."""
+    saved = [p for p in step_directories(Path(run_dir) / "checkpoints") if marker_problem(p) is None]
+    if saved:
+        note = f"the steps since {saved[-1].name} are lost; rerun the same command to resume from it"
+    else:
+        note = "no checkpoint was saved yet; rerunning the same command starts again from step 0"
+    if checkpoint_minutes:
+        note += f" (train.checkpoint_minutes={checkpoint_minutes:g} bounds such a loss to {checkpoint_minutes:g} min)"
+    return note
+
+
+def say_once(line: str) -> None:
+    """``line`` on stderr from rank 0 only (every rank gets a terminal's Ctrl-C under torchrun), written in one
+    system call: a signal handler must not re-enter the buffered stream the interrupted code may be writing."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        os.write(2, f"{line}\n".encode())
 
 
 class StopSignal:
-    """SIGUSR1 / SIGTERM on any rank: every rank stops after the current step (the ranks agree each step)."""
+    """SIGUSR1 / SIGTERM on any rank: every rank stops after the current step (the ranks agree each step).
 
-    def __init__(self):
+    With ``lost_work`` (a note of what an abort loses), Ctrl-C too: the first is a stop like SIGTERM
+    (:attr:`interrupted` says so), the second ends this process at once without saving."""
+
+    def __init__(self, lost_work: Callable[[], str] | None = None):
         self.received = False
+        self.interrupted = False
+        self._lost_work = lost_work
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._handle)
+        if lost_work is not None:  # otherwise (an embedding program, a test process) Ctrl-C stays its own
+            signal.signal(signal.SIGINT, self._interrupt)
 
     def _handle(self, signum, _frame):
         self.received = True
+
+    def _interrupt(self, signum, frame):
+        if self.interrupted:
+            say_once(f"aborted without saving: {self._lost_work()}")
+            os._exit(ABORTED_EXIT_CODE)  # now: no collective, no save, no interpreter shutdown to wait for
+        self.interrupted = True
+        self._handle(signum, frame)
+        say_once(INTERRUPT_NOTE)
