@@ -102,7 +102,10 @@ def cmd_train(args) -> int:
     try:
         result = train(cfg, args.run_dir, args.resume, stop, args.verbose)
     except Exception as e:
-        if args.debug or (failure := collective_failure(e)) is None:
+        if (failure := collective_failure(e)) is None:
+            raise
+        stop.ignore()  # nothing is left to save, and the job's end (srun stopping its tasks) must not cut this exit
+        if args.debug:
             raise
         print(f"mhf-dist{_rank_label()}: {failure}; stopping (--debug shows the traceback)", file=sys.stderr)
         return RANK_LOST_EXIT_CODE

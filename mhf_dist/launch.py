@@ -98,7 +98,8 @@ class RankSupervisor:
         self.procs: dict[int, subprocess.Popen] = {}  # rank -> process
         self.world = 1
         self.interrupts = 0
-        self.killed: set[int] = set()  # ranks this supervisor killed (not failures to report)
+        self.received: set[int] = set()  # signals this supervisor got: a rank they ended did not fail
+        self.killed: set[int] = set()  # ranks this supervisor killed (not failures either)
 
     def run(self, envs: list[dict[str, str]]) -> int:
         """Start a rank per environment and watch them; returns the exit code of the whole."""
@@ -116,6 +117,7 @@ class RankSupervisor:
                 signal.signal(s, handler)
 
     def _on_signal(self, signum, _frame):
+        self.received.add(signum)
         if not self.forward:  # SLURM signalled the rank itself
             return
         self.interrupts += signum == signal.SIGINT
@@ -143,14 +145,20 @@ class RankSupervisor:
         if failure is None and (failure := self._first_failure()) is not None:
             self._report(failure)  # it ended with the others, between two looks
         if failure is None:
-            return max(proc.returncode for proc in self.procs.values())  # 0, or 85 when any stopped on a signal
+            return self._common_code()
         code = self.procs[failure].returncode
         return RANK_LOST_EXIT_CODE if code < 0 else code
+
+    def _common_code(self) -> int:
+        """The ranks' code when none failed: 85 when they saved on a signal (all of them did, or none), else 0, or
+        128 + N for a rank that signal N (sent to the launcher too) ended, as a shell reports it."""
+        codes = [code if code >= 0 else 128 - code for code in (p.returncode for p in self.procs.values())]
+        return PREEMPTED_EXIT_CODE if PREEMPTED_EXIT_CODE in codes else max(codes)
 
     def _first_failure(self) -> int | None:
         """A rank that ended with an error (one killed by a signal first), None while there is none."""
         failed = [rank for rank, proc in self.procs.items() if proc.returncode not in (None, 0, PREEMPTED_EXIT_CODE)
-                  and rank not in self.killed]
+                  and rank not in self.killed and -proc.returncode not in self.received]
         return min(failed, key=lambda rank: (self.procs[rank].returncode >= 0, rank), default=None)
 
     def _report(self, rank: int) -> None:

@@ -17,6 +17,7 @@ from helpers.slurm import LocalSlurm, missing_binaries
 from mhf_dist.cli import main
 from mhf_dist.cluster import load_profile
 from mhf_dist.config import ConfigError, load_config
+from mhf_dist.errors import RANK_LOST_EXIT_CODE
 from mhf_dist.submit import render, submit
 from mhf_dist.train.job_estimates import MIN_GRACE_SECONDS, grace_seconds, save_estimate, time_limit_seconds
 
@@ -314,6 +315,41 @@ def test_slurm_job_requeued_mid_run_resumes_and_matches(tmp_path, data, slurm):
     assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in reference]
     shown = run_cli(["status", str(run)])
     assert f"step       {steps} / {steps}" in shown and f"checkpoint step-{steps:08d}" in shown
+
+
+def _slurm_rank_pid(job: str, rank: int) -> int | None:
+    """The pid of ``rank`` of SLURM job ``job`` (the training process, not the task around it), read from /proc."""
+    wanted = {f"SLURM_JOB_ID={job}".encode(), f"RANK={rank}".encode()}
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if wanted <= set(environ.read_bytes().split(b"\0")):
+                return int(environ.parent.name)
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.slurm
+@pytest.mark.multirank
+def test_slurm_job_log_names_a_rank_killed_by_a_signal(tmp_path, data, slurm):
+    run = tmp_path / "run"
+    submit = train_args(run, data, 2, "parallel.zero_stage=1", "train.checkpoint_interval=2", steps=10_000)
+    submit = ["submit", "--cluster", "cpu-local", "--nodes", "1"] + [a for a in submit[1:] if a not in (
+        "--nproc-per-node", "2")]
+    proc = subprocess.run([sys.executable, "-m", "mhf_dist", *submit], env=slurm.env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    wait_for(lambda: (run / "checkpoints/step-00000002/complete.json").exists(), 300, "the first checkpoint")
+    pid = wait_for(lambda: _slurm_rank_pid(job, 1), 60, "rank 1's process")
+    os.kill(pid, 9)
+    state = wait_for(lambda: (s := slurm.job_state(job))["JobState"] in ("COMPLETED", "FAILED") and s, 300,
+                     "the job to end")
+    out = "".join(p.read_text() for p in (run / "slurm").glob("*.out"))
+    assert state["ExitCode"] == f"{RANK_LOST_EXIT_CODE}:0", out[-4000:]
+    assert f"rank 1 (pid {pid}) was killed by SIGKILL; stopping the others" in out
+    newest = sorted(p.parent.name for p in run.glob("checkpoints/step-*/complete.json"))[-1]
+    assert f"the steps since {newest} are lost; rerun the same command to resume from it" in out
+    assert "Traceback" not in out, out[-4000:]
 
 
 def test_the_grace_is_sized_from_the_save_and_must_fit_in_the_time_limit(capsys):

@@ -62,6 +62,12 @@ class StopSignal:
         if lost_work is not None:  # otherwise (an embedding program, a test process) Ctrl-C stays its own
             signal.signal(signal.SIGINT, self._interrupt)
 
+    def ignore(self) -> None:
+        """From now on SIGUSR1 and SIGTERM are ignored, also while the interpreter shuts down (which restores the
+        default action, death, of a signal with a handler)."""
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+
     def _handle(self, signum, _frame):
         self.received = True
 
