@@ -13,8 +13,8 @@ from the run seed or from ``train.init_from`` (:mod:`mhf_dist.parallel.construct
 
 A run resumes from its newest complete checkpoint by default (``--resume
 auto``) and continues bit-identically: the same data, optimizer, scheduler and
-RNG states. SIGUSR1/SIGTERM on any rank make all ranks finish the step, save
-and stop with :data:`PREEMPTED_EXIT_CODE`.
+RNG states. SIGUSR1/SIGTERM (or a first Ctrl-C) on any rank make all ranks
+finish the step, save and stop with :data:`PREEMPTED_EXIT_CODE`.
 
 Each optimizer step consumes ``train.global_batch_size`` sequences; the logged
 loss is the docs/spec.md §5 training loss averaged over that batch, with each head's
