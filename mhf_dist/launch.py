@@ -38,7 +38,7 @@ from mhf_dist.errors import ABORTED_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EX
 CPU_HUGE_PAGES = ("THP_MEM_ALLOC_ENABLE", "1")
 STOP_GRACE_S = 5  # after a rank failed: time for the others to report their own error before they are killed
 POLL_S = 0.2
-FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+HANDLED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)  # passed on to the ranks (under srun: sat out)
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
@@ -104,7 +104,7 @@ class RankSupervisor:
     def run(self, envs: list[dict[str, str]]) -> int:
         """Start a rank per environment and watch them; returns the exit code of the whole."""
         self.world = int(envs[0]["WORLD_SIZE"])
-        previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED}  # before the first rank starts
+        previous = {s: signal.signal(s, self._on_signal) for s in HANDLED}  # before the first rank starts
         try:
             for env in envs:
                 self.procs[int(env["RANK"])] = subprocess.Popen(

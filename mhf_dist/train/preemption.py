@@ -40,7 +40,7 @@ def lost_work(run_dir: str | Path, checkpoint_minutes: float | None) -> str:
     return note
 
 
-def say_once(line: str) -> None:
+def say_on_rank0(line: str) -> None:
     """``line`` on stderr from rank 0 only (every rank gets a terminal's Ctrl-C under torchrun), written in one
     system call: a signal handler must not re-enter the buffered stream the interrupted code may be writing."""
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
@@ -73,8 +73,8 @@ class StopSignal:
 
     def _interrupt(self, signum, frame):
         if self.interrupted:
-            say_once(f"aborted without saving: {self._lost_work()}")
+            say_on_rank0(f"aborted without saving: {self._lost_work()}")
             os._exit(ABORTED_EXIT_CODE)  # now: no collective, no save, no interpreter shutdown to wait for
         self.interrupted = True
         self._handle(signum, frame)
-        say_once(INTERRUPT_NOTE)
+        say_on_rank0(INTERRUPT_NOTE)
