@@ -340,9 +340,9 @@ def _train_parser(sub) -> None:
 
 def _prepare_data_parser(sub) -> None:
     p = sub.add_parser("prepare-data", help="tokenize text into WebDataset shards of packed sequences + manifest")
-    p.add_argument("inputs", nargs="+", help="text files or globs: .txt (blank-line separated documents) "
-                   "or .jsonl (one document per line), optionally .gz or .zst, and .parquet (one document per row); "
-                   ".zst and .parquet need pip install 'mhf-dist[data]'")
+    p.add_argument("inputs", nargs="+", help="text files, directories (their files, sorted) or globs: .txt "
+                   "(blank-line separated documents) or .jsonl (one document per line), optionally .gz or .zst, and "
+                   ".parquet (one document per row); .zst and .parquet need pip install 'mhf-dist[data]'")
     p.add_argument("--tokenizer", required=True, help="tokenizer directory, or mistral-v0.3")
     p.add_argument("--out", required=True, help="output directory (new or empty; see --overwrite)")
     _add_overwrite(p)

@@ -213,6 +213,26 @@ def test_documents_that_are_not_strings_are_named_or_skipped_and_counted(docs, t
         list(documents([tmp_path / "broken.parquet"]))
 
 
+def test_a_directory_input_is_its_text_files_in_name_order(inputs, tok_dir, shards, tmp_path):
+    """A directory stands for the input files directly in it, sorted: here the same files, in the same
+    order, as the `shards` fixture's inputs, so the same shards. Other files and subdirectories are not read, and a
+    glob passes over the directories it matches."""
+    folder = Path(inputs[0]).parent
+    assert expand_inputs([folder]) == [folder / "a.txt", folder / "b.jsonl.gz", folder / "c.jsonl"]
+    manifest = _prepare([folder], tok_dir, tmp_path / "out")
+    assert manifest["splits"] == json.loads((shards / "manifest.json").read_text())["splits"]
+
+    mixed = tmp_path / "mixed"
+    (mixed / "sub").mkdir(parents=True)
+    for name in ("b.txt", "a.jsonl", "notes.md", "sub/notes.md"):
+        (mixed / name).write_text("text\n")
+    assert expand_inputs([mixed]) == [mixed / "a.jsonl", mixed / "b.txt"]
+    assert expand_inputs([str(mixed / "[bs]*")]) == [mixed / "b.txt"]
+    with pytest.raises(DataError, match=r"sub: a directory without .txt, .jsonl \(optionally compressed\) or "
+                                        r".parquet files .* a glob such as"):
+        expand_inputs([mixed / "sub"])
+
+
 # ---------------------------------------------------------------- reader: order, ranks, resume
 def test_each_epoch_is_a_fresh_permutation_of_all_samples(reference, written):
     n = len(written)

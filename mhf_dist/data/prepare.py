@@ -3,15 +3,16 @@
 Inputs and documents
     ``.txt`` and ``.jsonl`` files, each optionally compressed (``.gz``, or
     ``.zst`` with the ``data`` extra), ``.parquet`` files (the ``data`` extra:
-    pyarrow), and glob patterns over them (matches are taken in sorted order;
-    inputs in the order given). In a ``.txt`` file, documents are separated by
-    blank lines; in a ``.jsonl`` file every line is one JSON object and its
-    ``text_field`` is one document; in a Parquet file each row's ``text_field``
-    column is one, read one row group at a time (a corpus's files need not fit
-    in memory). Whitespace-only documents are ignored. A document that is not a
-    string (a JSON line that does not parse, a missing field, a null or a
-    number) stops the preparation with its file and line or row, or, with
-    ``on_bad_document="skip"``, is left out and counted in the manifest
+    pyarrow), directories (the files of those types directly in them) and glob
+    patterns over them (a directory's files and a glob's matches are taken in
+    sorted order; inputs in the order given). In a ``.txt`` file, documents are
+    separated by blank lines; in a ``.jsonl`` file every line is one JSON object
+    and its ``text_field`` is one document; in a Parquet file each row's
+    ``text_field`` column is one, read one row group at a time (a corpus's files
+    need not fit in memory). Whitespace-only documents are ignored. A document
+    that is not a string (a JSON line that does not parse, a missing field, a
+    null or a number) stops the preparation with its file and line or row, or,
+    with ``on_bad_document="skip"``, is left out and counted in the manifest
     (``skipped_documents``).
 
 Packing
@@ -97,13 +98,19 @@ class DataError(MhfError, ValueError):
 
 
 def expand_inputs(patterns: Sequence[str | os.PathLike]) -> list[Path]:
-    """Input files in order: each pattern is a file or a glob (its matches sorted)."""
+    """Input files in order: each pattern is a file, a directory (its text files, :func:`directory_inputs`) or a
+    glob (its matches sorted; directories among them are passed over, the glob names the files it wants)."""
     files: list[Path] = []
     for pattern in map(str, patterns):
-        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
-        if not matches:
-            raise DataError(f"input {pattern}: the pattern matches no file; check it")
-        for match in map(Path, matches):
+        if glob.has_magic(pattern):
+            matches = [m for m in map(Path, sorted(glob.glob(pattern, recursive=True))) if not m.is_dir()]
+            if not matches:
+                raise DataError(f"input {pattern}: the pattern matches no file; check it")
+        elif Path(pattern).is_dir():
+            matches = directory_inputs(Path(pattern))
+        else:
+            matches = [Path(pattern)]
+        for match in matches:
             if not match.is_file():
                 raise DataError(f"input {match}: no such file; check the path")
             if not _readable_kind(match):
@@ -119,6 +126,17 @@ def _uncompressed_name(path: Path) -> str:
 
 def _readable_kind(path: Path) -> bool:
     return path.suffix == PARQUET or _uncompressed_name(path).endswith(_TEXT_SUFFIXES)
+
+
+def directory_inputs(directory: Path) -> list[Path]:
+    """The input files directly in ``directory`` (the kinds :func:`expand_inputs` reads), sorted by name; other
+    files and subdirectories are not read."""
+    files = sorted(p for p in directory.iterdir() if p.is_file() and _readable_kind(p))
+    if not files:
+        raise DataError(f"input {directory}: a directory without .txt, .jsonl (optionally compressed) or .parquet "
+                        f"files directly in it; name the files, or a glob such as '{directory / '**' / '*.txt'}' "
+                        "for subdirectories")
+    return files
 
 
 class BadDocuments:
