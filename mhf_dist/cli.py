@@ -61,6 +61,11 @@ def _add_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="floating-point type of the weights")
 
 
+def _add_checkpoint(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint; before the "
+                   "first, its initial weights: train.init_from)")
+
+
 def _add_overwrite(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
@@ -377,7 +382,7 @@ def _plan_parser(sub) -> None:
 def _export_parser(sub) -> None:
     p = sub.add_parser("export", help="one full state dict (safetensors) + config + signatures + tokenizer "
                        "from a sharded checkpoint")
-    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")
+    _add_checkpoint(p)
     p.add_argument("--out", required=True)
     _add_dtype(p)
     _add_overwrite(p)
@@ -387,7 +392,7 @@ def _export_parser(sub) -> None:
 def _export_hf_parser(sub) -> None:
     p = sub.add_parser("export-hf", help="a Hugging Face model directory (the authors' layout) from a "
                        "checkpoint; logits are log P_inf")
-    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")
+    _add_checkpoint(p)
     p.add_argument("out_dir")
     _add_dtype(p)
     _add_overwrite(p)

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from mhf_dist.config import ConfigError
-from mhf_dist.consolidate import DTYPES
+from mhf_dist.consolidate import DTYPES, MODEL_SOURCES, check_source
 
 
 def remote_code_is_ours(path: Path) -> bool:
@@ -42,6 +42,7 @@ def load_for_inference(path: str | Path, dtype: str = "fp32", device: str = "aut
     if not (path / "config.json").is_file():  # a run or checkpoint directory
         from mhf_dist.hf.export import export_hf
 
+        check_source(path, f"an export-hf directory (with config.json), {MODEL_SOURCES}")
         with tempfile.TemporaryDirectory(prefix="mhf-export-") as tmp:
             return load_for_inference(export_hf(path, Path(tmp) / "model"), dtype, device)
     if not (trust_remote_code or remote_code_is_ours(path)):

@@ -18,6 +18,7 @@ import yaml
 from helpers.runs import metrics, run_cli, train_args, train_run
 from mhf_dist.cli import main
 from mhf_dist.config import ConfigError, load_config
+from mhf_dist.run_dir import RunDir
 
 
 @pytest.mark.parametrize("override, message", [
@@ -160,6 +161,28 @@ def test_unreadable_inputs_are_named_not_traced(tmp_path, capsys):
     with pytest.raises(OSError):
         main(["--debug", "tokenizer", "train", "--input", str(tmp_path / "missing.txt"), "--vocab-size", "300",
               "--out", str(tmp_path / "tok")])
+
+
+@pytest.mark.parametrize("argv", [["export-hf", "/", "OUT"], ["export", "/", "--out", "OUT"],
+                                  ["generate", "--model", "/", "--prompt", "In the beginning"],
+                                  ["eval", "--model", "/", "--lambada", "OUT/lambada.jsonl"]])
+def test_a_path_that_holds_no_model_is_named_before_the_output(argv, tmp_path, capsys):
+    """`/` contains every output directory, yet the problem is that it is no model: said first, with what to pass."""
+    out = tmp_path / "out"
+    assert main([arg.replace("OUT", str(out)) for arg in argv]) == 2
+    err = capsys.readouterr().err
+    assert "/ holds no model (no complete.json, no config.yaml): pass " in err, err
+    assert "a run directory (the --run-dir of train or import-hf)" in err and "source" not in err
+    assert ("an export-hf directory" in err) == (argv[0] in ("generate", "eval"))
+    assert not out.exists()
+
+
+def test_a_run_without_a_checkpoint_or_initial_weights_says_to_train_it(tmp_path, capsys):
+    run = RunDir(tmp_path / "run")
+    run.save_config(load_config("tiny-h4b16k"))  # as train writes it before the first step
+    assert main(["export-hf", str(run.path), str(tmp_path / "out")]) == 2
+    assert (f"{run.path} has no complete checkpoint yet, nor initial weights (train.init_from): train it until it "
+            "saves one") in capsys.readouterr().err
 
 
 @pytest.mark.multirank

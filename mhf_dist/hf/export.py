@@ -36,7 +36,7 @@ import yaml
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from mhf_dist.config import ConfigError, ModelConfig, RunConfig
-from mhf_dist.consolidate import DTYPES, TrainedWeights, trained_weights
+from mhf_dist.consolidate import DTYPES, TrainedWeights, check_source, trained_weights
 from mhf_dist.data.prepare import MANIFEST
 from mhf_dist.hf.configuration_multihashformer import MultiHashFormerConfig
 from mhf_dist.hf.layout import EMBED, LM_HEAD, to_export
@@ -133,6 +133,7 @@ def fitted_temperature(trained: TrainedWeights, tokenizer, table: SignatureTable
 def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", overwrite: bool = False,
               inference_temperature: str | float | None = None) -> Path:
     """``inference_temperature``: a number, ``"auto"`` (:func:`fitted_temperature`) or None (the run config's)."""
+    check_source(checkpoint)  # first: a path that holds no model is named as such
     out = check_target(out, [checkpoint], overwrite)
     trained = trained_weights(checkpoint)
     run, cfg = trained.run, trained.cfg

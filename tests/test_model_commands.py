@@ -1,0 +1,79 @@
+"""Commands that read a model (import-hf, export-hf, generate, eval), on a release: a tiny MultiHashFormer saved in
+the authors' layout as their releases are (config.json, weights, tokenizer; no run config of ours). It is freshly
+initialised, so nothing here trains."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mhf_dist.cli import main
+from mhf_dist.config import load_config
+from mhf_dist.hf.export import build_hf_model
+from mhf_dist.model import build_model
+from mhf_dist.signatures import SignatureTable
+from mhf_dist.token_list import vocabulary
+
+PROMPT = "And God said, Let there be light"
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory, bpe):
+    """A tiny MultiHashFormer (random weights) on the shared BPE, as a release directory."""
+    cfg = load_config("tiny-h4b16k", overrides=["model.hash.num_buckets=256"])
+    table = SignatureTable.build(vocabulary(bpe), cfg.model.hash.num_hashes, cfg.model.hash.num_buckets,
+                                 pad_id=bpe.pad_token_id)
+    model = build_model(cfg.model, len(bpe), table.codes, seed=1)
+    out = tmp_path_factory.mktemp("release")
+    build_hf_model(cfg, model.state_dict(), bpe, table).save_pretrained(out)
+    bpe.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def imported(release, data, tmp_path_factory):
+    """The release imported into a run directory (never trained), whose data are the shared shards."""
+    run = tmp_path_factory.mktemp("imported") / "run"
+    assert main(["import-hf", str(release), "--run-dir", str(run), "--set", f"data.path={data['shards']}",
+                 "--set", "train.eval_sequences=4"]) == 0
+    return run
+
+
+def logits(model_dir, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True)(ids).logits
+
+
+def test_an_imported_release_exports_as_the_same_model(release, imported, tmp_path, capsys):
+    """import-hf, then export-hf of the run (no training step between): the same config and the same logits."""
+    assert main(["export-hf", str(imported), str(tmp_path / "again")]) == 0
+    assert f"{imported} has no checkpoint yet; its initial weights" in capsys.readouterr().err
+    ids = AutoTokenizer.from_pretrained(release)(PROMPT, return_tensors="pt").input_ids
+    assert torch.equal(logits(release, ids), logits(tmp_path / "again", ids))
+    config, again = (json.loads((d / "config.json").read_text()) for d in (release, tmp_path / "again"))
+    assert again == config
+    assert yaml.safe_load((tmp_path / "again/mhf_dist.yaml").read_text())["exported_step"] == 0
+
+
+def test_eval_generate_and_calibration_read_an_imported_run_as_its_release(release, imported, data, tmp_path,
+                                                                           capsys):
+    """eval (with --calibrate) and generate give the release's results on the imported run; export-hf
+    --inference-temperature auto fits on the run's validation split the τ that eval fits there."""
+    sequences = yaml.safe_load((imported / "config.yaml").read_text())["train"]["eval_sequences"]
+    results, texts = [], []
+    for model in (release, imported):
+        assert main(["eval", "--model", str(model), "--data", str(data["shards"]), "--calibrate",
+                     "--max-sequences", str(sequences), "--out", str(tmp_path / "eval.json")]) == 0
+        results.append(json.loads((tmp_path / "eval.json").read_text())["perplexity"])
+        assert main(["generate", "--model", str(model), "--prompt", PROMPT, "--max-new-tokens", "6"]) == 0
+        texts.append(capsys.readouterr().out.splitlines()[-1])
+    assert results[0] == results[1] and texts[0] == texts[1] and texts[0].startswith(PROMPT)
+
+    assert main(["export-hf", str(imported), str(tmp_path / "hf"), "--inference-temperature", "auto"]) == 0
+    assert "validation split" in capsys.readouterr().out
+    tau = json.loads((tmp_path / "hf/config.json").read_text())["inference_temperature"]
+    assert tau == pytest.approx(results[0]["temperature"], rel=1e-6) and tau != 1.0
