@@ -5,6 +5,7 @@ initialised, so nothing here trains."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -77,3 +78,23 @@ def test_eval_generate_and_calibration_read_an_imported_run_as_its_release(relea
     assert "validation split" in capsys.readouterr().out
     tau = json.loads((tmp_path / "hf/config.json").read_text())["inference_temperature"]
     assert tau == pytest.approx(results[0]["temperature"], rel=1e-6) and tau != 1.0
+
+
+def test_import_names_a_bad_config_field_and_warns_of_unknown_keys(release, tmp_path, capsys):
+    """A field of the wrong type is named as a config.json problem (not as a tokenizer that cannot load); keys that
+    nothing reads (e.g. misspelt) are listed in a warning, while the older spellings transformers reads are not."""
+    src = tmp_path / "src"
+    shutil.copytree(release, src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(config | {"head_dim": None, "num_hashs": 4}))
+    assert main(["import-hf", str(src), "--run-dir", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert f"{src / 'config.json'}: Validation error for field 'head_dim': TypeError: Field 'head_dim' expected int" \
+           in err and "correct that field" in err and "tokenizer" not in err
+    assert f"warning: {src / 'config.json'} has keys that neither transformers' Qwen3 config nor mhf-dist reads, " \
+           "ignored: num_hashs\n" in err
+    assert not (tmp_path / "bad").exists()
+
+    (src / "config.json").write_text(json.dumps(config | {"num_hashs": 4, "xyz": 1, "rope_theta": 1e6}))
+    assert main(["import-hf", str(src), "--run-dir", str(tmp_path / "run")]) == 0
+    assert "reads, ignored: num_hashs, xyz\n" in capsys.readouterr().err

@@ -26,15 +26,18 @@ docs/spec.md §9 fixes.
 from __future__ import annotations
 
 import json
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import yaml
+from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import load_file, save_file
 
 from mhf_dist.config import ConfigError, RunConfig, apply_override, deep_merge
+from mhf_dist.hf.configuration_multihashformer import MultiHashFormerConfig
 from mhf_dist.hf.export import RUN_CONFIG
 from mhf_dist.hf.layout import HFImportError, from_export
 from mhf_dist.model import build_model
@@ -66,10 +69,13 @@ def read_weights(src: Path) -> dict[str, torch.Tensor]:
 
 
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+# read by transformers besides a config's fields: the remote-code map, and older spellings of dtype and RoPE
+LOADER_KEYS = ("auto_map", "torch_dtype", "rope_theta", "rope_scaling")
 
 
 def read_config(path: Path) -> dict:
-    """``config.json``, checked to be JSON and to name the architecture."""
+    """``config.json``, checked to be JSON, to name the architecture and to hold fields of the right types;
+    keys that nothing reads are warned about."""
     try:
         config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -78,7 +84,22 @@ def read_config(path: Path) -> dict:
     if missing:
         raise HFImportError(f"{path} lacks {', '.join(missing)}: it is not a complete Qwen3 / qwen3_hashformer "
                             "config; copy or export the model again")
+    unknown = sorted(set(config) - set(MultiHashFormerConfig().to_dict()) - set(LOADER_KEYS))
+    if unknown:  # a misspelt key leaves its field at the default, which may only show as weights that do not fit
+        print(f"warning: {path} has keys that neither transformers' Qwen3 config nor mhf-dist reads, ignored: "
+              f"{', '.join(unknown)}", file=sys.stderr)
+    check_fields(config, path)
     return config
+
+
+def check_fields(config: dict, path: Path) -> None:
+    """Every field of ``config`` of the type transformers' config takes: the tokenizer and the model load through
+    it, so a bad field is named here rather than as a tokenizer that cannot load."""
+    try:
+        MultiHashFormerConfig(**config)
+    except (StrictDataclassError, TypeError, ValueError) as e:
+        raise HFImportError(f"{path}: {' '.join(str(e).split())}; correct that field (transformers' Qwen3Config "
+                            "documents each), or copy or export the model again") from None
 
 
 def check_shapes(cfg: RunConfig, vocab_size: int, codes: torch.Tensor | None, state: dict[str, torch.Tensor],
