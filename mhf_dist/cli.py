@@ -182,9 +182,16 @@ def cmd_generate(args) -> int:
     from mhf_dist.inference import generate, load_for_inference
 
     model, tokenizer = load_for_inference(args.model, args.dtype, args.device, args.trust_remote_code)
+    stream = not args.json and args.num_beams == 1  # beam search settles its text only at the end
     ids = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                   args.num_beams, args.seed, args.compile)
-    print(args.prompt + tokenizer.decode(ids, skip_special_tokens=True))
+                   args.num_beams, args.seed, args.compile,
+                   on_text=(lambda piece: print(piece, end="", flush=True)) if stream else None)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({"model": str(args.model), "prompt": args.prompt, "completion": text,
+                          "new_tokens": len(ids)}))
+    else:
+        print("" if stream else args.prompt + text)
     return 0
 
 
@@ -426,7 +433,8 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text under P_inf (greedy, temperature, top-k, top-p, beams)")
     _add_model_options(p)
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=positive_int, default=50, help="tokens to generate after the prompt")
+    p.add_argument("--max-new-tokens", type=positive_int, default=50,
+                   help="tokens to generate after the prompt (at most what the model's positions leave)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=positive_int)
     p.add_argument("--top-p", type=float)
@@ -434,6 +442,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--seed", type=non_negative_int, default=0, help="random seed of sampling")
     p.add_argument("--compile", action="store_true",
                    help="static KV cache and a compiled decode step (CUDA graphs on GPUs); compiling takes a while")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end (model, prompt, completion, "
+                   "new_tokens) instead of the text as it is generated")
     p.set_defaults(func=cmd_generate)
 
 

@@ -10,12 +10,14 @@ registered tokens, with the KV cache.
 
 from __future__ import annotations
 
+import sys
 import tempfile
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
 from mhf_dist.config import ConfigError
 from mhf_dist.consolidate import DTYPES, MODEL_SOURCES, check_source
@@ -70,19 +72,56 @@ def compiled_decoding() -> dict:
     return {"cache_implementation": "static", "compile_config": config}
 
 
+class TextPieces(TextStreamer):
+    """A ``generate()`` streamer handing ``on_text`` the prompt once generation starts, then each piece of the
+    generated text as soon as it is decoded (a piece ends where later tokens can no longer change it)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt: str, on_text: Callable[[str], None]):
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.prompt, self.on_text = prompt, on_text
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.next_tokens_are_prompt:  # the first call: the prompt's ids, which the parent skips
+            self.on_text(self.prompt)
+        super().put(value)
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        if text:
+            self.on_text(text)
+
+
+def new_token_budget(model: PreTrainedModel, prompt: str, prompt_tokens: int, max_new_tokens: int) -> int:
+    """``max_new_tokens``, capped (with a note) where the prompt and the new tokens would pass the model's positions;
+    an error for a prompt with no tokens or with no room after it."""
+    positions = model.config.max_position_embeddings
+    if prompt_tokens == 0:
+        raise ConfigError(f"--prompt {prompt!r} has no tokens: give some text to continue")
+    room = positions - prompt_tokens
+    if room < 1:
+        raise ConfigError(f"the prompt's {prompt_tokens} tokens fill the model's {positions} positions "
+                          "(max_position_embeddings), leaving none to generate: shorten the prompt")
+    if max_new_tokens > room:
+        print(f"note: --max-new-tokens {max_new_tokens} capped at {room}: the prompt's {prompt_tokens} tokens and the "
+              f"new ones fill the model's {positions} positions (max_position_embeddings)", file=sys.stderr)
+    return min(max_new_tokens, room)
+
+
 @torch.no_grad()
 def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str, max_new_tokens: int = 50,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, num_beams: int = 1,
-             seed: int = 0, compile: bool = False) -> torch.Tensor:
+             seed: int = 0, compile: bool = False, on_text: Callable[[str], None] | None = None) -> torch.Tensor:
     """Generated ids (prompt excluded) ``[num_new]``; ``temperature == 0`` is greedy (or beam search);
-    ``compile``: :func:`compiled_decoding`."""
+    ``compile``: :func:`compiled_decoding`; ``max_new_tokens`` is capped at the model's positions
+    (:func:`new_token_budget`). ``on_text`` receives the prompt, then the generated text in pieces as it is decoded
+    (:class:`TextPieces`; not with beam search, whose text is settled only at the end)."""
     torch.manual_seed(seed)
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+    budget = new_token_budget(model, prompt, ids.shape[1], max_new_tokens)
     sample = temperature > 0
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=sample,
-        num_beams=num_beams, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-        else tokenizer.eos_token_id,
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget, do_sample=sample, num_beams=num_beams,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        streamer=TextPieces(tokenizer, prompt, on_text) if on_text is not None else None,
         **({"temperature": temperature, "top_k": top_k or 0, "top_p": top_p or 1.0} if sample else {}),
         **(compiled_decoding() if compile else {}),
     )

@@ -98,3 +98,39 @@ def test_import_names_a_bad_config_field_and_warns_of_unknown_keys(release, tmp_
     (src / "config.json").write_text(json.dumps(config | {"num_hashs": 4, "xyz": 1, "rope_theta": 1e6}))
     assert main(["import-hf", str(src), "--run-dir", str(tmp_path / "run")]) == 0
     assert "reads, ignored: num_hashs, xyz\n" in capsys.readouterr().err
+
+
+def test_generate_hands_over_its_text_in_pieces_as_it_is_generated(release):
+    """The callback sees the prompt, then the continuation piece by piece (several pieces, before generate returns),
+    and the pieces make up the decoded text."""
+    from mhf_dist.inference import generate
+
+    hf = AutoModelForCausalLM.from_pretrained(release, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(release)
+    pieces = []
+    ids = generate(hf, tokenizer, PROMPT, max_new_tokens=16, on_text=pieces.append)
+    assert pieces[0] == PROMPT and len(pieces) > 2
+    assert "".join(pieces[1:]) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_generate_refuses_an_empty_prompt_and_caps_new_tokens_at_the_models_positions(release, tmp_path, capsys):
+    assert main(["generate", "--model", str(release), "--prompt", ""]) == 2
+    assert "--prompt '' has no tokens: give some text to continue" in capsys.readouterr().err
+
+    prompt_tokens = len(AutoTokenizer.from_pretrained(release)(PROMPT).input_ids)
+    short = tmp_path / "short"  # the release with room for 3 tokens after the prompt
+    shutil.copytree(release, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps(config | {"max_position_embeddings": prompt_tokens + 3}))
+    assert main(["generate", "--model", str(short), "--prompt", PROMPT, "--max-new-tokens", "100000", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert (f"--max-new-tokens 100000 capped at 3: the prompt's {prompt_tokens} tokens and the new ones fill the "
+            f"model's {prompt_tokens + 3} positions (max_position_embeddings)") in err
+    (line,) = out.splitlines()  # one JSON object
+    result = json.loads(line)
+    assert result["new_tokens"] == 3 and result["prompt"] == PROMPT
+
+    assert main(["generate", "--model", str(short), "--prompt", PROMPT, "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out == PROMPT + result["completion"] + "\n"  # the streamed text, as --json has it
+    assert main(["generate", "--model", str(short), "--prompt", PROMPT + PROMPT]) == 2
+    assert "(max_position_embeddings), leaving none to generate: shorten the prompt" in capsys.readouterr().err
