@@ -9,7 +9,10 @@
   ``calibration_split`` — another split for an honest estimate; fitting on the
   evaluated split itself is optimistic. ``P_inf`` is recovered from the logits
   whatever ``τ`` the model applies (``log P_τ = τ·log P_inf - const``), and the
-  logits are renormalised, so a Standard export's raw logits work too.
+  logits are renormalised, so a Standard export's raw logits work too. The
+  sequences are the shards' ``seq_len`` long (said in a note and reported as
+  ``seq_len``: perplexity depends on it); shards longer than the model's
+  positions (``max_position_embeddings``) are refused.
 - Last-word accuracy (LAMBADA style) over a JSONL file of ``{"text": ...}``:
   the target is the text's last word (with its leading space), and a document
   counts as correct when the greedy continuation of the rest reproduces the
@@ -24,12 +27,14 @@ The exported model's logits are ``log P_inf`` (or ``log P_τ``, from which
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from mhf_dist.config import ConfigError
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.model.calibration import Calibration, evaluate_at, fit_temperature
 from mhf_dist.model.scoring import calibration_sums
@@ -54,6 +59,12 @@ class SplitPasses:
         self.fingerprint = tokens_fingerprint(vocabulary(tokenizer))
         with self._reader() as reader:
             self.sequences = min(max_sequences or reader.samples_per_epoch, reader.samples_per_epoch)
+            self.seq_len = reader.seq_len
+        positions = model.config.max_position_embeddings
+        if self.seq_len > positions:
+            raise ConfigError(f"{shards} holds sequences of {self.seq_len} tokens, more than the model's {positions} "
+                              f"positions (max_position_embeddings): evaluate on shards prepared with --seq-len "
+                              f"{positions} or less")
 
     def _reader(self) -> ShardReader:
         return ShardReader(self.shards, split=self.split, tokenizer_fingerprint=self.fingerprint)
@@ -75,8 +86,8 @@ class SplitPasses:
 
 
 def _summary(passes: SplitPasses, fit: Calibration) -> dict:
-    return {"split": passes.split, "sequences": passes.sequences, "tokens": fit.tokens, "p_inf_nll": fit.p_inf_nll,
-            "perplexity": fit.perplexity}
+    return {"split": passes.split, "sequences": passes.sequences, "seq_len": passes.seq_len, "tokens": fit.tokens,
+            "p_inf_nll": fit.p_inf_nll, "perplexity": fit.perplexity}
 
 
 @torch.no_grad()
@@ -86,6 +97,9 @@ def perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, shard
     """Perplexity, top-1/top-5 and calibrated perplexity of ``split`` (module docstring); ``calibrate``: ``τ``
     fitted on ``calibration_split`` (default: ``split`` itself, which is optimistic)."""
     passes = SplitPasses(model, tokenizer, shards, split, max_sequences, batch_size)
+    print(f"note: evaluating {split} at {passes.seq_len} tokens a sequence (the shards' seq_len; the model has "
+          f"{model.config.max_position_embeddings} positions): perplexity depends on the length, so compare models "
+          "at one length", file=sys.stderr)
     calibration = None
     if not calibrate:
         fit, source = evaluate_at(passes, model_temperature(model)), "the model's inference_temperature"

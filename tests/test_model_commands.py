@@ -134,3 +134,20 @@ def test_generate_refuses_an_empty_prompt_and_caps_new_tokens_at_the_models_posi
     assert capsys.readouterr().out == PROMPT + result["completion"] + "\n"  # the streamed text, as --json has it
     assert main(["generate", "--model", str(short), "--prompt", PROMPT + PROMPT]) == 2
     assert "(max_position_embeddings), leaving none to generate: shorten the prompt" in capsys.readouterr().err
+
+
+def test_eval_says_its_sequence_length_and_refuses_one_past_the_models_positions(release, data, tmp_path, capsys):
+    args = ["--data", str(data["shards"]), "--max-sequences", "2", "--out", str(tmp_path / "eval.json")]
+    assert main(["eval", "--model", str(release), *args]) == 0
+    assert ("note: evaluating val at 64 tokens a sequence (the shards' seq_len; the model has 32768 positions): "
+            "perplexity depends on the length") in capsys.readouterr().err
+    assert json.loads((tmp_path / "eval.json").read_text())["perplexity"]["seq_len"] == 64
+
+    short = tmp_path / "short"
+    shutil.copytree(release, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 48}))
+    assert main(["eval", "--model", str(short), *args]) == 2
+    err = capsys.readouterr().err
+    assert (f"{data['shards']} holds sequences of 64 tokens, more than the model's 48 positions "
+            "(max_position_embeddings): evaluate on shards prepared with --seq-len 48 or less") in err
