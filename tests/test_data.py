@@ -213,7 +213,7 @@ def test_documents_that_are_not_strings_are_named_or_skipped_and_counted(docs, t
         list(documents([tmp_path / "broken.parquet"]))
 
 
-def test_a_directory_input_is_its_text_files_in_name_order(inputs, tok_dir, shards, tmp_path):
+def test_a_directory_input_is_its_input_files_in_name_order(inputs, tok_dir, shards, tmp_path):
     """A directory stands for the input files directly in it, sorted: here the same files, in the same
     order, as the `shards` fixture's inputs, so the same shards. Other files and subdirectories are not read, and a
     glob passes over the directories it matches."""
