@@ -13,6 +13,7 @@ Layout::
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from importlib import resources
 from pathlib import Path
@@ -112,3 +113,28 @@ class RunDir:
                         samples_per_shard=128, val_fraction=0.05, progress=False)
             staging.rename(self.data_dir)
         return self.data_dir
+
+
+class RunDirAsFound:
+    """A run directory as a start found it, before it wrote anything there: new (absent or empty) or a run's. A
+    start refused before it trained calls :meth:`restore`, which leaves a new one as it was found (removed again, or
+    emptied), so that nothing made for a refused config (a tokenizer, signatures, prepared data) meets the next
+    start; a run's directory is left alone."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.existed = path.is_dir()
+        self.new = not self.existed or not any(path.iterdir())
+
+    def restore(self) -> None:
+        if not self.new:
+            return
+        if not self.existed:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        for entry in list(self.path.iterdir()):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):  # best effort: the refusal itself is what the user must see
+                    entry.unlink()

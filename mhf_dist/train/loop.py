@@ -9,7 +9,8 @@ builds the model's skeleton (its tensor-parallel modules, parameters on the
 meta device) and hands it to the engine, which creates only the parameters
 this rank keeps — its ZeRO-3 partition, or its pipeline stage — initialised
 from the run seed or from ``train.init_from`` (:mod:`mhf_dist.parallel.construct`)
-→ the resumed checkpoint is loaded → steps.
+→ the resumed checkpoint is loaded → steps. A start refused on the way (an error
+on rank 0) leaves a run directory that was new as it found it.
 
 A run resumes from its newest complete checkpoint by default (``--resume
 auto``) and continues bit-identically: the same data, optimizer, scheduler and
@@ -59,7 +60,7 @@ from mhf_dist.parallel.layout import Layout, backend_name, preflight, zero_stage
 from mhf_dist.parallel.rank0_work import on_rank0
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
-from mhf_dist.run_dir import RunDir
+from mhf_dist.run_dir import RunDir, RunDirAsFound
 from mhf_dist.run_lock import RunDirLocked, RunLock
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
@@ -251,9 +252,21 @@ class TrainingLoop:
     # ------------------------------------------------------------------ set-up
     def setup(self, run_dir: str | Path, resume: str) -> bool:
         """Everything before the first step; False when a signal arrived during it (nothing trained yet, so
-        nothing to save)."""
+        nothing to save). A refused start leaves a new run directory as it found it (:class:`RunDirAsFound`)."""
         self._join()
-        self._prepare(run_dir)
+        self.run_dir = RunDir(run_dir)
+        found = RunDirAsFound(self.run_dir.path) if self.rank == 0 else None  # before the lock is written into it
+        take_lock(self.run_dir.path, self.rank, self.scalars)
+        try:
+            return self._start(resume)
+        except Exception:
+            if found is not None:
+                found.restore()
+            raise
+
+    def _start(self, resume: str) -> bool:
+        """:meth:`setup` once the run directory is locked."""
+        self._prepare()
         resuming = self._build(resume)
         if self.scalars.any(self.stop.received)[0]:
             if self.rank == 0:
@@ -278,11 +291,8 @@ class TrainingLoop:
         self.groups = ParallelGroups.create(self.layout.tp, self.layout.pp)
         self.scalars = ScalarCollectives()
 
-    def _prepare(self, run_dir: str | Path) -> None:
-        """Take the run directory's lock; rank 0 creates the run's assets while the others wait, then every rank
-        loads them."""
-        self.run_dir = RunDir(run_dir)
-        take_lock(self.run_dir.path, self.rank, self.scalars)
+    def _prepare(self) -> None:
+        """Rank 0 creates the run's assets while the others wait, then every rank loads them."""
         def create() -> None:
             self.run_dir.path.mkdir(parents=True, exist_ok=True)
             _run_assets(self.run_dir, self.cfg)
