@@ -356,8 +356,9 @@ class TrainingLoop:
             return 0
         client = self.checkpointer.load(self.trainer.engine, resuming.load)
         start = client["step"]
-        for change in apply_optimizer_changes(self.trainer.engine, client["config"]["optimizer"],
-                                              self.cfg.optimizer, self.cfg.train.max_steps):
+        saved = client["config"]
+        for change in apply_optimizer_changes(self.trainer.engine, saved["optimizer"], self.cfg.optimizer,
+                                              self.cfg.train.max_steps, saved["train"]["max_steps"]):
             if self.rank == 0:
                 tqdm.write(f"changed on resume, from step {start + 1}: {change}")
         self.reader.load_state_dict(client["reader"])
