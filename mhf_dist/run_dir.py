@@ -39,8 +39,11 @@ class RunDir:
         self.data_dir = self.path / "data"
 
     def save_config(self, cfg: RunConfig) -> None:
+        """``config.yaml``: the config a plain ``train --run-dir RUN`` resumes with."""
+        raw = cfg.model_dump(mode="json")
+        raw["data"]["restart"] = False  # an instruction to one start, not a property of the run
         self.path.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        self.config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
 
     def ensure_tokenizer(self, cfg: RunConfig) -> PreTrainedTokenizerBase:
         """The run's tokenizer: ``tokenizer.path``, else the one ``data.path``'s shards were made with, else a

@@ -248,6 +248,7 @@ class TrainingLoop:
     def __init__(self, cfg: RunConfig, stop: StopSignal, verbose: bool = False):
         self.cfg, self.stop, self.verbose = cfg, stop, verbose
         self.result = TrainResult()
+        self.data_restarted = False  # data.restart dropped the checkpoint's data position (:meth:`_continue_data`)
 
     # ------------------------------------------------------------------ set-up
     def setup(self, run_dir: str | Path, resume: str) -> bool:
@@ -361,11 +362,24 @@ class TrainingLoop:
                                               self.cfg.train.max_steps, saved["train"]["max_steps"]):
             if self.rank == 0:
                 tqdm.write(f"changed on resume, from step {start + 1}: {change}")
-        self.reader.load_state_dict(client["reader"])
+        self.data_restarted = self._continue_data(client["reader"], start)
         if self.rank == 0:
             tqdm.write(f"resumed from {resuming.asked} at step {start}"
                        + (" (converted to this layout)" if resuming.universal else ""))
         return start
+
+    def _continue_data(self, saved: dict, start: int) -> bool:
+        """The reader continues at the checkpoint's position (``saved``); with ``data.restart``, a position in other
+        data (another data.path, shuffle seed or window) is dropped and this data is read from its beginning.
+        Returns whether the data restarted."""
+        mismatch = self.reader.state_mismatch(saved)
+        if mismatch is None or not self.cfg.data.restart:
+            self.reader.load_state_dict(saved)  # refuses another stream's position, naming data.restart
+            return False
+        if self.rank == 0:
+            tqdm.write(f"data.restart: from step {start + 1} the data is read from the beginning of "
+                       f"{Path(self.shards).resolve()} (the checkpoint's position is in other data: {mismatch})")
+        return True
 
     def _start_logs(self, start: int) -> None:
         """The throughput measures, the metrics logger (rank 0), the save clock, the loss watch and the progress
@@ -379,6 +393,8 @@ class TrainingLoop:
         self.eval_batches = max(1, t.eval_sequences // (t.micro_batch_size * self.layout.dp))
         self.end = min(t.stop_at_step or t.max_steps, t.max_steps)
         self.logger = MetricsLogger(self.run_dir.path, resume_step=start, cfg=cfg) if self.rank == 0 else None
+        if self.logger and self.data_restarted:  # the record at the resumed step says where the data changed
+            self.logger.log(start, {"data_restart": True, "data_path": str(Path(self.shards).resolve())})
         self.clock, self.watch = SaveClock(t.checkpoint_minutes), LossWatch(t)
         self.step_times: deque[float] = deque(maxlen=20)  # the recent steps' seconds, for the ETA
         self.progress = tqdm(range(start, self.end), desc="train", unit="step", dynamic_ncols=True, initial=start,
