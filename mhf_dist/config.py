@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from mhf_dist.errors import MhfError
 
+CONFIG_FILE = "config.yaml"  # a run directory's resolved config, written at every start
+
 
 class ConfigError(MhfError, ValueError):
     """A run configuration is invalid; the message names the field and the fix."""

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 from transformers import PreTrainedTokenizerBase
 
-from mhf_dist.config import HashConfig, RunConfig
+from mhf_dist.config import CONFIG_FILE, HashConfig, RunConfig
 from mhf_dist.data.prepare import MANIFEST, TOKENIZER_DIR, prepare
 from mhf_dist.engram_compression import NORMALIZATION_VERSION, CompressionError, CompressionTable
 from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
@@ -35,7 +35,7 @@ class RunDir:
         self.tokenizer_dir = self.path / "tokenizer"
         self.signatures_dir = self.path / "signatures"
         self.engram_dir = self.path / "engram"
-        self.config_path = self.path / "config.yaml"
+        self.config_path = self.path / CONFIG_FILE
         self.data_dir = self.path / "data"
 
     def save_config(self, cfg: RunConfig) -> None:

@@ -1,4 +1,4 @@
-"""Resuming a run: a longer schedule, other data from its beginning."""
+"""Resuming a run: its own config.yaml, a longer schedule, other data from its beginning, and what a resume refuses."""
 
 from __future__ import annotations
 
@@ -59,6 +59,41 @@ def test_a_raised_max_steps_sets_the_schedule_from_the_first_resumed_step(tmp_pa
     assert lr[3] == pytest.approx(cfg.lr * lr_factor(2, cfg, 3))
     assert lr[4] == pytest.approx(cfg.lr * lr_factor(3, cfg, 5)) and lr[4] > 0  # the old schedule ended at 0
     assert lr[5] == pytest.approx(cfg.lr * lr_factor(4, cfg, 5))
+
+
+@pytest.mark.multirank
+def test_a_run_resumes_with_its_own_config(tmp_path, finished):
+    run = copy_of(finished, tmp_path)
+    out = run_cli(["train", "--run-dir", str(run), "--set", "train.max_steps=4"])  # no --preset, no --config
+    assert f"resumed from {run / 'checkpoints' / 'step-00000003'} at step 3" in out
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["max_steps"] == 4
+
+
+@pytest.mark.multirank
+def test_a_resume_from_config_yaml_refuses_fields_the_checkpoint_fixes(tmp_path, finished, capsys):
+    run = copy_of(finished, tmp_path)
+    saved = (run / "config.yaml").read_text()
+    assert main(["train", "--run-dir", str(run), "--set", "model.ffn_dim=128", "--set", "data.seq_len=32",
+                 "--set", "train.log_interval=2"]) == 2
+    err = capsys.readouterr().err
+    assert "model.ffn_dim: 128, the checkpoint's is 192 (--set)" in err
+    assert "data.seq_len: 32, the checkpoint's is 64 (--set)" in err and "train.log_interval" not in err
+
+    edited = yaml.safe_load(saved)
+    edited["tokenizer"]["vocab_size"] = 2048
+    (run / "config.yaml").write_text(yaml.safe_dump(edited))
+    assert main(["train", "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"tokenizer.vocab_size: 2048, the checkpoint's is 4096 (edited in {run / 'config.yaml'})" in err
+    assert yaml.safe_load((run / "config.yaml").read_text()) == edited  # the refusal wrote nothing
+
+
+def test_a_run_directory_without_config_yaml_needs_a_preset_or_config(tmp_path, capsys):
+    assert main(["train", "--run-dir", str(tmp_path / "new")]) == 2
+    assert "holds no config.yaml to resume with; pass --preset NAME (e.g. tiny-h4b16k) or --config run.yaml" in (
+        capsys.readouterr().err)
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.multirank
