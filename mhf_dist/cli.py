@@ -81,9 +81,9 @@ def _load(args) -> RunConfig:
 
 
 def cmd_train(args) -> int:
-    cfg = _load(args)  # validate before starting any rank
     if Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
         raise ConfigError(f"--run-dir {args.run_dir} is a file; name a directory (it is created if missing)")
+    cfg = _load_train(args)  # validate before starting any rank
     from mhf_dist.launch import launch_local, slurm_rank_env, supervise_slurm_task
     from mhf_dist.train.preemption import StopSignal, lost_work
 
@@ -129,6 +129,16 @@ def _outcome(result, stop, run_dir: Path) -> str:
     return (f"{'preempted' if result.preempted else 'done'}: step {last['step']}, loss {last['loss']:.4f}, "
             f"{last['tokens_per_s']:.0f} tokens/s, MFU {last['mfu']:.1%}; run directory {run_dir.resolve()} "
             f"(tensorboard --logdir {run_dir.resolve() / 'tensorboard'})")
+
+
+def _load_train(args) -> RunConfig:
+    """The preset and/or config file with ``--set``; without either, the run's own config.yaml, where ``--set``
+    may change only what a resume can (:mod:`mhf_dist.train.resume`)."""
+    if args.preset or args.config:
+        return _load(args)
+    from mhf_dist.train.resume import resume_config
+
+    return resume_config(args.run_dir, args.overrides, args.resume)
 
 
 def _without_option(argv: list[str], option: str) -> list[str]:
@@ -341,7 +351,8 @@ def cmd_prepare_data(args) -> int:
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model (run under torchrun for many ranks, or use --nproc-per-node)")
     _add_run_options(p)
-    p.add_argument("--run-dir", required=True, help="run directory (created if missing)")
+    p.add_argument("--run-dir", required=True, help="run directory (created if missing); without --preset and "
+                   "--config, the run resumes with its own config.yaml (--set may change what a resume can)")
     p.add_argument("--nproc-per-node", type=positive_int, help="start this many local ranks on this machine")
     p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint, if any), none, or a "
                    f"checkpoint directory; a run stopped by a signal exits with {PREEMPTED_EXIT_CODE}")

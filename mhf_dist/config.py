@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from mhf_dist.errors import MhfError
 
+CONFIG_FILE = "config.yaml"  # a run directory's resolved config, written at every start
+
 
 class ConfigError(MhfError, ValueError):
     """A run configuration is invalid; the message names the field and the fix."""
@@ -221,6 +223,12 @@ class DataConfig(_Strict):
     )
     verify_checksums: bool = Field(True, description="check every shard's SHA-256 against the manifest while reading")
     allow_pipe: bool = Field(False, description="accept pipe: shard URLs (each runs a shell command)")
+    restart: bool = Field(
+        False, description="on resume, when the checkpoint's data position is in other data (another data.path's "
+        "shards, data.shuffle_seed, data.shuffle_window or data seed), start this data's order from its beginning "
+        "instead of refusing; weights, optimizer and learning-rate schedule continue. A position in this same data "
+        "is continued, so a requeued job does not restart twice. Applies to the start it is given to (config.yaml "
+        "keeps false); without a checkpoint it does nothing")
 
     @property
     def shard_dir(self) -> str | None:

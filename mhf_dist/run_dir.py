@@ -13,6 +13,7 @@ Layout::
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from importlib import resources
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import yaml
 from transformers import PreTrainedTokenizerBase
 
-from mhf_dist.config import HashConfig, RunConfig
+from mhf_dist.config import CONFIG_FILE, HashConfig, RunConfig
 from mhf_dist.data.prepare import MANIFEST, TOKENIZER_DIR, prepare
 from mhf_dist.engram_compression import NORMALIZATION_VERSION, CompressionError, CompressionTable
 from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
@@ -34,12 +35,15 @@ class RunDir:
         self.tokenizer_dir = self.path / "tokenizer"
         self.signatures_dir = self.path / "signatures"
         self.engram_dir = self.path / "engram"
-        self.config_path = self.path / "config.yaml"
+        self.config_path = self.path / CONFIG_FILE
         self.data_dir = self.path / "data"
 
     def save_config(self, cfg: RunConfig) -> None:
+        """``config.yaml``: the config a plain ``train --run-dir RUN`` resumes with."""
+        raw = cfg.model_dump(mode="json")
+        raw["data"]["restart"] = False  # an instruction to one start, not a property of the run
         self.path.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        self.config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
 
     def ensure_tokenizer(self, cfg: RunConfig) -> PreTrainedTokenizerBase:
         """The run's tokenizer: ``tokenizer.path``, else the one ``data.path``'s shards were made with, else a
@@ -112,3 +116,28 @@ class RunDir:
                         samples_per_shard=128, val_fraction=0.05, progress=False)
             staging.rename(self.data_dir)
         return self.data_dir
+
+
+class RunDirAsFound:
+    """A run directory as a start found it, before it wrote anything there: new (absent or empty) or a run's. A
+    start refused before it trained calls :meth:`restore`, which leaves a new one as it was found (removed again, or
+    emptied), so that nothing made for a refused config (a tokenizer, signatures, prepared data) meets the next
+    start; a run's directory is left alone."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.existed = path.is_dir()
+        self.new = not self.existed or not any(path.iterdir())
+
+    def restore(self) -> None:
+        if not self.new:
+            return
+        if not self.existed:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        for entry in list(self.path.iterdir()):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):  # best effort: the refusal itself is what the user must see
+                    entry.unlink()

@@ -283,8 +283,9 @@ def test_reader_state_refuses_another_seed_or_dataset(shards):
     state = _reader(shards).state_dict()
     with pytest.raises(DataError, match="seed"):
         ShardReader(shards, seed=SEED + 1, shuffle_window=WINDOW).load_state_dict(state)
-    with pytest.raises(DataError, match="dataset"):
+    with pytest.raises(DataError, match=r"dataset='0+' .*start this data's order .* --set data\.restart=true"):
         _reader(shards).load_state_dict(state | {"dataset": "0" * 64})
+    assert _reader(shards).state_mismatch(state) is None
 
 
 def test_manifest_mismatches_name_the_manifest_and_the_fix(shards, tok_dir):

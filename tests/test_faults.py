@@ -53,6 +53,21 @@ def test_missing_data_path_is_named_before_start_up(tmp_path):
 
 
 @pytest.mark.multirank
+def test_a_refused_start_leaves_a_new_run_directory_as_it_found_it(tmp_path):
+    # a sequence longer than the embedded corpus's validation split is refused after the tokenizer and the signature
+    # table were made; the second start, with other hash buckets, would meet the first one's table if it stayed
+    message = "fewer than one sample of seq_len + 1 = 300001"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for run, buckets in ((tmp_path / "new", 256), (tmp_path / "new", 512), (empty, 256)):
+        out = run_cli(["train", "--preset", "tiny-h4b16k", "--run-dir", str(run), "--set", "data.seq_len=300000",
+                       "--set", "tokenizer.vocab_size=512", "--set", f"model.hash.num_buckets={buckets}"],
+                      expect_rc=2)
+        assert message in out and "Traceback" not in out, out[-3000:]
+    assert sorted(tmp_path.iterdir()) == [empty] and not list(empty.iterdir())
+
+
+@pytest.mark.multirank
 def test_refused_resume_leaves_the_run_as_it_was(tmp_path, data):
     run = tmp_path / "run"
     train_run(tmp_path, data, "run", 1, "parallel.zero_stage=1", steps=2)

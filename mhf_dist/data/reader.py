@@ -193,15 +193,21 @@ class ShardReader:
         return {"epoch": epoch, "position": position, "seed": self.seed, "shuffle_window": self.shuffle_window,
                 "dataset": self.fingerprint}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue at ``state``'s global position; the rank count may differ from the saving run's."""
+    def state_mismatch(self, state: dict) -> str | None:
+        """Why ``state`` is a position in another stream (other shards, seed or shuffle window), or None when it
+        is one of this reader's."""
         for key, ours in (("dataset", self.fingerprint), ("seed", self.seed), ("shuffle_window", self.shuffle_window)):
             if state.get(key) != ours:
-                raise DataError(
-                    f"reader state has {key}={state.get(key)!r} but this reader uses {ours!r} "
-                    f"({self.manifest_location}): resume with the shards, data seed and shuffle window "
-                    "of the saved run, or start the data stream afresh"
-                )
+                return (f"reader state has {key}={state.get(key)!r} but this reader uses {ours!r} "
+                        f"({self.manifest_location})")
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at ``state``'s global position; the rank count may differ from the saving run's."""
+        if (mismatch := self.state_mismatch(state)) is not None:
+            raise DataError(f"{mismatch}: resume with the shards, data seed and shuffle window of the saved run, or "
+                            "start this data's order from its beginning with --set data.restart=true (weights, "
+                            "optimizer and learning-rate schedule continue)")
         self.close()
         self._base = state["epoch"] * self.samples_per_epoch + state["position"]
         self._consumed = 0

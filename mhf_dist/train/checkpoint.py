@@ -501,6 +501,7 @@ class Checkpointer:
         error = None
         if self.rank == 0:
             marker = {"step": step, "tokens": tokens, "reason": reason, "model": client["config"]["model"],
+                      "config": client["config"],  # what a resume from config.yaml is checked against
                       "signatures_hash": self.signatures_hash, "layout": self.layout, "code_version": __version__}
             error = self._commit(path, marker)
         if self.scalars.any(error is not None)[0]:

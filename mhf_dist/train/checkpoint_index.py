@@ -3,7 +3,7 @@ torch needed: ``status`` reads it).
 
 A checkpoint is ``RUN/checkpoints/step-XXXXXXXX/``; it counts only once its
 ``complete.json`` marker exists and lists every file with its size (and
-digest), the step, tokens seen, model and layout. ``latest`` names the head of
+digest), the step, tokens seen, model, run config and layout. ``latest`` names the head of
 the run's line of checkpoints; ``abandoned/`` holds lines set aside by a resume
 from an older checkpoint, ``corrupt/`` the checkpoints whose files no longer
 match their marker, set aside by ``--resume auto``. Writing them, and checking

@@ -9,7 +9,8 @@ builds the model's skeleton (its tensor-parallel modules, parameters on the
 meta device) and hands it to the engine, which creates only the parameters
 this rank keeps — its ZeRO-3 partition, or its pipeline stage — initialised
 from the run seed or from ``train.init_from`` (:mod:`mhf_dist.parallel.construct`)
-→ the resumed checkpoint is loaded → steps.
+→ the resumed checkpoint is loaded → steps. A start refused on the way (an error
+on rank 0) leaves a run directory that was new as it found it.
 
 A run resumes from its newest complete checkpoint by default (``--resume
 auto``) and continues bit-identically: the same data, optimizer, scheduler and
@@ -59,7 +60,7 @@ from mhf_dist.parallel.layout import Layout, backend_name, preflight, zero_stage
 from mhf_dist.parallel.rank0_work import on_rank0
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
-from mhf_dist.run_dir import RunDir
+from mhf_dist.run_dir import RunDir, RunDirAsFound
 from mhf_dist.run_lock import RunDirLocked, RunLock
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError, checkpoint_bytes, readable_size
@@ -264,13 +265,26 @@ class TrainingLoop:
     def __init__(self, cfg: RunConfig, stop: StopSignal, verbose: bool = False):
         self.cfg, self.stop, self.verbose = cfg, stop, verbose
         self.result = TrainResult()
+        self.data_restarted = False  # data.restart dropped the checkpoint's data position (:meth:`_continue_data`)
 
     # ------------------------------------------------------------------ set-up
     def setup(self, run_dir: str | Path, resume: str) -> bool:
         """Everything before the first step; False when a signal arrived during it (nothing trained yet, so
-        nothing to save)."""
+        nothing to save). A refused start leaves a new run directory as it found it (:class:`RunDirAsFound`)."""
         self._join()
-        self._prepare(run_dir)
+        self.run_dir = RunDir(run_dir)
+        found = RunDirAsFound(self.run_dir.path) if self.rank == 0 else None  # before the lock is written into it
+        take_lock(self.run_dir.path, self.rank, self.scalars)
+        try:
+            return self._start(resume)
+        except Exception:
+            if found is not None:
+                found.restore()
+            raise
+
+    def _start(self, resume: str) -> bool:
+        """:meth:`setup` once the run directory is locked."""
+        self._prepare()
         resuming = self._build(resume)
         if self.scalars.any(self.stop.received)[0]:
             if self.rank == 0:
@@ -295,11 +309,8 @@ class TrainingLoop:
         self.groups = ParallelGroups.create(self.layout.tp, self.layout.pp)
         self.scalars = ScalarCollectives()
 
-    def _prepare(self, run_dir: str | Path) -> None:
-        """Take the run directory's lock; rank 0 creates the run's assets while the others wait, then every rank
-        loads them."""
-        self.run_dir = RunDir(run_dir)
-        take_lock(self.run_dir.path, self.rank, self.scalars)
+    def _prepare(self) -> None:
+        """Rank 0 creates the run's assets while the others wait, then every rank loads them."""
         def create() -> None:
             self.run_dir.path.mkdir(parents=True, exist_ok=True)
             _run_assets(self.run_dir, self.cfg)
@@ -363,15 +374,29 @@ class TrainingLoop:
             return 0
         client = self.checkpointer.load(self.trainer.engine, resuming.load)
         start = client["step"]
-        for change in apply_optimizer_changes(self.trainer.engine, client["config"]["optimizer"],
-                                              self.cfg.optimizer, self.cfg.train.max_steps):
+        saved = client["config"]
+        for change in apply_optimizer_changes(self.trainer.engine, saved["optimizer"], self.cfg.optimizer,
+                                              self.cfg.train.max_steps, saved["train"]["max_steps"]):
             if self.rank == 0:
                 tqdm.write(f"changed on resume, from step {start + 1}: {change}")
-        self.reader.load_state_dict(client["reader"])
+        self.data_restarted = self._continue_data(client["reader"], start)
         if self.rank == 0:
             tqdm.write(f"resumed from {resuming.asked} at step {start}"
                        + (" (converted to this layout)" if resuming.universal else ""))
         return start
+
+    def _continue_data(self, saved: dict, start: int) -> bool:
+        """The reader continues at the checkpoint's position (``saved``); with ``data.restart``, a position in other
+        data (another data.path, shuffle seed or window) is dropped and this data is read from its beginning.
+        Returns whether the data restarted."""
+        mismatch = self.reader.state_mismatch(saved)
+        if mismatch is None or not self.cfg.data.restart:
+            self.reader.load_state_dict(saved)  # refuses another stream's position, naming data.restart
+            return False
+        if self.rank == 0:
+            tqdm.write(f"data.restart: from step {start + 1} the data is read from the beginning of "
+                       f"{Path(self.shards).resolve()} (the checkpoint's position is in other data: {mismatch})")
+        return True
 
     def _start_logs(self, start: int) -> None:
         """The throughput measures, the metrics logger (rank 0), the save clock, the loss watch and the progress
@@ -385,6 +410,8 @@ class TrainingLoop:
         self.eval_batches = max(1, t.eval_sequences // (t.micro_batch_size * self.layout.dp))
         self.end = min(t.stop_at_step or t.max_steps, t.max_steps)
         self.logger = MetricsLogger(self.run_dir.path, resume_step=start, cfg=cfg) if self.rank == 0 else None
+        if self.logger and self.data_restarted:  # the record at the resumed step says where the data changed
+            self.logger.log(start, {"data_restart": True, "data_path": str(Path(self.shards).resolve())})
         self.clock, self.watch = SaveClock(t.checkpoint_minutes), LossWatch(t)
         self.step_times: deque[float] = deque(maxlen=20)  # the recent steps' seconds, for the ETA
         self.progress = tqdm(range(start, self.end), desc="train", unit="step", dynamic_ncols=True, initial=start,

@@ -39,13 +39,18 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, max_steps: int
     return optimizer, scheduler
 
 
-def apply_optimizer_changes(engine, saved: dict, cfg: OptimizerConfig, max_steps: int) -> list[str]:
-    """After a resume, the config's optimizer settings where they differ from the checkpoint's (``saved``, its
-    ``optimizer`` section): the LR schedule continues from the restored step with the new values, and Adam's
-    betas, eps and weight decay apply from the next step (``grad_clip`` is DeepSpeed's, set from the config at
-    start). Returns one line per change, for the log."""
+def apply_optimizer_changes(engine, saved: dict, cfg: OptimizerConfig, max_steps: int,
+                            saved_max_steps: int) -> list[str]:
+    """After a resume, the config's optimizer settings and ``train.max_steps`` where they differ from the
+    checkpoint's (``saved``, its ``optimizer`` section, and ``saved_max_steps``): the LR schedule is a function of
+    the step and the new settings, the new ``max_steps`` included, from the first resumed step on (the restored
+    optimizer holds the old schedule's value otherwise); Adam's betas, eps and weight decay apply from the next step
+    (``grad_clip`` is DeepSpeed's, set from the config at start). Returns one line per change, for the log."""
     ours = cfg.model_dump(mode="json")
     changed = [f"optimizer.{k}: {saved.get(k)!r} -> {v!r}" for k, v in ours.items() if saved.get(k) != v]
+    if max_steps != saved_max_steps:
+        changed.append(f"train.max_steps: {saved_max_steps} -> {max_steps} (the learning-rate schedule now ends at "
+                       f"step {max_steps})")
     if not changed:
         return []
     scheduler = engine.lr_scheduler

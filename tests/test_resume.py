@@ -1,0 +1,118 @@
+"""Resuming a run: its own config.yaml, a longer schedule, other data from its beginning, and what a resume refuses."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from helpers.runs import metrics, run_cli, train_args, train_run
+from mhf_dist.cli import main
+from mhf_dist.config import load_config
+from mhf_dist.data.reader import ShardReader
+from mhf_dist.train.optim import lr_factor
+
+WARMUP = "optimizer.warmup_steps=1"  # the schedule leaves warm-up at once, so its end (lr 0 at step 4) shows
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, data):
+    """A one-rank run trained to its end, step 3 (data.restart given without a checkpoint: it does nothing)."""
+    root = tmp_path_factory.mktemp("finished")
+    train_run(root, data, "run", 1, "parallel.zero_stage=1", WARMUP, "data.restart=true", steps=3)
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def other_shards(tmp_path_factory, data):
+    """Shards of another text (the embedded corpus's first 200,000 characters) for the same tokenizer and seq_len."""
+    root = tmp_path_factory.mktemp("other")
+    text = root / "genesis.txt"
+    with gzip.open("mhf_dist/data/corpus/kjv.txt.gz", "rt") as f:
+        text.write_text(f.read()[:200_000])
+    assert main(["prepare-data", str(text), "--tokenizer", str(data["tokenizer"]), "--out", str(root / "shards"),
+                 "--seq-len", "64", "--samples-per-shard", "32", "--workers", "1", "--no-progress"]) == 0
+    return root / "shards"
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(run, tmp_path / "run"))
+
+
+def reader_position(checkpoint: Path) -> dict:
+    """The data position a checkpoint saved (our client state, inside DeepSpeed's model-states file)."""
+    return torch.load(checkpoint / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["reader"]
+
+
+@pytest.mark.multirank
+def test_a_raised_max_steps_sets_the_schedule_from_the_first_resumed_step(tmp_path, data, finished):
+    run = copy_of(finished, tmp_path)
+    out = run_cli(train_args(run, data, 1, "parallel.zero_stage=1", WARMUP, steps=5))
+    change = "changed on resume, from step 4: train.max_steps: 3 -> 5 (the learning-rate schedule now ends at step 5)"
+    assert out.count(change) == 1, out[-3000:]
+    cfg = load_config("tiny-h4b16k", overrides=[WARMUP]).optimizer
+    lr = {r["step"]: r["lr"] for r in metrics(run)}
+    assert lr[3] == pytest.approx(cfg.lr * lr_factor(2, cfg, 3))
+    assert lr[4] == pytest.approx(cfg.lr * lr_factor(3, cfg, 5)) and lr[4] > 0  # the old schedule ended at 0
+    assert lr[5] == pytest.approx(cfg.lr * lr_factor(4, cfg, 5))
+
+
+@pytest.mark.multirank
+def test_a_run_resumes_with_its_own_config(tmp_path, finished):
+    run = copy_of(finished, tmp_path)
+    out = run_cli(["train", "--run-dir", str(run), "--set", "train.max_steps=4"])  # no --preset, no --config
+    assert f"resumed from {run / 'checkpoints' / 'step-00000003'} at step 3" in out
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["max_steps"] == 4
+
+
+@pytest.mark.multirank
+def test_a_resume_from_config_yaml_refuses_fields_the_checkpoint_fixes(tmp_path, finished, capsys):
+    run = copy_of(finished, tmp_path)
+    saved = (run / "config.yaml").read_text()
+    assert main(["train", "--run-dir", str(run), "--set", "model.ffn_dim=128", "--set", "data.seq_len=32",
+                 "--set", "train.log_interval=2"]) == 2
+    err = capsys.readouterr().err
+    assert "model.ffn_dim: 128, the checkpoint's is 192 (--set)" in err
+    assert "data.seq_len: 32, the checkpoint's is 64 (--set)" in err and "train.log_interval" not in err
+
+    edited = yaml.safe_load(saved)
+    edited["tokenizer"]["vocab_size"] = 2048
+    (run / "config.yaml").write_text(yaml.safe_dump(edited))
+    assert main(["train", "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"tokenizer.vocab_size: 2048, the checkpoint's is 4096 (edited in {run / 'config.yaml'})" in err
+    assert yaml.safe_load((run / "config.yaml").read_text()) == edited  # the refusal wrote nothing
+
+
+def test_a_run_directory_without_config_yaml_needs_a_preset_or_config(tmp_path, capsys):
+    assert main(["train", "--run-dir", str(tmp_path / "new")]) == 2
+    assert "holds no config.yaml to resume with; pass --preset NAME (e.g. tiny-h4b16k) or --config run.yaml" in (
+        capsys.readouterr().err)
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.multirank
+def test_other_data_on_resume_is_read_from_its_beginning_with_data_restart(tmp_path, data, finished, other_shards):
+    run, other = copy_of(finished, tmp_path), dict(data, shards=other_shards)
+    refused = run_cli(train_args(run, other, 1, "parallel.zero_stage=1", WARMUP, steps=4), expect_rc=2)
+    assert "reader state has dataset=" in refused and "--set data.restart=true" in refused
+
+    out = run_cli(train_args(run, other, 1, "parallel.zero_stage=1", WARMUP, "data.restart=true", steps=4))
+    assert out.count(f"data.restart: from step 4 the data is read from the beginning of {other_shards}") == 1
+    records = metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 3, 4]
+    assert records[3]["data_restart"] is True and records[3]["data_path"] == str(other_shards)
+    position = reader_position(run / "checkpoints" / "step-00000004")
+    assert (position["epoch"], position["position"]) == (0, 8)  # one step of 8 sequences into the new data
+    assert position["dataset"] == ShardReader(other_shards).fingerprint
+    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["restart"] is False  # one start's instruction
+
+    # a requeued job passes data.restart again: the position is in this data now, so it continues from it
+    out = run_cli(train_args(run, other, 1, "parallel.zero_stage=1", WARMUP, "data.restart=true", steps=5))
+    assert "data.restart:" not in out
+    assert reader_position(run / "checkpoints" / "step-00000005")["position"] == 16
