@@ -209,10 +209,39 @@ class TokenizerConfig(_Strict):
 EMBEDDED_CORPUS = "embedded"
 
 
+class DataSource(_Strict):
+    """One dataset of a weighted mixture (``data.sources``): a directory of shards prepared with one tokenizer."""
+
+    path: str = Field(description="directory of token shards with a manifest")
+    weight: float = Field(gt=0, description="its share of the samples, relative to the other sources' weights")
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$",
+                             description="the name in logs and metrics; None: the directory's name")
+
+    @property
+    def label(self) -> str:
+        return self.name or Path(self.path.rstrip("/")).name
+
+
+def parse_blend(text: str) -> list[DataSource]:
+    """Megatron's blend string, ``"0.7 shards/a 0.3 shards/b"``: weight, path, weight, path, ..."""
+    words = text.split()
+    if len(words) % 2:
+        raise ValueError(f"data.path={text!r}: a blend is pairs of weight and directory, e.g. '0.7 shards/a 0.3 "
+                         "shards/b'")
+    try:
+        return [DataSource(path=path, weight=float(weight)) for weight, path in zip(words[::2], words[1::2])]
+    except ValueError as e:
+        raise ValueError(f"data.path={text!r}: a blend is pairs of a positive weight and a directory ({e})") from None
+
+
 class DataConfig(_Strict):
     path: str | None = Field(
-        None, description="directory of token shards with a manifest, or 'embedded' for the bundled demo text "
-        "(1 MB of English); None: the embedded text for tiny presets, an error before launch for every other run")
+        None, description="directory of token shards with a manifest, 'embedded' for the bundled demo text "
+        "(1 MB of English), or a blend of weighted directories ('0.7 shards/a 0.3 shards/b', read into "
+        "data.sources); None: the embedded text for tiny presets, an error before launch for every other run")
+    sources: list[DataSource] | None = Field(
+        None, description="a weighted mixture of shard directories, [{path, weight, name}, ...], all of one "
+        "tokenizer and seq_len; each source's samples come in its share of every 4,096 (data/mixture.py)")
     seq_len: int = Field(128, ge=2)
     shuffle_seed: int | None = Field(
         None, ge=0, description="seed of the global sample order over shards (docs/spec.md §7); None: train.seed"
@@ -230,9 +259,35 @@ class DataConfig(_Strict):
         "is continued, so a requeued job does not restart twice. Applies to the start it is given to (config.yaml "
         "keeps false); without a checkpoint it does nothing")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _blend(cls, data):
+        """A blend in ``path`` is read into ``sources`` (so a saved config names them one way)."""
+        if isinstance(data, dict) and isinstance(data.get("path"), str) and len(data["path"].split()) > 1:
+            if data.get("sources"):
+                raise ValueError("data.path holds a blend and data.sources is set too: give the mixture once")
+            data = data | {"path": None, "sources": parse_blend(data["path"])}
+        return data
+
+    @model_validator(mode="after")
+    def _one_kind_of_data(self):
+        if self.sources is not None:
+            if self.path is not None:
+                raise ValueError(f"data.path={self.path!r} and data.sources are both set: give one directory in "
+                                 "data.path, or every directory as a source")
+            if not self.sources:
+                raise ValueError("data.sources is empty: list at least one {path, weight}")
+            labels = [s.label for s in self.sources]
+            if len(set(labels)) < len(labels):
+                raise ValueError(f"data.sources have the same name twice ({', '.join(labels)}): give each a name")
+        return self
+
     @property
     def shard_dir(self) -> str | None:
-        """The shard directory named by ``path``; None for the embedded corpus."""
+        """The shard directory named by ``path`` (or a mixture's first source, whose tokenizer every source
+        shares); None for the embedded corpus."""
+        if self.sources:
+            return self.sources[0].path
         return None if self.path in (None, EMBEDDED_CORPUS) else self.path
 
 
@@ -522,14 +577,18 @@ def preset(name: str) -> dict[str, Any]:
 def check_data_source(cfg: RunConfig, on_this_machine: bool = True) -> None:
     """Only tiny presets may train on the embedded demo text without saying so; a real run names its shards, which
     must exist when the run starts here (a job script's data lives on the cluster: ``on_this_machine=False``)."""
-    if cfg.data.path is None and not (cfg.preset or "").startswith("tiny-"):
+    if cfg.data.path is None and cfg.data.sources is None and not (cfg.preset or "").startswith("tiny-"):
         raise ConfigError(
             f"data.path is not set for {'preset ' + cfg.preset if cfg.preset else 'this run'}: point it at a "
             "directory of shards (--set data.path=DIR; `mhf-dist prepare-data` makes them), or pass "
             f"--set data.path={EMBEDDED_CORPUS} to train on the 1 MB demo text on purpose")
-    shards = cfg.data.shard_dir
-    if on_this_machine and shards is not None and not Path(shards).is_dir():
-        raise ConfigError(f"data.path={shards}: no such directory; point it at the --out of `mhf-dist prepare-data`")
+    if cfg.data.sources:
+        named = [(f"data.sources[{i}].path", s.path) for i, s in enumerate(cfg.data.sources)]
+    else:
+        named = [("data.path", cfg.data.shard_dir)] if cfg.data.shard_dir is not None else []
+    for key, shards in named:
+        if on_this_machine and not Path(shards).is_dir():
+            raise ConfigError(f"{key}={shards}: no such directory; point it at the --out of `mhf-dist prepare-data`")
 
 
 # -------------------------------------------------------------- overrides

@@ -137,6 +137,7 @@ class RunStatus:
     progress: float | None = None
     finished: bool = False
     tokens: int | None = None
+    source_tokens: dict | None = None  # a mixture's tokens read from each source (data.sources)
     loss: float | None = None
     head_losses: list | None = None
     loss_recent_mean: float | None = None
@@ -306,6 +307,7 @@ def _from_records(st: RunStatus, records: list[dict], tokens_per_step: int | Non
     st.mfu = _mean([r.get("mfu") for r in recent])
     if st.step is not None and tokens_per_step:
         st.tokens = st.step * tokens_per_step
+    st.source_tokens = next((r["source_tokens"] for r in reversed(records) if "source_tokens" in r), None)
     if st.step is not None and st.max_steps:
         st.progress, st.finished = st.step / st.max_steps, st.step >= st.max_steps
     st.validation = latest_validation(records)
@@ -398,6 +400,8 @@ def _progress_lines(st: RunStatus) -> list[str]:
     of = f" / {st.max_steps} ({st.progress:.1%})" if st.max_steps else ""
     tokens = f", {st.tokens:,} tokens" if st.tokens is not None else ""
     lines = [_line("step", f"{st.step}{of}{tokens}")]
+    if st.source_tokens:
+        lines.append(_line("sources", ", ".join(f"{name} {n:,} tokens" for name, n in st.source_tokens.items())))
     if st.loss is not None:
         heads = f" (heads {', '.join(_number(h) for h in st.head_losses)})" if st.head_losses else ""
         mean = f", {_number(st.loss_recent_mean)} mean of the last {st.recent_records} logged steps" if (

@@ -66,11 +66,21 @@ def _absolute_paths(cfg: RunConfig, overrides: list[str]) -> list[str]:
     """``overrides`` with the run's relative data and tokenizer paths made absolute (relative to this directory,
     which the job does not run in)."""
     out = list(overrides)
-    for key, value in (("data.path", cfg.data.shard_dir), ("tokenizer.path", cfg.tokenizer.path)):
-        if value and value != "mistral-v0.3" and "://" not in value and not value.startswith("pipe:") \
-                and not Path(value).is_absolute():
+    single = None if cfg.data.sources else cfg.data.shard_dir
+    for key, value in (("data.path", single), ("tokenizer.path", cfg.tokenizer.path)):
+        if value and value != "mistral-v0.3" and _relative(value):
             out = [o for o in out if not o.startswith(f"{key}=")] + [f"{key}={Path(value).resolve()}"]
+    if cfg.data.sources and any(_relative(s.path) for s in cfg.data.sources):
+        sources = [s.model_dump(exclude_none=True) | {"path": str(Path(s.path).resolve()) if _relative(s.path)
+                                                      else s.path} for s in cfg.data.sources]
+        out = [o for o in out if not o.startswith(("data.path=", "data.sources="))]
+        out.append(f"data.sources={json.dumps(sources)}")
     return out
+
+
+def _relative(path: str) -> bool:
+    """A local path relative to this directory (not a URL, a pipe or an absolute path)."""
+    return "://" not in path and not path.startswith("pipe:") and not Path(path).is_absolute()
 
 
 def _train_args(run_dir: Path, preset: str | None, config: str | None, overrides: list[str]) -> str:

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 from mhf_dist.cli import main
+from mhf_dist.config import ConfigError, DataSource, load_config
+from mhf_dist.data.mixture import BLOCK, MixtureReader, MixtureSchedule, apportion
 from mhf_dist.data.prepare import DataError, documents, expand_inputs, is_validation, prepare
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
@@ -372,3 +374,94 @@ def test_skip_mode_counts_bad_shards_and_keeps_positions(copy, reference, writte
     assert not any(shard_of[s] in bad for s in stream)
     kept = [k for k in range(n) if shard_of[reference[k]] not in bad]
     assert [stream[k] for k in kept] == [reference[k] for k in kept]  # good positions are untouched
+
+
+# ---------------------------------------------------------------- weighted mixtures
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, docs, tok_dir):
+    """Three shard directories of one tokenizer and of different sizes, weighted 0.5 / 0.3 / 0.2; a (part of one
+    document) is the smallest."""
+    root = tmp_path_factory.mktemp("mixture")
+    found = []
+    for name, part, weight in (("a", [docs[0][:2000]], 0.5), ("b", docs[1:4], 0.3), ("c", docs[4:8], 0.2)):
+        (root / f"{name}.txt").write_text("\n\n".join(part) + "\n")
+        prepare([root / f"{name}.txt"], tok_dir, root / name, seq_len=SEQ, samples_per_shard=10, progress=False)
+        found.append(DataSource(path=str(root / name), weight=weight))
+    return found
+
+
+def _mixture_stream(sources, ranks: int, per_rank: int, state=None):
+    """Like :func:`_global_stream`, over a mixture."""
+    readers = [MixtureReader(sources, seed=SEED, dp_rank=r, dp_size=ranks, shuffle_window=WINDOW)
+               for r in range(ranks)]
+    if state is not None:
+        for reader in readers:
+            reader.load_state_dict(json.loads(json.dumps(state)))
+    per = [[tuple(row) for row in reader.next_batch(per_rank).tolist()] for reader in readers]
+    states = [reader.state_dict() for reader in readers]
+    for reader in readers:
+        reader.close()
+    return [per[k % ranks][k // ranks] for k in range(ranks * per_rank)], states
+
+
+def test_every_mixture_block_holds_each_source_at_its_weight():
+    schedule = MixtureSchedule([0.5, 0.3, 0.2], seed=SEED)
+    assert schedule.counts.tolist() == [2048, 1229, 819] and schedule.counts.sum() == BLOCK
+    for b in range(3):
+        source, occurrence = schedule.block(b)
+        assert np.bincount(source).tolist() == schedule.counts.tolist()
+        assert all(sorted(occurrence[source == k]) == list(range(c)) for k, c in enumerate(schedule.counts))
+    assert not np.array_equal(schedule.block(0)[0], schedule.block(1)[0])  # each block in its own order
+    assert apportion([1.0, 1e-9], BLOCK).tolist() == [4095, 1]  # every source is read
+
+
+def test_a_mixture_reads_each_source_in_its_own_order(sources):
+    stream, _ = _mixture_stream(sources, 1, 300)
+    schedule = MixtureSchedule([s.weight for s in sources], seed=SEED)
+    (source, position), = [next(schedule.positions(0, 0, 1))]
+    for k, s in enumerate(sources):
+        own = _global_stream(s.path, 1, int((source[:300] == k).sum()))[0]
+        assert [row for row, kk in zip(stream, source[:300]) if kk == k] == own
+        assert position[:300][source[:300] == k].tolist() == list(range(len(own)))
+    smallest = ShardReader(sources[0].path, seed=SEED).samples_per_epoch
+    assert (source[:300] == 0).sum() > smallest  # source a is smaller than its share: it repeats
+
+
+def test_a_mixture_resumes_at_every_sources_next_sample_on_any_dp(sources):
+    reference, _ = _mixture_stream(sources, 1, 144)
+    first, states = _mixture_stream(sources, 1, 48)
+    second, states2 = _mixture_stream(sources, 2, 24, states[0])
+    assert states2[0] == states2[1] and states2[0]["mixture_position"] == 96
+    third, _ = _mixture_stream(sources, 4, 12, states2[0])
+    assert first + second + third == reference
+    with MixtureReader(sources, seed=SEED, shuffle_window=WINDOW) as reader:
+        reader.load_state_dict(states2[0])
+        consumed = reader.consumed()
+    schedule = MixtureSchedule([s.weight for s in sources], seed=SEED)
+    assert list(consumed.values()) == np.bincount(schedule.block(0)[0][:96], minlength=3).tolist()
+    assert list(consumed) == ["a", "b", "c"]
+
+
+def test_a_mixture_refuses_another_mixture_state_and_names_a_source_of_another_tokenizer(sources, tmp_path,
+                                                                                          tok_dir):
+    _, states = _mixture_stream(sources, 1, 4)
+    reweighted = [sources[0].model_copy(update={"weight": 0.9}), *sources[1:]]
+    with MixtureReader(reweighted, seed=SEED) as reader, pytest.raises(DataError, match="data.restart=true"):
+        reader.load_state_dict(states[0])
+    fingerprint = ShardReader(sources[0].path).manifest["tokenizer_fingerprint"]
+    other = train_bpe(list(embedded_corpus())[:20], 300, tmp_path / "bpe")
+    (tmp_path / "d.txt").write_text("\n\n".join(list(embedded_corpus())[:10]))
+    prepare([tmp_path / "d.txt"], other, tmp_path / "d", seq_len=SEQ, progress=False)
+    odd = [*sources, DataSource(path=str(tmp_path / "d"), weight=1.0)]
+    with pytest.raises(DataError, match=rf"{tmp_path / 'd'}.* was tokenized by another tokenizer"):
+        MixtureReader(odd, tokenizer_fingerprint=fingerprint)
+
+
+def test_a_blend_string_is_read_into_sources():
+    cfg = load_config("tiny-h4b16k", overrides=["data.path=0.7 shards/a 0.3 shards/b"])
+    assert cfg.data.path is None and [(s.path, s.weight, s.label) for s in cfg.data.sources] == [
+        ("shards/a", 0.7, "a"), ("shards/b", 0.3, "b")]
+    with pytest.raises(ConfigError, match="a blend is pairs of weight and directory"):
+        load_config("tiny-h4b16k", overrides=["data.path=0.7 shards/a 0.3"])
+    with pytest.raises(ConfigError, match="the same name twice"):
+        load_config("tiny-h4b16k", overrides=["data.path=0.7 x/a 0.3 y/a"])

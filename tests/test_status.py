@@ -340,3 +340,9 @@ def test_status_imports_no_torch(run, bin_dir):
     assert proc.returncode == 0, proc.stderr
     report, heavy = proc.stdout.splitlines()
     assert json.loads(report)["step"] == 6 and heavy == "[]"
+
+
+def test_a_mixture_shows_the_tokens_read_from_each_source(run, capsys):
+    write_metrics(run, [record(1), record(2, source_tokens={"web": 1536, "code": 512})])
+    assert "sources    web 1,536 tokens, code 512 tokens\n" in status_text(capsys, run)
+    assert status_json(capsys, run)["source_tokens"] == {"web": 1536, "code": 512}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -384,3 +385,12 @@ def test_time_limits_are_read_as_slurm_reads_them(limit, seconds):
 def test_an_unreadable_time_limit_is_named():
     with pytest.raises(ConfigError, match="'two days' is not a SLURM time limit"):
         time_limit_seconds("two days")
+
+
+def test_a_mixtures_relative_sources_are_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    blend = "data.path=0.7 shards/web 0.3 /shared/code"
+    cfg = load_config("1b-h4b16k", overrides=[blend])
+    script = render("sbatch", cfg, load_profile(SITE), 2, Path("/r"), "1b-h4b16k", None, [blend])
+    listed = [{"path": str(tmp_path / "shards/web"), "weight": 0.7}, {"path": "/shared/code", "weight": 0.3}]
+    assert shlex.quote(f"data.sources={json.dumps(listed)}") in script and "data.path=" not in script

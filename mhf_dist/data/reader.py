@@ -61,7 +61,7 @@ import os
 import queue
 import threading
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -74,6 +74,7 @@ from mhf_dist.data.prepare import FORMAT, MANIFEST, DataError
 
 log = logging.getLogger(__name__)
 
+_POSITION_BLOCK = 4096  # a rank's positions are planned this many at a time
 _REPAIR = "re-copy or re-create it (mhf-dist prepare-data)"
 _FIX = _REPAIR + ", or set data.on_bad_shard=skip to train without it"
 
@@ -165,14 +166,18 @@ class ShardReader:
     def next_batch(self, micro_batch: int, pin: bool = False) -> torch.Tensor:
         """This rank's next ``micro_batch`` samples: a LongTensor ``[micro_batch, seq_len + 1]``, in pinned memory
         with ``pin`` (for a CUDA device: its copy there can then be ``non_blocking``; needs CUDA)."""
+        return as_batch(self.next_rows(micro_batch), pin)
+
+    def next_rows(self, count: int) -> list[np.ndarray]:
+        """This rank's next ``count`` samples, as the shards hold them."""
         if self._error is not None:
             raise self._error
         if self._thread is None:
-            start = self._base + self._consumed * self.dp_size + self.dp_rank
-            self._thread = threading.Thread(target=self._produce, args=(start,), daemon=True, name="ShardReader")
+            self._thread = threading.Thread(target=self._produce, args=(self._rank_positions(),), daemon=True,
+                                            name="ShardReader")
             self._thread.start()
         rows = []
-        while len(rows) < micro_batch:
+        while len(rows) < count:
             if not self._buffer:
                 item = self._queue.get()
                 if isinstance(item, BaseException):
@@ -180,12 +185,8 @@ class ShardReader:
                     raise item
                 self._buffer.extend(item)
             rows.append(self._buffer.popleft())
-        self._consumed += micro_batch
-        if not pin:
-            return torch.from_numpy(np.stack(rows).astype(np.int64))
-        batch = torch.empty((len(rows), len(rows[0])), dtype=torch.int64, pin_memory=True)
-        np.stack(rows, out=batch.numpy())  # widened to int64 straight into the pinned buffer
-        return batch
+        self._consumed += count
+        return rows
 
     def state_dict(self) -> dict:
         """The next unread global position (the same on every rank once all took equal batches); JSON-serialisable."""
@@ -232,19 +233,31 @@ class ShardReader:
         self.close()
 
     # ------------------------------------------------------------ producer
-    def _produce(self, start: int) -> None:
-        """Background thread: this rank's samples window by window, from global position ``start``."""
+    def _rank_positions(self) -> Iterator[np.ndarray]:
+        """This rank's global positions from where its stream stands, increasing, in blocks."""
+        x, step = self._base + self._consumed * self.dp_size + self.dp_rank, self.dp_size * _POSITION_BLOCK
+        while True:
+            yield np.arange(x, x + step, self.dp_size)
+            x += step
+
+    def _produce(self, positions: Iterator[np.ndarray]) -> None:
+        """Background thread: this rank's samples window by window, at the global ``positions`` (increasing,
+        endless)."""
         stop, out = self._stop, self._queue
-        x = start
         try:
+            pending = next(positions)
             while not stop.is_set():
-                epoch, p = divmod(x, self.samples_per_epoch)
+                epoch, p = divmod(int(pending[0]), self.samples_per_epoch)
                 starts, groups = self._windows(epoch)
                 w = int(np.searchsorted(starts, p, side="right")) - 1
-                local = np.arange(p - starts[w], starts[w + 1] - starts[w], self.dp_size)
-                samples = self._load_window(epoch, groups[w], local)
-                x += len(local) * self.dp_size
-                _put(out, samples, stop)
+                end = epoch * self.samples_per_epoch + starts[w + 1]
+                if pending[-1] < end:  # the window's positions may go on in the next block
+                    pending = np.concatenate([pending, next(positions)])
+                    continue
+                inside = pending < end
+                local = pending[inside] - epoch * self.samples_per_epoch - starts[w]
+                pending = pending[~inside]
+                _put(out, self._load_window(epoch, groups[w], local), stop)
         except BaseException as e:  # handed to the consumer, which raises it
             _put(out, e, stop)
 
@@ -332,6 +345,15 @@ class ShardReader:
             raise DataError(f"shard {shard.url}, sample {index}: {tokens.dtype} array of shape {tokens.shape}, "
                             f"expected {self.dtype} of ({self.seq_len + 1},) as {self.manifest_location} says; {_FIX}")
         return tokens
+
+
+def as_batch(rows: list[np.ndarray], pin: bool = False) -> torch.Tensor:
+    """Samples as a LongTensor ``[len(rows), seq_len + 1]``, in pinned memory with ``pin``."""
+    if not pin:
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+    batch = torch.empty((len(rows), len(rows[0])), dtype=torch.int64, pin_memory=True)
+    np.stack(rows, out=batch.numpy())  # widened to int64 straight into the pinned buffer
+    return batch
 
 
 def _put(out: queue.Queue, item, stop: threading.Event) -> None:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from mhf_dist.config import RunConfig
+from mhf_dist.data.mixture import describe, open_data
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.launch import free_port, slurm_rank_env
 from mhf_dist.model.flops import forward_flops
@@ -364,8 +365,14 @@ class TrainingLoop:
             on_bad_shard=cfg.data.on_bad_shard, verify_checksums=cfg.data.verify_checksums,
             allow_pipe=cfg.data.allow_pipe,
         )
-        self.reader = ShardReader(self.shards, **self.reader_args)
-        self.has_val = "val" in self.reader.manifest["splits"]
+        self.reader = open_data(cfg.data, self.shards, **self.reader_args)
+        if cfg.data.sources:  # a mixture: each source with a validation split is evaluated on its own
+            self.validation = [(s.label, s.path, s.weight) for s, r in zip(cfg.data.sources, self.reader.readers)
+                               if "val" in r.manifest["splits"]]
+        else:
+            self.validation = [(None, self.shards, 1.0)] if "val" in self.reader.manifest["splits"] else []
+        self.data_name = (", ".join(f"{s.label} ({Path(s.path).resolve()})" for s in cfg.data.sources)
+                          if cfg.data.sources else str(Path(self.shards).resolve()))
 
     def _resume(self, resuming: ResumePoint | None) -> int:
         """Load the checkpoint (engine, optimizer changes, reader position) when resuming; returns the step to
@@ -395,7 +402,7 @@ class TrainingLoop:
             return False
         if self.rank == 0:
             tqdm.write(f"data.restart: from step {start + 1} the data is read from the beginning of "
-                       f"{Path(self.shards).resolve()} (the checkpoint's position is in other data: {mismatch})")
+                       f"{self.data_name} (the checkpoint's position is in other data: {mismatch})")
         return True
 
     def _start_logs(self, start: int) -> None:
@@ -411,7 +418,11 @@ class TrainingLoop:
         self.end = min(t.stop_at_step or t.max_steps, t.max_steps)
         self.logger = MetricsLogger(self.run_dir.path, resume_step=start, cfg=cfg) if self.rank == 0 else None
         if self.logger and self.data_restarted:  # the record at the resumed step says where the data changed
-            self.logger.log(start, {"data_restart": True, "data_path": str(Path(self.shards).resolve())})
+            self.logger.log(start, {"data_restart": True, "data_path": self.data_name})
+        if self.rank == 0 and cfg.data.sources:  # each source's share and how often the run goes over it
+            samples = t.max_steps * t.global_batch_size
+            for line in describe(cfg.data.sources, self.reader.readers, samples, samples * cfg.data.seq_len):
+                tqdm.write(line)
         self.clock, self.watch = SaveClock(t.checkpoint_minutes), LossWatch(t)
         self.step_times: deque[float] = deque(maxlen=20)  # the recent steps' seconds, for the ETA
         self.progress = tqdm(range(start, self.end), desc="train", unit="step", dynamic_ncols=True, initial=start,
@@ -467,16 +478,27 @@ class TrainingLoop:
             "nonfinite_steps": watch.nonfinite_steps, "skipped_steps": self.trainer.engine.skipped_steps,
         } | ({"grad_norm": stats.grad_norm} if stats.grad_norm is not None else {}) | (
             {"loss_spikes": watch.loss_spikes} if self.cfg.train.spike_factor is not None else {}) | (
-            {"p_inf_loss": stats.p_inf_loss} if stats.p_inf_loss is not None else {})
+            {"p_inf_loss": stats.p_inf_loss} if stats.p_inf_loss is not None else {}) | (
+            {"source_tokens": {name: n * self.cfg.data.seq_len for name, n in self.reader.consumed().items()}}
+            if self.cfg.data.sources else {})
 
     def evaluate(self, step: int) -> dict:
         """The validation metrics, calibrated ones included (:func:`mhf_dist.model.calibration.validation_metrics`),
         every ``train.eval_interval`` steps and at the last; nothing without a validation split."""
         interval = self.cfg.train.eval_interval
-        if not (self.has_val and ((interval and step % interval == 0) or step == self.end)):
+        if not (self.validation and ((interval and step % interval == 0) or step == self.end)):
             return {}
-        with ShardReader(self.shards, split="val", **self.reader_args) as val:
-            return self.trainer.evaluate(val, self.eval_batches)
+        found = {}
+        for label, path, weight in self.validation:
+            with ShardReader(path, split="val", **self.reader_args) as val:
+                metrics = self.trainer.evaluate(val, self.eval_batches)
+            if label is None:
+                return metrics
+            found[label] = (metrics, weight)
+        # a mixture: every metric per source (val_loss/<source>), and val_loss weighted as the sources are mixed
+        total = sum(weight for _, weight in found.values())
+        return {f"{key}/{label}": value for label, (metrics, _) in found.items() for key, value in metrics.items()} | {
+            "val_loss": sum(metrics["val_loss"] * weight for metrics, weight in found.values()) / total}
 
     def log(self, step: int, record: dict) -> None:
         """Rank 0 appends a non-empty record to the run's metrics and shows its headline values."""

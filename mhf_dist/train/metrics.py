@@ -70,11 +70,14 @@ class MetricsLogger:
 
 
 def _scalars(values: dict):
-    """(name, value) of each scalar: list elements as ``key/i``, finite numbers as they are."""
+    """(name, value) of each scalar: list elements as ``key/i``, dict entries as ``key/name``, finite numbers as they
+    are."""
     for key, value in values.items():
         if isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
                 yield f"{key}/{i}", v
+        elif isinstance(value, dict):
+            yield from _scalars({f"{key}/{k}": v for k, v in value.items()})
         elif isinstance(value, (int, float)) and math.isfinite(value):
             yield key, value
 
