@@ -53,6 +53,14 @@ def _int_at_least(text: str, low: int) -> int:
     return value
 
 
+def part_of(text: str) -> tuple[int, int]:
+    """An argparse type: ``I/N``, two whole numbers (part I of N; the range is checked against the inputs)."""
+    index, slash, count = text.partition("/")
+    if not slash or not index.isdigit() or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"expected I/N (part I of N, e.g. 3/8), got {text!r}")
+    return int(index), int(count)
+
+
 def _add_overrides(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
 
@@ -319,15 +327,22 @@ def _train_parser(sub) -> None:
 
 
 def _prepare_data_parser(sub) -> None:
-    p = sub.add_parser("prepare-data", help="tokenize text into WebDataset shards of packed sequences + manifest")
+    p = sub.add_parser("prepare-data", help="tokenize text into WebDataset shards of packed sequences + manifest",
+                       usage="%(prog)s INPUTS... --tokenizer DIR --out DIR --seq-len L [--part I/N] [options]\n"
+                       "       %(prog)s --merge OUT PART_DIRS... [--overwrite]")
     p.add_argument("inputs", nargs="+", help="text files or globs: .txt (blank-line separated documents) "
                    "or .jsonl (one document per line), optionally .gz or .zst, and .parquet (one document per row); "
-                   ".zst and .parquet need pip install 'mhf-dist[data]'")
-    p.add_argument("--tokenizer", required=True, help="tokenizer directory, or mistral-v0.3")
-    p.add_argument("--out", required=True, help="output directory (new or empty; see --overwrite)")
+                   ".zst and .parquet need pip install 'mhf-dist[data]'. With --merge: the part directories")
+    p.add_argument("--tokenizer", help="tokenizer directory, or mistral-v0.3 (required unless --merge)")
+    p.add_argument("--out", help="output directory (new or empty; see --overwrite; required unless --merge)")
     _add_overwrite(p)
-    p.add_argument("--seq-len", type=positive_int, required=True,
-                   help="model sequence length; samples hold seq_len + 1 ids")
+    p.add_argument("--seq-len", type=positive_int,
+                   help="model sequence length; samples hold seq_len + 1 ids (required unless --merge)")
+    p.add_argument("--part", type=part_of, metavar="I/N",
+                   help="prepare only part I (1..N) of N contiguous runs of the input files, into OUT/part-I-of-N "
+                   "(a SLURM array task: --part $SLURM_ARRAY_TASK_ID/N); merge the parts with --merge")
+    p.add_argument("--merge", metavar="OUT", help="write one manifest over the parts (directories inside OUT, given "
+                   "as the inputs) into OUT, shards left in place; it trains as a one-process preparation would")
     p.add_argument("--samples-per-shard", type=positive_int, default=8192, help="samples per tar shard (default 8192)")
     p.add_argument("--prefix", default="train", help="training shard names: PREFIX-000000.tar ... (default train)")
     p.add_argument("--text-field", default="text", help="the field (.jsonl) or column (.parquet) holding the text")
