@@ -53,6 +53,14 @@ def _int_at_least(text: str, low: int) -> int:
     return value
 
 
+def part_of(text: str) -> tuple[int, int]:
+    """An argparse type: ``I/N``, two whole numbers (part I of N; the range is checked against the inputs)."""
+    index, slash, count = text.partition("/")
+    if not slash or not index.isdigit() or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"expected I/N (part I of N, e.g. 3/8), got {text!r}")
+    return int(index), int(count)
+
+
 def _add_overrides(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
 
@@ -238,12 +246,9 @@ def cmd_expand_vocab(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    from mhf_dist.cluster import load_profile
     from mhf_dist.submit import manual_submission_note, render, submit, write_script
 
-    cfg, profile, run_dir = _load(args), load_profile(args.cluster), Path(args.run_dir)
-    chosen = {k: getattr(args, k) for k in ("partition", "account", "time", "qos") if getattr(args, k) is not None}
-    profile = profile.model_copy(update=chosen | {"sbatch_args": [*profile.sbatch_args, *args.sbatch_args]})
+    cfg, profile, run_dir = _load(args), _chosen_profile(args), Path(args.run_dir)
     kind = "hostfile" if args.hostfile else "sbatch"
     script = render(kind, cfg, profile, args.nodes, run_dir, args.preset, args.config, args.overrides,
                     grace=args.grace, depends_on=args.depends_on, hostfile=args.hostfile, python=args.python)
@@ -264,6 +269,42 @@ def cmd_submit(args) -> int:
     job = submit(script, run_dir, profile.name, args.nodes)
     print(f"submitted job {job}; logs: {run_dir.resolve() / 'slurm'}/mhf-{run_dir.resolve().name}-{job}.out; "
           f"progress: mhf-dist status {run_dir}")
+    return 0
+
+
+def _chosen_profile(args):
+    """The cluster profile with the partition, account, time, qos and sbatch options given on the command line."""
+    from mhf_dist.cluster import load_profile
+
+    profile = load_profile(args.cluster)
+    chosen = {k: getattr(args, k) for k in ("partition", "account", "time", "qos") if getattr(args, k) is not None}
+    return profile.model_copy(update=chosen | {"sbatch_args": [*profile.sbatch_args, *args.sbatch_args]})
+
+
+def cmd_submit_data(args) -> int:
+    from mhf_dist import submit as jobs
+    from mhf_dist.data.prepare import expand_inputs, part_files
+
+    profile, out = _chosen_profile(args), Path(args.out)
+    part_files(expand_inputs(args.inputs), 1, args.parts)  # the inputs are there, at least one file per part
+    options = ["--seq-len", str(args.seq_len), *_preparation_options(args), *(["--overwrite"] * args.overwrite)]
+    scripts = jobs.render_data(profile, args.inputs, args.tokenizer, out, args.parts, options, workers=args.workers,
+                               python=args.python)
+    names = jobs.DATA_SCRIPTS
+    if args.dry_run:
+        for name, script in zip(names, scripts):
+            print(f"# ---------------- {name}\n{script}", end="")
+        print(f"# nothing submitted. To submit these scripts yourself, save them as {names[0]} and {names[1]}, run "
+              f"`mkdir -p {out.resolve() / jobs.LOG_DIR}` (SLURM does not create the log directory), then "
+              f"`{jobs.data_submission_command(*map(Path, names))}` (or use --write DIR)", file=sys.stderr)
+        return 0
+    if args.write:
+        paths = [jobs.write_script(script, Path(args.write) / name, out) for name, script in zip(names, scripts)]
+        print(f"wrote {paths[0]} and {paths[1]}; submit them with: {jobs.data_submission_command(*paths)}")
+        return 0
+    array, merge = jobs.submit_data(*scripts, out)
+    print(f"submitted array job {array} ({args.parts} parts) and merge job {merge} (after all parts succeed); "
+          f"logs: {out.resolve() / jobs.LOG_DIR}; the data: {out.resolve()}")
     return 0
 
 
@@ -362,15 +403,35 @@ def _train_parser(sub) -> None:
 
 
 def _prepare_data_parser(sub) -> None:
-    p = sub.add_parser("prepare-data", help="tokenize text into WebDataset shards of packed sequences + manifest")
+    p = sub.add_parser("prepare-data", help="tokenize text into WebDataset shards of packed sequences + manifest",
+                       usage="%(prog)s INPUTS... --tokenizer DIR --out DIR --seq-len L [--part I/N] [options]\n"
+                       "       %(prog)s --merge OUT PART_DIRS... [--overwrite]")
     p.add_argument("inputs", nargs="+", help="text files, directories (their files, sorted) or globs: .txt "
                    "(blank-line separated documents) or .jsonl (one document per line), optionally .gz or .zst, and "
-                   ".parquet (one document per row); .zst and .parquet need pip install 'mhf-dist[data]'")
-    p.add_argument("--tokenizer", required=True, help="tokenizer directory, or mistral-v0.3")
-    p.add_argument("--out", required=True, help="output directory (new or empty; see --overwrite)")
+                   ".parquet (one document per row); .zst and .parquet need pip install 'mhf-dist[data]'. With "
+                   "--merge: the part directories")
+    p.add_argument("--tokenizer", help="tokenizer directory, or mistral-v0.3 (required unless --merge)")
+    p.add_argument("--out", help="output directory (new or empty; see --overwrite; required unless --merge)")
     _add_overwrite(p)
-    p.add_argument("--seq-len", type=positive_int, required=True,
-                   help="model sequence length; samples hold seq_len + 1 ids")
+    p.add_argument("--seq-len", type=positive_int,
+                   help="model sequence length; samples hold seq_len + 1 ids (required unless --merge)")
+    p.add_argument("--part", type=part_of, metavar="I/N",
+                   help="prepare only part I (1..N) of N contiguous runs of the input files, into OUT/part-I-of-N "
+                   "(a SLURM array task: --part $SLURM_ARRAY_TASK_ID/N); merge the parts with --merge")
+    p.add_argument("--merge", metavar="OUT", help="write one manifest over the parts (directories inside OUT, given "
+                   "as the inputs) into OUT, shards left in place; it trains as a one-process preparation would")
+    _add_preparation_options(p)
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
+                   help="tokenizer processes (default: all cores)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(func=cmd_prepare_data)
+
+
+_PREPARATION_OPTIONS = ("samples_per_shard", "prefix", "text_field", "on_bad_document", "val_fraction")
+
+
+def _add_preparation_options(p: argparse.ArgumentParser) -> None:
+    """How documents become shards (``_PREPARATION_OPTIONS``): shared by prepare-data and submit-data."""
     p.add_argument("--samples-per-shard", type=positive_int, default=8192, help="samples per tar shard (default 8192)")
     p.add_argument("--prefix", default="train", help="training shard names: PREFIX-000000.tar ... (default train)")
     p.add_argument("--text-field", default="text", help="the field (.jsonl) or column (.parquet) holding the text")
@@ -379,10 +440,38 @@ def _prepare_data_parser(sub) -> None:
                    "out and count it in the manifest (skip)")
     p.add_argument("--val-fraction", type=float, default=0.0,
                    help="fraction of documents held out (by a hash of their text) into val-*.tar shards")
-    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
-                   help="tokenizer processes (default: all cores)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.set_defaults(func=cmd_prepare_data)
+
+
+def _preparation_options(args) -> list[str]:
+    """The ``_PREPARATION_OPTIONS`` of ``args`` as prepare-data arguments."""
+    return [a for name in _PREPARATION_OPTIONS for a in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+
+
+def _submit_data_parser(sub) -> None:
+    p = sub.add_parser("submit-data", help="prepare-data spread over a SLURM cluster: an array job of --parts "
+                       "tasks, then a job merging them", description="Submit an array job whose task I runs "
+                       "`prepare-data --part I/N` on one node, and a job that merges the parts (`prepare-data "
+                       "--merge`) once every task succeeded (afterok). Scripts and logs go into OUT/slurm; the "
+                       "merged OUT trains as a one-process preparation of the same inputs would.")
+    p.add_argument("inputs", nargs="+", help="input files or globs, as prepare-data takes them (on storage every node "
+                   "sees; relative ones are made absolute)")
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory, or mistral-v0.3")
+    p.add_argument("--out", required=True, help="the dataset directory: part I goes into OUT/part-I-of-N, the merge "
+                   "writes OUT/manifest.json")
+    p.add_argument("--seq-len", type=positive_int, required=True,
+                   help="model sequence length; samples hold seq_len + 1 ids")
+    p.add_argument("--parts", type=positive_int, required=True,
+                   help="array tasks, each preparing a contiguous run of the input files (at most one per file)")
+    _add_preparation_options(p)
+    p.add_argument("--workers", type=positive_int, help="tokenizer processes (and cores) per task (default: the "
+                   "profile's cores_per_node)")
+    _add_overwrite(p)
+    _add_cluster_options(p)
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--dry-run", action="store_true", help="print the two job scripts only")
+    what.add_argument("--write", metavar="DIR", help="write the two job scripts into DIR and make the log directory; "
+                      "submit nothing")
+    p.set_defaults(func=cmd_submit_data)
 
 
 def _plan_parser(sub) -> None:
@@ -490,13 +579,9 @@ def _expand_vocab_parser(sub) -> None:
     p.set_defaults(func=cmd_expand_vocab)
 
 
-def _submit_parser(sub) -> None:
-    p = sub.add_parser("submit",
-                       help="submit a multi-node training job (SLURM, or a hostfile for DeepSpeed's launcher)")
-    _add_run_options(p)
-    p.add_argument("--run-dir", required=True, help="run directory on storage every node sees")
+def _add_cluster_options(p: argparse.ArgumentParser) -> None:
+    """The cluster profile and what a submission may change of it (submit, submit-data)."""
     p.add_argument("--cluster", required=True, help="cluster profile: a100-80g, mi300x, cpu-local or a .yaml path")
-    p.add_argument("--nodes", type=positive_int, default=1, help="nodes of the cluster profile's kind")
     p.add_argument("--partition", help="SLURM partition (instead of the profile's)")
     p.add_argument("--account", help="SLURM account to charge (instead of the profile's)")
     p.add_argument("--time", help="time limit, e.g. 24:00:00 or 2-00:00:00 (instead of the profile's)")
@@ -504,6 +589,15 @@ def _submit_parser(sub) -> None:
     p.add_argument("--sbatch-arg", dest="sbatch_args", action="append", default=[], metavar="OPTION",
                    help="one more #SBATCH option, e.g. --sbatch-arg=--constraint=a100 (repeatable)")
     p.add_argument("--python", help="the Python on the nodes (default: the profile's, else this one)")
+
+
+def _submit_parser(sub) -> None:
+    p = sub.add_parser("submit",
+                       help="submit a multi-node training job (SLURM, or a hostfile for DeepSpeed's launcher)")
+    _add_run_options(p)
+    p.add_argument("--run-dir", required=True, help="run directory on storage every node sees")
+    p.add_argument("--nodes", type=positive_int, default=1, help="nodes of the cluster profile's kind")
+    _add_cluster_options(p)
     p.add_argument("--grace", type=positive_int, help="seconds between SLURM's USR1 and the time limit (default: "
                    "what plan estimates a step and a save need, at least 120)")
     p.add_argument("--depends-on", help="start after this job id ends (afterany)")
@@ -619,8 +713,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")  # commands without help= are unlisted
     for add in (_train_parser, _prepare_data_parser, _plan_parser, _export_parser, _export_hf_parser,
                 _import_hf_parser, _generate_parser, _eval_parser, _expand_vocab_parser, _submit_parser,
-                _status_parser, _profile_parser, _profile_worker_parser, _gpu_check_parser, _config_parser,
-                _presets_parser, _tokenizer_parser):
+                _submit_data_parser, _status_parser, _profile_parser, _profile_worker_parser, _gpu_check_parser,
+                _config_parser, _presets_parser, _tokenizer_parser):
         add(sub)
     return parser
 

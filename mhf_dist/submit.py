@@ -12,6 +12,15 @@ way. Without SLURM, ``--hostfile`` renders a script for DeepSpeed's launcher.
 The script depends on nothing of the machine or directory it was submitted
 from: it runs in the run directory, names the Python (or container) by an
 absolute path, and every path in the command is made absolute at submit time.
+``mhf-dist submit-data``: the same machinery renders two jobs from
+``cluster/prepare-data.template`` for a preparation spread over a cluster
+(:mod:`mhf_dist.data.prepare`, "Parts and merging"): an array job whose task
+``I`` of ``1..N`` runs ``prepare-data --part I/N`` on one node (``--workers``
+cores, default the profile's ``cores_per_node``), and a merge job
+(``prepare-data --merge``) that SLURM starts only when every task succeeded
+(``--dependency=afterok`` on the array, given at submission). Both run in the
+output directory and log into ``OUT/slurm``, where the scripts are kept.
+
 Every value a user chose is quoted — for the shell with :func:`shlex.quote`,
 in ``#SBATCH`` lines in sbatch's own double quotes — and values that no
 quoting makes safe (control characters; ``"`` or ``\\`` in an ``#SBATCH``
@@ -36,7 +45,8 @@ from mhf_dist.parallel.layout import preflight
 from mhf_dist.train.job_estimates import save_estimate, time_limit_seconds
 from mhf_dist.train.preemption import GRACE_ENV
 
-LOG_DIR = "slurm"  # RUN/slurm: job logs, the submitted script, the job ids (jobs.jsonl)
+LOG_DIR = "slurm"  # RUN/slurm: job logs, the submitted script, the job ids (jobs.jsonl); OUT/slurm of submit-data
+DATA_SCRIPTS = ("prepare-data.sbatch", "merge-data.sbatch")  # submit-data's array job and merge job
 JOBS_FILE = "jobs.jsonl"
 _JOB_ID = re.compile(r"\d+(_\d+)?")
 _SBATCH_PLAIN = re.compile(r"[A-Za-z0-9_./:%@+,=-]*")
@@ -124,6 +134,30 @@ def _stop_on_failure(line: str, profile: str) -> str:
     return f"{{ {no_control_characters('setup', line)}\n}} || {{ echo {said} >&2; exit 2; }}"
 
 
+def _sbatch_lines(profile: ClusterProfile, job_options: dict[str, object]) -> list[str]:
+    """The profile's ``#SBATCH`` lines (its sbatch_args, partition, account, qos, exclusive) with ``job_options``
+    (``None`` values left out) after its qos."""
+    lines = [_sbatch_option(f"profile {profile.name}: sbatch_args", a) for a in profile.sbatch_args]
+    options = {"partition": profile.partition, "account": profile.account, "qos": profile.qos} | job_options
+    lines += [f"#SBATCH --{key}={sbatch_quoted(key, value)}" for key, value in options.items() if value is not None]
+    if profile.exclusive:
+        lines.append("#SBATCH --exclusive")
+    return lines
+
+
+def _shell_values(profile: ClusterProfile, python: str | None, srun_args: list[str]) -> dict[str, str]:
+    """Template values of the job's shell part: the site's setup lines, the exports, the Python and its check, the
+    ``mhf_dist`` command and the ``srun`` options (``srun_args``, the profile's among them)."""
+    python = no_control_characters("python", python or profile.python or sys.executable)
+    return dict(
+        setup="\n".join(_stop_on_failure(line, profile.name) for line in profile.setup),  # the site's own lines
+        exports="\n".join(f"export {k}={shlex.quote(v)}" for k, v in profile.env.items()),
+        python=shlex.quote(python), python_check=_python_check(shlex.quote(python), profile),
+        command=shlex.join([*profile.launcher, python, "-m", "mhf_dist"]),
+        srun_args="".join(f"{shlex.quote(no_control_characters('srun_args', a))} " for a in srun_args),
+    )
+
+
 def signal_grace(cfg: RunConfig, profile: ClusterProfile, nodes: int, asked: int | None) -> int:
     """The seconds before the time limit at which SLURM signals the ranks to save: ``asked`` (``--grace``), else
     what a step and a save of this job need (:mod:`mhf_dist.train.job_estimates`). A grace that leaves the job no
@@ -158,21 +192,13 @@ def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_d
                           "hostfile launcher does not start; submit through SLURM, or use a profile without them")
     preflight(cfg, nodes * profile.gpus_per_node, "cpu" if profile.backend == "gloo" else "cuda", data_here=False)
     run_dir = Path(no_control_characters("--run-dir", str(run_dir))).resolve()
-    python = no_control_characters("python", python or profile.python or sys.executable)
-    command = shlex.join([*profile.launcher, python, "-m", "mhf_dist"])
-    extra = [_sbatch_option(f"profile {profile.name}: sbatch_args", a) for a in profile.sbatch_args]
     gpus = profile.backend == "nccl"
-    srun_args = [f"--gpu-bind={profile.gpu_bind}"] if gpus and profile.gpus_per_task else []
-    srun_args += profile.srun_args
-    for key, value in (("partition", profile.partition), ("account", profile.account), ("qos", profile.qos),
-                       ("gpus-per-node", profile.gpus_per_node if gpus and not profile.gpus_per_task else None),
-                       ("gpus-per-task", profile.gpus_per_task if gpus else None),
-                       ("mem", 0 if profile.all_memory else None),
-                       ("dependency", f"afterany:{depends_on}" if depends_on else None)):
-        if value is not None:
-            extra.append(f"#SBATCH --{key}={sbatch_quoted(key, value)}")
-    if profile.exclusive:
-        extra.append("#SBATCH --exclusive")
+    bind = [f"--gpu-bind={profile.gpu_bind}"] if gpus and profile.gpus_per_task else []
+    shell = _shell_values(profile, python, bind + profile.srun_args)
+    extra = _sbatch_lines(profile, {
+        "gpus-per-node": profile.gpus_per_node if gpus and not profile.gpus_per_task else None,
+        "gpus-per-task": profile.gpus_per_task if gpus else None, "mem": 0 if profile.all_memory else None,
+        "dependency": f"afterany:{depends_on}" if depends_on else None})
     if kind == "sbatch":
         _check_site_values(profile)
         grace = signal_grace(cfg, profile, nodes, grace)
@@ -183,18 +209,57 @@ def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_d
         log_dir=run_dir / LOG_DIR, sbatch_run_dir=sbatch_quoted("--run-dir", run_dir),
         sbatch_log=sbatch_quoted("--run-dir", f"{run_dir / LOG_DIR}/%x-%j.out"), grace=grace,
         extra_sbatch="\n".join(extra), run_dir=shlex.quote(str(run_dir)),
-        setup="\n".join(_stop_on_failure(line, profile.name) for line in profile.setup),  # the site's own lines
-        exports="\n".join(f"export {k}={shlex.quote(v)}" for k, v in profile.env.items()),
         deepspeed_env="\n".join(f"{k}={no_control_characters(k, v)}" for k, v in profile.env.items()),
         # absolute: the script runs in the run directory
         hostfile=shlex.quote(str(Path(no_control_characters("--hostfile", hostfile)).resolve()) if hostfile else ""),
-        master_port=29500,
-        python=shlex.quote(python), python_check=_python_check(shlex.quote(python), profile), command=command,
-        srun_args="".join(f"{shlex.quote(no_control_characters('srun_args', a))} " for a in srun_args),
+        master_port=29500, **shell,
         train_args=_train_args(run_dir, preset, config, _absolute_paths(cfg, overrides)),
         preempted_exit_code=PREEMPTED_EXIT_CODE, grace_env=GRACE_ENV,
     )
     return Template((PROFILE_DIR / f"{kind}.template").read_text()).substitute(values)
+
+
+def _job_name(prefix: str, directory: Path) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{prefix}-{directory.name}")
+
+
+def render_data(profile: ClusterProfile, inputs: list[str], tokenizer: str, out: Path, parts: int,
+                options: list[str], *, workers: int | None = None, python: str | None = None) -> tuple[str, str]:
+    """The array job preparing part ``$SLURM_ARRAY_TASK_ID`` of ``parts`` of ``inputs`` into ``out`` and the job
+    merging the parts (``DATA_SCRIPTS``); ``options`` are more ``prepare-data`` options. Paths are made absolute."""
+    from mhf_dist.data.prepare import part_dirs_pattern  # the data stack, which training's submit does without
+
+    _check_site_values(profile)
+    out = Path(no_control_characters("--out", str(out))).resolve()
+    if tokenizer != "mistral-v0.3":
+        tokenizer = str(Path(no_control_characters("--tokenizer", tokenizer)).resolve())
+    inputs = [str(Path(no_control_characters("inputs", pattern)).absolute()) for pattern in inputs]  # globs kept
+    cpus = workers or profile.cores_per_node
+    mem = 0 if profile.all_memory else None
+    common = dict(profile=profile.name, time=sbatch_quoted("time", profile.time), log_dir=out / LOG_DIR,
+                  sbatch_out=sbatch_quoted("--out", out), **_shell_values(profile, python, profile.srun_args))
+    template = Template((PROFILE_DIR / "prepare-data.template").read_text())
+    prepare = template.substitute(
+        common, what=f"part $SLURM_ARRAY_TASK_ID of {parts} of the inputs, one array task each.",
+        job_name=_job_name("mhf-data", out), cpus_per_task=cpus,
+        sbatch_log=sbatch_quoted("--out", f"{out / LOG_DIR}/%x-%A_%a.out"),
+        extra_sbatch="\n".join(_sbatch_lines(profile, {"mem": mem, "array": f"1-{parts}"})),
+        prepare_args=shlex.join([*inputs, "--tokenizer", tokenizer, "--out", str(out), *options, "--workers",
+                                 str(cpus), "--no-progress"]) + f' --part "$SLURM_ARRAY_TASK_ID/{parts}"')
+    merge = template.substitute(
+        common, what=f"merges the {parts} parts once all succeeded (sbatch --dependency=afterok:ARRAY_JOB).",
+        job_name=_job_name("mhf-merge", out), cpus_per_task=1,
+        sbatch_log=sbatch_quoted("--out", f"{out / LOG_DIR}/%x-%j.out"),
+        extra_sbatch="\n".join(_sbatch_lines(profile, {"mem": mem})),
+        prepare_args=shlex.join(["--merge", str(out), *[o for o in options if o == "--overwrite"]])
+        + f" {shlex.quote(str(out))}/{part_dirs_pattern(parts)}")  # the glob outside the quotes
+    return prepare, merge
+
+
+def data_submission_command(prepare: Path, merge: Path) -> str:
+    """The shell line that submits the two scripts of ``submit-data``, the merge after the array's success."""
+    return (f"jid=$(sbatch --parsable {shlex.quote(str(prepare))}) && "
+            f"sbatch --dependency=afterok:$jid {shlex.quote(str(merge))}")
 
 
 def write_script(script: str, path: Path, run_dir: Path) -> Path:
@@ -212,20 +277,41 @@ def manual_submission_note(run_dir: Path) -> str:
             f"`mkdir -p {log_dir}` first, then `sbatch SCRIPT` (or use --write SCRIPT, which makes the directory)")
 
 
+def _sbatch(path: Path, *options: str) -> str:
+    """``sbatch`` the script at ``path`` with ``options``; the job id."""
+    try:
+        proc = subprocess.run(["sbatch", "--parsable", *options, str(path)], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise ConfigError("sbatch is not on PATH: submit from a SLURM login node, or use --write "
+                          "(submit: or --hostfile)") from None
+    if proc.returncode:
+        raise ConfigError(f"sbatch refused the job: {proc.stderr.strip()}")
+    return proc.stdout.strip().split(";")[0]
+
+
 def submit(script: str, run_dir: Path, cluster: str, nodes: int) -> str:
     """``sbatch`` the script (kept in ``RUN/slurm/job.sbatch``); records and returns the job id."""
     log_dir = run_dir.resolve() / LOG_DIR
     path = write_script(script, log_dir / "job.sbatch", run_dir)
     try:
-        proc = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
-    except FileNotFoundError:
-        raise ConfigError(
-            "sbatch is not on PATH: submit from a SLURM login node, or use --hostfile / --write") from None
-    if proc.returncode:
+        job = _sbatch(path)
+    except ConfigError:
         path.unlink()  # nothing was submitted: no script that looks as if it had been
-        raise ConfigError(f"sbatch refused the job: {proc.stderr.strip()}")
-    job = proc.stdout.strip().split(";")[0]
+        raise
     with (log_dir / JOBS_FILE).open("a") as f:
         f.write(json.dumps({"job_id": job, "submitted": time.strftime("%Y-%m-%d %H:%M:%S"), "cluster": cluster,
                             "nodes": nodes, "script": str(path)}) + "\n")
     return job
+
+
+def submit_data(prepare: str, merge: str, out: Path) -> tuple[str, str]:
+    """``sbatch`` submit-data's array job, then its merge job to start after every task succeeded (the scripts kept
+    in ``OUT/slurm``); the two job ids."""
+    paths = [write_script(script, out.resolve() / LOG_DIR / name, out) for script, name in
+             zip((prepare, merge), DATA_SCRIPTS)]
+    array = _sbatch(paths[0])
+    try:
+        return array, _sbatch(paths[1], f"--dependency=afterok:{array}")
+    except ConfigError as e:
+        raise ConfigError(f"{e}; the parts are being prepared (array job {array}): merge them after it with "
+                          f"sbatch --dependency=afterok:{array} {paths[1]}") from None

@@ -19,7 +19,16 @@ import pytest
 from mhf_dist.cli import main
 from mhf_dist.config import ConfigError, DataSource, load_config
 from mhf_dist.data.mixture import BLOCK, MixtureReader, MixtureSchedule, apportion
-from mhf_dist.data.prepare import DataError, documents, expand_inputs, is_validation, prepare
+from mhf_dist.data.prepare import (
+    DataError,
+    documents,
+    expand_inputs,
+    is_validation,
+    merge,
+    part_dir_name,
+    part_files,
+    prepare,
+)
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
@@ -118,10 +127,27 @@ def test_prepare_is_byte_identical_across_runs_and_worker_counts(shards, inputs,
         assert (shards / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
 
 
+def _packed_per_file(docs, tok, held_out: bool | None = None) -> tuple[list[int], list[int], int]:
+    """The tokens that packing each input file of the fixture on its own keeps, in order, the shard sizes and the
+    tokens it drops (each file's trailing partial sample); of the documents ``held_out`` (at val_fraction 0.3) or
+    not, or of all."""
+    kept, shard_sizes, dropped = [], [], 0
+    for file_docs in (docs[:20], docs[20:35], docs[35:]):  # a.txt, b.jsonl.gz, c.jsonl
+        if held_out is not None:
+            file_docs = [d for d in file_docs if is_validation(d, 0.3) == held_out]
+        stream = [t for d in file_docs for t in tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+        samples = len(stream) // (SEQ + 1)
+        kept += stream[: samples * (SEQ + 1)]
+        dropped += len(stream) - samples * (SEQ + 1)
+        shard_sizes += [PER_SHARD] * (samples // PER_SHARD) + ([samples % PER_SHARD] if samples % PER_SHARD else [])
+    return kept, shard_sizes, dropped
+
+
 def test_manifest_counts_equal_the_tokens_written(shards, docs, tok_dir):
     manifest = json.loads((shards / "manifest.json").read_text())
     tok = load_tokenizer(tok_dir)
     expected = [t for d in docs for t in tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    kept, shard_sizes, dropped = _packed_per_file(docs, tok)
     split = manifest["splits"]["train"]
     written = []
     for entry in split["shards"]:
@@ -135,23 +161,149 @@ def test_manifest_counts_equal_the_tokens_written(shards, docs, tok_dir):
     assert manifest["tokenizer_fingerprint"] == tokens_fingerprint(vocabulary(tok))
     assert split["documents"] == len(docs) and split["input_tokens"] == len(expected)
     assert split["tokens"] == len(written) == split["samples"] * (SEQ + 1)
-    assert written == expected[: len(written)]  # packed in document order, EOS after each document
-    assert split["dropped_tokens"] == len(expected) - len(written) < SEQ + 1
+    # packed file by file (no sample or shard spans two files), in document order, EOS after each document
+    assert written == kept and [e["samples"] for e in split["shards"]] == shard_sizes
+    assert split["dropped_tokens"] == len(expected) - len(written) == dropped < 3 * (SEQ + 1)
+    assert [e["name"] for e in split["shards"]] == [f"train-{i:06d}.tar" for i in range(len(shard_sizes))]
     assert set(manifest["splits"]) == {"train"}
 
 
-def test_validation_split_holds_out_documents_by_text_hash(inputs, tok_dir, docs, tmp_path):
-    manifest = _prepare(inputs, tok_dir, tmp_path / "out", workers=1, val_fraction=0.3)
+@pytest.fixture(scope="module")
+def val_shards(tmp_path_factory, inputs, tok_dir):
+    """A one-process preparation of the fixture with 30 % of the documents held out."""
+    out = tmp_path_factory.mktemp("val_shards") / "out"
+    _prepare(inputs, tok_dir, out, workers=1, val_fraction=0.3)
+    return out
+
+
+def test_validation_split_holds_out_documents_by_text_hash(val_shards, tok_dir, docs):
+    manifest = json.loads((val_shards / "manifest.json").read_text())
     held_out = [d for d in docs if is_validation(d, 0.3)]
     val, train = manifest["splits"]["val"], manifest["splits"]["train"]
     assert 0 < len(held_out) < len(docs)
     assert val["documents"] == len(held_out) and train["documents"] == len(docs) - len(held_out)
     assert [e["name"] for e in val["shards"]][0] == "val-000000.tar"
     tok = load_tokenizer(tok_dir)
-    val_tokens = [t for d in held_out for t in tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
-    with _reader(tmp_path / "out", split="val") as reader:
+    val_tokens, _, _ = _packed_per_file(docs, tok, held_out=True)
+    with _reader(val_shards, split="val") as reader:
         rows = reader.next_batch(val["samples"]).tolist()
-    assert sorted(rows) == sorted(np.array(val_tokens[: val["tokens"]]).reshape(-1, SEQ + 1).tolist())
+    assert sorted(rows) == sorted(np.array(val_tokens).reshape(-1, SEQ + 1).tolist())
+
+
+# ---------------------------------------------------------------- parts and merge
+def _prepare_args(inputs, tok_dir, out, *more):
+    return ["prepare-data", *inputs, "--tokenizer", str(tok_dir), "--out", str(out), "--seq-len", str(SEQ),
+            "--samples-per-shard", str(PER_SHARD), "--text-field", "body", "--val-fraction", "0.3", "--workers", "1",
+            "--no-progress", *more]
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory, inputs, tok_dir):
+    """The fixture prepared as parts 2/2 and 1/2 (in that order, as array tasks may finish), not merged yet."""
+    out = tmp_path_factory.mktemp("parts") / "dataset"
+    for part in ("2/2", "1/2"):
+        assert main(_prepare_args(inputs, tok_dir, out, "--part", part)) == 0
+    return out
+
+
+@pytest.fixture
+def unmerged(parts, tmp_path):
+    """A fresh copy of the parts."""
+    return Path(shutil.copytree(parts, tmp_path / "dataset"))
+
+
+def _samples_in_shard_order(directory: Path, split: str) -> list[tuple[int, list]]:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    return [(e["samples"], [s.tolist() for s in _tar_samples(directory / e["name"])])
+            for e in manifest["splits"][split]["shards"]]
+
+
+def test_part_files_are_contiguous_runs_of_near_equal_size():
+    files = [Path(f"f{i}.txt") for i in range(7)]
+    runs = [part_files(files, i, 3) for i in (1, 2, 3)]
+    assert [len(r) for r in runs] == [3, 2, 2] and sum(runs, []) == files
+    assert part_files(files, 1, 1) == files and part_dir_name(3, 12) == "part-03-of-12"
+    with pytest.raises(DataError, match=r"part 4/3: the part number must be in 1..3"):
+        part_files(files, 4, 3)
+    with pytest.raises(DataError, match="the inputs are 7 files, fewer than 8 parts .* use at most 7 parts"):
+        part_files(files, 1, 8)
+
+
+def test_merged_parts_train_as_one_preparation_of_the_same_inputs(unmerged, val_shards, capsys):
+    one = json.loads((val_shards / "manifest.json").read_text())
+    part_dirs = sorted(unmerged.glob("part-*-of-2"))
+    assert [d.name for d in part_dirs] == ["part-1-of-2", "part-2-of-2"]
+    assert [json.loads((d / "manifest.json").read_text())["inputs"] for d in part_dirs] == \
+        [one["inputs"][:2], one["inputs"][2:]]  # 3 files: the first part holds the extra one
+    capsys.readouterr()
+    assert main(["prepare-data", "--merge", str(unmerged), *map(str, reversed(part_dirs))]) == 0
+    assert f"merged 2 parts\ntrain: {one['splits']['train']['documents']} documents" in capsys.readouterr().out
+    merged = json.loads((unmerged / "manifest.json").read_text())
+    assert merged["splits"]["train"]["shards"][0]["name"] == "part-1-of-2/train-000000.tar"
+    assert merged["parts"] == ["part-1-of-2", "part-2-of-2"] and merged["inputs"] == one["inputs"]
+    for split in ("train", "val"):
+        assert _samples_in_shard_order(unmerged, split) == _samples_in_shard_order(val_shards, split)
+        counts = ("documents", "input_tokens", "samples", "tokens", "dropped_tokens")
+        assert [merged["splits"][split][k] for k in counts] == [one["splits"][split][k] for k in counts]
+        # the reader's stream into 3 ranks over 1.5 epochs, SHA-256 verified, as over the one preparation
+        n = one["splits"][split]["samples"] // 2
+        merged_stream, _ = _global_stream(unmerged, 3, n, split=split)
+        assert merged_stream == _global_stream(val_shards, 3, n, split=split)[0]
+    urls = [str(unmerged / e["name"]) for e in merged["splits"]["train"]["shards"]]  # shard URLs, matched by name
+    with _reader(urls, manifest=unmerged / "manifest.json") as by_url, _reader(val_shards) as one_process:
+        assert by_url.next_batch(8).tolist() == one_process.next_batch(8).tolist()
+    assert (unmerged / "tokenizer" / "tokenizer.json").read_bytes() == \
+        (val_shards / "tokenizer" / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.parametrize("key, value", [("seq_len", 16), ("dtype", "uint32"), ("tokenizer_fingerprint", "0" * 64)])
+def test_merge_names_a_part_of_other_settings(unmerged, key, value):
+    manifest_path = unmerged / "part-2-of-2" / "manifest.json"
+    manifest_path.write_text(json.dumps(json.loads(manifest_path.read_text()) | {key: value}))
+    with pytest.raises(DataError, match=rf"part {unmerged}/part-2-of-2 has {key} '?{value}'?, the other parts .*"
+                                        r"prepare it again with the others'"):
+        merge(unmerged, [unmerged / "part-1-of-2", unmerged / "part-2-of-2"])
+    assert not (unmerged / "manifest.json").exists() and not (unmerged / "tokenizer").exists()
+
+
+def test_merge_names_a_missing_repeated_or_unfinished_part(unmerged, tmp_path):
+    first, second = unmerged / "part-1-of-2", unmerged / "part-2-of-2"
+    with pytest.raises(DataError, match=r"part 2 of 2 is missing: prepare it \(prepare-data --part I/2\)"):
+        merge(unmerged, [first])
+    with pytest.raises(DataError, match=rf"{first} and {first} are both part 1/2: pass each part once"):
+        merge(unmerged, [first, second, first])
+    shutil.copytree(first, unmerged / "copy")
+    with pytest.raises(DataError, match=rf"{first} and {unmerged / 'copy'} are both part 1/2"):
+        merge(unmerged, [first, unmerged / "copy", second])
+    (unmerged / "unfinished").mkdir()
+    with pytest.raises(DataError, match=r"unfinished has no manifest.json: its preparation did not finish"):
+        merge(unmerged, [first, second, unmerged / "unfinished"])
+    with pytest.raises(DataError, match=rf"part directory {second} is not inside {tmp_path / 'elsewhere'}"):
+        merge(tmp_path / "elsewhere", [second])
+    shard = second / json.loads((second / "manifest.json").read_text())["splits"]["train"]["shards"][-1]["name"]
+    shard.write_bytes(shard.read_bytes()[:-512])
+    with pytest.raises(DataError, match=rf"shard {shard} is missing or not \d+ bytes as .* says; prepare that part"):
+        merge(unmerged, [first, second])
+    assert not (unmerged / "manifest.json").exists()
+
+
+def test_merge_keeps_an_existing_manifest_unless_told(unmerged, capsys):
+    part_dirs = [str(unmerged / "part-1-of-2"), str(unmerged / "part-2-of-2")]
+    assert main(["prepare-data", "--merge", str(unmerged), *part_dirs]) == 0
+    written = (unmerged / "manifest.json").read_text()
+    (unmerged / "manifest.json").write_text("kept")
+    assert main(["prepare-data", "--merge", str(unmerged), *part_dirs]) == 2
+    assert "already holds a manifest.json or tokenizer/; pass --overwrite" in capsys.readouterr().err
+    assert (unmerged / "manifest.json").read_text() == "kept"
+    assert main(["prepare-data", "--merge", str(unmerged), *part_dirs, "--overwrite"]) == 0
+    assert (unmerged / "manifest.json").read_text() == written
+    assert main(["prepare-data", "--merge", str(unmerged), *part_dirs, "--seq-len", "8"]) == 2
+    assert "--seq-len belong to preparing the parts: leave them out" in capsys.readouterr().err
+    assert main(["prepare-data", part_dirs[0], "--out", str(unmerged / "x")]) == 2
+    assert "prepare-data needs --tokenizer, --seq-len (or --merge OUT PART_DIRS..." in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["prepare-data", part_dirs[0], "--part", "2", "--out", "x", "--tokenizer", "t", "--seq-len", "8"])
+    assert "--part: expected I/N (part I of N, e.g. 3/8), got '2'" in capsys.readouterr().err
 
 
 def test_prepare_names_bad_inputs(tmp_path, tok_dir, shards):

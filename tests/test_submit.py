@@ -19,7 +19,7 @@ from mhf_dist.cli import main
 from mhf_dist.cluster import load_profile
 from mhf_dist.config import ConfigError, load_config
 from mhf_dist.errors import RANK_LOST_EXIT_CODE
-from mhf_dist.submit import render, submit
+from mhf_dist.submit import DATA_SCRIPTS, render, render_data, submit
 from mhf_dist.train.job_estimates import MIN_GRACE_SECONDS, grace_seconds, save_estimate, time_limit_seconds
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -394,3 +394,102 @@ def test_a_mixtures_relative_sources_are_made_absolute(tmp_path, monkeypatch):
     script = render("sbatch", cfg, load_profile(SITE), 2, Path("/r"), "1b-h4b16k", None, [blend])
     listed = [{"path": str(tmp_path / "shards/web"), "weight": 0.7}, {"path": "/shared/code", "weight": 0.3}]
     assert shlex.quote(f"data.sources={json.dumps(listed)}") in script and "data.path=" not in script
+
+
+# ---------------------------------------------------------------- submit-data: prepare-data over a SLURM array
+DATA_CASES = {  # golden file prefix: (profile, parts, options)
+    "cpu-local-3parts": ("cpu-local", 3, ["--seq-len", "2048", "--val-fraction", "0.001"]),
+    "a100-80g-site-64parts": (SITE, 64, ["--seq-len", "4096", "--text-field", "content", "--overwrite"]),
+}
+
+
+def rendered_data(name: str) -> dict[str, str]:
+    profile, parts, options = DATA_CASES[name]
+    scripts = render_data(load_profile(profile), ["/shared/text/*.jsonl.zst"], "/shared/tok", Path("/shared/data"),
+                          parts, options, python="/opt/venv/bin/python")
+    return {f"{name}.{script_name}": script for script_name, script in zip(DATA_SCRIPTS, scripts)}
+
+
+@pytest.mark.parametrize("name", list(DATA_CASES))
+def test_rendered_data_scripts_match_reviewed_golden_files(name):
+    for golden, script in rendered_data(name).items():
+        if os.environ.get("MHF_DIST_UPDATE_GOLDEN"):
+            (GOLDEN / golden).write_text(script)
+        assert script == (GOLDEN / golden).read_text(), golden
+
+
+def _fake_sbatch(bin_dir: Path, log: Path, refuse_dependent: bool = False) -> None:
+    """An ``sbatch`` that records its arguments and answers job ids 101, 102, ... (or refuses a job with
+    ``--dependency``)."""
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        f"#!{sys.executable}\nimport json, sys\ncalls = open({str(log)!r}, 'a+')\ncalls.seek(0)\n"
+        "n = len(calls.readlines())\ncalls.write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        f"if {refuse_dependent} and any(a.startswith('--dependency') for a in sys.argv):\n"
+        "    sys.exit('sbatch: error: Job dependency problem')\nprint(101 + n)\n")
+    (bin_dir / "sbatch").chmod(0o755)
+
+
+def test_submit_data_submits_the_merge_after_the_array(tmp_path, monkeypatch, capsys):
+    text = tmp_path / "text"
+    text.mkdir()
+    for name in ("a", "b", "c"):
+        (text / f"{name}.txt").write_text("a document\n")
+    log, out = tmp_path / "calls.jsonl", tmp_path / "data"
+    _fake_sbatch(tmp_path / "bin", log)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+    args = ["submit-data", "text/*.txt", "--tokenizer", "tok", "--out", "data", "--seq-len", "64", "--cluster",
+            "cpu-local"]
+    assert main([*args, "--parts", "4"]) == 2
+    assert "the inputs are 3 files, fewer than 4 parts (a part holds whole files); use at most 3" in \
+        capsys.readouterr().err
+    assert main([*args, "--parts", "3"]) == 0
+    assert "submitted array job 101 (3 parts) and merge job 102 (after all parts succeed)" in capsys.readouterr().out
+    scripts = [out / "slurm" / name for name in DATA_SCRIPTS]
+    assert [json.loads(line) for line in log.read_text().splitlines()] == [
+        ["--parsable", str(scripts[0])], ["--parsable", "--dependency=afterok:101", str(scripts[1])]]
+    assert f"'{text}/*.txt' --tokenizer {tmp_path / 'tok'} --out {out} " in scripts[0].read_text()  # absolute
+    log.unlink()
+    _fake_sbatch(tmp_path / "bin2", log, refuse_dependent=True)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin2'}:{os.environ['PATH']}")
+    assert main([*args, "--parts", "3"]) == 2
+    assert ("sbatch refused the job: sbatch: error: Job dependency problem; the parts are being prepared (array job "
+            f"101): merge them after it with sbatch --dependency=afterok:101 {scripts[1]}") in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_rendered_array_tasks_and_merge_prepare_the_one_process_shards(tmp_path, bpe_dir):
+    """Each array task's script run as SLURM would (SLURM_ARRAY_TASK_ID set; srun runs its command), then the
+    merge's: the merged data read as a one-process preparation of the same inputs."""
+    from mhf_dist.data.prepare import prepare
+    from mhf_dist.data.reader import ShardReader
+    from mhf_dist.offline_tokenizers import embedded_corpus
+
+    docs = [d.strip() for d in list(embedded_corpus())[:30]]
+    text = tmp_path / "text"
+    text.mkdir()
+    for k in range(3):
+        (text / f"{k}.txt").write_text("\n\n".join(docs[10 * k:10 * k + 10]) + "\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n')  # options off
+    (bin_dir / "srun").chmod(0o755)
+    out, options = tmp_path / "data d'ir", ["--seq-len", "32", "--samples-per-shard", "50", "--val-fraction", "0.2"]
+    scripts = render_data(load_profile("cpu-local"), [str(text / "*.txt")], str(bpe_dir), out, 3, options,
+                          workers=1, python=sys.executable)
+    env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(Path(__file__).parents[1])}
+    for task in ("3", "1", "2"):
+        proc = subprocess.run(["bash", "-c", scripts[0]], env=env | {"SLURM_ARRAY_TASK_ID": task}, cwd=tmp_path,
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = subprocess.run(["bash", "-c", scripts[1]], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0 and "merged 3 parts" in proc.stdout, proc.stdout + proc.stderr
+    prepare([text / f"{k}.txt" for k in range(3)], bpe_dir, tmp_path / "one", seq_len=32, samples_per_shard=50,
+            val_fraction=0.2, progress=False)
+    for split in ("train", "val"):
+        streams = []
+        for source in (out, tmp_path / "one"):
+            with ShardReader(source, split=split, seed=3, shuffle_window=2) as reader:
+                streams.append(reader.next_batch(reader.samples_per_epoch).tolist())
+        assert streams[0] == streams[1]

@@ -17,15 +17,21 @@ Inputs and documents
 
 Packing
     Every document is tokenized without special tokens and followed by the
-    tokenizer's EOS id. The token stream of a split is cut into consecutive,
-    non-overlapping samples of ``seq_len + 1`` ids (a training step uses
-    ``sample[:-1]`` as input and ``sample[1:]`` as targets). The trailing partial
-    sample (fewer than ``seq_len + 1`` ids) is dropped and counted in the
-    manifest as ``dropped_tokens``.
+    tokenizer's EOS id. Each input file's token stream (per split) is cut into
+    consecutive, non-overlapping samples of ``seq_len + 1`` ids (a training step
+    uses ``sample[:-1]`` as input and ``sample[1:]`` as targets). A file's
+    trailing partial sample (fewer than ``seq_len + 1`` ids) is dropped and
+    counted in the manifest as ``dropped_tokens``, and its last shard is closed:
+    no sample or shard spans two files. A file is thus the unit of preparation,
+    and the shards of a list of files are the shards of each file in turn, which
+    is what lets parts of the list be prepared apart and merged (below). A corpus
+    of many files much smaller than a shard (``samples_per_shard * (seq_len + 1)``
+    tokens) gives as many short shards: concatenate such files first.
 
 Shard format
-    ``{prefix}-000000.tar, ...`` (train) and ``val-000000.tar, ...`` (validation);
-    every shard holds ``samples_per_shard`` samples except the last. A sample is
+    ``{prefix}-000000.tar, ...`` (train) and ``val-000000.tar, ...`` (validation),
+    numbered on across the input files; every shard holds ``samples_per_shard``
+    samples except the last of each file. A sample is
     one tar member ``{key}.tokens.npy``: a 1-D ``.npy`` array of ``seq_len + 1``
     little-endian ids, ``<u2`` when the vocabulary has at most 65,536 entries,
     else ``<u4``. ``key`` is the sample's index within its split, 10 digits.
@@ -42,6 +48,27 @@ Validation split
     the same split) and is packed into separate ``val-*`` shards. The fraction
     of documents held out is therefore approximate.
 
+Parts and merging (one preparation spread over many machines)
+    ``part=(I, N)`` (``--part I/N``, 1-based: a SLURM array ``--array=1-N``
+    passes ``$SLURM_ARRAY_TASK_ID`` as ``I``) prepares the I-th of N contiguous
+    runs of the expanded input list, of ``len // N`` or ``len // N + 1`` files
+    each (the first ``len % N`` runs have the extra file). Its manifest is an
+    ordinary one over its own files (its ``inputs``) plus ``"part": {"index": I,
+    "count": N, "inputs_sha256": SHA-256 of the whole list}``; a split of a part
+    may be empty. :func:`merge` writes ``manifest.json`` and ``tokenizer/`` of
+    the whole into a directory holding the parts (``prepare-data --part`` writes
+    part I into ``OUT/part-I-of-N``), without copying a shard: each shard entry
+    of the parts, in part order, named by its path under that directory
+    (``part-1-of-4/train-000000.tar``), with its size and SHA-256. As a file is
+    the unit of packing, the merged shards hold the samples of a one-process
+    preparation of the same inputs and settings, shard for shard in the same
+    order; so :class:`mhf_dist.data.reader.ShardReader` yields the same sample
+    stream over either (its resume state names the shards, so a run resumes on
+    the directory it started with). Only the shard names, the sample keys (the
+    index within the part's split) and so the SHA-256 sums differ. Parts of
+    another tokenizer, ``seq_len``, dtype or setting, of another input list or
+    part count, and a missing or repeated part are refused, naming it.
+
 ``manifest.json`` (written last: a directory without one is incomplete)::
 
     {"format": "mhf-dist-packed-tokens-v1", "seq_len": L, "sample_tokens": L + 1,
@@ -49,7 +76,8 @@ Validation split
      "tokenizer_fingerprint": tokens_fingerprint(vocabulary(tokenizer)),
      "sample_member": "tokens.npy", "samples_per_shard": n, "val_fraction": f,
      "text_field": "text", "inputs": [input files], "skipped_documents": n,
-     "splits": {"train": SPLIT, "val": SPLIT (only when val_fraction > 0)}}
+     "splits": {"train": SPLIT, "val": SPLIT (only when val_fraction > 0)},
+     "part": {...} (a part only), "parts": ["part-1-of-N", ...] (a merge only)}
     SPLIT = {"documents": d, "input_tokens": t (EOS included), "samples": s,
              "tokens": s * (L + 1), "dropped_tokens": t - s * (L + 1),
              "shards": [{"name": "train-000000.tar", "samples": k, "bytes": b,
@@ -67,7 +95,8 @@ import io
 import json
 import multiprocessing
 import os
-from collections import deque
+import shutil
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -257,6 +286,17 @@ def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
         yield chunk
 
 
+def _file_chunks(files: Sequence[Path], text_field: str, bad: BadDocuments) -> Iterator[tuple[list[str], bool]]:
+    """Chunks of documents that never span two files, each with whether it is the last of its file."""
+    for path in files:
+        chunks = _chunks(documents([path], text_field, bad))
+        chunk = next(chunks, None)
+        while chunk is not None:
+            following = next(chunks, None)
+            yield chunk, following is None
+            chunk = following
+
+
 def is_validation(text: str, val_fraction: float) -> bool:
     """Whether a document belongs to the held-out split (a hash of its text below ``val_fraction``)."""
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
@@ -296,23 +336,24 @@ def _tokenize_in_worker(texts: list[str]):
     return _worker(texts)
 
 
-def _tokenized(chunks: Iterator[list[str]], tokenize: _ChunkTokenizer, tokenizer_path: str, workers: int):
-    """(chunk size, result) in input order; at most ``2 * workers`` chunks in flight."""
+def _tokenized(chunks: Iterator[tuple[list[str], bool]], tokenize: _ChunkTokenizer, tokenizer_path: str,
+               workers: int):
+    """(chunk size, last of its file, result) in input order; at most ``2 * workers`` chunks in flight."""
     if workers <= 1:
-        for chunk in chunks:
-            yield len(chunk), tokenize(chunk)
+        for chunk, ends_file in chunks:
+            yield len(chunk), ends_file, tokenize(chunk)
         return
     spawn = multiprocessing.get_context("spawn")
     with spawn.Pool(workers, _init_worker, (tokenizer_path, tokenize.val_fraction)) as pool:
         pending: deque = deque()
-        for chunk in chunks:
-            pending.append((len(chunk), pool.apply_async(_tokenize_in_worker, (chunk,))))
+        for chunk, ends_file in chunks:
+            pending.append((len(chunk), ends_file, pool.apply_async(_tokenize_in_worker, (chunk,))))
             if len(pending) >= 2 * workers:
-                n, result = pending.popleft()
-                yield n, result.get()
+                n, ends, result = pending.popleft()
+                yield n, ends, result.get()
         while pending:
-            n, result = pending.popleft()
-            yield n, result.get()
+            n, ends, result = pending.popleft()
+            yield n, ends, result.get()
 
 
 class _SplitWriter:
@@ -335,6 +376,12 @@ class _SplitWriter:
         for sample in stream[:full].reshape(-1, self.sample_tokens):
             self._write(sample)
         self.rest = stream[full:]
+
+    def end_file(self) -> None:
+        """Drop the file's trailing partial sample and close its last shard: nothing spans two files."""
+        self.rest = self.rest[:0]
+        if self.tar is not None:
+            self._close_shard()
 
     def _write(self, sample: np.ndarray) -> None:
         if self.tar is None:
@@ -362,11 +409,47 @@ class _SplitWriter:
         self.in_shard = 0
 
     def finish(self) -> dict:
-        if self.tar is not None:
-            self._close_shard()
+        self.end_file()
         tokens = self.samples * self.sample_tokens
         return {"documents": self.documents, "input_tokens": self.input_tokens, "samples": self.samples,
                 "tokens": tokens, "dropped_tokens": self.input_tokens - tokens, "shards": self.shards}
+
+
+def part_files(files: Sequence[Path], index: int, count: int) -> list[Path]:
+    """The ``index``-th (1-based) of ``count`` contiguous runs of ``files``, of sizes differing by at most one."""
+    if not 1 <= index <= count:
+        raise DataError(f"part {index}/{count}: the part number must be in 1..{count}")
+    if count > len(files):
+        raise DataError(f"part {index}/{count}: the inputs are {len(files)} files, fewer than {count} parts "
+                        f"(a part holds whole files); use at most {len(files)} parts")
+    size, extra = divmod(len(files), count)
+    start = (index - 1) * size + min(index - 1, extra)
+    return list(files[start:start + size + (index <= extra)])
+
+
+def part_dir_name(index: int, count: int) -> str:
+    """``part-I-of-N``, ``I`` zero-padded to the width of ``N`` (so the names sort in part order)."""
+    return f"part-{index:0{len(str(count))}d}-of-{count}"
+
+
+def part_dirs_pattern(count: int) -> str:
+    """A shell glob of the names of all ``count`` parts."""
+    return f"part-*-of-{count}"
+
+
+def _inputs_digest(files: Sequence[Path]) -> str:
+    return hashlib.sha256(json.dumps([str(f) for f in files]).encode()).hexdigest()
+
+
+def _check_samples(splits: dict, files: Sequence, seq_len: int) -> None:
+    """Every split holds at least one sample."""
+    for name, split in splits.items():
+        if split["samples"] == 0:
+            raise DataError(
+                f"the {name} split of {', '.join(map(str, files))} has {split['input_tokens']} tokens, fewer than one "
+                f"sample of seq_len + 1 = {seq_len + 1}: add text, lower --seq-len"
+                + (" or raise --val-fraction" if name == "val" else "")
+            )
 
 
 def prepare(
@@ -382,11 +465,13 @@ def prepare(
     workers: int = 1,
     progress: bool = True,
     on_bad_document: str = "error",
+    part: tuple[int, int] | None = None,
 ) -> dict:
     """Tokenize ``inputs`` and write packed shards and ``manifest.json`` into ``out_dir``; returns the manifest.
 
     ``tokenizer`` is a tokenizer directory (or ``mistral-v0.3``, see
-    :func:`mhf_dist.offline_tokenizers.load_tokenizer`). ``out_dir`` must be new or empty.
+    :func:`mhf_dist.offline_tokenizers.load_tokenizer`). ``out_dir`` must be new or empty. ``part=(I, N)``
+    prepares only part I of N of the inputs (module docstring, "Parts and merging").
     """
     if seq_len < 1 or samples_per_shard < 1 or workers < 1:
         raise DataError(f"seq_len={seq_len}, samples_per_shard={samples_per_shard} and workers={workers} must be >= 1")
@@ -395,7 +480,8 @@ def prepare(
     if prefix == VAL_PREFIX or not prefix or "/" in prefix:
         raise DataError(
             f"prefix {prefix!r}: pick a plain name other than {VAL_PREFIX!r} (used by the validation shards)")
-    files = expand_inputs(inputs)
+    all_files = expand_inputs(inputs)
+    files = part_files(all_files, *part) if part else all_files
     bad = BadDocuments(on_bad_document)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -411,23 +497,21 @@ def prepare(
     if val_fraction > 0:
         writers.append(_SplitWriter(out, VAL_PREFIX, seq_len + 1, dtype, samples_per_shard))
 
-    chunks = _chunks(documents(files, text_field, bad))
+    chunks = _file_chunks(files, text_field, bad)
     results = _tokenized(chunks, _ChunkTokenizer(tok, val_fraction), str(tokenizer), workers)
     with tqdm(desc="tokenizing", unit="doc", disable=not progress) as bar:
-        for n_docs, (train_ids, val_ids, n_train, n_val) in results:
+        for n_docs, ends_file, (train_ids, val_ids, n_train, n_val) in results:
             writers[0].add(train_ids, n_train)
             if val_fraction > 0:
                 writers[1].add(val_ids, n_val)
+            if ends_file:
+                for writer in writers:
+                    writer.end_file()
             bar.update(n_docs)
             bar.set_postfix(samples=sum(w.samples for w in writers), refresh=False)
     splits = dict(zip(("train", "val"), (w.finish() for w in writers)))
-    for name, split in splits.items():
-        if split["samples"] == 0:
-            raise DataError(
-                f"the {name} split of {', '.join(map(str, files))} has {split['input_tokens']} tokens, fewer than one "
-                f"sample of seq_len + 1 = {seq_len + 1}: add text, lower --seq-len"
-                + (" or raise --val-fraction" if name == "val" else "")
-            )
+    if part is None:  # a part's split may be empty: the merge checks the whole
+        _check_samples(splits, files, seq_len)
 
     tok.save_pretrained(str(out / TOKENIZER_DIR))  # shards carry their tokenizer: a run on them needs no other
     manifest = {
@@ -447,25 +531,173 @@ def prepare(
         "skipped_documents": bad.skipped,
         "splits": splits,
     }
+    if part:
+        manifest["part"] = {"index": part[0], "count": part[1], "inputs_sha256": _inputs_digest(all_files)}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
-def run(args: argparse.Namespace) -> int:
-    """``mhf-dist prepare-data``: prepare shards into a staging directory, renamed to ``--out`` when complete, and
-    print a summary."""
-    sources = [*expand_inputs(args.inputs), *([args.tokenizer] if Path(args.tokenizer).exists() else [])]
-    out = check_target(args.out, sources, args.overwrite)
-    with staged(out) as tmp:
-        manifest = prepare(
-            args.inputs, args.tokenizer, tmp, seq_len=args.seq_len, samples_per_shard=args.samples_per_shard,
-            prefix=args.prefix, text_field=args.text_field, val_fraction=args.val_fraction, workers=args.workers,
-            progress=args.progress, on_bad_document=args.on_bad_document,
-        )
+# what parts of one dataset share (the part entry's count and input list too)
+_SHARED = ("format", "seq_len", "sample_tokens", "dtype", "vocab_size", "eos_id", "tokenizer_fingerprint",
+           "sample_member", "samples_per_shard", "val_fraction", "text_field")
+
+
+def _read_part(out: Path, part_dir: Path) -> dict:
+    """A part's manifest, after checking that it is a finished part inside ``out``."""
+    if not part_dir.resolve().is_relative_to(out.resolve()) or part_dir.resolve() == out.resolve():
+        raise DataError(f"part directory {part_dir} is not inside {out}: the merged manifest names the parts' shards "
+                        f"by their paths under {out}, so that it can be copied or moved whole; move the part there "
+                        f"(prepare-data --part I/N --out {out} writes part I into {out}/part-I-of-N)")
+    try:
+        manifest = json.loads((part_dir / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise DataError(f"part directory {part_dir} has no {MANIFEST}: its preparation did not finish; run its "
+                        "prepare-data --part I/N again") from None
+    if manifest.get("format") != FORMAT or "part" not in manifest:
+        raise DataError(f"{part_dir / MANIFEST} is not the manifest of a part (prepared with --part I/N); merge only "
+                        "the parts of one preparation")
+    return manifest
+
+
+def _part_settings(manifest: dict) -> dict:
+    return {key: manifest[key] for key in _SHARED} | {
+        "part count": manifest["part"]["count"], "input list": manifest["part"]["inputs_sha256"]}
+
+
+def _check_alike(parts: list[tuple[Path, dict]]) -> None:
+    """Every part has the settings most parts have; a part that differs is named."""
+    settings = [(d, _part_settings(m)) for d, m in parts]
+    for key in settings[0][1]:
+        common, _ = Counter(json.dumps(s[key]) for _, s in settings).most_common(1)[0]
+        odd = [(d, s[key]) for d, s in settings if json.dumps(s[key]) != common]
+        if odd:
+            raise DataError(f"part {odd[0][0]} has {key} {odd[0][1]!r}, the other parts "
+                            f"{json.loads(common)!r}: parts of one dataset come from one input list, tokenizer and "
+                            "settings; prepare it again with the others' (prepare-data --part I/N)")
+
+
+def _in_order(parts: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
+    """The parts in part order, each exactly once."""
+    count = parts[0][1]["part"]["count"]
+    by_index: dict[int, tuple[Path, dict]] = {}
+    for part_dir, manifest in parts:
+        index = manifest["part"]["index"]
+        if index in by_index:
+            raise DataError(f"{by_index[index][0]} and {part_dir} are both part {index}/{count}: pass each part once")
+        by_index[index] = part_dir, manifest
+    missing = [str(i) for i in range(1, count + 1) if i not in by_index]
+    if missing:
+        raise DataError(f"part {', '.join(missing)} of {count} is missing: prepare it (prepare-data --part I/{count}) "
+                        "and pass its directory too")
+    return [by_index[i] for i in range(1, count + 1)]
+
+
+def _check_shard_files(part_dir: Path, manifest: dict) -> None:
+    """Every shard a part lists is there with its size (its SHA-256 the reader checks as it reads)."""
+    for split in manifest["splits"].values():
+        for entry in split["shards"]:
+            path = part_dir / entry["name"]
+            if not path.is_file() or path.stat().st_size != entry["bytes"]:
+                raise DataError(f"shard {path} is missing or not {entry['bytes']} bytes as {part_dir / MANIFEST} "
+                                "says; prepare that part again")
+
+
+def merge(out: str | os.PathLike, part_dirs: Sequence[str | os.PathLike], overwrite: bool = False) -> dict:
+    """One ``manifest.json`` (and ``tokenizer/``) in ``out`` over the parts in ``part_dirs`` (directories inside
+    ``out``), shards left in place; returns the manifest. ``out``'s manifest and tokenizer are replaced only with
+    ``overwrite``; the parts are never changed."""
+    out = Path(out)
+    if not part_dirs:
+        raise DataError(f"nothing to merge into {out}: pass the part directories")
+    parts = [(Path(d), _read_part(out, Path(d))) for d in part_dirs]
+    _check_alike(parts)
+    parts = _in_order(parts)
+    for part_dir, manifest in parts:
+        _check_shard_files(part_dir, manifest)
+    if not overwrite and any((out / name).exists() for name in (MANIFEST, TOKENIZER_DIR)):
+        raise DataError(f"{out} already holds a {MANIFEST} or {TOKENIZER_DIR}/; pass --overwrite to replace them "
+                        "(the parts stay as they are)")
+    merged = dict(parts[0][1])  # the shared settings, in a one-process manifest's key order
+    del merged["part"]
+    merged["inputs"] = [f for _, m in parts for f in m["inputs"]]
+    merged["skipped_documents"] = sum(m["skipped_documents"] for _, m in parts)
+    merged["splits"] = {name: _merged_split(out, [(d, m["splits"][name]) for d, m in parts])
+                        for name in merged["splits"]}
+    merged["parts"] = [_under(out, d) for d, _ in parts]
+    _check_samples(merged["splits"], merged["inputs"], merged["seq_len"])
+    _replace_tokenizer(parts[0][0] / merged["tokenizer"], out / TOKENIZER_DIR)
+    _write_atomically(out / MANIFEST, json.dumps(merged, indent=2) + "\n")
+    return merged
+
+
+def _merged_split(out: Path, splits: list[tuple[Path, dict]]) -> dict:
+    """The parts' splits as one: counts summed, shard entries in part order, named by their path under ``out``."""
+    shards = [entry | {"name": f"{_under(out, d)}/{entry['name']}"}
+              for d, split in splits for entry in split["shards"]]
+    sums = {key: sum(split[key] for _, split in splits)
+            for key in ("documents", "input_tokens", "samples", "tokens", "dropped_tokens")}
+    return sums | {"shards": shards}
+
+
+def _under(out: Path, part_dir: Path) -> str:
+    """``part_dir``'s path under ``out``, with ``/`` (as manifests name shards)."""
+    return part_dir.resolve().relative_to(out.resolve()).as_posix()
+
+
+def _replace_tokenizer(source: Path, target: Path) -> None:
+    """Copy a part's tokenizer directory to ``target`` (small; complete or absent, never half-written)."""
+    tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _print_summary(manifest: dict, where: Path) -> None:
     for name, split in manifest["splits"].items():
         print(f"{name}: {split['documents']} documents, {split['samples']} samples of {manifest['sample_tokens']} "
               f"tokens in {len(split['shards'])} shards ({split['dropped_tokens']} trailing tokens dropped)")
     if manifest["skipped_documents"]:
         print(f"skipped {manifest['skipped_documents']} documents that were not strings (--on-bad-document skip)")
-    print(f"wrote {Path(args.out) / MANIFEST}")
+    print(f"wrote {where / MANIFEST}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``mhf-dist prepare-data``: prepare shards (all, or ``--part I/N`` into ``OUT/part-I-of-N``) into a staging
+    directory, renamed into place when complete, or ``--merge`` parts; print a summary."""
+    _check_mode(args)
+    if args.merge:
+        manifest = merge(args.merge, args.inputs, args.overwrite)
+        print(f"merged {len(manifest['parts'])} parts")
+        _print_summary(manifest, Path(args.merge))
+        return 0
+    out = Path(args.out) / part_dir_name(*args.part) if args.part else Path(args.out)
+    sources = [*expand_inputs(args.inputs), *([args.tokenizer] if Path(args.tokenizer).exists() else [])]
+    out = check_target(out, sources, args.overwrite)
+    with staged(out) as tmp:
+        manifest = prepare(
+            args.inputs, args.tokenizer, tmp, seq_len=args.seq_len, samples_per_shard=args.samples_per_shard,
+            prefix=args.prefix, text_field=args.text_field, val_fraction=args.val_fraction, workers=args.workers,
+            progress=args.progress, on_bad_document=args.on_bad_document, part=args.part,
+        )
+    _print_summary(manifest, out)
+    if args.part:
+        print(f"when all {args.part[1]} parts are done: mhf-dist prepare-data --merge {args.out} "
+              f"{Path(args.out) / part_dirs_pattern(args.part[1])}")
     return 0
+
+
+def _check_mode(args: argparse.Namespace) -> None:
+    """``--merge`` takes part directories only; preparing needs a tokenizer, an output and a sequence length."""
+    preparing = {"--tokenizer": args.tokenizer, "--out": args.out, "--seq-len": args.seq_len, "--part": args.part}
+    if args.merge and (given := [flag for flag, value in preparing.items() if value is not None]):
+        raise DataError(f"--merge OUT PART_DIRS... takes the part directories only; {', '.join(given)} belong to "
+                        "preparing the parts: leave them out")
+    if not args.merge and (missing := [flag for flag, value in list(preparing.items())[:3] if value is None]):
+        raise DataError(f"prepare-data needs {', '.join(missing)} (or --merge OUT PART_DIRS... to merge parts)")

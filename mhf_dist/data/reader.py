@@ -108,7 +108,9 @@ def _rng(*key: int) -> np.random.Generator:
 class ShardReader:
     """Batches of packed samples for one data-parallel rank, in the rank-count-independent global order.
 
-    ``source``: a directory holding ``manifest.json`` and its shards, or shard
+    ``source``: a directory holding ``manifest.json`` and its shards (named by
+    their paths under it: a merged manifest's are in the parts' sub-directories,
+    ``part-1-of-4/train-000000.tar``, see :mod:`mhf_dist.data.prepare`), or shard
     URLs (a brace pattern / ``::``-separated string, or a list) together with
     ``manifest`` (a path or URL of the manifest). URLs are matched to the
     manifest's shards by name; a subset of the shards may be given.
