@@ -68,7 +68,7 @@ from mhf_dist.train.divergence import LossWatch
 from mhf_dist.train.engine import StepStats, build_trainer, device_type
 from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.optim import apply_optimizer_changes
-from mhf_dist.train.preemption import GRACE_ENV, StopSignal
+from mhf_dist.train.preemption import StopSignal
 from mhf_dist.train.throughput import memory_gb, total_peak_flops
 
 
@@ -183,16 +183,6 @@ def init_weights_file(path: Path, model: LanguageModel, tp: int) -> FileValues:
     except Exception as e:  # truncated file, or weights of another architecture
         raise CheckpointError(f"train.init_from: {path} cannot initialise this model ({e}); "
                               "use weights exported from a run with the same model config") from e
-
-
-def log_save(path: Path, reason: str, seconds: float) -> None:
-    """The save and its duration; a warning when it took more than half the job's grace period (the time between
-    SLURM's warning signal and the kill), since a save on that signal might then not finish."""
-    tqdm.write(f"saved {path} ({reason}, {seconds:.1f} s)")
-    grace = float(os.environ.get(GRACE_ENV, "inf"))
-    if seconds > grace / 2:
-        tqdm.write(f"warning: this save took {seconds:.0f} s, more than half the grace period of {grace:.0f} s "
-                   f"between SLURM's warning and the time limit; submit with a longer --grace")
 
 
 def take_lock(run_path: Path, rank: int, scalars: ScalarCollectives) -> None:
@@ -387,11 +377,15 @@ class TrainingLoop:
                 self.checkpoint(step, stepped.stats)
                 if self.result.preempted:
                     break
+        except BaseException:
+            self.checkpointer.drain()  # a save in flight still ends (without collectives: the ranks may differ)
+            raise
         finally:
             self.reader.close()
             if self.logger:
                 self.logger.close()
         dist.barrier()
+        self.checkpointer.wait()  # the last save, when asynchronous (a preempted job's included)
         if not self.result.preempted:  # a preempted job leaves the rest to the next start: its grace is short
             self.checkpointer.close()
         return self.result
@@ -459,12 +453,9 @@ class TrainingLoop:
                 tqdm.write(f"warning: not saving step {step} ({reason}): its loss or weights are not finite; "
                            f"the newest checkpoint, {self.checkpointer.latest()}, stays the one to resume from")
             return
-        began = time.perf_counter()
-        saved = self.checkpointer.save(self.trainer.engine, step, step * self.tokens_per_step,
-                                       self.reader.state_dict(), reason)
+        self.checkpointer.save(self.trainer.engine, step, step * self.tokens_per_step, self.reader.state_dict(),
+                               reason)
         self.clock.reset()
-        if self.rank == 0:
-            log_save(saved, reason, time.perf_counter() - began)
 
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopSignal | None = None,
