@@ -318,7 +318,7 @@ class TrainConfig(_Strict):
         "decided together by all ranks; None: by steps only")
     keep_checkpoints: int = Field(3, ge=1, description="complete checkpoints kept (older ones are deleted)")
     checkpoint_async: bool = Field(
-        False, description="save while training continues: a step waits only while each rank copies its part of "
+        False, description="save while training continues: training waits only while each rank copies its part of "
         "the checkpoint into host memory (which holds it until written: as much host RAM as the rank's share of a "
         "checkpoint); a background thread writes, fsyncs and digests the files, then complete.json; the next save, "
         "the end of training and a preemption wait for it")

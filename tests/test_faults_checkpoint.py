@@ -20,7 +20,13 @@ import pytest
 import torch
 
 from helpers.runs import metrics, run_cli, train_args, train_run
-from mhf_dist.train.checkpoint import read_legacy_rng_state, read_rng_state, rng_state_bytes, set_rng_state
+from mhf_dist.train.checkpoint import (
+    HostSnapshot,
+    read_legacy_rng_state,
+    read_rng_state,
+    rng_state_bytes,
+    set_rng_state,
+)
 
 ZERO1 = "parallel.zero_stage=1"
 
@@ -202,3 +208,20 @@ def test_rng_states_round_trip_without_pickle_and_older_files_still_load(tmp_pat
             assert _draws() == expected, name
     finally:
         set_rng_state(before)
+
+
+def test_a_host_snapshot_saves_the_state_as_it_was_with_shared_storage_kept(tmp_path):
+    # an asynchronous save serialises a snapshot after training changed the tensors in place: the file must be the
+    # one torch.save wrote at the time of the snapshot, byte for byte (views of one storage saved as one storage)
+    weights = torch.randn(64, 8)
+    state = {"module": {"w": weights, "rows": weights[8:16], "t": weights.t()}, "step": 3, "lr": [1e-3, (0.9, 0.95)]}
+    (tmp_path / "then").mkdir()
+    torch.save(state, tmp_path / "then/states.pt")
+    snapshot = HostSnapshot(state)
+    weights.mul_(2)
+    state["step"], state["lr"][0] = 4, 5e-4
+    (tmp_path / "later").mkdir()
+    torch.save(snapshot.restore(), tmp_path / "later/states.pt")
+    assert (tmp_path / "later/states.pt").read_bytes() == (tmp_path / "then/states.pt").read_bytes()
+    restored = snapshot.restore()["module"]
+    assert restored["rows"].untyped_storage().data_ptr() == restored["w"].untyped_storage().data_ptr()

@@ -23,6 +23,18 @@ every rank together: the ranks agree on it through an all-reduce, rank 0
 removes the incomplete directory, and a :class:`CheckpointError` names the
 space a checkpoint needs; the previous checkpoint stays the newest.
 
+Asynchronous saves (``train.checkpoint_async``): training waits only while
+each rank copies its files into host memory (:class:`HostSnapshot`); a
+background thread per rank saves them through DeepSpeed's engine, fsyncs and
+digests them (:class:`BackgroundWriter`), then reports to rank 0 through a
+file (its digests, or an empty ``failed-rank*`` file: no collectives off the
+training thread). Rank 0's thread waits for every report and, when none
+failed, commits as above (marker last, then ``latest``, then retention). The
+ranks wait for that save (:meth:`Checkpointer.wait`) before the next one, at
+the end of training and before a preempted exit, and agree on its outcome
+there exactly as after a synchronous save; a process killed before the marker
+leaves an incomplete directory, as above.
+
 Lineage: ``--resume auto`` continues from the newest complete checkpoint,
 which is the one ``latest`` names (a warning says when a crash between the two
 writes left them apart). Resuming from an
@@ -61,12 +73,14 @@ import io
 import json
 import logging
 import os
+import pickle
 import queue
 import random
 import resource
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -372,7 +386,7 @@ class RecordingWriter:
     def save(self, state_dict, path) -> None:
         self.write(Path(path), lambda p: self.engine.save(state_dict, str(p)))
 
-    def put(self, path: Path, data: bytes | memoryview) -> None:
+    def put(self, path: Path, data: bytes) -> None:
         """A file whose content is ready in memory."""
         self.write(path, lambda p: p.write_bytes(data))
 
@@ -393,26 +407,54 @@ class RecordingWriter:
         return getattr(self.engine, name)
 
 
+class HostSnapshot:
+    """An object graph as it is now, for a background thread to save later: pickled, with each tensor storage copied
+    into host memory once (tensors that share a storage still share its copy; a GPU tensor comes back as a host
+    tensor, which every loader of DeepSpeed's files maps to the host or copies into the model anyway)."""
+
+    def __init__(self, obj):
+        self.storages: dict[int, torch.UntypedStorage] = {}
+        buffer = io.BytesIO()
+        pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.persistent_id = self._copy
+        pickler.dump(obj)
+        self.pickled = buffer.getvalue()
+
+    def _copy(self, obj) -> tuple[int, torch.dtype] | None:
+        if not isinstance(obj, torch.storage.TypedStorage):
+            return None  # pickled by value
+        storage = obj._untyped_storage
+        if storage._cdata not in self.storages:  # torch.save's own key: one entry per storage, however many views
+            self.storages[storage._cdata] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+        return storage._cdata, obj.dtype
+
+    def restore(self):
+        """The object graph again, its tensors on the copied storages."""
+        unpickler = pickle.Unpickler(io.BytesIO(self.pickled))
+        unpickler.persistent_load = lambda ref: torch.storage.TypedStorage(
+            wrap_storage=self.storages[ref[0]], dtype=ref[1], _internal=True)
+        return unpickler.load()
+
+
 class BackgroundWriter(RecordingWriter):
     """The writer of an asynchronous save (``train.checkpoint_async``). On the training thread each file is only
-    copied into host memory — DeepSpeed's state dicts serialised by the real engine into a buffer (GPU tensors copied
-    to the host, storage sharing kept), the other files as their bytes — and queued; a background thread writes,
-    fsyncs and digests them in order, as :class:`RecordingWriter` does, then calls ``finish`` with this writer.
-    :meth:`close` queues the end of the save, :meth:`stop` an end cut short (``finish`` then sees an error)."""
+    copied into host memory — DeepSpeed's state dicts as a :class:`HostSnapshot`, the other files as their bytes —
+    and queued; a background thread saves them through the real engine, fsyncs and digests them in order, as
+    :class:`RecordingWriter` does, then calls ``finish`` with this writer. :meth:`close` queues the end of the save,
+    :meth:`stop` an end cut short (``finish`` then sees an error)."""
 
     def __init__(self, engine, rank: int, finish):
         super().__init__(engine, rank)
-        self.files: queue.SimpleQueue[tuple[Path, bytes | memoryview] | str] = queue.SimpleQueue()
+        self.files: queue.SimpleQueue[tuple[Path, Callable[[Path], None]] | str] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, args=(finish,), name="checkpoint-writer")
         self.thread.start()  # not a daemon: an exit waits for the files already handed over
 
     def save(self, state_dict, path) -> None:
-        buffer = io.BytesIO()
-        self.engine.save(state_dict, buffer)  # the engine's own serialisation (torch.save), into memory
-        self.put(Path(path), buffer.getbuffer())  # a view: the bytes are not copied again
+        snapshot = HostSnapshot(state_dict)  # the copy training waits for
+        self.files.put((Path(path), lambda p: self.engine.save(snapshot.restore(), str(p))))
 
-    def put(self, path: Path, data: bytes | memoryview) -> None:
-        self.files.put((path, data))
+    def put(self, path: Path, data: bytes) -> None:
+        self.files.put((path, lambda p: p.write_bytes(data)))
 
     def close(self) -> None:
         self.files.put(_COMPLETE)
@@ -423,7 +465,7 @@ class BackgroundWriter(RecordingWriter):
     def _run(self, finish) -> None:
         try:
             while isinstance(item := self.files.get(), tuple):
-                RecordingWriter.put(self, *item)
+                self.write(*item)
             if item == _CUT_SHORT:
                 self.error = self.error or "its save stopped before every file was handed over"
         except Exception as e:  # not a write's OSError (recorded by write): still reported, so no rank counts on it
