@@ -447,7 +447,7 @@ class BackgroundWriter(RecordingWriter):
         super().__init__(engine, rank)
         self.files: queue.SimpleQueue[tuple[Path, Callable[[Path], None]] | str] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, args=(finish,), name="checkpoint-writer")
-        self.thread.start()  # not a daemon: an exit waits for the files already handed over
+        self.thread.start()  # not a daemon: a process stopping on an error still finishes the save in flight
 
     def save(self, state_dict, path) -> None:
         snapshot = HostSnapshot(state_dict)  # the copy training waits for
@@ -682,13 +682,6 @@ class Checkpointer:
         save.writer.thread.join()
         self._agree_on_writes(save.path, save.writer.error)
         self._agree_on_commit(save.path, save.commit_error)
-
-    def drain(self) -> None:
-        """When an exception leaves training: wait for this rank's part of the save in flight, without collectives
-        (the ranks may be out of step); rank 0's writer commits it if every rank wrote its part."""
-        if self.in_flight is not None:
-            self.in_flight.writer.thread.join()
-            self.in_flight = None
 
     def _clear_for_save(self, path: Path) -> None:
         """Rank 0: make room for ``path`` — leftovers of an interrupted save of this step are removed; a directory

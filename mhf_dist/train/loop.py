@@ -377,9 +377,6 @@ class TrainingLoop:
                 self.checkpoint(step, stepped.stats)
                 if self.result.preempted:
                     break
-        except BaseException:
-            self.checkpointer.drain()  # a save in flight still ends (without collectives: the ranks may differ)
-            raise
         finally:
             self.reader.close()
             if self.logger:
