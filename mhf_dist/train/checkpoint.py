@@ -32,8 +32,9 @@ training thread). Rank 0's thread waits for every report and, when none
 failed, commits as above (marker last, then ``latest``, then retention). The
 ranks wait for that save (:meth:`Checkpointer.wait`) before the next one, at
 the end of training and before a preempted exit, and agree on its outcome
-there exactly as after a synchronous save; a process killed before the marker
-leaves an incomplete directory, as above.
+there exactly as after a synchronous save; a process stopping on an error
+exits once its writer finished (the thread is not a daemon), and one killed
+before the marker leaves an incomplete directory, as above.
 
 Lineage: ``--resume auto`` continues from the newest complete checkpoint,
 which is the one ``latest`` names (a warning says when a crash between the two
