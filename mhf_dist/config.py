@@ -380,6 +380,11 @@ class TrainConfig(_Strict):
         None, gt=0, description="also save when this many minutes passed since the last save (or the start), "
         "decided together by all ranks; None: by steps only")
     keep_checkpoints: int = Field(3, ge=1, description="complete checkpoints kept (older ones are deleted)")
+    checkpoint_async: bool = Field(
+        False, description="save while training continues: training waits only while each rank copies its part of "
+        "the checkpoint into host memory (which holds it until written: as much host RAM as the rank's share of a "
+        "checkpoint); a background thread writes, fsyncs and digests the files, then complete.json; the next save, "
+        "the end of training and a preemption wait for it")
     on_nonfinite: Literal["stop", "warn"] = Field(
         "stop", description="a step whose loss or gradient norm is NaN/inf: stop the run after "
         "train.max_nonfinite_steps of them in a row (exit 2, nothing saved after the last finite step), or only warn; "

@@ -93,6 +93,79 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, data):
     assert [r["loss"] for r in metrics(tmp_path / "run")] == [r["loss"] for r in reference]
 
 
+ASYNC = "train.checkpoint_async=true"
+
+
+def _wait_for_step(run, step: int, proc) -> None:
+    """Until the running ``proc`` logged ``step`` (one line of metrics.jsonl per step)."""
+    log, deadline = run / "metrics.jsonl", time.time() + 300
+    while not (log.exists() and len(log.read_text().splitlines()) >= step):
+        assert proc.poll() is None and time.time() < deadline, f"the run ended or stalled before step {step}"
+        time.sleep(0.05)
+
+
+def test_async_saves_train_and_resume_as_synchronous_ones(tmp_path, data):
+    # step 2 is saved in the background while steps 3 and 4 train (and change the weights it holds); resumed from it,
+    # the run continues as the synchronous one, bit for bit. ZeRO-1: its partitions' padding is zeros (ZeRO-3 leaves
+    # it uninitialised, so no two saves' files are byte for byte alike)
+    layout = ["parallel.zero_stage=1", "train.checkpoint_interval=2"]
+    sync = train_run(tmp_path, data, "sync", 2, *layout, steps=6)
+    first = train_run(tmp_path, data, "async", 2, *layout, ASYNC, "train.stop_at_step=4", steps=6)
+    assert [r["loss"] for r in first] == [r["loss"] for r in sync[:4]]
+    ckpts = tmp_path / "async/checkpoints"
+    for step in ("step-00000002", "step-00000004"):  # DeepSpeed's optimizer shards, byte for byte
+        ours, theirs = (json.loads((d / step / "complete.json").read_text())["digests"]
+                        for d in (ckpts, tmp_path / "sync/checkpoints"))
+        shards = [n for n in theirs if "optim_states" in n]
+        assert len(shards) == 2 and all(ours[n] == theirs[n] for n in shards)
+    assert (ckpts / "latest").read_text() == "step-00000004"
+    out = run_cli(train_args(tmp_path / "async", data, 2, *layout, ASYNC, steps=6)
+                  + ["--resume", str(ckpts / "step-00000002")])
+    assert f"resumed from {ckpts / 'step-00000002'} at step 2" in out
+    assert "s stall, " in out and " s in the background)" in out
+    resumed = metrics(tmp_path / "async")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in sync]
+    assert [r["head_losses"] for r in resumed] == [r["head_losses"] for r in sync]
+    assert_same_weights(ckpts / "step-00000006", tmp_path / "sync/checkpoints/step-00000006", pipeline=False)
+
+
+def test_training_goes_on_during_an_async_save_and_a_kill_then_keeps_the_previous_checkpoint(tmp_path, data):
+    run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
+    args = train_args(run, data, 1, "parallel.zero_stage=1", ASYNC, "train.checkpoint_interval=2", steps=6)
+    env = os.environ | {"MHF_DIST_TEST_SAVE_PAUSE": "10"}  # each background write stalls before complete.json
+    proc = subprocess.Popen([sys.executable, "-m", "mhf_dist", *args], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_step(run, 5, proc)  # step 5 trained and logged while step 4's save is still being written
+    assert (ckpts / "step-00000004").is_dir() and not (ckpts / "step-00000004/complete.json").exists()
+    assert (ckpts / "step-00000002/complete.json").is_file()  # step 4's save waited for step 2's
+    os.killpg(proc.pid, signal.SIGKILL)  # mid-way through the background write of step 4
+    proc.wait()
+    assert not (ckpts / "step-00000004/complete.json").exists()
+    assert (ckpts / "latest").read_text() == "step-00000002"
+    before = [r["loss"] for r in metrics(run)]
+    out = run_cli(args)
+    assert f"ignoring incomplete checkpoint {ckpts / 'step-00000004'}" in out
+    assert f"resumed from {ckpts / 'step-00000002'} at step 2" in out
+    assert [r["loss"] for r in metrics(run)][:5] == before[:5]
+
+
+def test_a_signal_during_an_async_save_waits_for_it_and_exits_for_requeue(tmp_path, data):
+    run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
+    args = train_args(run, data, 1, "parallel.zero_stage=1", ASYNC, "train.checkpoint_interval=2", steps=40)
+    env = os.environ | {"MHF_DIST_TEST_SAVE_PAUSE": "10", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "mhf_dist", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    _wait_for_step(run, 3, proc)
+    assert not (ckpts / "step-00000002/complete.json").exists()  # its save is in flight
+    proc.send_signal(signal.SIGUSR1)
+    out = proc.communicate(timeout=300)[0].decode()
+    assert proc.returncode == 85, out[-3000:]
+    markers = [json.loads(p.read_text()) for p in sorted(ckpts.glob("step-*/complete.json"))]
+    assert [m["reason"] for m in markers] == ["interval", "signal"] and markers[1]["step"] < 40
+    assert (ckpts / "latest").read_text() == f"step-{markers[1]['step']:08d}"
+    assert f"saved {ckpts / 'step-00000002'} (interval, " in out and "(signal, " in out
+
+
 def test_mismatched_or_damaged_checkpoints_are_named(tmp_path, data):
     train_run(tmp_path, data, "run", 1, "parallel.zero_stage=1", steps=2)
     ckpt = tmp_path / "run/checkpoints/step-00000002"

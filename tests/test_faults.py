@@ -140,6 +140,18 @@ def test_a_diverged_run_stops_and_saves_no_nonfinite_checkpoint(tmp_path, data):
 
 
 @pytest.mark.multirank
+def test_a_run_stopping_on_an_error_still_finishes_its_async_save(tmp_path, data, monkeypatch):
+    # step 1 is saved in the background (stalled 10 s before complete.json) while steps 2-4 diverge and stop the run
+    monkeypatch.setenv("MHF_DIST_TEST_SAVE_PAUSE", "10")
+    run = tmp_path / "run"
+    out = run_cli(train_args(run, data, 1, "parallel.zero_stage=1", "optimizer.lr=1e12", "train.checkpoint_interval=1",
+                             "train.checkpoint_async=true", steps=8), expect_rc=2)
+    assert "was not finite for 3 steps in a row (steps 2-4)" in out and "Traceback" not in out
+    assert (run / "checkpoints/step-00000001/complete.json").is_file()
+    assert (run / "checkpoints/latest").read_text() == "step-00000001"
+
+
+@pytest.mark.multirank
 def test_a_second_job_on_a_run_directory_is_refused(tmp_path, data):
     import json
     import os

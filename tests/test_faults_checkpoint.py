@@ -28,11 +28,12 @@ from mhf_dist.train.checkpoint import (
     DISK_BYTES_ENV,
     BackgroundDeleter,
     Checkpointer,
+    HostSnapshot,
     free_bytes,
     read_legacy_rng_state,
     read_rng_state,
+    rng_state_bytes,
     set_rng_state,
-    write_rng_state,
 )
 from mhf_dist.train.checkpoint_index import checkpoint_bytes, complete_checkpoints
 
@@ -114,6 +115,25 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path, data, monkeypa
            "([Errno 28] No space left on device" in out
     assert f"could not save checkpoint {path}: rank 1 could not write its part" in out  # rank 0's message
     assert "Traceback" not in out and not path.exists()
+
+
+@pytest.mark.multirank
+def test_an_async_save_failing_on_one_rank_fails_on_every_rank(tmp_path, data, monkeypatch):
+    # Rank 1's background write of step 2 fails while training goes on: at the next save every rank stops with the
+    # same named error, the incomplete step 2 is removed and step 1 stays the newest checkpoint.
+    run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
+    args = train_args(run, data, 2, ZERO1, "train.checkpoint_async=true", "train.checkpoint_interval=1", steps=3)
+    run_cli(args + ["--set", "train.stop_at_step=1"])
+    monkeypatch.setenv("MHF_DIST_TEST_SAVE_FAIL_RANK", "1")
+    out = run_cli(args, expect_rc=2, timeout=300)
+    path = ckpts / "step-00000002"
+    assert f"could not save checkpoint {path}: rank 1: writing zero_pp_rank_1_mp_rank_00_optim_states.pt failed " \
+           "([Errno 28] No space left on device" in out
+    assert f"could not save checkpoint {path}: rank 1 could not write its part" in out  # rank 0's message
+    assert f"{ckpts / 'step-00000001'} stays the newest checkpoint" in out
+    assert "Traceback" not in out and not path.exists()
+    assert metrics(run)[-1]["step"] == 3  # trained on while step 2 was written
+    assert (ckpts / "latest").read_text() == "step-00000001" and (ckpts / "step-00000001/complete.json").is_file()
 
 
 @pytest.mark.multirank
@@ -300,7 +320,7 @@ def test_rng_states_round_trip_without_pickle_and_older_files_still_load(tmp_pat
         random.seed(1)
         np.random.seed(2)
         torch.manual_seed(3)
-        write_rng_state(tmp_path / "rng.safetensors")
+        (tmp_path / "rng.safetensors").write_bytes(rng_state_bytes())
         torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
                    tmp_path / "rng.pt")  # the format of earlier checkpoints
         expected = _draws()
@@ -312,3 +332,20 @@ def test_rng_states_round_trip_without_pickle_and_older_files_still_load(tmp_pat
             assert _draws() == expected, name
     finally:
         set_rng_state(before)
+
+
+def test_a_host_snapshot_saves_the_state_as_it_was_with_shared_storage_kept(tmp_path):
+    # an asynchronous save serialises a snapshot after training changed the tensors in place: the file must be the
+    # one torch.save wrote at the time of the snapshot, byte for byte (views of one storage saved as one storage)
+    weights = torch.randn(64, 8)
+    state = {"module": {"w": weights, "rows": weights[8:16], "t": weights.t()}, "step": 3, "lr": [1e-3, (0.9, 0.95)]}
+    (tmp_path / "then").mkdir()
+    torch.save(state, tmp_path / "then/states.pt")
+    snapshot = HostSnapshot(state)
+    weights.mul_(2)
+    state["step"], state["lr"][0] = 4, 5e-4
+    (tmp_path / "later").mkdir()
+    torch.save(snapshot.restore(), tmp_path / "later/states.pt")
+    assert (tmp_path / "later/states.pt").read_bytes() == (tmp_path / "then/states.pt").read_bytes()
+    restored = snapshot.restore()["module"]
+    assert restored["rows"].untyped_storage().data_ptr() == restored["w"].untyped_storage().data_ptr()

@@ -105,7 +105,7 @@ def host_states() -> dict:
 
 def test_rng_state_holds_the_ranks_own_gpu_and_resumes_seeing_fewer(tmp_path, monkeypatch):
     saved = FakeGpus(monkeypatch, count=8, current=3)  # a task that sees the node's 8 GPUs, driving cuda:3
-    checkpoint.write_rng_state(tmp_path / "rng.safetensors")
+    (tmp_path / "rng.safetensors").write_bytes(checkpoint.rng_state_bytes())
     state = checkpoint.read_rng_state(tmp_path / "rng.safetensors")
     assert torch.equal(state["cuda"], saved.states[3])
     resumed = FakeGpus(monkeypatch, count=1, current=0)  # the resume binds one GPU to each task
@@ -118,7 +118,7 @@ def test_rng_files_with_every_visible_gpus_state_still_load(tmp_path, monkeypatc
     state = host_states()
     every = {f"cuda.{i}": torch.full((16,), 10 + i, dtype=torch.uint8) for i in range(8)}
     FakeGpus(monkeypatch, count=8, current=0)
-    checkpoint.write_rng_state(tmp_path / "new.safetensors")  # for its python/numpy metadata
+    (tmp_path / "new.safetensors").write_bytes(checkpoint.rng_state_bytes())  # for its python/numpy metadata
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "new.safetensors"), framework="pt") as f:

@@ -24,6 +24,19 @@ removes the incomplete directory, and a :class:`CheckpointError` names the
 space a checkpoint needs, and the ``train.keep_checkpoints`` that would make
 room when that is a fix; the previous checkpoint stays the newest.
 
+Asynchronous saves (``train.checkpoint_async``): training waits only while
+each rank copies its files into host memory (:class:`HostSnapshot`); a
+background thread per rank saves them through DeepSpeed's engine, fsyncs and
+digests them (:class:`BackgroundWriter`), then reports to rank 0 through a
+file (its digests, or an empty ``failed-rank*`` file: no collectives off the
+training thread). Rank 0's thread waits for every report and, when none
+failed, commits as above (marker last, then ``latest``, then retention). The
+ranks wait for that save (:meth:`Checkpointer.wait`) before the next one, at
+the end of training and before a preempted exit, and agree on its outcome
+there exactly as after a synchronous save; a process stopping on an error
+exits once its writer finished (the thread is not a daemon), and one killed
+before the marker leaves an incomplete directory, as above.
+
 Lineage: ``--resume auto`` continues from the newest complete checkpoint whose
 files verify, normally the one ``latest`` names (a warning says when a crash
 between the two writes left them apart); newer ones with a damaged file are
@@ -63,15 +76,19 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import logging
 import os
+import pickle
 import queue
 import random
 import resource
 import shutil
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +125,8 @@ from mhf_dist.train.checkpoint_index import (
     warn_if_without_digests,
 )
 from mhf_dist.train.host_tables import HOST_TABLES_FILE
+from mhf_dist.train.job_estimates import grace_seconds
+from mhf_dist.train.preemption import GRACE_ENV
 from mhf_dist.train.universal import convert_for_layout, universal_info
 
 log = logging.getLogger(__name__)
@@ -121,6 +140,9 @@ SAVE_PAUSE_ENV = "MHF_DIST_TEST_SAVE_PAUSE"  # seconds to stall mid-save (crash-
 CONVERT_PAUSE_ENV = "MHF_DIST_TEST_CONVERT_PAUSE"  # seconds a conversion for another layout takes longer (tests)
 SAVE_FAIL_ENV = "MHF_DIST_TEST_SAVE_FAIL_RANK"  # this rank's checkpoint writes fail as on a full disk (fault tests)
 DISK_BYTES_ENV = "MHF_DIST_TEST_DISK_BYTES"  # the checkpoints' filesystem holds only this many bytes (fault tests)
+RANK_FAILED = "failed-rank{:05d}"  # an asynchronous save's report of a rank whose part failed (empty: fits a full disk)
+REPORT_POLL_SECONDS = 0.1  # how often rank 0's writer looks for the other ranks' reports
+_COMPLETE, _CUT_SHORT = "complete", "cut short"  # how the queue of a background writer ends
 
 
 # ---------------------------------------------------------------------------------------------------- files
@@ -159,9 +181,9 @@ def _simulated_disk_full(path: Path) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------- RNG states
-def write_rng_state(path: Path) -> None:
-    """This process's generator states, without pickle: torch's and CUDA's (uint8 tensors) as safetensors, python's
-    and numpy's (integers and a float) as JSON in its metadata."""
+def rng_state_bytes() -> bytes:
+    """This process's generator states as a file's content, without pickle: torch's and CUDA's (uint8 tensors) as
+    safetensors, python's and numpy's (integers and a float) as JSON in its metadata."""
     version, internal, gauss_next = random.getstate()
     generator, key, pos, has_gauss, cached_gaussian = np.random.get_state()
     metadata = {"python": json.dumps([version, list(internal), gauss_next]),
@@ -169,11 +191,11 @@ def write_rng_state(path: Path) -> None:
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():  # the rank's own GPU only: a resume may see fewer GPUs (one bound to each task)
         tensors["cuda"] = torch.cuda.get_rng_state()
-    path.write_bytes(save(tensors, metadata=metadata))
+    return save(tensors, metadata=metadata)
 
 
 def read_rng_state(path: Path) -> dict:
-    """The states :func:`write_rng_state` wrote, in the form :func:`set_rng_state` takes."""
+    """The states of a file holding :func:`rng_state_bytes`, in the form :func:`set_rng_state` takes."""
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
@@ -290,6 +312,30 @@ class BackgroundDeleter:
 
 
 # ---------------------------------------------------------------------------------------------------- saving
+def _pause_for_tests() -> None:
+    """Crash-safety tests stall a save after its files, before it is marked complete (:data:`SAVE_PAUSE_ENV`)."""
+    if os.environ.get(SAVE_PAUSE_ENV):
+        time.sleep(float(os.environ[SAVE_PAUSE_ENV]))
+
+
+def log_save(path: Path, reason: str, stall: float, background: float | None = None, step_s: float = 0.0) -> None:
+    """Rank 0: the save with its size, duration (an asynchronous save's ``stall`` of training and its ``background``
+    time) and write rate; a warning when a step (``step_s``) and a save like this one would not fit in the job's grace
+    period (the time between SLURM's warning signal and the time limit), naming the grace that would
+    (:func:`~mhf_dist.train.job_estimates.grace_seconds`)."""
+    seconds = stall if background is None else stall + background
+    size = checkpoint_bytes(path)
+    per_node = size / max(seconds, 1e-9) / int(os.environ.get("SLURM_JOB_NUM_NODES", 1)) / 1e9
+    took = f"{stall:.1f} s" if background is None else f"{stall:.1f} s stall, {background:.1f} s in the background"
+    tqdm.write(f"saved {path} ({reason}, {readable_size(size)} in {took}, {per_node:.3g} GB/s per node)")
+    grace = float(os.environ.get(GRACE_ENV, "inf"))
+    if (needed := grace_seconds(step_s, seconds)) > grace:
+        tqdm.write(f"warning: a save on SLURM's signal (the step in progress, {step_s:.1f} s, then a save like this "
+                   f"one) needs a grace of about {needed} s, and this job has {grace:.0f} s: submit with --grace "
+                   f"{needed}, or set storage_gb_per_s: {per_node:.3g} (this save's rate) in the cluster profile, "
+                   "from which submit sizes the grace")
+
+
 class RecordingWriter:
     """Stands in for DeepSpeed's checkpoint engine during one save. Each file goes through the real engine, then is
     fsynced and digested; a failed write (DeepSpeed's ``torch.save`` reports a full disk as an OSError or a
@@ -304,6 +350,10 @@ class RecordingWriter:
 
     def save(self, state_dict, path) -> None:
         self.write(Path(path), lambda p: self.engine.save(state_dict, str(p)))
+
+    def put(self, path: Path, data: bytes) -> None:
+        """A file whose content is ready in memory."""
+        self.write(path, lambda p: p.write_bytes(data))
 
     def write(self, path: Path, write_file) -> None:
         if self.error is not None:
@@ -322,6 +372,87 @@ class RecordingWriter:
         return getattr(self.engine, name)
 
 
+class HostSnapshot:
+    """An object graph as it is now, for a background thread to save later: pickled, with each tensor storage copied
+    into host memory once (tensors that share a storage still share its copy; a GPU tensor comes back as a host
+    tensor, which every loader of DeepSpeed's files maps to the host or copies into the model anyway)."""
+
+    def __init__(self, obj):
+        self.storages: dict[int, torch.UntypedStorage] = {}
+        buffer = io.BytesIO()
+        pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.persistent_id = self._copy
+        pickler.dump(obj)
+        self.pickled = buffer.getvalue()
+
+    def _copy(self, obj) -> tuple[int, torch.dtype] | None:
+        if not isinstance(obj, torch.storage.TypedStorage):
+            return None  # pickled by value
+        storage = obj._untyped_storage
+        if storage._cdata not in self.storages:  # torch.save's own key: one entry per storage, however many views
+            self.storages[storage._cdata] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+        return storage._cdata, obj.dtype
+
+    def restore(self):
+        """The object graph again, its tensors on the copied storages."""
+        unpickler = pickle.Unpickler(io.BytesIO(self.pickled))
+        unpickler.persistent_load = lambda ref: torch.storage.TypedStorage(
+            wrap_storage=self.storages[ref[0]], dtype=ref[1], _internal=True)
+        return unpickler.load()
+
+
+class BackgroundWriter(RecordingWriter):
+    """The writer of an asynchronous save (``train.checkpoint_async``). On the training thread each file is only
+    copied into host memory — DeepSpeed's state dicts as a :class:`HostSnapshot`, the other files as their bytes —
+    and queued; a background thread saves them through the real engine, fsyncs and digests them in order, as
+    :class:`RecordingWriter` does, then calls ``finish`` with this writer. :meth:`close` queues the end of the save,
+    :meth:`stop` an end cut short (``finish`` then sees an error)."""
+
+    def __init__(self, engine, rank: int, finish):
+        super().__init__(engine, rank)
+        self.files: queue.SimpleQueue[tuple[Path, Callable[[Path], None]] | str] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, args=(finish,), name="checkpoint-writer")
+        self.thread.start()  # not a daemon: a process stopping on an error still finishes the save in flight
+
+    def save(self, state_dict, path) -> None:
+        snapshot = HostSnapshot(state_dict)  # the copy training waits for
+        self.files.put((Path(path), lambda p: self.engine.save(snapshot.restore(), str(p))))
+
+    def put(self, path: Path, data: bytes) -> None:
+        self.files.put((path, lambda p: p.write_bytes(data)))
+
+    def close(self) -> None:
+        self.files.put(_COMPLETE)
+
+    def stop(self) -> None:
+        self.files.put(_CUT_SHORT)
+
+    def _run(self, finish) -> None:
+        try:
+            while isinstance(item := self.files.get(), tuple):
+                self.write(*item)
+            if item == _CUT_SHORT:
+                self.error = self.error or "its save stopped before every file was handed over"
+        except Exception as e:  # not a write's OSError (recorded by write): still reported, so no rank counts on it
+            log.exception("the background checkpoint writer failed")
+            self.error = f"writing in the background failed ({e})"
+        finish(self)
+
+
+@dataclass
+class InFlightSave:
+    """An asynchronous save, from its hand-over to the background writer until every rank waited for it."""
+
+    path: Path
+    reason: str
+    marker: dict | None  # what rank 0 commits (None on the other ranks)
+    began: float  # time.perf_counter() at the start of the save
+    step_s: float  # a training step's seconds, for the grace a save needs (:func:`log_save`)
+    writer: BackgroundWriter | None = None
+    stall: float = 0.0  # seconds the training thread spent in the save
+    commit_error: str | None = None  # rank 0: why its writer could not commit (set on that thread)
+
+
 class Checkpointer:
     """Saves and loads this run's checkpoints; made on every rank at the start of training, when rank 0 removes the
     directories that interrupted saves left behind."""
@@ -336,6 +467,7 @@ class Checkpointer:
         self.verified: set[Path] = set()
         self.host = None  # model.engram.offload: the trainer's HostTablesStep, saved beside DeepSpeed's files
         self.deleter = BackgroundDeleter(self.dir) if self.rank == 0 else None
+        self.in_flight: InFlightSave | None = None  # train.checkpoint_async: the save its writer is finishing
         if self.rank == 0:
             self._remove_interrupted_saves()
         dist.barrier()
@@ -482,8 +614,12 @@ class Checkpointer:
         return None
 
     # ------------------------------------------------------------------ save
-    def save(self, engine, step: int, tokens: int, reader_state: dict, reason: str) -> Path:
-        """Write checkpoint ``step`` (every rank calls this); a failure on any rank raises CheckpointError on all."""
+    def save(self, engine, step: int, tokens: int, reader_state: dict, reason: str, step_s: float = 0.0) -> Path:
+        """Write checkpoint ``step`` (every rank calls this); a failure on any rank raises CheckpointError on all.
+        With ``train.checkpoint_async`` this returns once this rank's files are in host memory, and the save ends in
+        the background; the save still in flight is waited for first (:meth:`wait`), so one is in flight at most."""
+        began = time.perf_counter()
+        self.wait()
         path = self.dir / f"step-{step:08d}"
         if self.rank == 0:
             self._clear_for_save(path)
@@ -493,20 +629,87 @@ class Checkpointer:
             "signatures_hash": self.signatures_hash, "code_version": __version__, "layout": self.layout,
             "universal_checkpoint_info": self.universal,
         }
-        writer = self._write_files(engine, path, client)
-        if os.environ.get(SAVE_PAUSE_ENV):
-            time.sleep(float(os.environ[SAVE_PAUSE_ENV]))
-        if failed := self._ranks_where(writer.error is not None):
-            self._fail_save(path, failed, writer.error)
-        error = None
+        marker = None
         if self.rank == 0:
             marker = {"step": step, "tokens": tokens, "reason": reason, "model": client["config"]["model"],
                       "config": client["config"],  # what a resume from config.yaml is checked against
                       "signatures_hash": self.signatures_hash, "layout": self.layout, "code_version": __version__}
-            error = self._commit(path, marker)
-        if self.scalars.any(error is not None)[0]:
-            self._fail_save(path, [0], error)
+        if self.cfg.train.checkpoint_async:
+            self._hand_over(engine, client, InFlightSave(path, reason, marker, began, step_s))
+            return path
+        writer = RecordingWriter(engine.checkpoint_engine, self.rank)
+        self._write_files(engine, path, client, writer)
+        self._write_digests(path, writer)
+        _pause_for_tests()
+        self._agree_on_writes(path, writer.error)
+        error = self._commit(path, marker) if self.rank == 0 else None
+        self._agree_on_commit(path, error)
+        if self.rank == 0:
+            log_save(path, reason, time.perf_counter() - began, step_s=step_s)
         return path
+
+    def _hand_over(self, engine, client: dict, save: InFlightSave) -> None:
+        """An asynchronous save: this rank's files into host memory, handed to a background writer that writes them,
+        reports to rank 0 and (rank 0) commits; the save stays in flight until :meth:`wait`."""
+        save.writer = BackgroundWriter(engine.checkpoint_engine, self.rank, lambda _: self._finish_in_background(save))
+        self.in_flight = save
+        try:
+            self._write_files(engine, save.path, client, save.writer)
+        except BaseException:
+            save.writer.stop()
+            raise
+        save.stall = time.perf_counter() - save.began
+        save.writer.close()
+
+    def _finish_in_background(self, save: InFlightSave) -> None:
+        """The writer thread, once this rank's files are written: its report to rank 0 (its digests file, as a
+        synchronous save writes it, or an empty failed-rank file); rank 0 then waits for every rank's report and,
+        when none failed, commits as a synchronous save does."""
+        writer = save.writer
+        self._write_digests(save.path, writer)
+        _pause_for_tests()
+        if writer.error is not None:
+            with contextlib.suppress(OSError):  # not even an empty file fits: rank 0 stops waiting at its timeout
+                (save.path / RANK_FAILED.format(self.rank)).touch()
+            return
+        if self.rank != 0:
+            return
+        try:
+            if not self._await_reports(save.path):
+                return  # a rank's part failed: the wait fails the save on every rank
+            save.commit_error = self._commit(save.path, save.marker)
+        except Exception as e:  # a rank that never reported, or a fault of its own: the save fails at the wait
+            save.commit_error = f"finishing the save failed ({e})"
+        if save.commit_error is None:
+            log_save(save.path, save.reason, save.stall, time.perf_counter() - save.began - save.stall, save.step_s)
+
+    def _await_reports(self, path: Path) -> bool:
+        """Rank 0's writer thread: whether every rank wrote its part, once each reported (its digests file, or a
+        failed-rank file). Files, not collectives: the training threads may be in theirs. A rank silent for
+        ``train.dist_timeout_minutes`` is an error."""
+        waiting = set(range(self.world))
+        deadline = time.monotonic() + self.cfg.train.dist_timeout_minutes * 60
+        while True:
+            if any((path / RANK_FAILED.format(r)).exists() for r in waiting):
+                return False
+            waiting = {r for r in waiting if not (path / RANK_DIGESTS.format(r)).exists()}
+            if not waiting:
+                return True
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"rank {min(waiting)} did not report its part within "
+                                      f"train.dist_timeout_minutes ({self.cfg.train.dist_timeout_minutes:g})")
+            time.sleep(REPORT_POLL_SECONDS)
+
+    def wait(self) -> None:
+        """Every rank, before the next save and at the end of training: wait for the asynchronous save in flight,
+        then agree on its outcome as after a synchronous save (a failure on any rank raises CheckpointError on
+        all, the incomplete directory removed)."""
+        if (save := self.in_flight) is None:
+            return
+        self.in_flight = None
+        save.writer.thread.join()
+        self._agree_on_writes(save.path, save.writer.error)
+        self._agree_on_commit(save.path, save.commit_error)
 
     def _clear_for_save(self, path: Path) -> None:
         """Rank 0: make room for ``path`` — leftovers of an interrupted save of this step are removed; a directory
@@ -519,21 +722,33 @@ class Checkpointer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._retire_to_fit(path)
 
-    def _write_files(self, engine, path: Path, client: dict) -> RecordingWriter:
-        """This rank's part of the checkpoint: DeepSpeed's files, the RNG state, then the digests of what it wrote."""
-        writer = RecordingWriter(engine.checkpoint_engine, self.rank)
+    def _write_files(self, engine, path: Path, client: dict, writer: RecordingWriter) -> None:
+        """This rank's part of the checkpoint through ``writer``: DeepSpeed's files, the RNG state and (rank 0,
+        ``model.engram.offload``) the host tables."""
         engine.checkpoint_engine = writer
         try:
             engine.save_checkpoint(str(self.dir), tag=path.name, client_state=client, save_latest=False)
         finally:
             engine.checkpoint_engine = writer.engine
-        writer.write(path / RNG_FILE.format(self.rank), write_rng_state)
+        writer.put(path / RNG_FILE.format(self.rank), rng_state_bytes())
         if self.host is not None and self.rank == 0:  # tp = pp = 1: every rank holds the same host tables
             tensors, metadata = self.host.state()
-            writer.write(path / HOST_TABLES_FILE, lambda p: p.write_bytes(save(tensors, metadata=metadata)))
+            writer.put(path / HOST_TABLES_FILE, save(tensors, metadata=metadata))
+
+    def _write_digests(self, path: Path, writer: RecordingWriter) -> None:
+        """This rank's report to rank 0: the digests of the files it wrote, which rank 0 merges into the marker."""
         digests = {str(p.relative_to(path)): d for p, d in writer.digests.items() if p.is_relative_to(path)}
         writer.write(path / RANK_DIGESTS.format(self.rank), lambda p: _write_atomic(p, json.dumps(digests)))
-        return writer
+
+    def _agree_on_writes(self, path: Path, error: str | None) -> None:
+        """Every rank, once each wrote its files: a failure on any rank fails the save on all."""
+        if failed := self._ranks_where(error is not None):
+            self._fail_save(path, failed, error)
+
+    def _agree_on_commit(self, path: Path, error: str | None) -> None:
+        """Every rank, once rank 0 committed (or failed to): its failure fails the save on all."""
+        if self.scalars.any(error is not None)[0]:
+            self._fail_save(path, [0], error)
 
     def _ranks_where(self, flag: bool) -> list[int]:
         """The ranks on which ``flag`` holds (the same list on every rank)."""

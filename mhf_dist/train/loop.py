@@ -64,14 +64,13 @@ from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
 from mhf_dist.run_dir import RunDir, RunDirAsFound
 from mhf_dist.run_lock import RunDirLocked, RunLock
 from mhf_dist.token_list import tokens_fingerprint, vocabulary
-from mhf_dist.train.checkpoint import Checkpointer, CheckpointError, checkpoint_bytes, readable_size
+from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
 from mhf_dist.train.console import step_line
 from mhf_dist.train.divergence import LossWatch
 from mhf_dist.train.engine import StepStats, build_trainer, device_type
-from mhf_dist.train.job_estimates import grace_seconds
 from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.optim import apply_optimizer_changes
-from mhf_dist.train.preemption import GRACE_ENV, StopSignal
+from mhf_dist.train.preemption import StopSignal
 from mhf_dist.train.throughput import memory_gb, total_peak_flops
 
 
@@ -197,22 +196,6 @@ def init_weights_file(path: Path, model: LanguageModel, tp: int) -> FileValues:
     except Exception as e:  # truncated file, or weights of another architecture
         raise CheckpointError(f"train.init_from: {path} cannot initialise this model ({e}); "
                               "use weights exported from a run with the same model config") from e
-
-
-def log_save(path: Path, reason: str, seconds: float, step_s: float) -> None:
-    """The save with its size, duration and write rate; a warning when a step and a save like this one would not
-    fit in the job's grace period (the time between SLURM's warning signal and the time limit), naming the grace
-    that would (:func:`~mhf_dist.train.job_estimates.grace_seconds`)."""
-    size = checkpoint_bytes(path)
-    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", 1))
-    per_node = size / max(seconds, 1e-9) / nodes / 1e9
-    tqdm.write(f"saved {path} ({reason}, {readable_size(size)} in {seconds:.1f} s, {per_node:.3g} GB/s per node)")
-    grace = float(os.environ.get(GRACE_ENV, "inf"))
-    if (needed := grace_seconds(step_s, seconds)) > grace:
-        tqdm.write(f"warning: a save on SLURM's signal (the step in progress, {step_s:.1f} s, then a save like this "
-                   f"one) needs a grace of about {needed} s, and this job has {grace:.0f} s: submit with --grace "
-                   f"{needed}, or set storage_gb_per_s: {per_node:.3g} (this save's rate) in the cluster profile, "
-                   "from which submit sizes the grace")
 
 
 def take_lock(run_path: Path, rank: int, scalars: ScalarCollectives) -> None:
@@ -447,6 +430,7 @@ class TrainingLoop:
             if self.logger:
                 self.logger.close()
         dist.barrier()
+        self.checkpointer.wait()  # the last save, when asynchronous (a preempted job's included)
         if not self.result.preempted:  # a preempted job leaves the rest to the next start: its grace is short
             self.checkpointer.close()
         return self.result
@@ -525,14 +509,11 @@ class TrainingLoop:
                 tqdm.write(f"warning: not saving step {step} ({reason}): its loss or weights are not finite; "
                            f"the newest checkpoint, {self.checkpointer.latest()}, stays the one to resume from")
             return
-        began = time.perf_counter()
         saved = self.checkpointer.save(self.trainer.engine, step, step * self.tokens_per_step,
-                                       self.reader.state_dict(), reason)
+                                       self.reader.state_dict(), reason, statistics.median(self.step_times))
         self.clock.reset()
         if self.result.preempted:
             self.result.saved = saved
-        if self.rank == 0:
-            log_save(saved, reason, time.perf_counter() - began, statistics.median(self.step_times))
 
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopSignal | None = None,
