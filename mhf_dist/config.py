@@ -592,6 +592,11 @@ def check_data_source(cfg: RunConfig, on_this_machine: bool = True) -> None:
     else:
         named = [("data.path", cfg.data.shard_dir)] if cfg.data.shard_dir is not None else []
     for key, shards in named:
+        if "://" in shards:  # object storage, read through fsspec (data/reader.py)
+            if cfg.tokenizer.path is None:
+                raise ConfigError(f"{key}={shards} is a URL, whose tokenizer/ a run does not load: set tokenizer.path "
+                                  "to the tokenizer the shards were prepared with, copied to local or shared storage")
+            continue
         if on_this_machine and not Path(shards).is_dir():
             raise ConfigError(f"{key}={shards}: no such directory; point it at the --out of `mhf-dist prepare-data`")
 

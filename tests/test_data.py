@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import shutil
+import sys
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from mhf_dist.cli import main
-from mhf_dist.config import ConfigError, DataSource, load_config
+from mhf_dist.config import ConfigError, DataSource, check_data_source, load_config
 from mhf_dist.data.mixture import BLOCK, MixtureReader, MixtureSchedule, apportion
 from mhf_dist.data.prepare import (
     DataError,
@@ -617,3 +618,46 @@ def test_a_blend_string_is_read_into_sources():
         load_config("tiny-h4b16k", overrides=["data.path=0.7 shards/a 0.3"])
     with pytest.raises(ConfigError, match="the same name twice"):
         load_config("tiny-h4b16k", overrides=["data.path=0.7 x/a 0.3 y/a"])
+
+
+# ---------------------------------------------------------------- object storage (fsspec)
+@pytest.fixture
+def in_memory(shards):
+    """The test shards copied to fsspec's in-memory filesystem (as they would lie in a bucket)."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.put(str(shards), "/bucket/shards", recursive=True)
+    yield fs
+    fs.rm("/bucket", recursive=True)
+
+
+def test_shards_in_object_storage_read_and_resume_as_local_ones(in_memory, shards, reference):
+    remote = "memory://bucket/shards"
+    assert _global_stream(remote, 2, 60)[0] == reference[:120]
+    _, states = _global_stream(remote, 2, 30)  # read remotely, resumed from local files and back: one stream
+    local, states = _global_stream(shards, 1, 40, state=states[0])
+    assert local == reference[60:100]
+    assert _global_stream(remote, 4, 5, state=states[0])[0] == reference[100:120]
+
+
+def test_a_changed_shard_in_object_storage_fails_its_checksum(in_memory, shards):
+    name = json.loads((shards / "manifest.json").read_text())["splits"]["train"]["shards"][0]["name"]
+    data = bytearray(in_memory.cat(f"/bucket/shards/{name}"))
+    data[-2000] ^= 1
+    in_memory.pipe(f"/bucket/shards/{name}", bytes(data))
+    with pytest.raises(DataError, match=rf"memory://bucket/shards/{name} fails its SHA-256 check"):
+        _global_stream("memory://bucket/shards", 1, _reader(shards).samples_per_epoch)  # every shard once
+
+
+def test_a_storage_scheme_without_its_package_is_named(monkeypatch):
+    import fsspec  # noqa: F401 (loads fsspec.registry, whose name the package's `registry` mapping shadows)
+
+    # a scheme fsspec knows whose package is not installed, as s3:// is without s3fs
+    monkeypatch.setitem(sys.modules["fsspec.registry"].known_implementations, "bucketfs",
+                        {"class": "bucketfs_not_installed.BucketFileSystem", "err": "Install bucketfs for bucketfs://"})
+    with pytest.raises(DataError, match=r"bucketfs://shards/manifest.json: reading bucketfs:// needs a package that "
+                                        r"is not installed \(Install bucketfs for bucketfs://\)"):
+        ShardReader("bucketfs://shards")
+    with pytest.raises(ConfigError, match="is a URL, whose tokenizer/ a run does not load: set tokenizer.path"):
+        check_data_source(load_config("1b-h4b16k", overrides=["data.path=s3://bucket/shards", "tokenizer.path=null"]))

@@ -1,10 +1,15 @@
 """Rank-disjoint, resumable reading of packed token shards (docs/spec.md §7, last bullet).
 
 Shards and the manifest come from :mod:`mhf_dist.data.prepare`. Shards are
-opened with WebDataset's ``gopen`` (local paths, ``file:``, ``pipe:`` commands
-such as ``pipe:aws s3 cp s3://bucket/train-000000.tar -``, ``http(s)`` via
-curl) and iterated with its tar iterators; a source string may use brace
-patterns (``train-{000000..000099}.tar``) and ``::`` separators.
+opened by :func:`open_url`: local paths, ``pipe:`` commands such as ``pipe:aws
+s3 cp s3://bucket/train-000000.tar -`` and ``http(s)`` (curl) through
+WebDataset's ``gopen``, object storage (``s3://``, ``gs://``, ``hf://``, any
+scheme fsspec knows) through fsspec when it and the scheme's package are
+installed; they are iterated with WebDataset's tar iterators, and checked
+against the manifest's SHA-256 whatever they come from. A source is a local
+directory, the URL of a directory holding ``manifest.json`` and its shards
+(``s3://bucket/shards``), or shard URLs with a manifest: a brace pattern
+(``train-{000000..000099}.tar``), ``::``-separated, or a list.
 
 Global order (independent of the number of data-parallel ranks)
     The reader defines one infinite stream of samples, the same for every rank
@@ -54,6 +59,7 @@ Bad shards
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import io
 import json
 import logging
@@ -308,9 +314,11 @@ class ShardReader:
     def _read_shard(self, shard: _Shard, wanted: set[int]) -> dict[int, np.ndarray]:
         """Stream one shard from start to end; the samples at ``wanted`` indices, after every check."""
         try:
-            stream = wds.gopen(shard.url)
+            stream = open_url(shard.url)
         except FileNotFoundError:
             raise DataError(f"shard {shard.url} is missing (listed in {self.manifest_location}); {_FIX}") from None
+        except DataError:
+            raise
         except Exception as e:
             raise DataError(f"shard {shard.url} cannot be opened ({e!r}); {_FIX}") from None
         reader = _HashingReader(stream)
@@ -377,10 +385,35 @@ def _substitutes(local: np.ndarray, shard_of: np.ndarray, bad: set[int], names: 
     return readable[np.searchsorted(readable, local) % len(readable)]
 
 
+def open_url(url: str):
+    """A binary stream of ``url``: object storage (a scheme fsspec knows other than http) through fsspec when it is
+    installed, everything else (local paths, ``pipe:``, ``http(s)``) through WebDataset's ``gopen``. A scheme whose
+    package is missing (s3fs for ``s3://``, gcsfs for ``gs://``) is an error naming it."""
+    scheme = url.split("://", 1)[0] if "://" in url else None
+    if scheme is None or scheme in ("http", "https") or importlib.util.find_spec("fsspec") is None:
+        return wds.gopen(url)
+    import fsspec
+
+    if scheme not in fsspec.available_protocols():
+        return wds.gopen(url)
+    try:
+        return fsspec.open(url, "rb").open()
+    except ImportError as e:
+        raise DataError(f"{url}: reading {scheme}:// needs a package that is not installed ({e}); install it on "
+                        "every node, or copy the shards to a local or shared directory") from None
+
+
+def is_url(source) -> bool:
+    """Whether ``source`` names a location by URL (``scheme://...``) rather than a local path."""
+    return isinstance(source, str) and "://" in source
+
+
 def _read_json(location: str) -> dict:
     try:
-        with wds.gopen(location) as f:
+        with open_url(location) as f:
             return json.load(f)
+    except DataError:
+        raise
     except FileNotFoundError:
         raise DataError(f"manifest {location} does not exist: prepare shards with mhf-dist prepare-data "
                         "(it writes manifest.json next to them) or point data.path at their directory") from None
@@ -396,10 +429,16 @@ def _refuse_pipe(url: str, allow_pipe: bool) -> None:
 
 def _resolve(source, manifest, split: str, allow_pipe: bool) -> tuple[dict, str, list[_Shard]]:
     """The manifest, where it came from, and the split's shards with their URLs (manifest order)."""
-    local_dir = isinstance(source, (str, os.PathLike)) and Path(source).is_dir()
+    local_dir = isinstance(source, (str, os.PathLike)) and not is_url(source) and Path(source).is_dir()
+    # a URL that is neither a shard nor a pattern names a directory of object storage, its manifest inside
+    remote_dir = is_url(source) and manifest is None and not source.endswith(".tar") and "{" not in source \
+        and "::" not in source
     if local_dir:
         source = Path(source).resolve()
         location = str(manifest or source / MANIFEST)
+    elif remote_dir:
+        source = source.rstrip("/")
+        location = f"{source}/{MANIFEST}"
     elif manifest is None:
         raise DataError(f"shard URLs {source!r} need the manifest: pass manifest= (a path or URL of manifest.json)")
     else:
@@ -415,6 +454,8 @@ def _resolve(source, manifest, split: str, allow_pipe: bool) -> tuple[dict, str,
     entries = meta["splits"][split]["shards"]
     if local_dir:
         urls = {k: str(source / e["name"]) for k, e in enumerate(entries)}
+    elif remote_dir:
+        urls = {k: f"{source}/{e['name']}" for k, e in enumerate(entries)}
     else:
         urls = {}
         for url in wds.shardlists.expand_urls(source) if isinstance(source, str) else list(source):
