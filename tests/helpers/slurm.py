@@ -1,8 +1,8 @@
 """A private single-node SLURM (munge + slurmctld + slurmd on localhost) for the scheduler tests.
 
 Everything lives in one directory: config, state, spool, logs, pid files and the
-munge socket (FIELD-NOTES: gVisor has no usable cgroups, so proctrack/linuxproc
-and task/none). Clients find it through ``SLURM_CONF``.
+munge socket. Sandboxes such as gVisor offer no usable cgroups, so processes are
+tracked with proctrack/linuxproc and tasks are not confined (task/none). Clients find it through ``SLURM_CONF``.
 """
 
 from __future__ import annotations
