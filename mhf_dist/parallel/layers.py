@@ -29,7 +29,16 @@ from mhf_dist.parallel.comm import all_reduce_max, all_reduce_sum, copy_to_tp, r
 
 
 class BucketParallelEmbedding(BucketTables):
-    """Rows ``[rank·R/tp, (rank+1)·R/tp)`` of every table."""
+    """Rows ``[rank·R/tp, (rank+1)·R/tp)`` of every table.
+
+    Args:
+        num_tables: the tables ``H`` (1 for Standard's embedding).
+        num_rows: every table's rows ``R`` over all ranks; a multiple of ``size``.
+        dim: the row width ``d``.
+        group: the tensor-parallel process group.
+        rank: this rank's index in ``group``.
+        size: the group's size ``tp``.
+    """
 
     def __init__(self, num_tables: int, num_rows: int, dim: int, group, rank: int, size: int):
         if num_rows % size:
@@ -72,7 +81,13 @@ class BucketParallelEmbedding(BucketTables):
 
 
 class ColumnParallelLinear(nn.Linear):
-    """``out_features / tp`` outputs; the input is already copied into the region."""
+    """``out_features / tp`` outputs; the input is already copied into the region (:func:`mark_region`).
+
+    Args:
+        in_features: the input width, whole on every rank.
+        out_features: the output width over all ranks; a multiple of ``size``.
+        size: the tensor-parallel group's size ``tp``.
+    """
 
     def __init__(self, in_features: int, out_features: int, size: int):
         super().__init__(in_features, out_features // size, bias=False)
@@ -80,7 +95,14 @@ class ColumnParallelLinear(nn.Linear):
 
 
 class RowParallelLinear(nn.Linear):
-    """``in_features / tp`` inputs; partial outputs all-reduced."""
+    """``in_features / tp`` inputs; partial outputs all-reduced.
+
+    Args:
+        in_features: the input width over all ranks; a multiple of ``size``.
+        out_features: the output width, whole on every rank.
+        group: the tensor-parallel process group the partial outputs are summed over.
+        size: the group's size ``tp``.
+    """
 
     def __init__(self, in_features: int, out_features: int, group, size: int):
         super().__init__(in_features // size, out_features, bias=False)
@@ -92,7 +114,13 @@ class RowParallelLinear(nn.Linear):
 
 
 class RegionRMSNorm(nn.RMSNorm):
-    """A replicated RMSNorm applied inside a region (q/k norm over this rank's heads)."""
+    """A replicated RMSNorm applied inside a region (q/k norm over this rank's heads).
+
+    Args:
+        dim: the normalised width (one head's).
+        eps: added to the mean square.
+        group: the tensor-parallel process group the weight's gradient is summed over.
+    """
 
     def __init__(self, dim: int, eps: float, group):
         super().__init__(dim, eps=eps)
@@ -103,7 +131,14 @@ class RegionRMSNorm(nn.RMSNorm):
 
 
 class ReplicatedHeadsLinear(nn.Linear):
-    """A replicated k/v projection when there are fewer kv heads than tp ranks: output cut to this rank's head."""
+    """A replicated k/v projection when there are fewer kv heads than tp ranks: output cut to this rank's head.
+
+    Args:
+        in_features: the input width.
+        out_features: the whole projection's width (every kv head).
+        columns: the output columns of this rank's head.
+        group: the tensor-parallel process group the weight's gradient is summed over.
+    """
 
     def __init__(self, in_features: int, out_features: int, columns: slice, group):
         super().__init__(in_features, out_features, bias=False)
