@@ -201,8 +201,8 @@ def cmd_generate(args) -> int:
 
     model, tokenizer = load_for_inference(args.model, args.dtype, args.device, args.trust_remote_code)
     stream = not args.json and args.num_beams == 1  # beam search settles its text only at the end
-    ids = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                   args.num_beams, args.seed, args.compile,
+    ids = generate(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, num_beams=args.num_beams, seed=args.seed, compile=args.compile,
                    on_text=(lambda piece: print(piece, end="", flush=True)) if stream else None)
     text = tokenizer.decode(ids, skip_special_tokens=True)
     if args.json:
@@ -250,8 +250,9 @@ def cmd_submit(args) -> int:
 
     cfg, profile, run_dir = _load(args), _chosen_profile(args), Path(args.run_dir)
     kind = "hostfile" if args.hostfile else "sbatch"
-    script = render(kind, cfg, profile, args.nodes, run_dir, args.preset, args.config, args.overrides,
-                    grace=args.grace, depends_on=args.depends_on, hostfile=args.hostfile, python=args.python)
+    script = render(kind, cfg, profile, args.nodes, run_dir, preset=args.preset, config=args.config,
+                    overrides=args.overrides, grace=args.grace, depends_on=args.depends_on, hostfile=args.hostfile,
+                    python=args.python)
     if args.dry_run:
         print(script, end="")
         if kind == "sbatch":
@@ -326,8 +327,9 @@ def cmd_profile(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     nominal = load_profile(args.cluster).peak_bf16_tflops if args.cluster else None
     tps = [int(layout.removeprefix("tp=")) for layout in args.layout.split(",")]
-    rows = run_sweep(args.size, args.hash.split(","), tps, args.steps, args.warmup, args.seq_len, args.micro_batch,
-                     args.dtype, out, nominal, args.overrides, args.trace)
+    rows = run_sweep(args.size, args.hash.split(","), tps, steps=args.steps, warmup=args.warmup, seq_len=args.seq_len,
+                     micro=args.micro_batch, dtype=args.dtype, out=out, peak_nominal=nominal,
+                     overrides=args.overrides, trace=args.trace)
     cfg = load_config(f"{args.size}-h4b16k").model
     import torch
 

@@ -107,7 +107,7 @@ def new_token_budget(model: PreTrainedModel, prompt: str, prompt_tokens: int, ma
 
 
 @torch.no_grad()
-def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str, max_new_tokens: int = 50,
+def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str, *, max_new_tokens: int = 50,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, num_beams: int = 1,
              seed: int = 0, compile: bool = False, on_text: Callable[[str], None] | None = None) -> torch.Tensor:
     """Generated ids (prompt excluded) ``[num_new]``; ``temperature == 0`` is greedy (or beam search);

@@ -177,10 +177,11 @@ def signal_grace(cfg: RunConfig, profile: ClusterProfile, nodes: int, asked: int
     return grace
 
 
-def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, preset: str | None,
-           config: str | None, overrides: list[str], *, grace: int | None = None, depends_on: str | None = None,
-           hostfile: str | None = None, python: str | None = None) -> str:
-    """The job script (``kind``: ``sbatch`` or ``hostfile``); the layout is checked against the nodes first."""
+def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, *, preset: str | None = None,
+           config: str | None = None, overrides: list[str] = (), grace: int | None = None,
+           depends_on: str | None = None, hostfile: str | None = None, python: str | None = None) -> str:
+    """The job script (``kind``: ``sbatch`` or ``hostfile``); the layout is checked against the nodes first.
+    ``preset``, ``config`` and ``overrides`` are what the ranks load the run's config from, as ``train`` takes them."""
     if nodes < 1:
         raise ConfigError(f"--nodes={nodes}: need at least one node")
     if grace is not None and grace < 1:

@@ -40,7 +40,7 @@ def worker_main(rows_file: str, spec_json: str) -> int:
     return 0
 
 
-def run_sweep(size: str, hashes: list[str], tps: list[int], steps: int, warmup: int, seq_len: int, micro: int,
+def run_sweep(size: str, hashes: list[str], tps: list[int], *, steps: int, warmup: int, seq_len: int, micro: int,
               dtype: str, out: Path, peak_nominal: float | None, overrides: list[str], trace: bool) -> list[TrainRow]:
     """Every (tp, hash configuration) in ``tps`` × ``hashes``, each in fresh processes; their rows in that order."""
     from tqdm.auto import tqdm
