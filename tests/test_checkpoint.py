@@ -122,7 +122,7 @@ def test_async_saves_train_and_resume_as_synchronous_ones(tmp_path, data):
     out = run_cli(train_args(tmp_path / "async", data, 2, *layout, ASYNC, steps=6)
                   + ["--resume", str(ckpts / "step-00000002")])
     assert f"resumed from {ckpts / 'step-00000002'} at step 2" in out
-    assert "s stall, " in out and " s in the background)" in out
+    assert "s stall, " in out and " s in the background, " in out
     resumed = metrics(tmp_path / "async")
     assert [r["loss"] for r in resumed] == [r["loss"] for r in sync]
     assert [r["head_losses"] for r in resumed] == [r["head_losses"] for r in sync]
