@@ -107,13 +107,13 @@ def test_p_inf_chunked_equals_unchunked(model):
 
 
 class _DetachedRetrieval(BucketTables):
-    def _retrieve(self, probs, table):
-        return probs @ self.weight[table].detach()
+    def _retrieve(self, weight, probs, table):
+        return probs @ weight[table].detach()
 
 
 class _DetachedLookup(BucketTables):
-    def _lookup(self, rows):
-        w = self.weight.detach()
+    def _lookup(self, weight, rows):
+        w = weight.detach()
         return w[torch.arange(w.shape[0]), rows]
 
 
