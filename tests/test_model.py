@@ -153,7 +153,7 @@ def test_build_model_dispatch(tiny_cfg, table):
 
 def test_target_p_inf_streams_over_the_vocabulary(model):
     x = torch.randint(1, V, (2, 9))
-    out = model(x[:, :-1], x[:, 1:], with_p_inf=True)
+    out = model.evaluation(x[:, :-1], x[:, 1:])
     dense = model.log_p_inf(x[:, :-1]).gather(-1, x[:, 1:, None]).squeeze(-1)
     torch.testing.assert_close(out.p_inf_nll, -dense.mean())
     from mhf_dist.model.scoring import target_log_p_inf
