@@ -56,7 +56,7 @@ class HostTables(nn.Module):
     def __init__(self, num_tables: int, num_rows: int, dim: int):
         super().__init__()
         self.num_rows = num_rows
-        self.weight = torch.empty(num_tables, num_rows, dim)
+        self.weight = torch.empty(num_tables, num_rows, dim, device="cpu")  # host memory, whatever the default device
         # fp32 host gradient, allocated by the trainer; on a CUDA device complete only after accumulate()
         self.grad: torch.Tensor | None = None
         # bool [T·R]: the flat rows given a gradient, when the trainer keeps it (lazy update, or dp > 1)

@@ -178,7 +178,7 @@ class HashVocabulary(TiedVocabulary):
 
 class TokenVocabulary(TiedVocabulary):
     def __init__(self, vocab_size: int, padded_rows: int, dim: int, chunk_tokens: int = 0):
-        ids = torch.arange(vocab_size)
+        ids = torch.arange(vocab_size, device="cpu")  # data, as a signature table is: real on a meta skeleton too
         super().__init__(
             tables=BucketTables(1, padded_rows, dim),
             encoder=None,
