@@ -77,6 +77,9 @@ class BucketTables(nn.Module):
     def __init__(self, num_tables: int, num_rows: int, dim: int):
         super().__init__()
         self.num_rows = num_rows  # global rows per table
+        # rows held here (a tensor-parallel shard's fewer): not read off the weight, which ZeRO-3 partitions
+        # between the calls of forward
+        self.local_rows = num_rows
         self.weight = nn.Parameter(torch.empty(num_tables, num_rows, dim))
 
     # Row range held by this module and the reductions over the other ranges.
@@ -99,10 +102,6 @@ class BucketTables(nn.Module):
         return x
 
     # ------------------------------------------------------------------
-    @property
-    def local_rows(self) -> int:
-        return self.weight.shape[1]
-
     def local_index(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global row ids -> (local ids clamped into range, mask of rows held here)."""
         local = rows - self.row_offset
