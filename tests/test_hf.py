@@ -251,7 +251,7 @@ def test_eval_perplexity_and_last_word_under_p_inf(trained, exported, data, tmp_
     with ShardReader(data["shards"], split="val", tokenizer_fingerprint=tokens_fingerprint(vocabulary(tokenizer))) as r:
         batch = r.next_batch(6)
     with torch.no_grad():
-        nll = ours(batch[:, :-1], batch[:, 1:], with_p_inf=True).p_inf_nll.item()
+        nll = ours.evaluation(batch[:, :-1], batch[:, 1:]).p_inf_nll.item()
         logp = ours.log_p_inf(batch[:, :-1])
     ppl = results["perplexity"]
     assert ppl["tokens"] == batch[:, 1:].numel()

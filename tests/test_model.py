@@ -107,13 +107,13 @@ def test_p_inf_chunked_equals_unchunked(model):
 
 
 class _DetachedRetrieval(BucketTables):
-    def _retrieve(self, probs, table):
-        return probs @ self.weight[table].detach()
+    def _retrieve(self, weight, probs, table):
+        return probs @ weight[table].detach()
 
 
 class _DetachedLookup(BucketTables):
-    def _lookup(self, rows):
-        w = self.weight.detach()
+    def _lookup(self, weight, rows):
+        w = weight.detach()
         return w[torch.arange(w.shape[0]), rows]
 
 
@@ -153,7 +153,7 @@ def test_build_model_dispatch(tiny_cfg, table):
 
 def test_target_p_inf_streams_over_the_vocabulary(model):
     x = torch.randint(1, V, (2, 9))
-    out = model(x[:, :-1], x[:, 1:], with_p_inf=True)
+    out = model.evaluation(x[:, :-1], x[:, 1:])
     dense = model.log_p_inf(x[:, :-1]).gather(-1, x[:, 1:, None]).squeeze(-1)
     torch.testing.assert_close(out.p_inf_nll, -dense.mean())
     from mhf_dist.model.scoring import target_log_p_inf

@@ -89,7 +89,7 @@ def test_term_matches_brute_force_log_softmax(chunk_tokens):
         assert_tensor_close(grads[key], g, f"grad {key}")
     # the logged term is the evaluation's mean -log P_inf of the same targets
     with torch.no_grad():
-        evaluated = make_model(0.0)(x, y, with_p_inf=True)
+        evaluated = make_model(0.0).evaluation(x, y)
     torch.testing.assert_close(out.p_inf_nll, evaluated.p_inf_nll, rtol=1e-6, atol=0)
     torch.testing.assert_close(out.loss, out.head_losses.sum() + weight * out.p_inf_nll, rtol=1e-6, atol=0)
     # the term's gradient is real: the weight changes the decoder's and backbone's gradients

@@ -249,10 +249,9 @@ def main() -> None:
 
     from mhf_dist.engram_compression import CompressionTable
     from mhf_dist.model.lm import model_structure
-    from mhf_dist.parallel.construct import meta_parameters
 
     m = load_config(args.preset).model
-    with meta_parameters():  # sizes only
+    with torch.device("meta"):  # sizes only
         counted = model_structure(m, VOCAB, torch.ones(VOCAB, m.hash.num_hashes, dtype=torch.long),
                                   CompressionTable.identity(VOCAB) if m.engram else None)
     params = sum(p.numel() for p in counted.parameters())

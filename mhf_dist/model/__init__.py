@@ -9,7 +9,7 @@ login nodes that may not have it.
 from importlib import import_module
 
 _EXPORTS = {"LanguageModel": "lm", "MultiHashFormer": "lm", "StandardLM": "lm", "build_model": "lm",
-            "LMOutput": "vocabulary"}
+            "TrainingLoss": "vocabulary", "Evaluation": "vocabulary"}
 
 __all__ = sorted(_EXPORTS)
 

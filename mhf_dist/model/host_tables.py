@@ -56,7 +56,7 @@ class HostTables(nn.Module):
     def __init__(self, num_tables: int, num_rows: int, dim: int):
         super().__init__()
         self.num_rows = num_rows
-        self.weight = torch.empty(num_tables, num_rows, dim)
+        self.weight = torch.empty(num_tables, num_rows, dim, device="cpu")  # host memory, whatever the default device
         # fp32 host gradient, allocated by the trainer; on a CUDA device complete only after accumulate()
         self.grad: torch.Tensor | None = None
         # bool [T·R]: the flat rows given a gradient, when the trainer keeps it (lazy update, or dp > 1)
@@ -78,12 +78,9 @@ class HostTables(nn.Module):
     def local_rows(self) -> int:
         return self.weight.shape[1]
 
-    def forward(self, op: str, *args: torch.Tensor) -> torch.Tensor:
-        return getattr(self, f"_{op}")(*args)
-
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [..., T]`` (row of each table) -> ``[..., T, d]``: ``u_i = E_i[rows_i]``, in ``transfer_dtype``."""
-        return self("lookup", rows)
+        return self(rows)
 
     # ------------------------------------------------------------------ gathering
     def flat_rows(self, rows: torch.Tensor) -> torch.Tensor:
@@ -127,7 +124,8 @@ class HostTables(nn.Module):
         """Drop the gathered rows (end of a training step): later lookups gather for themselves."""
         self._current = self._next = None
 
-    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """:meth:`lookup`."""
         gathered = self._current
         if gathered is None or gathered.inverse.shape != rows.shape:
             gathered = self.gather(rows.cpu())

@@ -1,7 +1,12 @@
 """The two language models: MultiHashFormer and the Standard baseline (docs/spec.md §2–§5).
 
-Both are ``vocabulary.embed -> backbone -> vocabulary.loss / log_p_inf``; they
-differ only in their :mod:`vocabulary <mhf_dist.model.vocabulary>`. Either may
+Both are ``vocabulary.embed -> backbone -> vocabulary.{loss, evaluation, log_p_inf}``;
+they differ only in their :mod:`vocabulary <mhf_dist.model.vocabulary>`. Each use
+has its own entry point: ``forward`` is the training loss, :meth:`~LanguageModel.evaluation`
+adds the evaluation sums to it, :meth:`~LanguageModel.log_p_inf` scores for inference.
+The training loss is the module's ``forward`` because DeepSpeed's engine hooks
+its module's forward output (for gradient accumulation and ZeRO's backward), so
+what it differentiates has to come out of that call. Either may
 carry Engram memories in its backbone (docs/spec.md §8, ``cfg.engram``), built from the
 tokenizer's compression table.
 
@@ -23,7 +28,7 @@ from mhf_dist.model.backbone import Backbone
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.model.init import initialise
 from mhf_dist.model.scoring import LOG_P_INF_CHUNK
-from mhf_dist.model.vocabulary import HashVocabulary, LMOutput, TiedVocabulary, TokenVocabulary
+from mhf_dist.model.vocabulary import Evaluation, HashVocabulary, TiedVocabulary, TokenVocabulary, TrainingLoss
 
 if TYPE_CHECKING:
     from mhf_dist.engram_compression import CompressionTable
@@ -44,9 +49,14 @@ class LanguageModel(nn.Module):
         """Final-norm output ``h [B, S, d]``."""
         return self.backbone(self.vocab.embed(input_ids), input_ids)
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, with_p_inf: bool = False,
-                temperatures: torch.Tensor | None = None) -> LMOutput:
-        return self.vocab.loss(self.hidden(input_ids), targets, with_p_inf, temperatures)
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> TrainingLoss:
+        """The training loss of ``input_ids [B, S]`` predicting ``targets [B, S]`` (``< 0``: ignored)."""
+        return self.vocab.loss(self.hidden(input_ids), targets)
+
+    def evaluation(self, input_ids: torch.Tensor, targets: torch.Tensor,
+                   temperatures: torch.Tensor | None = None) -> Evaluation:
+        """The training loss with the evaluation sums at ``temperatures`` (:meth:`TiedVocabulary.evaluation`)."""
+        return self.vocab.evaluation(self.hidden(input_ids), targets, temperatures)
 
     def log_p_inf(self, input_ids: torch.Tensor, last_only: bool = False,
                   chunk_size: int = LOG_P_INF_CHUNK) -> torch.Tensor:

@@ -50,7 +50,8 @@ class NgramHash(nn.Module):
         self.mode, self.max_ngram, self.num_ids, self.pad_id = cfg.hash, cfg.max_ngram, num_ids, pad_id
         rng = np.random.default_rng(cfg.seed + LAYER_SEED_STRIDE * layer)
         self.register_buffer("old_to_new", old_to_new.long(), persistent=False)
-        self.register_buffer("moduli", torch.tensor(sizes, dtype=torch.long), persistent=False)  # [N-1, K]
+        # [N-1, K]; data, like the other buffers: real on a meta skeleton too
+        self.register_buffer("moduli", torch.tensor(sizes, dtype=torch.long, device="cpu"), persistent=False)
         if self.mode == "engram":
             half_bound = max(1, INT64_MAX // num_ids // 2)
             multipliers = rng.integers(0, half_bound, size=cfg.max_ngram, dtype=np.int64) * 2 + 1

@@ -9,14 +9,18 @@ holds all rows (``row_offset = 0``, the reductions are identities); the
 tensor-parallel ``BucketParallelEmbedding`` holds a slice and overrides the
 reductions with collectives, so the model code is the same for both.
 
-Every use of ``weight`` enters through ``forward`` (``lookup``, ``logits``,
-``retrieve`` and ``per_table`` call it), as a tied embedding's uses do in any module: ZeRO-3
+Every use of ``weight`` enters through ``forward``, which hands it to the
+operation asked for (``lookup``, ``logits``, ``retrieve`` and ``per_table``
+call it with theirs, as Megatron's output layer takes ``weight=``): ZeRO-3
 gathers a module's parameters around its ``forward`` and again for its
-backward, which a method reading ``self.weight`` directly would bypass.
+backward, which a method reading ``self.weight`` directly would bypass. The
+operations take the weight as an argument, so none of them can read it any
+other way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -73,6 +77,9 @@ class BucketTables(nn.Module):
     def __init__(self, num_tables: int, num_rows: int, dim: int):
         super().__init__()
         self.num_rows = num_rows  # global rows per table
+        # rows held here (a tensor-parallel shard's fewer): not read off the weight, which ZeRO-3 partitions
+        # between the calls of forward
+        self.local_rows = num_rows
         self.weight = nn.Parameter(torch.empty(num_tables, num_rows, dim))
 
     # Row range held by this module and the reductions over the other ranges.
@@ -95,37 +102,34 @@ class BucketTables(nn.Module):
         return x
 
     # ------------------------------------------------------------------
-    @property
-    def local_rows(self) -> int:
-        return self.weight.shape[1]
-
     def local_index(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global row ids -> (local ids clamped into range, mask of rows held here)."""
         local = rows - self.row_offset
         owned = (local >= 0) & (local < self.local_rows)
         return local.clamp(0, self.local_rows - 1), owned
 
-    def forward(self, op: str, *args: torch.Tensor | int) -> torch.Tensor:
-        return getattr(self, f"_{op}")(*args)
+    def forward(self, op: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+        """``op(weight, *args)``: the one read of ``weight`` (module docstring)."""
+        return op(self.weight, *args)
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [..., T]`` (row of each table) -> ``[..., T, d]``: ``u_i = E_i[rows_i]``."""
-        return self("lookup", rows)
+        return self(self._lookup, rows)
 
     def logits(self, x: torch.Tensor, table: int) -> torch.Tensor:
         """``x [..., d]`` -> ``[..., R_local]``: ``o = E_table x`` over the rows held here."""
-        return self("logits", x, table)
+        return self(self._logits, x, table)
 
     def retrieve(self, probs: torch.Tensor, table: int) -> torch.Tensor:
         """Soft retrieval ``ē = E_tableᵀ p``: ``probs [..., R_local]`` -> ``[..., d]``."""
-        return self("retrieve", probs, table)
+        return self(self._retrieve, probs, table)
 
     def per_table(self) -> SplitTables:
         """The ``T`` tables ``E_i [R_local, d]`` as views, split by one autograd node, so their gradients make one
         ``[T, R, d]`` tensor (indexing each table separately would zero-fill one per table); heads that write
         them into the shared :class:`TableGradients` leave the split no copy to make."""
         gradients = TableGradients()
-        return SplitTables(self("per_table", gradients), gradients)
+        return SplitTables(self(self._per_table, gradients), gradients)
 
     def fused_head(self, c: torch.Tensor, split: SplitTables, table: int, targets: torch.Tensor, retrieve: bool,
                    chunk: int, num_valid_rows: int | None = None):
@@ -139,18 +143,19 @@ class BucketTables(nn.Module):
         return FusedHead.apply(self.replicated_input(c), split.tables[table], rows, owned, valid, retrieve, chunk,
                                self, split.gradients, table)
 
-    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
-        t, r, d = self.weight.shape
+    def _lookup(self, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        t, r, d = weight.shape
         local, owned = self.local_index(rows)
         flat = local + torch.arange(t, device=rows.device) * r
-        out = F.embedding(flat, self.weight.reshape(t * r, d))
+        out = F.embedding(flat, weight.reshape(t * r, d))
         return self.reduce_sum(torch.where(owned.unsqueeze(-1), out, 0.0))
 
-    def _logits(self, x: torch.Tensor, table: int) -> torch.Tensor:
-        return self.replicated_input(x) @ self.weight[table].t()
+    def _logits(self, weight: torch.Tensor, x: torch.Tensor, table: int) -> torch.Tensor:
+        return self.replicated_input(x) @ weight[table].t()
 
-    def _per_table(self, gradients: TableGradients) -> tuple[torch.Tensor, ...]:
-        return _TableViews.apply(self.weight, gradients)
+    @staticmethod
+    def _per_table(weight: torch.Tensor, gradients: TableGradients) -> tuple[torch.Tensor, ...]:
+        return _TableViews.apply(weight, gradients)
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """``log p = logits - logsumexp(logits)`` over all rows (one kernel here; the sharded tables reduce the
@@ -168,5 +173,5 @@ class BucketTables(nn.Module):
         picked = values.gather(-1, local.unsqueeze(-1)).squeeze(-1)
         return self.reduce_sum(torch.where(owned, picked, 0.0))
 
-    def _retrieve(self, probs: torch.Tensor, table: int) -> torch.Tensor:
-        return self.reduce_sum(probs @ self.weight[table])
+    def _retrieve(self, weight: torch.Tensor, probs: torch.Tensor, table: int) -> torch.Tensor:
+        return self.reduce_sum(probs @ weight[table])

@@ -10,7 +10,8 @@
 Training loss: ``Σ_i -log p_i[H_i(w)]`` — each head's mean NLL over tokens,
 summed over heads; targets ``< 0`` are ignored; MultiHashFormer may add
 ``λ × mean(-log P_inf(target))`` (``model.hash.p_inf_loss_weight``), the NLL of
-the distribution it infers with. Inference: ``log P_inf`` over
+the distribution it infers with. Evaluation: the training loss with the sums of
+``P_inf``'s NLL, top-1/top-5 hits and temperature calibration. Inference: ``log P_inf`` over
 registered tokens. Keeping this side in one module lets the pipeline engine
 place it on the first and last stage as one tied unit.
 """
@@ -38,16 +39,30 @@ from mhf_dist.model.scoring import (
 from mhf_dist.model.tables import BucketTables
 
 
-class LMOutput(NamedTuple):
-    """A forward's losses. A named tuple, so that DeepSpeed's ZeRO-3 finds the tensors in it and hooks them like
-    any module's outputs."""
+class TrainingLoss(NamedTuple):
+    """A micro-batch's training loss (docs/spec.md §5). A named tuple, so that DeepSpeed's ZeRO-3 finds the tensors
+    in it and hooks them like any module's outputs."""
 
-    loss: torch.Tensor  # sum over heads of the mean per-head NLL
+    loss: torch.Tensor  # sum over heads of the mean per-head NLL (+ λ × p_inf_nll)
     head_losses: torch.Tensor  # [H]
-    p_inf_nll: torch.Tensor | None = None  # mean -log P_inf(target), for perplexity (evaluation only)
-    # evaluation only: this micro-batch's sums for P_inf and temperature calibration, float64 [4 + 2K]
-    # (mhf_dist.model.scoring.calibration_sums: tokens, NLL, top-1/top-5 hits, NLL and its slope at each τ_k)
-    eval_sums: torch.Tensor | None = None
+    # the loss's log P_inf term, mean -log P_inf(target), detached; None for a model without it (λ = 0)
+    p_inf_nll: torch.Tensor | None = None
+
+
+class Evaluation(NamedTuple):
+    """A micro-batch's evaluation: its training loss and the sums for ``P_inf`` and temperature calibration."""
+
+    loss: torch.Tensor
+    head_losses: torch.Tensor  # [H]
+    # float64 [4 + 2K] (mhf_dist.model.scoring.calibration_sums: tokens, NLL, top-1/top-5 hits, NLL and its slope
+    # at each τ_k)
+    sums: torch.Tensor
+
+    @property
+    def p_inf_nll(self) -> torch.Tensor:
+        """The mean ``-log P_inf(target)`` over the micro-batch's tokens (perplexity comparable across models)."""
+        return (self.sums[SUM_P_INF_NLL] / self.sums[SUM_TOKENS]).to(torch.promote_types(self.loss.dtype,
+                                                                                         torch.float32))
 
 
 def _kept_mean(values: torch.Tensor, keep: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -86,11 +101,8 @@ class TiedVocabulary(nn.Module):
             self._columns = (key, signature_columns(self.codes, self.tables))
         return self._columns[1]
 
-    def loss(self, h: torch.Tensor, targets: torch.Tensor, with_p_inf: bool = False,
-             temperatures: torch.Tensor | None = None) -> LMOutput:
-        """``h [..., d]`` (final-norm output), ``targets [...]`` token ids -> docs/spec.md §5 training loss
-        (and, ``with_p_inf``, the mean ``-log P_inf`` of the targets: perplexity comparable across models, with
-        the evaluation sums of :meth:`calibration_sums` at ``temperatures``)."""
+    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> TrainingLoss:
+        """``h [..., d]`` (final-norm output), ``targets [...]`` token ids -> docs/spec.md §5 training loss."""
         # targets < 0 are ignored by weight, not by selection: every position goes through the decoder (ignored ones
         # reading token 0) and the means are sums over the kept positions / their count, so no shape depends on
         # the data (boolean indexing would wait for the device to count the kept positions)
@@ -98,20 +110,22 @@ class TiedVocabulary(nn.Module):
         keep = targets >= 0
         count = keep.sum()
         safe = targets.clamp_min(0)
-        if self.p_inf_loss_weight:
-            head_losses, p_inf_loss = self._head_and_p_inf_losses(h, safe, keep, count)
-        else:
-            head_losses, p_inf_loss = _kept_mean(self.decoder.nll(h, self.tables, self.codes[safe]), keep, count), None
-        p_inf_nll = eval_sums = None
-        if with_p_inf:  # evaluation: its sums count tokens, so they take the kept positions only
-            eval_sums = self.calibration_sums(h[keep], targets[keep], temperatures)
-            p_inf_nll = eval_sums[SUM_P_INF_NLL] / eval_sums[SUM_TOKENS]
-            p_inf_nll = p_inf_nll.to(torch.promote_types(h.dtype, torch.float32))
-        loss = head_losses.sum()
-        if p_inf_loss is not None:  # the training term; in training it is also the logged P_inf NLL
-            loss = loss + self.p_inf_loss_weight * p_inf_loss
-            p_inf_nll = p_inf_loss.detach() if p_inf_nll is None else p_inf_nll
-        return LMOutput(loss=loss, head_losses=head_losses, p_inf_nll=p_inf_nll, eval_sums=eval_sums)
+        if not self.p_inf_loss_weight:
+            head_losses = _kept_mean(self.decoder.nll(h, self.tables, self.codes[safe]), keep, count)
+            return TrainingLoss(loss=head_losses.sum(), head_losses=head_losses)
+        head_losses, p_inf_nll = self._head_and_p_inf_losses(h, safe, keep, count)
+        return TrainingLoss(loss=head_losses.sum() + self.p_inf_loss_weight * p_inf_nll, head_losses=head_losses,
+                            p_inf_nll=p_inf_nll.detach())
+
+    def evaluation(self, h: torch.Tensor, targets: torch.Tensor,
+                   temperatures: torch.Tensor | None = None) -> Evaluation:
+        """:meth:`loss` with the evaluation sums of :meth:`calibration_sums` at ``temperatures``, which count
+        tokens, so they take the kept positions only (targets ``>= 0``)."""
+        training = self.loss(h, targets)
+        h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        keep = targets >= 0
+        return Evaluation(loss=training.loss, head_losses=training.head_losses,
+                          sums=self.calibration_sums(h[keep], targets[keep], temperatures))
 
     def _head_and_p_inf_losses(self, h: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
                                count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +178,7 @@ class HashVocabulary(TiedVocabulary):
 
 class TokenVocabulary(TiedVocabulary):
     def __init__(self, vocab_size: int, padded_rows: int, dim: int, chunk_tokens: int = 0):
-        ids = torch.arange(vocab_size)
+        ids = torch.arange(vocab_size, device="cpu")  # data, as a signature table is: real on a meta skeleton too
         super().__init__(
             tables=BucketTables(1, padded_rows, dim),
             encoder=None,

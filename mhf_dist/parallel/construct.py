@@ -3,17 +3,18 @@
 Design: meta-device construction with per-rank materialisation (as torchtitan does), each materialised
 module handed to ZeRO-3 at once:
 
-1. :func:`model_skeleton` builds the whole model with its parameters on the meta device (no memory; the
-   buffers — signature table, the memories' hash constants — are real: they are small and come from the run
-   directory), then the tensor-parallel plan swaps in its modules at this rank's shard size
-   (:func:`~mhf_dist.parallel.tensor_parallel.shard_modules`). No full-size tensor is ever allocated.
+1. :func:`model_skeleton` builds the whole model under ``torch.device("meta")`` (no memory; the buffers —
+   signature table, the memories' hash constants — are data the model code makes on the host, so they are
+   real: they are small and come from the run directory), then the tensor-parallel plan swaps in its modules at
+   this rank's shard size (:func:`~mhf_dist.parallel.tensor_parallel.shard_modules`), on meta as well. No
+   full-size tensor is ever allocated.
 2. :class:`Materialiser` turns the meta parameters of a module into real ones, one leaf module at a time
    (every module holding parameters here is a leaf: Linear, RMSNorm, Conv1d, BucketTables): it allocates
-   this rank's tensor-parallel shard on the device, fills it with that shard of the initial value
-   (:func:`~mhf_dist.model.init.initial_shard`, or of a ``train.init_from`` file read one tensor slice at a
-   time) and, under ZeRO-3, converts the leaf's parameters to DeepSpeed's partitioned ones right away
-   (``deepspeed.zero.Init(module=...)``, the documented way to partition an allocated module), which keeps
-   this rank's 1/dp and frees the rest before the next leaf.
+   this rank's tensor-parallel shard on the device, fills it with that shard of the initial value by the
+   parameter's name (:func:`~mhf_dist.model.init.initial_shard`, or of a ``train.init_from`` file read one
+   tensor slice at a time), sets it on the leaf and, under ZeRO-3, converts the leaf's parameters to
+   DeepSpeed's partitioned ones right away (``deepspeed.zero.Init(module=...)``, the documented way to
+   partition an allocated module), which keeps this rank's 1/dp and frees the rest before the next leaf.
 3. pp > 1: the pipeline's layers are LayerSpecs that materialise their part of the skeleton, which DeepSpeed
    builds only on the stage holding them (:func:`~mhf_dist.parallel.pipeline.build_pipeline`).
 
@@ -24,6 +25,13 @@ plan swaps modules after construction — and every parameter would first be fil
 initialiser and broadcast, then gathered again to receive its seeded value. The meta skeleton keeps the
 model code and the plan as they are, and writes each parameter once, from its own stream, in any layout.
 
+Why not torchtitan's ``model.to_empty(device)`` followed by an initialisation pass? ``to_empty`` allocates the
+whole module before anything is partitioned (a rank would hold the full tensor-parallel shard of the model under
+ZeRO-3), empties the real buffers along with the parameters, and replaces each parameter by a new one without the
+attributes set at construction (``tensor_model_parallel``, which DeepSpeed reads). Materialising leaf by leaf
+keeps the pattern — meta skeleton, then real tensors written once by name — and allocates each leaf in the
+precision and the one buffer the ZeRO-3 conversion wants.
+
 Peak memory while constructing, per rank: ZeRO-3 — its 1/dp of its tensor-parallel shard of the model, plus
 one leaf module's tensor-parallel shard in full and the draw of one full parameter (one table, for the
 stacked tables); pp > 1 — its stage's layers (tensor-parallel shards), plus one parameter's draw.
@@ -31,8 +39,6 @@ stacked tables); pp > 1 — its stage's layers (tensor-parallel shards), plus on
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -44,32 +50,11 @@ from mhf_dist.parallel.state_dict import split_dim
 from mhf_dist.parallel.tensor_parallel import shard_modules, tp_split_dims
 
 
-@contextmanager
-def meta_parameters() -> Iterator[None]:
-    """Modules built inside put their parameters on the meta device and keep their buffers real (as
-    ``accelerate.init_empty_weights(include_buffers=False)``): a parameter's tensor is moved to meta as it is
-    registered, before any initialiser writes it, so its memory is never touched."""
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-            meta.__dict__.update(param.__dict__)
-            param = meta
-        register(module, name, param)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
 def model_skeleton(cfg, vocab_size: int, codes: torch.Tensor | None, compression, tp_group=None, tp_rank: int = 0,
                    tp: int = 1) -> LanguageModel:
     """The model with this rank's tensor-parallel modules, every parameter on the meta device (see the module
     docstring); :class:`Materialiser` makes them real."""
-    with meta_parameters():
+    with torch.device("meta"):
         model = model_structure(cfg, vocab_size, codes, compression)
         shard_modules(model, tp_group, tp_rank, tp)
     return model
@@ -168,30 +153,30 @@ class Materialiser:
 
     def __call__(self, module: nn.Module) -> nn.Module:
         base = self.prefixes[id(module)]
-        # [(leaf, [(attribute, full parameter name)])] for the leaves with meta parameters
-        leaves = [(leaf, [(n, f"{prefix}.{n}" if prefix else n) for n, p in leaf.named_parameters(recurse=False)
+        # [(leaf, [(attribute, full parameter name, meta parameter)])] for the leaves with meta parameters
+        leaves = [(leaf, [(n, f"{prefix}.{n}" if prefix else n, p) for n, p in leaf.named_parameters(recurse=False)
                           if p.is_meta]) for prefix, leaf in module.named_modules(prefix=base)]
         leaves = [(leaf, params) for leaf, params in leaves if params]
         # A parameter is drawn straight into its own memory when that is the whole fp32 draw on the CPU; else the
         # draws share one buffer (one table, or one full parameter), so no temporary is allocated per parameter.
         direct = self.tp == 1 and self.device.type == "cpu" and self.dtype in (None, torch.float32)
-        self.values.reserve({} if direct else {name: self.shapes[name] for _, params in leaves for _, name in params})
+        names = [name for _, params in leaves for _, name, _ in params]
+        self.values.reserve({} if direct else {name: self.shapes[name] for name in names})
         scratch = None
         if self.zero3 is not None and leaves:
             # Each leaf is filled in one buffer, reused leaf after leaf: ZeRO-3 keeps a copy of its slice and lets
             # the leaf's tensors go, so the only other allocations are the slices, which stay packed (a fresh
             # full-size tensor per leaf would leave the allocator holes that later, larger leaves cannot reuse).
-            scratch = torch.empty(max(sum(leaf._parameters[n].numel() for n, _ in params) for leaf, params in leaves),
+            scratch = torch.empty(max(sum(meta.numel() for *_, meta in params) for _, params in leaves),
                                   dtype=self.dtype, device=self.device)
         for leaf, params in leaves:
             offset = 0
-            for n, name in params:
-                meta = leaf._parameters[n]
+            for n, name, meta in params:
                 out = None
                 if scratch is not None:
                     out = scratch[offset:offset + meta.numel()].view(meta.shape)
                     offset += meta.numel()
-                leaf._parameters[n] = self._real(name, meta, out)
+                setattr(leaf, n, self._real(name, meta, out))
             if scratch is not None:
                 self._partition(leaf)
         self.values.release()
@@ -199,9 +184,8 @@ class Materialiser:
             self.values.shard(self.prefixes[id(module)] + ("." if self.prefixes[id(module)] else "") + name,
                               tuple(weight.shape), weight, None, 0, 1)
         for owner in module.modules():
-            for n, buffer in owner._buffers.items():
-                if buffer is not None:
-                    owner._buffers[n] = buffer.to(self.device)
+            for n, buffer in list(owner.named_buffers(recurse=False)):
+                setattr(owner, n, buffer.to(self.device))
         return module
 
     def _real(self, name: str, meta: nn.Parameter, out: torch.Tensor | None = None) -> nn.Parameter:

@@ -22,7 +22,8 @@ with a memory (integer tensors carry no gradient through DeepSpeed's pipeline).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -30,7 +31,7 @@ from torch import nn
 
 from mhf_dist.model.backbone import Backbone, Block, rope_cos_sin
 from mhf_dist.model.lm import LanguageModel
-from mhf_dist.model.vocabulary import TiedVocabulary
+from mhf_dist.model.vocabulary import Evaluation, TiedVocabulary, TrainingLoss
 from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
 
 VOCAB = "vocab"
@@ -70,19 +71,32 @@ class BlockStage(nn.Module):
 
 
 class PipelineLoss:
-    """``loss_fn(h, targets)`` on the last stage; keeps each micro-batch's head losses (and, in evaluation, its
-    P_inf NLL and evaluation sums at ``temperatures``)."""
+    """``loss_fn(h, targets)`` on the last stage: the vocabulary's training loss (:meth:`TiedVocabulary.loss`), or
+    inside :meth:`evaluating` its evaluation (:meth:`TiedVocabulary.evaluation`). Keeps each micro-batch's output
+    in :attr:`outputs`. DeepSpeed's pipeline engine calls the one ``loss_fn`` its module was built with, for
+    ``train_batch`` and ``eval_batch`` alike, so the evaluation is chosen here."""
 
     def __init__(self):
-        self.vocab: TiedVocabulary | None = None
-        self.with_p_inf = False
-        self.temperatures: torch.Tensor | None = None
-        self.outputs = []
+        self.vocab: TiedVocabulary | None = None  # the last stage's, once the stage has made it
+        self.outputs: list[TrainingLoss | Evaluation] = []
+        self._temperatures: torch.Tensor | None = None  # evaluating at these
 
     def __call__(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        out = self.vocab.loss(h, targets, with_p_inf=self.with_p_inf, temperatures=self.temperatures)
+        if self._temperatures is None:
+            out = self.vocab.loss(h, targets)
+        else:
+            out = self.vocab.evaluation(h, targets, self._temperatures)
         self.outputs.append(out)
         return out.loss
+
+    @contextmanager
+    def evaluating(self, temperatures: torch.Tensor) -> Iterator[None]:
+        """The micro-batches of the block are evaluated, with the sums at ``temperatures``."""
+        self._temperatures = temperatures
+        try:
+            yield
+        finally:
+            self._temperatures = None
 
 
 def canonical_name(name: str) -> str:

@@ -153,8 +153,9 @@ class DataParallelTrainer:
         def one_pass(temperatures: torch.Tensor) -> list[float]:
             sums = 0
             for batch in data:
-                out = self.engine(batch[:, :-1], batch[:, 1:], with_p_inf=True, temperatures=temperatures)
-                sums = sums + out.eval_sums
+                # nothing to differentiate: the model's own entry point (ZeRO-3 gathers the weights per submodule)
+                out = self.engine.module.evaluation(batch[:, :-1], batch[:, 1:], temperatures)
+                sums = sums + out.sums
                 if len(losses) < len(data):  # the first pass's
                     losses.append(torch.cat([out.loss.detach().float()[None], out.head_losses.detach().float()]))
             return self.scalars.sum(sums, self.groups.dp_group)
@@ -233,13 +234,12 @@ class PipelineTrainer:
         first = {}
 
         def one_pass(temperatures: torch.Tensor) -> list[float]:
-            self.loss_fn.with_p_inf, self.loss_fn.temperatures = True, temperatures
-            loss = self.engine.eval_batch(data_iter=iter([(b[:, :-1], b[:, 1:]) for b in data]),
-                                          num_micro_batches=batches)
-            self.loss_fn.with_p_inf, self.loss_fn.temperatures = False, None
+            with self.loss_fn.evaluating(temperatures):
+                loss = self.engine.eval_batch(data_iter=iter([(b[:, :-1], b[:, 1:]) for b in data]),
+                                              num_micro_batches=batches)
             if not first:
                 first.update(loss=float(loss), heads=self._last_stage_mean("head_losses", clear=False))
-            return self._last_stage_sum("eval_sums", 4 + 2 * len(temperatures))
+            return self._last_stage_sum("sums", 4 + 2 * len(temperatures))
 
         fit = fit_temperature(one_pass)
         return validation_metrics(first["loss"], first["heads"], fit)
