@@ -27,9 +27,8 @@ from mhf_dist.model.decoder import CascadedDecoder
 from mhf_dist.model.hash_encoder import HashEncoder
 from mhf_dist.model.scoring import (
     LOG_P_INF_CHUNK,
-    SUM_P_INF_NLL,
-    SUM_TOKENS,
     TARGET_CHUNK,
+    EvalSums,
     log_normaliser,
     log_p_inf,
     signature_columns,
@@ -45,8 +44,8 @@ class LMOutput(NamedTuple):
     loss: torch.Tensor  # sum over heads of the mean per-head NLL
     head_losses: torch.Tensor  # [H]
     p_inf_nll: torch.Tensor | None = None  # mean -log P_inf(target), for perplexity (evaluation only)
-    # evaluation only: this micro-batch's sums for P_inf and temperature calibration, float64 [4 + 2K]
-    # (mhf_dist.model.scoring.calibration_sums: tokens, NLL, top-1/top-5 hits, NLL and its slope at each τ_k)
+    # evaluation only: this micro-batch's sums for P_inf and temperature calibration, laid out as
+    # mhf_dist.model.scoring.EvalSums (tokens, NLL, top-1/top-5 hits, NLL and its slope at each τ_k)
     eval_sums: torch.Tensor | None = None
 
 
@@ -105,7 +104,7 @@ class TiedVocabulary(nn.Module):
         p_inf_nll = eval_sums = None
         if with_p_inf:  # evaluation: its sums count tokens, so they take the kept positions only
             eval_sums = self.calibration_sums(h[keep], targets[keep], temperatures)
-            p_inf_nll = eval_sums[SUM_P_INF_NLL] / eval_sums[SUM_TOKENS]
+            p_inf_nll = eval_sums[EvalSums.P_INF_NLL] / eval_sums[EvalSums.TOKENS]
             p_inf_nll = p_inf_nll.to(torch.promote_types(h.dtype, torch.float32))
         loss = head_losses.sum()
         if p_inf_loss is not None:  # the training term; in training it is also the logged P_inf NLL

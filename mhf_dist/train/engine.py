@@ -37,6 +37,7 @@ from mhf_dist.config import RunConfig
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.model.calibration import fit_temperature, validation_metrics
 from mhf_dist.model.lm import LanguageModel
+from mhf_dist.model.scoring import EvalSums
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.layout import Layout, checkpoint_interval
 from mhf_dist.parallel.pipeline import build_pipeline
@@ -239,7 +240,7 @@ class PipelineTrainer:
             self.loss_fn.with_p_inf, self.loss_fn.temperatures = False, None
             if not first:
                 first.update(loss=float(loss), heads=self._last_stage_mean("head_losses", clear=False))
-            return self._last_stage_sum("eval_sums", 4 + 2 * len(temperatures))
+            return self._last_stage_sum("eval_sums", EvalSums.length(len(temperatures)))
 
         fit = fit_temperature(one_pass)
         return validation_metrics(first["loss"], first["heads"], fit)
