@@ -15,7 +15,7 @@ module handed to ZeRO-3 at once:
    (``deepspeed.zero.Init(module=...)``, the documented way to partition an allocated module), which keeps
    this rank's 1/dp and frees the rest before the next leaf.
 3. pp > 1: the pipeline's layers are LayerSpecs that materialise their part of the skeleton, which DeepSpeed
-   builds only on the stage holding them (:func:`~mhf_dist.parallel.pipeline.build_pipeline`).
+   builds only on the stage holding them (:func:`~mhf_dist.backend.deepspeed.pipeline.build_pipeline`).
 
 Why not ``deepspeed.zero.Init`` as a context around the model's constructor (GPT-NeoX, Megatron-DeepSpeed)?
 It partitions each module as its ``__init__`` returns, so the tensor-parallel layers would have to be

@@ -1,6 +1,6 @@
 """The training side of offloaded Engram tables (``model.engram.offload``, :class:`HostTables`).
 
-Per step (:class:`mhf_dist.train.engine.DataParallelTrainer` calls these):
+Per step (:class:`mhf_dist.backend.deepspeed.trainer.DataParallelTrainer` calls these):
 
 1. :meth:`HostTablesStep.prefetch` / :meth:`~HostTablesStep.advance` gather each micro-batch's rows ahead of its
    forward (the next micro-batch's while the current one computes).

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from mhf_dist.backend.deepspeed.trainer import StepStats, build_trainer
 from mhf_dist.config import RunConfig
 from mhf_dist.data.mixture import describe, open_data
 from mhf_dist.data.reader import ShardReader
@@ -55,7 +56,7 @@ from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.fused_head import use_kernels
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.parallel.construct import FileValues, Materialiser, SeededValues, full_shapes, model_skeleton
-from mhf_dist.parallel.devices import bind_gpu
+from mhf_dist.parallel.devices import bind_gpu, device_type
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.layout import Layout, backend_name, preflight, zero_stage
 from mhf_dist.parallel.rank0_work import on_rank0
@@ -67,7 +68,6 @@ from mhf_dist.token_list import tokens_fingerprint, vocabulary
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
 from mhf_dist.train.console import step_line
 from mhf_dist.train.divergence import LossWatch
-from mhf_dist.train.engine import StepStats, build_trainer, device_type
 from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.optim import apply_optimizer_changes
 from mhf_dist.train.preemption import StopSignal

@@ -3,7 +3,7 @@
 - pp = 1: ``deepspeed.initialize`` on the (tensor-parallel) model, ZeRO-3 by
   default (the bucket tables route every use through their ``forward``, so
   ZeRO-3 gathers them like any tied embedding).
-- pp > 1: a ``PipelineModule`` (:mod:`mhf_dist.parallel.pipeline`) with ZeRO-1;
+- pp > 1: a ``PipelineModule`` (:mod:`mhf_dist.backend.deepspeed.pipeline`) with ZeRO-1;
   DeepSpeed's pipeline engine refuses ZeRO-2/3, so asking for them is a
   config error.
 
@@ -33,6 +33,7 @@ import deepspeed
 import torch
 from torch import nn
 
+from mhf_dist.backend.deepspeed.pipeline import build_pipeline
 from mhf_dist.config import RunConfig
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.model.calibration import fit_temperature, validation_metrics
@@ -40,17 +41,9 @@ from mhf_dist.model.lm import LanguageModel
 from mhf_dist.model.scoring import EvalSums
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.layout import Layout, checkpoint_interval
-from mhf_dist.parallel.pipeline import build_pipeline
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.train.host_tables import HostTablesStep
 from mhf_dist.train.optim import build_optimizer
-
-
-def device_type(cfg: RunConfig) -> str:
-    if cfg.train.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.train.device
-
 
 TrainingFlags = Callable[[], Sequence[bool]]  # the loop's flags, asked for at the end of a step
 
