@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from mhf_dist.backend.deepspeed.trainer import StepStats, build_trainer
+from mhf_dist.backend import StepStats, Trainer
+from mhf_dist.backend.deepspeed.trainer import build_trainer
 from mhf_dist.config import RunConfig
 from mhf_dist.data.mixture import describe, open_data
 from mhf_dist.data.reader import ShardReader
@@ -214,9 +215,9 @@ def take_lock(run_path: Path, rank: int, scalars: ScalarCollectives) -> None:
         raise refused or RunDirLocked(f"{run_path} is in use by another job (rank 0 names it)")
 
 
-def weights_finite(engine, scalars: ScalarCollectives) -> bool:
+def weights_finite(trainer: Trainer, scalars: ScalarCollectives) -> bool:
     """Whether every rank's parameters (its ZeRO-3 partition, or its whole stage) hold only finite values."""
-    bad = any(not torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in engine.module.parameters())
+    bad = any(not torch.isfinite(p).all() for p in trainer.local_parameters())
     return not scalars.any(bad)[0]
 
 
@@ -335,7 +336,6 @@ class TrainingLoop:
                                    self.ds_config if zero3 else None, groups)
         with deepspeed_prints(self.verbose):
             self.trainer = build_trainer(cfg, model, groups, self.ds_config, layout, materialise)
-        self.checkpointer.host = getattr(self.trainer, "host", None)
         return resuming
 
     def _open_data(self) -> None:
@@ -362,10 +362,10 @@ class TrainingLoop:
         start from."""
         if resuming is None:
             return 0
-        client = self.checkpointer.load(self.trainer.engine, resuming.load)
+        client = self.checkpointer.load(self.trainer, resuming.load)
         start = client["step"]
         saved = client["config"]
-        for change in apply_optimizer_changes(self.trainer.engine, saved["optimizer"], self.cfg.optimizer,
+        for change in apply_optimizer_changes(self.trainer, saved["optimizer"], self.cfg.optimizer,
                                               self.cfg.train.max_steps, saved["train"]["max_steps"]):
             if self.rank == 0:
                 tqdm.write(f"changed on resume, from step {start + 1}: {change}")
@@ -459,7 +459,7 @@ class TrainingLoop:
             "tokens_per_s": tokens_per_s, "step_s": stepped.seconds,
             "tflops": tokens_per_s * self.flops_per_token / 1e12,
             "mfu": tokens_per_s * self.flops_per_token / self.peak, "memory_gb": memory_gb(self.device),
-            "nonfinite_steps": watch.nonfinite_steps, "skipped_steps": self.trainer.engine.skipped_steps,
+            "nonfinite_steps": watch.nonfinite_steps, "skipped_steps": self.trainer.skipped_steps,
         } | ({"grad_norm": stats.grad_norm} if stats.grad_norm is not None else {}) | (
             {"loss_spikes": watch.loss_spikes} if self.cfg.train.spike_factor is not None else {}) | (
             {"p_inf_loss": stats.p_inf_loss} if stats.p_inf_loss is not None else {}) | (
@@ -504,12 +504,12 @@ class TrainingLoop:
                   "time" if time_due else None)
         if reason is None:
             return
-        if not (self.watch.finite(stats.loss, stats.grad_norm) and weights_finite(self.trainer.engine, self.scalars)):
+        if not (self.watch.finite(stats.loss, stats.grad_norm) and weights_finite(self.trainer, self.scalars)):
             if self.rank == 0:
                 tqdm.write(f"warning: not saving step {step} ({reason}): its loss or weights are not finite; "
                            f"the newest checkpoint, {self.checkpointer.latest()}, stays the one to resume from")
             return
-        saved = self.checkpointer.save(self.trainer.engine, step, step * self.tokens_per_step,
+        saved = self.checkpointer.save(self.trainer, step, step * self.tokens_per_step,
                                        self.reader.state_dict(), reason, statistics.median(self.step_times))
         self.clock.reset()
         if self.result.preempted:
