@@ -28,7 +28,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import io
-import logging
 import os
 import random
 import statistics
@@ -41,13 +40,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
 
-import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from mhf_dist.backend import StepStats, Trainer
+from mhf_dist.backend.deepspeed.distributed import init_distributed as init_backend_distributed
 from mhf_dist.backend.deepspeed.trainer import build_trainer
 from mhf_dist.config import RunConfig
 from mhf_dist.data.mixture import describe, open_data
@@ -104,8 +103,7 @@ def resolve_device(cfg: RunConfig, local_rank: int) -> torch.device:
 def init_distributed(cfg: RunConfig, device: torch.device) -> None:
     """Join the job's process group (a one-rank group when started without a launcher) over ``train.dist_backend``,
     with ``train.dist_timeout_minutes`` as its timeout."""
-    # DeepSpeed's per-step info lines and torch's deprecation notices about the collectives it calls
-    deepspeed.utils.logger.setLevel(logging.WARNING)
+    # torch's deprecation notices about the collectives DeepSpeed calls
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     # The pipeline engine broadcasts the tied bucket tables between the first and last stage; torch warns that the
     # broadcast has no autograd kernel. The tables' gradients are summed over the tie by DeepSpeed itself, and the
@@ -114,8 +112,8 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> None:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
-    deepspeed.init_distributed(dist_backend=backend_name(cfg.train.dist_backend, device.type),
-                               timeout=timedelta(minutes=cfg.train.dist_timeout_minutes))
+    init_backend_distributed(backend_name(cfg.train.dist_backend, device.type),
+                             timedelta(minutes=cfg.train.dist_timeout_minutes))
 
 
 @contextlib.contextmanager
