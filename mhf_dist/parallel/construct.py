@@ -163,7 +163,7 @@ class Materialiser:
         self.shapes = full_shapes(model, tp)
         self.dims = tp_split_dims(model.cfg, tp) if tp > 1 else []
         self.values, self.device, self.tp_rank, self.tp = values, device, tp_rank, tp
-        self.zero3, self.groups = zero3, groups
+        self.zero3 = zero3
         self.dtype = training_dtype(zero3) if zero3 is not None else None
         self._partition = Zero3Partitioner(zero3, groups, self.dtype) if zero3 is not None else None
 
