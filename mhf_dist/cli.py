@@ -99,8 +99,8 @@ def cmd_train(args) -> int:
         return lost_work(args.run_dir, cfg.train.checkpoint_minutes)
 
     if "RANK" not in os.environ and args.nproc_per_node:
+        from mhf_dist.parallel.devices import device_type
         from mhf_dist.parallel.layout import preflight
-        from mhf_dist.train.engine import device_type
 
         preflight(cfg, args.nproc_per_node, device_type(cfg))
         return launch_local(args.nproc_per_node, _without_option(sys.argv[1:], "--nproc-per-node"), lost)

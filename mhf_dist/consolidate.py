@@ -20,12 +20,12 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from mhf_dist.backend.deepspeed.universal import consolidate
 from mhf_dist.config import RunConfig
 from mhf_dist.output_dir import check_target, staged
 from mhf_dist.run_dir import RunDir
 from mhf_dist.train.checkpoint_index import MARKER, CheckpointError, complete_checkpoints, verify_files
 from mhf_dist.train.host_tables import host_table_weights
-from mhf_dist.train.universal import consolidate
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

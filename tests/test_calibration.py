@@ -7,8 +7,15 @@ import math
 import pytest
 import torch
 
-from mhf_dist.model.calibration import TAU_MAX, TAU_MIN, EvalSums, coarse_temperatures, evaluate_at, fit_temperature
-from mhf_dist.model.scoring import TARGET_CHUNK, calibration_sums, log_p_inf, signature_columns, target_calibration_sums
+from mhf_dist.model.calibration import TAU_MAX, TAU_MIN, coarse_temperatures, evaluate_at, fit_temperature
+from mhf_dist.model.scoring import (
+    TARGET_CHUNK,
+    EvalSums,
+    calibration_sums,
+    log_p_inf,
+    signature_columns,
+    target_calibration_sums,
+)
 from mhf_dist.model.tables import BucketTables
 from mhf_dist.signatures import SignatureTable
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from helpers.runs import metrics, run_cli, train_args, train_run
+from mhf_dist.backend.deepspeed.universal import consolidate
 from mhf_dist.train.checkpoint import CONVERT_PAUSE_ENV
-from mhf_dist.train.universal import consolidate
 
 # every test trains under `mhf-dist train`
 pytestmark = pytest.mark.multirank

@@ -70,9 +70,9 @@ def pieces(named) -> dict[str, tuple[torch.Tensor, tuple | None]]:
 
 
 def construct_worker(rank, world, layouts):
+    from mhf_dist.backend.deepspeed.pipeline import build_pipeline, canonical_name
     from mhf_dist.parallel.construct import FileValues, Materialiser, SeededValues, full_shapes, model_skeleton
     from mhf_dist.parallel.groups import ParallelGroups
-    from mhf_dist.parallel.pipeline import build_pipeline, canonical_name
 
     join_distributed(rank, world)
     codes, compression = inputs()

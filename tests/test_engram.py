@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from helpers.equivalence import assert_tensor_close, step
 from helpers.ranks import run_ranks
 from helpers.runs import metrics, run_cli, train_args, train_run
+from mhf_dist.backend.deepspeed.pipeline import canonical_name, pipeline_name
+from mhf_dist.backend.deepspeed.universal import universal_info
 from mhf_dist.config import ConfigError, EngramConfig, load_config
 from mhf_dist.engram_compression import CompressionError, CompressionTable, normalize
 from mhf_dist.model import build_model
@@ -28,13 +30,11 @@ from mhf_dist.model.ngram_hash import NgramHash
 from mhf_dist.offline_tokenizers import load_tokenizer, train_bpe
 from mhf_dist.parallel.accounting import expected_collective_bytes
 from mhf_dist.parallel.groups import ParallelGroups
-from mhf_dist.parallel.pipeline import canonical_name, pipeline_name
 from mhf_dist.parallel.state_dict import merge_state_dicts
 from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel, tp_split_dims
 from mhf_dist.profiling.training import profile_training
 from mhf_dist.run_dir import RunDir
 from mhf_dist.signatures import SignatureTable
-from mhf_dist.train.universal import universal_info
 
 V = 300
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -66,14 +64,31 @@ def test_offload_scope_errors(overrides, message):
 LR, BETAS, EPS, WD, CLIP = 1e-2, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
-def host_step(model, update: str, monkeypatch) -> HostTablesStep:
-    """The trainer's host step without DeepSpeed: an engine stand-in carrying the decayed group's hyperparameters,
-    gradient clipping 1.0, and (set by :func:`train_step`) a global norm that is the host tables' own."""
-    monkeypatch.setattr(HostTablesStep, "install_norm", lambda self: None)  # patches DeepSpeed's ZeRO optimizer
-    group = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    engine = SimpleNamespace(device=torch.device("cpu"), optimizer=SimpleNamespace(optimizer=group, overflow=False),
-                             gradient_clipping=lambda: CLIP)
-    return HostTablesStep(model, engine, torch.float32, None, 1, update)
+class TrainerStandIn:
+    """The part of a :class:`~mhf_dist.backend.Trainer` the host step reads, without DeepSpeed: the decayed group's
+    hyperparameters, gradient clipping 1.0, and (set by :func:`train_step`) a global norm that is the host tables'
+    own."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.optimizer = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=LR, betas=BETAS, eps=EPS,
+                                           weight_decay=WD)
+        self.norm = float("nan")
+
+    def gradient_clipping(self) -> float:
+        return CLIP
+
+    def step_skipped(self) -> bool:
+        return False
+
+    def global_grad_norm(self) -> float:
+        return float(self.norm)
+
+
+def host_step(model, update: str) -> HostTablesStep:
+    """The trainer's host step, on a :class:`TrainerStandIn`."""
+    return HostTablesStep(model, TrainerStandIn(), torch.float32, None, 1, update)
 
 
 def train_step(model, host: HostTablesStep, ids: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -81,17 +96,17 @@ def train_step(model, host: HostTablesStep, ids: torch.Tensor) -> dict[int, torc
     model.hidden(ids).square().sum().backward()
     read = {i: t.touched.view(t.weight.shape[:2]).clone() for i, t in host.tables.items()} if host.lazy else {}
     host.before_step()
-    host.engine.optimizer._global_grad_norm = float("nan")  # not read: the trainer hands the norm it read over
+    host.trainer.norm = float("nan")  # not read: the trainer hands the norm it read over
     host.after_step(host.host_norm.item())
     return read
 
 
-def test_lazy_update_equals_dense_when_every_row_is_read(monkeypatch):
+def test_lazy_update_equals_dense_when_every_row_is_read():
     """Every row of every table read every step (4096 tokens on ~100-row tables): the lazy update is the dense AdamW,
     clipping and weight decay included, with the same checkpoint state. The padding rows beyond each table's prime
     size are never read: the lazy update leaves them as they are, the dense one decays them."""
     models = {u: tiny(True, f"model.engram.offload_update={u}") for u in ("dense", "lazy")}
-    hosts = {u: host_step(m, u, monkeypatch) for u, m in models.items()}
+    hosts = {u: host_step(m, u) for u, m in models.items()}
     initial = {i: t.weight.clone() for i, t in hosts["lazy"].tables.items()}
     readable = {i: torch.arange(t.weight.shape[1]) < models["lazy"].backbone.layers[i].engram.hash.moduli.view(-1, 1)
                 for i, t in hosts["lazy"].tables.items()}
@@ -113,11 +128,11 @@ def test_lazy_update_equals_dense_when_every_row_is_read(monkeypatch):
         assert not lazy[f"layers.{i}.exp_avg_sq"][~r].any()
 
 
-def test_lazy_update_steps_only_the_rows_read(monkeypatch):
+def test_lazy_update_steps_only_the_rows_read():
     """After a full step, two steps on a few tokens: the rows not read keep their weights and moments bit for bit;
     the rows read follow AdamW by hand, with the clipped gradient and the global step count for bias correction."""
     model = tiny(True, "model.engram.offload_update=lazy")
-    host = host_step(model, "lazy", monkeypatch)
+    host = host_step(model, "lazy")
     train_step(model, host, torch.randint(0, V, (8, 512)))
     for step in (2, 3):
         ids = torch.randint(0, V, (1, 8))
@@ -127,7 +142,7 @@ def test_lazy_update_steps_only_the_rows_read(monkeypatch):
         grads = {i: t.grad.clone() for i, t in host.tables.items()}
         read = {i: t.touched.view(t.weight.shape[:2]).clone() for i, t in host.tables.items()}
         host.before_step()
-        host.engine.optimizer._global_grad_norm = host.host_norm
+        host.trainer.norm = host.host_norm
         host.after_step()
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
         coefficient = max(1.0, (norm.item() + 1e-6) / CLIP)

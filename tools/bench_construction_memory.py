@@ -116,15 +116,15 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
     warnings.filterwarnings("ignore")  # torch's and DeepSpeed's notices, once per rank
     import deepspeed
 
+    from mhf_dist.backend.deepspeed.pipeline import build_pipeline
+    from mhf_dist.backend.deepspeed.trainer import build_trainer
     from mhf_dist.engram_compression import CompressionTable
     from mhf_dist.model import build_model
     from mhf_dist.parallel.construct import Materialiser, SeededValues, model_skeleton
     from mhf_dist.parallel.devices import bind_gpu
     from mhf_dist.parallel.groups import ParallelGroups
     from mhf_dist.parallel.layout import preflight, zero_stage
-    from mhf_dist.parallel.pipeline import build_pipeline
     from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
-    from mhf_dist.train.engine import build_trainer
 
     device = bind_gpu(rank) if args.device == "cuda" else torch.device("cpu")
     deepspeed.utils.logger.setLevel("WARNING")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mhf_dist.model.scoring import SUM_P_INF_NLL, SUM_TOKENS, SUM_TOP1, SUM_TOP5
+from mhf_dist.model.scoring import EvalSums
 
 TAU_MIN, TAU_MAX = 0.02, 4.0
 COARSE = 16  # temperatures of the first pass, log-spaced over [TAU_MIN, TAU_MAX]
@@ -56,30 +56,6 @@ def fine_temperatures(centre: float) -> torch.Tensor:
 def safe_exp(x: float) -> float:
     """``exp(x)`` that is ``inf`` instead of an OverflowError (an untrained MHF's perplexity can be that)."""
     return math.exp(x) if x < 709 else float("inf")
-
-
-@dataclass
-class EvalSums:
-    """:func:`~mhf_dist.model.scoring.calibration_sums` summed over tokens (and ranks), as means per token."""
-
-    temperatures: torch.Tensor  # [K] float64
-    tokens: int
-    p_inf_nll: float
-    top1: float
-    top5: float
-    nll: torch.Tensor  # [K] mean -log P_τk(target)
-    slope: torch.Tensor  # [K] its derivative in τ
-
-    @classmethod
-    def from_sums(cls, temperatures: torch.Tensor, sums: Sequence[float] | torch.Tensor) -> EvalSums:
-        sums, k = torch.as_tensor(sums, dtype=torch.float64).cpu().reshape(-1), temperatures.shape[0]
-        if sums.shape[0] <= 1 or sums[SUM_TOKENS] <= 0:  # (a pass over nothing sums to 0)
-            raise ValueError("no evaluation tokens: the split holds no sequences")
-        if sums.shape[0] != 4 + 2 * k:
-            raise ValueError(f"{sums.shape[0]} sums for {k} temperatures (expected {4 + 2 * k})")
-        n = sums[SUM_TOKENS].item()
-        return cls(temperatures, int(n), sums[SUM_P_INF_NLL].item() / n, sums[SUM_TOP1].item() / n,
-                   sums[SUM_TOP5].item() / n, sums[4:4 + k] / n, sums[4 + k:] / n)
 
 
 def _hermite_minimum(a: float, b: float, fa: float, fb: float, ga: float, gb: float) -> float:

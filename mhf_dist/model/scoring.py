@@ -49,7 +49,8 @@ columns it owns.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -156,7 +157,41 @@ def log_normaliser(head_scores: list[torch.Tensor], columns: torch.Tensor, regis
 
 
 TOP_K = 5  # the evaluation's top-5 accuracy; :func:`calibration_sums` keeps one more candidate (ties)
-SUM_TOKENS, SUM_P_INF_NLL, SUM_TOP1, SUM_TOP5 = range(4)  # :func:`calibration_sums`'s first entries; then 2K
+
+
+@dataclass
+class EvalSums:
+    """:func:`calibration_sums` summed over tokens (and ranks), as means per token. The class also defines the sums'
+    layout, float64 ``[4 + 2K]`` for ``K`` temperatures (:meth:`length`): :data:`TOKENS`, :data:`P_INF_NLL`,
+    :data:`TOP1`, :data:`TOP5`, then the ``K`` NLL sums and the ``K`` slopes; the model writes it and every engine
+    gathers it by it."""
+
+    TOKENS, P_INF_NLL, TOP1, TOP5 = range(4)  # the first entries
+    PER_TEMPERATURE = 4  # where the per-temperature entries begin
+
+    temperatures: torch.Tensor  # [K] float64
+    tokens: int
+    p_inf_nll: float
+    top1: float
+    top5: float
+    nll: torch.Tensor  # [K] mean -log P_τk(target)
+    slope: torch.Tensor  # [K] its derivative in τ
+
+    @classmethod
+    def length(cls, temperatures: int) -> int:
+        """The number of sums for ``temperatures`` temperatures."""
+        return cls.PER_TEMPERATURE + 2 * temperatures
+
+    @classmethod
+    def from_sums(cls, temperatures: torch.Tensor, sums: Sequence[float] | torch.Tensor) -> EvalSums:
+        sums, k = torch.as_tensor(sums, dtype=torch.float64).cpu().reshape(-1), temperatures.shape[0]
+        if sums.shape[0] <= 1 or sums[cls.TOKENS] <= 0:  # (a pass over nothing sums to 0)
+            raise ValueError("no evaluation tokens: the split holds no sequences")
+        if sums.shape[0] != cls.length(k):
+            raise ValueError(f"{sums.shape[0]} sums for {k} temperatures (expected {cls.length(k)})")
+        n, first = sums[cls.TOKENS].item(), cls.PER_TEMPERATURE
+        return cls(temperatures, int(n), sums[cls.P_INF_NLL].item() / n, sums[cls.TOP1].item() / n,
+                   sums[cls.TOP5].item() / n, sums[first:first + k] / n, sums[first + k:] / n)
 
 
 @torch.no_grad()
@@ -166,10 +201,11 @@ def calibration_sums(chunks: Iterable[torch.Tensor], targets: torch.Tensor, temp
     ``chunks``: consecutive column blocks ``[N, c]`` of ``score(w)`` over the whole vocabulary (``-inf`` for
     unregistered tokens; ``log P_inf`` works as well, as it differs by one constant per token), ``targets [N]``,
     ``temperatures [K]`` (τ > 0). With ``log P_τ(w) = τ·score(w) - logsumexp_{w'}(τ·score(w'))`` (``τ = 1``:
-    ``log P_inf``; a constant added to every score of a token cancels), returns float64 ``[4 + 2K]``:
+    ``log P_inf``; a constant added to every score of a token cancels), returns float64 ``[4 + 2K]`` laid out as
+    :class:`EvalSums` defines:
 
-    - ``[SUM_TOKENS]`` N, ``[SUM_P_INF_NLL]`` ``Σ_t -log P_inf(target)``;
-    - ``[SUM_TOP1]``, ``[SUM_TOP5]``: tokens whose target ranks first / in the first five under ``P_inf`` (the
+    - ``[TOKENS]`` N, ``[P_INF_NLL]`` ``Σ_t -log P_inf(target)``;
+    - ``[TOP1]``, ``[TOP5]``: tokens whose target ranks first / in the first five under ``P_inf`` (the
       ranking does not depend on τ): fewer than k other registered tokens score at least as high as the target
       (a token tied with the target counts ahead of it);
     - ``[4 + k]``: ``Σ_t -log P_τk(target)``, and ``[4 + K + k]``: its derivative in τ,

@@ -28,9 +28,8 @@ from mhf_dist.model.decoder import CascadedDecoder
 from mhf_dist.model.hash_encoder import HashEncoder
 from mhf_dist.model.scoring import (
     LOG_P_INF_CHUNK,
-    SUM_P_INF_NLL,
-    SUM_TOKENS,
     TARGET_CHUNK,
+    EvalSums,
     log_normaliser,
     log_p_inf,
     signature_columns,
@@ -54,14 +53,14 @@ class Evaluation(NamedTuple):
 
     loss: torch.Tensor
     head_losses: torch.Tensor  # [H]
-    # float64 [4 + 2K] (mhf_dist.model.scoring.calibration_sums: tokens, NLL, top-1/top-5 hits, NLL and its slope
-    # at each τ_k)
+    # float64, laid out as mhf_dist.model.scoring.EvalSums (tokens, NLL, top-1/top-5 hits, NLL and its slope at
+    # each τ_k)
     sums: torch.Tensor
 
     @property
     def p_inf_nll(self) -> torch.Tensor:
         """The mean ``-log P_inf(target)`` over the micro-batch's tokens (perplexity comparable across models)."""
-        return (self.sums[SUM_P_INF_NLL] / self.sums[SUM_TOKENS]).to(torch.promote_types(self.loss.dtype,
+        return (self.sums[EvalSums.P_INF_NLL] / self.sums[EvalSums.TOKENS]).to(torch.promote_types(self.loss.dtype,
                                                                                          torch.float32))
 
 

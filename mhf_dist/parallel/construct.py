@@ -13,12 +13,13 @@ module handed to ZeRO-3 at once:
    this rank's tensor-parallel shard on the device, fills it with that shard of the initial value by the
    parameter's name (:func:`~mhf_dist.model.init.initial_shard`, or of a ``train.init_from`` file read one
    tensor slice at a time), sets it on the leaf and, under ZeRO-3, converts the leaf's parameters to
-   DeepSpeed's partitioned ones right away (``deepspeed.zero.Init(module=...)``, the documented way to
-   partition an allocated module), which keeps this rank's 1/dp and frees the rest before the next leaf.
+   DeepSpeed's partitioned ones right away (:class:`~mhf_dist.backend.deepspeed.zero.Zero3Partitioner`:
+   DeepSpeed's documented way to partition an allocated module), which keeps this rank's 1/dp and frees the
+   rest before the next leaf.
 3. pp > 1: the pipeline's layers are LayerSpecs that materialise their part of the skeleton, which DeepSpeed
-   builds only on the stage holding them (:func:`~mhf_dist.parallel.pipeline.build_pipeline`).
+   builds only on the stage holding them (:func:`~mhf_dist.backend.deepspeed.pipeline.build_pipeline`).
 
-Why not ``deepspeed.zero.Init`` as a context around the model's constructor (GPT-NeoX, Megatron-DeepSpeed)?
+Why not DeepSpeed's ``zero.Init`` as a context around the model's constructor (GPT-NeoX, Megatron-DeepSpeed)?
 It partitions each module as its ``__init__`` returns, so the tensor-parallel layers would have to be
 created by the model code itself — which knows nothing of process groups and reads like the paper; the
 plan swaps modules after construction — and every parameter would first be filled by PyTorch's default
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mhf_dist.backend.deepspeed.zero import Zero3Partitioner
 from mhf_dist.model.init import draw_size, host_tables, initial_shard
 from mhf_dist.model.lm import LanguageModel, model_structure
 from mhf_dist.parallel.state_dict import split_dim
@@ -147,9 +149,9 @@ class Materialiser:
         self.shapes = full_shapes(model, tp)
         self.dims = tp_split_dims(model.cfg, tp) if tp > 1 else []
         self.values, self.device, self.tp_rank, self.tp = values, device, tp_rank, tp
-        self.zero3, self.groups = zero3, groups
+        self.zero3 = zero3
         self.dtype = training_dtype(zero3) if zero3 is not None else None
-        self._zero_param = None  # the first partitioned parameter: it converts the later ones
+        self._partition = Zero3Partitioner(zero3, groups, self.dtype) if zero3 is not None else None
 
     def __call__(self, module: nn.Module) -> nn.Module:
         base = self.prefixes[id(module)]
@@ -196,14 +198,3 @@ class Materialiser:
         param = nn.Parameter(out, requires_grad=meta.requires_grad)
         param.__dict__.update(meta.__dict__)  # tensor_model_parallel and the like
         return param
-
-    def _partition(self, leaf: nn.Module) -> None:
-        params = list(leaf.parameters(recurse=False))
-        if self._zero_param is None:
-            import deepspeed
-
-            deepspeed.zero.Init(module=leaf, data_parallel_group=self.groups.dp_group, config_dict_or_path=self.zero3,
-                                mpu=self.groups, dtype=self.dtype)
-            self._zero_param = params[0]
-        else:
-            self._zero_param.convert_to_zero_parameters(param_list=params)

@@ -33,3 +33,10 @@ def bind_gpu(local_rank: int) -> torch.device:
     torch.cuda.set_device(index)
     os.environ["LOCAL_RANK"] = str(index)
     return torch.device("cuda", index)
+
+
+def device_type(cfg) -> str:
+    """The device type ``train.device`` names (a GPU when one is visible, under ``auto``)."""
+    if cfg.train.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.train.device

@@ -1,9 +1,11 @@
 """Process groups for tensor, pipeline and data parallelism (docs/spec.md §7).
 
-Built from DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data,
-model; model = tensor parallel, innermost, so a tp group is consecutive ranks,
-one node's GPUs), so the engine's pipeline grid and our tensor-parallel layers
-agree on who is who. ``torch.distributed`` must already be initialised.
+Built from DeepSpeed's ``PipeModelDataParallelTopology``
+(:func:`~mhf_dist.backend.deepspeed.distributed.pipe_model_data_topology`: axes
+pipe, data, model; model = tensor parallel, innermost, so a tp group is
+consecutive ranks, one node's GPUs), so the engine's pipeline grid and our
+tensor-parallel layers agree on who is who. ``torch.distributed`` must already
+be initialised.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from mhf_dist.backend.deepspeed.distributed import pipe_model_data_topology
 from mhf_dist.parallel.layout import data_parallel_size
 
 
@@ -31,10 +34,8 @@ class ParallelGroups:
     @classmethod
     def create(cls, tp: int = 1, pp: int = 1) -> "ParallelGroups":
         """Groups for ``world = tp · pp · dp`` (dp derived); every rank must call this, in the same order."""
-        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-
         dp = data_parallel_size(dist.get_world_size(), tp, pp)
-        topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+        topo = pipe_model_data_topology(pp, tp, dp)
         rank = dist.get_rank()
         mine = {}
         for axis in ("model", "pipe", "data"):

@@ -26,7 +26,7 @@ room when that is a fix; the previous checkpoint stays the newest.
 
 Asynchronous saves (``train.checkpoint_async``): training waits only while
 each rank copies its files into host memory (:class:`HostSnapshot`); a
-background thread per rank saves them through DeepSpeed's engine, fsyncs and
+background thread per rank writes them (DeepSpeed's files by its engine), fsyncs and
 digests them (:class:`BackgroundWriter`), then reports to rank 0 through a
 file (its digests, or an empty ``failed-rank*`` file: no collectives off the
 training thread). Rank 0's thread waits for every report and, when none
@@ -64,7 +64,7 @@ source; the digests guard against corruption, not against someone who can also
 rewrite ``complete.json``.
 
 Resuming under another layout (dp, tp or pp changed) goes through DeepSpeed's
-universal checkpoint (:mod:`mhf_dist.train.universal`): every combination of
+universal checkpoint (:mod:`mhf_dist.backend.deepspeed.universal`): every combination of
 dp, tp and pp (pp = 1 ↔ pp > 1 included, but a pipeline's under ZeRO-1/2 only:
 :meth:`Checkpointer.for_this_layout`) converts; the data position carries
 over because the reader's order does not depend on the rank count. The RNG
@@ -100,6 +100,8 @@ from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
 from mhf_dist import __version__
+from mhf_dist.backend import Trainer
+from mhf_dist.backend.deepspeed.universal import convert_for_layout, universal_info
 from mhf_dist.config import ModelConfig, RunConfig
 from mhf_dist.parallel.rank0_work import on_rank0
 from mhf_dist.parallel.scalars import ScalarCollectives
@@ -124,10 +126,9 @@ from mhf_dist.train.checkpoint_index import (
     step_directories,
     warn_if_without_digests,
 )
-from mhf_dist.train.host_tables import HOST_TABLES_FILE
+from mhf_dist.train.host_tables import HOST_TABLES_FILE, HostTablesStep
 from mhf_dist.train.job_estimates import grace_seconds
 from mhf_dist.train.preemption import GRACE_ENV
-from mhf_dist.train.universal import convert_for_layout, universal_info
 
 log = logging.getLogger(__name__)
 
@@ -258,15 +259,6 @@ def current_device_rng(cuda: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     return cuda[index] if index < len(cuda) else cuda[0]
 
 
-def _set_adam_steps(engine, step: int) -> None:
-    """AdamW's bias-correction step count, which DeepSpeed's universal loading leaves unset for ZeRO-3 sources;
-    every parameter took every optimizer step, so it is the global step."""
-    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    for state in inner.state.values():
-        if "step" in state:
-            state["step"] = torch.full_like(state["step"], step) if torch.is_tensor(state["step"]) else step
-
-
 # ---------------------------------------------------------------------------------------------------- deleting
 class BackgroundDeleter:
     """Rank 0 deletes checkpoint directories off the ranks' path: each is first renamed into
@@ -337,19 +329,19 @@ def log_save(path: Path, reason: str, stall: float, background: float | None = N
 
 
 class RecordingWriter:
-    """Stands in for DeepSpeed's checkpoint engine during one save. Each file goes through the real engine, then is
-    fsynced and digested; a failed write (DeepSpeed's ``torch.save`` reports a full disk as an OSError or a
-    RuntimeError) is recorded instead of raised, so this rank still joins DeepSpeed's collectives and the ranks can
-    agree on the outcome afterwards. Once one write failed, this rank's later writes are skipped."""
+    """This rank's files of one save (the backend's :class:`~mhf_dist.backend.FileWriter`). Each file is written
+    (the backend's state dicts by its own ``save_file``), then fsynced and digested; a failed write (DeepSpeed's
+    ``torch.save`` reports a full disk as an OSError or a RuntimeError) is recorded instead of raised, so this rank
+    still joins the backend's collectives and the ranks can agree on the outcome afterwards. Once one write failed,
+    this rank's later writes are skipped."""
 
-    def __init__(self, engine, rank: int):
-        self.engine = engine
+    def __init__(self, rank: int):
         self.digests: dict[Path, str] = {}
         self.error: str | None = None
         self.injected_failure = os.environ.get(SAVE_FAIL_ENV) == str(rank)
 
-    def save(self, state_dict, path) -> None:
-        self.write(Path(path), lambda p: self.engine.save(state_dict, str(p)))
+    def save(self, state: object, path: Path, save_file: Callable[[object, Path], None]) -> None:
+        self.write(path, lambda p: save_file(state, p))
 
     def put(self, path: Path, data: bytes) -> None:
         """A file whose content is ready in memory."""
@@ -367,9 +359,6 @@ class RecordingWriter:
         except (OSError, RuntimeError) as e:
             log.debug("writing %s failed", path, exc_info=True)
             self.error = f"writing {path.name} failed ({str(e).strip().splitlines()[0]})"
-
-    def __getattr__(self, name):  # makedirs, create, commit, is_decoupled, ...: the real engine's
-        return getattr(self.engine, name)
 
 
 class HostSnapshot:
@@ -403,20 +392,20 @@ class HostSnapshot:
 
 class BackgroundWriter(RecordingWriter):
     """The writer of an asynchronous save (``train.checkpoint_async``). On the training thread each file is only
-    copied into host memory — DeepSpeed's state dicts as a :class:`HostSnapshot`, the other files as their bytes —
-    and queued; a background thread saves them through the real engine, fsyncs and digests them in order, as
+    copied into host memory — the backend's state dicts as a :class:`HostSnapshot`, the other files as their bytes —
+    and queued; a background thread writes them, fsyncs and digests them in order, as
     :class:`RecordingWriter` does, then calls ``finish`` with this writer. :meth:`close` queues the end of the save,
     :meth:`stop` an end cut short (``finish`` then sees an error)."""
 
-    def __init__(self, engine, rank: int, finish):
-        super().__init__(engine, rank)
+    def __init__(self, rank: int, finish):
+        super().__init__(rank)
         self.files: queue.SimpleQueue[tuple[Path, Callable[[Path], None]] | str] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, args=(finish,), name="checkpoint-writer")
         self.thread.start()  # not a daemon: a process stopping on an error still finishes the save in flight
 
-    def save(self, state_dict, path) -> None:
-        snapshot = HostSnapshot(state_dict)  # the copy training waits for
-        self.files.put((Path(path), lambda p: self.engine.save(snapshot.restore(), str(p))))
+    def save(self, state: object, path: Path, save_file: Callable[[object, Path], None]) -> None:
+        snapshot = HostSnapshot(state)  # the copy training waits for
+        self.files.put((path, lambda p: save_file(snapshot.restore(), p)))
 
     def put(self, path: Path, data: bytes) -> None:
         self.files.put((path, lambda p: p.write_bytes(data)))
@@ -465,7 +454,6 @@ class Checkpointer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.scalars = ScalarCollectives()
         self.verified: set[Path] = set()
-        self.host = None  # model.engram.offload: the trainer's HostTablesStep, saved beside DeepSpeed's files
         self.deleter = BackgroundDeleter(self.dir) if self.rank == 0 else None
         self.in_flight: InFlightSave | None = None  # train.checkpoint_async: the save its writer is finishing
         if self.rank == 0:
@@ -614,10 +602,12 @@ class Checkpointer:
         return None
 
     # ------------------------------------------------------------------ save
-    def save(self, engine, step: int, tokens: int, reader_state: dict, reason: str, step_s: float = 0.0) -> Path:
-        """Write checkpoint ``step`` (every rank calls this); a failure on any rank raises CheckpointError on all.
-        With ``train.checkpoint_async`` this returns once this rank's files are in host memory, and the save ends in
-        the background; the save still in flight is waited for first (:meth:`wait`), so one is in flight at most."""
+    def save(self, trainer: Trainer, step: int, tokens: int, reader_state: dict, reason: str,
+             step_s: float = 0.0) -> Path:
+        """Write ``trainer``'s checkpoint ``step`` (every rank calls this); a failure on any rank raises CheckpointError
+        on all. With ``train.checkpoint_async`` this returns once this rank's files are in host memory, and the save
+        ends in the background; the save still in flight is waited for first (:meth:`wait`), so one is in flight at
+        most."""
         began = time.perf_counter()
         self.wait()
         path = self.dir / f"step-{step:08d}"
@@ -635,10 +625,10 @@ class Checkpointer:
                       "config": client["config"],  # what a resume from config.yaml is checked against
                       "signatures_hash": self.signatures_hash, "layout": self.layout, "code_version": __version__}
         if self.cfg.train.checkpoint_async:
-            self._hand_over(engine, client, InFlightSave(path, reason, marker, began, step_s))
+            self._hand_over(trainer, client, InFlightSave(path, reason, marker, began, step_s))
             return path
-        writer = RecordingWriter(engine.checkpoint_engine, self.rank)
-        self._write_files(engine, path, client, writer)
+        writer = RecordingWriter(self.rank)
+        self._write_files(trainer, path, client, writer)
         self._write_digests(path, writer)
         _pause_for_tests()
         self._agree_on_writes(path, writer.error)
@@ -648,13 +638,13 @@ class Checkpointer:
             log_save(path, reason, time.perf_counter() - began, step_s=step_s)
         return path
 
-    def _hand_over(self, engine, client: dict, save: InFlightSave) -> None:
+    def _hand_over(self, trainer: Trainer, client: dict, save: InFlightSave) -> None:
         """An asynchronous save: this rank's files into host memory, handed to a background writer that writes them,
         reports to rank 0 and (rank 0) commits; the save stays in flight until :meth:`wait`."""
-        save.writer = BackgroundWriter(engine.checkpoint_engine, self.rank, lambda _: self._finish_in_background(save))
+        save.writer = BackgroundWriter(self.rank, lambda _: self._finish_in_background(save))
         self.in_flight = save
         try:
-            self._write_files(engine, save.path, client, save.writer)
+            self._write_files(trainer, save.path, client, save.writer)
         except BaseException:
             save.writer.stop()
             raise
@@ -722,17 +712,13 @@ class Checkpointer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._retire_to_fit(path)
 
-    def _write_files(self, engine, path: Path, client: dict, writer: RecordingWriter) -> None:
-        """This rank's part of the checkpoint through ``writer``: DeepSpeed's files, the RNG state and (rank 0,
+    def _write_files(self, trainer: Trainer, path: Path, client: dict, writer: RecordingWriter) -> None:
+        """This rank's part of the checkpoint through ``writer``: the backend's files, the RNG state and (rank 0,
         ``model.engram.offload``) the host tables."""
-        engine.checkpoint_engine = writer
-        try:
-            engine.save_checkpoint(str(self.dir), tag=path.name, client_state=client, save_latest=False)
-        finally:
-            engine.checkpoint_engine = writer.engine
+        trainer.save_files(path, client, writer)
         writer.put(path / RNG_FILE.format(self.rank), rng_state_bytes())
-        if self.host is not None and self.rank == 0:  # tp = pp = 1: every rank holds the same host tables
-            tensors, metadata = self.host.state()
+        if trainer.host_tables is not None and self.rank == 0:  # tp = pp = 1: every rank holds the same host tables
+            tensors, metadata = trainer.host_tables.state()
             writer.put(path / HOST_TABLES_FILE, save(tensors, metadata=metadata))
 
     def _write_digests(self, path: Path, writer: RecordingWriter) -> None:
@@ -766,7 +752,7 @@ class Checkpointer:
                 part.unlink()
             files = sorted(p for p in path.rglob("*") if p.is_file())
             names = [str(f.relative_to(path)) for f in files]
-            unknown = [f for f, name in zip(files, names) if name not in digests]  # not written through the engine
+            unknown = [f for f, name in zip(files, names) if name not in digests]  # not written through a writer
             for f in unknown:
                 _fsync(f)
             digests |= {str(f.relative_to(path)): d for f, d in zip(unknown, file_digests(unknown))}
@@ -908,7 +894,7 @@ class Checkpointer:
             return False
         return json.loads((target / MARKER).read_text()).get("source_marker") == source
 
-    def _load_host_tables(self, path: Path, marker: dict) -> None:
+    def _load_host_tables(self, host_tables: HostTablesStep, path: Path, marker: dict) -> None:
         """The offloaded Engram tables and their AdamW state (from the source of a universal conversion)."""
         source = Path(marker["source"]) if marker.get("universal") else path
         try:
@@ -916,20 +902,19 @@ class Checkpointer:
         except Exception as e:  # missing (a run without model.engram.offload) or unreadable
             raise CheckpointError(f"checkpoint {source} has no readable {HOST_TABLES_FILE} ({e}), which "
                                   "model.engram.offload needs; resume with the config it was saved with") from e
-        self.host.load(tensors)
+        host_tables.load(tensors)
 
-    def load(self, engine, path: Path) -> dict:
-        """Load model, optimizer, scheduler and (same layout only) this rank's RNG state; returns the client state."""
+    def load(self, trainer: Trainer, path: Path) -> dict:
+        """Load ``trainer``'s model, optimizer, scheduler and (same layout only) this rank's RNG state; returns the
+        client state."""
         marker = read_marker(path)
         if not marker.get("universal") and path not in self.verified:
             self.verify(path)
-        _, client = engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True)
+        client = trainer.load_files(path, bool(marker.get("universal")))
         if client is None:
             raise CheckpointError(f"DeepSpeed could not load {path}; see the log above")
-        if marker.get("universal"):
-            _set_adam_steps(engine, client["step"])
-        if self.host is not None:
-            self._load_host_tables(path, marker)
+        if trainer.host_tables is not None:
+            self._load_host_tables(trainer.host_tables, path, marker)
         if marker["layout"] == self.layout:
             if (rng := path / RNG_FILE.format(self.rank)).is_file():
                 set_rng_state(read_rng_state(rng))

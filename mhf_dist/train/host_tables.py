@@ -1,6 +1,7 @@
 """The training side of offloaded Engram tables (``model.engram.offload``, :class:`HostTables`).
 
-Per step (:class:`mhf_dist.train.engine.DataParallelTrainer` calls these):
+Per step (:class:`mhf_dist.backend.deepspeed.trainer.DataParallelTrainer` calls these; the trainer is the
+:class:`~mhf_dist.backend.Trainer` whose optimizer step they follow):
 
 1. :meth:`HostTablesStep.prefetch` / :meth:`~HostTablesStep.advance` gather each micro-batch's rows ahead of its
    forward (the next micro-batch's while the current one computes).
@@ -10,9 +11,10 @@ Per step (:class:`mhf_dist.train.engine.DataParallelTrainer` calls these):
    row masks (:attr:`HostTables.touched`, kept whenever dp > 1) are all-reduced with MAX, one byte a row, and only
    the union's rows are all-reduced — every other row's gradient is zero on every rank — through pinned staging
    buffers on the communication device, never handed to NCCL from the host. Then their norm is taken, and the
-   learning rate, betas, eps and weight decay of the engine's decayed (>= 2-D) group are read.
-3. DeepSpeed's step: :meth:`~HostTablesStep.install_norm` made its ZeRO optimizer's global gradient norm include the
-   host tables' (``sqrt(n_device² + n_host²)``), so its clipping and the logged grad norm are those of the dense run.
+   learning rate, betas, eps and weight decay of the trainer's decayed (>= 2-D) group are read.
+3. DeepSpeed's step: the trainer made its ZeRO optimizer's global gradient norm include the host tables'
+   (:meth:`~HostTablesStep.host_norm_on`, :mod:`mhf_dist.backend.deepspeed.grad_norm`: ``sqrt(n_device² +
+   n_host²)``), so its clipping and the logged grad norm are those of the dense run.
 4. :meth:`~HostTablesStep.after_step`: the same clip coefficient ``max(1, (norm + 1e-6) / grad_clip)`` on the host
    gradients (the global norm as the trainer read it with the step's other numbers, so it costs no host sync of its
    own), then ``torch.optim.AdamW`` (fused, as the dense path) on the host tables with those hyperparameters:
@@ -33,6 +35,7 @@ written by rank 0 only: with tp = pp = 1 every rank holds the same tables.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -42,6 +45,9 @@ from torch.optim.adamw import adamw
 
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.parallel.scalars import ScalarCollectives, communication_device
+
+if TYPE_CHECKING:
+    from mhf_dist.backend import Trainer
 
 HOST_TABLES_FILE = "engram-host-tables.safetensors"
 
@@ -63,31 +69,29 @@ def host_tables(model: nn.Module) -> dict[int, HostTables]:
 
 
 class HostTablesStep:
-    def __init__(self, model: nn.Module, engine, compute_dtype: torch.dtype, dp_group, dp: int, update: str):
+    def __init__(self, model: nn.Module, trainer: Trainer, compute_dtype: torch.dtype, dp_group, dp: int, update: str):
         self.memories = [block.engram for block in model.backbone.layers
                          if block.engram is not None and isinstance(block.engram.tables, HostTables)]
         self.tables = host_tables(model)
-        self.engine, self.dp_group, self.dp = engine, dp_group, dp
+        self.trainer, self.dp_group, self.dp = trainer, dp_group, dp
         self.lazy = update == "lazy"
         for t in self.tables.values():
-            t.device, t.transfer_dtype = engine.device, compute_dtype
+            t.device, t.transfer_dtype = trainer.device, compute_dtype
             t.grad = torch.zeros_like(t.weight)
             if self.lazy or dp > 1:  # the rows read: the lazy update's, and the only ones a dp all-reduce needs
                 t.touched = torch.zeros(t.weight.shape[0] * t.weight.shape[1], dtype=torch.bool)
         # parameters sharing the tables' storage: the optimizer updates the tables in place
         self.params = {i: nn.Parameter(t.weight) for i, t in self.tables.items()}
-        group = self._engine_group()
+        group = self._trainer_group()
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=group["lr"], betas=group["betas"],
                                            eps=group["eps"], weight_decay=group["weight_decay"], fused=True)
-        self.pin = engine.device.type == "cuda"  # host values that go to the device are staged in pinned memory
+        self.pin = trainer.device.type == "cuda"  # host values that go to the device are staged in pinned memory
         self.host_norm = torch.zeros(())
         self.grads: dict[int, torch.Tensor] = {}  # this step's gradients: each table's, or its touched rows' (lazy)
         self.rows: dict[int, torch.Tensor] = {}  # lazy: this step's touched flat rows of each table
-        self.install_norm()
 
-    def _engine_group(self) -> dict:
-        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
-        return inner.param_groups[0]  # matrices and tables (build_optimizer's first group)
+    def _trainer_group(self) -> dict:
+        return self.trainer.optimizer.param_groups[0]  # matrices and tables (build_optimizer's first group)
 
     # ------------------------------------------------------------------ gathering
     def prefetch(self, input_ids: torch.Tensor) -> None:
@@ -99,33 +103,7 @@ class HostTablesStep:
             t.advance()
 
     # ------------------------------------------------------------------ the step
-    def install_norm(self) -> None:
-        """Make the ZeRO optimizer's global gradient norm include the host tables' gradient norm."""
-        from deepspeed.runtime.utils import combine_grad_norm_groups
-        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-        opt = self.engine.optimizer
-        if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
-            original_groups = opt._get_norm_groups
-
-            def norm_groups():
-                groups = original_groups()
-                return [*groups, self._host_norm_on(groups[0]) * opt.loss_scale]
-            opt._get_norm_groups = norm_groups
-        elif isinstance(opt, DeepSpeedZeroOptimizer):
-            original_norm = opt.scaled_global_norm
-
-            def scaled_global_norm(norm_type=2):
-                norm = original_norm(norm_type)
-                host = self._host_norm_on(norm) * opt.loss_scale
-                return combine_grad_norm_groups([norm, host])
-            opt.scaled_global_norm = scaled_global_norm
-        else:
-            raise RuntimeError(f"model.engram.offload needs a DeepSpeed ZeRO optimizer (stage 1-3), not "
-                               f"{type(opt).__name__}")
-
-    def _host_norm_on(self, like: torch.Tensor) -> torch.Tensor:
+    def host_norm_on(self, like: torch.Tensor) -> torch.Tensor:
         """The host tables' gradient norm on ``like``'s device and dtype: from pinned memory without blocking (then
         converted there) on CUDA."""
         return self.host_norm.to(like.device, non_blocking=self.pin).to(like.dtype)
@@ -153,19 +131,17 @@ class HostTablesStep:
         norms = [torch.linalg.vector_norm(g) for g in self.grads.values()]
         norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
         self.host_norm = norm.pin_memory() if self.pin else norm  # copied to the device inside DeepSpeed's step
-        self.hyper = {k: self._engine_group()[k] for k in ("lr", "betas", "eps", "weight_decay")}
+        self.hyper = {k: self._trainer_group()[k] for k in ("lr", "betas", "eps", "weight_decay")}
 
     @torch.no_grad()
     def after_step(self, global_norm: float | None = None) -> None:
         """After DeepSpeed's step: clip with the global norm it used (``global_norm``, as the trainer read it; else
-        read from the optimizer here), then AdamW on the host tables."""
-        opt = self.engine.optimizer
-        skipped = getattr(opt, "overflow", False)
-        if not skipped:
-            clip = self.engine.gradient_clipping()
+        read from the trainer here), then AdamW on the host tables."""
+        if not self.trainer.step_skipped():
+            clip = self.trainer.gradient_clipping()
             if clip > 0:  # DeepSpeed's coefficient, from the global norm it stashed (the host tables' included)
                 if global_norm is None:  # not read by the caller: read here (a host sync on a GPU)
-                    global_norm = float(opt._global_grad_norm)
+                    global_norm = self.trainer.global_grad_norm()
                 total = torch.tensor(global_norm, dtype=torch.float32)
                 scale = 1.0 / torch.clamp((total + 1e-6) / clip, min=1.0)
                 for g in self.grads.values():

@@ -28,7 +28,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import io
-import logging
 import os
 import random
 import statistics
@@ -41,12 +40,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
 
-import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from mhf_dist.backend import StepStats, Trainer
+from mhf_dist.backend.deepspeed.distributed import init_distributed as init_backend_distributed
+from mhf_dist.backend.deepspeed.trainer import build_trainer
 from mhf_dist.config import RunConfig
 from mhf_dist.data.mixture import describe, open_data
 from mhf_dist.data.reader import ShardReader
@@ -55,7 +56,7 @@ from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.fused_head import use_kernels
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.parallel.construct import FileValues, Materialiser, SeededValues, full_shapes, model_skeleton
-from mhf_dist.parallel.devices import bind_gpu
+from mhf_dist.parallel.devices import bind_gpu, device_type
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.layout import Layout, backend_name, preflight, zero_stage
 from mhf_dist.parallel.rank0_work import on_rank0
@@ -67,7 +68,6 @@ from mhf_dist.token_list import tokens_fingerprint, vocabulary
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
 from mhf_dist.train.console import step_line
 from mhf_dist.train.divergence import LossWatch
-from mhf_dist.train.engine import StepStats, build_trainer, device_type
 from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.optim import apply_optimizer_changes
 from mhf_dist.train.preemption import StopSignal
@@ -103,8 +103,7 @@ def resolve_device(cfg: RunConfig, local_rank: int) -> torch.device:
 def init_distributed(cfg: RunConfig, device: torch.device) -> None:
     """Join the job's process group (a one-rank group when started without a launcher) over ``train.dist_backend``,
     with ``train.dist_timeout_minutes`` as its timeout."""
-    # DeepSpeed's per-step info lines and torch's deprecation notices about the collectives it calls
-    deepspeed.utils.logger.setLevel(logging.WARNING)
+    # torch's deprecation notices about the collectives DeepSpeed calls
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     # The pipeline engine broadcasts the tied bucket tables between the first and last stage; torch warns that the
     # broadcast has no autograd kernel. The tables' gradients are summed over the tie by DeepSpeed itself, and the
@@ -113,8 +112,8 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> None:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
-    deepspeed.init_distributed(dist_backend=backend_name(cfg.train.dist_backend, device.type),
-                               timeout=timedelta(minutes=cfg.train.dist_timeout_minutes))
+    init_backend_distributed(backend_name(cfg.train.dist_backend, device.type),
+                             timedelta(minutes=cfg.train.dist_timeout_minutes))
 
 
 @contextlib.contextmanager
@@ -214,9 +213,9 @@ def take_lock(run_path: Path, rank: int, scalars: ScalarCollectives) -> None:
         raise refused or RunDirLocked(f"{run_path} is in use by another job (rank 0 names it)")
 
 
-def weights_finite(engine, scalars: ScalarCollectives) -> bool:
+def weights_finite(trainer: Trainer, scalars: ScalarCollectives) -> bool:
     """Whether every rank's parameters (its ZeRO-3 partition, or its whole stage) hold only finite values."""
-    bad = any(not torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in engine.module.parameters())
+    bad = any(not torch.isfinite(p).all() for p in trainer.local_parameters())
     return not scalars.any(bad)[0]
 
 
@@ -335,7 +334,6 @@ class TrainingLoop:
                                    self.ds_config if zero3 else None, groups)
         with deepspeed_prints(self.verbose):
             self.trainer = build_trainer(cfg, model, groups, self.ds_config, layout, materialise)
-        self.checkpointer.host = getattr(self.trainer, "host", None)
         return resuming
 
     def _open_data(self) -> None:
@@ -362,10 +360,10 @@ class TrainingLoop:
         start from."""
         if resuming is None:
             return 0
-        client = self.checkpointer.load(self.trainer.engine, resuming.load)
+        client = self.checkpointer.load(self.trainer, resuming.load)
         start = client["step"]
         saved = client["config"]
-        for change in apply_optimizer_changes(self.trainer.engine, saved["optimizer"], self.cfg.optimizer,
+        for change in apply_optimizer_changes(self.trainer, saved["optimizer"], self.cfg.optimizer,
                                               self.cfg.train.max_steps, saved["train"]["max_steps"]):
             if self.rank == 0:
                 tqdm.write(f"changed on resume, from step {start + 1}: {change}")
@@ -459,7 +457,7 @@ class TrainingLoop:
             "tokens_per_s": tokens_per_s, "step_s": stepped.seconds,
             "tflops": tokens_per_s * self.flops_per_token / 1e12,
             "mfu": tokens_per_s * self.flops_per_token / self.peak, "memory_gb": memory_gb(self.device),
-            "nonfinite_steps": watch.nonfinite_steps, "skipped_steps": self.trainer.engine.skipped_steps,
+            "nonfinite_steps": watch.nonfinite_steps, "skipped_steps": self.trainer.skipped_steps,
         } | ({"grad_norm": stats.grad_norm} if stats.grad_norm is not None else {}) | (
             {"loss_spikes": watch.loss_spikes} if self.cfg.train.spike_factor is not None else {}) | (
             {"p_inf_loss": stats.p_inf_loss} if stats.p_inf_loss is not None else {}) | (
@@ -504,12 +502,12 @@ class TrainingLoop:
                   "time" if time_due else None)
         if reason is None:
             return
-        if not (self.watch.finite(stats.loss, stats.grad_norm) and weights_finite(self.trainer.engine, self.scalars)):
+        if not (self.watch.finite(stats.loss, stats.grad_norm) and weights_finite(self.trainer, self.scalars)):
             if self.rank == 0:
                 tqdm.write(f"warning: not saving step {step} ({reason}): its loss or weights are not finite; "
                            f"the newest checkpoint, {self.checkpointer.latest()}, stays the one to resume from")
             return
-        saved = self.checkpointer.save(self.trainer.engine, step, step * self.tokens_per_step,
+        saved = self.checkpointer.save(self.trainer, step, step * self.tokens_per_step,
                                        self.reader.state_dict(), reason, statistics.median(self.step_times))
         self.clock.reset()
         if self.result.preempted:

@@ -7,10 +7,14 @@ norm gains, as in the authors' Hugging Face Trainer set-up.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from mhf_dist.config import OptimizerConfig
+
+if TYPE_CHECKING:
+    from mhf_dist.backend import Trainer
 
 
 def lr_factor(step: int, cfg: OptimizerConfig, max_steps: int) -> float:
@@ -39,7 +43,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, max_steps: int
     return optimizer, scheduler
 
 
-def apply_optimizer_changes(engine, saved: dict, cfg: OptimizerConfig, max_steps: int,
+def apply_optimizer_changes(trainer: Trainer, saved: dict, cfg: OptimizerConfig, max_steps: int,
                             saved_max_steps: int) -> list[str]:
     """After a resume, the config's optimizer settings and ``train.max_steps`` where they differ from the
     checkpoint's (``saved``, its ``optimizer`` section, and ``saved_max_steps``): the LR schedule is a function of
@@ -53,11 +57,10 @@ def apply_optimizer_changes(engine, saved: dict, cfg: OptimizerConfig, max_steps
                        f"step {max_steps})")
     if not changed:
         return []
-    scheduler = engine.lr_scheduler
+    scheduler = trainer.lr_scheduler
     scheduler.base_lrs = [cfg.lr] * len(scheduler.base_lrs)
     lr = cfg.lr * lr_factor(scheduler.last_epoch, cfg, max_steps)
-    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    for group in {id(g): g for g in [*inner.param_groups, *scheduler.optimizer.param_groups]}.values():
+    for group in {id(g): g for g in [*trainer.optimizer.param_groups, *scheduler.optimizer.param_groups]}.values():
         group.update(lr=lr, betas=cfg.betas, eps=cfg.eps)
         if group["weight_decay"]:  # the decayed group (matrices and tables); the other stays at 0
             group["weight_decay"] = cfg.weight_decay

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+from mhf_dist.backend.deepspeed.pipeline import canonical_name, pipeline_name
 from mhf_dist.config import ModelConfig
-from mhf_dist.parallel.pipeline import canonical_name, pipeline_name
 from mhf_dist.parallel.state_dict import split_dim
 from mhf_dist.parallel.tensor_parallel import tp_split_dims
 

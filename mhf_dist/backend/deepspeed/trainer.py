@@ -3,7 +3,7 @@
 - pp = 1: ``deepspeed.initialize`` on the (tensor-parallel) model, ZeRO-3 by
   default (the bucket tables route every use through their ``forward``, so
   ZeRO-3 gathers them like any tied embedding).
-- pp > 1: a ``PipelineModule`` (:mod:`mhf_dist.parallel.pipeline`) with ZeRO-1;
+- pp > 1: a ``PipelineModule`` (:mod:`mhf_dist.backend.deepspeed.pipeline`) with ZeRO-1;
   DeepSpeed's pipeline engine refuses ZeRO-2/3, so asking for them is a
   config error.
 
@@ -13,8 +13,8 @@ leaf by leaf under ZeRO-3) before ``deepspeed.initialize``; pp > 1 hands it to t
 pipeline, whose stages materialise their own layers. Without ``materialise``
 the model is taken as built.
 
-The DeepSpeed config comes from :mod:`mhf_dist.parallel.layout`. Both engines expose the same ``train_step`` /
-``evaluate``.
+The DeepSpeed config comes from :mod:`mhf_dist.parallel.layout`. Both trainers are the backend's
+:class:`~mhf_dist.backend.Trainer`: the same ``train_step`` / ``evaluate``, checkpoint files and optimizer state.
 
 Host syncs (on a GPU, a host read of a device value waits for all the work queued before it). A training step reads
 its numbers once: the losses (averaged over dp on the device), the global gradient norm and the loop's stop/save flags
@@ -26,41 +26,27 @@ in a step is DeepSpeed's own (``tests/test_host_syncs.py`` counts them; docs/des
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import deepspeed
 import torch
 from torch import nn
 
+from mhf_dist.backend import FileWriter, StepStats, Trainer, TrainingFlags
+from mhf_dist.backend.deepspeed.checkpoint import load_checkpoint, save_checkpoint
+from mhf_dist.backend.deepspeed.grad_norm import include_in_global_norm
+from mhf_dist.backend.deepspeed.pipeline import build_pipeline
 from mhf_dist.config import RunConfig
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.model.calibration import fit_temperature, validation_metrics
 from mhf_dist.model.lm import LanguageModel
+from mhf_dist.model.scoring import EvalSums
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.layout import Layout, checkpoint_interval
-from mhf_dist.parallel.pipeline import build_pipeline
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.train.host_tables import HostTablesStep
 from mhf_dist.train.optim import build_optimizer
-
-
-def device_type(cfg: RunConfig) -> str:
-    if cfg.train.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.train.device
-
-
-TrainingFlags = Callable[[], Sequence[bool]]  # the loop's flags, asked for at the end of a step
-
-
-@dataclass
-class StepStats:
-    loss: float  # mean over the global batch
-    head_losses: list[float]
-    grad_norm: float | None  # DeepSpeed reports none without ZeRO
-    p_inf_loss: float | None = None  # mean -log P_inf(target) of the loss's term (model.hash.p_inf_loss_weight > 0)
-    flags: list[bool] | None = None  # train_step's ``flags``, each raised on any rank (None when not asked)
 
 
 def read_step(scalars: ScalarCollectives, stats: torch.Tensor, engine, flags: TrainingFlags | None
@@ -79,7 +65,55 @@ def read_step(scalars: ScalarCollectives, stats: torch.Tensor, engine, flags: Tr
     return values[:n], grad_norm, agreed
 
 
-class DataParallelTrainer:
+class EngineTrainer:
+    """What both trainers share of their DeepSpeed engine (``self.engine``): the :class:`~mhf_dist.backend.Trainer`
+    protocol but the steps and the evaluation."""
+
+    engine: deepspeed.DeepSpeedEngine
+    host_tables: HostTablesStep | None = None
+
+    @property
+    def lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.engine.skipped_steps
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The AdamW of :func:`build_optimizer`, which a ZeRO optimizer wraps."""
+        return getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+
+    @property
+    def lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        return self.engine.lr_scheduler
+
+    def local_parameters(self) -> Iterator[torch.Tensor]:
+        """ZeRO-3 keeps this rank's partition of a parameter in its ``ds_tensor``."""
+        return (getattr(p, "ds_tensor", p) for p in self.engine.module.parameters())
+
+    def gradient_clipping(self) -> float:
+        return self.engine.gradient_clipping()
+
+    def step_skipped(self) -> bool:
+        return getattr(self.engine.optimizer, "overflow", False)
+
+    def global_grad_norm(self) -> float:
+        return float(self.engine.optimizer._global_grad_norm)
+
+    def save_files(self, path: Path, client: dict, writer: FileWriter) -> None:
+        save_checkpoint(self.engine, path, client, writer)
+
+    def load_files(self, path: Path, universal: bool) -> dict | None:
+        return load_checkpoint(self.engine, self.optimizer, path, universal)
+
+
+class DataParallelTrainer(EngineTrainer):
     """pp = 1: the model (tensor-parallel or not) under a DeepSpeed engine, ZeRO-0…3."""
 
     def __init__(self, cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout,
@@ -93,22 +127,18 @@ class DataParallelTrainer:
         )
         self.groups, self.accum, self.micro = groups, layout.accum, cfg.train.micro_batch_size
         self.scalars = ScalarCollectives()
-        self.host = None  # model.engram.offload: the Engram tables in host memory
         if cfg.model.engram is not None and cfg.model.engram.offload:
             dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
-            self.host = HostTablesStep(model, self.engine, dtype, groups.dp_group, groups.dp,
-                                       cfg.model.engram.offload_update)
-
-    @property
-    def lr(self) -> float:
-        return self.engine.get_lr()[0]
+            self.host_tables = HostTablesStep(model, self, dtype, groups.dp_group, groups.dp,
+                                              cfg.model.engram.offload_update)
+            include_in_global_norm(self.engine.optimizer, self.host_tables.host_norm_on)
 
     def train_step(self, reader: ShardReader, flags: TrainingFlags | None = None) -> StepStats:
         """One optimizer step; ``flags`` (e.g. stop and save requests) are asked for at its end and come back
         agreed over all ranks in :attr:`StepStats.flags`, read with the step's other numbers."""
         self.engine.train()
         losses = []
-        host, device = self.host, self.engine.device
+        host, device = self.host_tables, self.engine.device
         pin = device.type == "cuda"  # pinned micro-batches: copies to the device that do not block the host
         batch = reader.next_batch(self.micro, pin=pin)
         if host:
@@ -165,7 +195,7 @@ class DataParallelTrainer:
         return validation_metrics(loss, heads, fit)
 
 
-class PipelineTrainer:
+class PipelineTrainer(EngineTrainer):
     """pp > 1: DeepSpeed's pipeline engine over the stages of :func:`build_pipeline`, ZeRO-0/1."""
 
     def __init__(self, cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout,
@@ -180,10 +210,6 @@ class PipelineTrainer:
         self.num_heads = model.vocab.decoder.num_heads
         self.p_inf_term = model.vocab.p_inf_loss_weight > 0
         self.scalars = ScalarCollectives()
-
-    @property
-    def lr(self) -> float:
-        return self.engine.get_lr()[0]
 
     def _batches(self, reader: ShardReader, count: int):
         for _ in range(count):
@@ -239,13 +265,13 @@ class PipelineTrainer:
                                               num_micro_batches=batches)
             if not first:
                 first.update(loss=float(loss), heads=self._last_stage_mean("head_losses", clear=False))
-            return self._last_stage_sum("sums", 4 + 2 * len(temperatures))
+            return self._last_stage_sum("sums", EvalSums.length(len(temperatures)))
 
         fit = fit_temperature(one_pass)
         return validation_metrics(first["loss"], first["heads"], fit)
 
 
 def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout,
-                  materialise: Callable[[nn.Module], nn.Module] | None = None):
+                  materialise: Callable[[nn.Module], nn.Module] | None = None) -> Trainer:
     cls = PipelineTrainer if layout.pp > 1 else DataParallelTrainer
     return cls(cfg, model, groups, ds_config, layout, materialise)

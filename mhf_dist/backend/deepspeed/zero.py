@@ -1,0 +1,28 @@
+"""ZeRO-3 partitioning of a model built module by module (:class:`~mhf_dist.parallel.construct.Materialiser`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Zero3Partitioner:
+    """``partition(leaf)`` converts the parameters of an allocated module to ZeRO-3's partitioned ones, keeping this
+    rank's 1/dp: the first module through ``deepspeed.zero.Init(module=...)`` (the documented way to partition an
+    allocated module), each later one through the first partitioned parameter's ``convert_to_zero_parameters``, the
+    same partitioning without another ``Init``."""
+
+    def __init__(self, config: dict, groups, dtype: torch.dtype):
+        self.config, self.groups, self.dtype = config, groups, dtype
+        self.first: nn.Parameter | None = None  # the first partitioned parameter: it converts the later ones
+
+    def __call__(self, leaf: nn.Module) -> None:
+        params = list(leaf.parameters(recurse=False))
+        if self.first is None:
+            import deepspeed
+
+            deepspeed.zero.Init(module=leaf, data_parallel_group=self.groups.dp_group, config_dict_or_path=self.config,
+                                mpu=self.groups, dtype=self.dtype)
+            self.first = params[0]
+        else:
+            self.first.convert_to_zero_parameters(param_list=params)

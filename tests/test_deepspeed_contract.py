@@ -1,0 +1,219 @@
+"""What the DeepSpeed backend relies on beyond DeepSpeed's documented API, checked against the installed DeepSpeed
+(docs/design.md, "The backend boundary"): one case per private symbol, each naming the symbol and the file that
+depends on it when it changed. Classes and signatures only: no process group, no engine.
+
+pyproject.toml pins DeepSpeed to the range these pass on; a new DeepSpeed is admitted by widening the pin once they
+pass on it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import mhf_dist
+
+PACKAGE = Path(mhf_dist.__file__).parent
+BACKEND = "mhf_dist/backend/deepspeed"
+
+
+def symbol(path: str):
+    """``module:attribute.attribute`` -> the object."""
+    module, _, attributes = path.partition(":")
+    found = importlib.import_module(module)
+    for name in attributes.split(".") if attributes else []:
+        found = getattr(found, name)
+    return found
+
+
+def undecorated(function):
+    """The function under a decorator that hides its signature (DeepSpeed's ``instrument_w_nvtx`` wraps without
+    ``functools.wraps``: ``(*args, **kwargs)`` around the one function in its closure)."""
+    kinds = [p.kind for p in inspect.signature(function).parameters.values()]
+    inner = [c.cell_contents for c in function.__closure__ or () if inspect.isfunction(c.cell_contents)]
+    hidden = kinds == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
+    return inner[0] if hidden and inner else function
+
+
+def parameters_are(path: str, names: list[str]) -> Callable[[], str | None]:
+    """The callable's parameters begin with ``names`` (an override or a call by keyword depends on them)."""
+    def check() -> str | None:
+        found = list(inspect.signature(undecorated(symbol(path))).parameters)
+        return None if found[:len(names)] == names else f"its parameters are {found}, expected {names} first"
+    return check
+
+
+def takes_keywords(path: str, names: list[str]) -> Callable[[], str | None]:
+    """The callable accepts each of ``names`` by keyword."""
+    def check() -> str | None:
+        found = inspect.signature(symbol(path)).parameters
+        missing = [n for n in names if n not in found]
+        return f"it has no parameter {', '.join(missing)} (it has {list(found)})" if missing else None
+    return check
+
+
+def source_holds(path: str, *texts: str) -> Callable[[], str | None]:
+    """The object's source still holds each of ``texts`` (an attribute it sets, a method it calls on itself)."""
+    def check() -> str | None:
+        source = inspect.getsource(symbol(path))
+        missing = [t for t in texts if t not in source]
+        return f"{path} no longer contains {missing}" if missing else None
+    return check
+
+
+def is_property(path: str) -> Callable[[], str | None]:
+    def check() -> str | None:
+        module, _, attributes = path.partition(":")
+        owner, _, name = attributes.rpartition(".")
+        value = inspect.getattr_static(symbol(f"{module}:{owner}"), name, None)
+        return None if isinstance(value, property) else f"it is {value!r}, not a property"
+    return check
+
+
+def all_of(*checks: Callable[[], str | None]) -> Callable[[], str | None]:
+    def check() -> str | None:
+        return next((p for c in checks if (p := c()) is not None), None)
+    return check
+
+
+def topology_places_ranks() -> str | None:
+    """The grid the parallel groups are cut from: tensor parallel innermost, then data, then pipe."""
+    topology = symbol("deepspeed.runtime.pipe.topology:PipeModelDataParallelTopology")(num_pp=2, num_mp=2, num_dp=2)
+    coords = [(c.pipe, c.data, c.model) for c in map(topology.get_coord, range(8))]
+    if coords != [(p, d, m) for p in range(2) for d in range(2) for m in range(2)]:
+        return f"ranks 0-7 sit at (pipe, data, model) {coords}"
+    groups = {axis: topology.get_axis_comm_lists(axis) for axis in ("model", "data", "pipe")}
+    expected = {"model": [[0, 1], [2, 3], [4, 5], [6, 7]], "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "pipe": [[0, 4], [1, 5], [2, 6], [3, 7]]}
+    return None if groups == expected else f"its groups are {groups}"
+
+
+def ds_to_universal_flags() -> str | None:
+    spec = importlib.util.find_spec("deepspeed.checkpoint.ds_to_universal")
+    if spec is None:
+        return "the module is gone"
+    source = Path(spec.origin).read_text()
+    missing = [f for f in ("--input_folder", "--output_folder", "--num_extract_workers", "--num_merge_workers")
+               if f"'{f}'" not in source and f'"{f}"' not in source]
+    return f"it takes no {missing}" if missing else None
+
+
+def universal_keys() -> str | None:
+    """The client-state key, the saved shapes' key and the merge patterns' keys (as universal_info writes them) that
+    the conversion reads."""
+    from mhf_dist.backend.deepspeed.universal import universal_info
+    from mhf_dist.config import load_config
+
+    constants = symbol("deepspeed.checkpoint.constants")
+    known = {getattr(constants, n) for n in dir(constants) if n.isupper() and isinstance(getattr(constants, n), str)}
+    written = set(universal_info(["vocab.tables.weight"], load_config("tiny-h4b16k").model, 1, False))
+    missing = sorted((written | {"universal_checkpoint_info", "param_shapes"}) - known)
+    return f"it no longer knows {missing}" if missing else None
+
+
+def load_universal_key() -> str | None:
+    key = symbol("deepspeed.runtime.constants").LOAD_UNIVERSAL_CHECKPOINT
+    return None if key == "load_universal" else f"the key is {key!r}"
+
+
+@dataclass(frozen=True)
+class Contract:
+    symbol: str  # what of DeepSpeed's is relied on
+    dependent: str  # the file relying on it
+    use: str  # how it relies on it
+    check: Callable[[], str | None]  # what changed, or None
+
+
+ZERO3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
+ZERO12 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
+PIPE = "deepspeed.runtime.pipe.module:PipelineModule"
+ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
+PARTITION = "deepspeed.runtime.zero.partition_parameters"
+
+CONTRACTS = [
+    Contract("DeepSpeedZeroOptimizer_Stage3._get_norm_groups", f"{BACKEND}/grad_norm.py",
+             "replaces on the optimizer (the host tables' norm as one more group)",
+             all_of(parameters_are(f"{ZERO3}._get_norm_groups", ["self"]),
+                    source_holds(ZERO3, "self._get_norm_groups()"))),
+    Contract("DeepSpeedZeroOptimizer.scaled_global_norm", f"{BACKEND}/grad_norm.py",
+             "replaces on the optimizer (combined with the host tables' norm)",
+             all_of(parameters_are(f"{ZERO12}.scaled_global_norm", ["self", "norm_type"]),
+                    source_holds(ZERO12, "self.scaled_global_norm()"))),
+    Contract("deepspeed.runtime.utils.combine_grad_norm_groups", f"{BACKEND}/grad_norm.py", "calls",
+             parameters_are("deepspeed.runtime.utils:combine_grad_norm_groups", ["norm_groups", "norm_type"])),
+    Contract("DeepSpeedZeroOptimizer_Stage3.loss_scale", f"{BACKEND}/grad_norm.py", "scales the host tables' norm by",
+             is_property(f"{ZERO3}.loss_scale")),
+    Contract("DeepSpeedZeroOptimizer.loss_scale", f"{BACKEND}/grad_norm.py", "scales the host tables' norm by",
+             is_property(f"{ZERO12}.loss_scale")),
+    Contract("DeepSpeedZeroOptimizer_Stage3._global_grad_norm and .overflow", f"{BACKEND}/trainer.py",
+             "reads after a step (global_grad_norm, step_skipped)",
+             source_holds(ZERO3, "self._global_grad_norm = ", "self.overflow = ")),
+    Contract("DeepSpeedZeroOptimizer._global_grad_norm and .overflow", f"{BACKEND}/trainer.py",
+             "reads after a step (global_grad_norm, step_skipped)",
+             source_holds(ZERO12, "self._global_grad_norm = ", "self.overflow = ")),
+    Contract("PipelineModule._partition_layers", f"{BACKEND}/pipeline.py", "overrides (stages cut by FLOPs)",
+             all_of(parameters_are(f"{PIPE}._partition_layers", ["self", "method"]),
+                    source_holds(f"{PIPE}.__init__", "self._partition_layers("),
+                    source_holds(PIPE, "self.parts[stage"))),
+    Contract("PipelineModule._set_bounds", f"{BACKEND}/pipeline.py", "calls",
+             parameters_are(f"{PIPE}._set_bounds", ["self", "start", "stop"])),
+    Contract("PipelineModule._topo", f"{BACKEND}/pipeline.py", "reads",
+             source_holds(f"{PIPE}.__init__", "self._topo = ")),
+    Contract("LayerSpec.build", f"{BACKEND}/pipeline.py", "overrides (each stage builds only its own layers)",
+             all_of(parameters_are("deepspeed.pipe:LayerSpec.build", ["self", "log"]),
+                    source_holds(PIPE, "layer.build()"))),
+    Contract("TiedLayerSpec(key, typename, tied_weight_attr=)", f"{BACKEND}/pipeline.py", "subclasses",
+             all_of(parameters_are("deepspeed.pipe:TiedLayerSpec.__init__", ["self", "key", "typename"]),
+                    takes_keywords("deepspeed.pipe:TiedLayerSpec.__init__", ["tied_weight_attr"]))),
+    Contract("DeepSpeedEngine.checkpoint_engine", f"{BACKEND}/checkpoint.py",
+             "replaces for one save (every file it writes goes through it)",
+             source_holds(ENGINE, "self.checkpoint_engine = ", "self.checkpoint_engine.save(")),
+    Contract("CheckpointEngine.save", f"{BACKEND}/checkpoint.py", "stands in for (WriterHook.save)",
+             parameters_are("deepspeed.runtime.checkpoint_engine.checkpoint_engine:CheckpointEngine.save",
+                            ["self", "state_dict", "path"])),
+    Contract("Init._convert_to_zero_parameters (param.convert_to_zero_parameters)", f"{BACKEND}/zero.py",
+             "calls on the first partitioned parameter",
+             all_of(parameters_are(f"{PARTITION}:Init._convert_to_zero_parameters", ["self", "param_list"]),
+                    source_holds(PARTITION, "param.convert_to_zero_parameters = "),
+                    takes_keywords(f"{PARTITION}:Init.__init__",
+                                   ["module", "data_parallel_group", "config_dict_or_path", "mpu", "dtype"]))),
+    Contract("ZeRO-3 parameters' ds_tensor and ds_shape", f"{BACKEND}/trainer.py and mhf_dist/train/optim.py",
+             "read (a partition's values, a partitioned parameter's shape)",
+             source_holds(PARTITION, "param.ds_tensor = ", "param.ds_shape = ")),
+    Contract("deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology", f"{BACKEND}/distributed.py",
+             "builds the parallel groups from", topology_places_ranks),
+    Contract("deepspeed.checkpoint.ds_to_universal", f"{BACKEND}/universal.py", "runs", ds_to_universal_flags),
+    Contract("deepspeed.checkpoint.constants (universal checkpoint keys)", f"{BACKEND}/universal.py",
+             "writes and reads", universal_keys),
+    Contract("the DeepSpeed config's checkpoint.load_universal", "mhf_dist/train/loop.py",
+             "sets to resume from a conversion", load_universal_key),
+    Contract("DeepSpeedEngine.save_checkpoint / load_checkpoint", f"{BACKEND}/checkpoint.py", "calls by keyword",
+             all_of(takes_keywords(f"{ENGINE}.save_checkpoint", ["save_dir", "tag", "client_state", "save_latest"]),
+                    takes_keywords(f"{ENGINE}.load_checkpoint", ["load_dir", "tag", "load_module_strict"]))),
+    Contract("PipelineEngine.train_batch / eval_batch", f"{BACKEND}/trainer.py", "calls by keyword",
+             all_of(takes_keywords("deepspeed.runtime.pipe.engine:PipelineEngine.train_batch", ["data_iter"]),
+                    takes_keywords("deepspeed.runtime.pipe.engine:PipelineEngine.eval_batch",
+                                   ["data_iter", "num_micro_batches"]))),
+    Contract("deepspeed.init_distributed", f"{BACKEND}/distributed.py", "calls by keyword",
+             takes_keywords("deepspeed:init_distributed", ["dist_backend", "timeout"])),
+]
+
+
+@pytest.mark.parametrize("contract", CONTRACTS, ids=lambda c: c.symbol)
+def test_deepspeed_keeps_what_the_backend_relies_on(contract):
+    problem = contract.check()
+    assert problem is None, f"DeepSpeed changed {contract.symbol}, which {contract.dependent} {contract.use}: {problem}"
+
+
+def test_only_the_backend_imports_deepspeed():
+    imports = re.compile(r"^\s*(import deepspeed|from deepspeed[. ])", re.M)
+    outside = [str(f.relative_to(PACKAGE.parent)) for f in sorted(PACKAGE.rglob("*.py"))
+               if imports.search(f.read_text()) and not f.is_relative_to(PACKAGE / "backend" / "deepspeed")]
+    assert not outside, f"DeepSpeed is imported outside {BACKEND}: {outside}"
