@@ -15,7 +15,7 @@ import torch
 
 from helpers.runs import metrics, run_cli, train_args, train_run
 from mhf_dist.backend.deepspeed.universal import consolidate
-from mhf_dist.train.checkpoint import CONVERT_PAUSE_ENV
+from mhf_dist.train.fault_injection import CONVERT_PAUSE_ENV
 
 # every test trains under `mhf-dist train`
 pytestmark = pytest.mark.multirank

@@ -25,17 +25,16 @@ from helpers.runs import metrics, run_cli, train_args, train_run
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.train.checkpoint import (
-    DISK_BYTES_ENV,
     BackgroundDeleter,
     Checkpointer,
     HostSnapshot,
-    free_bytes,
     read_legacy_rng_state,
     read_rng_state,
     rng_state_bytes,
     set_rng_state,
 )
 from mhf_dist.train.checkpoint_index import checkpoint_bytes, complete_checkpoints
+from mhf_dist.train.fault_injection import DISK_BYTES_ENV, free_bytes
 
 ZERO1 = "parallel.zero_stage=1"
 

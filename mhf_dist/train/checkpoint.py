@@ -126,6 +126,7 @@ from mhf_dist.train.checkpoint_index import (
     step_directories,
     warn_if_without_digests,
 )
+from mhf_dist.train.fault_injection import free_bytes, pause_conversion, pause_save, write_fails
 from mhf_dist.train.host_tables import HOST_TABLES_FILE, HostTablesStep
 from mhf_dist.train.job_estimates import grace_seconds
 from mhf_dist.train.preemption import GRACE_ENV
@@ -137,10 +138,6 @@ DELETING = ".deleting"  # checkpoints on their way out, deleted in the backgroun
 RNG_FILE = "rng-rank{:05d}.safetensors"
 LEGACY_RNG_FILE = "rng-rank{:05d}.pt"
 RANK_DIGESTS = "digests-rank{:05d}.json"  # each rank's digests during a save, merged into the marker by rank 0
-SAVE_PAUSE_ENV = "MHF_DIST_TEST_SAVE_PAUSE"  # seconds to stall mid-save (crash-safety tests)
-CONVERT_PAUSE_ENV = "MHF_DIST_TEST_CONVERT_PAUSE"  # seconds a conversion for another layout takes longer (tests)
-SAVE_FAIL_ENV = "MHF_DIST_TEST_SAVE_FAIL_RANK"  # this rank's checkpoint writes fail as on a full disk (fault tests)
-DISK_BYTES_ENV = "MHF_DIST_TEST_DISK_BYTES"  # the checkpoints' filesystem holds only this many bytes (fault tests)
 RANK_FAILED = "failed-rank{:05d}"  # an asynchronous save's report of a rank whose part failed (empty: fits a full disk)
 REPORT_POLL_SECONDS = 0.1  # how often rank 0's writer looks for the other ranks' reports
 _COMPLETE, _CUT_SHORT = "complete", "cut short"  # how the queue of a background writer ends
@@ -165,20 +162,6 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def readable_size(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
-
-
-def free_bytes(directory: Path) -> int:
-    """Free space on ``directory``'s filesystem; under :data:`DISK_BYTES_ENV`, what that capacity leaves beside the
-    files in ``directory``."""
-    if DISK_BYTES_ENV in os.environ:
-        return int(os.environ[DISK_BYTES_ENV]) - sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
-    return shutil.disk_usage(directory).free
-
-
-def _simulated_disk_full(path: Path) -> bool:
-    """Under :data:`DISK_BYTES_ENV`: whether the checkpoints directory (the parent of ``path``'s step directory) has
-    no space left for ``path``."""
-    return DISK_BYTES_ENV in os.environ and free_bytes(path.parent.parent) <= 0
 
 
 # ---------------------------------------------------------------------------------------------------- RNG states
@@ -304,12 +287,6 @@ class BackgroundDeleter:
 
 
 # ---------------------------------------------------------------------------------------------------- saving
-def _pause_for_tests() -> None:
-    """Crash-safety tests stall a save after its files, before it is marked complete (:data:`SAVE_PAUSE_ENV`)."""
-    if os.environ.get(SAVE_PAUSE_ENV):
-        time.sleep(float(os.environ[SAVE_PAUSE_ENV]))
-
-
 def log_save(path: Path, reason: str, stall: float, background: float | None = None, step_s: float = 0.0) -> None:
     """Rank 0: the save with its size, duration (an asynchronous save's ``stall`` of training and its ``background``
     time) and write rate; a warning when a step (``step_s``) and a save like this one would not fit in the job's grace
@@ -338,7 +315,7 @@ class RecordingWriter:
     def __init__(self, rank: int):
         self.digests: dict[Path, str] = {}
         self.error: str | None = None
-        self.injected_failure = os.environ.get(SAVE_FAIL_ENV) == str(rank)
+        self.rank = rank
 
     def save(self, state: object, path: Path, save_file: Callable[[object, Path], None]) -> None:
         self.write(path, lambda p: save_file(state, p))
@@ -351,7 +328,7 @@ class RecordingWriter:
         if self.error is not None:
             return
         try:
-            if self.injected_failure or _simulated_disk_full(path):
+            if write_fails(self.rank, path):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             write_file(path)
             _fsync(path)
@@ -630,7 +607,7 @@ class Checkpointer:
         writer = RecordingWriter(self.rank)
         self._write_files(trainer, path, client, writer)
         self._write_digests(path, writer)
-        _pause_for_tests()
+        pause_save()
         self._agree_on_writes(path, writer.error)
         error = self._commit(path, marker) if self.rank == 0 else None
         self._agree_on_commit(path, error)
@@ -657,7 +634,7 @@ class Checkpointer:
         when none failed, commits as a synchronous save does."""
         writer = save.writer
         self._write_digests(save.path, writer)
-        _pause_for_tests()
+        pause_save()
         if writer.error is not None:
             with contextlib.suppress(OSError):  # not even an empty file fits: rank 0 stops waiting at its timeout
                 (save.path / RANK_FAILED.format(self.rank)).touch()
@@ -880,8 +857,7 @@ class Checkpointer:
             tqdm.write(f"converting {path} for this layout ({marker['layout']} -> {self.layout})")
             convert_for_layout(path, target, marker["layout"]["pp"] > 1, self.layout["pp"] > 1,
                                self.cfg.model.n_layers)
-            if os.environ.get(CONVERT_PAUSE_ENV):
-                time.sleep(float(os.environ[CONVERT_PAUSE_ENV]))
+            pause_conversion()
             _write_atomic(target / MARKER, json.dumps(
                 marker | {"universal": True, "source": str(path), "source_marker": source}, indent=1))
 

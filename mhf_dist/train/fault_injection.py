@@ -1,0 +1,55 @@
+"""Faults the test suite injects into checkpoint saves and conversions, through environment variables a test sets
+for the ranks it starts. Nothing here acts unless its variable is set: a run never has them.
+
+- :data:`SAVE_PAUSE_ENV`: seconds a save stalls after its files, before it is marked complete (crash-safety tests
+  kill a rank there).
+- :data:`CONVERT_PAUSE_ENV`: seconds a conversion for another layout takes longer (it must outlast the process
+  group's timeout without any rank waiting in a collective).
+- :data:`SAVE_FAIL_ENV`: the rank whose checkpoint writes fail as on a full disk.
+- :data:`DISK_BYTES_ENV`: the capacity, in bytes, of a simulated filesystem holding the checkpoints; writes fail
+  once the checkpoints fill it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+SAVE_PAUSE_ENV = "MHF_DIST_TEST_SAVE_PAUSE"
+CONVERT_PAUSE_ENV = "MHF_DIST_TEST_CONVERT_PAUSE"
+SAVE_FAIL_ENV = "MHF_DIST_TEST_SAVE_FAIL_RANK"
+DISK_BYTES_ENV = "MHF_DIST_TEST_DISK_BYTES"
+
+
+def _pause(variable: str) -> None:
+    if os.environ.get(variable):
+        time.sleep(float(os.environ[variable]))
+
+
+def pause_save() -> None:
+    """A save's stall between its files and its marker (:data:`SAVE_PAUSE_ENV`)."""
+    _pause(SAVE_PAUSE_ENV)
+
+
+def pause_conversion() -> None:
+    """A conversion's extra time (:data:`CONVERT_PAUSE_ENV`)."""
+    _pause(CONVERT_PAUSE_ENV)
+
+
+def write_fails(rank: int, path: Path) -> bool:
+    """Whether writing checkpoint file ``path`` on ``rank`` fails as on a full disk: the rank named by
+    :data:`SAVE_FAIL_ENV`, or a simulated filesystem (:data:`DISK_BYTES_ENV`) that the checkpoints directory (the
+    parent of ``path``'s step directory) has filled."""
+    if os.environ.get(SAVE_FAIL_ENV) == str(rank):
+        return True
+    return DISK_BYTES_ENV in os.environ and free_bytes(path.parent.parent) <= 0
+
+
+def free_bytes(directory: Path) -> int:
+    """Free space on ``directory``'s filesystem; under :data:`DISK_BYTES_ENV`, what that capacity leaves beside the
+    files in ``directory``."""
+    if DISK_BYTES_ENV in os.environ:
+        return int(os.environ[DISK_BYTES_ENV]) - sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    return shutil.disk_usage(directory).free
