@@ -1,4 +1,4 @@
-"""Text files -> WebDataset tar shards of packed token ids, plus ``manifest.json`` (docs/spec.md §7).
+"""Text files -> WebDataset tar shards of packed token ids, plus ``manifest.json``.
 
 Inputs and documents
     ``.txt`` and ``.jsonl`` files, each optionally compressed (``.gz``, or

@@ -1,4 +1,4 @@
-"""Rank-disjoint, resumable reading of packed token shards (docs/spec.md §7, last bullet).
+"""Rank-disjoint, resumable reading of packed token shards.
 
 Shards and the manifest come from :mod:`mhf_dist.data.prepare`. Shards are
 opened by :func:`open_url`: local paths, ``pipe:`` commands such as ``pipe:aws

@@ -1,4 +1,4 @@
-"""Partitioned model construction: every rank creates only the parameters it keeps (docs/spec.md §7).
+"""Partitioned model construction: every rank creates only the parameters it keeps.
 
 Design: meta-device construction with per-rank materialisation (as torchtitan does), each materialised
 module handed to ZeRO-3 at once:

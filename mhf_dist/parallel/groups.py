@@ -1,4 +1,4 @@
-"""Process groups for tensor, pipeline and data parallelism (docs/spec.md §7).
+"""Process groups for tensor, pipeline and data parallelism.
 
 Built from DeepSpeed's ``PipeModelDataParallelTopology``
 (:func:`~mhf_dist.backend.deepspeed.distributed.pipe_model_data_topology`: axes

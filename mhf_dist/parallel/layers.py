@@ -1,4 +1,4 @@
-"""Tensor-parallel layers (docs/spec.md §7), Megatron style.
+"""Tensor-parallel layers, Megatron style.
 
 - :class:`BucketParallelEmbedding`: each bucket table split along its rows;
   lookup = masked local lookup + all-reduce; decoder logits stay sharded and the

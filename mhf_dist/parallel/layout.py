@@ -1,4 +1,4 @@
-"""The parallel layout of a run and its DeepSpeed config, resolved before any rank starts (docs/spec.md §7).
+"""The parallel layout of a run and its DeepSpeed config, resolved before any rank starts.
 
 ``plan``, ``submit`` and ``train`` share these checks; nothing here imports
 DeepSpeed or torch, so they run in a fraction of a second on a login node.

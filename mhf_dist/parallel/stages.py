@@ -1,4 +1,4 @@
-"""Pipeline stages: the cost of each pipeline layer and the cut into stages (docs/spec.md §7).
+"""Pipeline stages: the cost of each pipeline layer and the cut into stages.
 
 The pipeline's layers are the vocabulary input side (tables + gate), the
 backbone blocks, the final norm, and the vocabulary output side (tables +

@@ -1,4 +1,4 @@
-"""The tensor-parallel plan: which module of a LanguageModel becomes which parallel layer (docs/spec.md §7).
+"""The tensor-parallel plan: which module of a LanguageModel becomes which parallel layer.
 
 :func:`tp_plan` is the one table, module-name pattern → :class:`Style`, in the
 manner of a parallelize plan: a style says which parallel layer replaces the

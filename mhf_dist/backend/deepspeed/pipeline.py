@@ -1,4 +1,4 @@
-"""Pipeline parallelism: the model as DeepSpeed ``PipelineModule`` layers (docs/spec.md §7).
+"""Pipeline parallelism: the model as DeepSpeed ``PipelineModule`` layers.
 
 Layers: the vocabulary (input side) · every backbone block · the final norm ·
 the vocabulary again (output side); the loss is the vocabulary's docs/spec.md §5 loss.

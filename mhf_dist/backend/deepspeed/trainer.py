@@ -1,4 +1,4 @@
-"""DeepSpeed engines for every layout (docs/spec.md §7).
+"""DeepSpeed engines for every layout.
 
 - pp = 1: ``deepspeed.initialize`` on the (tensor-parallel) model, ZeRO-3 by
   default (the bucket tables route every use through their ``forward``, so

@@ -1,4 +1,4 @@
-"""DeepSpeed universal checkpoints: layout-free copies of a sharded checkpoint (docs/spec.md §7).
+"""DeepSpeed universal checkpoints: layout-free copies of a sharded checkpoint.
 
 ``ds_to_universal`` merges every data-, tensor- and pipeline-parallel shard into
 one fp32 tensor (plus Adam moments) per parameter, under ``zero/<name>/``. It
