@@ -644,7 +644,8 @@ def decoding_speed(ctx: Context, name: str, model_dir: Path) -> dict:
     sync = torch.cuda.synchronize if ctx.mode.device == "cuda" else (lambda: None)
     result = {}
     for variant, compiled in (("eager", False), ("compiled", True)):
-        call = functools.partial(generate, model, tokenizer, PROMPT, ctx.mode.new_tokens, compile=compiled)
+        call = functools.partial(generate, model, tokenizer, PROMPT, max_new_tokens=ctx.mode.new_tokens,
+                                 compile=compiled)
         for _ in range(2):  # compilation, CUDA-graph capture, first-use allocations
             call()
         times = []
