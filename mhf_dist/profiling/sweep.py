@@ -40,6 +40,11 @@ def worker_main(rows_file: str, spec_json: str) -> int:
     return 0
 
 
+def profile_lost_work() -> str:
+    """What a profile stopped by a dead rank or a second Ctrl-C loses: the configuration being measured."""
+    return "profile saves nothing mid-configuration: rerun the command to measure it again"
+
+
 def run_sweep(size: str, hashes: list[str], tps: list[int], *, steps: int, warmup: int, seq_len: int, micro: int,
               dtype: str, out: Path, peak_nominal: float | None, overrides: list[str], trace: bool) -> list[TrainRow]:
     """Every (tp, hash configuration) in ``tps`` × ``hashes``, each in fresh processes; their rows in that order."""
@@ -58,7 +63,7 @@ def run_sweep(size: str, hashes: list[str], tps: list[int], *, steps: int, warmu
                     trace_dir=str(out / "trace") if trace and i == 0 else None)
         rows_file = out / f"rows-tp{tp}-{hash_name}.json"
         rc = launch_local(tp, ["profile-worker", "--rows", str(rows_file), "--spec",
-                               json.dumps(spec | {"device": device.type})])
+                               json.dumps(spec | {"device": device.type})], profile_lost_work)
         if rc:
             raise RuntimeError(f"profiling {size}-{hash_name} at tp={tp} failed (exit {rc})")
         rows.append(TrainRow(**json.loads(rows_file.read_text())))
