@@ -160,12 +160,9 @@ def test_a_signal_during_an_async_save_waits_for_it_and_exits_for_requeue(tmp_pa
     proc.send_signal(signal.SIGUSR1)
     out = proc.communicate(timeout=300)[0].decode()
     assert proc.returncode == 85, out[-3000:]
-    # every save completed: the one in flight (step 2), one more interval save if the signal came after step 4's
-    # flags were agreed (a loaded machine), and the signal's
     markers = [json.loads(p.read_text()) for p in sorted(ckpts.glob("step-*/complete.json"))]
-    assert [m["reason"] for m in markers] in (["interval", "signal"], ["interval", "interval", "signal"])
-    assert markers[0]["step"] == 2 and markers[-1]["step"] < 40 and len(markers) == len(list(ckpts.glob("step-*")))
-    assert (ckpts / "latest").read_text() == f"step-{markers[-1]['step']:08d}"
+    assert [m["reason"] for m in markers] == ["interval", "signal"] and markers[1]["step"] < 40
+    assert (ckpts / "latest").read_text() == f"step-{markers[1]['step']:08d}"
     assert f"saved {ckpts / 'step-00000002'} (interval, " in out and "(signal, " in out
 
 
