@@ -29,7 +29,7 @@ import torch
 
 from mhf_dist.config import DataConfig, DataSource
 from mhf_dist.data.prepare import DataError
-from mhf_dist.data.reader import ShardReader, as_batch
+from mhf_dist.data.reader import RESTART_ADVICE, ShardReader, as_batch
 
 BLOCK = 4096  # the positions over which the sources' shares are exact
 
@@ -149,9 +149,8 @@ class MixtureReader:
     def load_state_dict(self, state: dict) -> None:
         """Continue at ``state``'s mixture position; the rank count may differ from the saving run's."""
         if (mismatch := self.state_mismatch(state)) is not None:
-            raise DataError(f"{mismatch}: resume with the sources, weights and data seed of the saved run, or start "
-                            "this data's order from its beginning with --set data.restart=true (weights, optimizer "
-                            "and learning-rate schedule continue)")
+            raise DataError(f"{mismatch}: resume with the sources, weights and data seed of the saved run, or "
+                            f"{RESTART_ADVICE}")
         self.close()
         self._start(state["mixture_position"])
 

@@ -80,6 +80,8 @@ from mhf_dist.data.prepare import FORMAT, MANIFEST, DataError
 
 log = logging.getLogger(__name__)
 
+RESTART_ADVICE = ("start this data's order from its beginning with --set data.restart=true (weights, optimizer and "
+                  "learning-rate schedule continue)")  # the fix for a resume whose data position is in other data
 _POSITION_BLOCK = 4096  # a rank's positions are planned this many at a time
 _REPAIR = "re-copy or re-create it (mhf-dist prepare-data)"
 _FIX = _REPAIR + ", or set data.on_bad_shard=skip to train without it"
@@ -215,8 +217,7 @@ class ShardReader:
         """Continue at ``state``'s global position; the rank count may differ from the saving run's."""
         if (mismatch := self.state_mismatch(state)) is not None:
             raise DataError(f"{mismatch}: resume with the shards, data seed and shuffle window of the saved run, or "
-                            "start this data's order from its beginning with --set data.restart=true (weights, "
-                            "optimizer and learning-rate schedule continue)")
+                            f"{RESTART_ADVICE}")
         self.close()
         self._base = state["epoch"] * self.samples_per_epoch + state["position"]
         self._consumed = 0
