@@ -14,7 +14,7 @@ import yaml
 from mhf_dist import __version__
 from mhf_dist.config import SIZES, ConfigError, RunConfig, load_config, preset_names
 from mhf_dist.errors import ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE, MhfError
-from mhf_dist.output_dir import OVERWRITE_HELP
+from mhf_dist.storage.output_dir import OVERWRITE_HELP
 
 DESCRIPTION = """\
 Distributed training for MultiHashFormer language models: each token is a
@@ -92,7 +92,7 @@ def cmd_train(args) -> int:
     if Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
         raise ConfigError(f"--run-dir {args.run_dir} is a file; name a directory (it is created if missing)")
     cfg = _load_train(args)  # validate before starting any rank
-    from mhf_dist.launch import launch_local, slurm_rank_env, supervise_slurm_task
+    from mhf_dist.cluster.launch import launch_local, slurm_rank_env, supervise_slurm_task
     from mhf_dist.train.preemption import StopSignal, lost_work
 
     def lost() -> str:
@@ -163,8 +163,8 @@ def _without_option(argv: list[str], option: str) -> list[str]:
 
 
 def cmd_plan(args) -> int:
-    from mhf_dist.cluster import load_profile
-    from mhf_dist.memory_plan import format_plan, memory_plan
+    from mhf_dist.cluster.profile import load_profile
+    from mhf_dist.commands.plan import format_plan, memory_plan
 
     cfg, profile = _load(args), load_profile(args.cluster)
     plans = memory_plan(cfg, profile, args.nodes, args.vocab_size)
@@ -173,7 +173,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from mhf_dist.consolidate import export
+    from mhf_dist.commands.export import export
 
     print(f"wrote {export(args.checkpoint, args.out, args.dtype, args.overwrite)}")
     return 0
@@ -197,7 +197,7 @@ def cmd_import_hf(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from mhf_dist.inference import generate, load_for_inference
+    from mhf_dist.commands.generate import generate, load_for_inference
 
     model, tokenizer = load_for_inference(args.model, args.dtype, args.device, args.trust_remote_code)
     stream = not args.json and args.num_beams == 1  # beam search settles its text only at the end
@@ -214,8 +214,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from mhf_dist.evaluate import last_word_accuracy, perplexity
-    from mhf_dist.inference import load_for_inference
+    from mhf_dist.commands.evaluate import last_word_accuracy, perplexity
+    from mhf_dist.commands.generate import load_for_inference
 
     if not (args.data or args.lambada):
         raise ConfigError("nothing to evaluate: pass --data SHARDS and/or --lambada FILE.jsonl")
@@ -238,7 +238,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_expand_vocab(args) -> int:
-    from mhf_dist.expand_vocab import expand_vocab
+    from mhf_dist.commands.expand_vocab import expand_vocab
 
     print(expand_vocab(args.run_dir, args.tokenizer, args.out, args.trainable_blocks, args.overrides,
                        args.overwrite).summary())
@@ -246,7 +246,7 @@ def cmd_expand_vocab(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    from mhf_dist.submit import manual_submission_note, render, submit, write_script
+    from mhf_dist.cluster.submit import manual_submission_note, render, submit, write_script
 
     cfg, profile, run_dir = _load(args), _chosen_profile(args), Path(args.run_dir)
     kind = "hostfile" if args.hostfile else "sbatch"
@@ -275,7 +275,7 @@ def cmd_submit(args) -> int:
 
 def _chosen_profile(args):
     """The cluster profile with the partition, account, time, qos and sbatch options given on the command line."""
-    from mhf_dist.cluster import load_profile
+    from mhf_dist.cluster.profile import load_profile
 
     profile = load_profile(args.cluster)
     chosen = {k: getattr(args, k) for k in ("partition", "account", "time", "qos") if getattr(args, k) is not None}
@@ -283,7 +283,7 @@ def _chosen_profile(args):
 
 
 def cmd_submit_data(args) -> int:
-    from mhf_dist import submit as jobs
+    from mhf_dist.cluster import submit as jobs
     from mhf_dist.data.prepare import expand_inputs, part_files
 
     profile, out = _chosen_profile(args), Path(args.out)
@@ -310,14 +310,14 @@ def cmd_submit_data(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from mhf_dist.status import command_target, show
+    from mhf_dist.cluster.status import command_target, show
 
     run_dir, watch = command_target(args.run_dir, args.watch)
     return show(run_dir, args.json, watch, args.stale_minutes, args.verify)
 
 
 def cmd_profile(args) -> int:
-    from mhf_dist.cluster import load_profile
+    from mhf_dist.cluster.profile import load_profile
     from mhf_dist.profiling.report import table, write_outputs
     from mhf_dist.profiling.scoring import profile_scoring
     from mhf_dist.profiling.sweep import run_sweep
@@ -369,7 +369,7 @@ def cmd_presets(args) -> int:
 
 
 def cmd_tokenizer_train(args) -> int:
-    from mhf_dist.offline_tokenizers import read_text_files, train_bpe
+    from mhf_dist.vocab.tokenizers import read_text_files, train_bpe
 
     out = train_bpe(read_text_files(args.input), args.vocab_size, args.out)
     print(f"wrote a {args.vocab_size}-token byte-level BPE to {out}")
@@ -377,7 +377,7 @@ def cmd_tokenizer_train(args) -> int:
 
 
 def cmd_tokenizer_mistral(args) -> int:
-    from mhf_dist.offline_tokenizers import load_tokenizer, write_mistral_v03
+    from mhf_dist.vocab.tokenizers import load_tokenizer, write_mistral_v03
 
     out = write_mistral_v03(args.out)
     print(f"wrote Mistral v0.3 ({len(load_tokenizer(out))} pieces) to {out}")
@@ -385,7 +385,7 @@ def cmd_tokenizer_mistral(args) -> int:
 
 
 def cmd_prepare_data(args) -> int:
-    from mhf_dist.data.prepare import run
+    from mhf_dist.commands.prepare_data import run
 
     return run(args)
 
@@ -611,7 +611,7 @@ def _submit_parser(sub) -> None:
 
 
 def _status_parser(sub) -> None:
-    from mhf_dist.status import DEFAULT_WATCH_S, STALE_HELP, positive_number
+    from mhf_dist.cluster.status import DEFAULT_WATCH_S, STALE_HELP, positive_number
 
     p = sub.add_parser("status", help="a run's progress: step, loss, throughput, ETA, checkpoint, SLURM job; "
                        "flags a stalled run", description="Read a run directory (no process needs to run there): "
@@ -621,7 +621,8 @@ def _status_parser(sub) -> None:
                        "run (scontrol/sacct when present). Exits 2 if RUN_DIR is not a run directory.")
     p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="the --run-dir of `mhf-dist train` or `submit`")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object (keys listed in mhf_dist/status.py; one line per refresh with --watch)")
+                   help="print one JSON object (keys listed in mhf_dist/cluster/status.py; one line per refresh with "
+                   "--watch)")
     p.add_argument("--watch", nargs="?", const=str(DEFAULT_WATCH_S), metavar="SECONDS",
                    help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C")
     p.add_argument("--stale-minutes", type=positive_number, metavar="MINUTES", help=STALE_HELP)
@@ -668,7 +669,7 @@ def _presets_parser(sub) -> None:
 
 
 def _gpu_check_parser(sub) -> None:
-    from mhf_dist import gpu_check  # the standard library only, until it runs
+    from mhf_dist.commands import gpu_check  # the standard library only, until it runs
 
     p = sub.add_parser("gpu-check", help="the main job end to end on one GPU (or tiny, on CPU: --cpu), as one dated "
                        "table", description=gpu_check.__doc__)

@@ -6,7 +6,7 @@ import pytest
 
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
-from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
+from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from mhf_dist.model.scoring import (
     target_calibration_sums,
 )
 from mhf_dist.model.tables import BucketTables
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.vocab.signatures import SignatureTable
 
 H, B, V, N = 3, 16, 61, 400
 TRUE_TAU = 0.3  # targets are drawn from P_τ at this τ, so the fit has a minimum inside the range to find

@@ -172,7 +172,7 @@ def test_mismatched_or_damaged_checkpoints_are_named(tmp_path, data):
     out = run_cli(train_args(tmp_path / "run", data, 1, "parallel.zero_stage=1", "model.hash.gate_dim=32", steps=4),
                   expect_rc=2)
     assert "is of another model (model.hash: checkpoint" in out
-    from mhf_dist.signatures import SignatureTable
+    from mhf_dist.vocab.signatures import SignatureTable
 
     sig_dir = tmp_path / "run/signatures"
     original = SignatureTable.load(sig_dir)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mhf_dist.config import ConfigError, load_config, preset, preset_names
-from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import build_model
+from mhf_dist.vocab.engram_compression import CompressionTable
 
 MISTRAL_V = 32768
 

@@ -15,11 +15,11 @@ import torch
 
 from helpers.ranks import run_ranks
 from mhf_dist.config import load_config
-from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import build_model
 from mhf_dist.parallel.state_dict import merge_state_dicts
 from mhf_dist.parallel.tensor_parallel import tp_split_dims
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.vocab.engram_compression import CompressionTable
+from mhf_dist.vocab.signatures import SignatureTable
 
 # every test builds the model on several gloo ranks
 pytestmark = pytest.mark.multirank

@@ -31,8 +31,8 @@ from mhf_dist.data.prepare import (
     prepare,
 )
 from mhf_dist.data.reader import ShardReader
-from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
-from mhf_dist.token_list import tokens_fingerprint, vocabulary
+from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
+from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe
 
 SEQ, PER_SHARD, SEED, WINDOW = 32, 100, 7, 3
 

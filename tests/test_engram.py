@@ -21,20 +21,20 @@ from helpers.runs import metrics, run_cli, train_args, train_run
 from mhf_dist.backend.deepspeed.pipeline import canonical_name, pipeline_name
 from mhf_dist.backend.deepspeed.universal import universal_info
 from mhf_dist.config import ConfigError, EngramConfig, load_config
-from mhf_dist.engram_compression import CompressionError, CompressionTable, normalize
 from mhf_dist.model import build_model
 from mhf_dist.model.engram import EngramMemory, SoftmaxGate
 from mhf_dist.model.engram_sizes import table_sizes
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.ngram_hash import NgramHash
-from mhf_dist.offline_tokenizers import load_tokenizer, train_bpe
 from mhf_dist.parallel.accounting import expected_collective_bytes
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.state_dict import merge_state_dicts
 from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel, tp_split_dims
 from mhf_dist.profiling.training import profile_training
-from mhf_dist.run_dir import RunDir
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.storage.run_dir import RunDir
+from mhf_dist.vocab.engram_compression import CompressionError, CompressionTable, normalize
+from mhf_dist.vocab.signatures import SignatureTable
+from mhf_dist.vocab.tokenizers import load_tokenizer, train_bpe
 
 V = 300
 

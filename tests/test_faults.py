@@ -18,7 +18,7 @@ import yaml
 from helpers.runs import metrics, run_cli, train_args, train_run
 from mhf_dist.cli import main
 from mhf_dist.config import ConfigError, load_config
-from mhf_dist.run_dir import RunDir
+from mhf_dist.storage.run_dir import RunDir
 
 
 @pytest.mark.parametrize("override, message", [

@@ -20,7 +20,7 @@ EXPECTED = ["build", "sdpa", "train-standard", "resume-fp32", "layout-tp2-gloo",
 
 
 def _gpu_check():
-    from mhf_dist import gpu_check
+    from mhf_dist.commands import gpu_check
 
     return gpu_check
 

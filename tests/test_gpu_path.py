@@ -17,12 +17,12 @@ from safetensors.torch import save_file
 
 import mhf_dist.model.fused_head as fused_head
 from helpers.ranks import run_ranks
-from mhf_dist.cluster import load_profile
+from mhf_dist.cluster.profile import load_profile
+from mhf_dist.cluster.submit import render
 from mhf_dist.config import load_config
 from mhf_dist.errors import MhfError
 from mhf_dist.model.fused_head import use_kernels
 from mhf_dist.parallel.devices import bind_gpu, device_index
-from mhf_dist.submit import render
 from mhf_dist.train import checkpoint
 from test_model import test_fused_decoder_equals_plain
 

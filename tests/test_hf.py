@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers.runs import metrics, run_cli, trained_model
-from mhf_dist.consolidate import trained_weights
+from mhf_dist.commands.evaluate import split_last_word
+from mhf_dist.commands.export import trained_weights
 from mhf_dist.data.reader import ShardReader
-from mhf_dist.evaluate import split_last_word
-from mhf_dist.signatures import SignatureTable
-from mhf_dist.token_list import tokens_fingerprint, vocabulary
+from mhf_dist.vocab.signatures import SignatureTable
+from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
 
 # every test exports or reads the runs the `trained` fixture trains under `mhf-dist train`
 pytestmark = pytest.mark.multirank
@@ -137,7 +137,7 @@ def test_generate_with_and_without_cache_and_only_registered_tokens(exported):
 def test_compiled_decoding_generates_the_eager_tokens(exported):
     """``generate --compile``: the static cache and the compiled decode step (fullgraph, so the hash head is
     captured whole, as CUDA graphs need) give the eager greedy tokens."""
-    from mhf_dist.inference import generate
+    from mhf_dist.commands.generate import generate
 
     hf = AutoModelForCausalLM.from_pretrained(exported["mhf"], trust_remote_code=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(exported["mhf"])

@@ -29,9 +29,9 @@ from torch.overrides import TorchFunctionMode
 import mhf_dist
 from helpers.ranks import run_ranks
 from mhf_dist.config import load_config
-from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import build_model
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.vocab.engram_compression import CompressionTable
+from mhf_dist.vocab.signatures import SignatureTable
 
 PACKAGE = str(Path(mhf_dist.__file__).parent)
 READS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu"}

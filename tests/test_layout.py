@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from mhf_dist.config import load_config
-from mhf_dist.hf.layout import from_export, to_export
+from mhf_dist.hf.names import from_export, to_export
 from mhf_dist.model import build_model
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.vocab.signatures import SignatureTable
 
 
 def test_mhf_export_names_are_the_authors():

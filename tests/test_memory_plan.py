@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mhf_dist.cli import main
-from mhf_dist.cluster import load_profile
-from mhf_dist.config import ConfigError, load_config, preset_names
-from mhf_dist.memory_plan import (
+from mhf_dist.cluster.profile import load_profile
+from mhf_dist.commands.plan import (
     CPU_RUNTIME_BYTES,
     GB,
     ZERO_DEFAULTS,
@@ -17,6 +16,7 @@ from mhf_dist.memory_plan import (
     meta_model,
     zero_setting,
 )
+from mhf_dist.config import ConfigError, load_config, preset_names
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.model.parameter_count import parameter_count

@@ -11,7 +11,7 @@ from helpers.runs import metrics, run_cli, train_args
 from mhf_dist.config import DataSource
 from mhf_dist.data.mixture import MixtureSchedule
 from mhf_dist.data.prepare import prepare
-from mhf_dist.offline_tokenizers import embedded_corpus
+from mhf_dist.vocab.tokenizers import embedded_corpus
 
 pytestmark = pytest.mark.multirank
 WEIGHTS = {"psalms": 0.5, "law": 0.3, "gospels": 0.2}

@@ -10,7 +10,7 @@ from helpers.equivalence import INIT_STD, assert_tensor_close
 from mhf_dist.config import load_config
 from mhf_dist.model import MultiHashFormer, build_model
 from mhf_dist.model.tables import BucketTables, TableGradients
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.vocab.signatures import SignatureTable
 
 V = 300
 

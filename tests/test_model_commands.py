@@ -16,8 +16,8 @@ from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.hf.export import build_hf_model
 from mhf_dist.model import build_model
-from mhf_dist.signatures import SignatureTable
-from mhf_dist.token_list import vocabulary
+from mhf_dist.vocab.signatures import SignatureTable
+from mhf_dist.vocab.token_list import vocabulary
 
 PROMPT = "And God said, Let there be light"
 
@@ -103,7 +103,7 @@ def test_import_names_a_bad_config_field_and_warns_of_unknown_keys(release, tmp_
 def test_generate_hands_over_its_text_in_pieces_as_it_is_generated(release):
     """The callback sees the prompt, then the continuation piece by piece (several pieces, before generate returns),
     and the pieces make up the decoded text."""
-    from mhf_dist.inference import generate
+    from mhf_dist.commands.generate import generate
 
     hf = AutoModelForCausalLM.from_pretrained(release, trust_remote_code=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(release)

@@ -12,7 +12,7 @@ from mhf_dist.config import ConfigError, load_config
 from mhf_dist.model import build_model
 from mhf_dist.model.scoring import log_normaliser, side_by_side, signature_columns, signature_scores
 from mhf_dist.model.tables import BucketTables
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.vocab.signatures import SignatureTable
 
 V = 300
 CHUNK = 4 * 7  # values per position: 7 tokens per chunk, which does not divide V

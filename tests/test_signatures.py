@@ -10,7 +10,7 @@ import torch
 
 from mhf_dist.config import load_config
 from mhf_dist.model import build_model
-from mhf_dist.signatures import SignatureError, SignatureTable
+from mhf_dist.vocab.signatures import SignatureError, SignatureTable
 
 
 def reference_signatures(tokens, H, B, pad_id=None):

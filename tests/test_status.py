@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import mhf_dist.status as status_module
+import mhf_dist.cluster.status as status_module
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
 

@@ -16,10 +16,10 @@ import pytest
 from helpers.runs import metrics, run_cli, train_args
 from helpers.slurm import LocalSlurm, missing_binaries
 from mhf_dist.cli import main
-from mhf_dist.cluster import load_profile
+from mhf_dist.cluster.profile import load_profile
+from mhf_dist.cluster.submit import DATA_SCRIPTS, render, render_data, submit
 from mhf_dist.config import ConfigError, load_config
 from mhf_dist.errors import RANK_LOST_EXIT_CODE
-from mhf_dist.submit import DATA_SCRIPTS, render, render_data, submit
 from mhf_dist.train.job_estimates import MIN_GRACE_SECONDS, grace_seconds, save_estimate, time_limit_seconds
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -465,7 +465,7 @@ def test_the_rendered_array_tasks_and_merge_prepare_the_one_process_shards(tmp_p
     merge's: the merged data read as a one-process preparation of the same inputs."""
     from mhf_dist.data.prepare import prepare
     from mhf_dist.data.reader import ShardReader
-    from mhf_dist.offline_tokenizers import embedded_corpus
+    from mhf_dist.vocab.tokenizers import embedded_corpus
 
     docs = [d.strip() for d in list(embedded_corpus())[:30]]
     text = tmp_path / "text"

@@ -17,7 +17,7 @@ from mhf_dist.parallel.accounting import expected_collective_bytes
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.state_dict import merge_state_dicts, shard_state_dict
 from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel, tp_split_dims
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.vocab.signatures import SignatureTable
 
 V = 300
 # (preset, buckets per tp[, overrides]): H4, H3 with an odd number of buckets per shard, and H4 trained with the

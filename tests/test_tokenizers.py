@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mhf_dist.cli import main
-from mhf_dist.offline_tokenizers import TokenizerError, load_tokenizer
-from mhf_dist.signatures import SignatureTable
-from mhf_dist.token_list import vocabulary
+from mhf_dist.vocab.signatures import SignatureTable
+from mhf_dist.vocab.token_list import vocabulary
+from mhf_dist.vocab.tokenizers import TokenizerError, load_tokenizer
 
 
 def test_trained_bpe_loads_with_auto_tokenizer(bpe):

@@ -23,7 +23,7 @@ tensor-parallel plan adds its shards twice more). Ranks report their progress as
 ``--plan`` prints `mhf-dist plan`'s numbers beside the measured ones: construction against its rise, the first
 step's training peak (model states, activations, DeepSpeed's buffers and the runtime) against the whole
 process's peak (what it held before construction plus its rise). ``--runtime`` measures the runtime the plan
-counts for a CPU rank (``mhf_dist.memory_plan.CPU_RUNTIME_BYTES``): the whole process's peak through construction,
+counts for a CPU rank (``mhf_dist.commands.plan.CPU_RUNTIME_BYTES``): the whole process's peak through construction,
 engine and first step of the tiny preset's structure with tensors of no size (:data:`RUNTIME_MODEL`, 32k
 parameters), ZeRO-3 over every rank: Python, torch, DeepSpeed, the process group, the engine's bookkeeping for
 every module and parameter, autograd and the kernels' workspaces.
@@ -46,8 +46,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mhf_dist.cluster.launch import free_port
 from mhf_dist.config import load_config
-from mhf_dist.launch import free_port
 
 VOCAB = 32768  # the paper's tokenizer
 MiB = 2**20
@@ -118,13 +118,13 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
 
     from mhf_dist.backend.deepspeed.pipeline import build_pipeline
     from mhf_dist.backend.deepspeed.trainer import build_trainer
-    from mhf_dist.engram_compression import CompressionTable
     from mhf_dist.model import build_model
     from mhf_dist.parallel.construct import Materialiser, SeededValues, model_skeleton
     from mhf_dist.parallel.devices import bind_gpu
     from mhf_dist.parallel.groups import ParallelGroups
     from mhf_dist.parallel.layout import preflight, zero_stage
     from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
+    from mhf_dist.vocab.engram_compression import CompressionTable
 
     device = bind_gpu(rank) if args.device == "cuda" else torch.device("cpu")
     deepspeed.utils.logger.setLevel("WARNING")
@@ -202,8 +202,8 @@ def worker_config(args: argparse.Namespace, tp: int, pp: int, world: int, device
 
 def planned(args: argparse.Namespace, name: str, result: dict) -> list[tuple]:
     """`mhf-dist plan`'s numbers for the measured layout, each beside its measurement with the relative error."""
-    from mhf_dist.cluster import load_profile
-    from mhf_dist.memory_plan import GB, memory_plan
+    from mhf_dist.cluster.profile import load_profile
+    from mhf_dist.commands.plan import GB, memory_plan
 
     tp, pp = result["tp"], result["pp"]
     cfg = worker_config(args, tp, pp, args.ranks, args.device)
@@ -241,14 +241,14 @@ def main() -> None:
                         help="a config override for the measured run and its plan (repeatable), e.g. "
                         "parallel.deepspeed.zero_optimization.reduce_bucket_size=60000000")
     parser.add_argument("--runtime", action="store_true", help="measure the runtime a CPU rank holds besides its "
-                        "model (mhf_dist.memory_plan.CPU_RUNTIME_BYTES) instead; --preset and --layouts unused")
+                        "model (mhf_dist.commands.plan.CPU_RUNTIME_BYTES) instead; --preset and --layouts unused")
     args = parser.parse_args()
     if args.runtime:
         measure_runtime(args)
         return
 
-    from mhf_dist.engram_compression import CompressionTable
     from mhf_dist.model.lm import model_structure
+    from mhf_dist.vocab.engram_compression import CompressionTable
 
     m = load_config(args.preset).model
     with torch.device("meta"):  # sizes only

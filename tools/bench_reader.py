@@ -29,7 +29,7 @@ from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.model import build_model
-from mhf_dist.offline_tokenizers import embedded_corpus, train_bpe
+from mhf_dist.vocab.tokenizers import embedded_corpus, train_bpe
 
 
 def reader_rate(shards: Path, dp_size: int, epochs: int, seq_len: int) -> float:

@@ -10,9 +10,9 @@ import argparse
 import statistics
 import time
 
-from mhf_dist.offline_tokenizers import MISTRAL_V03, load_tokenizer
-from mhf_dist.signatures import SignatureTable
-from mhf_dist.token_list import vocabulary
+from mhf_dist.vocab.signatures import SignatureTable
+from mhf_dist.vocab.token_list import vocabulary
+from mhf_dist.vocab.tokenizers import MISTRAL_V03, load_tokenizer
 
 
 def main() -> None:

@@ -30,11 +30,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from mhf_dist.commands.plan import meta_model
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
-from mhf_dist.memory_plan import meta_model
-from mhf_dist.offline_tokenizers import embedded_corpus, train_bpe
 from mhf_dist.train.metrics import read_metrics
+from mhf_dist.vocab.tokenizers import embedded_corpus, train_bpe
 
 DEFAULT_RUNS = ["tiny-standard", "tiny-standard+6l", "tiny-h4b2k", "tiny-h4b16k",
                 "tiny-h4b2k:model.hash.p_inf_loss_weight=0.5"]

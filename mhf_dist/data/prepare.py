@@ -86,7 +86,6 @@ Parts and merging (one preparation spread over many machines)
 
 from __future__ import annotations
 
-import argparse
 import glob
 import gzip
 import hashlib
@@ -105,9 +104,8 @@ import webdataset as wds
 from tqdm.auto import tqdm
 
 from mhf_dist.errors import MhfError
-from mhf_dist.offline_tokenizers import load_tokenizer
-from mhf_dist.output_dir import check_target, staged
-from mhf_dist.token_list import tokens_fingerprint, vocabulary
+from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
+from mhf_dist.vocab.tokenizers import load_tokenizer
 
 FORMAT = "mhf-dist-packed-tokens-v1"
 MANIFEST = "manifest.json"
@@ -470,7 +468,7 @@ def prepare(
     """Tokenize ``inputs`` and write packed shards and ``manifest.json`` into ``out_dir``; returns the manifest.
 
     ``tokenizer`` is a tokenizer directory (or ``mistral-v0.3``, see
-    :func:`mhf_dist.offline_tokenizers.load_tokenizer`). ``out_dir`` must be new or empty. ``part=(I, N)``
+    :func:`mhf_dist.vocab.tokenizers.load_tokenizer`). ``out_dir`` must be new or empty. ``part=(I, N)``
     prepares only part I of N of the inputs (module docstring, "Parts and merging").
     """
     if seq_len < 1 or samples_per_shard < 1 or workers < 1:
@@ -657,47 +655,3 @@ def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def _print_summary(manifest: dict, where: Path) -> None:
-    for name, split in manifest["splits"].items():
-        print(f"{name}: {split['documents']} documents, {split['samples']} samples of {manifest['sample_tokens']} "
-              f"tokens in {len(split['shards'])} shards ({split['dropped_tokens']} trailing tokens dropped)")
-    if manifest["skipped_documents"]:
-        print(f"skipped {manifest['skipped_documents']} documents that were not strings (--on-bad-document skip)")
-    print(f"wrote {where / MANIFEST}")
-
-
-def run(args: argparse.Namespace) -> int:
-    """``mhf-dist prepare-data``: prepare shards (all, or ``--part I/N`` into ``OUT/part-I-of-N``) into a staging
-    directory, renamed into place when complete, or ``--merge`` parts; print a summary."""
-    _check_mode(args)
-    if args.merge:
-        manifest = merge(args.merge, args.inputs, args.overwrite)
-        print(f"merged {len(manifest['parts'])} parts")
-        _print_summary(manifest, Path(args.merge))
-        return 0
-    out = Path(args.out) / part_dir_name(*args.part) if args.part else Path(args.out)
-    sources = [*expand_inputs(args.inputs), *([args.tokenizer] if Path(args.tokenizer).exists() else [])]
-    out = check_target(out, sources, args.overwrite)
-    with staged(out) as tmp:
-        manifest = prepare(
-            args.inputs, args.tokenizer, tmp, seq_len=args.seq_len, samples_per_shard=args.samples_per_shard,
-            prefix=args.prefix, text_field=args.text_field, val_fraction=args.val_fraction, workers=args.workers,
-            progress=args.progress, on_bad_document=args.on_bad_document, part=args.part,
-        )
-    _print_summary(manifest, out)
-    if args.part:
-        print(f"when all {args.part[1]} parts are done: mhf-dist prepare-data --merge {args.out} "
-              f"{Path(args.out) / part_dirs_pattern(args.part[1])}")
-    return 0
-
-
-def _check_mode(args: argparse.Namespace) -> None:
-    """``--merge`` takes part directories only; preparing needs a tokenizer, an output and a sequence length."""
-    preparing = {"--tokenizer": args.tokenizer, "--out": args.out, "--seq-len": args.seq_len, "--part": args.part}
-    if args.merge and (given := [flag for flag, value in preparing.items() if value is not None]):
-        raise DataError(f"--merge OUT PART_DIRS... takes the part directories only; {', '.join(given)} belong to "
-                        "preparing the parts: leave them out")
-    if not args.merge and (missing := [flag for flag, value in list(preparing.items())[:3] if value is None]):
-        raise DataError(f"prepare-data needs {', '.join(missing)} (or --merge OUT PART_DIRS... to merge parts)")

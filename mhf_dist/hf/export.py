@@ -22,7 +22,7 @@ near 1 anyway; sample at temperature ``1/τ`` instead.
 The directory also holds the tokenizer, a generation config and
 ``mhf_dist.yaml`` (the run config, so ``import-hf`` restores the run exactly).
 It is written beside ``OUT`` and renamed into place when complete
-(:mod:`mhf_dist.output_dir`).
+(:mod:`mhf_dist.storage.output_dir`).
 """
 
 from __future__ import annotations
@@ -35,15 +35,16 @@ import torch
 import yaml
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
+from mhf_dist.commands.export import TrainedWeights, check_source, trained_weights
 from mhf_dist.config import ConfigError, ModelConfig, RunConfig
-from mhf_dist.consolidate import DTYPES, TrainedWeights, check_source, trained_weights
 from mhf_dist.data.prepare import MANIFEST
 from mhf_dist.hf.configuration_multihashformer import MultiHashFormerConfig
-from mhf_dist.hf.layout import EMBED, LM_HEAD, to_export
 from mhf_dist.hf.modeling_multihashformer import MultiHashFormerForCausalLM
-from mhf_dist.offline_tokenizers import load_tokenizer
-from mhf_dist.output_dir import check_target, staged
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.hf.names import EMBED, LM_HEAD, to_export
+from mhf_dist.model.dtypes import DTYPES
+from mhf_dist.storage.output_dir import check_target, staged
+from mhf_dist.vocab.signatures import SignatureTable
+from mhf_dist.vocab.tokenizers import load_tokenizer
 
 RUN_CONFIG = "mhf_dist.yaml"
 MAX_POSITIONS = 32768  # RoPE has no learned positions; this only sizes static caches
@@ -121,7 +122,7 @@ def fitted_temperature(trained: TrainedWeights, tokenizer, table: SignatureTable
         raise ConfigError(f"--inference-temperature auto: {trained.run.path / 'metrics.jsonl'} holds no "
                           f"val_temperature up to step {trained.step} and {shards} has no validation split to fit "
                           "one on; pass a number (mhf-dist eval --calibrate fits one)")
-    from mhf_dist.evaluate import SplitPasses
+    from mhf_dist.commands.evaluate import SplitPasses
     from mhf_dist.model.calibration import fit_temperature
 
     model = build_hf_model(cfg, trained.state, tokenizer, table)

@@ -39,13 +39,13 @@ from safetensors.torch import load_file, save_file
 from mhf_dist.config import ConfigError, RunConfig, apply_override, deep_merge
 from mhf_dist.hf.configuration_multihashformer import MultiHashFormerConfig
 from mhf_dist.hf.export import RUN_CONFIG
-from mhf_dist.hf.layout import HFImportError, from_export
+from mhf_dist.hf.names import HFImportError, from_export
 from mhf_dist.model import build_model
-from mhf_dist.offline_tokenizers import load_tokenizer
-from mhf_dist.output_dir import check_target, staged
-from mhf_dist.run_dir import RunDir
-from mhf_dist.signatures import HASH_VERSION, SignatureTable
-from mhf_dist.token_list import vocabulary
+from mhf_dist.storage.output_dir import check_target, staged
+from mhf_dist.storage.run_dir import RunDir
+from mhf_dist.vocab.signatures import HASH_VERSION, SignatureTable
+from mhf_dist.vocab.token_list import vocabulary
+from mhf_dist.vocab.tokenizers import load_tokenizer
 
 INIT_WEIGHTS = "init/model.safetensors"
 REPORT = "import-report.json"

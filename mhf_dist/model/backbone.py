@@ -26,7 +26,7 @@ from mhf_dist.model.engram import EngramMemory
 from mhf_dist.model.engram_sizes import table_sizes
 
 if TYPE_CHECKING:
-    from mhf_dist.engram_compression import CompressionTable
+    from mhf_dist.vocab.engram_compression import CompressionTable
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,7 +40,7 @@ from mhf_dist.model.ngram_hash import NgramHash
 from mhf_dist.model.tables import BucketTables
 
 if TYPE_CHECKING:
-    from mhf_dist.engram_compression import CompressionTable
+    from mhf_dist.vocab.engram_compression import CompressionTable
 
 
 class SoftmaxGate(nn.Module):

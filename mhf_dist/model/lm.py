@@ -31,7 +31,7 @@ from mhf_dist.model.scoring import LOG_P_INF_CHUNK
 from mhf_dist.model.vocabulary import Evaluation, HashVocabulary, TiedVocabulary, TokenVocabulary, TrainingLoss
 
 if TYPE_CHECKING:
-    from mhf_dist.engram_compression import CompressionTable
+    from mhf_dist.vocab.engram_compression import CompressionTable
 
 
 class LanguageModel(nn.Module):

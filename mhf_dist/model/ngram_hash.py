@@ -40,7 +40,7 @@ LAYER_SEED_STRIDE = 10007
 class NgramHash(nn.Module):
     """Token ids ``[B, S]`` -> table rows ``[B, S, (N-1)·K]`` of one layer (order-major, then head).
 
-    ``old_to_new`` is the tokenizer compression (:mod:`mhf_dist.engram_compression`), ``num_ids`` its V',
+    ``old_to_new`` is the tokenizer compression (:mod:`mhf_dist.vocab.engram_compression`), ``num_ids`` its V',
     ``pad_id`` the compressed id read before the sequence start.
     """
 

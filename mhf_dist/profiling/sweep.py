@@ -50,7 +50,7 @@ def run_sweep(size: str, hashes: list[str], tps: list[int], *, steps: int, warmu
     """Every (tp, hash configuration) in ``tps`` × ``hashes``, each in fresh processes; their rows in that order."""
     from tqdm.auto import tqdm
 
-    from mhf_dist.launch import launch_local
+    from mhf_dist.cluster.launch import launch_local
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     peak = measured_peak_flops(device, torch_dtype(dtype))

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 from mhf_dist.config import ModelConfig, load_config
-from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import build_model
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.fused_head import use_kernels
@@ -20,6 +19,7 @@ from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
 from mhf_dist.profiling.timing import Timer, torch_dtype
 from mhf_dist.train.optim import build_optimizer
 from mhf_dist.train.throughput import memory_gb
+from mhf_dist.vocab.engram_compression import CompressionTable
 
 VOCAB = 32768  # Mistral v0.3's size; signatures are random and ids not compressed (timing does not depend on them)
 

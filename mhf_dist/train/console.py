@@ -7,7 +7,7 @@ and, at evaluations, the validation perplexities. ``metrics.jsonl`` keeps every 
 
 from __future__ import annotations
 
-from mhf_dist.status import duration
+from mhf_dist.cluster.status import duration
 
 # (record key, how it reads): the training measures first, then the evaluation's
 _FIELDS = (

@@ -35,7 +35,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from mhf_dist.cluster import ClusterProfile
+from mhf_dist.cluster.profile import ClusterProfile
 from mhf_dist.config import ConfigError, RunConfig
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.parameter_count import parameter_count

@@ -48,10 +48,11 @@ from tqdm.auto import tqdm
 from mhf_dist.backend import StepStats, Trainer
 from mhf_dist.backend.deepspeed.distributed import init_distributed as init_backend_distributed
 from mhf_dist.backend.deepspeed.trainer import build_trainer
+from mhf_dist.cluster.launch import free_port, slurm_rank_env
+from mhf_dist.cluster.run_lock import RunDirLocked, RunLock
 from mhf_dist.config import RunConfig
 from mhf_dist.data.mixture import describe, open_data
 from mhf_dist.data.reader import ShardReader
-from mhf_dist.launch import free_port, slurm_rank_env
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.fused_head import use_kernels
 from mhf_dist.model.lm import LanguageModel
@@ -62,9 +63,7 @@ from mhf_dist.parallel.layout import Layout, backend_name, preflight, zero_stage
 from mhf_dist.parallel.rank0_work import on_rank0
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
-from mhf_dist.run_dir import RunDir, RunDirAsFound
-from mhf_dist.run_lock import RunDirLocked, RunLock
-from mhf_dist.token_list import tokens_fingerprint, vocabulary
+from mhf_dist.storage.run_dir import RunDir, RunDirAsFound
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
 from mhf_dist.train.console import step_line
 from mhf_dist.train.divergence import LossWatch
@@ -72,6 +71,7 @@ from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.optim import apply_optimizer_changes
 from mhf_dist.train.preemption import StopSignal
 from mhf_dist.train.throughput import memory_gb, total_peak_flops
+from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
 
 
 def leave_process_group() -> None:

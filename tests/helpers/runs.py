@@ -42,10 +42,10 @@ def train_run(tmp_path: Path, data: dict, name: str, nproc: int, *overrides: str
 
 def trained_model(run: Path):
     """A run's newest checkpoint as our LanguageModel (eval mode), with its tokenizer and signature table."""
-    from mhf_dist.consolidate import trained_weights
+    from mhf_dist.commands.export import trained_weights
     from mhf_dist.model import build_model
-    from mhf_dist.offline_tokenizers import load_tokenizer
-    from mhf_dist.signatures import SignatureTable
+    from mhf_dist.vocab.signatures import SignatureTable
+    from mhf_dist.vocab.tokenizers import load_tokenizer
 
     tw = trained_weights(run)
     tokenizer = load_tokenizer(tw.run.tokenizer_source(tw.cfg))
@@ -60,11 +60,11 @@ def checkpoint_size_estimate(run: Path) -> tuple[int, int]:
     import yaml
 
     from mhf_dist.config import RunConfig
-    from mhf_dist.offline_tokenizers import load_tokenizer
-    from mhf_dist.run_dir import RunDir
+    from mhf_dist.storage.run_dir import RunDir
     from mhf_dist.train.checkpoint import checkpoint_bytes
     from mhf_dist.train.checkpoint_index import complete_checkpoints, read_marker
     from mhf_dist.train.job_estimates import checkpoint_bytes as estimated_bytes
+    from mhf_dist.vocab.tokenizers import load_tokenizer
 
     cfg = RunConfig.model_validate(yaml.safe_load((run / "config.yaml").read_text()))
     newest = complete_checkpoints(run / "checkpoints")[-1]

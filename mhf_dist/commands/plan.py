@@ -66,9 +66,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mhf_dist.cluster import ClusterProfile
+from mhf_dist.cluster.profile import ClusterProfile
 from mhf_dist.config import ModelConfig, RunConfig, preset
-from mhf_dist.engram_compression import CompressionTable
 from mhf_dist.model import LanguageModel, build_model
 from mhf_dist.parallel.layout import checkpoint_interval, deepspeed_config, grad_accum_dtype, resolve_layout, zero_stage
 from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
@@ -83,6 +82,7 @@ from mhf_dist.train.job_estimates import (
     save_estimate,
     step_estimate,
 )
+from mhf_dist.vocab.engram_compression import CompressionTable
 
 GB = 2**30
 MiB = 2**20

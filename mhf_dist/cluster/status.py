@@ -69,8 +69,8 @@ from pathlib import Path
 
 import yaml
 
+from mhf_dist.cluster.run_lock import LOCK_FILE, STALE_S, RunLock, holder_gone
 from mhf_dist.config import ConfigError
-from mhf_dist.run_lock import LOCK_FILE, STALE_S, RunLock, holder_gone
 from mhf_dist.train.checkpoint_index import MARKER, CheckpointError, damage, read_marker, step_directories
 from mhf_dist.train.metrics import METRICS_FILE, read_metrics
 

@@ -23,10 +23,10 @@ from transformers import PreTrainedTokenizerBase
 
 from mhf_dist.config import CONFIG_FILE, HashConfig, RunConfig
 from mhf_dist.data.prepare import MANIFEST, TOKENIZER_DIR, prepare
-from mhf_dist.engram_compression import NORMALIZATION_VERSION, CompressionError, CompressionTable
-from mhf_dist.offline_tokenizers import embedded_corpus, load_tokenizer, train_bpe
-from mhf_dist.signatures import SignatureError, SignatureTable
-from mhf_dist.token_list import tokens_fingerprint, vocabulary
+from mhf_dist.vocab.engram_compression import NORMALIZATION_VERSION, CompressionError, CompressionTable
+from mhf_dist.vocab.signatures import SignatureError, SignatureTable
+from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
+from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe
 
 
 class RunDir:

@@ -15,7 +15,7 @@ Positions before a sequence's start hash as the compressed id of the pad token
 (:attr:`CompressionTable.pad_id`); a tokenizer without one (Mistral v0.3) uses
 its EOS token, which is what precedes a document inside packed sequences.
 
-Like the signature table (:mod:`mhf_dist.signatures`) the table is stored, not
+Like the signature table (:mod:`mhf_dist.vocab.signatures`) the table is stored, not
 recomputed: ``compression.safetensors`` holds the ``int32 [V]`` table,
 ``compression.json`` the metadata, the normalised key of every compressed id
 and a content hash that :meth:`CompressionTable.load` verifies.
@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from mhf_dist.errors import MhfError
-from mhf_dist.stored_table import ContentHashed, StoredTable, content_hash
-from mhf_dist.token_list import tokens_fingerprint, vocabulary
+from mhf_dist.vocab.stored_table import ContentHashed, StoredTable, content_hash
+from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

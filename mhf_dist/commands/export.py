@@ -1,7 +1,7 @@
 """``mhf-dist export``: one full state dict from any sharded checkpoint, with what it needs to be used.
 
 Writes ``OUT/model.safetensors`` (the LanguageModel's parameter names, see
-:mod:`mhf_dist.hf.layout`), ``OUT/config.yaml`` (the run config), ``OUT/signatures/``,
+:mod:`mhf_dist.hf.names`), ``OUT/config.yaml`` (the run config), ``OUT/signatures/``,
 ``OUT/tokenizer/`` and, with Engram memories, ``OUT/engram/`` (the tokenizer
 compression, docs/spec.md §8). The weights are the fp32 master weights merged over
 every data-, tensor- and pipeline-parallel shard (ZeRO-3 included), cast to
@@ -22,13 +22,11 @@ from safetensors.torch import load_file, save_file
 
 from mhf_dist.backend.deepspeed.universal import consolidate
 from mhf_dist.config import RunConfig
-from mhf_dist.output_dir import check_target, staged
-from mhf_dist.run_dir import RunDir
+from mhf_dist.model.dtypes import DTYPES
+from mhf_dist.storage.output_dir import check_target, staged
+from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.train.checkpoint_index import MARKER, CheckpointError, complete_checkpoints, verify_files
 from mhf_dist.train.host_tables import host_table_weights
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 MODEL_SOURCES = "a run directory (the --run-dir of train or import-hf) or a checkpoint (RUN/checkpoints/step-N)"
 

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
+from mhf_dist.commands.export import MODEL_SOURCES, check_source
 from mhf_dist.config import ConfigError
-from mhf_dist.consolidate import DTYPES, MODEL_SOURCES, check_source
+from mhf_dist.model.dtypes import DTYPES
 
 
 def remote_code_is_ours(path: Path) -> bool:

@@ -2,7 +2,7 @@
 
 Used by ``mhf-dist plan`` (memory per rank, fit) and job submission; MFU uses
 ``peak_bf16_tflops`` when training on that cluster. The named profiles and the
-job templates ship inside the package (``mhf_dist/clusters/``, which the
+job templates ship inside the package (``mhf_dist/cluster/profiles/``, which the
 repository's ``cluster/`` links to).
 
 Where the code runs on the nodes: ``python`` (an absolute path on storage every
@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mhf_dist.config import ConfigError
 
-PROFILE_DIR = resources.files("mhf_dist") / "clusters"  # named profiles and job templates
+PROFILE_DIR = resources.files("mhf_dist.cluster") / "profiles"  # named profiles and job templates
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 

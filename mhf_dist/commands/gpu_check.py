@@ -85,7 +85,7 @@ fails, any other failure is its own row):
 
 3. **Export and inference.** ``mhf-dist export-hf`` writes the fp32 MHF run and the Standard run as Hugging
    Face models. ``mhf-dist generate`` must print a continuation of the prompt. Decoding speed comes from the
-   Python API that the command calls (``mhf_dist.inference.load_for_inference`` and ``generate``), eager and
+   Python API that the command calls (``mhf_dist.commands.generate.load_for_inference`` and ``generate``), eager and
    with ``compile=True`` (``generate --compile``: static KV cache, compiled decode step, CUDA graphs on
    GPUs). Each variant has warm-up calls first, so compilation is not timed. Then the median of 3 calls,
    synchronised, over the tokens generated (prefill included), in fp32. Compiled decoding must produce
@@ -148,7 +148,7 @@ from pathlib import Path
 
 from mhf_dist.config import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent  # a checkout's root when installed editable (its .venv, its commit)
+ROOT = Path(__file__).resolve().parents[2]  # a checkout's root when installed editable (its .venv, its commit)
 PROMPT = "In the beginning God created"
 PASS, FAIL, MEASURED, SKIPPED = "PASS", "FAIL", "measured", "skipped"
 NOT_RUNNABLE = "not runnable with gloo"  # a 2-rank run that gloo cannot carry on CUDA tensors (not a failure)
@@ -636,7 +636,7 @@ def decoding_speed(ctx: Context, name: str, model_dir: Path) -> dict:
     """Milliseconds per generated token, eager and compiled, and whether both decode the same tokens."""
     import torch
 
-    from mhf_dist.inference import generate, load_for_inference
+    from mhf_dist.commands.generate import generate, load_for_inference
 
     ctx.say(f"  decoding-{name}: started")
     began = time.perf_counter()

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from mhf_dist.errors import MhfError
-from mhf_dist.stored_table import ContentHashed, StoredTable, content_hash
-from mhf_dist.token_list import tokens_fingerprint
+from mhf_dist.vocab.stored_table import ContentHashed, StoredTable, content_hash
+from mhf_dist.vocab.token_list import tokens_fingerprint
 
 HASH_VERSION = "mmh3.hash128-unsigned-v1"
 

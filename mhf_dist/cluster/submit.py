@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from string import Template
 
-from mhf_dist.cluster import PROFILE_DIR, ClusterProfile, no_control_characters
+from mhf_dist.cluster.profile import PROFILE_DIR, ClusterProfile, no_control_characters
 from mhf_dist.config import ConfigError, RunConfig
 from mhf_dist.errors import PREEMPTED_EXIT_CODE
 from mhf_dist.parallel.layout import preflight

@@ -38,7 +38,7 @@ from mhf_dist.config import ConfigError
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.model.calibration import Calibration, evaluate_at, fit_temperature
 from mhf_dist.model.scoring import calibration_sums
-from mhf_dist.token_list import tokens_fingerprint, vocabulary
+from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
 
 ROWS = 2048  # positions per block of the evaluation sums
 CHUNK_VALUES = 2**22  # logits per vocabulary chunk of a block

@@ -1,0 +1,62 @@
+"""``mhf-dist prepare-data``: prepare shards of text files, or merge prepared parts (the library:
+:mod:`mhf_dist.data.prepare`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mhf_dist.data.prepare import (
+    MANIFEST,
+    DataError,
+    expand_inputs,
+    merge,
+    part_dir_name,
+    part_dirs_pattern,
+    prepare,
+)
+from mhf_dist.storage.output_dir import check_target, staged
+
+
+def _print_summary(manifest: dict, where: Path) -> None:
+    for name, split in manifest["splits"].items():
+        print(f"{name}: {split['documents']} documents, {split['samples']} samples of {manifest['sample_tokens']} "
+              f"tokens in {len(split['shards'])} shards ({split['dropped_tokens']} trailing tokens dropped)")
+    if manifest["skipped_documents"]:
+        print(f"skipped {manifest['skipped_documents']} documents that were not strings (--on-bad-document skip)")
+    print(f"wrote {where / MANIFEST}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``mhf-dist prepare-data``: prepare shards (all, or ``--part I/N`` into ``OUT/part-I-of-N``) into a staging
+    directory, renamed into place when complete, or ``--merge`` parts; print a summary."""
+    _check_mode(args)
+    if args.merge:
+        manifest = merge(args.merge, args.inputs, args.overwrite)
+        print(f"merged {len(manifest['parts'])} parts")
+        _print_summary(manifest, Path(args.merge))
+        return 0
+    out = Path(args.out) / part_dir_name(*args.part) if args.part else Path(args.out)
+    sources = [*expand_inputs(args.inputs), *([args.tokenizer] if Path(args.tokenizer).exists() else [])]
+    out = check_target(out, sources, args.overwrite)
+    with staged(out) as tmp:
+        manifest = prepare(
+            args.inputs, args.tokenizer, tmp, seq_len=args.seq_len, samples_per_shard=args.samples_per_shard,
+            prefix=args.prefix, text_field=args.text_field, val_fraction=args.val_fraction, workers=args.workers,
+            progress=args.progress, on_bad_document=args.on_bad_document, part=args.part,
+        )
+    _print_summary(manifest, out)
+    if args.part:
+        print(f"when all {args.part[1]} parts are done: mhf-dist prepare-data --merge {args.out} "
+              f"{Path(args.out) / part_dirs_pattern(args.part[1])}")
+    return 0
+
+
+def _check_mode(args: argparse.Namespace) -> None:
+    """``--merge`` takes part directories only; preparing needs a tokenizer, an output and a sequence length."""
+    preparing = {"--tokenizer": args.tokenizer, "--out": args.out, "--seq-len": args.seq_len, "--part": args.part}
+    if args.merge and (given := [flag for flag, value in preparing.items() if value is not None]):
+        raise DataError(f"--merge OUT PART_DIRS... takes the part directories only; {', '.join(given)} belong to "
+                        "preparing the parts: leave them out")
+    if not args.merge and (missing := [flag for flag, value in list(preparing.items())[:3] if value is None]):
+        raise DataError(f"prepare-data needs {', '.join(missing)} (or --merge OUT PART_DIRS... to merge parts)")

@@ -1,0 +1,1 @@
+"""Run directories, and outputs written through a staging directory."""
