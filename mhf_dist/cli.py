@@ -180,7 +180,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_export_hf(args) -> int:
-    from mhf_dist.hf.export import export_hf
+    from mhf_dist.hf.exporter import export_hf
 
     out = export_hf(args.checkpoint, args.out_dir, args.dtype, args.overwrite, args.inference_temperature)
     print(f"wrote {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")

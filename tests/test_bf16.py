@@ -15,10 +15,11 @@ import torch
 from helpers.equivalence import step
 from helpers.ranks import run_ranks
 from helpers.runs import checkpoint_size_estimate, train_run
+from mhf_dist.backend import engine_config, grad_accum_dtype
 from mhf_dist.config import ConfigError, load_config
 from mhf_dist.model.tables import BucketTables
 from mhf_dist.parallel.groups import ParallelGroups
-from mhf_dist.parallel.layout import deepspeed_config, grad_accum_dtype, resolve_layout
+from mhf_dist.parallel.layout import resolve_layout
 from mhf_dist.parallel.state_dict import merge_state_dicts
 from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel, tp_split_dims
 from test_tensor_parallel import CHUNKS, make_case
@@ -49,7 +50,7 @@ def test_every_bf16_layout_sums_gradients_in_fp32(name):
     device, world, overrides = BF16_LAYOUTS[name]
     cfg = load_config("tiny-h4b16k", overrides=["train.dtype=bf16", "train.global_batch_size=16",
                                                 "train.micro_batch_size=1", *overrides])
-    ds = deepspeed_config(cfg, resolve_layout(cfg, world), device)
+    ds = engine_config(cfg, resolve_layout(cfg, world), device)
     assert ds["bf16"] == {"enabled": True, "immediate_grad_update": True}
     assert grad_accum_dtype(ds) == "fp32" and ds["communication_data_type"] == "fp32"
     # (parsed as one rank's: DeepSpeed checks the batch sizes against the world size)
@@ -62,7 +63,7 @@ def test_every_bf16_layout_sums_gradients_in_fp32(name):
 def test_bf16_gradient_settings_give_way_to_the_file_and_overrides(tmp_path):
     def resolved(*overrides: str) -> dict:
         cfg = load_config("tiny-h4b16k", overrides=list(overrides))
-        return deepspeed_config(cfg, resolve_layout(cfg, 1), "cuda")
+        return engine_config(cfg, resolve_layout(cfg, 1), "cuda")
 
     mine = tmp_path / "mine.json"
     mine.write_text(json.dumps({"zero_optimization": {"stage": 3}, "data_types": {"grad_accum_dtype": "bf16"}}))

@@ -71,6 +71,7 @@ def pieces(named) -> dict[str, tuple[torch.Tensor, tuple | None]]:
 
 def construct_worker(rank, world, layouts):
     from mhf_dist.backend.deepspeed.pipeline import build_pipeline, canonical_name
+    from mhf_dist.backend.deepspeed.zero import Zero3Partitioner
     from mhf_dist.parallel.construct import FileValues, Materialiser, SeededValues, full_shapes, model_skeleton
     from mhf_dist.parallel.groups import ParallelGroups
 
@@ -83,12 +84,12 @@ def construct_worker(rank, world, layouts):
         model = model_skeleton(cfg, V, codes, compression, groups.tp_group, groups.tp_rank, tp)
         assert all(p.is_meta for p in model.parameters())
         values = SeededValues(cfg.init_std, SEED) if weights is None else FileValues(weights, full_shapes(model, tp))
-        materialise = Materialiser(model, values, torch.device("cpu"), groups.tp_rank, tp,
-                                   zero3_config() if pp == 1 else None, groups)
+        partition = Zero3Partitioner(zero3_config(), groups, torch.float32) if pp == 1 else None
+        materialise = Materialiser(model, values, torch.device("cpu"), groups.tp_rank, tp, partition)
         if pp == 1:
             named = materialise(model).named_parameters()
         else:
-            pipe, _ = build_pipeline(model, groups.topology, seq_len=8, checkpoint_interval=0, materialise=materialise)
+            pipe, _ = build_pipeline(model, groups, seq_len=8, checkpoint_interval=0, materialise=materialise)
             named = [(canonical_name(n), p) for n, p in pipe.named_parameters()]
         results[name] = {"tp": groups.tp_rank, "pp": groups.pp_rank, "dp": groups.dp_rank,
                          "params": pieces(named)}
@@ -152,6 +153,7 @@ RUNTIME_ALLOWANCE = 64 * 2**20
 
 
 def memory_worker(rank, world):
+    from mhf_dist.backend.deepspeed.zero import Zero3Partitioner
     from mhf_dist.parallel.construct import Materialiser, SeededValues, full_shapes, model_skeleton
     from mhf_dist.parallel.groups import ParallelGroups
     from mhf_dist.train.throughput import host_peak_bytes, host_rss_bytes, reset_host_peak
@@ -167,8 +169,8 @@ def memory_worker(rank, world):
     before = host_rss_bytes()
     model = model_skeleton(cfg, MEMORY_VOCAB, codes, None)
     shapes = full_shapes(model, 1)
-    Materialiser(model, SeededValues(cfg.init_std, SEED), torch.device("cpu"), zero3=zero3_config(), groups=groups)(
-        model)
+    Materialiser(model, SeededValues(cfg.init_std, SEED), torch.device("cpu"),
+                 partition=Zero3Partitioner(zero3_config(), groups, torch.float32))(model)
     peak = host_peak_bytes() - before
     sizes = [4 * torch.Size(s).numel() for s in shapes.values()]
     held = sum(4 * p.ds_tensor.numel() for p in model.parameters())

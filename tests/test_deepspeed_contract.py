@@ -84,15 +84,21 @@ def all_of(*checks: Callable[[], str | None]) -> Callable[[], str | None]:
 
 
 def topology_places_ranks() -> str | None:
-    """The grid the parallel groups are cut from: tensor parallel innermost, then data, then pipe."""
-    topology = symbol("deepspeed.runtime.pipe.topology:PipeModelDataParallelTopology")(num_pp=2, num_mp=2, num_dp=2)
-    coords = [(c.pipe, c.data, c.model) for c in map(topology.get_coord, range(8))]
-    if coords != [(p, d, m) for p in range(2) for d in range(2) for m in range(2)]:
-        return f"ranks 0-7 sit at (pipe, data, model) {coords}"
-    groups = {axis: topology.get_axis_comm_lists(axis) for axis in ("model", "data", "pipe")}
-    expected = {"model": [[0, 1], [2, 3], [4, 5], [6, 7]], "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
-                "pipe": [[0, 4], [1, 5], [2, 6], [3, 7]]}
-    return None if groups == expected else f"its groups are {groups}"
+    """The grid the pipeline engine cuts its stages over is the one the parallel groups are made from: tensor
+    parallel innermost, then data, then pipe."""
+    from mhf_dist.parallel.groups import grid_coordinates, grid_groups
+
+    for pp, dp, tp in [(2, 2, 2), (2, 3, 1), (1, 2, 4), (4, 1, 2)]:
+        topology = symbol("deepspeed.runtime.pipe.topology:PipeModelDataParallelTopology")(num_pp=pp, num_mp=tp,
+                                                                                          num_dp=dp)
+        theirs = [c._asdict() for c in map(topology.get_coord, range(pp * dp * tp))]
+        ours = [grid_coordinates(rank, pp, dp, tp) for rank in range(pp * dp * tp)]
+        if theirs != ours:
+            return f"pp={pp} dp={dp} tp={tp}: ranks sit at {theirs}, the parallel groups place them at {ours}"
+        for axis in ("model", "data", "pipe"):
+            if sorted(topology.get_axis_comm_lists(axis)) != sorted(grid_groups(axis, pp, dp, tp)):
+                return f"pp={pp} dp={dp} tp={tp}: its {axis} groups are {topology.get_axis_comm_lists(axis)}"
+    return None
 
 
 def ds_to_universal_flags() -> str | None:
@@ -184,15 +190,15 @@ CONTRACTS = [
                     source_holds(PARTITION, "param.convert_to_zero_parameters = "),
                     takes_keywords(f"{PARTITION}:Init.__init__",
                                    ["module", "data_parallel_group", "config_dict_or_path", "mpu", "dtype"]))),
-    Contract("ZeRO-3 parameters' ds_tensor and ds_shape", f"{BACKEND}/trainer.py and mhf_dist/train/optim.py",
+    Contract("ZeRO-3 parameters' ds_tensor and ds_shape", f"{BACKEND}/trainer.py and {BACKEND}/zero.py",
              "read (a partition's values, a partitioned parameter's shape)",
              source_holds(PARTITION, "param.ds_tensor = ", "param.ds_shape = ")),
-    Contract("deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology", f"{BACKEND}/distributed.py",
-             "builds the parallel groups from", topology_places_ranks),
+    Contract("deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology", f"{BACKEND}/pipeline.py",
+             "cuts the pipeline over (mhf_dist/parallel/groups.py's grid)", topology_places_ranks),
     Contract("deepspeed.checkpoint.ds_to_universal", f"{BACKEND}/universal.py", "runs", ds_to_universal_flags),
     Contract("deepspeed.checkpoint.constants (universal checkpoint keys)", f"{BACKEND}/universal.py",
              "writes and reads", universal_keys),
-    Contract("the DeepSpeed config's checkpoint.load_universal", "mhf_dist/train/loop.py",
+    Contract("the DeepSpeed config's checkpoint.load_universal", f"{BACKEND}/trainer.py",
              "sets to resume from a conversion", load_universal_key),
     Contract("DeepSpeedEngine.save_checkpoint / load_checkpoint", f"{BACKEND}/checkpoint.py", "calls by keyword",
              all_of(takes_keywords(f"{ENGINE}.save_checkpoint", ["save_dir", "tag", "client_state", "save_latest"]),
@@ -213,7 +219,10 @@ def test_deepspeed_keeps_what_the_backend_relies_on(contract):
 
 
 def test_only_the_backend_imports_deepspeed():
-    imports = re.compile(r"^\s*(import deepspeed|from deepspeed[. ])", re.M)
+    """DeepSpeed is imported in the backend package only, and the rest of the package reaches the backend through
+    ``mhf_dist.backend`` alone."""
+    imports = re.compile(r"^\s*(import deepspeed|from deepspeed[. ]|from mhf_dist\.backend\.deepspeed|"
+                         r"import mhf_dist\.backend\.deepspeed)", re.M)
     outside = [str(f.relative_to(PACKAGE.parent)) for f in sorted(PACKAGE.rglob("*.py"))
-               if imports.search(f.read_text()) and not f.is_relative_to(PACKAGE / "backend" / "deepspeed")]
-    assert not outside, f"DeepSpeed is imported outside {BACKEND}: {outside}"
+               if imports.search(f.read_text()) and not f.is_relative_to(PACKAGE / "backend")]
+    assert not outside, f"DeepSpeed or {BACKEND} is imported outside mhf_dist/backend: {outside}"

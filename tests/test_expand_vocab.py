@@ -8,9 +8,9 @@ import yaml
 from safetensors.torch import load_file
 
 from helpers.runs import metrics, run_cli, trained_model
-from mhf_dist.commands.export import trained_weights
 from mhf_dist.config import RunConfig
 from mhf_dist.model import build_model
+from mhf_dist.train.trained_weights import trained_weights
 from mhf_dist.vocab.signatures import SignatureTable
 from mhf_dist.vocab.token_list import vocabulary
 from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe

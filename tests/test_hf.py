@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers.runs import metrics, run_cli, trained_model
 from mhf_dist.commands.evaluate import split_last_word
-from mhf_dist.commands.export import trained_weights
 from mhf_dist.data.reader import ShardReader
+from mhf_dist.train.trained_weights import trained_weights
 from mhf_dist.vocab.signatures import SignatureTable
 from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
 

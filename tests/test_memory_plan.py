@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from mhf_dist.backend.deepspeed.memory import ZERO_DEFAULTS, zero_setting
 from mhf_dist.cli import main
 from mhf_dist.cluster.profile import load_profile
-from mhf_dist.commands.plan import (
-    CPU_RUNTIME_BYTES,
-    GB,
-    ZERO_DEFAULTS,
-    construction_bytes,
-    format_plan,
-    memory_plan,
-    meta_model,
-    zero_setting,
-)
+from mhf_dist.commands.plan import CPU_RUNTIME_BYTES, GB, construction_bytes, format_plan, memory_plan, meta_model
 from mhf_dist.config import ConfigError, load_config, preset_names
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.host_tables import HostTables
@@ -302,7 +294,7 @@ def test_parameter_count_from_the_config_is_the_built_models(name, overrides):
     cfg = load_config(name, overrides=overrides).model
     count = parameter_count(cfg, 30000)
     model = meta_model(cfg, 30000)
-    assert count.trained_by_deepspeed == sum(p.numel() for p in model.parameters())
+    assert count.trained_by_engine == sum(p.numel() for p in model.parameters())
     assert count.vocab_tables == model.vocab.tables.weight.numel()
     host = [m.weight.numel() for m in model.modules() if isinstance(m, HostTables)]
     assert count.host_tables == sum(host) and (count.host_tables > 0) == bool(cfg.engram and cfg.engram.offload)

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
-from mhf_dist.hf.export import build_hf_model
+from mhf_dist.hf.exporter import build_hf_model
 from mhf_dist.model import build_model
 from mhf_dist.vocab.signatures import SignatureTable
 from mhf_dist.vocab.token_list import vocabulary

@@ -116,13 +116,14 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
     warnings.filterwarnings("ignore")  # torch's and DeepSpeed's notices, once per rank
     import deepspeed
 
+    from mhf_dist.backend import parameter_partitioner
     from mhf_dist.backend.deepspeed.pipeline import build_pipeline
     from mhf_dist.backend.deepspeed.trainer import build_trainer
     from mhf_dist.model import build_model
     from mhf_dist.parallel.construct import Materialiser, SeededValues, model_skeleton
     from mhf_dist.parallel.devices import bind_gpu
     from mhf_dist.parallel.groups import ParallelGroups
-    from mhf_dist.parallel.layout import preflight, zero_stage
+    from mhf_dist.parallel.layout import preflight
     from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
     from mhf_dist.vocab.engram_compression import CompressionTable
 
@@ -145,13 +146,12 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
         apply_tensor_parallel(model, groups.tp_group, groups.tp_rank, tp)
     else:
         model = model_skeleton(m, VOCAB, codes, compression, groups.tp_group, groups.tp_rank, tp)
-        zero3 = ds_config if pp == 1 and zero_stage(ds_config) == 3 else None
         materialise = Materialiser(model, SeededValues(m.init_std, cfg.train.seed), device, groups.tp_rank, tp,
-                                   zero3, groups)
+                                   parameter_partitioner(ds_config, layout, groups))
         if pp == 1:
             materialise(model)
         else:  # each stage materialises its layers as the pipeline is built
-            build_pipeline(model, groups.topology, args.seq_len, 0, materialise)
+            build_pipeline(model, groups, args.seq_len, 0, materialise)
     torch.distributed.barrier()
     phases.stop()
 

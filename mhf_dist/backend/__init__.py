@@ -6,22 +6,44 @@ loop steps, evaluates and logs through it, the checkpointer saves and loads thro
 the backend's files reach the checkpointer's integrity logic), and the host-memory Engram tables
 (:class:`~mhf_dist.train.host_tables.HostTablesStep`) read the optimizer step through it.
 
-The one backend is DeepSpeed's, :mod:`mhf_dist.backend.deepspeed`: the only package that imports DeepSpeed or calls
-into it. This module imports no backend.
+The functions below are the rest of what the package asks of a backend: its config for a run and what is read from
+it, joining the process group, building the trainer, partitioning parameters as construction makes them, and
+converting checkpoints between layouts. The one backend is DeepSpeed's, :mod:`mhf_dist.backend.deepspeed`: the only
+package that imports DeepSpeed or calls into it. Its config readers need neither torch nor DeepSpeed (``plan`` and
+``submit`` use them on a login node); the rest loads them when called.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-import torch
+from mhf_dist.backend.deepspeed.config import (
+    checkpoint_interval,
+    engine_config,
+    fp32_accumulation,
+    grad_accum_dtype,
+    zero_stage,
+)
+from mhf_dist.backend.deepspeed.memory import engine_buffer_bytes
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from mhf_dist.config import ModelConfig, RunConfig
     from mhf_dist.data.reader import ShardReader
+    from mhf_dist.model.lm import LanguageModel
+    from mhf_dist.parallel.groups import ParallelGroups
+    from mhf_dist.parallel.layout import Layout
     from mhf_dist.train.host_tables import HostTablesStep
+
+__all__ = ["checkpoint_interval", "engine_config", "fp32_accumulation", "grad_accum_dtype", "zero_stage",
+           "engine_buffer_bytes", "StepStats", "FileWriter", "Trainer", "Partitioner", "init_distributed",
+           "build_trainer", "parameter_partitioner", "consolidate", "convert_for_layout", "universal_info"]
 
 TrainingFlags = Callable[[], Sequence[bool]]  # the loop's flags, asked for at the end of a step
 
@@ -84,3 +106,59 @@ class Trainer(Protocol):
     def load_files(self, path: Path, universal: bool) -> dict | None:
         """Model, optimizer and scheduler from checkpoint directory ``path`` (``universal``: a layout-free
         conversion); the ``client`` state saved with them, None when the backend could not load them."""
+
+
+class Partitioner(Protocol):
+    """Partitions a module's freshly made parameters over the data-parallel group (ZeRO-3)."""
+
+    dtype: torch.dtype  # the dtype the partitioned parameters train in
+
+    def __call__(self, leaf: nn.Module) -> None:
+        """Replace ``leaf``'s own parameters by this rank's partitions of them."""
+
+
+def init_distributed(backend: str, timeout: timedelta) -> None:
+    """Join the job's process group over ``backend`` (gloo, nccl), as the backend's engines expect it."""
+    from mhf_dist.backend.deepspeed.distributed import init_distributed as join
+
+    join(backend, timeout)
+
+
+def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, config: dict, layout: Layout,
+                  materialise: Callable[[nn.Module], nn.Module] | None = None, load_universal: bool = False) -> Trainer:
+    """This rank's trainer of ``model`` (a skeleton that ``materialise`` makes real, part by part) under the
+    engine ``config``; ``load_universal``: its checkpoint will be loaded from a :func:`convert_for_layout` copy."""
+    from mhf_dist.backend.deepspeed.trainer import build_trainer as build
+
+    return build(cfg, model, groups, config, layout, materialise, load_universal)
+
+
+def parameter_partitioner(config: dict, layout: Layout, groups: ParallelGroups) -> Partitioner | None:
+    """What partitions each leaf as construction makes it: ZeRO-3 without a pipeline; None otherwise."""
+    if layout.pp > 1 or zero_stage(config) != 3:
+        return None
+    from mhf_dist.backend.deepspeed.zero import Zero3Partitioner, training_dtype
+
+    return Zero3Partitioner(config, groups, training_dtype(config))
+
+
+def consolidate(checkpoint: Path, pipeline: bool) -> dict[str, torch.Tensor]:
+    """One full fp32 state dict, in the model's names, from a checkpoint of any layout."""
+    from mhf_dist.backend.deepspeed.universal import consolidate as read
+
+    return read(checkpoint, pipeline)
+
+
+def convert_for_layout(checkpoint: Path, out: Path, source_pipeline: bool, target_pipeline: bool,
+                       n_layers: int) -> Path:
+    """A copy of ``checkpoint`` in ``out`` that an engine of another tp/pp/dp layout loads (``load_universal``)."""
+    from mhf_dist.backend.deepspeed.universal import convert_for_layout as convert
+
+    return convert(checkpoint, out, source_pipeline, target_pipeline, n_layers)
+
+
+def universal_info(param_names: list[str], cfg: ModelConfig, tp: int, pipeline: bool) -> dict:
+    """What a checkpoint records for :func:`convert_for_layout`: how each parameter is split over tp."""
+    from mhf_dist.backend.deepspeed.universal import universal_info as info
+
+    return info(param_names, cfg, tp, pipeline)

@@ -210,7 +210,7 @@ def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_d
         log_dir=run_dir / LOG_DIR, sbatch_run_dir=sbatch_quoted("--run-dir", run_dir),
         sbatch_log=sbatch_quoted("--run-dir", f"{run_dir / LOG_DIR}/%x-%j.out"), grace=grace,
         extra_sbatch="\n".join(extra), run_dir=shlex.quote(str(run_dir)),
-        deepspeed_env="\n".join(f"{k}={no_control_characters(k, v)}" for k, v in profile.env.items()),
+        launcher_env="\n".join(f"{k}={no_control_characters(k, v)}" for k, v in profile.env.items()),
         # absolute: the script runs in the run directory
         hostfile=shlex.quote(str(Path(no_control_characters("--hostfile", hostfile)).resolve()) if hostfile else ""),
         master_port=29500, **shell,

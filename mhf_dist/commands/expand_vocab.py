@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from mhf_dist.commands.export import trained_weights
 from mhf_dist.config import EMBEDDED_CORPUS, ConfigError, RunConfig, apply_override
 from mhf_dist.hf.importer import INIT_WEIGHTS, save_initialised_run
 from mhf_dist.model import build_model
 from mhf_dist.storage.output_dir import check_target, staged
 from mhf_dist.storage.run_dir import RunDir
+from mhf_dist.train.trained_weights import trained_weights
 from mhf_dist.vocab.signatures import SignatureTable
 from mhf_dist.vocab.token_list import vocabulary
 from mhf_dist.vocab.tokenizers import TokenizerError, load_tokenizer

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
-from mhf_dist.commands.export import MODEL_SOURCES, check_source
 from mhf_dist.config import ConfigError
 from mhf_dist.model.dtypes import DTYPES
+from mhf_dist.train.trained_weights import MODEL_SOURCES, check_source
 
 
 def remote_code_is_ours(path: Path) -> bool:
@@ -43,7 +43,7 @@ def load_for_inference(path: str | Path, dtype: str = "fp32", device: str = "aut
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if not (path / "config.json").is_file():  # a run or checkpoint directory
-        from mhf_dist.hf.export import export_hf
+        from mhf_dist.hf.exporter import export_hf
 
         check_source(path, f"an export-hf directory (with config.json), {MODEL_SOURCES}")
         with tempfile.TemporaryDirectory(prefix="mhf-export-") as tmp:

@@ -114,7 +114,7 @@ its model in a fresh process). In all about 9 minutes; ``--skip compile`` saves 
 step 2 adds two runs (tp=2 and accumulation), 60-90 s on 2 idle cores (the check took 4.3 minutes without them).
 
 Then one table, printed and written as ``gpu_check.md`` and ``gpu_check.json`` in ``--out``. It gives the
-date, the device, the torch build and the deepspeed version. Both files are rewritten after every step, so a
+date, the device, the torch build and the DeepSpeed version. Both files are rewritten after every step, so a
 check stopped from outside still leaves what it measured, and the JSON holds each step's seconds. The exit
 code is 1 if any check failed ("not runnable with gloo" is not a failure). Command logs go to ``OUT/logs/``.
 Runs, models and profiles go to ``--work`` (default ``OUT/work``, emptied at the start). On a GPU the tiny

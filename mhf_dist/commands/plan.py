@@ -12,7 +12,7 @@ the 16-bit weights; ZeRO-3 partitions all of it and gathers the largest layer in
 fp32 (``4·largest + 18·P/dp``); ZeRO-2 keeps the 16-bit weights whole (``2·P +
 18·P/dp``); ZeRO-1 also keeps whole 16-bit gradients (``+ 2·P·(1 − 1/dp)``).
 Accumulating the gradients in fp32 (``data_types.grad_accum_dtype``, which a bf16
-run's DeepSpeed config sets, :mod:`mhf_dist.parallel.layout`) costs ZeRO-3 2 more
+run's DeepSpeed config sets, :func:`mhf_dist.backend.engine_config`) costs ZeRO-3 2 more
 bytes per partitioned parameter (``4·largest + 20·P/dp``: its gradient partition is
 fp32), and under ZeRO-1 DeepSpeed then runs its bf16 optimizer instead, which keeps
 the 16-bit weights and an fp32 gradient whole (each parameter's bf16 gradient is
@@ -66,10 +66,17 @@ from dataclasses import dataclass
 
 import torch
 
+from mhf_dist.backend import (
+    checkpoint_interval,
+    engine_buffer_bytes,
+    engine_config,
+    fp32_accumulation,
+    zero_stage,
+)
 from mhf_dist.cluster.profile import ClusterProfile
 from mhf_dist.config import ModelConfig, RunConfig, preset
 from mhf_dist.model import LanguageModel, build_model
-from mhf_dist.parallel.layout import checkpoint_interval, deepspeed_config, grad_accum_dtype, resolve_layout, zero_stage
+from mhf_dist.parallel.layout import resolve_layout
 from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
 from mhf_dist.parallel.state_dict import split_dim
 from mhf_dist.parallel.tensor_parallel import tp_split_dims
@@ -93,11 +100,6 @@ HEADROOM = 0.9  # the share of device or host memory a plan may fill
 # no size (32k parameters, 128 KiB), measured 2026-12-01 on a 2-core CPU VM (24 GiB, 4 gloo ranks; largest rank):
 #     python tools/bench_construction_memory.py --runtime --ranks 4 --seq-len 128    # -> 423 MiB
 CPU_RUNTIME_BYTES = 423 * MiB
-# DeepSpeed's defaults for the ``zero_optimization`` keys the plan reads, as its ``DeepSpeedZeroConfig`` fills them in
-# (deepspeed/runtime/zero/config.py; the plan does not import DeepSpeed, tests/test_memory_plan.py checks these
-# against the installed one)
-ZERO_DEFAULTS = {"contiguous_gradients": True, "reduce_bucket_size": 500_000_000,
-                 "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000}
 
 
 @dataclass
@@ -136,60 +138,6 @@ def model_state_bytes(zero: int, params: int, largest: int, dp: int, dtype: str 
     if zero == 3:
         return 4 * largest + (partitioned if dtype == "bf16" else weights + partitioned) * params / dp
     return weights * params + partitioned * params / dp + (grads * params * (1 - 1 / dp) if zero <= 1 else 0)
-
-
-def zero_setting(ds_config: dict, key: str):
-    """``zero_optimization.<key>`` of the engine's DeepSpeed config, else DeepSpeed's default (:data:`ZERO_DEFAULTS`;
-    ``overlap_comm`` defaults to on under ZeRO-3 only)."""
-    zero = ds_config["zero_optimization"]
-    if key in zero:
-        return zero[key]
-    return zero["stage"] == 3 if key == "overlap_comm" else ZERO_DEFAULTS[key]
-
-
-def fp32_accumulation(ds_config: dict) -> bool:
-    """Whether a bf16 DeepSpeed config accumulates its gradients in fp32 (``data_types.grad_accum_dtype``)."""
-    return bool(ds_config.get("bf16", {}).get("enabled")) and grad_accum_dtype(ds_config) == "fp32"
-
-
-def bf16_optimizer(ds_config: dict) -> bool:
-    """Whether DeepSpeed runs its bf16 optimizer (``BF16_Optimizer``) instead of its ZeRO one: bf16 with fp32
-    gradient accumulation under ZeRO-1, the optimizer's states not offloaded (DeepSpeed's own rule)."""
-    offload = ds_config["zero_optimization"].get("offload_optimizer") or {}
-    return fp32_accumulation(ds_config) and zero_stage(ds_config) == 1 and offload.get("device") != "cpu"
-
-
-def communication_bytes(ds_config: dict, e: int) -> int:
-    """Bytes per value of DeepSpeed's gradient reduction: ``communication_data_type``, else the run's."""
-    return {"fp32": 4, "bf16": 2, "fp16": 2}.get(ds_config.get("communication_data_type"), e)
-
-
-def deepspeed_buffer_bytes(ds_config: dict, params: int, largest: int, e: int, device: str) -> float:
-    """DeepSpeed's buffers on a rank holding ``params`` parameters (its stage's tensor-parallel share) in a run of
-    ``e`` bytes per value, plus the largest parameter's whole gradient (see the module docstring). ``device``
-    ``cpu``: a buffer is resident only where written, at most ``params`` elements."""
-    stage, contiguous = zero_stage(ds_config), zero_setting(ds_config, "contiguous_gradients")
-    bucket = zero_setting(ds_config, "reduce_bucket_size")
-    comm = communication_bytes(ds_config, e)
-
-    def allocated(elements: int) -> int:
-        return min(elements, params) if device == "cpu" else elements
-
-    if bf16_optimizer(ds_config):  # no reduce buckets: the fp32 gradients are all-reduced in place (in fp32), or
-        # through a copy in the communication dtype
-        return (0 if comm == 4 else comm * params) + e * largest
-    buckets = 0.0  # ZeRO-0, or gradients not made contiguous
-    if contiguous and stage == 3:
-        buckets = comm * allocated(bucket)  # the reduce bucket holds the gradients in the communication dtype
-    elif contiguous and stage in (1, 2):
-        buckets = (2 if zero_setting(ds_config, "overlap_comm") else 1) * (4 if stage == 1 else e) * allocated(bucket)
-    gathered = 0.0
-    if stage == 3:  # the prefetched parameters, and the largest one gathered twice in backward: autograd's saved
-        # views of the forward's copy (the fused heads save their tables') outlive its release, backward gathers again
-        ahead = min(zero_setting(ds_config, "stage3_prefetch_bucket_size"),
-                    zero_setting(ds_config, "stage3_max_live_parameters"))
-        gathered = e * (allocated(ahead) + largest)
-    return buckets + gathered + e * largest
 
 
 def decoder_bytes(m: ModelConfig, e: int, tokens: int, rows: int, tp: int) -> float:
@@ -232,7 +180,7 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
     world = nodes * profile.gpus_per_node
     layout = resolve_layout(cfg, world)
     device = device_of(profile)
-    ds_config = deepspeed_config(cfg, layout, device)
+    ds_config = engine_config(cfg, layout, device)
     zero, checkpointed = zero_stage(ds_config), checkpoint_interval(cfg, ds_config)
     runtime = CPU_RUNTIME_BYTES if device == "cpu" else 0
     m, tp, pp, dp = cfg.model, layout.tp, layout.pp, layout.dp
@@ -261,7 +209,7 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
         largest = max(per_rank[n] for n in names)
         states = model_state_bytes(zero, total, max(per_rank.values()), dp, cfg.train.dtype,
                                    fp32_accumulation(ds_config))
-        buffers = deepspeed_buffer_bytes(ds_config, total, largest, e, device)
+        buffers = engine_buffer_bytes(ds_config, total, largest, e, device)
         host = construction_bytes(total / dp if zero == 3 else total, max(full[n] for n in names))
         in_flight = min(pp - s, layout.accum)
         memories = sum(1 for i in layers if i - 1 in m.engram_layers)
@@ -351,7 +299,7 @@ def format_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, plans: list
     """The printed plan: model, layout, one row per stage, host memory, time per step and the verdicts."""
     world = nodes * profile.gpus_per_node
     layout = resolve_layout(cfg, world)
-    ds_config = deepspeed_config(cfg, layout, device_of(profile))
+    ds_config = engine_config(cfg, layout, device_of(profile))
     zero = zero_stage(ds_config)
     host_rank = max(p.construction_gb for p in plans)
     host_node = host_bytes_per_node(host_rank, profile.gpus_per_node)

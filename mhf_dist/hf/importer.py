@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from mhf_dist.config import ConfigError, RunConfig, apply_override, deep_merge
 from mhf_dist.hf.configuration_multihashformer import MultiHashFormerConfig
-from mhf_dist.hf.export import RUN_CONFIG
+from mhf_dist.hf.exporter import RUN_CONFIG
 from mhf_dist.hf.names import HFImportError, from_export
 from mhf_dist.model import build_model
 from mhf_dist.storage.output_dir import check_target, staged

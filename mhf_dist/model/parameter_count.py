@@ -29,12 +29,12 @@ class ParameterCount:
     host_tables: int  # the Engram tables kept in host memory outside DeepSpeed (model.engram.offload)
 
     @property
-    def trained_by_deepspeed(self) -> int:
+    def trained_by_engine(self) -> int:
         return self.vocab_tables + self.vocab_other + self.backbone + self.engram_tables
 
     @property
     def total(self) -> int:
-        return self.trained_by_deepspeed + self.host_tables
+        return self.trained_by_engine + self.host_tables
 
 
 def engram_table_rows(cfg: ModelConfig, layer: int) -> int:

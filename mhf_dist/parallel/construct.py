@@ -12,12 +12,11 @@ module handed to ZeRO-3 at once:
    (every module holding parameters here is a leaf: Linear, RMSNorm, Conv1d, BucketTables): it allocates
    this rank's tensor-parallel shard on the device, fills it with that shard of the initial value by the
    parameter's name (:func:`~mhf_dist.model.init.initial_shard`, or of a ``train.init_from`` file read one
-   tensor slice at a time), sets it on the leaf and, under ZeRO-3, converts the leaf's parameters to
-   DeepSpeed's partitioned ones right away (:class:`~mhf_dist.backend.deepspeed.zero.Zero3Partitioner`:
-   DeepSpeed's documented way to partition an allocated module), which keeps this rank's 1/dp and frees the
-   rest before the next leaf.
-3. pp > 1: the pipeline's layers are LayerSpecs that materialise their part of the skeleton, which DeepSpeed
-   builds only on the stage holding them (:func:`~mhf_dist.backend.deepspeed.pipeline.build_pipeline`).
+   tensor slice at a time), sets it on the leaf and, under ZeRO-3, hands the leaf to the backend's partitioner
+   right away (:func:`mhf_dist.backend.parameter_partitioner`: DeepSpeed's documented way to partition an
+   allocated module), which keeps this rank's 1/dp of its parameters and frees the rest before the next leaf.
+3. pp > 1: the pipeline's layers materialise their part of the skeleton, and the backend builds each only on the
+   stage holding it.
 
 Why not DeepSpeed's ``zero.Init`` as a context around the model's constructor (GPT-NeoX, Megatron-DeepSpeed)?
 It partitions each module as its ``__init__`` returns, so the tensor-parallel layers would have to be
@@ -45,7 +44,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mhf_dist.backend.deepspeed.zero import Zero3Partitioner
+from mhf_dist.backend import Partitioner
 from mhf_dist.model.init import draw_size, host_tables, initial_shard
 from mhf_dist.model.lm import LanguageModel, model_structure
 from mhf_dist.parallel.state_dict import split_dim
@@ -129,29 +128,20 @@ def full_shapes(model: LanguageModel, tp: int) -> dict[str, tuple[int, ...]]:
     return out | {name: tuple(weight.shape) for name, weight in host_tables(model).items()}  # tp = 1 only
 
 
-def training_dtype(ds_config: dict) -> torch.dtype:
-    if ds_config.get("bf16", {}).get("enabled"):
-        return torch.bfloat16
-    if ds_config.get("fp16", {}).get("enabled"):
-        return torch.float16
-    return torch.float32
-
-
 class Materialiser:
     """``materialise(module)``: the meta parameters of ``module`` (``model`` or a part of it) become real on this
-    rank, initialised from ``values``, leaf by leaf; with ``zero3`` (the DeepSpeed config, for pp = 1 under
-    ZeRO-3) each leaf is partitioned over the data-parallel group as soon as it is filled. Buffers move to
+    rank, initialised from ``values``, leaf by leaf; with a ``partition`` (pp = 1 under ZeRO-3) each leaf is
+    partitioned over the data-parallel group as soon as it is filled, in the partitioner's dtype. Buffers move to
     ``device``. Returns ``module``."""
 
     def __init__(self, model: LanguageModel, values, device: torch.device, tp_rank: int = 0, tp: int = 1,
-                 zero3: dict | None = None, groups=None):
+                 partition: Partitioner | None = None):
         self.prefixes = {id(m): prefix for prefix, m in model.named_modules()}
         self.shapes = full_shapes(model, tp)
         self.dims = tp_split_dims(model.cfg, tp) if tp > 1 else []
         self.values, self.device, self.tp_rank, self.tp = values, device, tp_rank, tp
-        self.zero3 = zero3
-        self.dtype = training_dtype(zero3) if zero3 is not None else None
-        self._partition = Zero3Partitioner(zero3, groups, self.dtype) if zero3 is not None else None
+        self.partition = partition
+        self.dtype = partition.dtype if partition is not None else None
 
     def __call__(self, module: nn.Module) -> nn.Module:
         base = self.prefixes[id(module)]
@@ -165,7 +155,7 @@ class Materialiser:
         names = [name for _, params in leaves for _, name, _ in params]
         self.values.reserve({} if direct else {name: self.shapes[name] for name in names})
         scratch = None
-        if self.zero3 is not None and leaves:
+        if self.partition is not None and leaves:
             # Each leaf is filled in one buffer, reused leaf after leaf: ZeRO-3 keeps a copy of its slice and lets
             # the leaf's tensors go, so the only other allocations are the slices, which stay packed (a fresh
             # full-size tensor per leaf would leave the allocator holes that later, larger leaves cannot reuse).
@@ -180,7 +170,7 @@ class Materialiser:
                     offset += meta.numel()
                 setattr(leaf, n, self._real(name, meta, out))
             if scratch is not None:
-                self._partition(leaf)
+                self.partition(leaf)
         self.values.release()
         for name, weight in host_tables(module).items():  # model.engram.offload: whole, in host memory
             self.values.shard(self.prefixes[id(module)] + ("." if self.prefixes[id(module)] else "") + name,

@@ -64,7 +64,7 @@ source; the digests guard against corruption, not against someone who can also
 rewrite ``complete.json``.
 
 Resuming under another layout (dp, tp or pp changed) goes through DeepSpeed's
-universal checkpoint (:mod:`mhf_dist.backend.deepspeed.universal`): every combination of
+universal checkpoint (:func:`mhf_dist.backend.convert_for_layout`): every combination of
 dp, tp and pp (pp = 1 ↔ pp > 1 included, but a pipeline's under ZeRO-1/2 only:
 :meth:`Checkpointer.for_this_layout`) converts; the data position carries
 over because the reader's order does not depend on the rank count. The RNG
@@ -100,8 +100,7 @@ from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
 from mhf_dist import __version__
-from mhf_dist.backend import Trainer
-from mhf_dist.backend.deepspeed.universal import convert_for_layout, universal_info
+from mhf_dist.backend import Trainer, convert_for_layout, universal_info
 from mhf_dist.config import ModelConfig, RunConfig
 from mhf_dist.parallel.rank0_work import on_rank0
 from mhf_dist.parallel.scalars import ScalarCollectives

@@ -1,7 +1,6 @@
 """The training side of offloaded Engram tables (``model.engram.offload``, :class:`HostTables`).
 
-Per step (:class:`mhf_dist.backend.deepspeed.trainer.DataParallelTrainer` calls these; the trainer is the
-:class:`~mhf_dist.backend.Trainer` whose optimizer step they follow):
+Per step (the backend's :class:`~mhf_dist.backend.Trainer` calls these around its optimizer step):
 
 1. :meth:`HostTablesStep.prefetch` / :meth:`~HostTablesStep.advance` gather each micro-batch's rows ahead of its
    forward (the next micro-batch's while the current one computes).
@@ -13,8 +12,8 @@ Per step (:class:`mhf_dist.backend.deepspeed.trainer.DataParallelTrainer` calls 
    buffers on the communication device, never handed to NCCL from the host. Then their norm is taken, and the
    learning rate, betas, eps and weight decay of the trainer's decayed (>= 2-D) group are read.
 3. DeepSpeed's step: the trainer made its ZeRO optimizer's global gradient norm include the host tables'
-   (:meth:`~HostTablesStep.host_norm_on`, :mod:`mhf_dist.backend.deepspeed.grad_norm`: ``sqrt(n_device² +
-   n_host²)``), so its clipping and the logged grad norm are those of the dense run.
+   (:meth:`~HostTablesStep.host_norm_on`: ``sqrt(n_device² + n_host²)``), so its clipping and the logged grad norm
+   are those of the dense run.
 4. :meth:`~HostTablesStep.after_step`: the same clip coefficient ``max(1, (norm + 1e-6) / grad_clip)`` on the host
    gradients (the global norm as the trainer read it with the step's other numbers, so it costs no host sync of its
    own), then ``torch.optim.AdamW`` (fused, as the dense path) on the host tables with those hyperparameters:

@@ -35,11 +35,12 @@ import math
 import re
 from dataclasses import dataclass
 
+from mhf_dist.backend import checkpoint_interval, engine_config
 from mhf_dist.cluster.profile import ClusterProfile
 from mhf_dist.config import ConfigError, RunConfig
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.parameter_count import parameter_count
-from mhf_dist.parallel.layout import checkpoint_interval, deepspeed_config, resolve_layout
+from mhf_dist.parallel.layout import resolve_layout
 
 DEFAULT_MFU = 0.40
 PLANNING_VOCAB_SIZE = 32768  # the tokenizer size estimates assume (only Standard's tables depend on it)
@@ -92,7 +93,7 @@ def step_estimate(cfg: RunConfig, profile: ClusterProfile, nodes: int, mfu: floa
     m = cfg.model
     rows = m.padded_vocab_rows(vocab_size) if m.variant == "standard" else m.hash.num_buckets
     flops = forward_flops(m, cfg.data.seq_len, rows)
-    k = checkpoint_interval(cfg, deepspeed_config(cfg, layout, device_of(profile)))
+    k = checkpoint_interval(cfg, engine_config(cfg, layout, device_of(profile)))
     recompute = sum(flops.layer(i) for i in range(m.n_layers) if k and i % k == 0)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     peak = profile.peak_bf16_tflops * 1e12 * world
@@ -105,10 +106,10 @@ def checkpoint_bytes(cfg: RunConfig, pp: int, vocab_size: int = PLANNING_VOCAB_S
     count = parameter_count(cfg.model, vocab_size)
     master_and_moments = 12
     if pp == 1:
-        saved = master_and_moments * count.trained_by_deepspeed
+        saved = master_and_moments * count.trained_by_engine
     else:
         weights = 2 if cfg.train.dtype == "bf16" else 4
-        saved = (master_and_moments + weights) * (count.trained_by_deepspeed + count.vocab_tables)
+        saved = (master_and_moments + weights) * (count.trained_by_engine + count.vocab_tables)
     return saved + master_and_moments * count.host_tables
 
 

@@ -45,9 +45,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from mhf_dist.backend import StepStats, Trainer
-from mhf_dist.backend.deepspeed.distributed import init_distributed as init_backend_distributed
-from mhf_dist.backend.deepspeed.trainer import build_trainer
+from mhf_dist.backend import StepStats, Trainer, build_trainer, parameter_partitioner, zero_stage
+from mhf_dist.backend import init_distributed as init_backend_distributed
 from mhf_dist.cluster.launch import free_port, slurm_rank_env
 from mhf_dist.cluster.run_lock import RunDirLocked, RunLock
 from mhf_dist.config import RunConfig
@@ -59,7 +58,7 @@ from mhf_dist.model.lm import LanguageModel
 from mhf_dist.parallel.construct import FileValues, Materialiser, SeededValues, full_shapes, model_skeleton
 from mhf_dist.parallel.devices import bind_gpu, device_type
 from mhf_dist.parallel.groups import ParallelGroups
-from mhf_dist.parallel.layout import Layout, backend_name, preflight, zero_stage
+from mhf_dist.parallel.layout import Layout, backend_name, preflight
 from mhf_dist.parallel.rank0_work import on_rank0
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
@@ -117,8 +116,8 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def deepspeed_prints(shown: bool):
-    """DeepSpeed's own ``print`` lines while it starts (its op builds, ``SEED_LAYERS=...``, ``Using topology:
+def backend_prints(shown: bool):
+    """The backend's own ``print`` lines while it starts (its op builds, ``SEED_LAYERS=...``, ``Using topology:
     ...``, once per rank) are held back unless ``shown`` (``train --verbose``); they are shown after all if the
     start fails."""
     if shown:
@@ -287,7 +286,7 @@ class TrainingLoop:
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         self.layout, self.ds_config = preflight(self.cfg, self.world, device_type(self.cfg))
         self.device = resolve_device(self.cfg, int(os.environ.get("LOCAL_RANK", 0)))
-        with deepspeed_prints(self.verbose):
+        with backend_prints(self.verbose):
             init_distributed(self.cfg, self.device)
         self.groups = ParallelGroups.create(self.layout.tp, self.layout.pp)
         self.scalars = ScalarCollectives()
@@ -318,8 +317,6 @@ class TrainingLoop:
         if (path := _resume_path(resume, self.checkpointer)) is not None:
             resuming = ResumePoint(path, *self.checkpointer.for_this_layout(path, zero3))
             self.checkpointer.continue_from(path)  # newer checkpoints (an abandoned line) are set aside
-            if resuming.universal:
-                self.ds_config = self.ds_config | {"checkpoint": {"load_universal": True}}
 
         values = SeededValues(cfg.model.init_std, cfg.train.seed)
         if cfg.train.init_from:  # also when resuming: a checkpoint need not hold the frozen parameters
@@ -331,9 +328,10 @@ class TrainingLoop:
         use_kernels(cfg.train.fused_head_kernel)
         self.vocab_rows = model.vocab.tables.num_rows
         materialise = Materialiser(model, values, self.device, groups.tp_rank, groups.tp,
-                                   self.ds_config if zero3 else None, groups)
-        with deepspeed_prints(self.verbose):
-            self.trainer = build_trainer(cfg, model, groups, self.ds_config, layout, materialise)
+                                   parameter_partitioner(self.ds_config, layout, groups))
+        with backend_prints(self.verbose):
+            self.trainer = build_trainer(cfg, model, groups, self.ds_config, layout, materialise,
+                                         load_universal=resuming is not None and resuming.universal)
         return resuming
 
     def _open_data(self) -> None:

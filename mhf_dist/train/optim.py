@@ -7,6 +7,7 @@ norm gains, as in the authors' Hugging Face Trainer set-up.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,17 +26,14 @@ def lr_factor(step: int, cfg: OptimizerConfig, max_steps: int) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _ndim(p: torch.nn.Parameter) -> int:
-    """Dimensions of the parameter, also when ZeRO-3 has partitioned it (its data is then a flat slice)."""
-    return len(getattr(p, "ds_shape", p.shape))
-
-
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, max_steps: int):
-    """``(AdamW, LambdaLR)`` for ``model``'s trainable parameters."""
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, max_steps: int,
+                    ndim: Callable[[torch.nn.Parameter], int] = torch.Tensor.dim):
+    """``(AdamW, LambdaLR)`` for ``model``'s trainable parameters; ``ndim`` gives a parameter's dimensions (the
+    backend's, where it has replaced parameters by flat partitions)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
-        {"params": [p for p in params if _ndim(p) >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if _ndim(p) < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if ndim(p) >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if ndim(p) < 2], "weight_decay": 0.0},
     ]
     # the fused kernel (one pass over each parameter on CPU and GPU) steps 100m 4-5x faster on CPU than foreach
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)

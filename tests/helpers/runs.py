@@ -42,8 +42,8 @@ def train_run(tmp_path: Path, data: dict, name: str, nproc: int, *overrides: str
 
 def trained_model(run: Path):
     """A run's newest checkpoint as our LanguageModel (eval mode), with its tokenizer and signature table."""
-    from mhf_dist.commands.export import trained_weights
     from mhf_dist.model import build_model
+    from mhf_dist.train.trained_weights import trained_weights
     from mhf_dist.vocab.signatures import SignatureTable
     from mhf_dist.vocab.tokenizers import load_tokenizer
 

@@ -29,9 +29,11 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
+from mhf_dist.backend.deepspeed.distributed import pipe_model_data_topology
 from mhf_dist.model.backbone import Backbone, Block, rope_cos_sin
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.model.vocabulary import Evaluation, TiedVocabulary, TrainingLoss
+from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
 
 VOCAB = "vocab"
@@ -155,9 +157,10 @@ class BalancedPipeline(PipelineModule):
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
 
-def build_pipeline(model: LanguageModel, topology, seq_len: int, checkpoint_interval: int,
+def build_pipeline(model: LanguageModel, groups: ParallelGroups, seq_len: int, checkpoint_interval: int,
                    materialise: Callable[[nn.Module], nn.Module] | None = None) -> tuple[PipelineModule, PipelineLoss]:
-    """Cut a (tensor-parallel) ``model`` into pipeline stages; returns the module and its loss function.
+    """Cut a (tensor-parallel) ``model`` into the pipeline stages of ``groups``' grid; returns the module and its
+    loss function.
     ``materialise`` makes a part of ``model`` real (a :class:`~mhf_dist.parallel.construct.Materialiser` when
     ``model`` is a skeleton); it runs on the parts this stage holds only."""
     cfg = model.cfg
@@ -175,8 +178,9 @@ def build_pipeline(model: LanguageModel, topology, seq_len: int, checkpoint_inte
     layers += [LocalLayer(nn.RMSNorm, lambda: real(model.backbone.norm)), vocab_spec]
     costs = layer_costs(cfg, seq_len, model.vocab.tables.num_rows)
     pipe = BalancedPipeline(
-        layers=layers, topology=topology, loss_fn=loss, layer_costs=costs,
-        activation_checkpoint_interval=checkpoint_interval, checkpointable_layers=[BlockStage.__name__],
+        layers=layers, topology=pipe_model_data_topology(groups.pp, groups.tp, groups.dp), loss_fn=loss,
+        layer_costs=costs, activation_checkpoint_interval=checkpoint_interval,
+        checkpointable_layers=[BlockStage.__name__],
     )
     if VOCAB in pipe.tied_modules:  # the first and the last stage
         vocab = pipe.tied_modules[VOCAB].vocab

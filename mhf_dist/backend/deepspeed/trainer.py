@@ -35,15 +35,17 @@ from torch import nn
 
 from mhf_dist.backend import FileWriter, StepStats, Trainer, TrainingFlags
 from mhf_dist.backend.deepspeed.checkpoint import load_checkpoint, save_checkpoint
+from mhf_dist.backend.deepspeed.config import checkpoint_interval
 from mhf_dist.backend.deepspeed.grad_norm import include_in_global_norm
 from mhf_dist.backend.deepspeed.pipeline import build_pipeline
+from mhf_dist.backend.deepspeed.zero import full_ndim
 from mhf_dist.config import RunConfig
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.model.calibration import fit_temperature, validation_metrics
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.model.scoring import EvalSums
 from mhf_dist.parallel.groups import ParallelGroups
-from mhf_dist.parallel.layout import Layout, checkpoint_interval
+from mhf_dist.parallel.layout import Layout
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.train.host_tables import HostTablesStep
 from mhf_dist.train.optim import build_optimizer
@@ -121,7 +123,7 @@ class DataParallelTrainer(EngineTrainer):
         if materialise is not None:
             model = materialise(model)
         model.backbone.checkpoint_interval = checkpoint_interval(cfg, ds_config)
-        optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.train.max_steps)
+        optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.train.max_steps, ndim=full_ndim)
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=groups
         )
@@ -200,7 +202,7 @@ class PipelineTrainer(EngineTrainer):
 
     def __init__(self, cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout,
                  materialise: Callable[[nn.Module], nn.Module] | None = None):
-        self.pipe, self.loss_fn = build_pipeline(model, groups.topology, cfg.data.seq_len,
+        self.pipe, self.loss_fn = build_pipeline(model, groups, cfg.data.seq_len,
                                                  checkpoint_interval(cfg, ds_config), materialise)
         optimizer, scheduler = build_optimizer(self.pipe, cfg.optimizer, cfg.train.max_steps)
         self.engine, *_ = deepspeed.initialize(
@@ -272,6 +274,9 @@ class PipelineTrainer(EngineTrainer):
 
 
 def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout,
-                  materialise: Callable[[nn.Module], nn.Module] | None = None) -> Trainer:
+                  materialise: Callable[[nn.Module], nn.Module] | None = None, load_universal: bool = False) -> Trainer:
+    """The trainer of ``layout``; ``load_universal``: its checkpoint will be loaded from a universal conversion."""
+    if load_universal:
+        ds_config = ds_config | {"checkpoint": {"load_universal": True}}
     cls = PipelineTrainer if layout.pp > 1 else DataParallelTrainer
     return cls(cfg, model, groups, ds_config, layout, materialise)

@@ -6,6 +6,20 @@ import torch
 from torch import nn
 
 
+def training_dtype(ds_config: dict) -> torch.dtype:
+    """The dtype a DeepSpeed config trains in."""
+    if ds_config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if ds_config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
+def full_ndim(p: nn.Parameter) -> int:
+    """Dimensions of a parameter, also when ZeRO-3 has partitioned it (its data is then a flat slice)."""
+    return len(getattr(p, "ds_shape", p.shape))
+
+
 class Zero3Partitioner:
     """``partition(leaf)`` converts the parameters of an allocated module to ZeRO-3's partitioned ones, keeping this
     rank's 1/dp: the first module through ``deepspeed.zero.Init(module=...)`` (the documented way to partition an

@@ -35,7 +35,6 @@ import torch
 import yaml
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
-from mhf_dist.commands.export import TrainedWeights, check_source, trained_weights
 from mhf_dist.config import ConfigError, ModelConfig, RunConfig
 from mhf_dist.data.prepare import MANIFEST
 from mhf_dist.hf.configuration_multihashformer import MultiHashFormerConfig
@@ -43,6 +42,7 @@ from mhf_dist.hf.modeling_multihashformer import MultiHashFormerForCausalLM
 from mhf_dist.hf.names import EMBED, LM_HEAD, to_export
 from mhf_dist.model.dtypes import DTYPES
 from mhf_dist.storage.output_dir import check_target, staged
+from mhf_dist.train.trained_weights import TrainedWeights, check_source, trained_weights
 from mhf_dist.vocab.signatures import SignatureTable
 from mhf_dist.vocab.tokenizers import load_tokenizer
 

@@ -1,0 +1,87 @@
+"""A model's full weights from what training leaves: a checkpoint of any layout, or a run directory (its newest
+complete checkpoint, or, before the first, its initial weights). What ``export``, ``export-hf``, ``expand-vocab``,
+``generate`` and ``eval`` read a model from."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from mhf_dist.backend import consolidate
+from mhf_dist.config import RunConfig
+from mhf_dist.storage.run_dir import RunDir
+from mhf_dist.train.checkpoint_index import MARKER, CheckpointError, complete_checkpoints, verify_files
+from mhf_dist.train.host_tables import host_table_weights
+
+MODEL_SOURCES = "a run directory (the --run-dir of train or import-hf) or a checkpoint (RUN/checkpoints/step-N)"
+
+
+def holds_weights(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint directory or a run directory."""
+    return (path / MARKER).is_file() or RunDir(path).config_path.is_file()
+
+
+def check_source(path: str | Path, accepted: str = MODEL_SOURCES) -> Path:
+    """``path`` when it is a checkpoint or a run directory, else an error saying what is ``accepted``. Commands check
+    this first, so a path that holds no model is named as such rather than as a problem of their output."""
+    path = Path(path)
+    if not holds_weights(path):
+        what = f"holds no model (no {MARKER}, no config.yaml)" if path.exists() else "does not exist"
+        raise CheckpointError(f"{path} {what}: pass {accepted}")
+    return path
+
+
+def resolve_weights(path: str | Path) -> Path:
+    """Where the weights of ``path`` (:func:`check_source`) are: a checkpoint directory (``path`` itself, or a run
+    directory's newest complete checkpoint), or, for a run without a checkpoint yet, the file of its initial weights
+    (``train.init_from``: a fresh ``import-hf`` or ``expand-vocab`` run, whose initial weights are the model)."""
+    path = check_source(path)
+    if (path / MARKER).is_file():
+        return path
+    found = complete_checkpoints(path / "checkpoints")
+    if found:
+        return found[-1]
+    init_from = (yaml.safe_load(RunDir(path).config_path.read_text()).get("train") or {}).get("init_from")
+    if init_from is None or not (path / init_from).is_file():
+        raise CheckpointError(f"{path} has no complete checkpoint yet, nor initial weights (train.init_from): train "
+                              "it until it saves one (at the end, or every train.checkpoint_interval steps)")
+    return path / init_from
+
+
+@dataclass
+class TrainedWeights:
+    checkpoint: Path  # the checkpoint directory, or the file of a run's initial weights
+    step: int
+    run: RunDir
+    cfg: RunConfig
+    state: dict[str, torch.Tensor]  # full fp32 LanguageModel state dict
+
+
+def trained_weights(checkpoint: str | Path) -> TrainedWeights:
+    """The full weights of a checkpoint (or a run directory's newest), merged over every shard; a run without a
+    checkpoint yet gives its initial weights, at step 0 (:func:`resolve_weights`)."""
+    ckpt = resolve_weights(checkpoint)
+    if ckpt.is_file():
+        return initial_weights(RunDir(checkpoint), ckpt)
+    marker = verify_files(ckpt)  # every file's size and digest, before DeepSpeed's loader reads any
+    run = RunDir(ckpt.parent.parent)
+    raw = yaml.safe_load(run.config_path.read_text())
+    cfg = RunConfig.model_validate(raw | {"model": marker["model"]})  # the shapes the weights were saved with
+    state = consolidate(ckpt, pipeline=marker["layout"]["pp"] > 1) | host_table_weights(ckpt)
+    if cfg.train.init_from:  # frozen parameters (train.trainable_blocks) are not in the checkpoint
+        state = load_file(str(run.path / cfg.train.init_from)) | state
+    return TrainedWeights(ckpt, marker["step"], run, cfg, state)
+
+
+def initial_weights(run: RunDir, weights: Path) -> TrainedWeights:
+    """A run's initial weights (``train.init_from``) as its model, at step 0; said on stderr, as it is not a
+    trained checkpoint."""
+    print(f"note: {run.path} has no checkpoint yet; its initial weights {weights} (train.init_from) are the model",
+          file=sys.stderr)
+    cfg = RunConfig.model_validate(yaml.safe_load(run.config_path.read_text()))
+    return TrainedWeights(weights, 0, run, cfg, load_file(str(weights)))
