@@ -16,9 +16,10 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	# CPU torch first (a local wheel on these machines), so the package's torch range is already met; then uv, which
-	# resolves and installs the rest (the eval extra's large tree included) in seconds where pip takes minutes.
+	# resolves and installs the rest (the eval extra's large tree included) in seconds where pip takes minutes; its
+	# --compile-bytecode writes the .pyc files every rank would otherwise compile at each start.
 	$(PY) -m pip install -q torch==2.13.0 uv
-	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev]'
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -e '.[dev]'
 	touch $@
 
 # The main job on the embedded default: tiny-h4b16k on 4 CPU ranks, first tp=2 x dp=2 (which also trains the

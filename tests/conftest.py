@@ -9,6 +9,16 @@ from mhf_dist.config import load_config
 from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe
 
 
+@pytest.fixture(scope="session", autouse=True)
+def run_cache(tmp_path_factory):
+    """Finished training runs, shared by the tests that train the same one (helpers.runs.train_run)."""
+    from helpers import runs
+
+    runs.RUN_CACHE = tmp_path_factory.mktemp("run-cache")
+    yield runs.RUN_CACHE
+    runs.RUN_CACHE = None
+
+
 @pytest.fixture(scope="session")
 def bpe_dir(tmp_path_factory):
     """A 1,024-token byte-level BPE trained on the embedded corpus (about a second)."""
