@@ -28,6 +28,7 @@ from mhf_dist.train.checkpoint import (
     BackgroundDeleter,
     Checkpointer,
     HostSnapshot,
+    RecordingWriter,
     read_legacy_rng_state,
     read_rng_state,
     rng_state_bytes,
@@ -331,6 +332,24 @@ def test_rng_states_round_trip_without_pickle_and_older_files_still_load(tmp_pat
             assert _draws() == expected, name
     finally:
         set_rng_state(before)
+
+
+def test_a_ranks_report_is_whole_when_it_appears_and_not_opened_again(tmp_path, monkeypatch):
+    # an asynchronous save's rank 0 merges a rank's digests report and deletes it as soon as the file appears, while
+    # that rank's writer thread may still be at work: the report must be complete then, and never reopened after
+    taken = []
+    real_replace = os.replace
+
+    def replace_then_taken(src, dst):
+        real_replace(src, dst)
+        if Path(dst).name.startswith("digests-"):
+            taken.append(Path(dst).read_text())
+            Path(dst).unlink()
+
+    monkeypatch.setattr(os, "replace", replace_then_taken)
+    writer = RecordingWriter(rank=1)
+    writer.report(tmp_path / "digests-rank00001.json", json.dumps({"a.pt": "digest"}))
+    assert writer.error is None and taken == ['{"a.pt": "digest"}']
 
 
 def test_a_host_snapshot_saves_the_state_as_it_was_with_shared_storage_kept(tmp_path):

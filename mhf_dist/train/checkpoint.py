@@ -324,14 +324,25 @@ class RecordingWriter:
         self.write(path, lambda p: p.write_bytes(data))
 
     def write(self, path: Path, write_file) -> None:
+        def write_and_digest(p: Path) -> None:
+            write_file(p)
+            _fsync(p)
+            self.digests[p] = file_digest(p)
+
+        self._recorded(path, write_and_digest)
+
+    def report(self, path: Path, text: str) -> None:
+        """A file another rank reads, and may delete, as soon as it exists: it appears whole and synced, and is not
+        opened again (no digest of its own)."""
+        self._recorded(path, lambda p: _write_atomic(p, text))
+
+    def _recorded(self, path: Path, write) -> None:
         if self.error is not None:
             return
         try:
             if write_fails(self.rank, path):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-            write_file(path)
-            _fsync(path)
-            self.digests[path] = file_digest(path)
+            write(path)
         except (OSError, RuntimeError) as e:
             log.debug("writing %s failed", path, exc_info=True)
             self.error = f"writing {path.name} failed ({str(e).strip().splitlines()[0]})"
@@ -698,9 +709,10 @@ class Checkpointer:
             writer.put(path / HOST_TABLES_FILE, save(tensors, metadata=metadata))
 
     def _write_digests(self, path: Path, writer: RecordingWriter) -> None:
-        """This rank's report to rank 0: the digests of the files it wrote, which rank 0 merges into the marker."""
+        """This rank's report to rank 0: the digests of the files it wrote, which rank 0 merges into the marker (and
+        then deletes: an asynchronous save's rank 0 does so as soon as the report appears)."""
         digests = {str(p.relative_to(path)): d for p, d in writer.digests.items() if p.is_relative_to(path)}
-        writer.write(path / RANK_DIGESTS.format(self.rank), lambda p: _write_atomic(p, json.dumps(digests)))
+        writer.report(path / RANK_DIGESTS.format(self.rank), json.dumps(digests))
 
     def _agree_on_writes(self, path: Path, error: str | None) -> None:
         """Every rank, once each wrote its files: a failure on any rank fails the save on all."""
