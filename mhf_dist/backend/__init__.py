@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 
 __all__ = ["checkpoint_interval", "engine_config", "fp32_accumulation", "grad_accum_dtype", "zero_stage",
            "engine_buffer_bytes", "StepStats", "FileWriter", "Trainer", "Partitioner", "init_distributed",
-           "build_trainer", "parameter_partitioner", "consolidate", "convert_for_layout", "universal_info"]
+           "build_trainer", "partitions_parameters", "parameter_partitioner", "consolidate", "convert_for_layout",
+           "universal_info"]
 
 TrainingFlags = Callable[[], Sequence[bool]]  # the loop's flags, asked for at the end of a step
 
@@ -133,9 +134,14 @@ def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, 
     return build(cfg, model, groups, config, layout, materialise, load_universal)
 
 
+def partitions_parameters(config: dict, layout: Layout) -> bool:
+    """Whether the engine keeps only this rank's partition of each parameter: ZeRO-3 without a pipeline."""
+    return layout.pp == 1 and zero_stage(config) == 3
+
+
 def parameter_partitioner(config: dict, layout: Layout, groups: ParallelGroups) -> Partitioner | None:
-    """What partitions each leaf as construction makes it: ZeRO-3 without a pipeline; None otherwise."""
-    if layout.pp > 1 or zero_stage(config) != 3:
+    """What partitions each leaf as construction makes it (:func:`partitions_parameters`); None otherwise."""
+    if not partitions_parameters(config, layout):
         return None
     from mhf_dist.backend.deepspeed.zero import Zero3Partitioner, training_dtype
 

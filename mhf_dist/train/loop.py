@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from mhf_dist.backend import StepStats, Trainer, build_trainer, parameter_partitioner, zero_stage
+from mhf_dist.backend import StepStats, Trainer, build_trainer, parameter_partitioner, partitions_parameters
 from mhf_dist.backend import init_distributed as init_backend_distributed
 from mhf_dist.cluster.launch import free_port, slurm_rank_env
 from mhf_dist.cluster.run_lock import RunDirLocked, RunLock
@@ -313,7 +313,7 @@ class TrainingLoop:
         self.checkpointer = Checkpointer(self.run_dir.path, cfg, self.table.content_hash if self.table else None,
                                          checkpoint_layout(cfg, layout, model.vocab.tables.num_rows),
                                          [n for n, _ in model.named_parameters()])
-        resuming, zero3 = None, layout.pp == 1 and zero_stage(self.ds_config) == 3
+        resuming, zero3 = None, partitions_parameters(self.ds_config, layout)
         if (path := _resume_path(resume, self.checkpointer)) is not None:
             resuming = ResumePoint(path, *self.checkpointer.for_this_layout(path, zero3))
             self.checkpointer.continue_from(path)  # newer checkpoints (an abandoned line) are set aside

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-RUN_CACHE: Path | None = None  # where train_run keeps the session's finished fresh runs (tests/conftest.py sets it)
+RUN_CACHE: Path | None = None  # where train_run keeps this test run's finished fresh runs (tests/conftest.py sets it)
 
 
 def run_cli(args: list[str], expect_rc: int = 0, timeout: int = 600) -> str:
@@ -41,7 +41,7 @@ def train_run(tmp_path: Path, data: dict, name: str, nproc: int, *overrides: str
               steps: int = 3) -> list[dict]:
     """Train to the end (or stop_at_step) in ``tmp_path/name``; returns its metrics records.
 
-    A fresh run (``tmp_path/name`` does not exist yet) that the session has already trained with the same arguments
+    A fresh run (``tmp_path/name`` does not exist yet) that this test run has already trained with the same arguments
     and fault-injection settings is copied from :data:`RUN_CACHE` instead of trained again: the runs are
     deterministic, so the copy is the files the training would write. A run into an existing directory (a resume)
     always trains."""

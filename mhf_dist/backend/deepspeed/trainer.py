@@ -13,7 +13,7 @@ leaf by leaf under ZeRO-3) before ``deepspeed.initialize``; pp > 1 hands it to t
 pipeline, whose stages materialise their own layers. Without ``materialise``
 the model is taken as built.
 
-The DeepSpeed config comes from :mod:`mhf_dist.parallel.layout`. Both trainers are the backend's
+The DeepSpeed config comes from :mod:`mhf_dist.backend.deepspeed.config`. Both trainers are the backend's
 :class:`~mhf_dist.backend.Trainer`: the same ``train_step`` / ``evaluate``, checkpoint files and optimizer state.
 
 Host syncs (on a GPU, a host read of a device value waits for all the work queued before it). A training step reads
