@@ -38,7 +38,7 @@ from mhf_dist.backend.deepspeed.checkpoint import load_checkpoint, save_checkpoi
 from mhf_dist.backend.deepspeed.config import checkpoint_interval
 from mhf_dist.backend.deepspeed.grad_norm import include_in_global_norm
 from mhf_dist.backend.deepspeed.pipeline import build_pipeline
-from mhf_dist.backend.deepspeed.zero import full_ndim
+from mhf_dist.backend.deepspeed.zero import full_ndim, held_values
 from mhf_dist.config import RunConfig
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.model.calibration import fit_temperature, validation_metrics
@@ -96,8 +96,7 @@ class EngineTrainer:
         return self.engine.lr_scheduler
 
     def local_parameters(self) -> Iterator[torch.Tensor]:
-        """ZeRO-3 keeps this rank's partition of a parameter in its ``ds_tensor``."""
-        return (getattr(p, "ds_tensor", p) for p in self.engine.module.parameters())
+        return (held_values(p) for p in self.engine.module.parameters())
 
     def gradient_clipping(self) -> float:
         return self.engine.gradient_clipping()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -18,6 +19,16 @@ def training_dtype(ds_config: dict) -> torch.dtype:
 def full_ndim(p: nn.Parameter) -> int:
     """Dimensions of a parameter, also when ZeRO-3 has partitioned it (its data is then a flat slice)."""
     return len(getattr(p, "ds_shape", p.shape))
+
+
+def held_values(p: nn.Parameter) -> torch.Tensor:
+    """The values of ``p`` this rank holds: its ZeRO-3 partition (``ds_tensor``) less the padding at the end of the
+    last partitions, which DeepSpeed allocates uninitialised; the parameter itself when it is not partitioned."""
+    part = getattr(p, "ds_tensor", None)
+    if part is None:
+        return p
+    start = part.numel() * dist.get_rank(group=p.ds_process_group)
+    return part.narrow(0, 0, min(part.numel(), max(0, p.ds_numel - start)))
 
 
 class Zero3Partitioner:
