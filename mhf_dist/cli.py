@@ -99,11 +99,14 @@ def cmd_train(args) -> int:
         return lost_work(args.run_dir, cfg.train.checkpoint_minutes)
 
     if "RANK" not in os.environ and args.nproc_per_node:
+        from mhf_dist.backend import RANK_MODULES
         from mhf_dist.parallel.devices import device_type
         from mhf_dist.parallel.layout import preflight
 
-        preflight(cfg, args.nproc_per_node, device_type(cfg))
-        return launch_local(args.nproc_per_node, _without_option(sys.argv[1:], "--nproc-per-node"), lost)
+        device = device_type(cfg)
+        preflight(cfg, args.nproc_per_node, device)
+        preload = ("mhf_dist.train.loop", *RANK_MODULES) if device == "cpu" else ()  # CPU ranks are forked
+        return launch_local(args.nproc_per_node, _without_option(sys.argv[1:], "--nproc-per-node"), lost, preload)
     if "RANK" not in os.environ and slurm_rank_env():  # an srun task: its rank runs watched, so its death is named
         return supervise_slurm_task(sys.argv[1:], lost)
 

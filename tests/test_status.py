@@ -277,6 +277,23 @@ def test_a_dead_lock_holder_is_named_gone(run, capsys):
     assert "the lock over once its heartbeat is 5 min old)" in status_text(capsys, run)
 
 
+def test_a_lock_holder_that_exited_unreaped_is_named_gone(run, capsys):
+    # A killed job's ranks fall to the init process, which may reap them late: a zombie has exited all the same
+    zombie = subprocess.Popen([sys.executable, "-c", ""])
+    stat = Path(f"/proc/{zombie.pid}/stat")
+    deadline = time.time() + 30
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":  # exited, not waited for
+        assert time.time() < deadline
+        time.sleep(0.01)
+    host = socket.gethostname()
+    (run / "lock.json").write_text(json.dumps({"host": host, "pid": zombie.pid, "slurm_job_id": None,
+                                               "started": "2026-12-01 03:01:00"}))
+    try:
+        assert status_json(capsys, run)["lock"]["holder_gone"] == f"process {zombie.pid} on {host} has exited"
+    finally:
+        zombie.wait()
+
+
 def test_a_damaged_checkpoint_is_marked_and_not_the_newest(run, capsys):
     # A checkpoint whose file is cut short must not be listed as the newest (a resume would not continue from it);
     # one whose content changed at the same size is found by --verify, which checks the SHA-256 digests.

@@ -42,11 +42,17 @@ if TYPE_CHECKING:
     from mhf_dist.train.host_tables import HostTablesStep
 
 __all__ = ["checkpoint_interval", "engine_config", "fp32_accumulation", "grad_accum_dtype", "zero_stage",
-           "engine_buffer_bytes", "StepStats", "FileWriter", "Trainer", "Partitioner", "init_distributed",
-           "build_trainer", "partitions_parameters", "parameter_partitioner", "consolidate", "convert_for_layout",
-           "universal_info"]
+           "engine_buffer_bytes", "RANK_MODULES", "StepStats", "FileWriter", "Trainer", "Partitioner",
+           "init_distributed", "build_trainer", "partitions_parameters", "parameter_partitioner", "consolidate",
+           "convert_for_layout", "universal_info"]
 
 TrainingFlags = Callable[[], Sequence[bool]]  # the loop's flags, asked for at the end of a step
+
+# What a training rank imports besides the loop, some of it only when first used (the engine; torch's compiler,
+# which the optimizer and DeepSpeed's ZeRO optimizers load when they first run): a launcher that forks its ranks
+# imports these once, before it forks (mhf_dist.cluster.launch).
+RANK_MODULES = ("mhf_dist.backend.deepspeed.trainer", "deepspeed.runtime.zero.muon.muon_optimizer", "torch._dynamo",
+                "torch.utils.tensorboard")
 
 
 @dataclass

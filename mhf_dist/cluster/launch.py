@@ -3,7 +3,11 @@ step.
 
 The N local ranks are plain child processes with torch.distributed's environment
 (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``), as torchrun
-would set it, but the launcher keeps what torchrun hides: the ranks run in a
+would set it. Ranks on CPUs are forked from the launcher once it has imported
+what they import (torch, DeepSpeed, the package: seconds of CPU per process,
+which a machine with fewer cores than ranks would otherwise spend N times); ranks
+on GPUs start fresh interpreters, since a process that has asked CUDA anything
+cannot be forked. The launcher keeps what torchrun hides: the ranks run in a
 session of their own, so a terminal's signals reach the launcher alone, which
 passes them on. SIGUSR1 and SIGTERM are forwarded to every rank (so a preempted
 job saves before it stops); so is a first Ctrl-C, while a second kills the ranks
@@ -22,14 +26,18 @@ forwarded there.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import importlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Sequence
 
 from mhf_dist.errors import ABORTED_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
 
@@ -40,6 +48,8 @@ STOP_GRACE_S = 5  # after a rank failed: time for the others to report their own
 POLL_S = 0.2
 HANDLED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)  # passed on to the ranks (under srun: sat out)
 PR_SET_PDEATHSIG = 1  # prctl(2)
+PR_SET_NAME = 15
+RANK_NAME = "mhf-dist r{rank}"  # a forked rank's process name (ps -o comm, top), at most 15 bytes
 
 
 def free_port() -> int:
@@ -57,15 +67,21 @@ def slurm_rank_env() -> dict[str, str]:
             "WORLD_SIZE": os.environ["SLURM_NTASKS"]}
 
 
-def launch_local(nproc: int, argv: list[str], lost_work: Callable[[], str]) -> int:
+def launch_local(nproc: int, argv: list[str], lost_work: Callable[[], str], preload: Sequence[str] = ()) -> int:
     """Run ``mhf-dist <argv>`` as ``nproc`` ranks; returns their common exit code (see the module's docstring).
-    ``lost_work``: what stopping without a save loses, said when a rank dies or a second Ctrl-C aborts."""
+    ``lost_work``: what stopping without a save loses, said when a rank dies or a second Ctrl-C aborts.
+    ``preload``: the modules the ranks import, for ranks forked from this process once it has imported them (CPU
+    ranks only, and only from a process that has not used torch's thread pool); empty: fresh interpreters."""
     base = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
                          "LOCAL_WORLD_SIZE": str(nproc)}
     base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     base.setdefault(*CPU_HUGE_PAGES)
     envs = [base | {"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)]
-    return RankSupervisor(argv, lost_work, forward=True).run(envs)
+    if preload:
+        os.environ.setdefault(*CPU_HUGE_PAGES)  # torch reads it at its first large allocation, in the ranks
+        for module in preload:
+            importlib.import_module(module)
+    return RankSupervisor(argv, lost_work, forward=True, fork=bool(preload)).run(envs)
 
 
 def supervise_slurm_task(argv: list[str], lost_work: Callable[[], str]) -> int:
@@ -73,17 +89,102 @@ def supervise_slurm_task(argv: list[str], lost_work: Callable[[], str]) -> int:
     return RankSupervisor(argv, lost_work, forward=False).run([os.environ | slurm_rank_env()])
 
 
-# prctl(PR_SET_PDEATHSIG), looked up here: a rank's pre-exec hook should only call it
-_set_death_signal = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
+# prctl(2), looked up here: a rank's pre-exec hook should only call it
+_prctl = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
 
 
 def _die_with_parent() -> None:
     """In a rank before it starts: the kernel kills it if the launcher dies (killed itself, it cannot reap)."""
-    if _set_death_signal is not None:
-        _set_death_signal(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def exit_description(rank: int, proc: subprocess.Popen) -> str:
+def run_forked(argv: list[str], env: dict[str, str]) -> int:
+    """``mhf-dist <argv>`` in ``env``, in a process forked from one that has imported what the command needs, to its
+    end as a fresh interpreter would run it: its non-daemon threads finished and its exit handlers run. Returns the
+    exit code such an interpreter would have; one that dies by a signal (a Ctrl-C not handled) dies by it here."""
+    code = 1
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        import torch
+
+        if "OMP_NUM_THREADS" in env:  # the OpenMP runtime read it when the parent process loaded it
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        from mhf_dist.cli import main
+
+        sys.argv[1:] = argv
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except KeyboardInterrupt:
+        code = -signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+class ForkedRank:
+    """A rank forked from the launcher, running ``mhf-dist <argv>`` in ``env`` as a fresh interpreter would (its
+    non-daemon threads finished and its exit handlers run before it exits); to the supervisor, what it uses of a
+    :class:`subprocess.Popen`."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], new_session: bool, handlers: dict):
+        sys.stdout.flush()  # nothing buffered before the fork is written twice
+        sys.stderr.flush()
+        self.returncode: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                code = self._rank(argv, env, new_session, handlers)
+            finally:  # never back into the launcher's frames
+                os._exit(code)
+
+    @staticmethod
+    def _rank(argv: list[str], env: dict[str, str], new_session: bool, handlers: dict) -> int:
+        """The child, before it runs the command: its own session (when asked), its death with the launcher's, its
+        name (the launcher's command line is every forked rank's) and the launcher's signal handlers from before it
+        watched its ranks."""
+        if new_session:
+            os.setsid()
+        _die_with_parent()
+        if _prctl is not None:
+            _prctl(PR_SET_NAME, RANK_NAME.format(rank=env["RANK"]).encode())
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        return run_forked(argv, env)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def exit_description(rank: int, proc: subprocess.Popen | ForkedRank) -> str:
     """``rank 1 (pid 4242) was killed by SIGKILL`` / ``... exited with code 2``."""
     code = proc.returncode
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
@@ -93,9 +194,9 @@ def exit_description(rank: int, proc: subprocess.Popen) -> str:
 class RankSupervisor:
     """Ranks started as child processes and watched until every one has ended (see the module's docstring)."""
 
-    def __init__(self, argv: list[str], lost_work: Callable[[], str], forward: bool):
-        self.argv, self.lost_work, self.forward = argv, lost_work, forward
-        self.procs: dict[int, subprocess.Popen] = {}  # rank -> process
+    def __init__(self, argv: list[str], lost_work: Callable[[], str], forward: bool, fork: bool = False):
+        self.argv, self.lost_work, self.forward, self.fork = argv, lost_work, forward, fork
+        self.procs: dict[int, subprocess.Popen | ForkedRank] = {}  # rank -> process
         self.world = 1
         self.interrupts = 0
         self.received: set[int] = set()  # signals this supervisor got: a rank they ended did not fail
@@ -107,9 +208,9 @@ class RankSupervisor:
         previous = {s: signal.signal(s, self._on_signal) for s in HANDLED}  # before the first rank starts
         try:
             for env in envs:
-                self.procs[int(env["RANK"])] = subprocess.Popen(
-                    [sys.executable, "-m", "mhf_dist", *self.argv], env=env, start_new_session=self.forward,
-                    preexec_fn=_die_with_parent)
+                self.procs[int(env["RANK"])] = ForkedRank(self.argv, env, self.forward, previous) if self.fork else \
+                    subprocess.Popen([sys.executable, "-m", "mhf_dist", *self.argv], env=env,
+                                     start_new_session=self.forward, preexec_fn=_die_with_parent)
             return self._watch()
         finally:
             self._kill_all()  # also after an error of the launcher itself: no rank outlives it

@@ -35,13 +35,18 @@ class RunDirLocked(MhfError, RuntimeError):
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists and is not a zombie (one that exited but that its parent, or the init
+    process a killed job's ranks fall to, has not reaped yet)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's live process
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # no /proc (not Linux): what kill said
+        return True
 
 
 def _exited(holder: dict) -> str | None:
