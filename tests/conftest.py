@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import runs
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe
@@ -12,11 +13,17 @@ from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe
 @pytest.fixture(scope="session", autouse=True)
 def run_cache(tmp_path_factory):
     """Finished training runs, shared by the tests that train the same one (helpers.runs.train_run)."""
-    from helpers import runs
-
     runs.RUN_CACHE = tmp_path_factory.mktemp("run-cache")
     yield runs.RUN_CACHE
     runs.RUN_CACHE = None
+
+
+@pytest.fixture(autouse=True)
+def stop_commands():
+    """After each test, whatever command it started and left running (it failed before the command's end)."""
+    yield
+    while runs.STARTED:
+        runs.STARTED.pop().stop()
 
 
 @pytest.fixture(scope="session")

@@ -6,14 +6,12 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from helpers.runs import metrics, run_cli, train_args, train_run
+from helpers.runs import CliProcess, metrics, run_cli, train_args, train_run
 from mhf_dist.backend.deepspeed.universal import consolidate
 from mhf_dist.train.fault_injection import CONVERT_PAUSE_ENV
 
@@ -48,14 +46,13 @@ def test_signal_saves_and_exits_for_requeue(tmp_path, data):
     steps = 40
     reference = train_run(tmp_path, data, "ref", 2, "parallel.zero_stage=1", steps=steps)
     args = train_args(tmp_path / "run", data, 2, "parallel.zero_stage=1", steps=steps)
-    proc = subprocess.Popen([sys.executable, "-m", "mhf_dist", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = CliProcess(args, tmp_path / "out.log")
     log = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (log.exists() and len(log.read_text().splitlines()) >= 2) and time.time() < deadline:
         time.sleep(0.1)
     proc.send_signal(signal.SIGUSR1)  # the launcher forwards it to both ranks
-    out = proc.communicate(timeout=300)[0].decode()
-    assert proc.returncode == 85, out[-3000:]
+    assert proc.wait(timeout=300) == 85, (tmp_path / "out.log").read_text()[-3000:]
     marker = json.loads(next((tmp_path / "run/checkpoints").glob("step-*/complete.json")).read_text())
     assert marker["reason"] == "signal" and 2 <= marker["step"] < steps
     run_cli(args)  # the relaunch (--resume auto) finishes the run
@@ -78,8 +75,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, data):
     reference = train_run(tmp_path, data, "ref", 2, "parallel.zero_stage=1", steps=6)
     args = train_args(tmp_path / "run", data, 2, "parallel.zero_stage=1", "train.checkpoint_interval=2", steps=6)
     env = os.environ | {"MHF_DIST_TEST_SAVE_PAUSE": "3"}  # every save stalls before it is marked complete
-    proc = subprocess.Popen([sys.executable, "-m", "mhf_dist", *args], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = CliProcess(args, tmp_path / "out.log", env, new_session=True)
     ckpts = tmp_path / "run" / "checkpoints"
     deadline = time.time() + 300
     while not (ckpts / "step-00000004").exists() and time.time() < deadline:
@@ -89,7 +85,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, data):
     proc.wait()
     assert not (ckpts / "step-00000004" / "complete.json").exists()
     out = run_cli(args)
-    assert "ignoring incomplete checkpoint" in out and "resumed from" in out and "step-00000002" in out
+    assert "ignoring incomplete checkpoint" in out and "resumed from" in out and "step-00000002" in out, out
     assert [r["loss"] for r in metrics(tmp_path / "run")] == [r["loss"] for r in reference]
 
 
@@ -133,8 +129,7 @@ def test_training_goes_on_during_an_async_save_and_a_kill_then_keeps_the_previou
     run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
     args = train_args(run, data, 1, "parallel.zero_stage=1", ASYNC, "train.checkpoint_interval=2", steps=6)
     env = os.environ | {"MHF_DIST_TEST_SAVE_PAUSE": "10"}  # each background write stalls before complete.json
-    proc = subprocess.Popen([sys.executable, "-m", "mhf_dist", *args], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = CliProcess(args, tmp_path / "out.log", env, new_session=True)
     _wait_for_step(run, 5, proc)  # step 5 trained and logged while step 4's save is still being written
     assert (ckpts / "step-00000004").is_dir() and not (ckpts / "step-00000004/complete.json").exists()
     assert (ckpts / "step-00000002/complete.json").is_file()  # step 4's save waited for step 2's
@@ -153,13 +148,12 @@ def test_a_signal_during_an_async_save_waits_for_it_and_exits_for_requeue(tmp_pa
     run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
     args = train_args(run, data, 1, "parallel.zero_stage=1", ASYNC, "train.checkpoint_interval=2", steps=40)
     env = os.environ | {"MHF_DIST_TEST_SAVE_PAUSE": "10", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "mhf_dist", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = CliProcess(args, tmp_path / "out.log", env)
     _wait_for_step(run, 3, proc)
     assert not (ckpts / "step-00000002/complete.json").exists()  # its save is in flight
     proc.send_signal(signal.SIGUSR1)
-    out = proc.communicate(timeout=300)[0].decode()
-    assert proc.returncode == 85, out[-3000:]
+    rc, out = proc.wait(timeout=300), (tmp_path / "out.log").read_text()
+    assert rc == 85, out[-3000:]
     markers = [json.loads(p.read_text()) for p in sorted(ckpts.glob("step-*/complete.json"))]
     assert [m["reason"] for m in markers] == ["interval", "signal"] and markers[1]["step"] < 40
     assert (ckpts / "latest").read_text() == f"step-{markers[1]['step']:08d}"

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers.runs import metrics, run_cli, train_args, train_run
+from helpers.runs import CliProcess, metrics, run_cli, train_args, train_run
 from mhf_dist.cli import main
 from mhf_dist.config import ConfigError, load_config
 from mhf_dist.storage.run_dir import RunDir
@@ -107,14 +105,13 @@ def test_signal_during_start_up_exits_for_requeue_without_a_checkpoint(tmp_path)
     args = ["train", "--preset", "tiny-h4b16k", "--nproc-per-node", "2", "--run-dir", str(run),
             "--set", "model.hash.num_buckets=256", "--set", "tokenizer.vocab_size=512", "--set", "train.max_steps=3",
             "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=2"]
-    proc = subprocess.Popen([sys.executable, "-m", "mhf_dist", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = CliProcess(args, tmp_path / "out.log")
     deadline = time.time() + 300
     while not (run / "tokenizer").exists() and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGUSR1)  # the launcher forwards it to both ranks
-    out = proc.communicate(timeout=300)[0].decode()
-    assert proc.returncode == 85, out[-3000:]
+    rc, out = proc.wait(timeout=300), (tmp_path / "out.log").read_text()
+    assert rc == 85, out[-3000:]
     assert "stopped by a signal during start-up; nothing to save" in out
     assert not list(run.glob("checkpoints/step-*"))
 
@@ -258,19 +255,6 @@ def test_a_failed_prepare_data_leaves_nothing_behind(tmp_path, data):
     assert (out / "manifest.json").is_file()
 
 
-def _rank_pid(launcher: int, rank: int) -> int:
-    """The pid of ``rank`` among the launcher's child processes (read from /proc)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            environ = (stat.parent / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if int(fields[1]) == launcher and f"RANK={rank}".encode() in environ:
-            return int(stat.parent.name)
-    raise LookupError(f"rank {rank} of launcher {launcher} not found")
-
-
 @pytest.mark.multirank
 def test_one_rank_killed_mid_save_loses_nothing_saved(tmp_path, data):
     import os
@@ -278,15 +262,14 @@ def test_one_rank_killed_mid_save_loses_nothing_saved(tmp_path, data):
     reference = train_run(tmp_path, data, "ref", 2, "parallel.zero_stage=1", steps=6)
     args = train_args(tmp_path / "run", data, 2, "parallel.zero_stage=1", "train.checkpoint_interval=2", steps=6)
     env = os.environ | {"MHF_DIST_TEST_SAVE_PAUSE": "3"}  # every save stalls before it is marked complete
-    proc = subprocess.Popen([sys.executable, "-m", "mhf_dist", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = CliProcess(args, tmp_path / "out.log", env)
     ckpts = tmp_path / "run" / "checkpoints"
     deadline = time.time() + 300
     while not (ckpts / "step-00000004").exists() and time.time() < deadline:
         time.sleep(0.05)
-    os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)  # rank 1 alone, mid-save of step 4
-    out = proc.communicate(timeout=300)[0].decode()
-    assert proc.returncode != 0, out[-3000:]  # the launcher stopped rank 0, which waited for rank 1
+    os.kill(proc.rank_pids()[1], signal.SIGKILL)  # rank 1 alone, mid-save of step 4
+    rc = proc.wait(timeout=300)
+    assert rc != 0, (tmp_path / "out.log").read_text()[-3000:]  # the launcher stopped rank 0, which waited for rank 1
     assert (ckpts / "step-00000002" / "complete.json").is_file()
     assert not (ckpts / "step-00000004" / "complete.json").exists()
     out = run_cli(args)  # the relaunch cleans the interrupted save and continues from step 2

@@ -11,17 +11,13 @@ import json
 import os
 import random
 import re
-import resource
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from helpers.runs import metrics, run_cli, train_args, train_run
+from helpers.runs import CliProcess, metrics, run_cli, train_args, train_run
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.train.checkpoint import (
@@ -60,14 +56,6 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, data):
     assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in first]  # the same training, bit for bit
 
 
-def _file_size_limit(limit: int):
-    """A subprocess ``preexec_fn``: files larger than ``limit`` bytes cannot be written (as on a full disk)."""
-    def apply():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails instead of killing
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-    return apply
-
-
 def _overwrite_middle(path: Path) -> bytes:
     """4 KB in the middle of a file overwritten (same size: only the digest tells); returns the new content."""
     intact = path.read_bytes()
@@ -85,10 +73,9 @@ def test_a_failed_save_is_named_and_the_previous_checkpoint_stays(tmp_path, data
     train_run(tmp_path, data, "run", 1, ZERO1, "train.stop_at_step=2", steps=4)
     largest = max(f.stat().st_size for f in (ckpts / "step-00000002").iterdir())
     args = train_args(run, data, 1, ZERO1, steps=4)
-    proc = subprocess.run([sys.executable, "-m", "mhf_dist", *args], capture_output=True, text=True, timeout=600,
-                          preexec_fn=_file_size_limit(largest // 2))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2 and "Traceback" not in out, out[-5000:]
+    rc = CliProcess(args, tmp_path / "out.log", file_size_limit=largest // 2).wait(timeout=600)
+    out = (tmp_path / "out.log").read_text()
+    assert rc == 2 and "Traceback" not in out, out[-5000:]
     assert f"could not save checkpoint {ckpts / 'step-00000004'}: rank 0: writing " in out
     assert "the size of step-00000002" in out and "(ulimit -f)" in out and "free space" in out
     assert not (ckpts / "step-00000004").exists() and (ckpts / "latest").read_text() == "step-00000002"

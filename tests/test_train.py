@@ -7,8 +7,6 @@ import math
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from datetime import datetime, timezone
 
@@ -83,13 +81,11 @@ def test_bad_config_exits_with_named_error(tmp_path, capsys):
 @pytest.mark.multirank
 def test_step_lines_reach_a_log_file_while_the_run_goes_on(tmp_path, data):
     """A job log is a file, not a terminal: each logged step must be in it at once, not when the run ends."""
-    from helpers.runs import train_args
+    from helpers.runs import CliProcess, train_args
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as a job script without it
     log = tmp_path / "job.out"
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mhf_dist", *train_args(tmp_path / "run", data, 2, steps=500)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    proc = CliProcess(train_args(tmp_path / "run", data, 2, steps=500), log, env)
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 300

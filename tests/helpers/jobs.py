@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from helpers.runs import CliProcess
 
 
 def alive(pid: int) -> bool:
@@ -22,10 +22,7 @@ def alive(pid: int) -> bool:
 class Job:
     def __init__(self, args: list[str], log: Path, **env: str):
         self.log = log
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "mhf_dist", *args], stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                         env=os.environ | {"PYTHONUNBUFFERED": "1"} | env)
+        self.proc = CliProcess(args, log, os.environ | {"PYTHONUNBUFFERED": "1"} | env, new_session=True)
 
     @property
     def output(self) -> str:
@@ -44,18 +41,8 @@ class Job:
         os.killpg(self.proc.pid, signal.SIGINT)
 
     def ranks(self) -> dict[int, int]:
-        """``{rank: pid}`` of the launcher's child processes (read from /proc)."""
-        found = {}
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-                environ = (stat.parent / "environ").read_bytes().split(b"\0")
-            except (OSError, IndexError):
-                continue
-            rank = next((v[5:] for v in environ if v.startswith(b"RANK=")), None)
-            if parent == self.proc.pid and rank is not None:
-                found[int(rank)] = int(stat.parent.name)
-        return found
+        """``{rank: pid}`` of the launcher's ranks."""
+        return self.proc.rank_pids()
 
     def end(self, timeout: float = 300) -> tuple[int, str]:
         """Wait for the command to end; its exit code and output."""
@@ -64,4 +51,5 @@ class Job:
         finally:
             if self.proc.poll() is None:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
         return self.proc.returncode, self.output

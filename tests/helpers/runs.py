@@ -1,24 +1,142 @@
-"""Run `mhf-dist` in a subprocess (training initialises torch.distributed, which a test process must not keep)."""
+"""Run `mhf-dist` in a child process (training initialises torch.distributed, which a test process must not keep)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import multiprocessing
 import os
+import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from mhf_dist.cluster.launch import RANK_NAME
 
 RUN_CACHE: Path | None = None  # where train_run keeps this test run's finished fresh runs (tests/conftest.py sets it)
 
 
+def _forkserver():
+    """A process that has imported what the commands import and computed nothing: each :class:`CliProcess` is forked
+    from it (started with the first; a fork of this test process would carry its state into the command: logging
+    handlers, warning filters, a used OpenMP thread pool, which does not survive a fork)."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        from mhf_dist.backend import RANK_MODULES
+
+        _CONTEXT = multiprocessing.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["mhf_dist.cli", "mhf_dist.train.loop", *RANK_MODULES, "helpers.runs"])
+    return _CONTEXT
+
+
+_CONTEXT = None
+STARTED: list[CliProcess] = []  # every CliProcess of the running test (tests/conftest.py stops them after it)
+
+
+def _command(args: list[str], env: dict[str, str], cwd: str, output: str, new_session: bool,
+             file_size_limit: int | None) -> None:
+    """In the forked child: ``mhf-dist ARGS`` to its end (see :class:`CliProcess`)."""
+    from mhf_dist.cluster.launch import run_forked
+
+    code = 1
+    try:
+        if new_session:
+            os.setsid()
+        if file_size_limit is not None:  # files larger than that cannot be written, as on a full disk
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails instead of killing
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        os.chdir(cwd)
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+        sys.stdin = open(os.devnull)
+        sys.stdout = open(1, "w", buffering=1 if unbuffered else -1, closefd=False)
+        sys.stderr = open(2, "w", errors="backslashreplace", buffering=1, closefd=False)
+        code = run_forked(args, env)
+    finally:
+        os._exit(code)
+
+
+class CliProcess:
+    """``mhf-dist ARGS`` in a child process, not waited for: what the tests use of a :class:`subprocess.Popen`.
+
+    The child is forked from a process that has imported torch, DeepSpeed and the package already (``_forkserver``)
+    and runs the command as a fresh interpreter would (:func:`mhf_dist.cluster.launch.run_forked`, as the launcher's
+    CPU ranks do; a fresh ``python -m mhf_dist`` spends seconds of CPU importing them again): in this process's
+    working directory, stdout and stderr appended to ``output`` (unbuffered under PYTHONUNBUFFERED), stdin from
+    /dev/null, a session of its own when ``new_session`` (a terminal's job: ``os.killpg(proc.pid, ...)`` reaches it),
+    files up to ``file_size_limit`` bytes."""
+
+    def __init__(self, args: list[str], output: Path, env: dict[str, str] | None = None,
+                 new_session: bool = False, file_size_limit: int | None = None):
+        self.args, self.new_session = args, new_session
+        output.touch()  # there to read from the start
+        self.process = _forkserver().Process(target=_command, args=(
+            args, dict(os.environ if env is None else env), os.getcwd(), str(output), new_session, file_size_limit))
+        self.process.start()
+        self.pid = self.process.pid
+        STARTED.append(self)
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code once it ended (-N: killed by signal N), else None."""
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; after ``timeout`` seconds, killed and TimeoutExpired."""
+        self.process.join(timeout)
+        if self.returncode is None:
+            self.kill()
+            raise subprocess.TimeoutExpired(["mhf-dist", *self.args], timeout)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        """SIGKILL (its ranks die with it), then waited for."""
+        self.send_signal(signal.SIGKILL)
+        self.process.join()
+
+    def stop(self) -> None:
+        """Killed with its process group if still running (a test that failed before its end left it)."""
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL) if self.new_session else os.kill(self.pid, signal.SIGKILL)
+            self.process.join()
+
+    def rank_pids(self) -> dict[int, int]:
+        """``{rank: pid}`` of the ranks it launched (its children named as the launcher names them)."""
+        found = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                name = (stat.parent / "comm").read_text().strip()
+            except (OSError, IndexError):
+                continue
+            if parent == self.pid and (match := re.fullmatch(RANK_NAME.format(rank=r"(\d+)"), name)):
+                found[int(match[1])] = int(stat.parent.name)
+        return found
+
+
 def run_cli(args: list[str], expect_rc: int = 0, timeout: int = 600) -> str:
-    """``python -m mhf_dist ARGS``; asserts the exit code and returns stdout + stderr."""
-    proc = subprocess.run([sys.executable, "-m", "mhf_dist", *args], capture_output=True, text=True,
-                          timeout=timeout, env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == expect_rc, f"exit {proc.returncode} (expected {expect_rc}):\n{out[-5000:]}"
+    """``mhf-dist ARGS`` in a :class:`CliProcess`, to its end; asserts the exit code and returns stdout + stderr."""
+    with tempfile.TemporaryDirectory() as tmp:
+        output = Path(tmp) / "output"
+        rc = CliProcess(args, output, os.environ | {"PYTHONUNBUFFERED": "1"}).wait(timeout)
+        out = output.read_text(errors="replace") if output.exists() else ""
+    assert rc == expect_rc, f"exit {rc} (expected {expect_rc}):\n{out[-5000:]}"
     return out
 
 
