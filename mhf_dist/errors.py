@@ -13,3 +13,7 @@ ABORTED_EXIT_CODE = 130  # a second Ctrl-C: stopped at once without saving (128 
 
 class MhfError(Exception):
     """A problem with the user's input, files or run directory, described for the user."""
+
+
+class ConfigError(MhfError, ValueError):
+    """A run configuration is invalid; the message names the field and the fix."""

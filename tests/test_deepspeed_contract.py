@@ -227,3 +227,7 @@ def test_only_the_backend_imports_deepspeed():
     outside = [str(f.relative_to(PACKAGE.parent)) for f in sorted(PACKAGE.rglob("*.py"))
                if imports.search(f.read_text()) and not f.is_relative_to(PACKAGE / "backend")]
     assert not outside, f"DeepSpeed or {BACKEND} is imported outside mhf_dist/backend: {outside}"
+    named = [str(f.relative_to(PACKAGE.parent)) for f in sorted(PACKAGE.rglob("*")) if f.is_file()
+             and not f.is_relative_to(PACKAGE / "backend") and f.suffix in (".py", ".template", ".yaml", ".json")
+             and "deepspeed" in f.read_text()]
+    assert not named, f"DeepSpeed's module or key names outside mhf_dist/backend: {named}"

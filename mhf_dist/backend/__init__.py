@@ -15,20 +15,14 @@ package that imports DeepSpeed or calls into it. Its config readers need neither
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from mhf_dist.backend.deepspeed.config import (
-    checkpoint_interval,
-    engine_config,
-    fp32_accumulation,
-    grad_accum_dtype,
-    zero_stage,
-)
-from mhf_dist.backend.deepspeed.memory import engine_buffer_bytes
+from mhf_dist.backend.deepspeed.settings import EngineSettings, check_zero_stage
 
 if TYPE_CHECKING:
     import torch
@@ -41,10 +35,10 @@ if TYPE_CHECKING:
     from mhf_dist.parallel.layout import Layout
     from mhf_dist.train.host_tables import HostTablesStep
 
-__all__ = ["checkpoint_interval", "engine_config", "fp32_accumulation", "grad_accum_dtype", "zero_stage",
-           "engine_buffer_bytes", "RANK_MODULES", "StepStats", "FileWriter", "Trainer", "Partitioner",
-           "init_distributed", "build_trainer", "partitions_parameters", "parameter_partitioner", "consolidate",
-           "convert_for_layout", "universal_info"]
+__all__ = ["EngineSettings", "check_zero_stage", "checkpoint_interval", "engine_config", "fp32_accumulation",
+           "grad_accum_dtype", "zero_stage", "engine_buffer_bytes", "hostfile_template", "versions", "RANK_MODULES",
+           "StepStats", "FileWriter", "Trainer", "Partitioner", "init_distributed", "build_trainer",
+           "partitions_parameters", "parameter_partitioner", "consolidate", "convert_for_layout", "universal_info"]
 
 TrainingFlags = Callable[[], Sequence[bool]]  # the loop's flags, asked for at the end of a step
 
@@ -124,6 +118,37 @@ class Partitioner(Protocol):
         """Replace ``leaf``'s own parameters by this rank's partitions of them."""
 
 
+# The run's engine config and what is read from it, from the modules that define them when first asked for (the config
+# schema imports this package for EngineSettings, and these read the config): torch-free, for plan and submit on a
+# login node.
+_CONFIG_READERS = {"engine_config": "config", "zero_stage": "config", "grad_accum_dtype": "config",
+                   "fp32_accumulation": "config", "checkpoint_interval": "config", "engine_buffer_bytes": "memory"}
+
+
+def __getattr__(name: str):
+    if name in _CONFIG_READERS:
+        return getattr(importlib.import_module(f"mhf_dist.backend.deepspeed.{_CONFIG_READERS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def hostfile_template() -> str:
+    """The job script (a :class:`string.Template`) that starts a run's ranks on the nodes of a hostfile, without a
+    scheduler: ``mhf-dist submit --hostfile`` renders it (:mod:`mhf_dist.cluster.submit` fills its fields)."""
+    from importlib import resources
+
+    return (resources.files("mhf_dist.backend.deepspeed") / "hostfile.template").read_text()
+
+
+def versions() -> dict[str, str]:
+    """The installed version of each package the backend is made of (``"not installed"`` when missing)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return {"deepspeed": version("deepspeed")}
+    except PackageNotFoundError:
+        return {"deepspeed": "not installed"}
+
+
 def init_distributed(backend: str, timeout: timedelta) -> None:
     """Join the job's process group over ``backend`` (gloo, nccl), as the backend's engines expect it."""
     from mhf_dist.backend.deepspeed.distributed import init_distributed as join
@@ -142,6 +167,8 @@ def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, 
 
 def partitions_parameters(config: dict, layout: Layout) -> bool:
     """Whether the engine keeps only this rank's partition of each parameter: ZeRO-3 without a pipeline."""
+    from mhf_dist.backend.deepspeed.config import zero_stage
+
     return layout.pp == 1 and zero_stage(config) == 3
 
 

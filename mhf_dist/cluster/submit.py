@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from string import Template
 
+from mhf_dist.backend import hostfile_template
 from mhf_dist.cluster.profile import PROFILE_DIR, ClusterProfile, no_control_characters
 from mhf_dist.config import ConfigError, RunConfig
 from mhf_dist.errors import PREEMPTED_EXIT_CODE
@@ -217,7 +218,8 @@ def render(kind: str, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_d
         train_args=_train_args(run_dir, preset, config, _absolute_paths(cfg, overrides)),
         preempted_exit_code=PREEMPTED_EXIT_CODE, grace_env=GRACE_ENV,
     )
-    return Template((PROFILE_DIR / f"{kind}.template").read_text()).substitute(values)
+    template = hostfile_template() if kind == "hostfile" else (PROFILE_DIR / "sbatch.template").read_text()
+    return Template(template).substitute(values)
 
 
 def _job_name(prefix: str, directory: Path) -> str:

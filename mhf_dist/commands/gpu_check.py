@@ -146,6 +146,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mhf_dist.backend import versions as backend_versions
 from mhf_dist.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]  # a checkout's root when installed editable (its .venv, its commit)
@@ -876,8 +877,7 @@ def environment(mode: Mode) -> dict:
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
             "device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "hip": torch.version.hip,
-            "build": build_name(),
-            "deepspeed": version("deepspeed"), "transformers": version("transformers"),
+            "build": build_name(), **backend_versions(), "transformers": version("transformers"),
             "commit": commit.stdout.strip() or "unknown"}
 
 
@@ -893,7 +893,7 @@ def markdown(mode: Mode, env: dict, checks: list[Check], elapsed: float, finishe
              f"- date: {env['date']}, commit {env['commit']}",
              f"- device: {env['device']}",
              f"- torch {env['torch']} ({env['build']}), "
-             f"deepspeed {env['deepspeed']}, transformers {env['transformers']}",
+             + "".join(f"{name} {env[name]}, " for name in backend_versions()) + f"transformers {env['transformers']}",
              f"- {len(checks)} checks in {elapsed:.0f} s: {verdict}",
              "", "| check | result | status |", "|---|---|---|"]
     lines += [f"| {c.name} | {' '.join(c.result.replace('|', '/').split())} | {c.status} |" for c in checks]

@@ -10,7 +10,8 @@ import yaml
 from pydantic import ValidationError
 
 from mhf_dist.config.presets import preset
-from mhf_dist.config.schema import ConfigError, RunConfig
+from mhf_dist.config.schema import RunConfig
+from mhf_dist.errors import ConfigError
 
 
 def deep_merge(base: dict, extra: dict) -> dict:

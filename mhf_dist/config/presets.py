@@ -6,7 +6,7 @@ import copy
 import re
 from typing import Any
 
-from mhf_dist.config.schema import ConfigError
+from mhf_dist.errors import ConfigError
 
 SIZES: dict[str, dict[str, Any]] = {
     # docs/spec.md §6 backbones (from the public code); `tiny` is ours, for CPU tests and demos.

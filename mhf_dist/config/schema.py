@@ -6,17 +6,14 @@ Validation happens here, at the edge: every error names the field and the fix.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from mhf_dist.errors import MhfError
+from mhf_dist.backend import EngineSettings, check_zero_stage
+from mhf_dist.errors import ConfigError
 
 CONFIG_FILE = "config.yaml"  # a run directory's resolved config, written at every start
-
-
-class ConfigError(MhfError, ValueError):
-    """A run configuration is invalid; the message names the field and the fix."""
 
 
 class _Strict(BaseModel):
@@ -305,9 +302,7 @@ class OptimizerConfig(_Strict):
         return self
 
 
-class ParallelConfig(_Strict):
-    """Parallel layout (docs/spec.md §7); data parallel is derived: world size / (tp * pp)."""
-
+class _Layout(_Strict):
     tp: int = Field(1, ge=1, description="tensor-parallel ranks (bucket tables split along B)")
     pp: int = Field(1, ge=1, description="pipeline stages")
     zero_stage: int | None = Field(
@@ -317,14 +312,11 @@ class ParallelConfig(_Strict):
         None, ge=0, description="recompute every k-th block's activations in backward; 0 disables; "
         "None: 1 when the DeepSpeed file has an activation_checkpointing section, else 0"
     )
-    deepspeed_config: str = Field(
-        "auto",
-        description="a file in deepspeed_configs/ (name without .json) or a path; auto: cpu_fp32 on CPU, "
-        "zero3_bf16_actckpt (pp = 1) or zero1_pp_bf16 (pp > 1) on GPUs",
-    )
-    deepspeed: dict[str, Any] = Field(
-        default_factory=dict, description="DeepSpeed keys that override everything else (nested dicts merge)"
-    )
+
+
+class ParallelConfig(EngineSettings, _Layout):
+    """Parallel layout (docs/spec.md §7); data parallel is derived: world size / (tp * pp). The engine's own
+    settings come last, from the backend (:class:`~mhf_dist.backend.EngineSettings`)."""
 
 
 class WandbConfig(_Strict):
@@ -477,25 +469,12 @@ class RunConfig(_Strict):
                 f"model.engram.offload with parallel.tp={tp}, parallel.pp={self.parallel.pp}: host-memory tables "
                 "support tp = pp = 1 only (dp may be any); unset model.engram.offload or use tp = pp = 1")
         if self.parallel.zero_stage is not None:
-            self.check_zero_stage(self.parallel.zero_stage, f"parallel.zero_stage={self.parallel.zero_stage}")
+            check_zero_stage(self, self.parallel.zero_stage, f"parallel.zero_stage={self.parallel.zero_stage}")
         if self.parallel.pp > m.n_layers:
             raise ValueError(
                 f"parallel.pp={self.parallel.pp} is more stages than model.n_layers={m.n_layers}; lower pp"
             )
         return self
-
-    def check_zero_stage(self, stage: int, source: str) -> None:
-        """The ZeRO ``stage`` this run trains with (``source`` says where it is set) must fit its layout:
-        DeepSpeed's pipeline engine takes ZeRO-0/1 only, and host-memory Engram tables need ZeRO's optimizer."""
-        if self.model.engram is not None and self.model.engram.offload and stage == 0:
-            raise ConfigError(
-                f"model.engram.offload with {source}: the host tables' gradient norm joins the clipping norm of "
-                "DeepSpeed's ZeRO optimizer; use parallel.zero_stage 1, 2 or 3")
-        if self.parallel.pp > 1 and stage >= 2:
-            raise ConfigError(
-                f"{source} with parallel.pp={self.parallel.pp}: DeepSpeed's pipeline engine refuses ZeRO-2/3; "
-                "use parallel.zero_stage=1 (or leave it unset with deepspeed_config auto or zero1_pp_bf16)"
-            )
 
 
 def check_data_source(cfg: RunConfig, on_this_machine: bool = True) -> None:
