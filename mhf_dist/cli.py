@@ -12,9 +12,12 @@ from pathlib import Path
 import yaml
 
 from mhf_dist import __version__
+from mhf_dist.backend import RANK_MODULES
 from mhf_dist.config import SIZES, ConfigError, RunConfig, load_config, preset_names
 from mhf_dist.errors import ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE, MhfError
 from mhf_dist.storage.output_dir import OVERWRITE_HELP
+
+RANK_PRELOAD = ("mhf_dist.train.loop", *RANK_MODULES)  # what a training rank imports (a forked one, once for all)
 
 DESCRIPTION = """\
 Distributed training for MultiHashFormer language models: each token is a
@@ -99,13 +102,12 @@ def cmd_train(args) -> int:
         return lost_work(args.run_dir, cfg.train.checkpoint_minutes)
 
     if "RANK" not in os.environ and args.nproc_per_node:
-        from mhf_dist.backend import RANK_MODULES
         from mhf_dist.parallel.devices import device_type
         from mhf_dist.parallel.layout import preflight
 
         device = device_type(cfg)
         preflight(cfg, args.nproc_per_node, device)
-        preload = ("mhf_dist.train.loop", *RANK_MODULES) if device == "cpu" else ()  # CPU ranks are forked
+        preload = RANK_PRELOAD if device == "cpu" else ()  # CPU ranks are forked
         return launch_local(args.nproc_per_node, _without_option(sys.argv[1:], "--nproc-per-node"), lost, preload)
     if "RANK" not in os.environ and slurm_rank_env():  # an srun task: its rank runs watched, so its death is named
         return supervise_slurm_task(sys.argv[1:], lost)

@@ -15,8 +15,9 @@ import time
 
 import pytest
 
-from helpers.jobs import Job, alive
+from helpers.jobs import Job
 from helpers.runs import metrics, train_args
+from mhf_dist.cluster.run_lock import running
 from mhf_dist.errors import ABORTED_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
 
 STEPS = 10_000  # far more than a test waits for: every run here ends by a signal
@@ -33,7 +34,7 @@ def _complete(run) -> list[str]:
 
 
 def _assert_ended(pids) -> None:
-    assert not [pid for pid in pids if alive(pid)], "a rank outlived its launcher"
+    assert not [pid for pid in pids if running(pid)], "a rank outlived its launcher"
 
 
 @pytest.mark.multirank
@@ -104,9 +105,9 @@ def test_ranks_end_with_their_launcher(tmp_path, data):
     job.proc.kill()  # the launcher alone, which cannot reap or stop anything
     job.end()
     deadline = time.time() + 60
-    while alive(rank) and time.time() < deadline:
+    while running(rank) and time.time() < deadline:
         time.sleep(0.1)
-    still = alive(rank)
+    still = running(rank)
     if still:
         os.kill(rank, signal.SIGKILL)
     assert not still, "the rank kept training after its launcher was killed"

@@ -34,7 +34,7 @@ class RunDirLocked(MhfError, RuntimeError):
     """Another live job trains in this run directory."""
 
 
-def _alive(pid: int) -> bool:
+def running(pid: int) -> bool:
     """Whether process ``pid`` runs: it exists and is not a zombie (one that exited but that its parent, or the init
     process a killed job's ranks fall to, has not reaped yet)."""
     try:
@@ -43,16 +43,18 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:  # someone else's live process
         return True
+    if not Path("/proc/self/stat").exists():  # no /proc (not Linux): what kill said
+        return True
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:  # no /proc (not Linux): what kill said
-        return True
+    except OSError:  # it ended meanwhile
+        return False
 
 
 def _exited(holder: dict) -> str | None:
     """Why ``holder``'s process no longer runs when it ran on this host, else None (running, or on another host)."""
     host = socket.gethostname()
-    if holder.get("host") == host and not _alive(int(holder.get("pid", 0))):
+    if holder.get("host") == host and not running(int(holder.get("pid", 0))):
         return f"process {holder.get('pid')} on {host} has exited"
     return None
 

@@ -11,14 +11,6 @@ from pathlib import Path
 from helpers.runs import CliProcess
 
 
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and has not ended (a zombie, ended but not yet reaped, counts as ended)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 class Job:
     def __init__(self, args: list[str], log: Path, **env: str):
         self.log = log
@@ -49,7 +41,5 @@ class Job:
         try:
             self.proc.wait(timeout)
         finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            self.proc.stop()
         return self.proc.returncode, self.output

@@ -27,10 +27,10 @@ def _forkserver():
     handlers, warning filters, a used OpenMP thread pool, which does not survive a fork)."""
     global _CONTEXT
     if _CONTEXT is None:
-        from mhf_dist.backend import RANK_MODULES
+        from mhf_dist.cli import RANK_PRELOAD
 
         _CONTEXT = multiprocessing.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["mhf_dist.cli", "mhf_dist.train.loop", *RANK_MODULES, "helpers.runs"])
+        _CONTEXT.set_forkserver_preload(["mhf_dist.cli", *RANK_PRELOAD, "helpers.runs"])
     return _CONTEXT
 
 
@@ -135,7 +135,7 @@ def run_cli(args: list[str], expect_rc: int = 0, timeout: int = 600) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         output = Path(tmp) / "output"
         rc = CliProcess(args, output, os.environ | {"PYTHONUNBUFFERED": "1"}).wait(timeout)
-        out = output.read_text(errors="replace") if output.exists() else ""
+        out = output.read_text(errors="replace")
     assert rc == expect_rc, f"exit {rc} (expected {expect_rc}):\n{out[-5000:]}"
     return out
 
