@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from mhf_dist import __version__
-from mhf_dist.backend import RANK_MODULES
+from mhf_dist.backend import RANK_MODULES, accelerator_env
 from mhf_dist.config import SIZES, ConfigError, RunConfig, load_config, preset_names
 from mhf_dist.errors import ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE, MhfError
 from mhf_dist.storage.output_dir import OVERWRITE_HELP
@@ -107,6 +107,9 @@ def cmd_train(args) -> int:
 
         device = device_type(cfg)
         preflight(cfg, args.nproc_per_node, device)
+        # before this process loads the backend for the ranks it forks, and in the environment of those it starts:
+        # they compute on train.device even where a GPU is visible (each rank also sets it, for other launchers)
+        os.environ.update(accelerator_env(device))
         preload = RANK_PRELOAD if device == "cpu" else ()  # CPU ranks are forked
         return launch_local(args.nproc_per_node, _without_option(sys.argv[1:], "--nproc-per-node"), lost, preload)
     if "RANK" not in os.environ and slurm_rank_env():  # an srun task: its rank runs watched, so its death is named

@@ -307,7 +307,7 @@ def test_rng_states_round_trip_without_pickle_and_older_files_still_load(tmp_pat
         random.seed(1)
         np.random.seed(2)
         torch.manual_seed(3)
-        (tmp_path / "rng.safetensors").write_bytes(rng_state_bytes())
+        (tmp_path / "rng.safetensors").write_bytes(rng_state_bytes(cuda=False))
         torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
                    tmp_path / "rng.pt")  # the format of earlier checkpoints
         expected = _draws()
@@ -315,10 +315,10 @@ def test_rng_states_round_trip_without_pickle_and_older_files_still_load(tmp_pat
             random.seed(9)
             np.random.seed(9)
             torch.manual_seed(9)
-            set_rng_state(read(tmp_path / name))
+            set_rng_state(read(tmp_path / name), cuda=False)
             assert _draws() == expected, name
     finally:
-        set_rng_state(before)
+        set_rng_state(before, cuda=False)
 
 
 def test_a_ranks_report_is_whole_when_it_appears_and_not_opened_again(tmp_path, monkeypatch):

@@ -1,13 +1,16 @@
-"""What differs on GPUs, checked on CPU: device binding, the rank's GPU generator state, the fused head's compiled
-kernels and their fallback, where profile's tensor-parallel model ends up, and deletions that no rank waits for
-(a collective's wait is bounded by the process group's timeout; converting for another layout is tested in
-test_checkpoint)."""
+"""What differs on GPUs, checked on CPU: device binding, the process group and the accelerator on a GPU host (a CPU
+run there included), the rank's GPU generator state, the fused head's compiled kernels and their fallback, where
+profile's tensor-parallel model ends up, and deletions that no rank waits for (a collective's wait is bounded by the
+process group's timeout; converting for another layout is tested in test_checkpoint)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
+import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -105,11 +108,11 @@ def host_states() -> dict:
 
 def test_rng_state_holds_the_ranks_own_gpu_and_resumes_seeing_fewer(tmp_path, monkeypatch):
     saved = FakeGpus(monkeypatch, count=8, current=3)  # a task that sees the node's 8 GPUs, driving cuda:3
-    (tmp_path / "rng.safetensors").write_bytes(checkpoint.rng_state_bytes())
+    (tmp_path / "rng.safetensors").write_bytes(checkpoint.rng_state_bytes(cuda=True))
     state = checkpoint.read_rng_state(tmp_path / "rng.safetensors")
     assert torch.equal(state["cuda"], saved.states[3])
     resumed = FakeGpus(monkeypatch, count=1, current=0)  # the resume binds one GPU to each task
-    checkpoint.set_rng_state(state)
+    checkpoint.set_rng_state(state, cuda=True)
     assert torch.equal(resumed.states[0], saved.states[3])
 
 
@@ -118,7 +121,7 @@ def test_rng_files_with_every_visible_gpus_state_still_load(tmp_path, monkeypatc
     state = host_states()
     every = {f"cuda.{i}": torch.full((16,), 10 + i, dtype=torch.uint8) for i in range(8)}
     FakeGpus(monkeypatch, count=8, current=0)
-    (tmp_path / "new.safetensors").write_bytes(checkpoint.rng_state_bytes())  # for its python/numpy metadata
+    (tmp_path / "new.safetensors").write_bytes(checkpoint.rng_state_bytes(cuda=True))  # for its python/numpy metadata
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "new.safetensors"), framework="pt") as f:
@@ -127,7 +130,7 @@ def test_rng_files_with_every_visible_gpus_state_still_load(tmp_path, monkeypatc
     read = checkpoint.read_rng_state(tmp_path / "old.safetensors")
     for count, current, want in ((8, 5, 15), (1, 0, 10)):
         gpus = FakeGpus(monkeypatch, count=count, current=current)
-        checkpoint.set_rng_state(read)
+        checkpoint.set_rng_state(read, cuda=True)
         assert gpus.states[current][0].item() == want
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -198,3 +201,142 @@ def test_profile_model_at_tp2_is_wholly_on_the_device_and_dtype():
         wrong = {n: p for n, p in placement.items() if p[0] != "meta" or (p[1].is_floating_point and p[1] !=
                                                                           torch.bfloat16)}
         assert not wrong, wrong
+
+
+# ---------------------------------------------------------------------------------------------------- device choice
+class CudaAccelerator:
+    """DeepSpeed's accelerator as it is on a CUDA host (the CPU one underneath for everything else)."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def device_name(self, index=None):
+        return "cuda" if index is None else f"cuda:{index}"
+
+    def device(self, index=None):
+        return torch.device("cuda", index)
+
+    def communication_backend_name(self):
+        return "nccl"
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+class Joined(Exception):
+    """Raised by a stand-in for torch.distributed.init_process_group once it has recorded its call."""
+
+
+@pytest.mark.parametrize("backend, bound", [("gloo", None), ("nccl", torch.device("cuda", 1))])
+def test_on_a_cuda_host_only_an_nccl_group_is_bound_to_the_ranks_device(monkeypatch, backend, bound):
+    # a gloo group bound to a device makes torch split it for each new subgroup, which only NCCL implements
+    import deepspeed.accelerator.real_accelerator as real
+    import deepspeed.comm.comm as comm
+
+    from mhf_dist.backend import init_distributed
+
+    calls = []
+
+    @functools.wraps(torch.distributed.init_process_group)  # its signature: DeepSpeed reads it for device_id
+    def init_process_group(backend, **kwargs):
+        calls.append((backend, kwargs))
+        raise Joined
+
+    monkeypatch.setattr(real, "ds_accelerator", CudaAccelerator(real.get_accelerator()))
+    monkeypatch.setattr(comm, "cdb", None)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    for key, value in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT="29999").items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(Joined):
+        init_distributed(backend, timedelta(seconds=30), torch.device("cuda", 1))
+    assert [(b, kwargs.get("device_id")) for b, kwargs in calls] == [(backend, bound)]
+    assert calls[0][1]["timeout"] == timedelta(seconds=30)
+
+
+def test_a_backend_loaded_for_another_device_is_refused_by_name(monkeypatch):
+    import deepspeed.accelerator.real_accelerator as real
+
+    from mhf_dist.backend import init_distributed
+
+    monkeypatch.setattr(real, "ds_accelerator", CudaAccelerator(real.get_accelerator()))
+    with pytest.raises(MhfError, match="DeepSpeed computes on cuda but this rank trains on cpu .*DS_ACCELERATOR=cpu"):
+        init_distributed("gloo", timedelta(seconds=30), torch.device("cpu"))
+
+
+class VisibleGpu:
+    """torch.cuda reporting one GPU, each question recorded (a CPU build answers nothing else)."""
+
+    def __init__(self, monkeypatch):
+        self.asked = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: self.asked.append("is_available") or True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: self.asked.append("device_count") or 1)
+
+
+def test_a_cpu_run_on_a_gpu_host_sets_the_cpu_accelerator_before_its_ranks_load(monkeypatch, tmp_path):
+    import deepspeed.accelerator.real_accelerator as real
+
+    from mhf_dist.cli import RANK_PRELOAD, main
+    from mhf_dist.cluster import launch
+
+    gpu = VisibleGpu(monkeypatch)
+    monkeypatch.setattr(real, "ds_accelerator", None)  # DeepSpeed chooses again, as in a fresh launcher
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    preloaded, started, import_module = [], [], launch.importlib.import_module
+
+    def preload(name, package=None):
+        if name in RANK_PRELOAD:  # what the ranks import, and the accelerator DeepSpeed would load for them now
+            preloaded.append((name, os.environ.get("DS_ACCELERATOR"), real.get_accelerator().device_name()))
+        return import_module(name, package)
+
+    monkeypatch.setattr(launch.importlib, "import_module", preload)
+    monkeypatch.setattr(launch.RankSupervisor, "run", lambda self, envs: started.extend(envs) or 0)
+    assert main(["train", "--preset", "tiny-h4b16k", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"),
+                 "--set", "train.device=cpu"]) == 0
+    assert {name for name, *_ in preloaded} == set(RANK_PRELOAD)
+    assert {(env, chosen) for _, env, chosen in preloaded} == {("cpu", "cpu")}
+    assert [env["DS_ACCELERATOR"] for env in started] == ["cpu", "cpu"]
+    assert gpu.asked == []  # the launcher asked CUDA nothing, so its ranks can be forked
+
+
+def _train_beside_a_visible_gpu(args: list[str], out: Path) -> None:
+    """In a forked child: ``mhf-dist ARGS`` as a rank started without mhf-dist's launcher, on a host whose torch
+    sees a GPU and whose DeepSpeed has not chosen its accelerator yet."""
+    import deepspeed.accelerator.real_accelerator as real
+
+    from mhf_dist.cli import main
+
+    code = 1
+    try:
+        torch.set_num_threads(1)
+        torch.cuda.is_available = lambda: True
+        torch.cuda.device_count = lambda: 1
+        real.ds_accelerator = None
+        os.environ.pop("DS_ACCELERATOR", None)
+        code = main(args)
+        out.write_text(real.get_accelerator().device_name())
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+@pytest.mark.multirank
+def test_a_cpu_rank_on_a_gpu_host_trains_on_the_cpu_and_saves_no_gpu_generator(tmp_path, data):
+    import multiprocessing
+
+    from helpers.runs import train_args
+
+    run, out = tmp_path / "run", tmp_path / "accelerator"
+    args = train_args(run, data, 1, "train.device=cpu", "train.checkpoint_interval=2", steps=2)
+    args.remove("--nproc-per-node")
+    args.remove("1")
+    child = multiprocessing.get_context("fork").Process(target=_train_beside_a_visible_gpu, args=(args, out))
+    child.start()
+    child.join(300)
+    assert child.exitcode == 0 and out.read_text() == "cpu"
+    from safetensors import safe_open
+
+    with safe_open(str(run / "checkpoints" / "step-00000002" / checkpoint.RNG_FILE.format(0)), "pt") as f:
+        assert set(f.keys()) == {"torch"}  # no GPU generator state

@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
 __all__ = ["EngineSettings", "check_zero_stage", "checkpoint_interval", "engine_config", "fp32_accumulation",
            "grad_accum_dtype", "zero_stage", "engine_buffer_bytes", "hostfile_template", "versions", "RANK_MODULES",
-           "StepStats", "FileWriter", "Trainer", "Partitioner", "init_distributed", "build_trainer",
-           "partitions_parameters", "parameter_partitioner", "consolidate", "convert_for_layout", "universal_info"]
+           "StepStats", "FileWriter", "Trainer", "Partitioner", "accelerator_env", "init_distributed",
+           "build_trainer", "partitions_parameters", "parameter_partitioner", "consolidate", "convert_for_layout",
+           "universal_info"]
 
 TrainingFlags = Callable[[], Sequence[bool]]  # the loop's flags, asked for at the end of a step
 
@@ -149,11 +150,20 @@ def versions() -> dict[str, str]:
         return {"deepspeed": "not installed"}
 
 
-def init_distributed(backend: str, timeout: timedelta) -> None:
-    """Join the job's process group over ``backend`` (gloo, nccl), as the backend's engines expect it."""
+def accelerator_env(device_type: str) -> dict[str, str]:
+    """The environment that has the backend compute on ``device_type`` (cpu, cuda; ROCm GPUs are cuda devices too),
+    for a process that has not loaded it yet: a launcher sets it before it imports what its ranks import, and the
+    ranks it starts inherit it. Without it the backend picks a GPU wherever one is visible, and a process that has
+    asked CUDA anything cannot fork its CPU ranks."""
+    return {"DS_ACCELERATOR": device_type}
+
+
+def init_distributed(backend: str, timeout: timedelta, device: torch.device) -> None:
+    """Join the job's process group over ``backend`` (gloo, nccl) for a rank computing on ``device``, as the
+    backend's engines expect it; raises MhfError when the backend was loaded for another device type."""
     from mhf_dist.backend.deepspeed.distributed import init_distributed as join
 
-    join(backend, timeout)
+    join(backend, timeout, device)
 
 
 def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, config: dict, layout: Layout,

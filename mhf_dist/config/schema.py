@@ -353,7 +353,9 @@ class TrainConfig(_Strict):
         return self._micro_batch_from_preset
     seed: int = Field(42, ge=0, description="seeds the initial weights and (unless data.shuffle_seed) the data order")
     dtype: Literal["fp32", "bf16"] = "fp32"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the ranks compute: auto is a GPU where one is visible; cpu trains on the CPUs "
+        "also on a GPU host (its ranks never touch CUDA)")
     log_interval: int = Field(1, ge=1, description="log every N steps (and always step 1 and the last)")
     eval_interval: int = Field(
         0, ge=0, description="evaluate on the validation split every N steps; 0: only at the end")

@@ -164,15 +164,16 @@ def readable_size(n: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- RNG states
-def rng_state_bytes() -> bytes:
-    """This process's generator states as a file's content, without pickle: torch's and CUDA's (uint8 tensors) as
-    safetensors, python's and numpy's (integers and a float) as JSON in its metadata."""
+def rng_state_bytes(cuda: bool) -> bytes:
+    """This process's generator states as a file's content, without pickle: torch's and, for a rank on a GPU
+    (``cuda``), its GPU's (uint8 tensors) as safetensors, python's and numpy's (integers and a float) as JSON in its
+    metadata. A rank on the CPU asks CUDA nothing, also where a GPU is visible."""
     version, internal, gauss_next = random.getstate()
     generator, key, pos, has_gauss, cached_gaussian = np.random.get_state()
     metadata = {"python": json.dumps([version, list(internal), gauss_next]),
                 "numpy": json.dumps([generator, key.tolist(), int(pos), int(has_gauss), float(cached_gaussian)])}
     tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():  # the rank's own GPU only: a resume may see fewer GPUs (one bound to each task)
+    if cuda:  # the rank's own GPU only: a resume may see fewer GPUs (one bound to each task)
         tensors["cuda"] = torch.cuda.get_rng_state()
     return save(tensors, metadata=metadata)
 
@@ -224,11 +225,12 @@ def _refusal(error: Exception) -> str:
     return "refused by the restricted unpickler" if "weights_only" in str(error) else (lines or ["?"])[0][:200]
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, cuda: bool) -> None:
+    """Restore ``state``; its GPU generator's only for a rank on a GPU (``cuda``)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and cuda:
         torch.cuda.set_rng_state(current_device_rng(state["cuda"]))
 
 
@@ -703,7 +705,7 @@ class Checkpointer:
         """This rank's part of the checkpoint through ``writer``: the backend's files, the RNG state and (rank 0,
         ``model.engram.offload``) the host tables."""
         trainer.save_files(path, client, writer)
-        writer.put(path / RNG_FILE.format(self.rank), rng_state_bytes())
+        writer.put(path / RNG_FILE.format(self.rank), rng_state_bytes(cuda=trainer.device.type == "cuda"))
         if trainer.host_tables is not None and self.rank == 0:  # tp = pp = 1: every rank holds the same host tables
             tensors, metadata = trainer.host_tables.state()
             writer.put(path / HOST_TABLES_FILE, save(tensors, metadata=metadata))
@@ -903,10 +905,11 @@ class Checkpointer:
         if trainer.host_tables is not None:
             self._load_host_tables(trainer.host_tables, path, marker)
         if marker["layout"] == self.layout:
+            cuda = trainer.device.type == "cuda"
             if (rng := path / RNG_FILE.format(self.rank)).is_file():
-                set_rng_state(read_rng_state(rng))
+                set_rng_state(read_rng_state(rng), cuda)
             elif (legacy := path / LEGACY_RNG_FILE.format(self.rank)).is_file():
-                set_rng_state(read_legacy_rng_state(legacy))
+                set_rng_state(read_legacy_rng_state(legacy), cuda)
         return client
 
 

@@ -45,7 +45,14 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from mhf_dist.backend import StepStats, Trainer, build_trainer, parameter_partitioner, partitions_parameters
+from mhf_dist.backend import (
+    StepStats,
+    Trainer,
+    accelerator_env,
+    build_trainer,
+    parameter_partitioner,
+    partitions_parameters,
+)
 from mhf_dist.backend import init_distributed as init_backend_distributed
 from mhf_dist.cluster.launch import free_port, slurm_rank_env
 from mhf_dist.cluster.run_lock import RunDirLocked, RunLock
@@ -111,8 +118,9 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> None:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
+    os.environ.update(accelerator_env(device.type))  # a rank not started by mhf-dist train, before the backend loads
     init_backend_distributed(backend_name(cfg.train.dist_backend, device.type),
-                             timedelta(minutes=cfg.train.dist_timeout_minutes))
+                             timedelta(minutes=cfg.train.dist_timeout_minutes), device)
 
 
 @contextlib.contextmanager
