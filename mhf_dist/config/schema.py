@@ -355,7 +355,7 @@ class TrainConfig(_Strict):
     dtype: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the ranks compute: auto is a GPU where one is visible; cpu trains on the CPUs "
-        "also on a GPU host (its ranks never touch CUDA)")
+        "also on a GPU host")
     log_interval: int = Field(1, ge=1, description="log every N steps (and always step 1 and the last)")
     eval_interval: int = Field(
         0, ge=0, description="evaluate on the validation split every N steps; 0: only at the end")
