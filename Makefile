@@ -1,5 +1,5 @@
 # Two commands for a fresh machine: `make demo` and `make test` (lint, then every test). Both set up .venv first.
-# While developing: `make test-fast` (the single-process tests; docs/usage.md says how long) and `make lint` (ruff).
+# While developing: `make test-fast` (the single-process tests; docs/install.md says how long) and `make lint` (ruff).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed

@@ -75,7 +75,7 @@ def test_every_help_example_validates_as_printed(capsys):
     """The examples under ``mhf-dist --help`` pass as printed: ``plan`` and ``submit --dry-run`` run whole, ``train``
     passes every check made before its ranks start."""
     from mhf_dist.cli import EXAMPLES, main
-    from mhf_dist.parallel.layout import preflight
+    from mhf_dist.train.preflight import preflight
 
     lines = EXAMPLES.replace("\\\n", " ").splitlines()
     commands = [shlex.split(line.strip())[1:] for line in lines if line.strip().startswith("mhf-dist ")]

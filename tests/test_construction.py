@@ -8,6 +8,7 @@ layers for pp > 1) and returns the pieces it holds; the test process joins them 
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -196,3 +197,91 @@ def test_zero3_construction_holds_one_dp_share_and_one_parameter():
         assert r["peak"] <= bound, (f"peak {r['peak'] / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB "
                                     f"(full model {r['full'] / 2**20:.0f} MiB)")
         assert bound < 0.6 * r["full"]  # far below a full copy, so the test tells the two constructions apart
+
+
+# ---------------------------------------------------------------- drawing only what a rank keeps
+BLOCK = 64  # elements per block of the initial values in the test below: every matrix spans several
+BLOCK_LAYOUTS = [("dp4", 1, 1, True), ("tp2-dp2", 2, 1, True), ("tp2-pp2", 2, 2, True),
+                 ("dp4, filled before partitioning", 1, 1, False)]  # (name, tp, pp, partitions written in place)
+
+
+def blocks_worker(rank, world):
+    """``construct_worker``'s layouts with blocks of ``BLOCK`` elements, counting the elements each parameter's
+    draws produce on this rank."""
+    from mhf_dist.backend.deepspeed.pipeline import build_pipeline, canonical_name
+    from mhf_dist.backend.deepspeed.zero import Zero3Partitioner, held_values
+    from mhf_dist.model import init
+    from mhf_dist.parallel.construct import Materialiser, SeededValues, model_skeleton
+    from mhf_dist.parallel.groups import ParallelGroups
+
+    drawn: dict[str, int] = {}
+    real = init.draw_block
+
+    def counting(out, std, seed, name, index, block):
+        drawn[name] = drawn.get(name, 0) + out.numel()
+        real(out, std, seed, name, index, block)
+
+    init.BLOCK, init.draw_block = BLOCK, counting
+    join_distributed(rank, world)
+    codes, compression = inputs()
+    results = {}
+    for name, tp, pp, in_place in BLOCK_LAYOUTS:
+        groups = ParallelGroups.create(tp, pp)
+        cfg = tiny_cfg(tp)
+        model = model_skeleton(cfg, V, codes, compression, groups.tp_group, groups.tp_rank, tp)
+        partition = Zero3Partitioner(zero3_config(), groups, torch.float32) if pp == 1 else None
+        if partition is not None:
+            assert partition.writes_held
+            partition.writes_held = in_place
+        materialise = Materialiser(model, SeededValues(cfg.init_std, SEED), torch.device("cpu"), groups.tp_rank, tp,
+                                   partition)
+        drawn.clear()
+        if pp == 1:
+            named = list(materialise(model).named_parameters())
+        else:
+            pipe, _ = build_pipeline(model, groups, seq_len=8, checkpoint_interval=0, materialise=materialise)
+            named = [(canonical_name(n), p) for n, p in pipe.named_parameters()]
+        kept = {n: held_values(p).numel() for n, p in named if hasattr(p, "ds_tensor")}
+        results[name] = {"tp": groups.tp_rank, "pp": groups.pp_rank, "dp": groups.dp_rank, "params": pieces(named),
+                         "drawn": dict(drawn), "kept": kept}
+    return results
+
+
+def test_zero3_ranks_draw_only_the_blocks_they_keep(monkeypatch):
+    """Blocks of 64 elements, so that every matrix of the tiny model is drawn in many: every layout still starts
+    from the single-process weights (drawn in the same blocks), and under ZeRO-3 each rank draws, of each
+    parameter, only the blocks holding the range it keeps — the range plus at most a block at each end; for the
+    row-parallel maps, whose tensor-parallel shard is strided in the full value, the full rows the range touches
+    plus a block at each end. Where the partitions cannot be written in place, each leaf is drawn in full before
+    it is partitioned, with the same values."""
+    from mhf_dist.model import init
+    from mhf_dist.parallel.state_dict import split_dim
+
+    monkeypatch.setattr(init, "BLOCK", BLOCK)
+    codes, compression = inputs()
+    reference = build_model(tiny_cfg(1), V, codes, compression, seed=SEED).state_dict()
+    assert max(v.numel() for v in reference.values() if v.dim() > 1) > 100 * BLOCK
+    ranks = run_ranks(blocks_worker, 4)
+    for name, tp, pp, in_place in BLOCK_LAYOUTS:
+        got = consolidate([r[name] for r in ranks], tp)
+        assert got.keys() == reference.keys(), name
+        for key, value in reference.items():
+            assert torch.equal(got[key], value), f"{name}: {key}"
+        if pp > 1 or not in_place:
+            continue
+        dims = tp_split_dims(tiny_cfg(tp), tp)
+        for r in ranks:
+            for param, kept in r[name]["kept"].items():
+                shape, dim = reference[param].shape, split_dim(param, dims) if tp > 1 else None
+                if dim is not None and dim > (1 if param.endswith("tables.weight") else 0):  # strided shard
+                    stride = shape[dim] * math.prod(shape[dim + 1:])
+                    bound = kept * tp + 2 * stride * tp + 2 * BLOCK
+                else:
+                    bound = kept + 2 * BLOCK
+                random = init.rule_for(param) not in ("ones", "zeros")
+                assert (kept if random else 0) <= r[name]["drawn"].get(param, 0) <= bound, \
+                    (name, param, kept, r[name]["drawn"].get(param), bound)
+        drawn = sum(sum(r[name]["drawn"].values()) for r in ranks)
+        full = sum(v.numel() for v in reference.values())
+        # about once over the ranks (the row-parallel maps tp times), where each rank drew the whole model before
+        assert drawn < 0.4 * len(ranks) * full, (name, drawn, full)

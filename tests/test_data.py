@@ -19,18 +19,13 @@ import pytest
 
 from mhf_dist.cli import main
 from mhf_dist.config import ConfigError, DataSource, check_data_source, load_config
+from mhf_dist.data.formats import DataError
+from mhf_dist.data.inputs import documents, expand_inputs
 from mhf_dist.data.mixture import BLOCK, MixtureReader, MixtureSchedule, apportion
-from mhf_dist.data.prepare import (
-    DataError,
-    documents,
-    expand_inputs,
-    is_validation,
-    merge,
-    part_dir_name,
-    part_files,
-    prepare,
-)
+from mhf_dist.data.parts import merge, part_dir_name, part_files
+from mhf_dist.data.prepare import prepare
 from mhf_dist.data.reader import ShardReader
+from mhf_dist.data.tokenizing import is_validation
 from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
 from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe
 

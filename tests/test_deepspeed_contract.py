@@ -194,6 +194,14 @@ CONTRACTS = [
              "reads (a partition's values, less its padding; a partitioned parameter's shape)",
              source_holds(PARTITION, "param.ds_tensor = ", "param.ds_shape = ", "param.ds_numel = ",
                           "param.ds_process_group = ")),
+    Contract("Init._partition_param (rank r's partition: elements from r·ceil(numel/dp) of the flattened parameter, "
+             "the only copy unless hpZeRO, NVMe offload or quantized frozen weights)", f"{BACKEND}/zero.py",
+             "writes each partition in place after partitioning (Zero3Partitioner.held, writes_held)",
+             all_of(source_holds(f"{PARTITION}:Init", "partition_size = tensor_size // self._partition_world_size(",
+                                 "start = partition_size * self._partition_rank(param)",
+                                 "param.ds_tensor.copy_(src_tensor)", "return param.ds_numel + self._padding_size("),
+                    source_holds("deepspeed.runtime.zero.config:DeepSpeedZeroConfig", "zero_hpz_partition_size",
+                                 "offload_param", "zero_quantized_nontrainable_weights"))),
     Contract("deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology", f"{BACKEND}/pipeline.py",
              "cuts the pipeline over (mhf_dist/parallel/groups.py's grid)", topology_places_ranks),
     Contract("deepspeed.checkpoint.ds_to_universal", f"{BACKEND}/universal.py", "runs", ds_to_universal_flags),
@@ -221,13 +229,17 @@ def test_deepspeed_keeps_what_the_backend_relies_on(contract):
 
 def test_only_the_backend_imports_deepspeed():
     """DeepSpeed is imported in the backend package only, and the rest of the package reaches the backend through
-    ``mhf_dist.backend`` alone."""
+    ``mhf_dist.backend`` alone; outside it, only the run config names DeepSpeed's keys, plain fields the backend
+    reads."""
     imports = re.compile(r"^\s*(import deepspeed|from deepspeed[. ]|from mhf_dist\.backend\.deepspeed|"
                          r"import mhf_dist\.backend\.deepspeed)", re.M)
     outside = [str(f.relative_to(PACKAGE.parent)) for f in sorted(PACKAGE.rglob("*.py"))
                if imports.search(f.read_text()) and not f.is_relative_to(PACKAGE / "backend")]
     assert not outside, f"DeepSpeed or {BACKEND} is imported outside mhf_dist/backend: {outside}"
     named = [str(f.relative_to(PACKAGE.parent)) for f in sorted(PACKAGE.rglob("*")) if f.is_file()
-             and not f.is_relative_to(PACKAGE / "backend") and f.suffix in (".py", ".template", ".yaml", ".json")
-             and "deepspeed" in f.read_text()]
+             and not f.is_relative_to(PACKAGE / "backend") and f != PACKAGE / "config" / "schema.py"
+             and f.suffix in (".py", ".template", ".yaml", ".json") and "deepspeed" in f.read_text()]
     assert not named, f"DeepSpeed's module or key names outside mhf_dist/backend: {named}"
+    # the run config names the keys users write (parallel.deepspeed_config, parallel.deepspeed), and nothing more
+    schema = (PACKAGE / "config" / "schema.py").read_text()
+    assert set(re.findall(r"\w*deepspeed\w*", schema)) <= {"deepspeed_config", "deepspeed", "deepspeed_configs"}

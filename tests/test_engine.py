@@ -104,7 +104,7 @@ def test_invalid_layouts_fail_before_training(tmp_path, nproc, overrides, messag
 def test_real_presets_need_their_data_named(tmp_path, capsys):
     from mhf_dist.cli import main
     from mhf_dist.config import load_config
-    from mhf_dist.parallel.layout import preflight
+    from mhf_dist.train.preflight import preflight
 
     run = tmp_path / "run"
     assert main(["train", "--preset", "100m-h4b16k", "--run-dir", str(run)]) == 2

@@ -11,7 +11,7 @@ from helpers.runs import metrics, run_cli, train_args, train_run
 from mhf_dist.config import ConfigError, load_config
 from mhf_dist.model import build_model
 from mhf_dist.model.host_tables import HostTables
-from mhf_dist.train.checkpoint_index import read_marker
+from mhf_dist.train.checkpoint.index import read_marker
 from mhf_dist.train.host_tables import HOST_TABLES_FILE, HostTablesStep
 from mhf_dist.train.trained_weights import trained_weights
 from mhf_dist.vocab.engram_compression import CompressionTable

@@ -30,7 +30,7 @@ from mhf_dist.train.checkpoint import (
     rng_state_bytes,
     set_rng_state,
 )
-from mhf_dist.train.checkpoint_index import checkpoint_bytes, complete_checkpoints
+from mhf_dist.train.checkpoint.index import checkpoint_bytes, complete_checkpoints
 from mhf_dist.train.fault_injection import DISK_BYTES_ENV, free_bytes
 
 ZERO1 = "parallel.zero_stage=1"

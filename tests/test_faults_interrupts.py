@@ -17,8 +17,8 @@ import pytest
 
 from helpers.jobs import Job
 from helpers.runs import metrics, train_args
-from mhf_dist.cluster.run_lock import running
 from mhf_dist.errors import ABORTED_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
+from mhf_dist.storage.run_lock import running
 
 STEPS = 10_000  # far more than a test waits for: every run here ends by a signal
 

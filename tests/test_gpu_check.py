@@ -1,17 +1,28 @@
 """``tools/gpu_check.sh --cpu``: the main job end to end at tiny sizes (train, resume, tp=2 and accumulation runs,
 export, generate, eval, profile), its summary table and its JSON report; the verdicts of the resume, layout and
-feature checks on made-up runs; what tells a gloo limitation from a defect; and that the GPU mode's commands parse
-and their configs validate (they run only on a GPU)."""
+feature checks on made-up runs; what tells a gloo limitation from a defect; that the GPU mode's commands parse
+and their configs validate (they run only on a GPU); what the check needs of its machine (no git) and how it shares
+it (threads per process, one compiling run); the report a check leaves when it is cut short; and that a profile
+row's memory is its steps' own peak."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import json
 import math
 import os
+import signal
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
+
+from mhf_dist.commands import gpu_check
+from mhf_dist.commands.gpu_check import report as reporting
+from mhf_dist.commands.gpu_check import runner, training
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPECTED = ["build", "sdpa", "train-standard", "resume-fp32", "layout-tp2-gloo", "grad-accum", "export-hf",
@@ -19,10 +30,13 @@ EXPECTED = ["build", "sdpa", "train-standard", "resume-fp32", "layout-tp2-gloo",
             "profile-tiny-standard", "profile-tiny-h4b16k", "profile-tiny-ratio", "profile-tiny-head"]
 
 
-def _gpu_check():
-    from mhf_dist.commands import gpu_check
-
-    return gpu_check
+def _run_args(monkeypatch, out: Path) -> argparse.Namespace:
+    """``gpu-check --cpu --out OUT``'s arguments, for :func:`run` in this process; what it sets in the environment is
+    set here first, so that it is undone after the test."""
+    for name, value in (("CUDA_VISIBLE_DEVICES", ""), ("DS_ACCELERATOR", "cpu"),
+                        ("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", "unused"))):
+        monkeypatch.setenv(name, value)
+    return argparse.Namespace(cpu=True, out=str(out), work=None, nominal_tflops=989.0, skip="")
 
 
 @pytest.mark.multirank
@@ -54,6 +68,13 @@ def test_cpu_mode_runs_every_step_and_reports_every_check(tmp_path):
         assert f"| {name} |" in table
     for step in ("preflight", "training: resume, layouts, features", "export, generation, evaluation", "throughput"):
         assert f"{step} done in" in proc.stdout
+    assert report["complete"] and [s["status"] for s in report["steps"]] == ["done"] * 4
+    assert "estimated" in proc.stdout and "A command is stopped at 600 s" in proc.stdout  # the plan, first
+    commands = {c["command"]: c for c in report["commands"]}  # every command's seconds, printed and in the JSON
+    assert {"train-standard", "train-mhf-fp32-resume", "train-layout-tp2-gloo", "eval", "profile-tiny"} <= set(commands)
+    for name, command in commands.items():
+        assert command["status"] == "done" and command["seconds"] > 0, command
+        assert f"  {name}: done in " in proc.stdout
 
 
 def _fake_runs(ctx, whole_losses, resumed_losses, resume_line):
@@ -66,7 +87,6 @@ def _fake_runs(ctx, whole_losses, resumed_losses, resume_line):
 
 
 def test_resume_check_fails_on_any_difference_or_a_fresh_start(tmp_path):
-    gpu_check = _gpu_check()
     losses = [38.9, 38.7, 38.6, 38.5, 38.3, 38.0, 37.6, 37.2]
     cases = {
         "equal": (losses, "resumed from RUN/checkpoints/step-00000004 at step 4\n", "PASS"),
@@ -75,10 +95,10 @@ def test_resume_check_fails_on_any_difference_or_a_fresh_start(tmp_path):
         "step missing": (losses[:-1], "resumed from X at step 4\n", "FAIL"),
     }
     for case, (resumed, log, expected) in cases.items():
-        ctx = gpu_check.Context(gpu_check.CPU, tmp_path / case, tmp_path / case / "work", 989.0)
+        ctx = runner.Context(runner.CPU, tmp_path / case, tmp_path / case / "work", 989.0)
         _fake_runs(ctx, losses, resumed, log)
         assert ctx.mode.resume_tolerance["fp32"] == 0
-        assert gpu_check.resume_check(ctx, "fp32").status == expected, case
+        assert training.resume_check(ctx, "fp32").status == expected, case
 
 
 def _write_run(run, records, preset="tiny-h4b16k"):
@@ -93,8 +113,7 @@ def _records(steps=4, loss=38.9, grad_norm=100.0, **extra):
 
 
 def test_layout_and_accumulation_checks_compare_loss_and_gradient_norm(tmp_path):
-    gpu_check = _gpu_check()
-    ctx = gpu_check.Context(gpu_check.CPU, tmp_path, tmp_path / "work", 989.0)
+    ctx = runner.Context(runner.CPU, tmp_path, tmp_path / "work", 989.0)
     _write_run(ctx.run("mhf-fp32"), _records(steps=8))
     cases = {  # run records: expected status
         "equal": (_records(), "PASS"),
@@ -106,28 +125,27 @@ def test_layout_and_accumulation_checks_compare_loss_and_gradient_norm(tmp_path)
     }
     for case, (records, expected) in cases.items():
         _write_run(ctx.run("grad-accum"), records)
-        check = gpu_check.grad_accum_check(ctx)
+        check = training.grad_accum_check(ctx)
         assert check.status == expected, (case, check)
     assert "global batch 8 = 4 micro-batches of 2" not in check.result  # the preset's micro-batch is 8
     assert "global batch 8 = 1 micro-batches of 8" in check.result
 
 
 def test_feature_checks_on_made_up_runs(tmp_path):
-    gpu_check = _gpu_check()
-    ctx = gpu_check.Context(gpu_check.GPU, tmp_path, tmp_path / "work", 989.0)
-    c, weight = ctx.mode.compare_steps, gpu_check.P_INF_WEIGHT
+    ctx = runner.Context(runner.GPU, tmp_path, tmp_path / "work", 989.0)
+    c, weight = ctx.mode.compare_steps, training.P_INF_WEIGHT
 
     _write_run(ctx.run("engram-device"), _records(c, memory_gb=0.30))
     _write_run(ctx.run("engram-offload"), _records(c, memory_gb=0.10))
-    assert gpu_check.engram_offload_check(ctx).status == "PASS"
+    assert training.engram_offload_check(ctx).status == "PASS"
     _write_run(ctx.run("engram-offload"), _records(c, memory_gb=0.30))  # the tables stayed on the device
-    assert gpu_check.engram_offload_check(ctx).status == "FAIL"
+    assert training.engram_offload_check(ctx).status == "FAIL"
 
     _write_run(ctx.run("mhf-bf16"), _records(30))
 
     def p_inf(records):
         _write_run(ctx.run("p-inf-tp2-bf16"), records)
-        return gpu_check.p_inf_check(ctx).status
+        return training.p_inf_check(ctx).status
 
     good = [r | {"p_inf_loss": 8.0 - 0.1 * r["step"]} for r in _records(c)]
     good = [r | {"loss": sum(r["head_losses"]) + weight * r["p_inf_loss"]} for r in good]
@@ -140,7 +158,7 @@ def test_feature_checks_on_made_up_runs(tmp_path):
 
     _write_run(ctx.run("mhf-fp32"), _records(30))
     _write_run(ctx.run("compile"), _records(c))
-    check = gpu_check.compile_check(ctx)
+    check = training.compile_check(ctx)
     assert check.status == "PASS" and check.values["first_step_s"] > 0, check
 
     out = ctx.work / "profile-tp2-gloo"
@@ -148,12 +166,12 @@ def test_feature_checks_on_made_up_runs(tmp_path):
     row = {"size": "100m", "hash": "h4b16k", "layout": "tp=2", "dtype": "bf16", "seq_len": 512, "tokens_per_s": 9e3,
            "step_s": 0.05, "comm_s": 0.01, "comm_bytes_per_step": 2**24, "memory_gb": 3.0}
     (out / "profile.json").write_text(json.dumps({"training": [row]}))
-    assert gpu_check.profile_tp2_check(ctx).status == "measured"
+    assert training.profile_tp2_check(ctx).status == "measured"
     (out / "profile.json").write_text(json.dumps({"training": [row | {"comm_bytes_per_step": 0}]}))
-    assert gpu_check.profile_tp2_check(ctx).status == "FAIL"  # no tensor-parallel traffic: not tp=2
+    assert training.profile_tp2_check(ctx).status == "FAIL"  # no tensor-parallel traffic: not tp=2
 
     (out / "profile.json").unlink()  # results that cannot be read fail their own row, not the step
-    check = gpu_check.feature_check(ctx, gpu_check.Job("profile-tp2-gloo", [], required=False, ranks=2), None)
+    check = training.feature_check(ctx, runner.Job("profile-tp2-gloo", [], required=False, ranks=2), None)
     assert check.status == "FAIL" and "reading its results failed: FileNotFoundError" in check.result
 
 
@@ -178,22 +196,22 @@ GLOO_LOGS = {  # a failed 2-rank run's log: is it a gloo limitation?
 
 
 def test_a_gloo_limitation_is_told_from_a_defect_by_the_error_text(tmp_path):
-    gpu_check = _gpu_check()
     for text, limitation in GLOO_LOGS.items():
-        assert (gpu_check.gloo_limitation(f"step 1 | loss 38.9\n{text}\n") is not None) == limitation, text
+        assert (training.gloo_limitation(f"step 1 | loss 38.9\n{text}\n") is not None) == limitation, text
     log = tmp_path / "train-layout-pp2-gloo.log"
     log.write_text("RuntimeError: ProcessGroupGloo::reduce: unsupported device type cuda\n")
-    error = gpu_check.StepFailed("train-layout-pp2-gloo exited 1", log)
-    two_ranks = gpu_check.Job("layout-pp2-gloo", [], required=False, ranks=2)
-    check = gpu_check.failed_run_check(two_ranks, error)
-    assert check.status == gpu_check.NOT_RUNNABLE and "unsupported device type cuda" in check.result
-    one_rank = gpu_check.Job("compile", [], required=False)
-    assert gpu_check.failed_run_check(one_rank, error).status == "FAIL"  # one rank uses no gloo collective
+    error = runner.StepFailed("train-layout-pp2-gloo exited 1", log)
+    two_ranks = runner.Job("layout-pp2-gloo", [], required=False, ranks=2)
+    check = training.failed_run_check(two_ranks, error)
+    assert check.status == runner.NOT_RUNNABLE and "unsupported device type cuda" in check.result
+    one_rank = runner.Job("compile", [], required=False)
+    assert training.failed_run_check(one_rank, error).status == "FAIL"  # one rank uses no gloo collective
     log.write_text("torch.AcceleratorError: CUDA error: invalid device ordinal\n")
-    assert gpu_check.failed_run_check(two_ranks, error).status == "FAIL"
-    table = gpu_check.markdown(gpu_check.GPU, {"date": "d", "commit": "c", "device": "H200", "torch": "2", "build":
-                                               "CUDA 12", "deepspeed": "0", "transformers": "5"},
-                               [check], 1.0, len(gpu_check.STEPS))
+    assert training.failed_run_check(two_ranks, error).status == "FAIL"
+    env = {"date": "d", "commit": "c", "device": "H200", "torch": "2", "build": "CUDA 12", "deepspeed": "0",
+           "transformers": "5"}
+    steps = len(gpu_check.STEPS)
+    table = reporting.markdown(runner.GPU, env, [check], 1.0, steps, steps)
     assert "all passed (not runnable with gloo: layout-pp2-gloo)" in table
 
 
@@ -203,21 +221,20 @@ def test_gpu_mode_commands_parse_and_their_configs_validate(tmp_path):
     starts."""
     from mhf_dist.cli import build_parser
     from mhf_dist.config import load_config
-    from mhf_dist.parallel.layout import preflight
+    from mhf_dist.train.preflight import preflight
 
-    gpu_check = _gpu_check()
-    ctx = gpu_check.Context(gpu_check.GPU, tmp_path, tmp_path / "work", 989.0)
-    jobs = gpu_check.training_jobs(ctx, tmp_path, 80)
+    ctx = runner.Context(runner.GPU, tmp_path, tmp_path / "work", 989.0)
+    jobs = training.training_jobs(ctx, tmp_path, 80)
     names = [job.name for job in jobs if not job.required]
     assert names == ["compile", "engram-offload", "layout-tp2-gloo", "layout-pp2-gloo", "grad-accum",
                      "p-inf-tp2-bf16", "profile-tp2-gloo"]
     assert len(jobs) <= ctx.mode.jobs  # all side by side
-    skipped = gpu_check.Context(gpu_check.without(gpu_check.GPU, {"compile", "layout-pp2-gloo"}), tmp_path,
+    skipped = runner.Context(runner.without(runner.GPU, {"compile", "layout-pp2-gloo"}), tmp_path,
                                 tmp_path / "work", 989.0)
-    assert [job.name for job in gpu_check.training_jobs(skipped, tmp_path, 80) if not job.required] == [
+    assert [job.name for job in training.training_jobs(skipped, tmp_path, 80) if not job.required] == [
         "engram-offload", "layout-tp2-gloo", "grad-accum", "p-inf-tp2-bf16", "profile-tp2-gloo"]
     with pytest.raises(ValueError, match="--skip resume-fp32: not a layout or feature run"):
-        gpu_check.without(gpu_check.GPU, {"resume-fp32"})
+        runner.without(runner.GPU, {"resume-fp32"})
     for job in jobs:
         for name, argv in job.commands:
             args = build_parser().parse_args(argv)
@@ -230,3 +247,164 @@ def test_gpu_mode_commands_parse_and_their_configs_validate(tmp_path):
             assert (args.nproc_per_node or 1) == job.ranks and cfg.train.device == "cuda", name
             if job.name in ("grad-accum", "engram-offload"):
                 assert cfg.train.global_batch_size > cfg.train.micro_batch_size, name
+
+
+def test_the_check_runs_without_git_and_names_its_commit(tmp_path, monkeypatch):
+    """git is optional: where it is missing (a container, a copied tree) or fails, the commit comes from the package's
+    metadata, and the check gets past its start (:func:`run` with its steps replaced, in this process)."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no git, nothing else either
+    env = reporting.environment(runner.CPU)
+    version = importlib.metadata.version("mhf-dist")
+    assert env["commit"] in ("unknown", f"unknown (mhf-dist {version})") or len(env["commit"]) == 12, env
+    assert env["date"] and env["torch"] and env["device"].startswith("CPU")
+
+    failing = tmp_path / "failing-git"  # a git that cannot read the tree
+    failing.mkdir()
+    (failing / "git").write_text("#!/bin/sh\necho 'fatal: not a git repository' >&2\nexit 128\n")
+    (failing / "git").chmod(0o755)
+    monkeypatch.setenv("PATH", str(failing))
+    assert reporting.source_commit() == env["commit"]
+
+    class Installed:  # an install from the repository: pip recorded the commit (PEP 610)
+        version = "0.1.0"
+
+        @staticmethod
+        def read_text(name):
+            return json.dumps({"url": "https://example.org/mhf-dist.git",
+                               "vcs_info": {"vcs": "git", "commit_id": "0123456789abcdef0123456789abcdef01234567"}})
+
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Installed)
+    assert reporting.source_commit() == "0123456789ab"
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    ran = []
+    monkeypatch.setattr(gpu_check, "STEPS", (("one", lambda ctx: ran.append(1) or []),))
+    assert gpu_check.run(_run_args(monkeypatch, tmp_path / "out")) == 0 and ran == [1]
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert report["complete"] and report["commit"] == "0123456789ab"
+
+
+def test_with_git_the_commit_is_the_checkouts():
+    if not (runner.ROOT / ".git").exists() or subprocess.run(["git", "--version"], capture_output=True).returncode:
+        pytest.skip("not a checkout, or no git")
+    head = subprocess.run(["git", "-C", str(runner.ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    assert reporting.source_commit() == head
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_check_cut_short_leaves_a_report_of_the_steps_that_ended(tmp_path, monkeypatch, signum):
+    """The report is on disk after every step: cut short in the second step (Ctrl-C, or SIGTERM as a machine's time
+    limit sends it) while its jobs run side by side, its JSON and table name the first step as ended and the check
+    as incomplete, the command under way is ended with it and its seconds recorded, and the third step never
+    runs."""
+    started, start = [], runner.Context.start
+
+    def sleeper(ctx, name, cmd, env):
+        started.append(start(ctx, name, [sys.executable, "-c", "import time; time.sleep(60)"], env))
+        return started[-1]
+
+    def second(ctx):
+        threading.Timer(1.0, os.kill, (os.getpid(), signum)).start()
+        runner.run_jobs(ctx, [runner.Job("sleeper", [("sleeper", ["--version"])])])
+        pytest.fail("the signal did not interrupt the step")
+
+    monkeypatch.setattr(runner.Context, "start", sleeper)
+    monkeypatch.setattr(gpu_check, "STEPS", (
+        ("first", lambda ctx: [runner.Check("first-check", runner.PASS, "fine", {"x": 1.0})]),
+        ("second", second), ("third", lambda ctx: pytest.fail("ran after the interruption"))))
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit if signum == signal.SIGTERM else KeyboardInterrupt):
+        gpu_check.run(_run_args(monkeypatch, tmp_path))
+    assert signal.getsignal(signal.SIGTERM) == before
+
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert not report["complete"]
+    assert [(s["step"], s["status"]) for s in report["steps"]] == [("first", "done"), ("second", "interrupted")]
+    assert [c["name"] for c in report["checks"]] == ["first-check"]
+    assert [(c["command"], c["status"]) for c in report["commands"]] == [("sleeper", "interrupted")]
+    assert report["commands"][0]["seconds"] >= 0.5
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert "| first-check |" in table and "in progress: 1 of 3 steps finished" in table
+    assert started[0].wait(timeout=10) == -signal.SIGKILL  # the command under way ended with the check
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_report_is_rewritten_after_every_command(tmp_path, monkeypatch):
+    """Within a step too: a check killed (SIGKILL) between two commands still has the first one's seconds on disk.
+    Each command gets the OpenMP threads it is given (every core when it runs alone)."""
+    ctx = runner.Context(runner.CPU, tmp_path, tmp_path / "work", 989.0)
+    ctx.logs.mkdir(parents=True)
+    env = {"date": "d", "commit": "c", "device": "CPU", "torch": "2", "build": "CPU build", "deepspeed": "0",
+           "transformers": "5"}
+    report = reporting.Report(ctx, env, len(gpu_check.STEPS))
+    report.write([], [])
+    start = ctx.start
+
+    def threads_printed(name, cmd, env):  # the command prints the OMP_NUM_THREADS it was given
+        return start(name, [sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"], env)
+
+    monkeypatch.setattr(ctx, "start", threads_printed)
+    assert runner.mhf_dist(ctx, "first", ["--version"], threads=3).strip() == "3"
+    on_disk = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [(c["command"], c["status"]) for c in on_disk["commands"]] == [("first", "done")]
+    assert on_disk["commands"][0]["seconds"] > 0 and not on_disk["complete"]
+    assert runner.mhf_dist(ctx, "alone", ["--version"]).strip() == str(ctx.cores)
+
+
+@pytest.mark.parametrize("cores", [2, 16, 64])
+def test_step_2_takes_no_more_threads_than_there_are_cores(tmp_path, cores):
+    """Every job of step 2 at once on a GPU (a 2-rank job is 2 processes, each given the count as it is), or one
+    job at a time with ``--cpu``: their processes' OpenMP threads add up to at most the cores, at least 1 each."""
+    for mode in (runner.GPU, runner.CPU):
+        ctx = runner.Context(mode, tmp_path, tmp_path / "work", 989.0)
+        ctx.cores = cores
+        jobs = training.training_jobs(ctx, tmp_path, 80)
+        threads = runner.threads_per_process(ctx, jobs)
+        assert all(n >= 1 for n in threads.values())
+        if mode.jobs >= len(jobs):  # all side by side
+            processes = sum(job.ranks for job in jobs)
+            assert processes == 15 and sum(job.ranks * threads[job.name] for job in jobs) <= max(cores, processes)
+        else:  # one job at a time: each takes the cores for its ranks
+            assert mode.jobs == 1 and all(threads[job.name] == max(1, cores // job.ranks) for job in jobs)
+
+
+def test_in_step_2_only_the_compile_run_compiles(tmp_path):
+    """The runs side by side run the fused head eagerly (``auto`` would compile it in every CUDA run at once); only
+    ``compile`` compiles, its blocks and its fused head, against those eager runs."""
+    from mhf_dist.cli import build_parser
+    from mhf_dist.config import load_config
+
+    ctx = runner.Context(runner.GPU, tmp_path, tmp_path / "work", 989.0)
+    commands = [(job.name, argv) for job in training.training_jobs(ctx, tmp_path, 80) for _, argv in job.commands]
+    commands.append(("standard", training.train_args(ctx, ctx.run("standard"), "tiny-standard", "fp32")))
+    compiling = []
+    for job, argv in commands:
+        args = build_parser().parse_args(argv)
+        preset = args.preset if args.command == "train" else f"{args.size}-{args.hash}"
+        train = load_config(preset, overrides=args.overrides).train
+        if train.compile or train.fused_head_kernel != "eager":
+            compiling.append((job, train.compile, train.fused_head_kernel))
+    assert compiling == [("compile", True, "compiled")]
+    plan = gpu_check.plan(runner.GPU)  # printed at the start: the estimate and the limits
+    assert "estimated 8.7 min in all" in plan and "stopped at 300 s (a 2-rank run's at 180 s)" in plan
+    assert round(sum(runner.GPU.estimates_s) / 60) == 9  # the docstring's, README's and usage's "9 minutes"
+
+
+def test_a_profile_rows_memory_is_its_steps_own_peak():
+    """What the process held before the steps (here 1 GiB, as a peak-FLOPs matmul in the same process would) is not
+    in the row's memory: the peak restarts after the model is built."""
+    import torch
+
+    from mhf_dist.profiling.training import profile_training
+    from mhf_dist.train.throughput import host_peak_bytes, reset_host_peak
+
+    if not reset_host_peak():
+        pytest.skip("the kernel refuses to restart the peak resident memory (/proc/self/clear_refs)")
+    probe = torch.ones(2**28)  # 1 GiB, resident
+    del probe
+    before = host_peak_bytes() / 2**30
+    row = profile_training(size="tiny", hash_name="h4b16k", tp=1, steps=1, warmup=0, seq_len=16, micro=1,
+                           dtype="fp32", device=torch.device("cpu"), peak_measured=1e12, peak_nominal=None,
+                           overrides=[])
+    assert 0 < row.memory_gb < before - 0.5, (row.memory_gb, before)

@@ -6,6 +6,7 @@ import pytest
 
 from mhf_dist.backend.deepspeed.memory import ZERO_DEFAULTS, zero_setting
 from mhf_dist.cli import main
+from mhf_dist.cluster.job_estimates import save_estimate, step_estimate, step_seconds
 from mhf_dist.cluster.profile import load_profile
 from mhf_dist.commands.plan import CPU_RUNTIME_BYTES, GB, construction_bytes, format_plan, memory_plan, meta_model
 from mhf_dist.config import ConfigError, load_config, preset_names
@@ -13,7 +14,6 @@ from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.model.parameter_count import parameter_count
 from mhf_dist.parallel.stages import layer_costs
-from mhf_dist.train.job_estimates import save_estimate, step_estimate, step_seconds
 
 # Llama-2-70B's backbone shape over the 3b preset: 69.1B parameters
 LARGE = ["model.n_layers=80", "model.d_model=8192", "model.n_heads=64", "model.n_kv_heads=8", "model.ffn_dim=28672"]

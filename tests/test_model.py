@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -234,3 +236,82 @@ def test_compiled_blocks_equal_eager(tiny_cfg, table):
     torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=0)
     for name, g in grads.items():
         assert_tensor_close(grads_c[name], g, name, floor=1e-7)
+
+
+# ---------------------------------------------------------------- initial weights (mhf_dist.model.init)
+def test_a_parameter_of_at_most_one_block_is_one_stream_as_before():
+    """A parameter (a table, for stacks) of at most BLOCK elements is drawn whole from the one generator seeded from
+    ``(seed, name[, table])``: the values the model started from before parameters were drawn in blocks (the numbers
+    below were computed with that code)."""
+    import hashlib
+
+    from mhf_dist.model import init
+
+    def generator(key: str) -> torch.Generator:
+        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+    w = torch.empty(192, 64)
+    init.initial_shard("backbone.layers.0.mlp.gate_proj.weight", w.shape, w, 0.02, 1234)
+    assert torch.equal(w, torch.empty(192, 64).normal_(0.0, 0.02, generator=generator(
+        "1234/backbone.layers.0.mlp.gate_proj.weight")))
+    assert w.view(-1)[[0, 1, 2, 12287]].tolist() == [-0.015405993908643723, -0.013752768747508526,
+                                                      -0.009411449544131756, -0.018609963357448578]
+    t = torch.empty(4, 16384, 64)  # tiny-h4b16k's bucket tables: one stream per table
+    init.initial_shard("vocab.tables.weight", t.shape, t, 0.02, 1234)
+    table = torch.empty(16384, 64).normal_(0.0, 0.02, generator=generator("1234/vocab.tables.weight/2"))
+    assert torch.equal(t[2], table)
+    assert t[2].reshape(-1)[[0, 1, 2**20 - 1]].tolist() == [0.009206878021359444, -0.023869337514042854,
+                                                            0.025392940267920494]
+    assert t[0, 0, 0].item() == -0.010589882731437683
+    assert init.BLOCK == 2**20 and t[2].numel() == init.BLOCK  # the tiny presets' largest stream: one block
+    b = torch.empty(init.BLOCK)
+    init.initial_shard("x.weight", b.shape, b, 1.0, 5)
+    assert b[[0, init.BLOCK - 1]].tolist() == [-0.789883553981781, 0.028049500659108162]
+
+
+INIT_SHAPES = [("a.weight", (24, 40)), ("b.weight", (1000,)), ("c.weight", (6, 5, 7)),
+               ("vocab.tables.weight", (4, 30, 8))]
+
+
+@pytest.mark.parametrize("name,shape", INIT_SHAPES, ids=[n for n, _ in INIT_SHAPES])
+def test_a_rank_draws_only_the_blocks_of_its_partition(monkeypatch, name, shape):
+    """With blocks of 64 elements: a rank's ZeRO-3 partition of its tensor-parallel chunk (a range of the chunk
+    flattened, ``ceil(numel / dp)`` elements from ``rank · that``) gets the same values as that range of the whole
+    parameter, for every dp and split dim; and the rank draws its range plus at most a block at each end — when the
+    chunk is strided in the full value (split along a later dim), the full rows its range touches instead, plus a
+    block at each end (for each table of a stack)."""
+    from mhf_dist.model import init
+
+    block = 64
+    monkeypatch.setattr(init, "BLOCK", block)
+    drawn = []
+    real = init.draw_block
+    monkeypatch.setattr(init, "draw_block", lambda out, *a: (drawn.append(out.numel()), real(out, *a)))
+    whole = torch.empty(shape)
+    init.initial_shard(name, shape, whole, 1.0, 3)
+    assert not torch.equal(whole.view(-1)[:block], whole.view(-1)[block:2 * block])  # blocks: different streams
+    tables = name == "vocab.tables.weight"
+    for dim in [None, *range(len(shape))]:
+        for tp in ([1] if dim is None else [2, 3]):
+            for tp_rank, chunk in enumerate(whole.chunk(tp, dim) if dim is not None else [whole]):
+                per = chunk[0].numel() if tables else chunk.numel()  # a table's chunk, or the whole chunk
+                if dim is not None and dim > (1 if tables else 0):  # strided: runs of `width` in rows of `stride`
+                    inner = math.prod(shape[dim + 1:])
+                    stride, width = shape[dim] * inner, chunk.shape[dim] * inner
+                else:
+                    stride = width = 1
+                chunk = chunk.contiguous().view(-1)
+                for dp in (1, 2, 3, 4, 7):
+                    size = -(-chunk.numel() // dp)
+                    for dp_rank in range(dp):
+                        start = size * dp_rank
+                        n = max(0, min(size, chunk.numel() - start))
+                        held = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+                        drawn.clear()
+                        init.initial_shard(name, shape, held, 1.0, 3, dim, tp_rank, tp, torch.empty(block), start)
+                        assert torch.equal(held, chunk[start:start + n].bfloat16()), (dim, tp, dp)
+                        spans = (start + n - 1) // per - start // per + 1 if n else 0  # tables touched
+                        slack = 2 * block + (2 * stride if stride > 1 else 0)
+                        bound = -(-n * stride // width) + spans * slack
+                        assert sum(drawn) <= bound, (dim, tp, tp_rank, dp, dp_rank, sum(drawn), bound)

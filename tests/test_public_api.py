@@ -1,4 +1,4 @@
-"""The names scripts import from ``mhf_dist`` (docs/usage.md, "Python API"): each documented one imports, the
+"""The names scripts import from ``mhf_dist`` (docs/models.md, "Python API"): each documented one imports, the
 documented list is the package's, old homes still import, and ``import mhf_dist`` loads no torch."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import mhf_dist
 
-USAGE = Path(__file__).resolve().parent.parent / "docs" / "usage.md"
+USAGE = Path(__file__).resolve().parent.parent / "docs" / "models.md"
 
 
 def documented_names() -> list[str]:
     text = USAGE.read_text()
     section = text[text.index("\n## Python API\n"):]
-    section = section[:section.index("\n## ", 1)]
+    section = section.split("\n## ")[1]  # up to the next section, or the end of the page
     return re.findall(r"^\| `(\w+)` \|", section, re.M)
 
 

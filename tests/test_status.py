@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import mhf_dist.cluster.scheduler.slurm as slurm
 import mhf_dist.cluster.status as status_module
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
@@ -234,7 +235,7 @@ def test_sacct_answers_once_scontrol_forgot_the_job(run, bin_dir, capsys):
 
 
 def test_an_unresponsive_scontrol_does_not_hang_status(run, bin_dir, capsys, monkeypatch):
-    monkeypatch.setattr(status_module, "SLURM_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(slurm, "QUERY_TIMEOUT_S", 0.5)
     write_job(run)
     fake_command(bin_dir, "scontrol", "exec sleep 30")
     assert status_json(capsys, run)["slurm"]["state"] is None

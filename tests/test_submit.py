@@ -16,15 +16,19 @@ import pytest
 from helpers.runs import metrics, run_cli, train_args
 from helpers.slurm import LocalSlurm, missing_binaries
 from mhf_dist.cli import main
+from mhf_dist.cluster.job_estimates import save_estimate, time_limit_seconds
 from mhf_dist.cluster.profile import load_profile
-from mhf_dist.cluster.submit import DATA_SCRIPTS, render, render_data, submit
+from mhf_dist.cluster.scheduler.hostfile import HOSTFILE
+from mhf_dist.cluster.scheduler.slurm import DATA_SCRIPTS, SLURM
+from mhf_dist.cluster.submit import render, render_data, submit
 from mhf_dist.config import ConfigError, load_config
 from mhf_dist.errors import RANK_LOST_EXIT_CODE
-from mhf_dist.train.job_estimates import MIN_GRACE_SECONDS, grace_seconds, save_estimate, time_limit_seconds
+from mhf_dist.train.preemption import MIN_GRACE_SECONDS, grace_seconds
 
 GOLDEN = Path(__file__).parent / "golden"
 DATA = "data.path=/shared/data"
 SITE = str(Path(__file__).parents[1] / "docs" / "site-profile-example.yaml")  # the documented site profile
+SCHEDULERS = {"sbatch": SLURM, "hostfile": HOSTFILE}  # by the kind of script each writes
 AT_SITE = {"partition": "gpu", "time": "48:00:00"}  # what submit's --partition and --time give a hardware profile
 CASES = {  # golden file: (profile, nodes, preset, overrides, extra)
     "a100-80g-2nodes.sbatch": (SITE, 2, "1b-h4b16k", [DATA, "parallel.tp=2"], {"depends_on": "1234"}),
@@ -41,10 +45,34 @@ def at_site(name: str):
 
 def rendered(name: str) -> str:
     profile, nodes, preset, overrides, extra = CASES[name]
-    kind = "hostfile" if "hostfile" in extra else "sbatch"
-    return render(kind, load_config(preset, overrides=overrides), at_site(profile) if profile == "mi300x" else
+    scheduler = HOSTFILE if "hostfile" in extra else SLURM
+    return render(scheduler, load_config(preset, overrides=overrides), at_site(profile) if profile == "mi300x" else
                   load_profile(profile), nodes, Path("/shared/runs/demo"), preset=preset, overrides=overrides,
                   python="/opt/venv/bin/python", **extra)
+
+
+def test_every_scheduler_answers_the_whole_protocol_and_is_found_by_name():
+    from mhf_dist.cluster.scheduler import Scheduler, scheduler, schedulers
+
+    assert set(schedulers()) == {"slurm", "hostfile"}
+    for name, s in schedulers().items():
+        assert isinstance(s, Scheduler) and scheduler(name) is s
+    assert HOSTFILE.task_env() == {} and HOSTFILE.query("1") is None
+    with pytest.raises(ValueError, match="no scheduler 'pbs'; the schedulers are slurm, hostfile"):
+        scheduler("pbs")
+
+
+def test_a_task_of_a_job_step_is_told_its_rank_and_job(monkeypatch):
+    from mhf_dist.cluster.scheduler import task_env
+    from mhf_dist.storage.run_lock import JOB_ID_ENV
+
+    for key in ("SLURM_STEP_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_ID"):
+        monkeypatch.delenv(key, raising=False)
+    assert task_env() == {}  # not inside a job step
+    for key, value in dict(SLURM_STEP_ID="0", SLURM_PROCID="5", SLURM_LOCALID="1", SLURM_NTASKS="8",
+                           SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="77").items():
+        monkeypatch.setenv(key, value)
+    assert task_env() == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "GROUP_WORLD_SIZE": "2", JOB_ID_ENV: "77"}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -57,7 +85,7 @@ def test_rendered_scripts_match_reviewed_golden_files(name):
 def test_a_relative_hostfile_is_named_absolutely(tmp_path, monkeypatch):
     # the script runs in the run directory, where a relative hostfile would name nothing
     monkeypatch.chdir(tmp_path)
-    script = render("hostfile", load_config("1b-h4b16k", overrides=[DATA]), load_profile("a100-80g"), 2,
+    script = render(HOSTFILE, load_config("1b-h4b16k", overrides=[DATA]), load_profile("a100-80g"), 2,
                     Path("/shared/runs/demo"), preset="1b-h4b16k", overrides=[DATA], hostfile="hosts")
     assert f"--hostfile {tmp_path / 'hosts'} " in script and "--hostfile hosts" not in script
 
@@ -69,7 +97,7 @@ def test_a_refused_job_leaves_no_script_behind(tmp_path, monkeypatch):
     (bin_dir / "sbatch").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     with pytest.raises(ConfigError, match="sbatch refused the job: sbatch: error: invalid partition"):
-        submit("#!/bin/bash\n", tmp_path / "run", "a100-80g", 1)
+        submit(SLURM, "#!/bin/bash\n", tmp_path / "run", "a100-80g", 1)
     assert not (tmp_path / "run" / "slurm" / "job.sbatch").exists()
 
 
@@ -96,7 +124,7 @@ def test_a_hardware_profile_asks_for_the_sites_values(tmp_path, capsys):
 
 def test_a_failed_setup_line_stops_the_job(tmp_path):
     profile = load_profile("cpu-local").model_copy(update={"setup": ["false  # a module that is not there"]})
-    script = render("sbatch", load_config("tiny-h4b16k", overrides=["train.micro_batch_size=4"]), profile, 1,
+    script = render(SLURM, load_config("tiny-h4b16k", overrides=["train.micro_batch_size=4"]), profile, 1,
                     tmp_path / "r", preset="tiny-h4b16k", overrides=["train.micro_batch_size=4"], python="/no/python")
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2
@@ -121,7 +149,7 @@ def test_script_contents():
 
 def test_nodes_that_do_not_fit_the_layout_fail_before_submitting(capsys):
     with pytest.raises(ConfigError, match=r"world size 24 does not fit parallel.tp=16"):
-        render("sbatch", load_config("3b-h4b16k", overrides=[DATA, "parallel.tp=16"]), load_profile("a100-80g"), 3,
+        render(SLURM, load_config("3b-h4b16k", overrides=[DATA, "parallel.tp=16"]), load_profile("a100-80g"), 3,
                Path("/x"), preset="3b-h4b16k", overrides=[])
     assert main(["submit", "--preset", "tiny-h4b16k", "--cluster", "nope", "--run-dir", "/tmp/x", "--dry-run"]) == 2
     assert "cluster profile 'nope' not found" in capsys.readouterr().err
@@ -130,7 +158,7 @@ def test_nodes_that_do_not_fit_the_layout_fail_before_submitting(capsys):
 def test_relative_paths_are_resolved_at_submit_time(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config("1b-h4b16k", overrides=["data.path=shards", "tokenizer.path=tok"])
-    script = render("sbatch", cfg, at_site("a100-80g"), 1, Path("runs/r"), preset="1b-h4b16k",
+    script = render(SLURM, cfg, at_site("a100-80g"), 1, Path("runs/r"), preset="1b-h4b16k",
                     overrides=["data.path=shards", "tokenizer.path=tok"])
     assert f"--run-dir {tmp_path}/runs/r" in script
     assert f"--set data.path={tmp_path}/shards" in script and f"--set tokenizer.path={tmp_path}/tok" in script
@@ -140,18 +168,18 @@ def test_relative_paths_are_resolved_at_submit_time(tmp_path, monkeypatch):
 def test_container_profiles_wrap_each_rank(tmp_path):
     profile = load_profile("mi300x").model_copy(update=AT_SITE | {
         "python": "python3", "launcher": ["apptainer", "exec", "--rocm", "/shared/images/mhf dist.sif"]})
-    script = render("sbatch", load_config("1b-h4b16k", overrides=[DATA]), profile, 1, Path("/r"), preset="1b-h4b16k",
+    script = render(SLURM, load_config("1b-h4b16k", overrides=[DATA]), profile, 1, Path("/r"), preset="1b-h4b16k",
                     overrides=[DATA])
     assert "apptainer exec --rocm '/shared/images/mhf dist.sif' python3 -m mhf_dist train" in script
     assert "[ -x" not in script  # the container brings its own Python
     pyxis = load_profile("a100-80g").model_copy(update=AT_SITE | {"python": "python", "srun_args": [
         "--container-image=/shared/images/mhf.sqsh", "--container-mounts=/shared:/shared"]})
-    script = render("sbatch", load_config("1b-h4b16k", overrides=[DATA]), pyxis, 1, Path("/r"), preset="1b-h4b16k",
+    script = render(SLURM, load_config("1b-h4b16k", overrides=[DATA]), pyxis, 1, Path("/r"), preset="1b-h4b16k",
                     overrides=[DATA])
     assert ("srun --cpus-per-task=16 --kill-on-bad-exit=1 --container-image=/shared/images/mhf.sqsh "
             "--container-mounts=/shared:/shared") in script
     with pytest.raises(ConfigError, match="hostfile launcher does not start"):
-        render("hostfile", load_config("1b-h4b16k", overrides=[DATA]), profile, 1, Path("/r"), preset="1b-h4b16k",
+        render(HOSTFILE, load_config("1b-h4b16k", overrides=[DATA]), profile, 1, Path("/r"), preset="1b-h4b16k",
                overrides=[DATA], hostfile="/h")
 
 
@@ -206,8 +234,8 @@ def test_hostile_values_stay_single_arguments(tmp_path):
     env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
                         "SLURM_JOB_NODELIST": "localhost"}
     for kind in ("sbatch", "hostfile"):
-        script = render(kind, cfg, load_profile("cpu-local"), 1, run_dir, preset="tiny-h4b16k", overrides=overrides,
-                        hostfile=hostfile, python=str(bin_dir / "python"))
+        script = render(SCHEDULERS[kind], cfg, load_profile("cpu-local"), 1, run_dir, preset="tiny-h4b16k",
+                        overrides=overrides, hostfile=hostfile, python=str(bin_dir / "python"))
         path = tmp_path / f"{kind}.sh"
         path.write_text(script)
         subprocess.run(["bash", "-n", str(path)], check=True)
@@ -225,7 +253,7 @@ def test_hostile_values_stay_single_arguments(tmp_path):
 
     # a Python path that is itself hostile: the job stops at the check, naming it, and runs nothing it spells
     python = str(tmp_path / "$(touch PWNED6)" / "python")
-    script = render("sbatch", cfg, load_profile("cpu-local"), 1, run_dir, preset="tiny-h4b16k",
+    script = render(SLURM, cfg, load_profile("cpu-local"), 1, run_dir, preset="tiny-h4b16k",
                     overrides=overrides, python=python)
     (tmp_path / "check.sh").write_text(script)
     proc = subprocess.run(["bash", str(tmp_path / "check.sh")], env=env, cwd=tmp_path, capture_output=True, text=True)
@@ -245,7 +273,7 @@ def test_values_no_quoting_makes_safe_are_refused(change, message):
     args = {"run_dir": Path("/runs/a"), "overrides": ["train.micro_batch_size=4"]} | change
     extra = {k: v for k, v in args.items() if k in ("depends_on", "grace")}
     with pytest.raises(ConfigError, match=message):
-        render("sbatch", load_config("tiny-h4b16k", overrides=["train.micro_batch_size=4"]), load_profile("cpu-local"),
+        render(SLURM, load_config("tiny-h4b16k", overrides=["train.micro_batch_size=4"]), load_profile("cpu-local"),
                1, args["run_dir"], preset="tiny-h4b16k",
                overrides=args["overrides"], **extra)
 
@@ -360,14 +388,14 @@ def test_the_grace_is_sized_from_the_save_and_must_fit_in_the_time_limit(capsys)
     est = save_estimate(cfg, slow, 2)
     assert est.seconds == pytest.approx(est.bytes / (2 * 0.5e9)) and est.grace > MIN_GRACE_SECONDS
     assert est.grace == grace_seconds(est.step_seconds, est.seconds)
-    script = render("sbatch", cfg, slow, 2, Path("/r"), preset="13b-h4b16k", overrides=[DATA])
+    script = render(SLURM, cfg, slow, 2, Path("/r"), preset="13b-h4b16k", overrides=[DATA])
     assert f"#SBATCH --signal=USR1@{est.grace}\n" in script and f"MHF_DIST_GRACE_SECONDS={est.grace} " in script
     # an asked grace shorter than the estimate is used, with a warning
-    assert "#SBATCH --signal=USR1@200\n" in render("sbatch", cfg, slow, 2, Path("/r"), overrides=[DATA], grace=200)
+    assert "#SBATCH --signal=USR1@200\n" in render(SLURM, cfg, slow, 2, Path("/r"), overrides=[DATA], grace=200)
     assert f"--grace 200 is shorter than the {est.grace} s a save on SLURM's signal needs" in capsys.readouterr().err
     # a time limit no longer than the grace would never train
     with pytest.raises(ConfigError, match=rf"time limit \(0:03:00\) is not longer than the {est.grace} s"):
-        render("sbatch", cfg, slow.model_copy(update={"time": "0:03:00"}), 2, Path("/r"), overrides=[DATA])
+        render(SLURM, cfg, slow.model_copy(update={"time": "0:03:00"}), 2, Path("/r"), overrides=[DATA])
 
 
 def test_grace_seconds_covers_a_step_and_a_save():
@@ -392,7 +420,7 @@ def test_a_mixtures_relative_sources_are_made_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     blend = "data.path=0.7 shards/web 0.3 /shared/code"
     cfg = load_config("1b-h4b16k", overrides=[blend])
-    script = render("sbatch", cfg, load_profile(SITE), 2, Path("/r"), preset="1b-h4b16k", overrides=[blend])
+    script = render(SLURM, cfg, load_profile(SITE), 2, Path("/r"), preset="1b-h4b16k", overrides=[blend])
     listed = [{"path": str(tmp_path / "shards/web"), "weight": 0.7}, {"path": "/shared/code", "weight": 0.3}]
     assert shlex.quote(f"data.sources={json.dumps(listed)}") in script and "data.path=" not in script
 

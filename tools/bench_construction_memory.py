@@ -15,7 +15,9 @@ memory held before construction, for
 - engine (``--step``): ``deepspeed.initialize`` with AdamW,
 - first step (``--step``): one optimizer step on a synthetic batch of ``--seq-len`` tokens;
 
-and on a GPU the device's peak allocated memory in each phase. The previous construction built the whole fp32
+and on a GPU the device's peak allocated memory in each phase; and the phase's wall time (until every rank is done),
+with each rank's own wall and CPU time listed below the table (of construction: also the CPU time spent drawing and
+writing the initial values). The previous construction built the whole fp32
 model on every rank before anything was sharded: at least ``4 bytes × parameters`` per rank, which the table
 shows as computed (``--old`` measures it instead — as much memory per rank, on every rank at once; then the
 tensor-parallel plan adds its shards twice more). Ranks report their progress as they go.
@@ -46,8 +48,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mhf_dist.cluster.launch import free_port
 from mhf_dist.config import load_config
+from mhf_dist.parallel.rendezvous import free_port
 
 VOCAB = 32768  # the paper's tokenizer
 MiB = 2**20
@@ -95,18 +97,36 @@ class Phases:
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.rank == 0:
             print(f"  rank 0: {phase} ...", flush=True)
-        self.t0 = time.perf_counter()
+        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
 
-    def stop(self) -> None:
+    def stop(self, **extra: float) -> None:
+        """The phase's end: this rank's own time, then every rank's (the phase's); ``extra``: more of its numbers."""
         from mhf_dist.train.throughput import host_peak_bytes
 
-        row = {"host": host_peak_bytes() - self.base, "before": self.base, "seconds": time.perf_counter() - self.t0}
+        own, cpu = time.perf_counter() - self.t0, time.process_time() - self.cpu0
+        torch.distributed.barrier()
+        row = {"host": host_peak_bytes() - self.base, "before": self.base, "seconds": time.perf_counter() - self.t0,
+               "own": own, "cpu": cpu, **extra}
         if self.device.type == "cuda":
             row["device"] = torch.cuda.max_memory_allocated(self.device)
         self.rows[self.phase] = row
         if self.rank == 0:
             print(f"  rank 0: {self.phase} done in {row['seconds']:.1f} s, peak +{row['host'] / MiB:,.0f} MiB host",
                   flush=True)
+
+
+def timed(values):
+    """``values`` (initial values: :class:`~mhf_dist.parallel.construct.SeededValues`) with the CPU time its ``shard``
+    calls take — drawing the values and writing them, on the calling thread — summed in ``values.seconds``."""
+    shard, values.seconds = values.shard, 0.0
+
+    def timed_shard(*args, **kwargs):
+        began = time.thread_time()
+        shard(*args, **kwargs)
+        values.seconds += time.thread_time() - began
+
+    values.shard = timed_shard
+    return values
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namespace, tp: int, pp: int) -> None:
@@ -123,8 +143,9 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
     from mhf_dist.parallel.construct import Materialiser, SeededValues, model_skeleton
     from mhf_dist.parallel.devices import bind_gpu
     from mhf_dist.parallel.groups import ParallelGroups
-    from mhf_dist.parallel.layout import preflight
     from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
+    from mhf_dist.train.optim import optimizer_factory
+    from mhf_dist.train.preflight import preflight
     from mhf_dist.vocab.engram_compression import CompressionTable
 
     device = bind_gpu(rank) if args.device == "cuda" else torch.device("cpu")
@@ -140,30 +161,28 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
     phases = Phases(rank, device)
 
     phases.start("construction")
-    materialise = None
+    materialise, values = None, None
     if args.old:  # the previous construction: the full model on every rank, then the tensor-parallel shards
         model = build_model(m, VOCAB, codes, compression, seed=cfg.train.seed).to(device)
         apply_tensor_parallel(model, groups.tp_group, groups.tp_rank, tp)
     else:
         model = model_skeleton(m, VOCAB, codes, compression, groups.tp_group, groups.tp_rank, tp)
-        materialise = Materialiser(model, SeededValues(m.init_std, cfg.train.seed), device, groups.tp_rank, tp,
+        values = timed(SeededValues(m.init_std, cfg.train.seed))
+        materialise = Materialiser(model, values, device, groups.tp_rank, tp,
                                    parameter_partitioner(ds_config, layout, groups))
         if pp == 1:
             materialise(model)
         else:  # each stage materialises its layers as the pipeline is built
             build_pipeline(model, groups, args.seq_len, 0, materialise)
-    torch.distributed.barrier()
-    phases.stop()
+    phases.stop(**({"values": values.seconds} if values is not None else {}))
 
     if args.step:
         phases.start("engine")
         # (pp > 1: the pipeline is built again around the layers made above, which are real now)
-        trainer = build_trainer(cfg, model, groups, ds_config, layout, materialise)
-        torch.distributed.barrier()
+        trainer = build_trainer(cfg, model, groups, ds_config, layout, optimizer_factory(cfg), materialise)
         phases.stop()
         phases.start("first step")
         trainer.train_step(SyntheticBatches(args.seq_len))
-        torch.distributed.barrier()
         phases.stop()
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(phases.rows))
 
@@ -259,10 +278,17 @@ def main() -> None:
     print(f"{args.preset}: {params / 1e9:.2f}B parameters, {4 * params / 2**30:.2f} GiB in fp32 "
           f"(largest parameter {4 * largest / MiB:,.0f} MiB)", flush=True)
 
-    rows = []
+    import mhf_dist
+
+    print(f"package: {Path(mhf_dist.__file__).parent}", flush=True)
+    rows, own_times = [], []
     for name in args.layouts.split(","):
         result = run_layout(args, name)
         dp = args.ranks // (result["tp"] * result["pp"])
+        for phase in result["ranks"][0]:
+            own_times.append(f"{name} {phase}: " + ", ".join(
+                f"{r[phase]['own']:.1f} / {r[phase]['cpu']:.1f}"
+                + (f" ({r[phase]['values']:.1f})" if "values" in r[phase] else "") for r in result["ranks"]))
         for phase in result["ranks"][0]:
             worst = max(r[phase]["host"] for r in result["ranks"])
             device = max(r[phase].get("device", 0) for r in result["ranks"])
@@ -284,6 +310,8 @@ def main() -> None:
         t = f"{seconds:.1f} s" if seconds is not None else ""
         print(f"{name:<10} {dp:>3}  {phase:<50} {host / MiB:>14,.0f} MiB {dev:>14} {t:>8}")
     print(f"\nfull fp32 model {4 * params / MiB:,.0f} MiB, largest parameter {4 * largest / MiB:,.0f} MiB")
+    print("each rank's own time, wall / CPU s, rank 0 first (in brackets: the CPU time of drawing and writing the "
+          "initial values):\n  " + "\n  ".join(own_times))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from mhf_dist.data.prepare import DataError, prepare
+from mhf_dist.data.formats import DataError
+from mhf_dist.data.prepare import prepare
 from mhf_dist.vocab.tokenizers import MISTRAL_V03, embedded_corpus, load_tokenizer, train_bpe
 
 FORMATS = ("txt", "jsonl", "jsonl.gz", "jsonl.zst", "parquet")

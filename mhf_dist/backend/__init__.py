@@ -3,8 +3,10 @@
 A backend builds the engine that holds this rank's part of the model and its optimizer, steps it, evaluates with it
 and writes and reads its checkpoint files. What the rest of the package uses of it is :class:`Trainer`: the training
 loop steps, evaluates and logs through it, the checkpointer saves and loads through it (:class:`FileWriter` is how
-the backend's files reach the checkpointer's integrity logic), and the host-memory Engram tables
-(:class:`~mhf_dist.train.host_tables.HostTablesStep`) read the optimizer step through it.
+the backend's files reach the checkpointer's integrity logic), and the host-memory Engram tables read the optimizer
+step through it. What the backend needs of the code above it, it names here: where its batches come from
+(:class:`BatchSource`), how its optimizer is made (:data:`OptimizerFactory`) and the tables it steps beside its
+engine (:class:`HostTableStep`).
 
 The functions below are the rest of what the package asks of a backend: its config for a run and what is read from
 it, joining the process group, building the trainer, partitioning parameters as construction makes them, and
@@ -22,24 +24,21 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from mhf_dist.backend.deepspeed.settings import EngineSettings, check_zero_stage
-
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from mhf_dist.config import ModelConfig, RunConfig
-    from mhf_dist.data.reader import ShardReader
     from mhf_dist.model.lm import LanguageModel
+    from mhf_dist.parallel.construct import Partitioner
     from mhf_dist.parallel.groups import ParallelGroups
     from mhf_dist.parallel.layout import Layout
-    from mhf_dist.train.host_tables import HostTablesStep
 
-__all__ = ["EngineSettings", "check_zero_stage", "checkpoint_interval", "engine_config", "fp32_accumulation",
-           "grad_accum_dtype", "zero_stage", "engine_buffer_bytes", "hostfile_template", "versions", "RANK_MODULES",
-           "StepStats", "FileWriter", "Trainer", "Partitioner", "accelerator_env", "init_distributed",
-           "build_trainer", "partitions_parameters", "parameter_partitioner", "consolidate", "convert_for_layout",
-           "universal_info"]
+__all__ = ["checkpoint_interval", "engine_config", "fp32_accumulation", "grad_accum_dtype", "zero_stage",
+           "engine_buffer_bytes", "hostfile_template", "versions", "RANK_MODULES", "StepStats", "BatchSource",
+           "HostTableStep", "OptimizerFactory", "HostTableFactory", "FileWriter", "Trainer",
+           "accelerator_env", "init_distributed", "build_trainer", "partitions_parameters", "parameter_partitioner",
+           "consolidate", "convert_for_layout", "universal_info"]
 
 TrainingFlags = Callable[[], Sequence[bool]]  # the loop's flags, asked for at the end of a step
 
@@ -59,6 +58,43 @@ class StepStats:
     flags: list[bool] | None = None  # train_step's ``flags``, each raised on any rank (None when not asked)
 
 
+class BatchSource(Protocol):
+    """Where a trainer's micro-batches come from (the training loop's shard reader, or a mixture's)."""
+
+    def next_batch(self, micro_batch: int, pin: bool = False) -> torch.Tensor:
+        """This rank's next ``micro_batch`` samples ``[micro_batch, seq_len + 1]``, in pinned memory with ``pin``."""
+
+
+class HostTableStep(Protocol):
+    """Tables in host memory that a trainer steps beside its engine (``model.engram.offload``), in the order its step
+    calls them: each micro-batch's rows gathered ahead of its forward, then the host gradients readied before the
+    engine's optimizer step, whose global gradient norm includes theirs, then their own update."""
+
+    def prefetch(self, input_ids: torch.Tensor) -> None:
+        """Start gathering the rows ``input_ids`` read (the next micro-batch's)."""
+
+    def advance(self) -> None:
+        """Move to the next gathered micro-batch."""
+
+    def host_norm_on(self, like: torch.Tensor) -> torch.Tensor:
+        """The host gradients' norm, on ``like``'s device and dtype."""
+
+    def before_step(self) -> None:
+        """At the accumulation boundary, before the engine's optimizer step."""
+
+    def after_step(self, global_norm: float | None = None) -> None:
+        """After the engine's step: clip with ``global_norm`` and update the host tables."""
+
+
+OptimizerFactory = Callable[["nn.Module", Callable[["nn.Parameter"], int]],
+                            "tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]"]
+"""``(module, ndim) -> (optimizer, scheduler)`` for a module's trainable parameters; ``ndim`` gives a parameter's
+dimensions (the backend's, where it has replaced parameters by flat partitions)."""
+
+HostTableFactory = Callable[["nn.Module", "Trainer"], HostTableStep]
+"""``(model, trainer) -> the host tables' step`` of a model whose Engram tables are in host memory."""
+
+
 class FileWriter(Protocol):
     """Where a backend's checkpoint files go during one save (:class:`~mhf_dist.train.checkpoint.RecordingWriter`:
     it fsyncs and digests each file and records a failed write instead of raising it)."""
@@ -70,7 +106,7 @@ class FileWriter(Protocol):
 class Trainer(Protocol):
     """One rank's engine, as the training loop, the checkpointer and the host tables use it."""
 
-    host_tables: HostTablesStep | None  # model.engram.offload: the Engram tables in host memory, stepped beside
+    host_tables: HostTableStep | None  # model.engram.offload: the Engram tables in host memory, stepped beside
     device: torch.device  # where this rank computes
     optimizer: torch.optim.Optimizer  # the torch optimizer under the backend's (its groups hold the hyperparameters)
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -83,10 +119,10 @@ class Trainer(Protocol):
     def skipped_steps(self) -> int:
         """Optimizer steps skipped so far (a gradient overflow)."""
 
-    def train_step(self, reader: ShardReader, flags: TrainingFlags | None = None) -> StepStats:
+    def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None) -> StepStats:
         """One optimizer step on the global batch; ``flags`` come back agreed over all ranks."""
 
-    def evaluate(self, reader: ShardReader, batches: int) -> dict:
+    def evaluate(self, reader: BatchSource, batches: int) -> dict:
         """The ``val_*`` metrics over ``batches`` micro-batches on each data-parallel rank."""
 
     def local_parameters(self) -> Iterator[torch.Tensor]:
@@ -110,18 +146,8 @@ class Trainer(Protocol):
         conversion); the ``client`` state saved with them, None when the backend could not load them."""
 
 
-class Partitioner(Protocol):
-    """Partitions a module's freshly made parameters over the data-parallel group (ZeRO-3)."""
-
-    dtype: torch.dtype  # the dtype the partitioned parameters train in
-
-    def __call__(self, leaf: nn.Module) -> None:
-        """Replace ``leaf``'s own parameters by this rank's partitions of them."""
-
-
-# The run's engine config and what is read from it, from the modules that define them when first asked for (the config
-# schema imports this package for EngineSettings, and these read the config): torch-free, for plan and submit on a
-# login node.
+# The run's engine config and what is read from it, from the modules that define them when first asked for:
+# torch-free, for plan and submit on a login node.
 _CONFIG_READERS = {"engine_config": "config", "zero_stage": "config", "grad_accum_dtype": "config",
                    "fp32_accumulation": "config", "checkpoint_interval": "config", "engine_buffer_bytes": "memory"}
 
@@ -167,12 +193,14 @@ def init_distributed(backend: str, timeout: timedelta, device: torch.device) -> 
 
 
 def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, config: dict, layout: Layout,
-                  materialise: Callable[[nn.Module], nn.Module] | None = None, load_universal: bool = False) -> Trainer:
+                  optimizer: OptimizerFactory, materialise: Callable[[nn.Module], nn.Module] | None = None,
+                  load_universal: bool = False, host_tables: HostTableFactory | None = None) -> Trainer:
     """This rank's trainer of ``model`` (a skeleton that ``materialise`` makes real, part by part) under the
-    engine ``config``; ``load_universal``: its checkpoint will be loaded from a :func:`convert_for_layout` copy."""
+    engine ``config``, with the optimizer ``optimizer`` makes and, for host-memory tables, the step ``host_tables``
+    makes; ``load_universal``: its checkpoint will be loaded from a :func:`convert_for_layout` copy."""
     from mhf_dist.backend.deepspeed.trainer import build_trainer as build
 
-    return build(cfg, model, groups, config, layout, materialise, load_universal)
+    return build(cfg, model, groups, config, layout, optimizer, materialise, load_universal, host_tables)
 
 
 def partitions_parameters(config: dict, layout: Layout) -> bool:

@@ -1,4 +1,5 @@
-"""Clusters and jobs: profiles and job templates, submission, local and SLURM launch, run status and the run lock.
+"""Clusters and jobs: profiles and job templates, the schedulers (:mod:`mhf_dist.cluster.scheduler`), submission
+and its estimates, starting and watching ranks, and a run's status.
 
 Imports without torch: ``submit`` and ``status`` run on login nodes that may not have it.
 """

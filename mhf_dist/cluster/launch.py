@@ -1,5 +1,5 @@
-"""Starting and watching ranks: ``mhf-dist train --nproc-per-node N`` on one machine, and each task of an ``srun``
-step.
+"""Starting and watching ranks: ``mhf-dist train --nproc-per-node N`` on one machine, and each task of a scheduler's
+job step.
 
 The N local ranks are plain child processes with torch.distributed's environment
 (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``), as torchrun
@@ -18,10 +18,10 @@ stopped and the launcher exits with :data:`RANK_LOST_EXIT_CODE`; a rank that
 fails with an error code stops the others too, and its code is returned. The
 launcher reaps every rank before it returns, and a rank dies with its launcher.
 
-Under ``srun`` each task is such a launcher around its one rank, so that the job
-log names a rank killed by a signal; SLURM signals every process of the step
-and stops the other tasks itself (``--kill-on-bad-exit``), so nothing is
-forwarded there.
+In a scheduler's job step each task is such a launcher around its one rank, so
+that the job log names a rank killed by a signal; the scheduler signals every
+process of the step and stops the other tasks itself, so nothing is forwarded
+there.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import ctypes
 import importlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,53 +39,44 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from mhf_dist.errors import ABORTED_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
+from mhf_dist.parallel.rendezvous import free_port
 
 # torch's CPU allocator backs large tensors with transparent huge pages: the step's fresh gradient and
 # activation buffers then fault in 2 MB pages instead of 4 KB ones (CPU ranks step 10-15% faster here).
 CPU_HUGE_PAGES = ("THP_MEM_ALLOC_ENABLE", "1")
 STOP_GRACE_S = 5  # after a rank failed: time for the others to report their own error before they are killed
 POLL_S = 0.2
-HANDLED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)  # passed on to the ranks (under srun: sat out)
+HANDLED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)  # passed on to the ranks (in a job step: sat out)
 PR_SET_PDEATHSIG = 1  # prctl(2)
 PR_SET_NAME = 15
 RANK_NAME = "mhf-dist r{rank}"  # a forked rank's process name (ps -o comm, top), at most 15 bytes
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on (for a local rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+Entry = Callable[[list[str]], int]  # the command line's entry point: argv -> exit code
 
 
-def slurm_rank_env() -> dict[str, str]:
-    """Inside an ``srun`` step each task is one rank: its RANK/LOCAL_RANK/WORLD_SIZE from SLURM (empty outside)."""
-    if "SLURM_STEP_ID" not in os.environ:
-        return {}
-    return {"RANK": os.environ["SLURM_PROCID"], "LOCAL_RANK": os.environ["SLURM_LOCALID"],
-            "WORLD_SIZE": os.environ["SLURM_NTASKS"]}
-
-
-def launch_local(nproc: int, argv: list[str], lost_work: Callable[[], str], preload: Sequence[str] = ()) -> int:
+def launch_local(nproc: int, argv: list[str], lost_work: Callable[[], str], main: Entry | None = None,
+                 preload: Sequence[str] = ()) -> int:
     """Run ``mhf-dist <argv>`` as ``nproc`` ranks; returns their common exit code (see the module's docstring).
     ``lost_work``: what stopping without a save loses, said when a rank dies or a second Ctrl-C aborts.
-    ``preload``: the modules the ranks import, for ranks forked from this process once it has imported them (CPU
-    ranks only, and only from a process that has not used torch's thread pool); empty: fresh interpreters."""
+    ``main``: the command line's entry point, which ranks forked from this process run once it has imported
+    ``preload`` (CPU ranks only, and only from a process that has not used torch's thread pool); None: fresh
+    interpreters."""
     base = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
                          "LOCAL_WORLD_SIZE": str(nproc)}
     base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     base.setdefault(*CPU_HUGE_PAGES)
     envs = [base | {"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)]
-    if preload:
+    if main is not None:
         os.environ.setdefault(*CPU_HUGE_PAGES)  # torch reads it at its first large allocation, in the ranks
         for module in preload:
             importlib.import_module(module)
-    return RankSupervisor(argv, lost_work, forward=True, fork=bool(preload)).run(envs)
+    return RankSupervisor(argv, lost_work, forward=True, fork=main).run(envs)
 
 
-def supervise_slurm_task(argv: list[str], lost_work: Callable[[], str]) -> int:
-    """Run ``mhf-dist <argv>`` as this ``srun`` task's rank, watched; returns its exit code."""
-    return RankSupervisor(argv, lost_work, forward=False).run([os.environ | slurm_rank_env()])
+def supervise_task(argv: list[str], lost_work: Callable[[], str], rank_env: dict[str, str]) -> int:
+    """Run ``mhf-dist <argv>`` as the rank of this task of a job step (``rank_env``: what the scheduler tells it),
+    watched; returns its exit code."""
+    return RankSupervisor(argv, lost_work, forward=False).run([os.environ | rank_env])
 
 
 # prctl(2), looked up here: a rank's pre-exec hook should only call it
@@ -99,10 +89,11 @@ def _die_with_parent() -> None:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def run_forked(argv: list[str], env: dict[str, str]) -> int:
-    """``mhf-dist <argv>`` in ``env``, in a process forked from one that has imported what the command needs, to its
-    end as a fresh interpreter would run it: its non-daemon threads finished and its exit handlers run. Returns the
-    exit code such an interpreter would have; one that dies by a signal (a Ctrl-C not handled) dies by it here."""
+def run_forked(main: Entry, argv: list[str], env: dict[str, str]) -> int:
+    """``main(argv)`` (the command line's entry point) in ``env``, in a process forked from one that has imported
+    what the command needs, to its end as a fresh interpreter would run it: its non-daemon threads finished and its
+    exit handlers run. Returns the exit code such an interpreter would have; one that dies by a signal (a Ctrl-C not
+    handled) dies by it here."""
     code = 1
     try:
         os.environ.clear()
@@ -111,8 +102,6 @@ def run_forked(argv: list[str], env: dict[str, str]) -> int:
 
         if "OMP_NUM_THREADS" in env:  # the OpenMP runtime read it when the parent process loaded it
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-        from mhf_dist.cli import main
-
         sys.argv[1:] = argv
         code = main(argv)
     except SystemExit as e:
@@ -121,9 +110,9 @@ def run_forked(argv: list[str], env: dict[str, str]) -> int:
         code = -signal.SIGINT
     except BaseException:
         traceback.print_exc()
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # as the interpreter exits: threading's exit hooks (an executor's workers are told to stop there, torch's
+    # compile pool among them), its non-daemon threads joined, then the exit handlers
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -134,11 +123,11 @@ def run_forked(argv: list[str], env: dict[str, str]) -> int:
 
 
 class ForkedRank:
-    """A rank forked from the launcher, running ``mhf-dist <argv>`` in ``env`` as a fresh interpreter would (its
+    """A rank forked from the launcher, running ``main(argv)`` in ``env`` as a fresh interpreter would (its
     non-daemon threads finished and its exit handlers run before it exits); to the supervisor, what it uses of a
     :class:`subprocess.Popen`."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], new_session: bool, handlers: dict):
+    def __init__(self, main: Entry, argv: list[str], env: dict[str, str], new_session: bool, handlers: dict):
         sys.stdout.flush()  # nothing buffered before the fork is written twice
         sys.stderr.flush()
         self.returncode: int | None = None
@@ -146,12 +135,12 @@ class ForkedRank:
         if self.pid == 0:
             code = 1
             try:
-                code = self._rank(argv, env, new_session, handlers)
+                code = self._rank(main, argv, env, new_session, handlers)
             finally:  # never back into the launcher's frames
                 os._exit(code)
 
     @staticmethod
-    def _rank(argv: list[str], env: dict[str, str], new_session: bool, handlers: dict) -> int:
+    def _rank(main: Entry, argv: list[str], env: dict[str, str], new_session: bool, handlers: dict) -> int:
         """The child, before it runs the command: its own session (when asked), its death with the launcher's, its
         name (the launcher's command line is every forked rank's) and the launcher's signal handlers from before it
         watched its ranks."""
@@ -162,7 +151,7 @@ class ForkedRank:
             _prctl(PR_SET_NAME, RANK_NAME.format(rank=env["RANK"]).encode())
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-        return run_forked(argv, env)
+        return run_forked(main, argv, env)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -194,8 +183,8 @@ def exit_description(rank: int, proc: subprocess.Popen | ForkedRank) -> str:
 class RankSupervisor:
     """Ranks started as child processes and watched until every one has ended (see the module's docstring)."""
 
-    def __init__(self, argv: list[str], lost_work: Callable[[], str], forward: bool, fork: bool = False):
-        self.argv, self.lost_work, self.forward, self.fork = argv, lost_work, forward, fork
+    def __init__(self, argv: list[str], lost_work: Callable[[], str], forward: bool, fork: Entry | None = None):
+        self.argv, self.lost_work, self.forward, self.fork = argv, lost_work, forward, fork  # fork: forked ranks' entry
         self.procs: dict[int, subprocess.Popen | ForkedRank] = {}  # rank -> process
         self.world = 1
         self.interrupts = 0
@@ -208,18 +197,22 @@ class RankSupervisor:
         previous = {s: signal.signal(s, self._on_signal) for s in HANDLED}  # before the first rank starts
         try:
             for env in envs:
-                self.procs[int(env["RANK"])] = ForkedRank(self.argv, env, self.forward, previous) if self.fork else \
-                    subprocess.Popen([sys.executable, "-m", "mhf_dist", *self.argv], env=env,
-                                     start_new_session=self.forward, preexec_fn=_die_with_parent)
+                self.procs[int(env["RANK"])] = self._start(env, previous)
             return self._watch()
         finally:
             self._kill_all()  # also after an error of the launcher itself: no rank outlives it
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
+    def _start(self, env: dict[str, str], handlers: dict) -> subprocess.Popen | ForkedRank:
+        if self.fork is not None:
+            return ForkedRank(self.fork, self.argv, env, self.forward, handlers)
+        return subprocess.Popen([sys.executable, "-m", "mhf_dist", *self.argv], env=env,
+                                start_new_session=self.forward, preexec_fn=_die_with_parent)
+
     def _on_signal(self, signum, _frame):
         self.received.add(signum)
-        if not self.forward:  # SLURM signalled the rank itself
+        if not self.forward:  # the scheduler signalled the rank itself
             return
         self.interrupts += signum == signal.SIGINT
         if self.interrupts < 2:  # the watch loop answers a second Ctrl-C

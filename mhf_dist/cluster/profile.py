@@ -2,40 +2,30 @@
 
 Used by ``mhf-dist plan`` (memory per rank, fit) and job submission; MFU uses
 ``peak_bf16_tflops`` when training on that cluster. The named profiles and the
-job templates ship inside the package (``mhf_dist/cluster/profiles/``, which the
-repository's ``cluster/`` links to).
+job templates ship inside the package (:data:`~mhf_dist.cluster.files.PROFILE_DIR`).
 
 Where the code runs on the nodes: ``python`` (an absolute path on storage every
 node sees; unset: the Python that ran ``submit``), optionally inside a
-container — ``launcher`` is a command prefix for each rank (Apptainer:
-``[apptainer, exec, --nv, IMAGE]``; Enroot: ``[enroot, start, --mount, ..., IMAGE]``)
-and ``srun_args`` are extra ``srun`` options (pyxis: ``--container-image=IMAGE``).
+container: ``launcher`` is a command prefix for each rank (Apptainer:
+``[apptainer, exec, --nv, IMAGE]``; Enroot: ``[enroot, start, --mount, ..., IMAGE]``),
+or a scheduler's own container options (:class:`~mhf_dist.cluster.scheduler.slurm.SlurmOptions`, pyxis).
 """
 
 from __future__ import annotations
 
 import re
-from importlib import resources
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mhf_dist.cluster.files import PROFILE_DIR
+from mhf_dist.cluster.scheduler.slurm import SlurmOptions
 from mhf_dist.config import ConfigError
 
-PROFILE_DIR = resources.files("mhf_dist.cluster") / "profiles"  # named profiles and job templates
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
-
-def no_control_characters(what: str, value: str) -> str:
-    """``value``, refused when it holds a newline or another control character (it would break a job script)."""
-    if _CONTROL.search(value):
-        raise ConfigError(f"{what}={value!r} contains a control character (newline, tab, ...); remove it")
-    return value
-
-
-class ClusterProfile(BaseModel):
+class ClusterProfile(SlurmOptions):
     model_config = ConfigDict(extra="forbid")
 
     name: str
@@ -51,24 +41,24 @@ class ClusterProfile(BaseModel):
         "cautious: measure yours, or read it off a run's save lines); plan and submit size checkpoint saves and the "
         "grace period before the time limit from it")
     hardware_only: bool = Field(
-        False, description="the profile holds only what is true of the hardware (the shipped GPU profiles): a SLURM "
-        "job needs the site's partition and time limit too, from submit's flags or a site profile that extends it")
-    partition: str | None = Field(None, description="SLURM partition; None: the cluster's default partition")
+        False, description="the profile holds only what is true of the hardware (the shipped GPU profiles): a "
+        "scheduled job needs the site's partition and time limit too, from submit's flags or a site profile that "
+        "extends it")
+    partition: str | None = Field(None, description="the scheduler's partition; None: the cluster's default")
     account: str | None = None
     qos: str | None = None
     time: str | None = Field(None, description="the job's time limit, e.g. 24:00:00 or 2-00:00:00")
     gpus_per_task: Literal[1] | None = Field(
-        None, description="1: bind each rank to its own GPU (sbatch --gpus-per-task=1, srun --gpu-bind=gpu_bind), "
-        "so every rank sees one device; None: ask for gpus_per_node per node and let every rank see them all")
-    gpu_bind: str = Field("closest", description="srun --gpu-bind value when gpus_per_task is set (closest: the GPU "
-                          "nearest the rank's cores; per_task:1 on sites whose topology SLURM does not know)")
-    exclusive: bool = Field(False, description="sbatch --exclusive: whole nodes, shared with no other job")
-    all_memory: bool = Field(False, description="sbatch --mem=0: the job may use all of each node's memory")
-    sbatch_args: list[str] = Field(default_factory=list, description="more #SBATCH options, e.g. --constraint=a100")
+        None, description="1: bind each rank to its own GPU (the job's --gpus-per-task=1, its tasks' "
+        "--gpu-bind=gpu_bind), so every rank sees one device; None: ask for gpus_per_node per node and let every rank "
+        "see them all")
+    gpu_bind: str = Field("closest", description="the tasks' --gpu-bind value when gpus_per_task is set (closest: "
+                          "the GPU nearest the rank's cores; per_task:1 on sites whose topology SLURM does not know)")
+    exclusive: bool = Field(False, description="the job's --exclusive: whole nodes, shared with no other job")
+    all_memory: bool = Field(False, description="the job's --mem=0: it may use all of each node's memory")
     python: str | None = Field(None, description="Python on the nodes (absolute, or a name inside the container); "
                                "None: the Python that runs submit, which must be on storage every node sees")
     launcher: list[str] = Field(default_factory=list, description="command prefix for each rank (containers)")
-    srun_args: list[str] = Field(default_factory=list, description="more srun options (e.g. pyxis --container-image)")
     env: dict[str, str] = Field(default_factory=dict, description="exported in every job")
     setup: list[str] = Field(default_factory=list, description="shell lines before launch (modules, site setup)")
 
@@ -84,14 +74,6 @@ class ClusterProfile(BaseModel):
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise ValueError(f"env: {key!r} is not a shell variable name")
         return env
-
-    @field_validator("sbatch_args")
-    @classmethod
-    def _options(cls, args: list[str]) -> list[str]:
-        for arg in args:
-            if not arg.startswith("-"):
-                raise ValueError(f"sbatch_args: {arg!r} is not an option (e.g. --constraint=a100)")
-        return args
 
     @model_validator(mode="after")
     def _cores(self) -> "ClusterProfile":

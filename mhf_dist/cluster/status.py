@@ -3,9 +3,9 @@
 It reads ``config.yaml``, ``metrics.jsonl``, the complete checkpoints (checking
 their files' sizes against ``complete.json``; ``--verify`` also their SHA-256
 digests, which reads every file), ``lock.json`` and ``slurm/jobs.jsonl``, and
-asks SLURM (``scontrol``, else ``sacct``, each with a :data:`SLURM_TIMEOUT_S`
-limit) for the state of the run's current job when those commands exist. It
-imports neither torch nor numpy, so it starts fast.
+asks the job's scheduler (:meth:`~mhf_dist.cluster.scheduler.Scheduler.query`)
+for the state of the run's current job. It imports neither torch nor numpy,
+so it starts fast.
 
 ``metrics.jsonl`` records hold no wall-clock time, so the time since the last
 logged step is the age of ``metrics.jsonl`` (its modification time), and rates
@@ -45,8 +45,8 @@ null; unknown values are null). Its keys:
 - ``nonfinite_steps``, ``skipped_steps``, ``loss_spikes``: the newest logged value of each counter, or null
 - ``slurm``: ``{job_id, state, restarts, source, submitted, cluster, nodes, submissions}`` or null.
   The job is the last line of ``slurm/jobs.jsonl`` (else ``lock.json``'s ``slurm_job_id``);
-  ``state``/``restarts`` come from ``source`` (``scontrol`` or ``sacct``; null: not known to SLURM or
-  no SLURM commands); ``submissions``: lines in ``jobs.jsonl``
+  ``state``/``restarts`` come from ``source``, the scheduler's query that knew the job (null: not known to the
+  scheduler, or it cannot be asked from here); ``submissions``: lines in ``jobs.jsonl``
 - ``lock``: ``{host, pid, slurm_job_id, started, heartbeat_age_s, heartbeat_stopped, holder_gone,
   next_train_takes_over}`` from ``lock.json`` (held while a job trains; its age is a heartbeat refreshed every 30 s),
   or null. ``heartbeat_stopped``: older than 5 min; ``holder_gone``: why the job holding it is gone (its process is
@@ -59,9 +59,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
-import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -69,16 +66,18 @@ from pathlib import Path
 
 import yaml
 
-from mhf_dist.cluster.run_lock import LOCK_FILE, STALE_S, RunLock, holder_gone
+from mhf_dist.cluster.scheduler import scheduler
+from mhf_dist.cluster.scheduler.slurm import SLURM
 from mhf_dist.config import ConfigError
-from mhf_dist.train.checkpoint_index import MARKER, CheckpointError, damage, read_marker, step_directories
-from mhf_dist.train.metrics import METRICS_FILE, read_metrics
+from mhf_dist.storage.run_dir import RunDir
+from mhf_dist.storage.run_lock import STALE_S, RunLock, holder_gone
+from mhf_dist.train.checkpoint.index import MARKER, CheckpointError, damage, read_marker, step_directories
+from mhf_dist.train.console import duration
+from mhf_dist.train.metrics import read_metrics
 
 RECENT = 10  # logged training records the means (loss, tokens/s, MFU) cover
 STALE_FLOOR_S = 600.0
 STALE_INTERVALS = 5
-SLURM_TIMEOUT_S = 5.0
-JOBS_FILE = Path("slurm") / "jobs.jsonl"
 COUNTERS = ("nonfinite_steps", "skipped_steps", "loss_spikes")
 DEFAULT_WATCH_S = 10.0
 STALE_HELP = (f"flag the run STALE when nothing was logged for this long (default: max({STALE_FLOOR_S / 60:g} min, "
@@ -162,23 +161,24 @@ class RunStatus:
 
 # ---------------------------------------------------------------- reading a run directory
 
-def check_run_dir(run: Path) -> Path:
-    """``run`` if it looks like a run directory; else a :class:`ConfigError` naming the fix."""
+def check_run_dir(path: Path) -> RunDir:
+    """The run directory at ``path`` if it looks like one; else a :class:`ConfigError` naming the fix."""
+    run = RunDir(path)
     hint = "give the --run-dir that `mhf-dist train` or `mhf-dist submit` was started with"
-    if not run.exists():
-        raise ConfigError(f"{run} does not exist: {hint}")
-    if not run.is_dir():
-        raise ConfigError(f"{run} is not a directory: {hint}")
-    if not any(p.exists() for p in (run / "config.yaml", run / METRICS_FILE, run / "checkpoints", run / JOBS_FILE,
-                                      run / LOCK_FILE)):
-        raise ConfigError(f"{run} is not a run directory (no config.yaml, {METRICS_FILE}, checkpoints/ or "
-                          f"{JOBS_FILE}): {hint}")
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist: {hint}")
+    if not path.is_dir():
+        raise ConfigError(f"{path} is not a directory: {hint}")
+    markers = (run.config_path, run.metrics_path, run.checkpoints_dir, run.jobs_file, run.lock_path)
+    if not any(p.exists() for p in markers):
+        named = [str(p.relative_to(path)) + ("/" if p == run.checkpoints_dir else "") for p in markers[:4]]
+        raise ConfigError(f"{path} is not a run directory (no {', '.join(named[:3])} or {named[3]}): {hint}")
     return run
 
 
-def read_config(run: Path) -> dict:
+def read_config(run: RunDir) -> dict:
     """The run's ``config.yaml`` as a plain dict ({} before the job wrote it)."""
-    path = run / "config.yaml"
+    path = run.config_path
     if not path.exists():
         return {}
     cfg = yaml.safe_load(path.read_text())
@@ -196,13 +196,13 @@ def _int(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def newest_checkpoint(run: Path, now: float, digests: bool = False) -> tuple[Checkpoint | None, str,
+def newest_checkpoint(run: RunDir, now: float, digests: bool = False) -> tuple[Checkpoint | None, str,
                                                                              list[DamagedCheckpoint]]:
     """(the newest complete checkpoint whose files have their saved sizes — with ``digests``, their saved content
     too — or None; what was checked of it, ``sizes`` or ``digests``; the newer complete ones that fail that check,
     newest first)."""
     damaged = []
-    for path in reversed(step_directories(run / "checkpoints")):
+    for path in reversed(step_directories(run.checkpoints_dir)):
         try:
             marker, written = read_marker(path), (path / MARKER).stat().st_mtime
             problem = damage(path, digests)
@@ -225,8 +225,8 @@ def latest_validation(records: list[dict]) -> dict | None:
     return None
 
 
-def read_lock(run: Path, now: float) -> Lock | None:
-    path = run / LOCK_FILE
+def read_lock(run: RunDir, now: float) -> Lock | None:
+    path = run.lock_path
     try:
         age = max(0.0, now - path.stat().st_mtime)
         holder = json.loads(path.read_text())
@@ -240,9 +240,9 @@ def read_lock(run: Path, now: float) -> Lock | None:
                 age > STALE_S, holder_gone(holder, age), RunLock(run).stale_reason(holder, age) is not None)
 
 
-def read_jobs(run: Path) -> list[dict]:
+def read_jobs(run: RunDir) -> list[dict]:
     """The submissions in ``slurm/jobs.jsonl``, oldest first (unreadable lines left out)."""
-    path = run / JOBS_FILE
+    path = run.jobs_file
     jobs = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
@@ -254,40 +254,17 @@ def read_jobs(run: Path) -> list[dict]:
     return jobs
 
 
-# ---------------------------------------------------------------- SLURM
+# ---------------------------------------------------------------- the scheduler
 
-def _command(argv: list[str]) -> str | None:
-    """A command's stdout, or None when it is missing, fails or takes longer than :data:`SLURM_TIMEOUT_S`."""
-    if shutil.which(argv[0]) is None:
-        return None
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return proc.stdout if proc.returncode == 0 else None
-
-
-def query_slurm(job_id: str) -> tuple[str | None, int | None, str | None]:
-    """(state, restarts, source) of a job: ``scontrol`` while SLURM remembers it, then ``sacct``."""
-    out = _command(["scontrol", "show", "job", "-o", job_id])
-    first = out.strip().splitlines()[0] if out and out.strip() else ""
-    if state := re.search(r"(?:^|\s)JobState=(\S+)", first):
-        restarts = re.search(r"(?:^|\s)Restarts=(\d+)", first)
-        return state.group(1), int(restarts.group(1)) if restarts else None, "scontrol"
-    out = _command(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"])
-    states = [line.split()[0] for line in (out or "").splitlines() if line.strip()]
-    if states:  # e.g. "CANCELLED by 1000"
-        return states[-1], None, "sacct"
-    return None, None, None
-
-
-def slurm_job(run: Path, lock: Lock | None) -> SlurmJob | None:
+def slurm_job(run: RunDir, lock: Lock | None) -> SlurmJob | None:
     jobs = read_jobs(run)
     current = jobs[-1] if jobs else {}
     job_id = current.get("job_id") or (lock.slurm_job_id if lock else None)
     if not job_id:
         return None
-    state, restarts, source = query_slurm(str(job_id))
+    name = current.get("scheduler", SLURM.name)  # submissions recorded before the name was
+    found = scheduler(name).query(str(job_id))
+    state, restarts, source = found if found is not None else (None, None, None)
     return SlurmJob(str(job_id), state, restarts, source, current.get("submitted"), current.get("cluster"),
                     _int(current.get("nodes")), len(jobs))
 
@@ -342,13 +319,13 @@ def gather(run_dir: str | Path, stale_minutes: float | None = None, verify: bool
     train, data = cfg.get("train") or {}, cfg.get("data") or {}
     batch, seq_len = _int(train.get("global_batch_size")), _int(data.get("seq_len"))
     tokens_per_step = batch * seq_len if batch and seq_len else None
-    st = RunStatus(run_dir=str(run.resolve()), preset=cfg.get("preset"), checked_at=now,
+    st = RunStatus(run_dir=str(run.path.resolve()), preset=cfg.get("preset"), checked_at=now,
                    max_steps=_int(train.get("max_steps")))
     if stale_minutes is not None:
         st.stale_after_s = stale_minutes * 60
-    if records := read_metrics(run):
+    if records := read_metrics(run.path):
         recent = _from_records(st, records, tokens_per_step)
-        written = (run / METRICS_FILE).stat().st_mtime
+        written = run.metrics_path.stat().st_mtime
         _timing(st, recent, tokens_per_step, train.get("log_interval"), written, stale_minutes)
     st.checkpoint, st.checkpoint_check, st.damaged_checkpoints = newest_checkpoint(run, now, verify)
     st.lock = read_lock(run, now)
@@ -369,21 +346,6 @@ def _finite(value):
 
 def to_json(st: RunStatus) -> str:
     return json.dumps(_finite(asdict(st)), allow_nan=False)
-
-
-def duration(seconds: float) -> str:
-    """``45 s``, ``12 min``, ``3 h 05 min``, ``2 d 4 h``."""
-    s = round(seconds)
-    if s < 90:
-        return f"{s} s"
-    minutes = round(s / 60)
-    if minutes < 90:
-        return f"{minutes} min"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 48:
-        return f"{hours} h {minutes:02d} min"
-    days, hours = divmod(hours, 24)
-    return f"{days} d {hours} h"
 
 
 def _number(value) -> str:
@@ -425,7 +387,7 @@ def _progress_lines(st: RunStatus) -> list[str]:
 def _job_lines(st: RunStatus) -> list[str]:
     lines = []
     if job := st.slurm:
-        state = job.state or "state unknown (not known to scontrol/sacct, or no SLURM commands here)"
+        state = job.state or "state unknown (not known to its scheduler, or the scheduler cannot be asked from here)"
         restarts = f", {job.restarts} restart{'s' if job.restarts != 1 else ''}" if job.restarts is not None else ""
         details = ", ".join(str(x) for x in (
             job.submitted and f"submitted {job.submitted}", job.cluster,

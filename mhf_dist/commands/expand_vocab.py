@@ -23,6 +23,7 @@ import torch
 from mhf_dist.config import EMBEDDED_CORPUS, ConfigError, RunConfig, apply_override
 from mhf_dist.hf.importer import INIT_WEIGHTS, save_initialised_run
 from mhf_dist.model import build_model
+from mhf_dist.model.variants import variant
 from mhf_dist.storage.output_dir import check_target, staged
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.train.trained_weights import trained_weights
@@ -80,7 +81,7 @@ def expand_vocab(run_dir: str | Path, tokenizer: str | Path, out: str | Path | N
     out = RunDir(check_target(out or Path(run_dir).with_name(f"{Path(run_dir).name}-vocab{len(new_tokens)}"),
                               [run_dir], overwrite))
 
-    old_table = SignatureTable.load(trained.run.signatures_dir) if cfg.model.variant == "mhf" else None
+    old_table = SignatureTable.load(trained.run.signatures_dir) if variant(cfg).needs_signatures else None
     table = old_table.extend(new_tokens[len(old_tokens):]) if old_table is not None else None
     if table is None:
         old = state[TABLES][0]

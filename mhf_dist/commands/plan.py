@@ -57,7 +57,7 @@ build at the same time, so a node needs ``ranks_per_node`` times that, which
 fits when it is at most 90% of the profile's ``memory_gb_per_node``
 (:func:`host_bytes_per_node`).
 
-**Time per step** and **checkpoints**: :mod:`mhf_dist.train.job_estimates`.
+**Time per step** and **checkpoints**: :mod:`mhf_dist.cluster.job_estimates`.
 """
 
 from __future__ import annotations
@@ -73,14 +73,7 @@ from mhf_dist.backend import (
     fp32_accumulation,
     zero_stage,
 )
-from mhf_dist.cluster.profile import ClusterProfile
-from mhf_dist.config import ModelConfig, RunConfig, preset
-from mhf_dist.model import LanguageModel, build_model
-from mhf_dist.parallel.layout import resolve_layout
-from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
-from mhf_dist.parallel.state_dict import split_dim
-from mhf_dist.parallel.tensor_parallel import tp_split_dims
-from mhf_dist.train.job_estimates import (
+from mhf_dist.cluster.job_estimates import (
     DEFAULT_MFU,
     PLANNING_VOCAB_SIZE,
     SaveEstimate,
@@ -89,6 +82,14 @@ from mhf_dist.train.job_estimates import (
     save_estimate,
     step_estimate,
 )
+from mhf_dist.cluster.profile import ClusterProfile
+from mhf_dist.config import ModelConfig, RunConfig, preset
+from mhf_dist.model import LanguageModel, build_model
+from mhf_dist.model.variants import variant
+from mhf_dist.parallel.layout import resolve_layout
+from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
+from mhf_dist.parallel.state_dict import split_dim
+from mhf_dist.parallel.tensor_parallel import tp_split_dims
 from mhf_dist.vocab.engram_compression import CompressionTable
 
 GB = 2**30
@@ -146,8 +147,8 @@ def decoder_bytes(m: ModelConfig, e: int, tokens: int, rows: int, tp: int) -> fl
     also one head's fp32 table gradient and a chunk's share of it in the run's dtype, ``(rows/tp)·d·(4 + e)``;
     plain ``tokens·H·(rows/tp)·(e + 4)`` (``H = 1`` for Standard), plain with the ``log P_inf`` term
     ``tokens·H·(rows/tp)·(e + 12)``."""
-    heads, local = (m.hash.num_hashes if m.variant == "mhf" else 1), rows / tp
-    if m.variant == "mhf" and m.hash.p_inf_loss_weight:
+    heads, local = variant(m).heads(m), rows / tp
+    if m.hash.p_inf_loss_weight:
         return tokens * heads * local * (e + 12)
     if m.decoder_chunk_tokens:
         accumulator = local * m.d_model * (4 + e) if e < 4 else 0
@@ -246,8 +247,7 @@ def count(n: float) -> str:
 def describe_model(cfg: RunConfig, params: int) -> str:
     """The resolved model in one line: layers, width, heads, FFN, vocabulary side, parameters and its origin."""
     m = cfg.model
-    vocab = "standard" if m.variant == "standard" else (
-        f"H{m.hash.num_hashes}×B{m.hash.num_buckets}" + (" single-ID" if m.hash.single_id else ""))
+    vocab = variant(m).describe(m)
     head_dim = f" of {m.head_dim}" if m.head_dim else ""
     engram = f", Engram memory on layers {m.engram_layers}" if m.engram else ""
     return (f"model: {m.n_layers} layers, d={m.d_model}, {m.n_heads}/{m.n_kv_heads} heads{head_dim}, "

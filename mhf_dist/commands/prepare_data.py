@@ -6,15 +6,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mhf_dist.data.prepare import (
-    MANIFEST,
-    DataError,
-    expand_inputs,
-    merge,
-    part_dir_name,
-    part_dirs_pattern,
-    prepare,
-)
+from mhf_dist.data.formats import MANIFEST, DataError
+from mhf_dist.data.inputs import expand_inputs
+from mhf_dist.data.parts import merge, part_dir_name, part_dirs_pattern
+from mhf_dist.data.prepare import prepare
 from mhf_dist.storage.output_dir import check_target, staged
 
 

@@ -6,11 +6,13 @@ YAML file (which may itself name a ``preset:`` to start from), then
 ``--set a.b=c`` overrides, in that order. Validation happens here, at the
 edge: every error names the field and the fix.
 
-:mod:`~mhf_dist.config.schema` holds the models, :mod:`~mhf_dist.config.presets` the presets and
-:mod:`~mhf_dist.config.loader` :func:`load_config` with the overrides; their names are imported from here.
+:mod:`~mhf_dist.config.schema` holds the models (the model's own in :mod:`~mhf_dist.config.model`),
+:mod:`~mhf_dist.config.presets` the presets and :mod:`~mhf_dist.config.loader` :func:`load_config` with the
+overrides; their names are imported from here.
 """
 
 from mhf_dist.config.loader import apply_override, deep_merge, load_config
+from mhf_dist.config.model import EngramConfig, HashConfig, ModelConfig
 from mhf_dist.config.presets import SIZES, preset, preset_names
 from mhf_dist.config.schema import (
     CONFIG_FILE,
@@ -18,10 +20,7 @@ from mhf_dist.config.schema import (
     ConfigError,
     DataConfig,
     DataSource,
-    EngramConfig,
-    HashConfig,
     InferenceConfig,
-    ModelConfig,
     OptimizerConfig,
     ParallelConfig,
     RunConfig,

@@ -6,188 +6,18 @@ Validation happens here, at the edge: every error names the field and the fix.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
-from mhf_dist.backend import EngineSettings, check_zero_stage
+from mhf_dist.config.model import ModelConfig
+from mhf_dist.config.strict import Strict
 from mhf_dist.errors import ConfigError
 
 CONFIG_FILE = "config.yaml"  # a run directory's resolved config, written at every start
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class HashConfig(_Strict):
-    """Signatures and the hash encoder/decoder (docs/spec.md §1, §2, §4)."""
-
-    num_hashes: int = Field(4, ge=1, description="H: hash coordinates per token")
-    num_buckets: int = Field(16384, ge=2, description="B: rows per bucket table; bucket 0 is padding")
-    single_id: bool = Field(False, description="H1 ablation: one hash copied into all H coordinates (non-unique)")
-    gate_dim: int = Field(64, ge=1, description="d_z of the encoder's gate MLP (docs/spec.md §2)")
-    mixer_dim: int = Field(64, ge=1, description="r of the decoder's cascade mixers (docs/spec.md §4)")
-    p_inf_loss_weight: float = Field(
-        0.0, ge=0, allow_inf_nan=False,
-        description="λ: adds λ × mean(−log P_inf(target)) to the training loss, the NLL of the distribution "
-        "inference uses (exact renormalisation over the registered vocabulary, in chunks; MultiHashFormer only). "
-        "λ > 0 runs the decoder unfused (decoder_chunk_tokens unused): the term needs every head's scores, so "
-        "activation memory grows from O(chunk × B) to O(N × H × B / tp) for N tokens per micro-batch; 0: off")
-
-
-class EngramConfig(_Strict):
-    """Engram N-gram memory (docs/spec.md §8), added to the residual stream before the attention of ``layers``.
-
-    Choices where docs/spec.md §8 is silent: each head's table has the smallest unused prime ``>= table_size`` rows
-    (distinct over heads, orders and layers, assigned in that nesting: layer, order, head); the ``engram``
-    hash and ``sigmoid`` gate (DeepSeek's public demo) are the defaults; ``head_dim`` makes the concatenated
-    head vectors ``d_model`` wide for the sigmoid gate (DeepSeek's proportions), and must be ``d_model`` for
-    the softmax gate, whose scores are ``h · E_k[idx_k]``.
-    """
-
-    layers: list[int] | None = Field(None, description="backbone layers (0-based) with a memory; None: 1 and L/2")
-    max_ngram: int = Field(3, ge=2, description="N: N-grams of orders 2..N")
-    heads: int = Field(4, ge=1, description="K: hash heads (tables) per order")
-    table_size: int = Field(65536, ge=2, description="rows per head table: the next unused prime >= this")
-    head_dim: int | None = Field(
-        None, ge=1, description="width of a table row; None: d_model for the softmax gate, "
-        "d_model / ((N-1)·K) for the sigmoid gate")
-    hash: Literal["engram", "keyed"] = Field(
-        "engram", description="engram: XOR of per-token odd multipliers (DeepSeek); keyed: the packed N-gram "
-        "times a per-head key, XOR the key (docs/spec.md §8); 'seed' is read as keyed")
-    gate: Literal["sigmoid", "softmax"] = Field(
-        "sigmoid", description="sigmoid: scalar gate on a projected value + short causal conv (DeepSeek); "
-        "softmax: weights over the heads from h · E_k (docs/spec.md §8)")
-    threshold: float | None = Field(
-        None, description="softmax gate: heads scoring below this are masked (None: no mask)")
-    kernel_size: int = Field(4, ge=1, description="sigmoid gate: taps of the causal depthwise convolution")
-    seed: int = Field(0, description="RNG seed of the hash multipliers/keys (per layer: seed + 10007·layer)")
-    pad_rows_to: int = Field(
-        128, ge=1, description="tables are padded to a multiple of this many rows (a multiple of parallel.tp)")
-    offload: bool = Field(
-        False, description="keep the tables in (pinned) host memory outside DeepSpeed: each micro-batch's rows "
-        "are gathered to the device ahead of use, their gradients added back on the host, and the tables step "
-        "with a host AdamW of the same hyperparameters (pp = tp = 1, ZeRO 1-3)")
-    offload_update: Literal["dense", "lazy"] = Field(
-        "dense", description="the host AdamW with offload: dense: every row each step, equal to the tables on the "
-        "device; lazy: only the rows read in the step (by any micro-batch on any data-parallel rank): their "
-        "moments, weight decay and update, bias-corrected by the global step count; the other rows and their "
-        "moments stay as they are (LazyAdam, SparseAdam)")
-
-    @field_validator("hash", mode="before")
-    @classmethod
-    def _keyed_alias(cls, value):
-        return "keyed" if value == "seed" else value  # the mode's former name
-
-    @model_validator(mode="after")
-    def _gate(self):
-        if self.threshold is not None and self.gate != "softmax":
-            raise ValueError(f"model.engram.threshold applies to gate=softmax only (gate is {self.gate!r}); "
-                             "unset the threshold or set model.engram.gate=softmax")
-        if self.offload_update != "dense" and not self.offload:
-            raise ValueError(f"model.engram.offload_update={self.offload_update} applies to host-memory tables only; "
-                             "set model.engram.offload=true or unset model.engram.offload_update")
-        return self
-
-
-class ModelConfig(_Strict):
-    """Backbone shape (docs/spec.md §3) and which input/output the model uses."""
-
-    variant: Literal["mhf", "standard"] = Field("mhf", description="MultiHashFormer or the tied-embedding baseline")
-    d_model: int = Field(ge=1)
-    n_layers: int = Field(ge=1)
-    n_heads: int = Field(ge=1)
-    n_kv_heads: int = Field(ge=1)
-    head_dim: int | None = Field(None, description="defaults to d_model / n_heads")
-    ffn_dim: int = Field(ge=1)
-    rope_theta: float = 1_000_000.0
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
-    pad_vocab_to: int = Field(128, ge=1, description="Standard: embedding rows rounded up to this multiple")
-    decoder_chunk_tokens: int = Field(
-        8192, ge=0, description="training loss: decoder fused over chunks of this many tokens (activation memory "
-        "O(chunk × B): a chunk's logits live only inside one head's forward or backward); 0: the plain path, which "
-        "keeps every head's logits (reference)")
-    hash: HashConfig = HashConfig()
-    engram: EngramConfig | None = Field(None, description="Engram N-gram memory (docs/spec.md §8); None: no memory")
-
-    @property
-    def resolved_head_dim(self) -> int:
-        return self.head_dim or self.d_model // self.n_heads
-
-    def padded_vocab_rows(self, vocab_size: int) -> int:
-        """Standard: table rows for ``vocab_size`` tokens, rounded up to ``pad_vocab_to``."""
-        return -(-vocab_size // self.pad_vocab_to) * self.pad_vocab_to
-
-    def kv_heads_split(self, tp: int) -> bool:
-        """How tp ranks share the kv heads: True, split over the ranks (``n_kv_heads`` a multiple of tp); False,
-        each rank computes the one replicated kv head its query heads share (``n_kv_heads`` divides tp)."""
-        if self.n_kv_heads % tp == 0:
-            return True
-        if tp % self.n_kv_heads == 0:
-            return False
-        raise ConfigError(
-            f"model.n_kv_heads={self.n_kv_heads} neither divides nor is a multiple of parallel.tp={tp}: kv heads "
-            "are split over tp or replicated per rank; choose tp as a divisor or multiple of n_kv_heads"
-        )
-
-    @property
-    def engram_layers(self) -> list[int]:
-        """Layers holding a memory, ascending (none without ``engram``); docs/spec.md §8's example: 1 and L/2."""
-        if self.engram is None:
-            return []
-        if self.engram.layers is None:
-            return sorted({min(1, self.n_layers - 1), self.n_layers // 2})
-        return sorted(self.engram.layers)
-
-    @property
-    def engram_head_dim(self) -> int:
-        e = self.engram
-        if e.head_dim is not None:
-            return e.head_dim
-        return self.d_model if e.gate == "softmax" else self.d_model // ((e.max_ngram - 1) * e.heads)
-
-    @model_validator(mode="after")
-    def _shapes(self):
-        if self.head_dim is None and self.d_model % self.n_heads:
-            raise ValueError(
-                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
-                "change one of them or set model.head_dim"
-            )
-        if self.engram is not None:
-            self._check_engram()
-        if self.variant == "standard" and self.hash.p_inf_loss_weight:
-            raise ValueError(
-                f"model.hash.p_inf_loss_weight={self.hash.p_inf_loss_weight} with model.variant=standard: a Standard "
-                "model's P_inf is its head's softmax, so the term would repeat its training loss; unset it")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads} (GQA groups); "
-                "pick n_kv_heads dividing n_heads"
-            )
-        return self
-
-    def _check_engram(self) -> None:
-        e, layers = self.engram, self.engram_layers
-        if e.layers is not None and len(set(e.layers)) != len(e.layers):
-            raise ValueError(f"model.engram.layers={e.layers} names a layer twice; list each layer once")
-        outside = [i for i in layers if not 0 <= i < self.n_layers]
-        if outside:
-            raise ValueError(
-                f"model.engram.layers={layers}: layer {outside[0]} is out of range for model.n_layers="
-                f"{self.n_layers}; use 0..{self.n_layers - 1}")
-        if e.gate == "softmax" and self.engram_head_dim != self.d_model:
-            raise ValueError(
-                f"model.engram.head_dim={e.head_dim} with gate=softmax: its scores h · E_k[idx] need rows of "
-                f"model.d_model={self.d_model}; unset model.engram.head_dim")
-        if e.head_dim is None and e.gate == "sigmoid" and self.d_model % ((e.max_ngram - 1) * e.heads):
-            raise ValueError(
-                f"model.d_model={self.d_model} is not divisible by (max_ngram-1)·heads = "
-                f"{(e.max_ngram - 1) * e.heads}; set model.engram.head_dim")
-
-
-class TokenizerConfig(_Strict):
+class TokenizerConfig(Strict):
     path: str | None = Field(
         None,
         description="a local tokenizer directory, or 'mistral-v0.3' (from mistral-common); None: the tokenizer "
@@ -199,7 +29,7 @@ class TokenizerConfig(_Strict):
 EMBEDDED_CORPUS = "embedded"
 
 
-class DataSource(_Strict):
+class DataSource(Strict):
     """One dataset of a weighted mixture (``data.sources``): a directory of shards prepared with one tokenizer."""
 
     path: str = Field(description="directory of token shards with a manifest")
@@ -224,7 +54,7 @@ def parse_blend(text: str) -> list[DataSource]:
         raise ValueError(f"data.path={text!r}: a blend is pairs of a positive weight and a directory ({e})") from None
 
 
-class DataConfig(_Strict):
+class DataConfig(Strict):
     path: str | None = Field(
         None, description="directory of token shards with a manifest, 'embedded' for the bundled demo text "
         "(1 MB of English), or a blend of weighted directories ('0.7 shards/a 0.3 shards/b', read into "
@@ -281,7 +111,7 @@ class DataConfig(_Strict):
         return None if self.path in (None, EMBEDDED_CORPUS) else self.path
 
 
-class OptimizerConfig(_Strict):
+class OptimizerConfig(Strict):
     """AdamW with linear warm-up then cosine decay to ``min_lr_ratio * lr`` (docs/spec.md §6)."""
 
     lr: float = Field(3e-4, gt=0)
@@ -302,7 +132,10 @@ class OptimizerConfig(_Strict):
         return self
 
 
-class _Layout(_Strict):
+class ParallelConfig(Strict):
+    """Parallel layout (docs/spec.md §7); data parallel is derived: world size / (tp * pp). Then the engine's own
+    settings, which the backend reads."""
+
     tp: int = Field(1, ge=1, description="tensor-parallel ranks (bucket tables split along B)")
     pp: int = Field(1, ge=1, description="pipeline stages")
     zero_stage: int | None = Field(
@@ -312,14 +145,17 @@ class _Layout(_Strict):
         None, ge=0, description="recompute every k-th block's activations in backward; 0 disables; "
         "None: 1 when the DeepSpeed file has an activation_checkpointing section, else 0"
     )
+    deepspeed_config: str = Field(
+        "auto",
+        description="a file in deepspeed_configs/ (name without .json) or a path; auto: cpu_fp32 on CPU, "
+        "zero3_bf16_actckpt (pp = 1) or zero1_pp_bf16 (pp > 1) on GPUs",
+    )
+    deepspeed: dict[str, Any] = Field(
+        default_factory=dict, description="DeepSpeed keys that override everything else (nested dicts merge)"
+    )
 
 
-class ParallelConfig(EngineSettings, _Layout):
-    """Parallel layout (docs/spec.md §7); data parallel is derived: world size / (tp * pp). The engine's own
-    settings come last, from the backend (:class:`~mhf_dist.backend.EngineSettings`)."""
-
-
-class WandbConfig(_Strict):
+class WandbConfig(Strict):
     """Weights & Biases logging from rank 0 (needs ``pip install 'mhf-dist[wandb]'``): the scalars of
     ``metrics.jsonl``, with the run config; every start of a run directory logs to the same W&B run."""
 
@@ -338,7 +174,7 @@ class WandbConfig(_Strict):
         return self
 
 
-class TrainConfig(_Strict):
+class TrainConfig(Strict):
     max_steps: int = Field(200, ge=1, description="optimizer steps; the LR schedule always follows it")
     global_batch_size: int = Field(8, ge=1, description="sequences per optimizer step, over all ranks")
     micro_batch_size: int = Field(
@@ -388,7 +224,9 @@ class TrainConfig(_Strict):
     )
     compile: bool = Field(
         False, description="torch.compile every backbone block (the decoder's fused autograd stays eager); off by "
-        "default: see docs/benchmarks.md for what it gains on your hardware")
+        "default: see docs/benchmarks.md for what it gains on your hardware. Under ZeRO-3 (one pipeline stage at "
+        "ZeRO stage 3, the default there) it measured no gain: DeepSpeed's parameter hooks are not compiled, so "
+        "each block's graph breaks at every submodule, and the first step still pays for compiling")
     fused_head_kernel: Literal["auto", "compiled", "eager"] = Field(
         "auto", description="the decoder's fused-head elementwise passes: auto compiles them on GPUs and falls back "
         "to eager (one warning) when compiling fails (no Triton, an Inductor error); compiled always compiles "
@@ -423,7 +261,7 @@ class TrainConfig(_Strict):
         return self
 
 
-class InferenceConfig(_Strict):
+class InferenceConfig(Strict):
     """How the exported model infers (``mhf-dist export-hf``, restored by ``import-hf``)."""
 
     temperature: float = Field(
@@ -433,7 +271,7 @@ class InferenceConfig(_Strict):
         "only with 1")
 
 
-class RunConfig(_Strict):
+class RunConfig(Strict):
     preset: str | None = None
     model: ModelConfig
     tokenizer: TokenizerConfig = TokenizerConfig()
@@ -446,21 +284,13 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _layout(self):
         tp, m = self.parallel.tp, self.model
-        if m.variant == "mhf" and m.hash.num_buckets % tp:
-            raise ValueError(
-                f"model.hash.num_buckets={m.hash.num_buckets} is not divisible by parallel.tp={tp}: "
-                "bucket tables are split along B; choose B as a multiple of tp"
-            )
+        if rows_error := m.tp_rows_error(tp):  # the vocabulary tables' rows are split over tp
+            raise ValueError(rows_error)
         if m.n_heads % tp:
             raise ValueError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}; choose tp dividing it")
         m.kv_heads_split(tp)
         if m.ffn_dim % tp:
             raise ValueError(f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}; choose tp dividing it")
-        if m.variant == "standard" and m.pad_vocab_to % tp:
-            raise ValueError(
-                f"model.pad_vocab_to={m.pad_vocab_to} is not a multiple of parallel.tp={tp}: the vocabulary rows are "
-                "split over tp; set pad_vocab_to to a multiple of tp"
-            )
         if m.engram is not None and m.engram.pad_rows_to % tp:
             raise ValueError(
                 f"model.engram.pad_rows_to={m.engram.pad_rows_to} is not a multiple of parallel.tp={tp}: memory "
@@ -471,12 +301,25 @@ class RunConfig(_Strict):
                 f"model.engram.offload with parallel.tp={tp}, parallel.pp={self.parallel.pp}: host-memory tables "
                 "support tp = pp = 1 only (dp may be any); unset model.engram.offload or use tp = pp = 1")
         if self.parallel.zero_stage is not None:
-            check_zero_stage(self, self.parallel.zero_stage, f"parallel.zero_stage={self.parallel.zero_stage}")
+            self.check_zero_stage(self.parallel.zero_stage, f"parallel.zero_stage={self.parallel.zero_stage}")
         if self.parallel.pp > m.n_layers:
             raise ValueError(
                 f"parallel.pp={self.parallel.pp} is more stages than model.n_layers={m.n_layers}; lower pp"
             )
         return self
+
+    def check_zero_stage(self, stage: int, source: str) -> None:
+        """The ZeRO ``stage`` this run trains with (``source`` says where it is set) must fit its layout: the pipeline
+        engine takes ZeRO-0/1 only, and host-memory Engram tables need ZeRO's optimizer."""
+        if self.model.engram is not None and self.model.engram.offload and stage == 0:
+            raise ConfigError(
+                f"model.engram.offload with {source}: the host tables' gradient norm joins the clipping norm of "
+                "DeepSpeed's ZeRO optimizer; use parallel.zero_stage 1, 2 or 3")
+        if self.parallel.pp > 1 and stage >= 2:
+            raise ConfigError(
+                f"{source} with parallel.pp={self.parallel.pp}: DeepSpeed's pipeline engine refuses ZeRO-2/3; "
+                "use parallel.zero_stage=1 (or leave it unset with deepspeed_config auto or zero1_pp_bf16)"
+            )
 
 
 def check_data_source(cfg: RunConfig, on_this_machine: bool = True) -> None:

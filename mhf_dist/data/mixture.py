@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from mhf_dist.config import DataConfig, DataSource
-from mhf_dist.data.prepare import DataError
+from mhf_dist.data.formats import DataError
 from mhf_dist.data.reader import RESTART_ADVICE, ShardReader, as_batch
 
 BLOCK = 4096  # the positions over which the sources' shares are exact

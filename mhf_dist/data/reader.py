@@ -76,7 +76,7 @@ import numpy as np
 import torch
 import webdataset as wds
 
-from mhf_dist.data.prepare import FORMAT, MANIFEST, DataError
+from mhf_dist.data.formats import FORMAT, MANIFEST, SHARD_SUFFIX, TRAIN_SPLIT, DataError
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class ShardReader:
 
     ``source``: a directory holding ``manifest.json`` and its shards (named by
     their paths under it: a merged manifest's are in the parts' sub-directories,
-    ``part-1-of-4/train-000000.tar``, see :mod:`mhf_dist.data.prepare`), or shard
+    ``part-1-of-4/train-000000.tar``, see :mod:`mhf_dist.data.parts`), or shard
     URLs (a brace pattern / ``::``-separated string, or a list) together with
     ``manifest`` (a path or URL of the manifest). URLs are matched to the
     manifest's shards by name; a subset of the shards may be given.
@@ -134,7 +134,7 @@ class ShardReader:
         source: str | os.PathLike | Sequence[str],
         *,
         manifest: str | os.PathLike | None = None,
-        split: str = "train",
+        split: str = TRAIN_SPLIT,
         seq_len: int | None = None,
         tokenizer_fingerprint: str | None = None,
         seed: int = 0,
@@ -432,7 +432,7 @@ def _resolve(source, manifest, split: str, allow_pipe: bool) -> tuple[dict, str,
     """The manifest, where it came from, and the split's shards with their URLs (manifest order)."""
     local_dir = isinstance(source, (str, os.PathLike)) and not is_url(source) and Path(source).is_dir()
     # a URL that is neither a shard nor a pattern names a directory of object storage, its manifest inside
-    remote_dir = is_url(source) and manifest is None and not source.endswith(".tar") and "{" not in source \
+    remote_dir = is_url(source) and manifest is None and not source.endswith(SHARD_SUFFIX) and "{" not in source \
         and "::" not in source
     if local_dir:
         source = Path(source).resolve()

@@ -21,6 +21,7 @@ near 1 anyway; sample at temperature ``1/τ`` instead.
 
 The directory also holds the tokenizer, a generation config and
 ``mhf_dist.yaml`` (the run config, so ``import-hf`` restores the run exactly).
+The classes each variant exports as are its record's (:class:`~mhf_dist.model.variants.HFNames`).
 It is written beside ``OUT`` and renamed into place when complete
 (:mod:`mhf_dist.storage.output_dir`).
 """
@@ -36,11 +37,12 @@ import yaml
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from mhf_dist.config import ConfigError, ModelConfig, RunConfig
-from mhf_dist.data.prepare import MANIFEST
+from mhf_dist.data.formats import MANIFEST
 from mhf_dist.hf.configuration_multihashformer import MultiHashFormerConfig
 from mhf_dist.hf.modeling_multihashformer import MultiHashFormerForCausalLM
 from mhf_dist.hf.names import EMBED, LM_HEAD, to_export
 from mhf_dist.model.dtypes import DTYPES
+from mhf_dist.model.variants import variant
 from mhf_dist.storage.output_dir import check_target, staged
 from mhf_dist.train.trained_weights import TrainedWeights, check_source, trained_weights
 from mhf_dist.vocab.signatures import SignatureTable
@@ -48,6 +50,8 @@ from mhf_dist.vocab.tokenizers import load_tokenizer
 
 RUN_CONFIG = "mhf_dist.yaml"
 MAX_POSITIONS = 32768  # RoPE has no learned positions; this only sizes static caches
+HF_CLASSES = {cls.__name__: cls for cls in (Qwen3Config, Qwen3ForCausalLM, MultiHashFormerConfig,
+                                             MultiHashFormerForCausalLM)}  # a variant's HFNames name them
 
 
 def hf_config(model: ModelConfig, vocab_size: int, tokenizer, table: SignatureTable | None,
@@ -63,10 +67,11 @@ def hf_config(model: ModelConfig, vocab_size: int, tokenizer, table: SignatureTa
         initializer_range=model.init_std, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    config_class = HF_CLASSES[variant(model).hf.config_class]
     if table is None:
-        return Qwen3Config(**common)
+        return config_class(**common)
     h = model.hash
-    return MultiHashFormerConfig(
+    return config_class(
         **common, num_hashes=h.num_hashes, num_buckets=h.num_buckets, bottle_neck_dim=h.gate_dim,
         mixer_dim=None if h.mixer_dim == h.gate_dim else h.mixer_dim, num_lsh=0,
         signature_rule=table.hashing_rule(), inference_temperature=inference_temperature,
@@ -76,8 +81,8 @@ def hf_config(model: ModelConfig, vocab_size: int, tokenizer, table: SignatureTa
 def build_hf_model(cfg: RunConfig, state: dict[str, torch.Tensor], tokenizer,
                    table: SignatureTable | None) -> PreTrainedModel:
     """Our full state dict -> the Hugging Face model holding the same weights."""
-    vocab_size = len(tokenizer)
-    if table is None and cfg.inference.temperature != 1:
+    vocab_size, names = len(tokenizer), variant(cfg).hf
+    if not names.remote_code and cfg.inference.temperature != 1:
         raise ConfigError(
             f"inference temperature {cfg.inference.temperature:g}: a Standard model exports as a plain "
             "Qwen3ForCausalLM, whose logits cannot apply a temperature without custom code; export with 1 "
@@ -86,9 +91,8 @@ def build_hf_model(cfg: RunConfig, state: dict[str, torch.Tensor], tokenizer,
     weights = to_export(state, table.codes if table is not None else None)
     if table is None:  # Standard: only the real vocabulary's rows
         weights[EMBED] = weights[LM_HEAD] = weights[EMBED][:vocab_size]
-        model = Qwen3ForCausalLM(config)
-    else:
-        model = MultiHashFormerForCausalLM(config)
+    model = HF_CLASSES[names.architecture](config)
+    if names.remote_code:
         model.register_for_auto_class("AutoModelForCausalLM")
         config.register_for_auto_class()
     model.load_state_dict(weights, strict=True)
@@ -122,7 +126,7 @@ def fitted_temperature(trained: TrainedWeights, tokenizer, table: SignatureTable
         raise ConfigError(f"--inference-temperature auto: {trained.run.path / 'metrics.jsonl'} holds no "
                           f"val_temperature up to step {trained.step} and {shards} has no validation split to fit "
                           "one on; pass a number (mhf-dist eval --calibrate fits one)")
-    from mhf_dist.commands.evaluate import SplitPasses
+    from mhf_dist.hf.evaluation import SplitPasses
     from mhf_dist.model.calibration import fit_temperature
 
     model = build_hf_model(cfg, trained.state, tokenizer, table)
@@ -142,9 +146,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", over
         raise ConfigError("export-hf: the authors' layout (docs/spec.md §9) has no Engram memory; export the full "
                           "state dict with `mhf-dist export` instead")
     tokenizer = load_tokenizer(run.tokenizer_source(cfg))
-    table = SignatureTable.load(run.signatures_dir) if cfg.model.variant == "mhf" else None
+    table = SignatureTable.load(run.signatures_dir) if variant(cfg).needs_signatures else None
     if inference_temperature is not None:
-        if str(inference_temperature) == "auto" and table is None:
+        if str(inference_temperature) == "auto" and not variant(cfg).hf.remote_code:
             raise ConfigError("--inference-temperature auto: a Standard model exports as a plain Qwen3ForCausalLM, "
                               "which cannot apply a temperature; its fitted τ (val_temperature) is near 1 anyway")
         tau, source = (fitted_temperature(trained, tokenizer, table) if str(inference_temperature) == "auto"

@@ -41,6 +41,7 @@ from mhf_dist.hf.configuration_multihashformer import MultiHashFormerConfig
 from mhf_dist.hf.exporter import RUN_CONFIG
 from mhf_dist.hf.names import HFImportError, from_export
 from mhf_dist.model import build_model
+from mhf_dist.model.variants import variant
 from mhf_dist.storage.output_dir import check_target, staged
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.vocab.signatures import HASH_VERSION, SignatureTable
@@ -152,7 +153,7 @@ class ImportReport:
 
     def summary(self) -> str:
         lines = [f"imported a {self.variant} model ({self.vocab_size} tokens) into {self.run_dir}"]
-        if self.variant == "mhf":
+        if variant(self.variant).needs_signatures:
             lines.append(f"signatures: {len(self.differing)} differ from a fresh docs/spec.md §1 build, "
                          f"{len(self.shared)} shared by several tokens (details: {self.run_dir / REPORT})")
             lines += [f"  id {d['id']} {d['token']!r}: imported {d['imported']}, fresh {d['fresh']}"
@@ -204,10 +205,10 @@ def import_hf(src: str | Path, run_dir: str | Path, overrides: list[str] = (), o
     except ValueError as e:
         raise ConfigError(f"the imported config is invalid: {e}") from None
 
-    h = cfg.model.hash.num_hashes if cfg.model.variant == "mhf" else 1
-    state, codes = from_export(read_weights(src), h)
+    spec = variant(cfg)
+    state, codes = from_export(read_weights(src), spec.heads(cfg.model))
     report = ImportReport(final.path, cfg.model.variant, vocab_size)
-    if cfg.model.variant == "mhf":
+    if spec.needs_signatures:
         if codes is None:
             raise HFImportError(f"{src} has no model.hash_map: the signature table must be saved with the weights")
         if codes.shape[0] < vocab_size or codes[vocab_size:].any():

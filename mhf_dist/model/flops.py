@@ -17,6 +17,8 @@ backward for inputs, backward for weights), as in PaLM's MFU. Forward per token:
   the scores and the weighted sum ``2·2·T·m`` and ``W_o`` ``2·d²``. Hashing and
   lookups are integer work and memory traffic, not counted.
 
+The vocabulary's terms are each variant's (``Variant.vocab_flops``, :mod:`mhf_dist.model.variants`).
+
 So Standard's training FLOPs per token are ``6·N_params + 12·L·n_heads·head_dim·S``.
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mhf_dist.config import ModelConfig
+from mhf_dist.model.variants import variant
 
 
 @dataclass(frozen=True)
@@ -59,14 +62,7 @@ def forward_flops(cfg: ModelConfig, seq_len: int, vocab_rows: int | None = None)
     block = 2 * block_params + 4 * h * hd * seq_len
     layers = dict(block=block, layers=cfg.n_layers, engram=engram_flops(cfg),
                   engram_layers=tuple(cfg.engram_layers))
-    if cfg.variant == "standard":
-        if vocab_rows is None:
-            raise ValueError("Standard FLOPs need the padded vocabulary rows")
-        return ForwardFlops(vocab_in=0, vocab_out=2 * vocab_rows * d, **layers)
-    hc = cfg.hash
-    H, B, dz, r = hc.num_hashes, hc.num_buckets, hc.gate_dim, hc.mixer_dim
-    vocab_in = H * 2 * (d * dz + dz) + 2 * d * d
-    vocab_out = 2 * H * B * d + 2 * (H - 1) * B * d + (H - 1) * 2 * (2 * d * r + r * d)
+    vocab_in, vocab_out = variant(cfg).vocab_flops(cfg, vocab_rows)
     return ForwardFlops(vocab_in=vocab_in, vocab_out=vocab_out, **layers)
 
 

@@ -1,4 +1,5 @@
-"""Initial weights: one rule per parameter name, one random stream per parameter (a function of the seed alone).
+"""Initial weights: one rule per parameter name, random values in fixed blocks, each block from its own stream (a
+function of the seed alone).
 
 | parameter (name ends with)                           | initial value                           |
 |------------------------------------------------------|-----------------------------------------|
@@ -7,13 +8,29 @@
 | ``.bias`` (gate, decoder mixers)                     | zeros                                   |
 | any other ``.weight`` (linear maps, convolutions)    | Normal(0, ``init_std``)                 |
 
-(the distributions the model has always used). A parameter's random values come from its own
-``torch.Generator`` (CPU), seeded from ``(seed, name)``; the stacked tables ``[T, R, d]`` draw each table
-``E_i`` from its own stream ``(seed, name, i)``, so no rank ever draws more than one table. The values are a
-function of the seed, the parameter's name and its full shape only — not of the order in which modules
-are built, nor of which rank builds which part — so every layout (tp × pp × dp) starts from the same
-weights, and a rank that holds a shard draws the full parameter (one table, for stacked tables) and
-keeps its slice (:func:`initial_shard`).
+(the distributions the model has always used). Where the random values come from:
+
+| values                                 | drawn from (a CPU ``torch.Generator`` seeded from the key)     |
+|----------------------------------------|----------------------------------------------------------------|
+| a parameter, flattened                 | blocks of :data:`BLOCK` elements (the last one shorter)        |
+| its block 0                            | the stream ``(seed, name)``                                    |
+| its block b ≥ 1                        | the stream ``(seed, name, b)``                                 |
+| table ``E_i`` of a stack ``[T, R, d]`` | blocks of its own: ``(seed, name, i)``, ``(seed, name, i, b)`` |
+
+Each block is drawn whole, in one ``normal_`` of its full length (CPU ``normal_`` transforms its uniforms in groups
+of 16, so a partial draw would change the values), so the values are a function of the seed, the parameter's name
+and its full shape only — not of the order in which modules are built, nor of which rank builds which part — and
+every layout (tp × pp × dp) starts from the same weights. A parameter (one table, for stacks) of at most
+:data:`BLOCK` elements is one block: one stream over the whole of it.
+
+A rank writes any part of a parameter — its tensor-parallel chunk, or of that chunk only the flat range it keeps as
+its ZeRO-3 partition (:func:`initial_shard`'s ``start``) — by drawing only the blocks that hold those elements. A
+range of the flattened chunk is one contiguous span of the full value when the chunk is split along the first
+dimension or not at all (and within each table of a stack split along its rows), so the rank draws the range plus at
+most a block at each end; split along a later dimension (the row-parallel maps, split along their inputs), the
+chunk's rows are strided in the full value and the rank draws the span from its range's first element to its last:
+about ``parts`` times the range, plus a block at each end. The blocks are drawn one at a time, into a buffer of one
+block, or straight into the output when a whole block lands in a contiguous fp32 CPU output.
 """
 
 from __future__ import annotations
@@ -26,6 +43,11 @@ import torch
 from torch import nn
 
 from mhf_dist.model.host_tables import HostTables
+
+# Elements per block of a parameter's flattened value (4 MiB in fp32). A parameter (a table of a stack) of at most
+# this many elements is one block — every parameter of the tiny presets, the bucket tables of tiny-h4b16k exactly —
+# drawn from one stream as it always was; changing it changes the initial weights of every larger one.
+BLOCK = 2**20
 
 RULES: list[tuple[re.Pattern, str]] = [(re.compile(p), rule) for p, rule in (
     (r"(.*\.)?tables\.weight", "tables"),
@@ -42,55 +64,130 @@ def rule_for(name: str) -> str:
     return rule
 
 
-def stream(seed: int, name: str, index: int | None = None) -> torch.Generator:
-    """The CPU generator of parameter ``name`` (table ``index`` of a stack), seeded from ``(seed, name, index)``."""
-    key = f"{seed}/{name}" + ("" if index is None else f"/{index}")
+def stream(seed: int, name: str, index: int | None = None, block: int = 0) -> torch.Generator:
+    """The CPU generator of block ``block`` of parameter ``name`` (table ``index`` of a stack), seeded from
+    ``(seed, name, index, block)``; block 0's key leaves the block out."""
+    key = f"{seed}/{name}" + ("" if index is None else f"/{index}") + (f"#{block}" if block else "")
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
 
+def draw_block(out: torch.Tensor, std: float, seed: int, name: str, index: int | None, block: int) -> None:
+    """``out`` (contiguous fp32 on the CPU, the block's full length) <- block ``block`` of the stream's value."""
+    out.normal_(0.0, std, generator=stream(seed, name, index, block))
+
+
 def draw_size(name: str, full_shape: tuple[int, ...]) -> int:
-    """Elements drawn at once for parameter ``name``: one table of a stack, else the whole parameter."""
+    """Elements drawn at once for parameter ``name``: one block (of one table, for a stack), 0 for the constants."""
     rule = rule_for(name)
-    return 0 if rule in ("ones", "zeros") else math.prod(full_shape[1:] if rule == "tables" else full_shape)
+    if rule in ("ones", "zeros"):
+        return 0
+    return min(BLOCK, math.prod(full_shape[1:] if rule == "tables" else full_shape))
 
 
-def _draw(out: torch.Tensor, shape, std: float, generator: torch.Generator, keep,
-          buffer: torch.Tensor | None) -> None:
-    """``out <- keep(N(0, std²) of ``shape``)``, drawn on the CPU: straight into ``out`` when it is that whole
-    draw (contiguous fp32 CPU), else into ``buffer`` (CPU fp32, reused between calls) or a new tensor."""
-    if keep is None and out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous() \
-            and tuple(out.shape) == tuple(shape):
-        out.normal_(0.0, std, generator=generator)
+class _Chunk:
+    """Chunk ``rank`` of ``parts`` along ``dim`` (as ``torch.chunk``) of a value of ``shape``, flattened: its element
+    ``j`` is element ``full(j)`` of the flattened value. The chunk is a run of ``width`` elements in each ``row`` of
+    ``stride`` elements, beginning ``offset`` elements into the row."""
+
+    def __init__(self, shape: tuple[int, ...], dim: int | None, rank: int, parts: int):
+        self.numel = math.prod(shape)
+        if dim is None or parts == 1:
+            self.stride = self.width = max(self.numel, 1)
+            self.offset = 0
+            return
+        inner = math.prod(shape[dim + 1:])
+        size = -(-shape[dim] // parts)
+        self.stride = shape[dim] * inner
+        self.offset = min(rank * size, shape[dim]) * inner
+        self.width = max(0, min(size, shape[dim] - rank * size)) * inner
+
+    @property
+    def size(self) -> int:
+        """Elements in the chunk."""
+        return self.numel // self.stride * self.width
+
+    def full(self, j: int) -> int:
+        return j // self.width * self.stride + self.offset + j % self.width
+
+    def count(self, x: int) -> int:
+        """How many of the chunk's elements lie before element ``x`` of the full value."""
+        row, col = divmod(x, self.stride)
+        return row * self.width + min(max(col - self.offset, 0), self.width)
+
+    def gather(self, dst: torch.Tensor, src: torch.Tensor, base: int, lo: int) -> None:
+        """``dst[k] <- src[full(lo + k) - base]``: elements ``lo ..`` of the chunk from the part of the full value that
+        begins at element ``base`` (at most a first partial run, whole runs, a last partial run)."""
+        hi, k = lo + dst.numel(), 0
+        while lo < hi:
+            row, col = divmod(lo, self.width)
+            at = row * self.stride + self.offset + col - base
+            if col or hi - lo < self.width:
+                m = min(self.width - col, hi - lo)
+                dst[k:k + m].copy_(src[at:at + m])
+            else:
+                rows = (hi - lo) // self.width
+                m = rows * self.width
+                dst[k:k + m].view(rows, self.width).copy_(src[at:].as_strided((rows, self.width), (self.stride, 1)))
+            k, lo = k + m, lo + m
+
+
+def _draw_range(out: torch.Tensor, shape: tuple[int, ...], dim: int | None, rank: int, parts: int, start: int,
+                std: float, seed: int, name: str, index: int | None, buffer: torch.Tensor | None) -> None:
+    """``out`` (flat, contiguous) <- elements ``start .. start + out.numel()`` of chunk ``rank`` of ``parts`` along
+    ``dim`` of the flattened value of ``shape`` drawn from the streams of ``(seed, name, index)``: each block that holds
+    some of them is drawn whole, into ``out`` when all of it lands there (fp32 on the CPU), else into ``buffer``."""
+    n = out.numel()
+    if n == 0:
         return
-    numel = math.prod(shape)
-    value = buffer[:numel].view(shape) if buffer is not None and buffer.numel() >= numel else torch.empty(shape)
-    value.normal_(0.0, std, generator=generator)
-    out.copy_(value if keep is None else keep(value))
+    chunk = _Chunk(shape, dim, rank, parts)
+    end = start + n
+    direct = out.device.type == "cpu" and out.dtype == torch.float32
+    for block in range(chunk.full(start) // BLOCK, chunk.full(end - 1) // BLOCK + 1):
+        first = block * BLOCK
+        length = min(BLOCK, chunk.numel - first)
+        lo, hi = max(start, chunk.count(first)), min(end, chunk.count(first + length))
+        if lo >= hi:  # the block falls between two runs of the chunk
+            continue
+        dst = out[lo - start:hi - start]
+        if direct and hi - lo == length:  # the whole block, contiguous in the chunk
+            draw_block(dst, std, seed, name, index, block)
+            continue
+        src = buffer[:length] if buffer is not None and buffer.numel() >= length else torch.empty(length)
+        draw_block(src, std, seed, name, index, block)
+        chunk.gather(dst, src, first, lo)
 
 
 @torch.no_grad()
 def initial_shard(name: str, full_shape: torch.Size | tuple[int, ...], out: torch.Tensor, std: float, seed: int,
-                  dim: int | None = None, rank: int = 0, parts: int = 1, buffer: torch.Tensor | None = None) -> None:
+                  dim: int | None = None, rank: int = 0, parts: int = 1, buffer: torch.Tensor | None = None,
+                  start: int = 0) -> None:
     """Write into ``out`` chunk ``rank`` of ``parts`` along ``dim`` (the whole parameter when ``dim`` is None) of
-    parameter ``name``'s initial value, whose full shape is ``full_shape``. At most one full table (stacks) or one
-    full parameter (otherwise) is drawn at a time besides ``out``, into ``buffer`` when it holds
-    :func:`draw_size` elements."""
+    parameter ``name``'s initial value, whose full shape is ``full_shape`` — or, from ``start``, only elements
+    ``start .. start + out.numel()`` of that chunk flattened (``out`` in row-major order: a ZeRO-3 partition). Only
+    the blocks holding those elements are drawn (module docstring), one at a time, into ``buffer`` (CPU fp32, of
+    :func:`draw_size` elements) unless a block lands whole in ``out``."""
     rule = rule_for(name)
     if rule in ("ones", "zeros"):
         out.fill_(1.0 if rule == "ones" else 0.0)
         return
     full_shape = tuple(full_shape)
-    if rule == "tables":  # [T, R, d]: one stream per table
+    flat = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=out.device)
+    n = flat.numel()
+    if rule == "tables":  # [T, R, d]: each table E_i a value of its own, from the streams (seed, name, i)
         tables = list(range(full_shape[0]))
         if dim == 0:
             tables = [int(i) for i in torch.arange(full_shape[0]).chunk(parts)[rank]]
-        keep = None if dim in (None, 0) else (lambda table: table.chunk(parts, dim - 1)[rank])
-        for j, i in enumerate(tables):
-            _draw(out[j], full_shape[1:], std, stream(seed, name, i), keep, buffer)
-        return
-    _draw(out, full_shape, std, stream(seed, name), None if dim is None else (lambda v: v.chunk(parts, dim)[rank]),
-          buffer)
+        inner = None if dim in (None, 0) else dim - 1
+        per = _Chunk(full_shape[1:], inner, rank, parts).size  # elements of each table's chunk
+        for t in range(start // per, (start + n - 1) // per + 1 if n and per else 0):
+            lo, hi = max(start, t * per), min(start + n, (t + 1) * per)
+            _draw_range(flat[lo - start:hi - start], full_shape[1:], inner, rank, parts, lo - t * per, std, seed,
+                        name, tables[t], buffer)
+    else:
+        _draw_range(flat, full_shape, dim, rank, parts, start, std, seed, name, None, buffer)
+    if not out.is_contiguous():
+        out.copy_(flat.view(out.shape))
 
 
 def host_tables(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ from mhf_dist.model.backbone import Backbone
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.model.init import initialise
 from mhf_dist.model.scoring import LOG_P_INF_CHUNK
+from mhf_dist.model.variants import variant
 from mhf_dist.model.vocabulary import Evaluation, HashVocabulary, TiedVocabulary, TokenVocabulary, TrainingLoss
 
 if TYPE_CHECKING:
@@ -103,14 +104,14 @@ class StandardLM(LanguageModel):
 
 def model_structure(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None = None,
                     compression: CompressionTable | None = None) -> LanguageModel:
-    """The modules of the model ``cfg.variant`` names, their weights not yet initialised (see :func:`build_model`)."""
+    """The modules of the model ``cfg.variant`` names (its record's builder, :mod:`~mhf_dist.model.variants`),
+    their weights not yet initialised (see :func:`build_model`)."""
     if compression is not None and cfg.engram and compression.vocab_size != vocab_size:
         raise ValueError(f"the compression table has {compression.vocab_size} rows, the vocabulary {vocab_size}")
-    if cfg.variant == "standard":
-        return StandardLM(cfg, vocab_size, compression)
-    if codes is None or codes.shape[0] != vocab_size:
-        raise ValueError(f"MultiHashFormer needs a signature table with {vocab_size} rows")
-    return MultiHashFormer(cfg, codes, compression)
+    spec = variant(cfg)
+    if spec.needs_signatures and (codes is None or codes.shape[0] != vocab_size):
+        raise ValueError(f"{spec.title} needs a signature table with {vocab_size} rows")
+    return spec.builder(cfg, vocab_size, codes, compression)
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None = None,

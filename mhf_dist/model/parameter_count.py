@@ -7,7 +7,8 @@ of ``B × d`` (Standard: one of the padded vocabulary rows), the gate MLP ``d·d
 ``d² + d``, and ``H − 1`` mixers ``2d·r + r + r·d + d``. An Engram memory (docs/spec.md §8): its ``(N−1)·K``
 tables of ``R`` rows (the largest prime size rounded up to ``pad_rows_to``) × ``head_dim``, and its gate: the
 sigmoid gate's key and value projections ``2·T·m·d``, two norms and the short convolution's norm and
-``kernel·d`` weights, or the softmax gate's ``d²``.
+``kernel·d`` weights, or the softmax gate's ``d²``. The vocabulary's terms are each variant's
+(``Variant.vocab_parameters``, :mod:`mhf_dist.model.variants`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from mhf_dist.config import ModelConfig
 from mhf_dist.model.engram_sizes import table_sizes
+from mhf_dist.model.variants import variant
 
 
 @dataclass(frozen=True)
@@ -62,13 +64,7 @@ def parameter_count(cfg: ModelConfig, vocab_size: int) -> ParameterCount:
         heads = (cfg.engram.max_ngram - 1) * cfg.engram.heads
         engram_tables = sum(heads * engram_table_rows(cfg, i) * cfg.engram_head_dim for i in cfg.engram_layers)
     backbone = cfg.n_layers * layer + d + len(cfg.engram_layers) * (engram_gate_parameters(cfg) if cfg.engram else 0)
-    if cfg.variant == "standard":
-        tables, other = cfg.padded_vocab_rows(vocab_size) * d, 0
-    else:
-        h = cfg.hash
-        tables = h.num_hashes * h.num_buckets * d
-        other = (d * h.gate_dim + 2 * h.gate_dim + 1) + (d * d + d) + (h.num_hashes - 1) * (
-            2 * d * h.mixer_dim + h.mixer_dim + h.mixer_dim * d + d)
+    tables, other = variant(cfg).vocab_parameters(cfg, vocab_size)
     offloaded = cfg.engram is not None and cfg.engram.offload
     return ParameterCount(vocab_tables=tables, vocab_other=other, backbone=backbone,
                           engram_tables=0 if offloaded else engram_tables,

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import Counter
 
 from mhf_dist.config import ModelConfig
+from mhf_dist.model.variants import variant
 
 
 def expected_collective_bytes(cfg: ModelConfig, tokens: int, tp: int, elem_size: int = 4,
@@ -38,13 +39,13 @@ def expected_collective_bytes(cfg: ModelConfig, tokens: int, tp: int, elem_size:
     signature table, needed with the ``log P_inf`` term)."""
     if tp == 1:
         return Counter()
-    p_inf = cfg.variant == "mhf" and cfg.hash.p_inf_loss_weight > 0
+    p_inf = cfg.hash.p_inf_loss_weight > 0  # the config allows it for the variants whose P_inf it trains
     if p_inf and vocab_size is None:
         raise ValueError("the log P_inf training term's traffic depends on the vocabulary: pass vocab_size")
     scores = tokens * vocab_size if p_inf else 0
     fused = cfg.decoder_chunk_tokens and not p_inf
     n, d, hd, layers = tokens, cfg.d_model, cfg.resolved_head_dim, cfg.n_layers
-    heads = cfg.hash.num_hashes if cfg.variant == "mhf" else 1
+    heads = variant(cfg).heads(cfg)
     replicated_kv = 0 if cfg.kv_heads_split(tp) else 2 * cfg.n_kv_heads * hd * d
     memory = 0
     if cfg.engram is not None:

@@ -9,12 +9,18 @@ module handed to ZeRO-3 at once:
    this rank's shard size (:func:`~mhf_dist.parallel.tensor_parallel.shard_modules`), on meta as well. No
    full-size tensor is ever allocated.
 2. :class:`Materialiser` turns the meta parameters of a module into real ones, one leaf module at a time
-   (every module holding parameters here is a leaf: Linear, RMSNorm, Conv1d, BucketTables): it allocates
-   this rank's tensor-parallel shard on the device, fills it with that shard of the initial value by the
-   parameter's name (:func:`~mhf_dist.model.init.initial_shard`, or of a ``train.init_from`` file read one
-   tensor slice at a time), sets it on the leaf and, under ZeRO-3, hands the leaf to the backend's partitioner
-   right away (:func:`mhf_dist.backend.parameter_partitioner`: DeepSpeed's documented way to partition an
-   allocated module), which keeps this rank's 1/dp of its parameters and frees the rest before the next leaf.
+   (every module holding parameters here is a leaf: Linear, RMSNorm, Conv1d, BucketTables): it allocates this rank's
+   tensor-parallel shard on the device and sets it on the leaf. Without ZeRO-3 it fills the shard with that shard of
+   the initial value by the parameter's name (:func:`~mhf_dist.model.init.initial_shard`, or of a
+   ``train.init_from`` file read one tensor slice at a time). Under ZeRO-3 it hands the unfilled leaf to the
+   backend's partitioner right away (:func:`mhf_dist.backend.parameter_partitioner`: DeepSpeed's documented way to
+   partition an allocated module), which keeps this rank's 1/dp of each parameter — a range of the flattened shard —
+   and frees the rest before the next leaf; the rank then writes that range in place
+   (:meth:`Partitioner.held`), drawing only the blocks of the initial value that hold it
+   (:mod:`mhf_dist.model.init`), or reading only the rows of the file that hold it. (DeepSpeed's partitioning
+   broadcasts each parameter from the group's first rank and copies this rank's range of it, so values written
+   before it would be the first rank's; where the backend keeps another copy of a partition — hpZeRO, NVMe
+   offload, quantized frozen weights — the leaf is filled in full before it is partitioned instead.)
 3. pp > 1: the pipeline's layers materialise their part of the skeleton, and the backend builds each only on the
    stage holding it.
 
@@ -23,7 +29,7 @@ It partitions each module as its ``__init__`` returns, so the tensor-parallel la
 created by the model code itself — which knows nothing of process groups and reads like the paper; the
 plan swaps modules after construction — and every parameter would first be filled by PyTorch's default
 initialiser and broadcast, then gathered again to receive its seeded value. The meta skeleton keeps the
-model code and the plan as they are, and writes each parameter once, from its own stream, in any layout.
+model code and the plan as they are, and writes each parameter once, from its own seeded streams, in any layout.
 
 Why not torchtitan's ``model.to_empty(device)`` followed by an initialisation pass? ``to_empty`` allocates the
 whole module before anything is partitioned (a rank would hold the full tensor-parallel shard of the model under
@@ -32,23 +38,46 @@ attributes set at construction (``tensor_model_parallel``, which DeepSpeed reads
 keeps the pattern — meta skeleton, then real tensors written once by name — and allocates each leaf in the
 precision and the one buffer the ZeRO-3 conversion wants.
 
-Peak memory while constructing, per rank: ZeRO-3 — its 1/dp of its tensor-parallel shard of the model, plus
-one leaf module's tensor-parallel shard in full and the draw of one full parameter (one table, for the
-stacked tables); pp > 1 — its stage's layers (tensor-parallel shards), plus one parameter's draw.
+Peak memory while constructing, per rank: ZeRO-3 — its 1/dp of its tensor-parallel shard of the model, plus one leaf
+module's tensor-parallel shard in full (the buffer it is partitioned from, which the broadcast fills) and one block of
+the draw (:data:`~mhf_dist.model.init.BLOCK` fp32 elements); pp > 1 — its stage's layers (tensor-parallel shards),
+plus one block. Work while constructing: ZeRO-3 draws about 1/dp of each tensor-parallel shard (a few blocks more
+per parameter; about tp times that for the row-parallel maps, whose shard is strided in the full value); pp > 1 and
+tensor parallelism alone draw the rank's shards (the whole of a row-parallel map). ZeRO-3 also broadcasts each leaf
+from the first data-parallel rank as it partitions it: the full tensor-parallel shard of the model over the
+data-parallel group, whatever its values.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from mhf_dist.backend import Partitioner
 from mhf_dist.model.init import draw_size, host_tables, initial_shard
 from mhf_dist.model.lm import LanguageModel, model_structure
 from mhf_dist.parallel.state_dict import split_dim
 from mhf_dist.parallel.tensor_parallel import shard_modules, tp_split_dims
+
+
+class Partitioner(Protocol):
+    """Partitions a module's freshly made parameters over the data-parallel group (ZeRO-3): what construction needs of
+    the backend, which provides one (:func:`mhf_dist.backend.parameter_partitioner`)."""
+
+    dtype: torch.dtype  # the dtype the partitioned parameters train in
+    # Whether a partition may be written after partitioning (:meth:`held`): then the leaf need not hold its values
+    # when it is partitioned; else it must hold them all
+    writes_held: bool
+
+    def __call__(self, leaf: nn.Module) -> None:
+        """Replace ``leaf``'s own parameters by this rank's partitions of them."""
+
+    def held(self, param: nn.Parameter) -> tuple[int, torch.Tensor]:
+        """For a parameter partitioned by this rank: where its partition begins in the flattened parameter, and the
+        partition's values (a flat tensor, padding left out), which the rank may write in place."""
 
 
 def model_skeleton(cfg, vocab_size: int, codes: torch.Tensor | None, compression, tp_group=None, tp_rank: int = 0,
@@ -70,7 +99,7 @@ class SeededValues:
         self.buffer: torch.Tensor | None = None
 
     def reserve(self, names: dict[str, tuple[int, ...]]) -> None:
-        """A draw buffer for the parameters ``{name: full shape}`` about to be initialised."""
+        """A draw buffer (one block) for the parameters ``{name: full shape}`` about to be initialised."""
         size = max((draw_size(n, s) for n, s in names.items()), default=0)
         self.buffer = torch.empty(size) if size else None
 
@@ -78,8 +107,10 @@ class SeededValues:
         self.buffer = None
 
     def shard(self, name: str, full_shape: tuple[int, ...], out: torch.Tensor, dim: int | None, rank: int,
-              parts: int) -> None:
-        initial_shard(name, full_shape, out, self.std, self.seed, dim, rank, parts, self.buffer)
+              parts: int, start: int = 0) -> None:
+        """``out`` <- chunk ``rank`` of ``parts`` along ``dim`` of parameter ``name``, or from ``start`` the next
+        ``out.numel()`` elements of that chunk flattened (:func:`~mhf_dist.model.init.initial_shard`)."""
+        initial_shard(name, full_shape, out, self.std, self.seed, dim, rank, parts, self.buffer, start)
 
 
 class FileValues:
@@ -108,12 +139,24 @@ class FileValues:
             raise ValueError("; ".join(problems[:5]) + more)
 
     def shard(self, name: str, full_shape: tuple[int, ...], out: torch.Tensor, dim: int | None, rank: int,
-              parts: int) -> None:
-        index = [slice(None)] * len(full_shape)
+              parts: int, start: int = 0) -> None:
+        """As :meth:`SeededValues.shard`: only the rows (along the first dimension) that hold the elements are read."""
+        index, shape = [slice(None)] * len(full_shape), list(full_shape)
         if dim is not None:
-            size = full_shape[dim] // parts
+            size = shape[dim] = full_shape[dim] // parts
             index[dim] = slice(rank * size, (rank + 1) * size)
-        out.copy_(self.file.get_slice(name)[tuple(index)])
+        n = out.numel()
+        if n == 0:
+            return
+        if not shape:  # a scalar
+            out.copy_(self.file.get_tensor(name))
+            return
+        row = math.prod(shape[1:])
+        first, last = start // row, (start + n - 1) // row + 1
+        offset = index[0].start if dim == 0 else 0
+        index[0] = slice(offset + first, offset + last)
+        values = self.file.get_slice(name)[tuple(index)].reshape(-1)[start - first * row:][:n]
+        out.copy_(values.view(out.shape))
 
 
 def full_shapes(model: LanguageModel, tp: int) -> dict[str, tuple[int, ...]]:
@@ -131,8 +174,9 @@ def full_shapes(model: LanguageModel, tp: int) -> dict[str, tuple[int, ...]]:
 class Materialiser:
     """``materialise(module)``: the meta parameters of ``module`` (``model`` or a part of it) become real on this
     rank, initialised from ``values``, leaf by leaf; with a ``partition`` (pp = 1 under ZeRO-3) each leaf is
-    partitioned over the data-parallel group as soon as it is filled, in the partitioner's dtype. Buffers move to
-    ``device``. Returns ``module``."""
+    partitioned over the data-parallel group as soon as it is made, in the partitioner's dtype, and this rank's
+    partitions are then written in place (the leaf filled in full first where the partitioner cannot have them
+    written afterwards). Buffers move to ``device``. Returns ``module``."""
 
     def __init__(self, model: LanguageModel, values, device: torch.device, tp_rank: int = 0, tp: int = 1,
                  partition: Partitioner | None = None):
@@ -149,18 +193,17 @@ class Materialiser:
         leaves = [(leaf, [(n, f"{prefix}.{n}" if prefix else n, p) for n, p in leaf.named_parameters(recurse=False)
                           if p.is_meta]) for prefix, leaf in module.named_modules(prefix=base)]
         leaves = [(leaf, params) for leaf, params in leaves if params]
-        # A parameter is drawn straight into its own memory when that is the whole fp32 draw on the CPU; else the
-        # draws share one buffer (one table, or one full parameter), so no temporary is allocated per parameter.
-        direct = self.tp == 1 and self.device.type == "cpu" and self.dtype in (None, torch.float32)
         names = [name for _, params in leaves for _, name, _ in params]
-        self.values.reserve({} if direct else {name: self.shapes[name] for name in names})
+        self.values.reserve({name: self.shapes[name] for name in names})  # one block's draw buffer
         scratch = None
         if self.partition is not None and leaves:
-            # Each leaf is filled in one buffer, reused leaf after leaf: ZeRO-3 keeps a copy of its slice and lets
+            # Each leaf is made in one buffer, reused leaf after leaf: ZeRO-3 keeps a copy of its slice and lets
             # the leaf's tensors go, so the only other allocations are the slices, which stay packed (a fresh
             # full-size tensor per leaf would leave the allocator holes that later, larger leaves cannot reuse).
             scratch = torch.empty(max(sum(meta.numel() for *_, meta in params) for _, params in leaves),
                                   dtype=self.dtype, device=self.device)
+        # Under ZeRO-3, a rank writes only its partitions, once partitioned (the leaf's own values are not read)
+        after = self.partition is not None and self.partition.writes_held
         for leaf, params in leaves:
             offset = 0
             for n, name, meta in params:
@@ -168,9 +211,14 @@ class Materialiser:
                 if scratch is not None:
                     out = scratch[offset:offset + meta.numel()].view(meta.shape)
                     offset += meta.numel()
-                setattr(leaf, n, self._real(name, meta, out))
+                setattr(leaf, n, self._real(name, meta, out, fill=not after))
             if scratch is not None:
                 self.partition(leaf)
+            if after:
+                for n, name, _ in params:
+                    start, held = self.partition.held(getattr(leaf, n))
+                    self.values.shard(name, self.shapes[name], held, split_dim(name, self.dims), self.tp_rank,
+                                      self.tp, start)
         self.values.release()
         for name, weight in host_tables(module).items():  # model.engram.offload: whole, in host memory
             self.values.shard(self.prefixes[id(module)] + ("." if self.prefixes[id(module)] else "") + name,
@@ -180,11 +228,13 @@ class Materialiser:
                 setattr(owner, n, buffer.to(self.device))
         return module
 
-    def _real(self, name: str, meta: nn.Parameter, out: torch.Tensor | None = None) -> nn.Parameter:
-        """The parameter ``name`` on this rank, its values written into ``out`` (or a new tensor)."""
+    def _real(self, name: str, meta: nn.Parameter, out: torch.Tensor | None = None, fill: bool = True
+              ) -> nn.Parameter:
+        """The parameter ``name`` on this rank in ``out`` (or a new tensor), its values written there with ``fill``."""
         if out is None:
             out = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-        self.values.shard(name, self.shapes[name], out, split_dim(name, self.dims), self.tp_rank, self.tp)
+        if fill:
+            self.values.shard(name, self.shapes[name], out, split_dim(name, self.dims), self.tp_rank, self.tp)
         param = nn.Parameter(out, requires_grad=meta.requires_grad)
         param.__dict__.update(meta.__dict__)  # tensor_model_parallel and the like
         return param

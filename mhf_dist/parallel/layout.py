@@ -1,16 +1,12 @@
-"""The parallel layout of a run and its engine config, resolved before any rank starts.
-
-``plan``, ``submit`` and ``train`` share these checks; nothing here imports
-DeepSpeed or torch, so they run in a fraction of a second on a login node.
-The engine config is the backend's (:func:`mhf_dist.backend.engine_config`).
-"""
+"""The parallel layout of a run (tp × pp × dp, micro-batches) and its process-group backend, resolved before any
+rank starts (:func:`mhf_dist.train.preflight.preflight` adds the engine config). Nothing here imports torch, so
+``plan``, ``submit`` and ``train`` check a layout in a fraction of a second on a login node."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mhf_dist.backend import engine_config
-from mhf_dist.config import ConfigError, RunConfig, TrainConfig, check_data_source
+from mhf_dist.config import ConfigError, RunConfig, TrainConfig
 
 
 @dataclass
@@ -56,15 +52,6 @@ def fit_micro_batch(train: TrainConfig, dp: int) -> None:
     raise ConfigError(
         f"train.global_batch_size={total} is not a multiple of train.micro_batch_size × dp = {micro} × {dp}; "
         f"set {other_micro}{near}")
-
-
-def preflight(cfg: RunConfig, world_size: int, device: str, data_here: bool = True) -> tuple[Layout, dict]:
-    """Every check before a launch on ``device`` ranks (cpu, cuda): the data source (on this machine unless
-    ``data_here`` is False), the layout for ``world_size`` and the engine config; before any rank starts."""
-    check_data_source(cfg, data_here)
-    backend_name(cfg.train.dist_backend, device)
-    layout = resolve_layout(cfg, world_size)
-    return layout, engine_config(cfg, layout, device)
 
 
 def backend_name(setting: str, device_type: str) -> str:

@@ -18,7 +18,7 @@ from mhf_dist.parallel.comm import count_collectives
 from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
 from mhf_dist.profiling.timing import Timer, torch_dtype
 from mhf_dist.train.optim import build_optimizer
-from mhf_dist.train.throughput import memory_gb
+from mhf_dist.train.throughput import memory_gb, restart_peak_memory
 from mhf_dist.vocab.engram_compression import CompressionTable
 
 VOCAB = 32768  # Mistral v0.3's size; signatures are random and ids not compressed (timing does not depend on them)
@@ -122,10 +122,11 @@ class TrainingProbe:
 def profile_training(size: str, hash_name: str, tp: int, steps: int, warmup: int, seq_len: int, micro: int,
                      dtype: str, device: torch.device, peak_measured: float, peak_nominal: float | None,
                      overrides: list[str], trace_dir: Path | None = None) -> TrainRow:
-    """One configuration on this rank (tp ranks run this together): ``warmup`` steps, then ``steps`` measured."""
+    """One configuration on this rank (tp ranks run this together): ``warmup`` steps, then ``steps`` measured. Its
+    row's memory is the steps' own peak: what the process did before them (building the model on the host at full
+    size, a peak-FLOPs matmul measured in the same process) is not in it."""
     probe = TrainingProbe(size, hash_name, tp, seq_len, micro, dtype, device, overrides, max_steps=steps + warmup)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    restart_peak_memory(device)  # from what is held now (the model), which the steps hold too
     profiler = None
     if trace_dir is not None:
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler

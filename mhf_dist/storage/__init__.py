@@ -1,1 +1,1 @@
-"""Run directories, and outputs written through a staging directory."""
+"""Run directories (their layout, assets and lock), and outputs written through a staging directory."""

@@ -16,8 +16,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from mhf_dist.config import ConfigError
+from mhf_dist.storage.run_dir import RUN_MARKERS
 
-RUN_MARKERS = ("checkpoints", "metrics.jsonl", "lock.json")  # what only a run directory holds
 OVERWRITE_HELP = "replace a non-empty output directory (never a run directory or the source)"
 
 

@@ -1,14 +1,24 @@
-"""The run directory: everything a run needs to continue lives under it.
+"""The run directory: everything a run needs to continue lives under it, each part named here once.
 
-Layout::
+Layout (:class:`RunDir`'s attributes)::
 
-    RUN/config.yaml        resolved RunConfig
-    RUN/tokenizer/         the tokenizer (trained here on the embedded corpus when tokenizer.path is None)
-    RUN/signatures/        the SignatureTable (docs/spec.md §1), built once, then verified on every start
-    RUN/engram/            the Engram tokenizer compression (docs/spec.md §8, only with model.engram), likewise
-    RUN/data/              shards of the embedded corpus (only when data.path is unset or 'embedded')
-    RUN/metrics.jsonl      one JSON object per logged step
-    RUN/tensorboard/       TensorBoard event files
+    RUN/config.yaml        resolved RunConfig                                        config_path
+    RUN/tokenizer/         the tokenizer (trained here on the embedded corpus        tokenizer_dir
+                           when tokenizer.path is None)
+    RUN/signatures/        the SignatureTable (docs/spec.md §1), built once, then    signatures_dir
+                           verified on every start
+    RUN/engram/            the Engram tokenizer compression (docs/spec.md §8, only   engram_dir
+                           with model.engram), likewise
+    RUN/data/              shards of the embedded corpus (only when data.path is     data_dir
+                           unset or 'embedded')
+    RUN/checkpoints/       the checkpoints (mhf_dist.train.checkpoint)               checkpoints_dir
+    RUN/lock.json          the job that trains here (mhf_dist.storage.run_lock)      lock_path
+    RUN/metrics.jsonl      one JSON object per logged step                           metrics_path
+    RUN/tensorboard/       TensorBoard event files                                   tensorboard_dir
+    RUN/slurm/             submitted job scripts, their logs and jobs.jsonl          jobs_dir, jobs_file
+
+Making a run's assets (the tokenizer, tables, shards) loads the vocabulary and data stacks; naming its paths loads
+nothing, so ``status`` and ``submit`` use this class on a login node.
 """
 
 from __future__ import annotations
@@ -17,26 +27,41 @@ import contextlib
 import shutil
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
-from transformers import PreTrainedTokenizerBase
 
 from mhf_dist.config import CONFIG_FILE, HashConfig, RunConfig
-from mhf_dist.data.prepare import MANIFEST, TOKENIZER_DIR, prepare
-from mhf_dist.vocab.engram_compression import NORMALIZATION_VERSION, CompressionError, CompressionTable
-from mhf_dist.vocab.signatures import SignatureError, SignatureTable
-from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
-from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe
+from mhf_dist.data.formats import MANIFEST, TOKENIZER_DIR
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from mhf_dist.vocab.engram_compression import CompressionTable
+    from mhf_dist.vocab.signatures import SignatureTable
+
+CHECKPOINTS_DIR = "checkpoints"
+LOCK_FILE = "lock.json"
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+JOBS_DIR = "slurm"  # also OUT/slurm of submit-data
+RUN_MARKERS = (CHECKPOINTS_DIR, METRICS_FILE, LOCK_FILE)  # what only a run directory holds
 
 
 class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.config_path = self.path / CONFIG_FILE
         self.tokenizer_dir = self.path / "tokenizer"
         self.signatures_dir = self.path / "signatures"
         self.engram_dir = self.path / "engram"
-        self.config_path = self.path / CONFIG_FILE
         self.data_dir = self.path / "data"
+        self.checkpoints_dir = self.path / CHECKPOINTS_DIR
+        self.lock_path = self.path / LOCK_FILE
+        self.metrics_path = self.path / METRICS_FILE
+        self.tensorboard_dir = self.path / TENSORBOARD_DIR
+        self.jobs_dir = self.path / JOBS_DIR
+        self.jobs_file = self.jobs_dir / "jobs.jsonl"  # one line per submitted job
 
     def save_config(self, cfg: RunConfig) -> None:
         """``config.yaml``: the config a plain ``train --run-dir RUN`` resumes with."""
@@ -48,6 +73,8 @@ class RunDir:
     def ensure_tokenizer(self, cfg: RunConfig) -> PreTrainedTokenizerBase:
         """The run's tokenizer: ``tokenizer.path``, else the one ``data.path``'s shards were made with, else a
         BPE trained once on the embedded corpus."""
+        from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe
+
         source = self.tokenizer_source(cfg)
         if source == str(self.tokenizer_dir) and not (self.tokenizer_dir / "tokenizer.json").is_file():
             train_bpe(embedded_corpus(), cfg.tokenizer.vocab_size, self.tokenizer_dir)
@@ -55,6 +82,9 @@ class RunDir:
 
     def ensure_signatures(self, hash_cfg: HashConfig, tokenizer: PreTrainedTokenizerBase) -> SignatureTable:
         """Build the table on first start; afterwards load it and check it matches tokenizer and config."""
+        from mhf_dist.vocab.signatures import SignatureError, SignatureTable
+        from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
+
         tokens = vocabulary(tokenizer)
         if not self.signatures_dir.exists():
             table = SignatureTable.build(
@@ -79,6 +109,9 @@ class RunDir:
 
     def ensure_compression(self, tokenizer: PreTrainedTokenizerBase) -> CompressionTable:
         """The Engram compression table: built on first start; afterwards loaded and checked against the tokenizer."""
+        from mhf_dist.vocab.engram_compression import NORMALIZATION_VERSION, CompressionError, CompressionTable
+        from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
+
         if not self.engram_dir.exists():
             table = CompressionTable.build(tokenizer)
             table.save(self.engram_dir)
@@ -109,6 +142,8 @@ class RunDir:
         if cfg.data.shard_dir is not None:
             return Path(cfg.data.shard_dir)
         if not (self.data_dir / MANIFEST).is_file():
+            from mhf_dist.data.prepare import prepare
+
             staging = self.data_dir.with_name("data.partial")
             shutil.rmtree(staging, ignore_errors=True)
             with resources.as_file(resources.files("mhf_dist.data").joinpath("corpus/kjv.txt.gz")) as corpus:

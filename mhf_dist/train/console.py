@@ -7,7 +7,21 @@ and, at evaluations, the validation perplexities. ``metrics.jsonl`` keeps every 
 
 from __future__ import annotations
 
-from mhf_dist.cluster.status import duration
+
+def duration(seconds: float) -> str:
+    """``45 s``, ``12 min``, ``3 h 05 min``, ``2 d 4 h``."""
+    s = round(seconds)
+    if s < 90:
+        return f"{s} s"
+    minutes = round(s / 60)
+    if minutes < 90:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours} h {minutes:02d} min"
+    days, hours = divmod(hours, 24)
+    return f"{days} d {hours} h"
+
 
 # (record key, how it reads): the training measures first, then the evaluation's
 _FIELDS = (

@@ -46,7 +46,9 @@ from mhf_dist.model.host_tables import HostTables
 from mhf_dist.parallel.scalars import ScalarCollectives, communication_device
 
 if TYPE_CHECKING:
-    from mhf_dist.backend import Trainer
+    from mhf_dist.backend import HostTableFactory, Trainer
+    from mhf_dist.config import RunConfig
+    from mhf_dist.parallel.groups import ParallelGroups
 
 HOST_TABLES_FILE = "engram-host-tables.safetensors"
 
@@ -65,6 +67,17 @@ def host_tables(model: nn.Module) -> dict[int, HostTables]:
     """``{layer: HostTables}`` of the model's offloaded memories."""
     return {i: block.engram.tables for i, block in enumerate(model.backbone.layers)
             if block.engram is not None and isinstance(block.engram.tables, HostTables)}
+
+
+def host_tables_factory(cfg: RunConfig, groups: ParallelGroups) -> HostTableFactory | None:
+    """What the backend makes the host tables' step with, for a model whose Engram tables are in host memory
+    (``model.engram.offload``); None for any other."""
+    engram = cfg.model.engram
+    if engram is None or not engram.offload:
+        return None
+    dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32  # what crosses to the device
+    return lambda model, trainer: HostTablesStep(model, trainer, dtype, groups.dp_group, groups.dp,
+                                                 engram.offload_update)
 
 
 class HostTablesStep:

@@ -26,17 +26,12 @@ lr, grad norm, tokens/s, TFLOP/s, MFU, memory) and shows the progress bar.
 from __future__ import annotations
 
 import atexit
-import contextlib
-import io
 import os
 import random
 import statistics
-import sys
 import time
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
 
@@ -48,52 +43,37 @@ from tqdm.auto import tqdm
 from mhf_dist.backend import (
     StepStats,
     Trainer,
-    accelerator_env,
     build_trainer,
     parameter_partitioner,
     partitions_parameters,
 )
-from mhf_dist.backend import init_distributed as init_backend_distributed
-from mhf_dist.cluster.launch import free_port, slurm_rank_env
-from mhf_dist.cluster.run_lock import RunDirLocked, RunLock
 from mhf_dist.config import RunConfig
 from mhf_dist.data.mixture import describe, open_data
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.fused_head import use_kernels
 from mhf_dist.model.lm import LanguageModel
+from mhf_dist.model.variants import variant
 from mhf_dist.parallel.construct import FileValues, Materialiser, SeededValues, full_shapes, model_skeleton
-from mhf_dist.parallel.devices import bind_gpu, device_type
+from mhf_dist.parallel.devices import device_type
 from mhf_dist.parallel.groups import ParallelGroups
-from mhf_dist.parallel.layout import Layout, backend_name, preflight
+from mhf_dist.parallel.layout import Layout
 from mhf_dist.parallel.rank0_work import on_rank0
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
 from mhf_dist.storage.run_dir import RunDir, RunDirAsFound
+from mhf_dist.storage.run_lock import RunDirLocked, RunLock
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
 from mhf_dist.train.console import step_line
 from mhf_dist.train.divergence import LossWatch
+from mhf_dist.train.host_tables import host_tables_factory
 from mhf_dist.train.metrics import MetricsLogger
-from mhf_dist.train.optim import apply_optimizer_changes
+from mhf_dist.train.optim import apply_optimizer_changes, optimizer_factory
 from mhf_dist.train.preemption import StopSignal
-from mhf_dist.train.throughput import memory_gb, total_peak_flops
+from mhf_dist.train.preflight import preflight
+from mhf_dist.train.process_group import backend_prints, init_distributed, resolve_device
+from mhf_dist.train.throughput import memory_gb, restart_peak_memory, total_peak_flops
 from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
-
-
-def leave_process_group() -> None:
-    """Shut this rank's process group down (its communication threads end here, not at interpreter exit)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def collective_failure(e: BaseException) -> str | None:
-    """What a failed collective reports (another rank ended, or stopped answering: gloo's closed or reset
-    connection, a backend's error), in one line; None for any other error."""
-    gloo = isinstance(e, RuntimeError) and "/gloo/" in str(e)
-    if not (gloo or isinstance(e, dist.DistError)):
-        return None
-    text = str(e).split("] ", 1)[-1] if gloo else str(e)  # gloo's message starts with its source location
-    return f"a collective failed, as another rank ended or stopped answering ({text.split('. ', 1)[0].strip()})"
 
 
 def seed_everything(seed: int) -> None:
@@ -102,49 +82,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_device(cfg: RunConfig, local_rank: int) -> torch.device:
-    return bind_gpu(local_rank) if device_type(cfg) == "cuda" else torch.device("cpu")
-
-
-def init_distributed(cfg: RunConfig, device: torch.device) -> None:
-    """Join the job's process group (a one-rank group when started without a launcher) over ``train.dist_backend``,
-    with ``train.dist_timeout_minutes`` as its timeout."""
-    # torch's deprecation notices about the collectives DeepSpeed calls
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    # The pipeline engine broadcasts the tied bucket tables between the first and last stage; torch warns that the
-    # broadcast has no autograd kernel. The tables' gradients are summed over the tie by DeepSpeed itself, and the
-    # pipeline tests show them equal to one process's, so the warning is known not to apply.
-    warnings.filterwarnings("ignore", message=r"c10d::broadcast_: an autograd kernel was not registered")
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
-    os.environ.update(accelerator_env(device.type))  # a rank not started by mhf-dist train, before the backend loads
-    init_backend_distributed(backend_name(cfg.train.dist_backend, device.type),
-                             timedelta(minutes=cfg.train.dist_timeout_minutes), device)
-
-
-@contextlib.contextmanager
-def backend_prints(shown: bool):
-    """The backend's own ``print`` lines while it starts (its op builds, ``SEED_LAYERS=...``, ``Using topology:
-    ...``, once per rank) are held back unless ``shown`` (``train --verbose``); they are shown after all if the
-    start fails."""
-    if shown:
-        yield
-        return
-    held = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(held):
-            yield
-    except BaseException:
-        sys.stderr.write(held.getvalue())
-        raise
-
-
 def _run_assets(run: RunDir, cfg: RunConfig):
     """(tokenizer, signature table or None, Engram compression table or None, shard directory), created on
     first use."""
     tokenizer = run.ensure_tokenizer(cfg)
-    table = run.ensure_signatures(cfg.model.hash, tokenizer) if cfg.model.variant == "mhf" else None
+    table = run.ensure_signatures(cfg.model.hash, tokenizer) if variant(cfg).needs_signatures else None
     compression = run.ensure_compression(tokenizer) if cfg.model.engram is not None else None
     return tokenizer, table, compression, run.ensure_shards(cfg)
 
@@ -204,12 +146,12 @@ def init_weights_file(path: Path, model: LanguageModel, tp: int) -> FileValues:
                               "use weights exported from a run with the same model config") from e
 
 
-def take_lock(run_path: Path, rank: int, scalars: ScalarCollectives) -> None:
+def take_lock(run: RunDir, rank: int, scalars: ScalarCollectives) -> None:
     """Rank 0 takes the run directory's lock (released when the process exits, errors included); every rank stops
     if another job holds it."""
     refused = None
     if rank == 0:
-        lock = RunLock(run_path)
+        lock = RunLock(run)
         try:
             if (warning := lock.acquire()) is not None:
                 tqdm.write(f"warning: {warning}")
@@ -217,19 +159,13 @@ def take_lock(run_path: Path, rank: int, scalars: ScalarCollectives) -> None:
         except RunDirLocked as e:
             refused = e
     if scalars.any(refused is not None)[0]:
-        raise refused or RunDirLocked(f"{run_path} is in use by another job (rank 0 names it)")
+        raise refused or RunDirLocked(f"{run.path} is in use by another job (rank 0 names it)")
 
 
 def weights_finite(trainer: Trainer, scalars: ScalarCollectives) -> bool:
     """Whether every rank's parameters (its ZeRO-3 partition, or its whole stage) hold only finite values."""
     bad = any(not torch.isfinite(p).all() for p in trainer.local_parameters())
     return not scalars.any(bad)[0]
-
-
-def rank_env_from_slurm() -> None:
-    """Inside an ``srun`` step, each task is one rank: take RANK/LOCAL_RANK/WORLD_SIZE from SLURM."""
-    if "RANK" not in os.environ:
-        os.environ.update(slurm_rank_env())
 
 
 class ResumePoint(NamedTuple):
@@ -264,7 +200,7 @@ class TrainingLoop:
         self._join()
         self.run_dir = RunDir(run_dir)
         found = RunDirAsFound(self.run_dir.path) if self.rank == 0 else None  # before the lock is written into it
-        take_lock(self.run_dir.path, self.rank, self.scalars)
+        take_lock(self.run_dir, self.rank, self.scalars)
         try:
             return self._start(resume)
         except Exception:
@@ -290,7 +226,6 @@ class TrainingLoop:
     def _join(self) -> None:
         """Resolve the layout and DeepSpeed config (every config error before any collective), then join the job's
         process group and its parallel groups."""
-        rank_env_from_slurm()
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         self.layout, self.ds_config = preflight(self.cfg, self.world, device_type(self.cfg))
         self.device = resolve_device(self.cfg, int(os.environ.get("LOCAL_RANK", 0)))
@@ -318,7 +253,7 @@ class TrainingLoop:
         seed_everything(cfg.train.seed)
         model = model_skeleton(cfg.model, len(self.tokenizer), self.table.codes if self.table else None,
                                self.compression, groups.tp_group, groups.tp_rank, groups.tp)
-        self.checkpointer = Checkpointer(self.run_dir.path, cfg, self.table.content_hash if self.table else None,
+        self.checkpointer = Checkpointer(self.run_dir, cfg, self.table.content_hash if self.table else None,
                                          checkpoint_layout(cfg, layout, model.vocab.tables.num_rows),
                                          [n for n, _ in model.named_parameters()])
         resuming, zero3 = None, partitions_parameters(self.ds_config, layout)
@@ -333,13 +268,17 @@ class TrainingLoop:
             model.train_only_vocabulary_and_ends(cfg.train.trainable_blocks)
         if cfg.train.compile:
             model.backbone.compile_blocks()
+            if zero3 and self.rank == 0:
+                tqdm.write("note: train.compile under ZeRO-3 measured no faster than eager (DeepSpeed's hooks break "
+                           "each block's graph at every submodule) and slows the first step; see docs/benchmarks.md")
         use_kernels(cfg.train.fused_head_kernel)
         self.vocab_rows = model.vocab.tables.num_rows
         materialise = Materialiser(model, values, self.device, groups.tp_rank, groups.tp,
                                    parameter_partitioner(self.ds_config, layout, groups))
         with backend_prints(self.verbose):
-            self.trainer = build_trainer(cfg, model, groups, self.ds_config, layout, materialise,
-                                         load_universal=resuming is not None and resuming.universal)
+            self.trainer = build_trainer(cfg, model, groups, self.ds_config, layout, optimizer_factory(cfg),
+                                         materialise, load_universal=resuming is not None and resuming.universal,
+                                         host_tables=host_tables_factory(cfg, groups))
         return resuming
 
     def _open_data(self) -> None:
@@ -401,9 +340,10 @@ class TrainingLoop:
         self.peak = self.scalars.from_rank0(total_peak_flops(
             t.peak_tflops, self.device, torch.bfloat16 if t.dtype == "bf16" else torch.float32, self.world)
             if self.rank == 0 else 0.0)
+        restart_peak_memory(self.device)  # the logged peak is the steps' own, not construction's or the probe's
         self.eval_batches = max(1, t.eval_sequences // (t.micro_batch_size * self.layout.dp))
         self.end = min(t.stop_at_step or t.max_steps, t.max_steps)
-        self.logger = MetricsLogger(self.run_dir.path, resume_step=start, cfg=cfg) if self.rank == 0 else None
+        self.logger = MetricsLogger(self.run_dir, resume_step=start, cfg=cfg) if self.rank == 0 else None
         if self.logger and self.data_restarted:  # the record at the resumed step says where the data changed
             self.logger.log(start, {"data_restart": True, "data_path": self.data_name})
         if self.rank == 0 and cfg.data.sources:  # each source's share and how often the run goes over it

@@ -21,14 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mhf_dist.config import ConfigError
+from mhf_dist.storage.run_dir import RunDir
 
 if TYPE_CHECKING:
     from mhf_dist.config import RunConfig
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"  # W&B's own files (wandb.init(dir=RUN) writes RUN/wandb/)
 WANDB_RUN_ID = "run_id"  # in WANDB_DIR: the W&B run every start of this run directory logs to
 
@@ -37,17 +36,17 @@ class MetricsLogger:
     """Appends to a run's logs; ``resume_step`` drops what was logged after the checkpoint being resumed. With
     ``cfg.train.wandb`` set, the same scalars also go to W&B."""
 
-    def __init__(self, run_dir: str | Path, resume_step: int = 0, cfg: RunConfig | None = None):
-        self.wandb = start_wandb(run_dir, cfg) if cfg is not None else None  # first: a missing wandb fails early
+    def __init__(self, run: RunDir, resume_step: int = 0, cfg: RunConfig | None = None):
+        self.wandb = start_wandb(run.path, cfg) if cfg is not None else None  # first: a missing wandb fails early
         self.wandb_from = self.wandb.step if self.wandb is not None else 0
         from torch.utils.tensorboard import SummaryWriter  # here: reading a run's metrics (`status`) needs no torch
 
-        self.path = Path(run_dir) / METRICS_FILE
+        self.path = run.metrics_path
         if resume_step and self.path.exists():
             kept = [r for r in _records(self.path) if r["step"] <= resume_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         purge_step = resume_step + 1 if resume_step else None
-        self.writer = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR), purge_step=purge_step)
+        self.writer = SummaryWriter(str(run.tensorboard_dir), purge_step=purge_step)
 
     def log(self, step: int, values: dict) -> None:
         record = {"step": step, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), **values}
@@ -129,5 +128,6 @@ def _records(path: Path) -> list[dict]:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / METRICS_FILE
+    """The records of the run directory's ``metrics.jsonl`` (none before its first logged step)."""
+    path = RunDir(run_dir).metrics_path
     return _records(path) if path.exists() else []

@@ -15,7 +15,8 @@ import torch
 from mhf_dist.config import OptimizerConfig
 
 if TYPE_CHECKING:
-    from mhf_dist.backend import Trainer
+    from mhf_dist.backend import OptimizerFactory, Trainer
+    from mhf_dist.config import RunConfig
 
 
 def lr_factor(step: int, cfg: OptimizerConfig, max_steps: int) -> float:
@@ -39,6 +40,11 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, max_steps: int
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, max_steps))
     return optimizer, scheduler
+
+
+def optimizer_factory(cfg: RunConfig) -> OptimizerFactory:
+    """What the backend makes its optimizer with: :func:`build_optimizer` with the run's settings."""
+    return lambda module, ndim: build_optimizer(module, cfg.optimizer, cfg.train.max_steps, ndim)
 
 
 def apply_optimizer_changes(trainer: Trainer, saved: dict, cfg: OptimizerConfig, max_steps: int,

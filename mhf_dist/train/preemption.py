@@ -1,5 +1,5 @@
-"""Stopping on a signal: SIGUSR1 (SLURM's warning before the time limit), SIGTERM (preemption, ``scancel``) or
-Ctrl-C (SIGINT).
+"""Stopping on a signal: SIGUSR1 (a scheduler's warning before the time limit), SIGTERM (preemption, a cancelled job)
+or Ctrl-C (SIGINT).
 
 The handler is installed before anything slow starts (imports of the training
 stack, data preparation, the model build), so a signal at any moment of a
@@ -16,21 +16,32 @@ newest checkpoint, which the next start resumes from.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 from collections.abc import Callable
-from pathlib import Path
 
 from mhf_dist.errors import ABORTED_EXIT_CODE
-from mhf_dist.train.checkpoint_index import marker_problem, step_directories
+from mhf_dist.storage.run_dir import RunDir
+from mhf_dist.train.checkpoint.index import marker_problem, step_directories
 
-GRACE_ENV = "MHF_DIST_GRACE_SECONDS"  # set by the job script: seconds between SLURM's warning and the time limit
+MIN_GRACE_SECONDS = 120
+GRACE_SAFETY = 1.5  # slow storage days
+EXIT_SECONDS = 30
+GRACE_ENV = "MHF_DIST_GRACE_SECONDS"  # set by the job script: seconds between the scheduler's warning and its limit
 INTERRUPT_NOTE = "interrupted: finishing this step, then saving (Ctrl-C again aborts without saving)"
 
 
-def lost_work(run_dir: str | Path, checkpoint_minutes: float | None) -> str:
+def grace_seconds(step_s: float, save_s: float) -> int:
+    """The grace period that fits a step and a save after the scheduler's warning: ``1.5 · (step + save) + 30 s``,
+    rounded up to ten seconds, at least :data:`MIN_GRACE_SECONDS`."""
+    needed = GRACE_SAFETY * (step_s + save_s) + EXIT_SECONDS
+    return max(MIN_GRACE_SECONDS, 10 * math.ceil(needed / 10))
+
+
+def lost_work(run: RunDir, checkpoint_minutes: float | None) -> str:
     """What stopping now without a save loses, and where the next start (``--resume auto``) continues from."""
-    saved = [p for p in step_directories(Path(run_dir) / "checkpoints") if marker_problem(p) is None]
+    saved = [p for p in step_directories(run.checkpoints_dir) if marker_problem(p) is None]
     if saved:
         note = f"the steps since {saved[-1].name} are lost; rerun the same command to resume from it"
     else:
@@ -43,7 +54,7 @@ def lost_work(run_dir: str | Path, checkpoint_minutes: float | None) -> str:
 def say_on_rank0(line: str) -> None:
     """``line`` on stderr from rank 0 only (every rank gets a terminal's Ctrl-C under torchrun), written in one
     system call: a signal handler must not re-enter the buffered stream the interrupted code may be writing."""
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+    if os.environ.get("RANK", "0") == "0":
         os.write(2, f"{line}\n".encode())
 
 

@@ -19,7 +19,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from mhf_dist.config import CONFIG_FILE, ConfigError, ModelConfig, RunConfig, load_config
-from mhf_dist.train.checkpoint_index import complete_checkpoints, read_marker
+from mhf_dist.storage.run_dir import RunDir
+from mhf_dist.train.checkpoint.index import complete_checkpoints, read_marker
 
 CHANGEABLE_ON_RESUME = (
     "optimizer", "parallel", "inference", "model.engram.offload_update",
@@ -55,7 +56,7 @@ def differences(before: dict, after: dict, prefix: str = "") -> dict[str, tuple[
 def resume_config(run_dir: str | Path, overrides: list[str], resume: str) -> RunConfig:
     """``RUN/config.yaml`` with ``overrides``, checked against the checkpoint ``resume`` names (auto: the newest
     complete one)."""
-    path = Path(run_dir) / CONFIG_FILE
+    path = RunDir(run_dir).config_path
     if not path.is_file():
         raise ConfigError(f"no configuration: {run_dir} holds no {CONFIG_FILE} to resume with; pass --preset NAME "
                           "(e.g. tiny-h4b16k) or --config run.yaml")
@@ -71,7 +72,7 @@ def _resumed_checkpoint(run_dir: Path, resume: str) -> Path | None:
     if resume == "none":
         return None
     if resume == "auto":
-        found = complete_checkpoints(run_dir / "checkpoints")
+        found = complete_checkpoints(RunDir(run_dir).checkpoints_dir)
         return found[-1] if found else None
     return Path(resume)
 

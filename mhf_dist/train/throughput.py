@@ -44,11 +44,25 @@ def total_peak_flops(per_device_tflops: float | None, device: torch.device, dtyp
     return per_rank * max(1, min(world, (os.cpu_count() or 1) // torch.get_num_threads()))
 
 
+def restart_peak_memory(device: torch.device) -> None:
+    """Start this rank's peak memory (:func:`memory_gb`) afresh from what it holds now, so that it is the steps'
+    own: CUDA's peak allocated, or on CPU the process's peak resident memory (``VmHWM``; where the kernel refuses
+    the restart, the peak keeps what came before)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_host_peak()
+
+
 def memory_gb(device: torch.device) -> float:
-    """Peak memory of this rank: CUDA max allocated, or the process's max RSS on CPU."""
+    """This rank's peak memory since it started or since :func:`restart_peak_memory`: CUDA max allocated, or on CPU
+    the peak resident memory (the process's max RSS where ``/proc`` has no ``VmHWM``)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    try:
+        return host_peak_bytes() / 2**30
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def _status_bytes(field: str) -> int:

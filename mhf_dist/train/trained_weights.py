@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from mhf_dist.backend import consolidate
 from mhf_dist.config import RunConfig
 from mhf_dist.storage.run_dir import RunDir
-from mhf_dist.train.checkpoint_index import MARKER, CheckpointError, complete_checkpoints, verify_files
+from mhf_dist.train.checkpoint.index import MARKER, CheckpointError, complete_checkpoints, verify_files
 from mhf_dist.train.host_tables import host_table_weights
 
 MODEL_SOURCES = "a run directory (the --run-dir of train or import-hf) or a checkpoint (RUN/checkpoints/step-N)"
@@ -43,7 +43,7 @@ def resolve_weights(path: str | Path) -> Path:
     path = check_source(path)
     if (path / MARKER).is_file():
         return path
-    found = complete_checkpoints(path / "checkpoints")
+    found = complete_checkpoints(RunDir(path).checkpoints_dir)
     if found:
         return found[-1]
     init_from = (yaml.safe_load(RunDir(path).config_path.read_text()).get("train") or {}).get("init_from")

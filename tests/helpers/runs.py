@@ -41,6 +41,7 @@ STARTED: list[CliProcess] = []  # every CliProcess of the running test (tests/co
 def _command(args: list[str], env: dict[str, str], cwd: str, output: str, new_session: bool,
              file_size_limit: int | None) -> None:
     """In the forked child: ``mhf-dist ARGS`` to its end (see :class:`CliProcess`)."""
+    from mhf_dist.cli import main
     from mhf_dist.cluster.launch import run_forked
 
     code = 1
@@ -59,7 +60,7 @@ def _command(args: list[str], env: dict[str, str], cwd: str, output: str, new_se
         sys.stdin = open(os.devnull)
         sys.stdout = open(1, "w", buffering=1 if unbuffered else -1, closefd=False)
         sys.stderr = open(2, "w", errors="backslashreplace", buffering=1, closefd=False)
-        code = run_forked(args, env)
+        code = run_forked(main, args, env)
     finally:
         os._exit(code)
 
@@ -199,11 +200,11 @@ def checkpoint_size_estimate(run: Path) -> tuple[int, int]:
     """(the size ``plan`` estimates for a checkpoint of ``run``'s config and layout, the size of its newest one)."""
     import yaml
 
+    from mhf_dist.cluster.job_estimates import checkpoint_bytes as estimated_bytes
     from mhf_dist.config import RunConfig
     from mhf_dist.storage.run_dir import RunDir
     from mhf_dist.train.checkpoint import checkpoint_bytes
-    from mhf_dist.train.checkpoint_index import complete_checkpoints, read_marker
-    from mhf_dist.train.job_estimates import checkpoint_bytes as estimated_bytes
+    from mhf_dist.train.checkpoint.index import complete_checkpoints, read_marker
     from mhf_dist.vocab.tokenizers import load_tokenizer
 
     cfg = RunConfig.model_validate(yaml.safe_load((run / "config.yaml").read_text()))

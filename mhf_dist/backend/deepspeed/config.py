@@ -14,7 +14,6 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mhf_dist.backend.deepspeed.settings import check_zero_stage
 from mhf_dist.config import ConfigError, RunConfig, deep_merge
 
 if TYPE_CHECKING:
@@ -49,7 +48,7 @@ def engine_config(cfg: RunConfig, layout: Layout, device_type: str) -> dict:
     stage = cfg.parallel.zero_stage
     if stage is None:
         stage = base.get("zero_optimization", {}).get("stage", 3 if layout.pp == 1 else 1)
-        check_zero_stage(cfg, stage, f"ZeRO stage {stage}")  # the DeepSpeed file's stage, or its default
+        cfg.check_zero_stage(stage, f"ZeRO stage {stage}")  # the DeepSpeed file's stage, or its default
     derived = {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": layout.accum,

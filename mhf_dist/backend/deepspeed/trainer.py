@@ -33,22 +33,28 @@ import deepspeed
 import torch
 from torch import nn
 
-from mhf_dist.backend import FileWriter, StepStats, Trainer, TrainingFlags
+from mhf_dist.backend import (
+    BatchSource,
+    FileWriter,
+    HostTableFactory,
+    HostTableStep,
+    OptimizerFactory,
+    StepStats,
+    Trainer,
+    TrainingFlags,
+)
 from mhf_dist.backend.deepspeed.checkpoint import load_checkpoint, save_checkpoint
 from mhf_dist.backend.deepspeed.config import checkpoint_interval
 from mhf_dist.backend.deepspeed.grad_norm import include_in_global_norm
 from mhf_dist.backend.deepspeed.pipeline import build_pipeline
 from mhf_dist.backend.deepspeed.zero import full_ndim, held_values
 from mhf_dist.config import RunConfig
-from mhf_dist.data.reader import ShardReader
 from mhf_dist.model.calibration import fit_temperature, validation_metrics
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.model.scoring import EvalSums
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.layout import Layout
 from mhf_dist.parallel.scalars import ScalarCollectives
-from mhf_dist.train.host_tables import HostTablesStep
-from mhf_dist.train.optim import build_optimizer
 
 
 def read_step(scalars: ScalarCollectives, stats: torch.Tensor, engine, flags: TrainingFlags | None
@@ -72,7 +78,7 @@ class EngineTrainer:
     protocol but the steps and the evaluation."""
 
     engine: deepspeed.DeepSpeedEngine
-    host_tables: HostTablesStep | None = None
+    host_tables: HostTableStep | None = None
 
     @property
     def lr(self) -> float:
@@ -88,7 +94,7 @@ class EngineTrainer:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        """The AdamW of :func:`build_optimizer`, which a ZeRO optimizer wraps."""
+        """The optimizer the run's factory made, which a ZeRO optimizer wraps."""
         return getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
 
     @property
@@ -118,23 +124,22 @@ class DataParallelTrainer(EngineTrainer):
     """pp = 1: the model (tensor-parallel or not) under a DeepSpeed engine, ZeRO-0…3."""
 
     def __init__(self, cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout,
-                 materialise: Callable[[nn.Module], nn.Module] | None = None):
+                 make_optimizer: OptimizerFactory, materialise: Callable[[nn.Module], nn.Module] | None = None,
+                 host_tables: HostTableFactory | None = None):
         if materialise is not None:
             model = materialise(model)
         model.backbone.checkpoint_interval = checkpoint_interval(cfg, ds_config)
-        optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.train.max_steps, ndim=full_ndim)
+        optimizer, scheduler = make_optimizer(model, full_ndim)
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=groups
         )
         self.groups, self.accum, self.micro = groups, layout.accum, cfg.train.micro_batch_size
         self.scalars = ScalarCollectives()
-        if cfg.model.engram is not None and cfg.model.engram.offload:
-            dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
-            self.host_tables = HostTablesStep(model, self, dtype, groups.dp_group, groups.dp,
-                                              cfg.model.engram.offload_update)
+        if host_tables is not None:
+            self.host_tables = host_tables(model, self)
             include_in_global_norm(self.engine.optimizer, self.host_tables.host_norm_on)
 
-    def train_step(self, reader: ShardReader, flags: TrainingFlags | None = None) -> StepStats:
+    def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None) -> StepStats:
         """One optimizer step; ``flags`` (e.g. stop and save requests) are asked for at its end and come back
         agreed over all ranks in :attr:`StepStats.flags`, read with the step's other numbers."""
         self.engine.train()
@@ -170,7 +175,7 @@ class DataParallelTrainer(EngineTrainer):
                          p_inf_loss=stats[1 + heads] if p_inf else None, flags=agreed)
 
     @torch.no_grad()
-    def evaluate(self, reader: ShardReader, batches: int) -> dict:
+    def evaluate(self, reader: BatchSource, batches: int) -> dict:
         """The ``val_*`` metrics over ``batches`` micro-batches on each data-parallel rank: the training loss and
         head losses (means over micro-batches and ranks), and ``P_inf``'s NLL, top-1/top-5 and temperature fit
         from sums over every token of every rank (:func:`~mhf_dist.model.calibration.fit_temperature`: two
@@ -200,10 +205,10 @@ class PipelineTrainer(EngineTrainer):
     """pp > 1: DeepSpeed's pipeline engine over the stages of :func:`build_pipeline`, ZeRO-0/1."""
 
     def __init__(self, cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout,
-                 materialise: Callable[[nn.Module], nn.Module] | None = None):
+                 make_optimizer: OptimizerFactory, materialise: Callable[[nn.Module], nn.Module] | None = None):
         self.pipe, self.loss_fn = build_pipeline(model, groups, cfg.data.seq_len,
                                                  checkpoint_interval(cfg, ds_config), materialise)
-        optimizer, scheduler = build_optimizer(self.pipe, cfg.optimizer, cfg.train.max_steps)
+        optimizer, scheduler = make_optimizer(self.pipe, torch.Tensor.dim)
         self.engine, *_ = deepspeed.initialize(
             model=self.pipe, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
@@ -212,7 +217,7 @@ class PipelineTrainer(EngineTrainer):
         self.p_inf_term = model.vocab.p_inf_loss_weight > 0
         self.scalars = ScalarCollectives()
 
-    def _batches(self, reader: ShardReader, count: int):
+    def _batches(self, reader: BatchSource, count: int):
         for _ in range(count):
             batch = reader.next_batch(self.micro)
             yield batch[:, :-1], batch[:, 1:]
@@ -233,7 +238,7 @@ class PipelineTrainer(EngineTrainer):
     def _last_stage_mean(self, field: str, clear: bool = True) -> list[float]:
         return self.scalars.read(self._last_stage_means([field], clear))
 
-    def train_step(self, reader: ShardReader, flags: TrainingFlags | None = None) -> StepStats:
+    def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None) -> StepStats:
         """As :meth:`DataParallelTrainer.train_step`: the loss, the last stage's head losses (and P_inf term), the
         gradient norm and ``flags`` in one host transfer."""
         loss = self.engine.train_batch(data_iter=self._batches(reader, self.accum))
@@ -255,7 +260,7 @@ class PipelineTrainer(EngineTrainer):
         return self.scalars.sum(values)
 
     @torch.no_grad()
-    def evaluate(self, reader: ShardReader, batches: int) -> dict:
+    def evaluate(self, reader: BatchSource, batches: int) -> dict:
         """As :meth:`DataParallelTrainer.evaluate`; the last stage computes the loss outputs."""
         data = [reader.next_batch(self.micro) for _ in range(batches)]
         first = {}
@@ -273,9 +278,12 @@ class PipelineTrainer(EngineTrainer):
 
 
 def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout,
-                  materialise: Callable[[nn.Module], nn.Module] | None = None, load_universal: bool = False) -> Trainer:
-    """The trainer of ``layout``; ``load_universal``: its checkpoint will be loaded from a universal conversion."""
+                  make_optimizer: OptimizerFactory, materialise: Callable[[nn.Module], nn.Module] | None = None,
+                  load_universal: bool = False, host_tables: HostTableFactory | None = None) -> Trainer:
+    """The trainer of ``layout``; ``load_universal``: its checkpoint will be loaded from a universal conversion;
+    ``host_tables``: the step of host-memory tables (pp = 1 only)."""
     if load_universal:
         ds_config = ds_config | {"checkpoint": {"load_universal": True}}
-    cls = PipelineTrainer if layout.pp > 1 else DataParallelTrainer
-    return cls(cfg, model, groups, ds_config, layout, materialise)
+    if layout.pp > 1:
+        return PipelineTrainer(cfg, model, groups, ds_config, layout, make_optimizer, materialise)
+    return DataParallelTrainer(cfg, model, groups, ds_config, layout, make_optimizer, materialise, host_tables)

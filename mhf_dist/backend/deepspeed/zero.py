@@ -35,11 +35,23 @@ class Zero3Partitioner:
     """``partition(leaf)`` converts the parameters of an allocated module to ZeRO-3's partitioned ones, keeping this
     rank's 1/dp: the first module through ``deepspeed.zero.Init(module=...)`` (the documented way to partition an
     allocated module), each later one through the first partitioned parameter's ``convert_to_zero_parameters``, the
-    same partitioning without another ``Init``."""
+    same partitioning without another ``Init``.
+
+    Partitioning broadcasts each parameter from the group's first rank, then copies this rank's range of it into the
+    partition (``ds_tensor``: ``ceil(numel / dp)`` elements, the last partitions padded at the end): the values a leaf
+    holds when it is partitioned are the first rank's, and a rank's own values reach its partition only when written
+    there afterwards (:meth:`held`). That partition is the only copy the rank keeps unless the config keeps a second
+    one (hpZeRO's ``zero_hpz_partition_size``), moves it to NVMe (``offload_param``) or quantizes the frozen
+    parameters (``zero_quantized_nontrainable_weights``): then the leaf must hold its values in full
+    (:attr:`writes_held` is False)."""
 
     def __init__(self, config: dict, groups, dtype: torch.dtype):
         self.config, self.groups, self.dtype = config, groups, dtype
         self.first: nn.Parameter | None = None  # the first partitioned parameter: it converts the later ones
+        zero = config.get("zero_optimization") or {}
+        self.writes_held = (zero.get("zero_hpz_partition_size", 1) <= 1
+                            and (zero.get("offload_param") or {}).get("device") != "nvme"
+                            and not zero.get("zero_quantized_nontrainable_weights", False))
 
     def __call__(self, leaf: nn.Module) -> None:
         params = list(leaf.parameters(recurse=False))
@@ -51,3 +63,7 @@ class Zero3Partitioner:
             self.first = params[0]
         else:
             self.first.convert_to_zero_parameters(param_list=params)
+
+    def held(self, param: nn.Parameter) -> tuple[int, torch.Tensor]:
+        """Where this rank's partition of ``param`` begins in the flattened parameter, and its values (in place)."""
+        return param.ds_tensor.numel() * dist.get_rank(group=param.ds_process_group), held_values(param)

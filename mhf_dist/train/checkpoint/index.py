@@ -7,7 +7,7 @@ digest), the step, tokens seen, model, run config and layout. ``latest`` names t
 the run's line of checkpoints; ``abandoned/`` holds lines set aside by a resume
 from an older checkpoint, ``corrupt/`` the checkpoints whose files no longer
 match their marker, set aside by ``--resume auto``. Writing them, and checking
-them with every rank, is :mod:`mhf_dist.train.checkpoint`.
+them with every rank, is :mod:`mhf_dist.train.checkpoint.checkpointer`.
 """
 
 from __future__ import annotations
@@ -135,6 +135,10 @@ def file_digests(paths: list[Path]) -> list[str]:
 def checkpoint_bytes(path: Path) -> int:
     """A complete checkpoint's size on disk, from its marker."""
     return sum(read_marker(path)["files"].values())
+
+
+def readable_size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def file_problems(path: Path, marker: dict, names: list[str], digests: bool = True) -> dict[str, int]:

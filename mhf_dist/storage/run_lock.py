@@ -2,11 +2,11 @@
 
 Two jobs in one run directory would overwrite each other's config and
 checkpoints, so rank 0 takes the lock before it writes anything and releases it
-when the run ends. The lock records the host, the process id, the SLURM job id
-(when there is one) and the start time, and a background thread refreshes its
+when the run ends. The lock records the host, the process id, the scheduler's job
+id (:data:`JOB_ID_ENV`, when there is one) and the start time, and a background thread refreshes its
 modification time every :data:`HEARTBEAT_S` seconds. A lock is stale, and
 taken over with a warning, when its process is gone (same host), when it was
-taken by an earlier run of the same SLURM job (a requeue), or when its
+taken by an earlier run of the same scheduler job (a requeue), or when its
 heartbeat stopped more than :data:`STALE_S` seconds ago (a crashed node).
 ``status`` calls its holder gone sooner (:func:`holder_gone`): once the
 process is not running (same host) or the heartbeat missed
@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 
 from mhf_dist.errors import MhfError
+from mhf_dist.storage.run_dir import RunDir
 
-LOCK_FILE = "lock.json"
+JOB_ID_ENV = "MHF_DIST_JOB_ID"  # the scheduler's job id, set in the environment of each task of a job's step
 HEARTBEAT_S = 30
 STALE_S = 300  # a heartbeat this old lets another job take the lock over (a busy filesystem may delay a few)
 MISSED_BEATS = 3  # a heartbeat this many intervals old tells status the holder is gone
@@ -70,13 +71,15 @@ def holder_gone(holder: dict, age_s: float) -> str | None:
 
 
 def _owner() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get(JOB_ID_ENV),
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 class RunLock:
-    def __init__(self, run_path: Path):
-        self.path = Path(run_path) / LOCK_FILE
+    """The lock of run directory ``run``."""
+
+    def __init__(self, run: RunDir):
+        self.path = run.lock_path
         self._stop = threading.Event()
 
     def stale_reason(self, holder: dict, age_s: float) -> str | None:
@@ -118,7 +121,7 @@ class RunLock:
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(_owner()))
         else:
-            tmp = self.path.with_name(f"{LOCK_FILE}.{os.getpid()}.tmp")
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(_owner()))
             os.replace(tmp, self.path)
         threading.Thread(target=self._heartbeat, name="run-lock-heartbeat", daemon=True).start()

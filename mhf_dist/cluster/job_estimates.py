@@ -1,5 +1,5 @@
 """What a training job will take, from its config and cluster profile alone: time per step, checkpoint size, save
-time, and the grace period a save on SLURM's warning signal needs. Nothing here imports torch: ``plan`` prints
+time, and the grace period a save on the scheduler's warning signal needs. Nothing here imports torch: ``plan`` prints
 these estimates and ``submit`` sizes the job's ``--signal`` from them on a login node.
 
 **Time per step** (:func:`step_seconds`), with the FLOPs that MFU counts in
@@ -24,14 +24,13 @@ DeepSpeed's bookkeeping are small beside these.
 ``storage_gb_per_s``, so ``bytes / (nodes · storage_gb_per_s)``; the digests read the files back from the page
 cache.
 
-**Grace** (:func:`grace_seconds`): SLURM's warning signal arrives during a step; the ranks finish it, save and
-exit. The grace asked for is ``1.5 · (step + save) + 30 s`` (slow storage days, the exit), rounded up to ten
-seconds, and never below :data:`MIN_GRACE_SECONDS`.
+**Grace** (:func:`~mhf_dist.train.preemption.grace_seconds`): the scheduler's warning signal arrives during a
+step; the ranks finish it, save and exit. The grace asked for is ``1.5 · (step + save) + 30 s`` (slow storage days,
+the exit), rounded up to ten seconds, and never below ``MIN_GRACE_SECONDS``.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
@@ -40,13 +39,12 @@ from mhf_dist.cluster.profile import ClusterProfile
 from mhf_dist.config import ConfigError, RunConfig
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.parameter_count import parameter_count
+from mhf_dist.model.variants import variant
 from mhf_dist.parallel.layout import resolve_layout
+from mhf_dist.train.preemption import grace_seconds
 
 DEFAULT_MFU = 0.40
 PLANNING_VOCAB_SIZE = 32768  # the tokenizer size estimates assume (only Standard's tables depend on it)
-MIN_GRACE_SECONDS = 120
-GRACE_SAFETY = 1.5
-EXIT_SECONDS = 30
 
 
 @dataclass(frozen=True)
@@ -91,7 +89,7 @@ def step_estimate(cfg: RunConfig, profile: ClusterProfile, nodes: int, mfu: floa
     world = nodes * profile.gpus_per_node
     layout = resolve_layout(cfg, world)
     m = cfg.model
-    rows = m.padded_vocab_rows(vocab_size) if m.variant == "standard" else m.hash.num_buckets
+    rows = variant(m).vocab_rows(m, vocab_size)
     flops = forward_flops(m, cfg.data.seq_len, rows)
     k = checkpoint_interval(cfg, engine_config(cfg, layout, device_of(profile)))
     recompute = sum(flops.layer(i) for i in range(m.n_layers) if k and i % k == 0)
@@ -116,12 +114,6 @@ def checkpoint_bytes(cfg: RunConfig, pp: int, vocab_size: int = PLANNING_VOCAB_S
 def save_seconds(size: float, nodes: int, storage_gb_per_s: float) -> float:
     """Seconds to write ``size`` bytes from ``nodes`` nodes, each at ``storage_gb_per_s``."""
     return size / (nodes * storage_gb_per_s * 1e9)
-
-
-def grace_seconds(step_s: float, save_s: float) -> int:
-    """The grace period that fits a step and a save after SLURM's warning (module docstring)."""
-    needed = GRACE_SAFETY * (step_s + save_s) + EXIT_SECONDS
-    return max(MIN_GRACE_SECONDS, 10 * math.ceil(needed / 10))
 
 
 @dataclass(frozen=True)

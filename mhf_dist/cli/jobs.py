@@ -1,0 +1,162 @@
+"""``submit``, ``submit-data`` and ``status``: jobs on a cluster and a run's progress."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from mhf_dist.cli.options import (
+    add_cluster_options,
+    add_overwrite,
+    add_preparation_options,
+    add_run_options,
+    load_run_config,
+    positive_int,
+    preparation_options,
+)
+
+
+def cmd_submit(args) -> int:
+    from mhf_dist.cluster.scheduler import scheduler
+    from mhf_dist.cluster.submit import render, submit, write_script
+    from mhf_dist.storage.run_dir import RunDir
+
+    cfg, profile, run_dir = load_run_config(args), _chosen_profile(args), Path(args.run_dir)
+    chosen = scheduler("hostfile" if args.hostfile else "slurm")
+    script = render(chosen, cfg, profile, args.nodes, run_dir, preset=args.preset, config=args.config,
+                    overrides=args.overrides, grace=args.grace, depends_on=args.depends_on, hostfile=args.hostfile,
+                    python=args.python)
+    if args.dry_run:
+        print(script, end="")
+        if note := chosen.manual_note(RunDir(run_dir.resolve()).jobs_dir):
+            print(note, file=sys.stderr)
+        return 0
+    if args.write:
+        path = write_script(script, Path(args.write), run_dir)
+        print(f"wrote {path}; {chosen.how_to_submit(path)}")
+        return 0
+    if args.hostfile:
+        path = write_script(script, run_dir.resolve() / chosen.script_name, run_dir)
+        print(f"starting {path}")
+        return subprocess.call(["bash", str(path)])
+    job = submit(chosen, script, run_dir, profile.name, args.nodes)
+    print(f"submitted job {job}; logs: {RunDir(run_dir.resolve()).jobs_dir}/mhf-{run_dir.resolve().name}-{job}.out; "
+          f"progress: mhf-dist status {run_dir}")
+    return 0
+
+
+def _chosen_profile(args):
+    """The cluster profile with the partition, account, time, qos and the schedulers' options given on the command
+    line."""
+    from mhf_dist.cluster.profile import load_profile
+    from mhf_dist.cluster.scheduler import schedulers
+
+    profile = load_profile(args.cluster)
+    chosen = {k: getattr(args, k) for k in ("partition", "account", "time", "qos") if getattr(args, k) is not None}
+    profile = profile.model_copy(update=chosen)
+    for s in schedulers().values():
+        profile = s.with_arguments(profile, args)
+    return profile
+
+
+def submit_parser(sub) -> None:
+    p = sub.add_parser("submit",
+                       help="submit a multi-node training job (SLURM, or a hostfile for DeepSpeed's launcher)")
+    add_run_options(p)
+    p.add_argument("--run-dir", required=True, help="run directory on storage every node sees")
+    p.add_argument("--nodes", type=positive_int, default=1, help="nodes of the cluster profile's kind")
+    add_cluster_options(p)
+    p.add_argument("--grace", type=positive_int, help="seconds between SLURM's USR1 and the time limit (default: "
+                   "what plan estimates a step and a save need, at least 120)")
+    p.add_argument("--depends-on", help="start after this job id ends (afterany)")
+    p.add_argument("--hostfile", help="no SLURM: launch with DeepSpeed's launcher over this hostfile")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--dry-run", action="store_true", help="print the job script only")
+    what.add_argument("--write", metavar="FILE", help="write the job script and make its log directory; submit nothing")
+    p.set_defaults(func=cmd_submit)
+
+
+def cmd_submit_data(args) -> int:
+    from mhf_dist.cluster import submit as jobs
+    from mhf_dist.cluster.scheduler.slurm import DATA_SCRIPTS as names
+    from mhf_dist.cluster.scheduler.slurm import SLURM
+    from mhf_dist.data.inputs import expand_inputs
+    from mhf_dist.data.parts import part_files
+    from mhf_dist.storage.run_dir import RunDir
+
+    profile, out = _chosen_profile(args), Path(args.out)
+    part_files(expand_inputs(args.inputs), 1, args.parts)  # the inputs are there, at least one file per part
+    options = ["--seq-len", str(args.seq_len), *preparation_options(args), *(["--overwrite"] * args.overwrite)]
+    scripts = jobs.render_data(profile, args.inputs, args.tokenizer, out, args.parts, options, workers=args.workers,
+                               python=args.python)
+    if args.dry_run:
+        for name, script in zip(names, scripts):
+            print(f"# ---------------- {name}\n{script}", end="")
+        print(f"# nothing submitted. To submit these scripts yourself, save them as {names[0]} and {names[1]}, run "
+              f"`mkdir -p {RunDir(out.resolve()).jobs_dir}` (SLURM does not create the log directory), then "
+              f"`{SLURM.data_submission_command(*map(Path, names))}` (or use --write DIR)", file=sys.stderr)
+        return 0
+    if args.write:
+        paths = [jobs.write_script(script, Path(args.write) / name, out) for name, script in zip(names, scripts)]
+        print(f"wrote {paths[0]} and {paths[1]}; submit them with: {SLURM.data_submission_command(*paths)}")
+        return 0
+    array, merge = jobs.submit_data(*scripts, out)
+    print(f"submitted array job {array} ({args.parts} parts) and merge job {merge} (after all parts succeed); "
+          f"logs: {RunDir(out.resolve()).jobs_dir}; the data: {out.resolve()}")
+    return 0
+
+
+def submit_data_parser(sub) -> None:
+    p = sub.add_parser("submit-data", help="prepare-data spread over a SLURM cluster: an array job of --parts "
+                       "tasks, then a job merging them", description="Submit an array job whose task I runs "
+                       "`prepare-data --part I/N` on one node, and a job that merges the parts (`prepare-data "
+                       "--merge`) once every task succeeded (afterok). Scripts and logs go into OUT/slurm; the "
+                       "merged OUT trains as a one-process preparation of the same inputs would.")
+    p.add_argument("inputs", nargs="+", help="input files or globs, as prepare-data takes them (on storage every node "
+                   "sees; relative ones are made absolute)")
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory, or mistral-v0.3")
+    p.add_argument("--out", required=True, help="the dataset directory: part I goes into OUT/part-I-of-N, the merge "
+                   "writes OUT/manifest.json")
+    p.add_argument("--seq-len", type=positive_int, required=True,
+                   help="model sequence length; samples hold seq_len + 1 ids")
+    p.add_argument("--parts", type=positive_int, required=True,
+                   help="array tasks, each preparing a contiguous run of the input files (at most one per file)")
+    add_preparation_options(p)
+    p.add_argument("--workers", type=positive_int, help="tokenizer processes (and cores) per task (default: the "
+                   "profile's cores_per_node)")
+    add_overwrite(p)
+    add_cluster_options(p)
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--dry-run", action="store_true", help="print the two job scripts only")
+    what.add_argument("--write", metavar="DIR", help="write the two job scripts into DIR and make the log directory; "
+                      "submit nothing")
+    p.set_defaults(func=cmd_submit_data)
+
+
+def cmd_status(args) -> int:
+    from mhf_dist.cluster.status import command_target, show
+
+    run_dir, watch = command_target(args.run_dir, args.watch)
+    return show(run_dir, args.json, watch, args.stale_minutes, args.verify)
+
+
+def status_parser(sub) -> None:
+    from mhf_dist.cluster.status import DEFAULT_WATCH_S, STALE_HELP, positive_number
+
+    p = sub.add_parser("status", help="a run's progress: step, loss, throughput, ETA, checkpoint, SLURM job; "
+                       "flags a stalled run", description="Read a run directory (no process needs to run there): "
+                       "step, tokens, loss, tokens/s, MFU, time since the last logged step (STALE past a threshold), "
+                       "ETA, newest complete checkpoint whose files check out (and those that do not), validation, "
+                       "divergence counters, the run lock's holder (gone or not), and the SLURM job of a submitted "
+                       "run (when its scheduler can be asked). Exits 2 if RUN_DIR is not a run directory.")
+    p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="the --run-dir of `mhf-dist train` or `submit`")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (keys listed in mhf_dist/cluster/status.py; one line per refresh with "
+                   "--watch)")
+    p.add_argument("--watch", nargs="?", const=str(DEFAULT_WATCH_S), metavar="SECONDS",
+                   help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C")
+    p.add_argument("--stale-minutes", type=positive_number, metavar="MINUTES", help=STALE_HELP)
+    p.add_argument("--verify", action="store_true", help="check the checkpoints' SHA-256 digests too, not only their "
+                   "files' sizes (reads every file of the newest ones, as a resume does)")
+    p.set_defaults(func=cmd_status)

@@ -1,0 +1,137 @@
+"""``plan``, ``profile``, ``gpu-check``, ``config`` and ``presets``: the commands that look at a run before or
+beside it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from mhf_dist.cli.options import (
+    add_dtype,
+    add_overrides,
+    add_run_options,
+    load_run_config,
+    non_negative_int,
+    positive_int,
+)
+from mhf_dist.config import SIZES, load_config, preset_names
+
+
+def cmd_plan(args) -> int:
+    from mhf_dist.cluster.profile import load_profile
+    from mhf_dist.commands.plan import format_plan, memory_plan
+
+    cfg, profile = load_run_config(args), load_profile(args.cluster)
+    plans = memory_plan(cfg, profile, args.nodes, args.vocab_size)
+    print(format_plan(cfg, profile, args.nodes, plans, mfu=args.mfu, vocab_size=args.vocab_size))
+    return 0
+
+
+def plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="the resolved model; ZeRO model states, activations and "
+                       "host memory at construction per rank; does it fit? time per step at an assumed MFU")
+    add_run_options(p)
+    p.add_argument("--cluster", required=True, help="cluster profile: a100-80g, mi300x, cpu-local or a .yaml path")
+    p.add_argument("--nodes", type=positive_int, default=1, help="nodes of the cluster profile's kind")
+    p.add_argument("--vocab-size", type=positive_int, default=32768, help="registered tokens (default: Mistral v0.3's)")
+    p.add_argument("--mfu", type=float, default=0.40,
+                   help="assumed model FLOPs utilisation for the time per step, a fraction in (0, 1] (default 0.40)")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_profile(args) -> int:
+    from mhf_dist.cluster.profile import load_profile
+    from mhf_dist.profiling.report import table, write_outputs
+    from mhf_dist.profiling.scoring import profile_scoring
+    from mhf_dist.profiling.sweep import run_sweep
+    from mhf_dist.profiling.timing import hardware_name
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    nominal = load_profile(args.cluster).peak_bf16_tflops if args.cluster else None
+    tps = [int(layout.removeprefix("tp=")) for layout in args.layout.split(",")]
+    rows = run_sweep(args.size, args.hash.split(","), tps, steps=args.steps, warmup=args.warmup, seq_len=args.seq_len,
+                     micro=args.micro_batch, dtype=args.dtype, out=out, peak_nominal=nominal,
+                     overrides=args.overrides, trace=args.trace)
+    cfg = load_config(f"{args.size}-h4b16k").model
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    scoring = profile_scoring([int(v) for v in args.vocab_sizes.split(",")], cfg, device, args.dtype)
+    no_plots = write_outputs(rows, scoring, out, hardware_name(device))
+    print(table(rows, scoring))
+    pngs = "" if no_plots else "throughput.png, memory.png, scoring.png, "
+    note = f"; {no_plots}" if no_plots else ""
+    print(f"wrote {out}/profile.csv, profile.json, scoring.csv, {pngs}tensorboard/{note}")
+    return 0
+
+
+def profile_parser(sub) -> None:
+    p = sub.add_parser("profile", help="tokens/s, MFU, memory and communication per hash configuration and layout")
+    p.add_argument("--size", default="100m", help=", ".join(SIZES))
+    p.add_argument("--hash", default="standard,h1b16k,h3b10k,h4b16k",
+                   help="comma-separated preset variants; +engram adds the Engram memory, e.g. h4b16k,h4b16k+engram")
+    p.add_argument("--layout", default="tp=1", help="comma-separated tensor-parallel layouts, e.g. tp=1,tp=2")
+    p.add_argument("--steps", type=positive_int, default=3, help="measured training steps per configuration")
+    p.add_argument("--warmup", type=non_negative_int, default=1, help="unmeasured steps before the measured ones")
+    p.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per step per rank")
+    add_dtype(p)
+    p.add_argument("--cluster", help="profile whose nominal peak is reported next to the measured one")
+    p.add_argument("--vocab-sizes", default="32768,131072,1048576", help="registered tokens for the scoring benchmark")
+    p.add_argument("--out", default="profile", help="output directory")
+    p.add_argument("--trace", action="store_true", help="write a PyTorch profiler trace of the first configuration")
+    add_overrides(p, "config overrides applied to every configuration")
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_profile_worker(args) -> int:
+    from mhf_dist.profiling.sweep import worker_main
+
+    return worker_main(args.rows, args.spec)
+
+
+def profile_worker_parser(sub) -> None:
+    p = sub.add_parser("profile-worker")  # the ranks of one tensor-parallel layout, started by `profile`
+    p.add_argument("--rows", required=True, help="where rank 0 writes its measurements (JSON)")
+    p.add_argument("--spec", required=True, help="JSON of profile_training's arguments")
+    p.set_defaults(func=cmd_profile_worker)
+
+
+def gpu_check_parser(sub) -> None:
+    from mhf_dist.commands import gpu_check  # the standard library only, until it runs
+
+    p = sub.add_parser("gpu-check", help="the main job end to end on one GPU (or tiny, on CPU: --cpu), as one dated "
+                       "table", description=gpu_check.__doc__)
+    gpu_check.add_arguments(p)
+    p.set_defaults(func=gpu_check.run)
+
+
+def cmd_config(args) -> int:
+
+    cfg = load_run_config(args)
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    if cfg.train.wandb is None:  # off; its fields would otherwise stay hidden behind `wandb: null`
+        from mhf_dist.config import WandbConfig
+
+        print("# train.wandb is off (null); --set train.wandb.project=NAME turns it on, with these fields:")
+        for name, field in WandbConfig.model_fields.items():
+            print(f"#   train.wandb.{name}: {field.default}  ({field.description})")
+    return 0
+
+
+def config_parser(sub) -> None:
+    p = sub.add_parser("config", help="print the resolved run config")
+    add_run_options(p)
+    p.set_defaults(func=cmd_config)
+
+
+def cmd_presets(args) -> int:
+    print("\n".join(preset_names()))
+    return 0
+
+
+def presets_parser(sub) -> None:
+    p = sub.add_parser("presets", help="list the canonical presets")
+    p.set_defaults(func=cmd_presets)

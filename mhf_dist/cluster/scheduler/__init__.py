@@ -1,0 +1,92 @@
+"""Schedulers: how a job script is written, submitted and queried, and what a task of a running job is told.
+
+:class:`Scheduler` is what ``submit``, ``status`` and ``train`` ask of one; each scheduler is one module here with
+its job template beside the cluster profiles (:mod:`~mhf_dist.cluster.scheduler.slurm`: ``sbatch.template`` and
+``prepare-data.template``; :mod:`~mhf_dist.cluster.scheduler.hostfile`: DeepSpeed's launcher over a hostfile, whose
+template is the backend's). Adding a scheduler is one module and its template, registered in :data:`SCHEDULERS`.
+Nothing here imports torch: ``submit`` and ``status`` run on login nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from mhf_dist.cluster.profile import ClusterProfile
+    from mhf_dist.config import RunConfig
+
+
+class JobState(NamedTuple):
+    """What a scheduler knows of a job: its state, how often it restarted (None: not said) and the query that told."""
+
+    state: str
+    restarts: int | None
+    source: str
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """One scheduler, as the rest of the package uses it."""
+
+    name: str  # as --scheduler names it
+    script_name: str  # the submitted training script, kept in the run's job directory
+    preemption_signal: signal.Signals | None  # what it sends the ranks ahead of the time limit (None: nothing)
+
+    def template(self) -> str:
+        """The training job script, a :class:`string.Template` of the values :mod:`mhf_dist.cluster.submit` and
+        :meth:`job_values` give."""
+
+    def job_values(self, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, *, grace: int | None,
+                   depends_on: str | None, hostfile: str | None) -> dict[str, object]:
+        """The template values of this scheduler's own part of a training job (its options, its signal's grace);
+        raises ConfigError for values it cannot take."""
+
+    def in_container(self, profile: ClusterProfile) -> bool:
+        """Whether the profile starts the ranks in a container, which brings its own Python."""
+
+    def submit(self, script: Path, *options: str) -> str:
+        """Submit the script at ``script``; the job id (ConfigError when refused or the scheduler is not here)."""
+
+    def query(self, job_id: str) -> JobState | None:
+        """The job's state, or None when the scheduler does not know it or cannot be asked from here."""
+
+    def task_env(self) -> dict[str, str]:
+        """In a task of one of this scheduler's job steps: the rank's environment (RANK, LOCAL_RANK, WORLD_SIZE,
+        GROUP_WORLD_SIZE: the job's nodes, and :data:`~mhf_dist.storage.run_lock.JOB_ID_ENV`); empty elsewhere."""
+
+    def how_to_submit(self, path: Path) -> str:
+        """How a written script at ``path`` is submitted (or started) by hand."""
+
+    def manual_note(self, log_dir: Path) -> str | None:
+        """What submitting a printed script by hand needs besides (None: nothing)."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """This scheduler's own options of ``submit`` and ``submit-data``."""
+
+    def with_arguments(self, profile: ClusterProfile, args: argparse.Namespace) -> ClusterProfile:
+        """``profile`` with this scheduler's options from the command line (:meth:`add_arguments`)."""
+
+
+def schedulers() -> dict[str, Scheduler]:
+    """Every scheduler by name."""
+    from mhf_dist.cluster.scheduler import hostfile, slurm
+
+    return {s.name: s for s in (slurm.SLURM, hostfile.HOSTFILE)}
+
+
+def scheduler(name: str) -> Scheduler:
+    try:
+        return schedulers()[name]
+    except KeyError:
+        raise ValueError(f"no scheduler {name!r}; the schedulers are {', '.join(schedulers())}") from None
+
+
+def task_env() -> dict[str, str]:
+    """The rank environment of this process when it is a task of a scheduler's job step; empty otherwise."""
+    for s in schedulers().values():
+        if env := s.task_env():
+            return env
+    return {}

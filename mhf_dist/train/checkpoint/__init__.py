@@ -1,0 +1,47 @@
+"""Checkpoints: atomic, sharded, verified saves and exact resume (preemption, crash and disk-full safe).
+
+- :mod:`~mhf_dist.train.checkpoint.index`: which checkpoints a run directory holds, the ``complete.json`` marker and
+  the file checks against it (no torch: ``status`` reads it);
+- :mod:`~mhf_dist.train.checkpoint.rng`: the per-rank RNG state files;
+- :mod:`~mhf_dist.train.checkpoint.writers`: the writers of a save's files, synchronous and in the background;
+- :mod:`~mhf_dist.train.checkpoint.lineage`: ``latest``, the checkpoints a resume sets aside, retention and the
+  background deletes;
+- :mod:`~mhf_dist.train.checkpoint.checkpointer`: :class:`Checkpointer`, which saves, commits, verifies and loads.
+
+How a save is made atomic and verified, and why: docs/design.md, "Checkpoints". The names below are importable from
+here; they load on first use, so that importing :mod:`~mhf_dist.train.checkpoint.index` loads no torch.
+"""
+
+import importlib
+
+PUBLIC = {  # name: the module that defines it
+    "Checkpointer": "checkpointer",
+    "_as_written_now": "checkpointer",
+    "CheckpointError": "index",
+    "MARKER": "index",
+    "LATEST": "index",
+    "checkpoint_bytes": "index",
+    "RNG_FILE": "rng",
+    "LEGACY_RNG_FILE": "rng",
+    "rng_state_bytes": "rng",
+    "read_rng_state": "rng",
+    "read_legacy_rng_state": "rng",
+    "set_rng_state": "rng",
+    "RecordingWriter": "writers",
+    "HostSnapshot": "writers",
+    "UNIVERSAL": "lineage",
+    "DELETING": "lineage",
+    "BackgroundDeleter": "lineage",
+}
+
+__all__ = [name for name in PUBLIC if not name.startswith("_")]
+
+
+def __getattr__(name: str):
+    if name in PUBLIC:
+        return getattr(importlib.import_module(f"{__name__}.{PUBLIC[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *PUBLIC])

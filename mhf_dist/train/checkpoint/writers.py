@@ -1,0 +1,153 @@
+"""The writers of a checkpoint's files: :class:`RecordingWriter` (a synchronous save: each file written, fsynced and
+digested, a failure recorded instead of raised), :class:`BackgroundWriter` (an asynchronous save: the files copied into
+host memory, :class:`HostSnapshot`, then written by a thread) and the fsync and atomic replace they use. The
+checkpointer hands them to the backend (:class:`~mhf_dist.backend.FileWriter`); docs/design.md, "Checkpoints", says how
+a save uses them."""
+
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import os
+import pickle
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from mhf_dist.train.checkpoint.index import file_digest
+from mhf_dist.train.fault_injection import write_fails
+
+log = logging.getLogger(__name__)
+
+_COMPLETE, _CUT_SHORT = "complete", "cut short"  # how the queue of a background writer ends
+
+
+def fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    fsync(tmp)
+    os.replace(tmp, path)
+    fsync(path.parent)
+
+
+class RecordingWriter:
+    """This rank's files of one save (the backend's :class:`~mhf_dist.backend.FileWriter`). Each file is written
+    (the backend's state dicts by its own ``save_file``), then fsynced and digested; a failed write (DeepSpeed's
+    ``torch.save`` reports a full disk as an OSError or a RuntimeError) is recorded instead of raised, so this rank
+    still joins the backend's collectives and the ranks can agree on the outcome afterwards. Once one write failed,
+    this rank's later writes are skipped."""
+
+    def __init__(self, rank: int):
+        self.digests: dict[Path, str] = {}
+        self.error: str | None = None
+        self.rank = rank
+
+    def save(self, state: object, path: Path, save_file: Callable[[object, Path], None]) -> None:
+        self.write(path, lambda p: save_file(state, p))
+
+    def put(self, path: Path, data: bytes) -> None:
+        """A file whose content is ready in memory."""
+        self.write(path, lambda p: p.write_bytes(data))
+
+    def write(self, path: Path, write_file) -> None:
+        def write_and_digest(p: Path) -> None:
+            write_file(p)
+            fsync(p)
+            self.digests[p] = file_digest(p)
+
+        self._recorded(path, write_and_digest)
+
+    def report(self, path: Path, text: str) -> None:
+        """A file another rank reads, and may delete, as soon as it exists: it appears whole and synced, and is not
+        opened again (no digest of its own)."""
+        self._recorded(path, lambda p: write_atomic(p, text))
+
+    def _recorded(self, path: Path, write) -> None:
+        if self.error is not None:
+            return
+        try:
+            if write_fails(self.rank, path):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            write(path)
+        except (OSError, RuntimeError) as e:
+            log.debug("writing %s failed", path, exc_info=True)
+            self.error = f"writing {path.name} failed ({str(e).strip().splitlines()[0]})"
+
+
+class HostSnapshot:
+    """An object graph as it is now, for a background thread to save later: pickled, with each tensor storage copied
+    into host memory once (tensors that share a storage still share its copy; a GPU tensor comes back as a host
+    tensor, which every loader of DeepSpeed's files maps to the host or copies into the model anyway)."""
+
+    def __init__(self, obj):
+        self.storages: dict[int, torch.UntypedStorage] = {}
+        buffer = io.BytesIO()
+        pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.persistent_id = self._copy
+        pickler.dump(obj)
+        self.pickled = buffer.getvalue()
+
+    def _copy(self, obj) -> tuple[int, torch.dtype] | None:
+        if not isinstance(obj, torch.storage.TypedStorage):
+            return None  # pickled by value
+        storage = obj._untyped_storage
+        if storage._cdata not in self.storages:  # torch.save's own key: one entry per storage, however many views
+            self.storages[storage._cdata] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+        return storage._cdata, obj.dtype
+
+    def restore(self):
+        """The object graph again, its tensors on the copied storages."""
+        unpickler = pickle.Unpickler(io.BytesIO(self.pickled))
+        unpickler.persistent_load = lambda ref: torch.storage.TypedStorage(
+            wrap_storage=self.storages[ref[0]], dtype=ref[1], _internal=True)
+        return unpickler.load()
+
+
+class BackgroundWriter(RecordingWriter):
+    """The writer of an asynchronous save (``train.checkpoint_async``). On the training thread each file is only
+    copied into host memory — the backend's state dicts as a :class:`HostSnapshot`, the other files as their bytes —
+    and queued; a background thread writes them, fsyncs and digests them in order, as
+    :class:`RecordingWriter` does, then calls ``finish`` with this writer. :meth:`close` queues the end of the save,
+    :meth:`stop` an end cut short (``finish`` then sees an error)."""
+
+    def __init__(self, rank: int, finish):
+        super().__init__(rank)
+        self.files: queue.SimpleQueue[tuple[Path, Callable[[Path], None]] | str] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, args=(finish,), name="checkpoint-writer")
+        self.thread.start()  # not a daemon: a process stopping on an error still finishes the save in flight
+
+    def save(self, state: object, path: Path, save_file: Callable[[object, Path], None]) -> None:
+        snapshot = HostSnapshot(state)  # the copy training waits for
+        self.files.put((path, lambda p: save_file(snapshot.restore(), p)))
+
+    def put(self, path: Path, data: bytes) -> None:
+        self.files.put((path, lambda p: p.write_bytes(data)))
+
+    def close(self) -> None:
+        self.files.put(_COMPLETE)
+
+    def stop(self) -> None:
+        self.files.put(_CUT_SHORT)
+
+    def _run(self, finish) -> None:
+        try:
+            while isinstance(item := self.files.get(), tuple):
+                self.write(*item)
+            if item == _CUT_SHORT:
+                self.error = self.error or "its save stopped before every file was handed over"
+        except Exception as e:  # not a write's OSError (recorded by write): still reported, so no rank counts on it
+            log.exception("the background checkpoint writer failed")
+            self.error = f"writing in the background failed ({e})"
+        finish(self)
