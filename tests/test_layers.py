@@ -1,11 +1,15 @@
 """The package's structure, from its source: imports point down the layers docs/design.md draws, scheduler names
-stay behind the scheduler boundary, and no module grows past its size."""
+stay behind the scheduler boundary, no module grows past its size, and git can track every source file."""
 
 from __future__ import annotations
 
 import ast
 import re
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 import mhf_dist
 
@@ -97,3 +101,19 @@ def test_the_code_layout_names_every_module():
         if not re.search(rf"(?<![\w/]){re.escape(path.name)}", text):
             missing.append(str(rel))
     assert not missing, f"modules missing from docs/design.md's code layout: {missing}"
+
+
+def test_no_source_file_is_ignored_by_git():
+    """A source file that a ``.gitignore`` pattern covers exists only on the machine that wrote it: a clean clone
+    (CI, a cluster) would lack it. Every module, test, tool and doc must be one git can track."""
+    root = PACKAGE.parent
+    if not (root / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout")
+    sources = [str(p.relative_to(root)) for folder in ("mhf_dist", "tests", "tools", "docs")
+               for p in sorted((root / folder).rglob("*"))
+               if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"]
+    assert len(sources) > 100
+    ignored = subprocess.run(["git", "-C", str(root), "check-ignore", "--no-index", "--stdin"],
+                             input="\n".join(sources), capture_output=True, text=True)
+    assert ignored.returncode in (0, 1), ignored.stderr  # 1: nothing ignored
+    assert not ignored.stdout.split(), f"source files that .gitignore hides from git: {ignored.stdout.split()}"
