@@ -64,15 +64,18 @@ def test_every_scheduler_answers_the_whole_protocol_and_is_found_by_name():
 
 def test_a_task_of_a_job_step_is_told_its_rank_and_job(monkeypatch):
     from mhf_dist.cluster.scheduler import task_env
+    from mhf_dist.storage.heartbeats import NODE_ENV
     from mhf_dist.storage.run_lock import JOB_ID_ENV
 
-    for key in ("SLURM_STEP_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_ID"):
+    for key in ("SLURM_STEP_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_ID", "SLURMD_NODENAME"):
         monkeypatch.delenv(key, raising=False)
     assert task_env() == {}  # not inside a job step
     for key, value in dict(SLURM_STEP_ID="0", SLURM_PROCID="5", SLURM_LOCALID="1", SLURM_NTASKS="8",
                            SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="77").items():
         monkeypatch.setenv(key, value)
     assert task_env() == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "GROUP_WORLD_SIZE": "2", JOB_ID_ENV: "77"}
+    monkeypatch.setenv("SLURMD_NODENAME", "n2")  # the node's name in heartbeats and the log
+    assert task_env()[NODE_ENV] == "n2"
 
 
 @pytest.mark.parametrize("name", list(CASES))

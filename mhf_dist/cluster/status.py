@@ -52,6 +52,9 @@ null; unknown values are null). Its keys:
   or null. ``heartbeat_stopped``: older than 5 min; ``holder_gone``: why the job holding it is gone (its process is
   not running on this host, or its heartbeat missed 3 refreshes), else null; ``next_train_takes_over``: a ``train``
   started now would take the lock over
+- ``ranks``: the running job's ranks from their heartbeats (:mod:`mhf_dist.cluster.rank_status`): ``{world, nodes,
+  step, hung, findings, straggler}``, or null when no rank answers (no job runs). ``hung``: some ranks stopped
+  answering while others answer, or a rank made no progress for ``train.hang_timeout_s``; ``findings`` name them
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from pathlib import Path
 
 import yaml
 
+from mhf_dist.cluster.rank_status import Ranks, rank_lines, read_ranks
 from mhf_dist.cluster.scheduler import scheduler
 from mhf_dist.cluster.scheduler.slurm import SLURM
 from mhf_dist.config import ConfigError
@@ -157,6 +161,7 @@ class RunStatus:
     loss_spikes: int | None = None
     slurm: SlurmJob | None = None
     lock: Lock | None = None
+    ranks: Ranks | None = None
 
 
 # ---------------------------------------------------------------- reading a run directory
@@ -323,7 +328,8 @@ def gather(run_dir: str | Path, stale_minutes: float | None = None, verify: bool
                    max_steps=_int(train.get("max_steps")))
     if stale_minutes is not None:
         st.stale_after_s = stale_minutes * 60
-    if records := read_metrics(run.path):
+    st.ranks = read_ranks(run, now, records := read_metrics(run.path))
+    if records:
         recent = _from_records(st, records, tokens_per_step)
         written = run.metrics_path.stat().st_mtime
         _timing(st, recent, tokens_per_step, train.get("log_interval"), written, stale_minutes)
@@ -433,7 +439,7 @@ def render(st: RunStatus) -> str:
             for k, v in val.items() if k != "step")))
     if counters := [f"{k} {getattr(st, k)}" for k in COUNTERS if getattr(st, k) is not None]:
         lines.append(_line("counters", ", ".join(counters)))
-    return "\n".join(lines + _job_lines(st))
+    return "\n".join(lines + rank_lines(st.ranks, _line) + _job_lines(st))
 
 
 def status(run_dir: str | Path, stale_minutes: float | None = None, verify: bool = False) -> str:

@@ -21,7 +21,7 @@ from mhf_dist.cluster.profile import ClusterProfile
 from mhf_dist.cluster.scheduler import Scheduler
 from mhf_dist.cluster.scheduler.slurm import DATA_SCRIPTS, SLURM
 from mhf_dist.config import ConfigError, RunConfig
-from mhf_dist.errors import PREEMPTED_EXIT_CODE
+from mhf_dist.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.train.preemption import GRACE_ENV
 from mhf_dist.train.preflight import preflight
@@ -101,7 +101,7 @@ def render(scheduler: Scheduler, cfg: RunConfig, profile: ClusterProfile, nodes:
         run_dir=shlex.quote(str(run_dir)), master_port=29500,
         **_shell_values(profile, python, scheduler.in_container(profile)),
         train_args=_train_args(run_dir, preset, config, _absolute_paths(cfg, overrides)),
-        preempted_exit_code=PREEMPTED_EXIT_CODE, grace_env=GRACE_ENV,
+        preempted_exit_code=PREEMPTED_EXIT_CODE, hung_exit_code=HUNG_EXIT_CODE, grace_env=GRACE_ENV,
     )
     values |= scheduler.job_values(cfg, profile, nodes, run_dir, grace=grace, depends_on=depends_on,
                                    hostfile=hostfile)

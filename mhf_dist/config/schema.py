@@ -238,6 +238,15 @@ class TrainConfig(Strict):
         30, gt=0, description="how long a collective may wait for the slowest rank before the job stops (the "
         "process group's timeout); work that grows with the model, such as converting a checkpoint for another "
         "layout, is waited for outside collectives")
+    hang_timeout_s: float | None = Field(
+        900, gt=0, description="a step, evaluation or save that makes no progress for this long is a hang: every "
+        "rank writes its Python stacks to RUN/hangs/<time>/, the log names the ranks that stopped answering or fell "
+        "behind (from their heartbeats in RUN/heartbeats/), and the job exits 87 for its scheduler to requeue it; "
+        "raise it above a first step that compiles for minutes; None: no watchdog")
+    straggler_factor: float = Field(
+        1.2, gt=1, description="warn when a rank's own compute time per step exceeds this multiple of the ranks' "
+        "median for train.straggler_intervals log intervals in a row, naming the rank and its node")
+    straggler_intervals: int = Field(3, ge=1, description="consecutive slow log intervals before the warning")
     init_from: str | None = Field(
         None, description="start from these weights (a model.safetensors with our parameter names, as export, "
         "import-hf and expand-vocab write; relative to the run directory) instead of a random init; a resumed "

@@ -15,6 +15,8 @@ Layout (:class:`RunDir`'s attributes)::
     RUN/lock.json          the job that trains here (mhf_dist.storage.run_lock)      lock_path
     RUN/metrics.jsonl      one JSON object per logged step                           metrics_path
     RUN/tensorboard/       TensorBoard event files                                   tensorboard_dir
+    RUN/heartbeats/        each rank's heartbeat (mhf_dist.storage.heartbeats)       heartbeats_dir
+    RUN/hangs/<time>/      each live rank's stacks when the job hung                 hangs_dir
     RUN/slurm/             submitted job scripts, their logs and jobs.jsonl          jobs_dir, jobs_file
 
 Making a run's assets (the tokenizer, tables, shards) loads the vocabulary and data stacks; naming its paths loads
@@ -60,6 +62,8 @@ class RunDir:
         self.lock_path = self.path / LOCK_FILE
         self.metrics_path = self.path / METRICS_FILE
         self.tensorboard_dir = self.path / TENSORBOARD_DIR
+        self.heartbeats_dir = self.path / "heartbeats"
+        self.hangs_dir = self.path / "hangs"
         self.jobs_dir = self.path / JOBS_DIR
         self.jobs_file = self.jobs_dir / "jobs.jsonl"  # one line per submitted job
 

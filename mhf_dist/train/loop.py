@@ -61,6 +61,7 @@ from mhf_dist.parallel.layout import Layout
 from mhf_dist.parallel.rank0_work import on_rank0
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
+from mhf_dist.storage.heartbeats import clear_heartbeats
 from mhf_dist.storage.run_dir import RunDir, RunDirAsFound
 from mhf_dist.storage.run_lock import RunDirLocked, RunLock
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
@@ -73,6 +74,7 @@ from mhf_dist.train.preemption import StopSignal
 from mhf_dist.train.preflight import preflight
 from mhf_dist.train.process_group import backend_prints, init_distributed, resolve_device
 from mhf_dist.train.throughput import memory_gb, restart_peak_memory, total_peak_flops
+from mhf_dist.train.watchdog import Watchdog
 from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
 
 
@@ -238,6 +240,7 @@ class TrainingLoop:
         """Rank 0 creates the run's assets while the others wait, then every rank loads them."""
         def create() -> None:
             self.run_dir.path.mkdir(parents=True, exist_ok=True)
+            clear_heartbeats(self.run_dir)  # an earlier job's; this job's ranks write theirs once set up
             _run_assets(self.run_dir, self.cfg)
 
         # rank 0 creates what is missing (a tokenizer, shards: as long as the corpus takes), then every rank loads it
@@ -352,6 +355,7 @@ class TrainingLoop:
                 tqdm.write(line)
         self.clock, self.watch = SaveClock(t.checkpoint_minutes), LossWatch(t)
         self.step_times: deque[float] = deque(maxlen=20)  # the recent steps' seconds, for the ETA
+        self.watchdog = Watchdog(self.run_dir, self.rank, t.hang_timeout_s).start()
         self.progress = tqdm(range(start, self.end), desc="train", unit="step", dynamic_ncols=True, initial=start,
                              total=t.max_steps, disable=None if self.rank == 0 else True)
 
@@ -361,6 +365,7 @@ class TrainingLoop:
         try:
             for index in self.progress:
                 step = index + 1
+                self.watchdog.mark(step, "step")
                 stepped = self.step(step)
                 record = self.measures(step, stepped)
                 record |= self.evaluate(step)
@@ -373,10 +378,12 @@ class TrainingLoop:
             self.reader.close()
             if self.logger:
                 self.logger.close()
+        self.watchdog.mark(self.end, "end")
         dist.barrier()
         self.checkpointer.wait()  # the last save, when asynchronous (a preempted job's included)
         if not self.result.preempted:  # a preempted job leaves the rest to the next start: its grace is short
             self.checkpointer.close()
+        self.watchdog.finish()
         return self.result
 
     def step(self, step: int) -> Stepped:
@@ -416,6 +423,7 @@ class TrainingLoop:
         interval = self.cfg.train.eval_interval
         if not (self.validation and ((interval and step % interval == 0) or step == self.end)):
             return {}
+        self.watchdog.mark(step, "eval")
         found = {}
         for label, path, weight in self.validation:
             with ShardReader(path, split="val", **self.reader_args) as val:
@@ -453,6 +461,7 @@ class TrainingLoop:
                 tqdm.write(f"warning: not saving step {step} ({reason}): its loss or weights are not finite; "
                            f"the newest checkpoint, {self.checkpointer.latest()}, stays the one to resume from")
             return
+        self.watchdog.mark(step, "save")
         saved = self.checkpointer.save(self.trainer, step, step * self.tokens_per_step,
                                        self.reader.state_dict(), reason, statistics.median(self.step_times))
         self.clock.reset()

@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field, field_validator
 from mhf_dist.cluster.files import PROFILE_DIR, no_control_characters
 from mhf_dist.cluster.scheduler import JobState
 from mhf_dist.errors import ConfigError
+from mhf_dist.storage.heartbeats import NODE_ENV
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.storage.run_lock import JOB_ID_ENV
 
@@ -208,6 +209,8 @@ class Slurm:
             env["GROUP_WORLD_SIZE"] = nodes
         if job := os.environ.get("SLURM_JOB_ID"):
             env[JOB_ID_ENV] = job
+        if node := os.environ.get("SLURMD_NODENAME"):
+            env[NODE_ENV] = node  # the node as SLURM names it, in heartbeats and the log
         return env
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:

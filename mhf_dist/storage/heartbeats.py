@@ -1,0 +1,119 @@
+"""Each rank's heartbeat, ``RUN/heartbeats/rank-N.json``: what the rank is doing (its step and phase, and since
+when) and when it last said so. A thread of the rank rewrites it every few seconds, whatever its training thread is
+waiting on, so the files tell, without the network, which ranks still answer, which stopped answering (a stopped
+process, a lost node) and which fell behind. The hang watchdog (:mod:`mhf_dist.train.watchdog`) and ``status``
+read them.
+
+A record: ``rank``, ``node`` (:data:`NODE_ENV`, else the host name), ``pid``, ``step`` (the step under way, or the
+last one done), ``phase`` (``start``, ``step``, ``eval``, ``save``, ``end``, ``finished``), ``since`` (when that
+phase began: the last progress), ``beat`` (when written), ``beat_s`` (the interval between writes),
+``hang_timeout_s``, ``started`` (when the rank's watchdog started).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from mhf_dist.storage.run_dir import RunDir
+
+NODE_ENV = "MHF_DIST_NODE"  # a rank's node name as its scheduler calls it (set for each task)
+MISSED_BEATS = 3  # a heartbeat this many intervals old (plus a second) no longer answers
+IDLE_PHASES = ("start", "finished")  # no hang is counted in them (set-up has no progress marks)
+
+
+def node_name() -> str:
+    return os.environ.get(NODE_ENV) or socket.gethostname()
+
+
+def heartbeat_path(run: RunDir, rank: int) -> Path:
+    return run.heartbeats_dir / f"rank-{rank}.json"
+
+
+def write_heartbeat(run: RunDir, record: dict) -> None:
+    """Replace the rank's heartbeat whole (a reader never sees half of one)."""
+    path = heartbeat_path(run, record["rank"])
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def clear_heartbeats(run: RunDir) -> None:
+    """Remove the heartbeats of an earlier job (its world may differ); called before this job's ranks write."""
+    for path in run.heartbeats_dir.glob("rank-*.json"):
+        path.unlink(missing_ok=True)
+    run.heartbeats_dir.mkdir(parents=True, exist_ok=True)
+
+
+def read_heartbeats(run: RunDir) -> list[dict]:
+    """Every readable heartbeat, by rank."""
+    beats = []
+    for path in run.heartbeats_dir.glob("rank-*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):  # removed or replaced while listed
+            continue
+        if isinstance(record, dict) and isinstance(record.get("rank"), int):
+            beats.append(record)
+    return sorted(beats, key=lambda b: b["rank"])
+
+
+def answers(beat: dict, now: float) -> bool:
+    """Whether the rank's heartbeat thread still writes (a finished rank counts as answering)."""
+    return beat.get("phase") == "finished" or now - beat.get("beat", 0) <= MISSED_BEATS * beat.get("beat_s", 1) + 1
+
+
+@dataclass
+class RankHealth:
+    """What the heartbeats of one job say: the ranks that stopped answering, those that fell behind the furthest
+    step, and those that answer but made no progress for their hang timeout."""
+
+    world: int
+    step: int  # the furthest step any rank reached
+    not_answering: list[dict]
+    behind: list[dict]
+    stalled: list[dict]
+
+    @property
+    def hung(self) -> bool:
+        """Ranks disagree (some answer, some do not), or a rank that answers is stuck."""
+        return bool(self.stalled) or (bool(self.not_answering) and len(self.not_answering) < self.world)
+
+    def describe(self, now: float) -> list[str]:
+        """A line per finding, each naming ranks with their node."""
+        lines = []
+        if self.not_answering:
+            lines.append("not answering: " + "; ".join(
+                f"rank {b['rank']} ({b.get('node')}, pid {b.get('pid')}, last heartbeat {now - b['beat']:.0f} s ago, "
+                f"{doing(b)})" for b in self.not_answering))
+        if self.behind:
+            lines.append(f"did not reach step {self.step}: " + ", ".join(
+                f"rank {b['rank']} ({b.get('node')}, {doing(b)})" for b in self.behind))
+        if self.stalled:
+            lines.append("no progress: " + ", ".join(
+                f"rank {b['rank']} ({b.get('node')}, {now - b['since']:.0f} s {doing(b)})" for b in self.stalled))
+        return lines
+
+
+def doing(beat: dict) -> str:
+    """What a heartbeat says its rank was doing: ``in step 4``, ``in the evaluation at step 4``, ..."""
+    return {"step": "in step {}", "eval": "in the evaluation at step {}", "save": "in the save of step {}",
+            "end": "in the end of training at step {}", "start": "starting", "finished": "finished at step {}"}.get(
+        beat.get("phase"), "in {} of step {{}}".format(beat.get("phase"))).format(beat.get("step"))
+
+
+def rank_health(beats: list[dict], now: float) -> RankHealth | None:
+    """The heartbeats' verdict, or None when there are none or none answers (no job is running)."""
+    if not beats or not any(answers(b, now) for b in beats):
+        return None
+    top = max(b.get("step", 0) for b in beats)
+    active = [b for b in beats if b.get("phase") not in IDLE_PHASES]
+    return RankHealth(
+        world=len(beats), step=top,
+        not_answering=[b for b in beats if not answers(b, now)],
+        behind=[b for b in active if b.get("step", 0) < top],
+        stalled=[b for b in active if answers(b, now) and b.get("hang_timeout_s")
+                 and now - b.get("since", now) > b["hang_timeout_s"]])

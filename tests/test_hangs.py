@@ -1,0 +1,106 @@
+"""A hang is named, not waited out: a rank that stops answering (SIGSTOP, as a lost node or a wedged device does)
+ends the job within the hang timeout, with every live rank's stacks on disk and the stopped rank named, and the rerun
+resumes; the heartbeats' verdicts; ``status`` says HUNG with the ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from helpers.jobs import Job
+from helpers.runs import train_args
+from mhf_dist.cluster.status import gather, render
+from mhf_dist.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE
+from mhf_dist.storage.heartbeats import rank_health, write_heartbeat
+from mhf_dist.storage.run_dir import RunDir
+from mhf_dist.storage.run_lock import running
+
+STEPS = 10_000  # far more than a test waits for
+HANG_TIMEOUT_S = 8
+
+
+def _beat(rank: int, now: float, step: int = 5, phase: str = "step", since: float | None = None,
+          beat: float | None = None, node: str = "n1") -> dict:
+    return {"rank": rank, "node": node, "pid": 1000 + rank, "step": step, "phase": phase,
+            "since": now - 1 if since is None else since, "beat": now if beat is None else beat, "beat_s": 1.0,
+            "hang_timeout_s": 60.0, "started": now - 100}
+
+
+def test_heartbeats_tell_a_stopped_a_stuck_and_a_healthy_job_apart():
+    now = time.time()
+    healthy = [_beat(0, now), _beat(1, now, step=4, node="n2")]  # one rank a step behind for a moment: not a hang
+    assert not rank_health(healthy, now).hung
+
+    stopped = [_beat(0, now), _beat(1, now, step=4, beat=now - 30, node="n2")]
+    health = rank_health(stopped, now)
+    assert health.hung and [b["rank"] for b in health.not_answering] == [1]
+    assert health.describe(now) == [
+        "not answering: rank 1 (n2, pid 1001, last heartbeat 30 s ago, in step 4)",
+        "did not reach step 5: rank 1 (n2, in step 4)"]
+
+    stuck = [_beat(0, now, since=now - 90), _beat(1, now, since=now - 90)]  # both answer, no progress for 90 s
+    assert rank_health(stuck, now).hung and len(rank_health(stuck, now).stalled) == 2
+
+    gone = [_beat(0, now, beat=now - 30), _beat(1, now, beat=now - 30)]  # every rank silent: no job runs
+    assert rank_health(gone, now) is None
+    finished = [_beat(0, now, phase="finished", since=now - 300), _beat(1, now, beat=now - 300, phase="finished")]
+    assert not rank_health(finished, now).hung
+
+
+def test_status_shows_a_running_job_whose_heartbeats_disagree_as_hung(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.heartbeats_dir.mkdir(parents=True)
+    (run.path / "config.yaml").write_text("preset: tiny-h4b16k\ntrain: {max_steps: 100}\n")
+    now = time.time()
+    for beat in (_beat(0, now), _beat(1, now, node="n2")):
+        write_heartbeat(run, beat)
+    st = gather(run.path)
+    assert not st.ranks.hung and st.ranks.nodes == ["n1", "n2"]
+    assert "ranks      2 ranks on n1, n2" in render(st)
+
+    write_heartbeat(run, _beat(1, now, step=4, beat=now - 30, node="n2"))
+    st = gather(run.path)
+    assert st.ranks.hung
+    assert "ranks      HUNG (2 ranks on n1, n2): not answering: rank 1 (n2, pid 1001" in render(st)
+
+
+@pytest.mark.multirank
+def test_a_stopped_rank_ends_the_job_with_every_live_ranks_stacks_and_the_rerun_resumes(tmp_path, data):
+    run = tmp_path / "run"
+    # without the watchdog rank 0 would wait out the process group's 10 minutes, past job.end's limit
+    args = train_args(run, data, 2, "train.checkpoint_interval=2", f"train.hang_timeout_s={HANG_TIMEOUT_S}",
+                      "train.dist_timeout_minutes=10", steps=STEPS)
+    job = Job(args, tmp_path / "hang.log")
+    job.wait_for(f"step 3/{STEPS}")
+    ranks = job.ranks()
+    os.kill(ranks[1], signal.SIGSTOP)
+    try:
+        code, out = job.end(timeout=HANG_TIMEOUT_S + 90)
+    finally:
+        if running(ranks[1]):
+            os.kill(ranks[1], signal.SIGKILL)
+    assert code == HUNG_EXIT_CODE, out[-3000:]
+
+    (hang,) = (run / "hangs").iterdir()
+    assert sorted(p.name for p in hang.iterdir()) == ["rank-0.txt", "summary.txt"]  # the stopped rank wrote none
+    stacks = (hang / "rank-0.txt").read_text()
+    assert "most recent call first" in stacks
+    assert re.search(r'File ".*mhf_dist/train/loop\.py", line \d+ in run', stacks), stacks[:3000]
+    assert re.search(rf"not answering: rank 1 \([^,]+, pid {ranks[1]}, last heartbeat \d+ s ago", out), out[-3000:]
+    assert f"stacks of ranks 0 in {hang}" in out and f"exit {HUNG_EXIT_CODE}" in out
+    assert (hang / "summary.txt").read_text().splitlines()[1].startswith("not answering: rank 1")
+
+    newest = sorted(p.parent.name for p in run.glob("checkpoints/step-*/complete.json"))[-1]
+    job = Job(args, tmp_path / "rerun.log")
+    job.wait_for(f"resumed from {run / 'checkpoints' / newest}")
+    job.wait_for(f"step {int(newest[5:]) + 1}/{STEPS}")
+    job.ctrl_c()
+    code, out = job.end()
+    assert code == PREEMPTED_EXIT_CODE, out[-3000:]
+    beats = [json.loads(p.read_text()) for p in sorted((run / "heartbeats").glob("rank-*.json"))]
+    assert [b["phase"] for b in beats] == ["finished", "finished"]
