@@ -244,8 +244,9 @@ class TrainConfig(Strict):
         "behind (from their heartbeats in RUN/heartbeats/), and the job exits 87 for its scheduler to requeue it; "
         "raise it above a first step that compiles for minutes; None: no watchdog")
     straggler_factor: float = Field(
-        1.2, gt=1, description="warn when a rank's own compute time per step exceeds this multiple of the ranks' "
-        "median for train.straggler_intervals log intervals in a row, naming the rank and its node")
+        1.2, gt=1, description="warn when a rank's own compute time per step (its training thread's CPU time) "
+        "exceeds this multiple of the other ranks' median for train.straggler_intervals log intervals in a row, "
+        "naming the rank and its node")
     straggler_intervals: int = Field(3, ge=1, description="consecutive slow log intervals before the warning")
     init_from: str | None = Field(
         None, description="start from these weights (a model.safetensors with our parameter names, as export, "

@@ -2,6 +2,9 @@
 
 ``step 20/200 | loss 28.37 | grad 1.9 | lr 4.9e-05 | 600 tok/s | mfu 9.8% | mem 2.1 GB | 0.85 s/step | eta 2 min``
 
+(with several ranks ``slowest r3 1.04x`` before the ETA: the rank with the most compute time per step, against the
+other ranks' median, :mod:`mhf_dist.train.stragglers`)
+
 and, at evaluations, the validation perplexities. ``metrics.jsonl`` keeps every value at full precision.
 """
 
@@ -41,6 +44,8 @@ _FIELDS = (
 def step_line(step: int, total: int, record: dict, seconds_left: float | None) -> str:
     """``record`` (a logged step's metrics) as one console line; ``seconds_left``: the ETA, when known."""
     parts = [f"step {step}/{total}"] + [show(record[key]) for key, show in _FIELDS if record.get(key) is not None]
+    if record.get("slowest_ratio") is not None:  # ranks' own compute time: the slowest against the others
+        parts.append(f"slowest r{record['slowest_rank']} {record['slowest_ratio']:.2f}x")
     if seconds_left is not None:
         parts.append(f"eta {duration(seconds_left)}")
     return " | ".join(parts)

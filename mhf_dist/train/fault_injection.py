@@ -8,6 +8,7 @@ for the ranks it starts. Nothing here acts unless its variable is set: a run nev
 - :data:`SAVE_FAIL_ENV`: the rank whose checkpoint writes fail as on a full disk.
 - :data:`DISK_BYTES_ENV`: the capacity, in bytes, of a simulated filesystem holding the checkpoints; writes fail
   once the checkpoints fill it.
+- :data:`SLOW_RANK_ENV`: ``RANK:FRACTION``: that rank computes ``FRACTION`` more in each step (a straggler).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ SAVE_PAUSE_ENV = "MHF_DIST_TEST_SAVE_PAUSE"
 CONVERT_PAUSE_ENV = "MHF_DIST_TEST_CONVERT_PAUSE"
 SAVE_FAIL_ENV = "MHF_DIST_TEST_SAVE_FAIL_RANK"
 DISK_BYTES_ENV = "MHF_DIST_TEST_DISK_BYTES"
+SLOW_RANK_ENV = "MHF_DIST_TEST_SLOW_RANK"
 
 
 def _pause(variable: str) -> None:
@@ -53,3 +55,15 @@ def free_bytes(directory: Path) -> int:
     if DISK_BYTES_ENV in os.environ:
         return int(os.environ[DISK_BYTES_ENV]) - sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
     return shutil.disk_usage(directory).free
+
+
+def slow_step(rank: int, compute_s: float) -> None:
+    """The straggler of :data:`SLOW_RANK_ENV`: after a step of ``compute_s`` CPU seconds, it computes for that
+    fraction of them again (busy, as a slower device or a starved host would be)."""
+    if not os.environ.get(SLOW_RANK_ENV):
+        return
+    slow, fraction = os.environ[SLOW_RANK_ENV].split(":")
+    if int(slow) == rank:
+        until = time.thread_time() + float(fraction) * compute_s
+        while time.thread_time() < until:
+            pass

@@ -67,12 +67,14 @@ from mhf_dist.storage.run_lock import RunDirLocked, RunLock
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
 from mhf_dist.train.console import step_line
 from mhf_dist.train.divergence import LossWatch
+from mhf_dist.train.fault_injection import slow_step
 from mhf_dist.train.host_tables import host_tables_factory
 from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.optim import apply_optimizer_changes, optimizer_factory
 from mhf_dist.train.preemption import StopSignal
 from mhf_dist.train.preflight import preflight
 from mhf_dist.train.process_group import backend_prints, init_distributed, resolve_device
+from mhf_dist.train.stragglers import StragglerWatch
 from mhf_dist.train.throughput import memory_gb, restart_peak_memory, total_peak_flops
 from mhf_dist.train.watchdog import Watchdog
 from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
@@ -356,6 +358,8 @@ class TrainingLoop:
         self.clock, self.watch = SaveClock(t.checkpoint_minutes), LossWatch(t)
         self.step_times: deque[float] = deque(maxlen=20)  # the recent steps' seconds, for the ETA
         self.watchdog = Watchdog(self.run_dir, self.rank, t.hang_timeout_s).start()
+        self.stragglers = StragglerWatch(self.run_dir, self.rank, self.world, t.straggler_factor,
+                                         t.straggler_intervals, self.scalars)
         self.progress = tqdm(range(start, self.end), desc="train", unit="step", dynamic_ncols=True, initial=start,
                              total=t.max_steps, disable=None if self.rank == 0 else True)
 
@@ -389,8 +393,10 @@ class TrainingLoop:
     def step(self, step: int) -> Stepped:
         """One optimizer step, timed, and its loss shown to the divergence watch."""
         lr = self.trainer.lr
-        began = time.perf_counter()
+        began, compute = time.perf_counter(), self.stragglers.clock()
         stats = self.trainer.train_step(self.reader, lambda: (self.stop.received, self.clock.due))  # read with it
+        slow_step(self.rank, self.stragglers.clock() - compute)
+        self.stragglers.add(self.stragglers.clock() - compute)
         seconds = time.perf_counter() - began
         self.step_times.append(seconds)
         for warning in self.watch.observe(step, stats.loss, stats.grad_norm):
@@ -405,7 +411,10 @@ class TrainingLoop:
             return {}
         stats, watch = stepped.stats, self.watch
         tokens_per_s = self.tokens_per_step / stepped.seconds
-        return {
+        ranks, warning = self.stragglers.interval()  # every rank: one small collective
+        if warning:
+            tqdm.write(f"warning: {warning}")
+        return ranks | {
             "loss": stats.loss, "head_losses": stats.head_losses, "lr": stepped.lr,
             "tokens_per_s": tokens_per_s, "step_s": stepped.seconds,
             "tflops": tokens_per_s * self.flops_per_token / 1e12,

@@ -1,0 +1,31 @@
+"""Slow ranks are visible: each log interval carries the slowest rank's compute time against the median rank's, a rank
+that stays slow is named with its node, and an even run names none."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.runs import metrics, run_cli, train_args
+from mhf_dist.cluster.status import gather, render
+from mhf_dist.storage.heartbeats import node_name
+from mhf_dist.train.fault_injection import SLOW_RANK_ENV
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("slowed", [True, False], ids=["rank-1-at-half-speed", "even"])
+def test_a_rank_at_half_speed_is_named_and_an_even_run_names_none(tmp_path, data, monkeypatch, slowed):
+    if slowed:
+        monkeypatch.setenv(SLOW_RANK_ENV, "1:1.0")  # rank 1 at half speed: its steps compute twice as long
+    run = tmp_path / "run"
+    out = run_cli(train_args(run, data, 2, "train.straggler_intervals=2", "train.log_interval=2", steps=8))
+    ratios = [(r["slowest_rank"], r["slowest_ratio"]) for r in metrics(run) if "slowest_ratio" in r]
+    assert len(ratios) == 5 and all(r["compute_s"] > 0 for r in metrics(run) if "compute_s" in r)
+    warning = (f"warning: rank 1 on {node_name()} is a straggler: its compute time per step is "
+               if slowed else "is a straggler")
+    if not slowed:
+        assert warning not in out and not [r for r in metrics(run) if "straggler" in r], out[-3000:]
+        return
+    assert out.count(warning) == 1, out[-3000:]  # said once, when it had lasted 2 intervals
+    assert all(rank == 1 and ratio > 1.5 for rank, ratio in ratios[1:]), ratios  # after step 1's warm-up
+    assert metrics(run)[-1]["straggler"]["rank"] == 1 and "slowest r1 1." in out
+    assert f"straggler  rank 1 on {node_name()}: " in render(gather(run))
