@@ -21,11 +21,23 @@ def missing_binaries() -> list[str]:
 
 
 class LocalSlurm:
+    """One node, ``localhost``, and its controller on 127.0.0.1 (subclasses place nodes elsewhere)."""
+
+    controller = "localhost(127.0.0.1)"
+
     def __init__(self, root: Path, cpus: int = 2):
         self.root, self.cpus = root, cpus
         self.conf = root / "slurm.conf"
         self.env = os.environ | {"SLURM_CONF": str(self.conf)}
         self.procs: list[subprocess.Popen] = []
+
+    def nodes(self) -> dict[str, str]:
+        """``{node name: its address}``."""
+        return {"localhost": "127.0.0.1"}
+
+    def slurmd_command(self, node: str) -> list[str]:
+        """How node ``node``'s slurmd starts (in the foreground)."""
+        return ["slurmd", "-D", "-N", node, "-f", str(self.conf)]
 
     def start(self) -> "LocalSlurm":
         r = self.root
@@ -41,7 +53,7 @@ class LocalSlurm:
                    f"--pid-file={r / 'munge/munged.pid'}", f"--log-file={r / 'log/munged.log'}",
                    f"--seed-file={r / 'munge/seed'}"])
         self.conf.write_text(f"""ClusterName=mhftest
-SlurmctldHost=localhost(127.0.0.1)
+SlurmctldHost={self.controller}
 SlurmUser=root
 AuthType=auth/munge
 AuthInfo=socket={socket}
@@ -52,11 +64,11 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
 StateSaveLocation={r / 'state'}
-SlurmdSpoolDir={r / 'spool'}
+SlurmdSpoolDir={r / 'spool'}/%n
 SlurmctldPidFile={r / 'slurmctld.pid'}
-SlurmdPidFile={r / 'slurmd.pid'}
+SlurmdPidFile={r / 'slurmd-%n.pid'}
 SlurmctldLogFile={r / 'log/slurmctld.log'}
-SlurmdLogFile={r / 'log/slurmd.log'}
+SlurmdLogFile={r / 'log/slurmd-%n.log'}
 SlurmctldPort=16817
 SlurmdPort=16818
 KillWait=60
@@ -64,17 +76,18 @@ MinJobAge=3600
 SchedulerType=sched/builtin
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
-NodeName=localhost NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
-""")
+""" + "".join(f"NodeName={name} NodeAddr={addr} CPUs={self.cpus} State=UNKNOWN\n"
+              for name, addr in self.nodes().items())
+            + f"PartitionName=debug Nodes={','.join(self.nodes())} Default=YES MaxTime=INFINITE State=UP\n")
         self.procs.append(subprocess.Popen(["slurmctld", "-D", "-f", str(self.conf)], env=self.env,
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        self.procs.append(subprocess.Popen(["slurmd", "-D", "-N", "localhost", "-f", str(self.conf)], env=self.env,
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for node in self.nodes():
+            self.procs.append(subprocess.Popen(self.slurmd_command(node), env=self.env,
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.time() + 60
         while time.time() < deadline:
-            out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True, text=True).stdout
-            if out.strip() in ("idle", "mixed", "allocated"):
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=self.env, capture_output=True, text=True).stdout
+            if out.split() and all(state in ("idle", "mixed", "allocated") for state in out.split()):
                 return self
             time.sleep(0.5)
         raise RuntimeError(f"SLURM did not come up: {self.log_tail()}")
@@ -90,8 +103,8 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
         return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
     def log_tail(self) -> str:
-        return "\n".join((self.root / "log" / f).read_text()[-2000:] for f in ("slurmctld.log", "slurmd.log")
-                         if (self.root / "log" / f).exists())
+        logs = ["slurmctld.log", *(f"slurmd-{node}.log" for node in self.nodes())]
+        return "\n".join((self.root / "log" / f).read_text()[-2000:] for f in logs if (self.root / "log" / f).exists())
 
     def stop(self) -> None:
         for p in self.procs:
