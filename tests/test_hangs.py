@@ -15,7 +15,7 @@ import pytest
 from helpers.jobs import Job
 from helpers.runs import train_args
 from mhf_dist.cluster.status import gather, render
-from mhf_dist.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE
+from mhf_dist.errors import HUNG_EXIT_CODE, NODE_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
 from mhf_dist.storage.heartbeats import rank_health, write_heartbeat
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.storage.run_lock import running
@@ -104,3 +104,28 @@ def test_a_stopped_rank_ends_the_job_with_every_live_ranks_stacks_and_the_rerun_
     assert code == PREEMPTED_EXIT_CODE, out[-3000:]
     beats = [json.loads(p.read_text()) for p in sorted((run / "heartbeats").glob("rank-*.json"))]
     assert [b["phase"] for b in beats] == ["finished", "finished"]
+
+
+@pytest.mark.multirank
+def test_a_rank_without_a_heartbeat_for_the_peer_timeout_is_lost_with_its_node(tmp_path, data):
+    """A stopped rank's heartbeat ages as a dead node's would: once the others have waited on it for
+    ``train.peer_timeout_s`` (long before the hang timeout), they stop with the node and rank named and recorded."""
+    run = tmp_path / "run"
+    args = train_args(run, data, 2, "train.peer_timeout_s=4", "train.hang_timeout_s=600",
+                      "train.dist_timeout_minutes=10", steps=STEPS)
+    job = Job(args, tmp_path / "lost.log")
+    job.wait_for(f"step 2/{STEPS}")
+    ranks = job.ranks()
+    os.kill(ranks[1], signal.SIGSTOP)
+    try:
+        code, out = job.end(timeout=90)
+    finally:
+        if running(ranks[1]):
+            os.kill(ranks[1], signal.SIGKILL)
+    assert code == NODE_LOST_EXIT_CODE, out[-3000:]
+    lost = json.loads((run / "heartbeats" / "lost.json").read_text())
+    assert lost["ranks"] == [1] and len(lost["nodes"]) == 1
+    assert re.search(rf"lost node {re.escape(lost['nodes'][0])}: ranks 1 sent no heartbeat for over 4 s "
+                     rf"\(train.peer_timeout_s\), in step \d+; stopping without a save \(exit {NODE_LOST_EXIT_CODE}\)",
+                     out), out[-3000:]
+    assert not (run / "hangs").exists()  # not a hang: no stacks

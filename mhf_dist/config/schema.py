@@ -243,6 +243,10 @@ class TrainConfig(Strict):
         "rank writes its Python stacks to RUN/hangs/<time>/, the log names the ranks that stopped answering or fell "
         "behind (from their heartbeats in RUN/heartbeats/), and the job exits 87 for its scheduler to requeue it; "
         "raise it above a first step that compiles for minutes; None: no watchdog")
+    peer_timeout_s: float | None = Field(
+        120, gt=0, description="a rank whose heartbeat (RUN/heartbeats/) is this old has been lost with its node: the "
+        "others stop at once, naming the node and its ranks, and exit 88, on which an elastic job (submit --nodes "
+        "MIN-MAX) continues on the nodes left; None: wait for the process group's timeout")
     straggler_factor: float = Field(
         1.2, gt=1, description="warn when a rank's own compute time per step (its training thread's CPU time) "
         "exceeds this multiple of the other ranks' median for train.straggler_intervals log intervals in a row, "

@@ -42,8 +42,9 @@ def write_heartbeat(run: RunDir, record: dict) -> None:
 
 
 def clear_heartbeats(run: RunDir) -> None:
-    """Remove the heartbeats of an earlier job (its world may differ); called before this job's ranks write."""
-    for path in run.heartbeats_dir.glob("rank-*.json"):
+    """Remove the heartbeats of an earlier job (its world may differ) and its lost-node record; called before this
+    job's ranks write."""
+    for path in run.heartbeats_dir.glob("*.json"):
         path.unlink(missing_ok=True)
     run.heartbeats_dir.mkdir(parents=True, exist_ok=True)
 

@@ -30,7 +30,7 @@ CHANGEABLE_ON_RESUME = (
     "train.eval_sequences", "train.checkpoint_interval", "train.checkpoint_minutes", "train.keep_checkpoints",
     "train.on_nonfinite", "train.max_nonfinite_steps", "train.spike_factor", "train.peak_tflops", "train.compile",
     "train.fused_head_kernel", "train.dist_backend", "train.dist_timeout_minutes", "train.wandb",
-    "train.hang_timeout_s", "train.straggler_factor", "train.straggler_intervals",
+    "train.hang_timeout_s", "train.peer_timeout_s", "train.straggler_factor", "train.straggler_intervals",
 )
 
 

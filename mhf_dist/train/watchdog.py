@@ -14,37 +14,46 @@ the ranks meet on the shared filesystem, not the network, which may be what fail
    and those that did not reach the furthest step, from their heartbeats;
 4. exits with :data:`~mhf_dist.errors.HUNG_EXIT_CODE` without saving (a hung collective cannot be trusted to
    finish a save); the job script requeues on it and the next start resumes from the newest checkpoint.
+
+A lost node is told apart sooner: once this rank has been waiting a few heartbeats, it reads the other ranks'
+heartbeats, and ranks whose heartbeat is ``train.peer_timeout_s`` old are lost (their node died or dropped off the
+network, and with it their heartbeat thread). The lowest rank that answers names the node and its ranks and writes
+them to ``RUN/heartbeats/lost.json``; every rank exits with :data:`~mhf_dist.errors.NODE_LOST_EXIT_CODE`, on which
+an elastic job continues on the nodes left. A healthy job never reads its peers' heartbeats.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import sys
 import threading
 import time
 from pathlib import Path
 
-from mhf_dist.errors import HUNG_EXIT_CODE
+from mhf_dist.errors import HUNG_EXIT_CODE, NODE_LOST_EXIT_CODE
 from mhf_dist.storage.heartbeats import answers, doing, node_name, rank_health, read_heartbeats, write_heartbeat
 from mhf_dist.storage.run_dir import RunDir
 
 MAX_BEAT_S = 10.0
 MIN_BEAT_S = 0.5
 LINGER_BEATS = 3  # heartbeats to wait, after writing the stacks, for the other live ranks to write theirs
+WAITING_BEATS = 3  # heartbeats without progress before a rank reads its peers' heartbeats
 
 
-def beat_interval(hang_timeout_s: float | None) -> float:
-    """Seconds between heartbeats: a tenth of the hang timeout, within [0.5, 10]."""
-    return MAX_BEAT_S if hang_timeout_s is None else min(MAX_BEAT_S, max(MIN_BEAT_S, hang_timeout_s / 10))
+def beat_interval(*timeouts_s: float | None) -> float:
+    """Seconds between heartbeats: a tenth of the shorter timeout (hang, peer), within [0.5, 10]."""
+    set_ = [t for t in timeouts_s if t is not None]
+    return min(MAX_BEAT_S, max(MIN_BEAT_S, min(set_) / 10)) if set_ else MAX_BEAT_S
 
 
 class Watchdog:
     """Rank ``rank``'s heartbeat and hang watch in run ``run`` (``hang_timeout_s`` None: heartbeats only)."""
 
-    def __init__(self, run: RunDir, rank: int, hang_timeout_s: float | None):
-        self.run, self.rank, self.timeout_s = run, rank, hang_timeout_s
-        self.beat_s = beat_interval(hang_timeout_s)
+    def __init__(self, run: RunDir, rank: int, hang_timeout_s: float | None, peer_timeout_s: float | None = None):
+        self.run, self.rank, self.timeout_s, self.peer_timeout_s = run, rank, hang_timeout_s, peer_timeout_s
+        self.beat_s = beat_interval(hang_timeout_s, peer_timeout_s)
         self.started = time.time()
         self._progress = (0, "start", self.started)  # (step, phase, since), replaced whole by the training thread
         self._stop = threading.Event()
@@ -80,14 +89,38 @@ class Watchdog:
                 self._beat()
             except OSError as e:  # a filesystem hiccup must not end the rank; the next beat retries
                 print(f"warning: rank {self.rank}'s heartbeat was not written: {e}", file=sys.stderr)
+            step, phase, since = self._progress
+            waiting = phase not in ("start", "finished") and time.time() - since > WAITING_BEATS * self.beat_s
+            if waiting and self.peer_timeout_s is not None and (lost := self._lost_peers()):
+                self._lose(lost)
             if self.timeout_s is None:
                 continue
             declared = self._declared_hang()
-            step, phase, since = self._progress
             if declared is None and phase not in ("start", "finished") and time.time() - since > self.timeout_s:
                 declared = self._declare(step, phase, time.time() - since)
             if declared is not None and not self._stop.is_set():
                 self._end(declared)
+
+    def _lost_peers(self) -> list[dict]:
+        """The other ranks whose heartbeat is ``peer_timeout_s`` old (finished ones are not lost)."""
+        now = time.time()
+        return [b for b in read_heartbeats(self.run) if b["rank"] != self.rank and b.get("phase") != "finished"
+                and now - b.get("beat", now) > self.peer_timeout_s]
+
+    def _lose(self, lost: list[dict]) -> None:
+        """Peers were lost with their node: the lowest rank that answers names them; every rank exits."""
+        now = time.time()
+        nodes = sorted({str(b.get("node")) for b in lost})
+        live = [b["rank"] for b in read_heartbeats(self.run) if answers(b, now) and b not in lost]
+        if self.rank == min(live, default=self.rank):
+            (self.run.heartbeats_dir / "lost.json").write_text(json.dumps(
+                {"nodes": nodes, "ranks": [b["rank"] for b in lost], "time": now, "step": self._progress[0]}))
+            print(f"lost node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}: ranks "
+                  f"{', '.join(str(b['rank']) for b in lost)} sent no heartbeat for over {self.peer_timeout_s:g} s "
+                  f"(train.peer_timeout_s), {doing(lost[0])}; stopping without a save (exit {NODE_LOST_EXIT_CODE}); "
+                  "the next start resumes from the newest checkpoint", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(NODE_LOST_EXIT_CODE)
 
     def _declared_hang(self) -> Path | None:
         """The folder of a hang another rank of this job declared (made since this rank's watchdog started)."""
