@@ -64,3 +64,20 @@ def trained(tmp_path_factory, data):
     train_run(root, data, "mhf", 1, steps=20)
     train_run(root, data, "standard", 1, preset="tiny-standard", steps=20)
     return {"mhf": root / "mhf", "standard": root / "standard"}
+
+
+@pytest.fixture(scope="session")
+def sources(tmp_path_factory, data):
+    """Three shard directories of the test tokenizer (64-token samples, each with a validation split), weighted as
+    :data:`helpers.runs.MIXTURE_WEIGHTS`: a mixture's ``data.sources``."""
+    from mhf_dist.config import DataSource
+    from mhf_dist.data.prepare import prepare
+
+    root, docs = tmp_path_factory.mktemp("mixture"), list(embedded_corpus())
+    found = []
+    for (name, weight), part in zip(runs.MIXTURE_WEIGHTS.items(), (docs[:40], docs[40:80], docs[80:140])):
+        (root / f"{name}.txt").write_text("\n\n".join(part) + "\n")
+        prepare([root / f"{name}.txt"], data["tokenizer"], root / name, seq_len=64, samples_per_shard=32,
+                val_fraction=0.2, progress=False)
+        found.append(DataSource(path=str(root / name), weight=weight))
+    return found

@@ -313,10 +313,15 @@ def test_a_check_cut_short_leaves_a_report_of_the_steps_that_ended(tmp_path, mon
     monkeypatch.setattr(gpu_check, "STEPS", (
         ("first", lambda ctx: [runner.Check("first-check", runner.PASS, "fine", {"x": 1.0})]),
         ("second", second), ("third", lambda ctx: pytest.fail("ran after the interruption"))))
-    before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(SystemExit if signum == signal.SIGTERM else KeyboardInterrupt):
-        gpu_check.run(_run_args(monkeypatch, tmp_path))
-    assert signal.getsignal(signal.SIGTERM) == before
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a handler of the process's own: the check interrupts anyway
+    try:
+        with pytest.raises(SystemExit if signum == signal.SIGTERM else KeyboardInterrupt):
+            gpu_check.run(_run_args(monkeypatch, tmp_path))
+        assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before[signal.SIGINT])
 
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert not report["complete"]

@@ -7,27 +7,11 @@ import json
 import pytest
 import yaml
 
+from helpers.runs import MIXTURE_WEIGHTS as WEIGHTS
 from helpers.runs import metrics, run_cli, train_args
-from mhf_dist.config import DataSource
 from mhf_dist.data.mixture import MixtureSchedule
-from mhf_dist.data.prepare import prepare
-from mhf_dist.vocab.tokenizers import embedded_corpus
 
 pytestmark = pytest.mark.multirank
-WEIGHTS = {"psalms": 0.5, "law": 0.3, "gospels": 0.2}
-
-
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory, data):
-    """Three shard directories of the test tokenizer (64-token samples, each with a validation split)."""
-    root, docs = tmp_path_factory.mktemp("mixture"), list(embedded_corpus())
-    found = []
-    for (name, weight), part in zip(WEIGHTS.items(), (docs[:40], docs[40:80], docs[80:140])):
-        (root / f"{name}.txt").write_text("\n\n".join(part) + "\n")
-        prepare([root / f"{name}.txt"], data["tokenizer"], root / name, seq_len=64, samples_per_shard=32,
-                val_fraction=0.2, progress=False)
-        found.append(DataSource(path=str(root / name), weight=weight))
-    return found
 
 
 def mixture_args(run, data, sources, nproc: int, *overrides: str) -> list[str]:

@@ -3,16 +3,22 @@ has its own address, host name and ``slurmd``, and ranks on different nodes talk
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import time
+from datetime import datetime
 
 import pytest
+import yaml
 
 from helpers.node_cluster import NodeCluster, unavailable
-from helpers.runs import metrics, run_cli, train_args
+from helpers.runs import MIXTURE_WEIGHTS, metrics, run_cli, train_args
 from helpers.slurm import missing_binaries
+from mhf_dist.data.mixture import MixtureSchedule
 from test_submit import wait_for
 
 
@@ -72,3 +78,54 @@ def test_a_two_node_job_trains_as_one_node_does_and_resumes_bit_identically_afte
     assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in reference]
     shown = run_cli(["status", str(run)])
     assert f"step       {steps} / {steps}" in shown and re.search(r"^ranks +4 ranks on n1, n2$", shown, re.M), shown
+
+
+@pytest.mark.slurm
+@pytest.mark.multirank
+def test_a_job_that_loses_a_node_finishes_on_the_nodes_left_without_a_person(tmp_path, data, sources, cluster):
+    """A 3-node elastic job (``--nodes 2-3``, tp=2 × dp=3, ZeRO-1) loses its third node (its slurmd and ranks
+    killed) after its step-2 checkpoint: the job probes its nodes, continues on two at dp=2 from that checkpoint, and
+    finishes. Its losses after the loss are those of a resume by hand from the same checkpoint at dp=2, and every
+    source's tokens are those of the uninterrupted order."""
+    steps, batch = 6, 12
+    listed = json.dumps([s.model_dump(exclude_none=True) for s in sources])
+    overrides = ("parallel.tp=2", "parallel.zero_stage=1", f"train.global_batch_size={batch}",
+                 "train.checkpoint_interval=2", "train.peer_timeout_s=10", "data.path=null", f"data.sources={listed}")
+    run = tmp_path / "run"
+    args = train_args(run, data, 2, *overrides, steps=steps)
+    args = ["submit", "--cluster", "cpu-local", "--nodes", "2-3"] + [a for a in args[1:] if a not in (
+        "--nproc-per-node", "2")]
+    proc = subprocess.run([sys.executable, "-m", "mhf_dist", *args], env=cluster.env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    log = run / "metrics.jsonl"
+    wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 300, "step 3")
+    assert (run / "checkpoints/step-00000002/complete.json").exists()
+    lost_at = time.time()
+    cluster.kill_node("n3")
+    state = wait_for(lambda: (s := cluster.job_state(job))["JobState"] in ("COMPLETED", "FAILED") and s, 900,
+                     "the job to finish")
+    out = job_log(run)
+    assert state["JobState"] == "COMPLETED", out[-5000:] + cluster.log_tail()
+    assert "round 0 on n1,n2,n3 (6 ranks)" in out and "round 1 on n1,n2 (4 ranks)" in out, out[-5000:]
+    assert "elastic: lost: node n3" in out
+    assert "elastic: kept: checkpoint step-00000002 (step 2)" in out
+    assert "elastic: chose: dp 2 (was dp 3 on 3 nodes) on 2 nodes (n1, n2), 4 ranks: tp 2 x pp 1 kept" in out
+    assert f"resumed from {run / 'checkpoints' / 'step-00000002'} at step 2 (converted to this layout)" in out
+
+    records = metrics(run)
+    after = [r for r in records if "loss" in r and r["step"] > 2][-(steps - 2):]
+    assert [r["step"] for r in after] == [3, 4, 5, 6]
+    back = min(datetime.fromisoformat(r["time"]).timestamp() for r in after)  # the first step trained after the loss
+    print(f"from the lost node to the next trained step: {back - lost_at:.0f} s")  # docs/benchmarks.md
+
+    by_hand = tmp_path / "by-hand"  # the same checkpoint resumed by hand at dp=2 on one host
+    shutil.copytree(run, by_hand, ignore=shutil.ignore_patterns("slurm", "heartbeats", "metrics.jsonl"))
+    hand = train_args(by_hand, data, 4, *overrides, steps=steps) + [
+        "--resume", str(by_hand / "checkpoints" / "step-00000002")]
+    run_cli(hand)
+    for got, want in zip(after, [r for r in metrics(by_hand) if "loss" in r]):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * want["loss"], (got["step"], got["loss"], want["loss"])
+    seed = yaml.safe_load((run / "config.yaml").read_text())["train"]["seed"]
+    read = MixtureSchedule([s.weight for s in sources], seed=seed).consumed(steps * batch)
+    assert after[-1]["source_tokens"] == {name: int(n) * 64 for name, n in zip(MIXTURE_WEIGHTS, read)}

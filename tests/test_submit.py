@@ -35,6 +35,7 @@ CASES = {  # golden file: (profile, nodes, preset, overrides, extra)
     "mi300x-4nodes.sbatch": ("mi300x", 4, "3b-h4b16k", [DATA, "parallel.tp=2", "parallel.pp=2"], {}),
     "cpu-local-1node.sbatch": ("cpu-local", 1, "tiny-h4b16k", ["train.micro_batch_size=4"], {}),
     "a100-80g-2nodes.hostfile.sh": ("a100-80g", 2, "1b-h4b16k", [DATA], {"hostfile": "/shared/hostfile"}),
+    "a100-80g-6to8nodes.elastic.sbatch": (SITE, 8, "1b-h4b16k", [DATA, "parallel.tp=2"], {"min_nodes": 6}),
 }
 
 
@@ -67,7 +68,7 @@ def test_a_task_of_a_job_step_is_told_its_rank_and_job(monkeypatch):
     from mhf_dist.storage.heartbeats import NODE_ENV
     from mhf_dist.storage.run_lock import JOB_ID_ENV
 
-    for key in ("SLURM_STEP_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_ID", "SLURMD_NODENAME"):
+    for key in ("SLURM_STEP_ID", "SLURM_JOB_NUM_NODES", "SLURM_STEP_NUM_NODES", "SLURM_JOB_ID", "SLURMD_NODENAME"):
         monkeypatch.delenv(key, raising=False)
     assert task_env() == {}  # not inside a job step
     for key, value in dict(SLURM_STEP_ID="0", SLURM_PROCID="5", SLURM_LOCALID="1", SLURM_NTASKS="8",
@@ -525,3 +526,40 @@ def test_the_rendered_array_tasks_and_merge_prepare_the_one_process_shards(tmp_p
             with ShardReader(source, split=split, seed=3, shuffle_window=2) as reader:
                 streams.append(reader.next_batch(reader.samples_per_epoch).tolist())
         assert streams[0] == streams[1]
+
+
+def test_an_elastic_round_takes_the_largest_dp_the_nodes_left_allow_and_tells_why(tmp_path):
+    from mhf_dist.cluster.elastic import plan_round
+    from mhf_dist.storage.run_dir import RunDir
+
+    cfg = load_config("tiny-h4b16k", overrides=["parallel.tp=2", "train.global_batch_size=12",
+                                                 "train.micro_batch_size=2"])
+    run = RunDir(tmp_path / "run")
+    first = plan_round(cfg, run, ["n1", "n2", "n3"], [], 2, 2)
+    assert first.shell() == "NODELIST=n1,n2,n3 NNODES=3 NTASKS=6" and first.layout.dp == 3
+    run.heartbeats_dir.mkdir(parents=True)
+    (run.heartbeats_dir / "lost.json").write_text(json.dumps({"nodes": ["n3"], "ranks": [4, 5]}))
+    second = plan_round(cfg, run, ["n1", "n2"], ["n3"], 2, 2)
+    assert second.shell() == "NODELIST=n1,n2 NNODES=2 NTASKS=4" and second.layout.dp == 2
+    assert second.story == [
+        "lost: node n3 (ranks 4, 5): no longer runs a task",
+        "kept: no checkpoint yet: the run starts again from step 0",
+        "chose: dp 2 (was dp 3 on 3 nodes) on 2 nodes (n1, n2), 4 ranks: tp 2 x pp 1 kept, the largest dp that 2 "
+        "nodes of 2 allow and that divides the global batch 12 = dp 2 x 3 micro-batches of 2"]
+    # 5 nodes of 2 allow dp 5; 12 sequences in micro-batches of 2 (set, so kept) split over dp 3 at most: 3 nodes
+    five = plan_round(cfg, run, ["n1", "n2", "n3", "n4", "n5"], [], 2, 2)
+    assert five.shell() == "NODELIST=n1,n2,n3 NNODES=3 NTASKS=6"
+    with pytest.raises(ConfigError, match=r"1 node left \(n1; lost: n2, n3\), fewer than the job's minimum of 2: "
+                       "the job stops; submit it again to resume from the newest checkpoint"):
+        plan_round(cfg, run, ["n1"], ["n2", "n3"], 2, 2)
+
+
+def test_an_elastic_job_is_checked_at_its_minimum_and_needs_slurm():
+    cfg = load_config("tiny-h4b16k", overrides=["parallel.tp=2", "train.micro_batch_size=4"])
+    profile = load_profile("cpu-local")
+    with pytest.raises(ConfigError, match="--nodes 2-2: the minimum must be at least 1 and below the maximum"):
+        render(SLURM, cfg, profile, 2, Path("/r"), min_nodes=2)
+    with pytest.raises(ConfigError, match="needs SLURM"):
+        render(HOSTFILE, cfg, profile, 2, Path("/r"), min_nodes=1, hostfile="/h")
+    script = render(SLURM, cfg, profile, 2, Path("/r"), min_nodes=1)
+    assert "#SBATCH --nodes=1-2\n" in script and "#SBATCH --no-kill\n" in script and "elastic-plan" in script

@@ -12,6 +12,7 @@ from mhf_dist.cli.options import (
     add_preparation_options,
     add_run_options,
     load_run_config,
+    node_range,
     positive_int,
     preparation_options,
 )
@@ -24,9 +25,12 @@ def cmd_submit(args) -> int:
 
     cfg, profile, run_dir = load_run_config(args), _chosen_profile(args), Path(args.run_dir)
     chosen = scheduler("hostfile" if args.hostfile else "slurm")
-    script = render(chosen, cfg, profile, args.nodes, run_dir, preset=args.preset, config=args.config,
+    min_nodes, nodes = args.nodes
+    if min_nodes is None and profile.min_nodes is not None and profile.min_nodes < nodes:
+        min_nodes = profile.min_nodes  # the site's elastic default
+    script = render(chosen, cfg, profile, nodes, run_dir, preset=args.preset, config=args.config,
                     overrides=args.overrides, grace=args.grace, depends_on=args.depends_on, hostfile=args.hostfile,
-                    python=args.python)
+                    python=args.python, min_nodes=min_nodes)
     if args.dry_run:
         print(script, end="")
         if note := chosen.manual_note(RunDir(run_dir.resolve()).jobs_dir):
@@ -40,7 +44,7 @@ def cmd_submit(args) -> int:
         path = write_script(script, run_dir.resolve() / chosen.script_name, run_dir)
         print(f"starting {path}")
         return subprocess.call(["bash", str(path)])
-    job = submit(chosen, script, run_dir, profile.name, args.nodes)
+    job = submit(chosen, script, run_dir, profile.name, nodes)
     print(f"submitted job {job}; logs: {RunDir(run_dir.resolve()).jobs_dir}/mhf-{run_dir.resolve().name}-{job}.out; "
           f"progress: mhf-dist status {run_dir}")
     return 0
@@ -65,7 +69,9 @@ def submit_parser(sub) -> None:
                        help="submit a multi-node training job (SLURM, or a hostfile for DeepSpeed's launcher)")
     add_run_options(p)
     p.add_argument("--run-dir", required=True, help="run directory on storage every node sees")
-    p.add_argument("--nodes", type=positive_int, default=1, help="nodes of the cluster profile's kind")
+    p.add_argument("--nodes", type=node_range, default=(None, 1), metavar="N|MIN-MAX",
+                   help="nodes of the cluster profile's kind; MIN-MAX: an elastic job, which continues on the nodes "
+                   "left (at least MIN) when one is lost (default MIN: the profile's min_nodes)")
     add_cluster_options(p)
     p.add_argument("--grace", type=positive_int, help="seconds between SLURM's USR1 and the time limit (default: "
                    "what plan estimates a step and a save need, at least 120)")
@@ -75,6 +81,39 @@ def submit_parser(sub) -> None:
     what.add_argument("--dry-run", action="store_true", help="print the job script only")
     what.add_argument("--write", metavar="FILE", help="write the job script and make its log directory; submit nothing")
     p.set_defaults(func=cmd_submit)
+
+
+def cmd_elastic_plan(args) -> int:
+    from mhf_dist.cluster.elastic import plan_round
+    from mhf_dist.storage.run_dir import RunDir
+
+    if args.preset or args.config:
+        cfg = load_run_config(args)
+    else:
+        from mhf_dist.train.resume import resume_config
+
+        cfg = resume_config(args.run_dir, args.overrides, "auto")
+    names = lambda text: [n for n in text.replace(",", " ").split() if n]  # noqa: E731
+    chosen = plan_round(cfg, RunDir(Path(args.run_dir).resolve()), names(args.nodes), names(args.lost),
+                        args.tasks_per_node, args.min_nodes)
+    for line in chosen.story:
+        print(f"elastic: {line}", file=sys.stderr)
+    print(chosen.shell())
+    return 0
+
+
+def elastic_plan_parser(sub) -> None:
+    p = sub.add_parser("elastic-plan",  # unlisted: an elastic job's script calls it
+                       description="Print the next round of an elastic job (submit --nodes MIN-MAX) as shell values "
+                       "(NODELIST, NNODES, NTASKS) on the answering nodes, and on stderr what was lost, kept and "
+                       "chosen; exit 2 when fewer than --min-nodes answer.")
+    add_run_options(p)
+    p.add_argument("--run-dir", required=True, help="the job's run directory")
+    p.add_argument("--nodes", required=True, help="the nodes that answered, space- or comma-separated")
+    p.add_argument("--lost", default="", help="the nodes that did not")
+    p.add_argument("--tasks-per-node", type=positive_int, required=True, help="ranks per node")
+    p.add_argument("--min-nodes", type=positive_int, required=True, help="the job's minimum")
+    p.set_defaults(func=cmd_elastic_plan)
 
 
 def cmd_submit_data(args) -> int:

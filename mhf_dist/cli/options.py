@@ -14,6 +14,14 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1)
 
 
+def node_range(text: str) -> tuple[int | None, int]:
+    """An argparse type: ``N`` nodes, or ``MIN-MAX`` (an elastic job): (MIN or None, MAX)."""
+    low, dash, high = text.partition("-")
+    if not dash:
+        return None, positive_int(text)
+    return positive_int(low), positive_int(high)
+
+
 def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 

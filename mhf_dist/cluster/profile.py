@@ -55,6 +55,9 @@ class ClusterProfile(SlurmOptions):
     gpu_bind: str = Field("closest", description="the tasks' --gpu-bind value when gpus_per_task is set (closest: "
                           "the GPU nearest the rank's cores; per_task:1 on sites whose topology SLURM does not know)")
     exclusive: bool = Field(False, description="the job's --exclusive: whole nodes, shared with no other job")
+    min_nodes: int | None = Field(
+        None, ge=1, description="submit's elastic minimum: a job of more nodes asks for min_nodes-N (--no-kill) and "
+        "continues on the nodes left, at least min_nodes, when one is lost; None: a lost node ends the job")
     all_memory: bool = Field(False, description="the job's --mem=0: it may use all of each node's memory")
     python: str | None = Field(None, description="Python on the nodes (absolute, or a name inside the container); "
                                "None: the Python that runs submit, which must be on storage every node sees")

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from string import Template
 
+from mhf_dist.cluster.elastic import largest_layout
 from mhf_dist.cluster.files import no_control_characters
 from mhf_dist.cluster.profile import ClusterProfile
 from mhf_dist.cluster.scheduler import Scheduler
@@ -88,12 +89,21 @@ def _shell_values(profile: ClusterProfile, python: str | None, container: bool) 
 
 def render(scheduler: Scheduler, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, *,
            preset: str | None = None, config: str | None = None, overrides: list[str] = (), grace: int | None = None,
-           depends_on: str | None = None, hostfile: str | None = None, python: str | None = None) -> str:
+           depends_on: str | None = None, hostfile: str | None = None, python: str | None = None,
+           min_nodes: int | None = None) -> str:
     """The training job script for ``scheduler``; the layout is checked against the nodes first. ``preset``,
-    ``config`` and ``overrides`` are what the ranks load the run's config from, as ``train`` takes them."""
+    ``config`` and ``overrides`` are what the ranks load the run's config from, as ``train`` takes them.
+    ``min_nodes``: an elastic job of ``min_nodes`` to ``nodes`` nodes, which continues on the nodes left when one is
+    lost (:mod:`mhf_dist.cluster.elastic`); its layout is checked at both ends."""
     if nodes < 1:
         raise ConfigError(f"--nodes={nodes}: need at least one node")
+    if min_nodes is not None and not 1 <= min_nodes < nodes:
+        raise ConfigError(f"--nodes {min_nodes}-{nodes}: the minimum must be at least 1 and below the maximum")
     preflight(cfg, nodes * profile.gpus_per_node, "cpu" if profile.backend == "gloo" else "cuda", data_here=False)
+    if min_nodes is not None and largest_layout(cfg, min_nodes * profile.gpus_per_node) is None:
+        raise ConfigError(f"--nodes {min_nodes}-{nodes}: {min_nodes} node(s) of {profile.gpus_per_node} ranks fit no "
+                          f"layout of tp={cfg.parallel.tp} x pp={cfg.parallel.pp} with train.global_batch_size="
+                          f"{cfg.train.global_batch_size}; raise the minimum")
     run_dir = Path(no_control_characters("--run-dir", str(run_dir))).resolve()
     values = dict(
         profile=profile.name, nodes=nodes, tasks_per_node=profile.gpus_per_node, cpus_per_task=profile.cpus_per_task,
@@ -104,7 +114,8 @@ def render(scheduler: Scheduler, cfg: RunConfig, profile: ClusterProfile, nodes:
         preempted_exit_code=PREEMPTED_EXIT_CODE, hung_exit_code=HUNG_EXIT_CODE, grace_env=GRACE_ENV,
     )
     values |= scheduler.job_values(cfg, profile, nodes, run_dir, grace=grace, depends_on=depends_on,
-                                   hostfile=hostfile)
+                                   hostfile=hostfile, min_nodes=min_nodes)
+    values["launch"] = Template(scheduler.launch_template(min_nodes is not None)).substitute(values)
     return Template(scheduler.template()).substitute(values)
 
 

@@ -13,6 +13,7 @@ everything (daemons, namespaces, the bridge, the hosts files), also what an earl
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -41,13 +42,16 @@ def unavailable() -> str | None:
 
 
 def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
 
 class NodeCluster(LocalSlurm):
     """``nodes`` SLURM nodes ``n1``.. of ``cpus`` CPUs each, each in its own network namespace."""
 
     controller = f"{socket.gethostname()}({SUBNET}.1)"  # slurmctld runs here, in the root namespace
+    slurmd_timeout_s = 10  # a lost node is declared down in seconds, where sites wait minutes
 
     def __init__(self, root: Path, nodes: int = 3, cpus: int = 2):
         super().__init__(root, cpus)
@@ -122,6 +126,14 @@ class NodeCluster(LocalSlurm):
     def remove_network() -> None:
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
         for ns in [line.split()[0] for line in listed if line.startswith(PREFIX)]:
+            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+                try:  # a slurmd or task an earlier run left in it
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
             shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+        for link in sorted(set(re.findall(r"^\d+: (mhfv\d+)@", links, re.M))):  # host ends outliving a namespace
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)

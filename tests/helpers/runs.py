@@ -21,6 +21,9 @@ from mhf_dist.cluster.launch import RANK_NAME
 RUN_CACHE: Path | None = None  # where train_run keeps this test run's finished fresh runs (tests/conftest.py sets it)
 
 
+MIXTURE_WEIGHTS = {"psalms": 0.5, "law": 0.3, "gospels": 0.2}  # the sources fixture's shard directories
+
+
 def _forkserver():
     """A process that has imported what the commands import and computed nothing: each :class:`CliProcess` is forked
     from it (started with the first; a fork of this test process would carry its state into the command: logging

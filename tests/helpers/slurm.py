@@ -24,6 +24,7 @@ class LocalSlurm:
     """One node, ``localhost``, and its controller on 127.0.0.1 (subclasses place nodes elsewhere)."""
 
     controller = "localhost(127.0.0.1)"
+    slurmd_timeout_s = 300  # SLURM's default: how long a silent node takes to be declared down
 
     def __init__(self, root: Path, cpus: int = 2):
         self.root, self.cpus = root, cpus
@@ -71,6 +72,7 @@ SlurmctldLogFile={r / 'log/slurmctld.log'}
 SlurmdLogFile={r / 'log/slurmd-%n.log'}
 SlurmctldPort=16817
 SlurmdPort=16818
+SlurmdTimeout={self.slurmd_timeout_s}
 KillWait=60
 MinJobAge=3600
 SchedulerType=sched/builtin

@@ -40,9 +40,14 @@ class Scheduler(Protocol):
         :meth:`job_values` give."""
 
     def job_values(self, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, *, grace: int | None,
-                   depends_on: str | None, hostfile: str | None) -> dict[str, object]:
-        """The template values of this scheduler's own part of a training job (its options, its signal's grace);
-        raises ConfigError for values it cannot take."""
+                   depends_on: str | None, hostfile: str | None, min_nodes: int | None) -> dict[str, object]:
+        """The template values of this scheduler's own part of a training job (its options, its signal's grace; an
+        elastic job of ``min_nodes`` to ``nodes`` nodes when ``min_nodes`` is set); raises ConfigError for values it
+        cannot take."""
+
+    def launch_template(self, elastic: bool) -> str:
+        """The part of the training job script that starts the ranks (``${launch}`` of :meth:`template`), a
+        :class:`string.Template` of the same values; ``elastic``: the rounds of an elastic job."""
 
     def in_container(self, profile: ClusterProfile) -> bool:
         """Whether the profile starts the ranks in a container, which brings its own Python."""

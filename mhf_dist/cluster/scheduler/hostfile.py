@@ -34,7 +34,10 @@ class Hostfile:
         return SLURM.in_container(profile)  # a profile may name SLURM's container options, which this cannot start
 
     def job_values(self, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, *, grace: int | None,
-                   depends_on: str | None, hostfile: str | None) -> dict[str, object]:
+                   depends_on: str | None, hostfile: str | None, min_nodes: int | None) -> dict[str, object]:
+        if min_nodes is not None:
+            raise ConfigError("an elastic job (--nodes MIN-MAX, min_nodes) needs SLURM: DeepSpeed's hostfile launcher "
+                              "cannot continue on the nodes left; give --nodes N")
         if self.in_container(profile):
             raise ConfigError(f"profile {profile.name} runs in a container (launcher/srun_args), which DeepSpeed's "
                               "hostfile launcher does not start; submit through SLURM, or use a profile without them")
@@ -43,6 +46,9 @@ class Hostfile:
             # absolute: the script runs in the run directory
             hostfile=shlex.quote(str(Path(no_control_characters("--hostfile", hostfile)).resolve()) if hostfile
                                  else ""))
+
+    def launch_template(self, elastic: bool) -> str:
+        return ""  # the template starts DeepSpeed's launcher itself
 
     def submit(self, script: Path, *options: str) -> str:
         raise ConfigError(f"a hostfile job is started, not submitted: bash {script}")

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from mhf_dist.config import RunConfig
 
 QUERY_TIMEOUT_S = 5.0
+PROBE_S = 30  # an elastic job's probe of one node: a node whose one-task step has not ended by then is lost
 DATA_SCRIPTS = ("prepare-data.sbatch", "merge-data.sbatch")  # submit-data's array job and merge job
 _JOB_ID = re.compile(r"\d+(_\d+)?")
 _SBATCH_PLAIN = re.compile(r"[A-Za-z0-9_./:%@+,=-]*")
@@ -154,11 +155,14 @@ class Slurm:
     def template(self) -> str:
         return (PROFILE_DIR / "sbatch.template").read_text()
 
+    def launch_template(self, elastic: bool) -> str:
+        return (PROFILE_DIR / ("sbatch-elastic.template" if elastic else "sbatch-launch.template")).read_text()
+
     def in_container(self, profile: ClusterProfile) -> bool:
         return bool(profile.launcher or profile.srun_args)
 
     def job_values(self, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, *, grace: int | None,
-                   depends_on: str | None, hostfile: str | None) -> dict[str, object]:
+                   depends_on: str | None, hostfile: str | None, min_nodes: int | None) -> dict[str, object]:
         if grace is not None and grace < 1:
             raise ConfigError(f"--grace={grace}: the seconds between SLURM's warning signal and the time limit must "
                               "be > 0")
@@ -170,11 +174,15 @@ class Slurm:
             "gpus-per-node": profile.gpus_per_node if gpus and not profile.gpus_per_task else None,
             "gpus-per-task": profile.gpus_per_task if gpus else None, "mem": 0 if profile.all_memory else None,
             "dependency": f"afterany:{depends_on}" if depends_on else None})
+        if min_nodes is not None:  # an elastic job: the allocation outlives a failed node
+            extra.append("#SBATCH --no-kill")
         check_site_values(profile)
         log_dir = RunDir(run_dir).jobs_dir
         return dict(time=sbatch_quoted("time", profile.time), sbatch_run_dir=sbatch_quoted("--run-dir", run_dir),
                     sbatch_log=sbatch_quoted("--run-dir", f"{log_dir}/%x-%j.out"),
                     grace=signal_grace(cfg, profile, nodes, grace), signal=self.preemption_signal.name[3:],
+                    nodes_spec=f"{min_nodes}-{nodes}" if min_nodes is not None else str(nodes), min_nodes=min_nodes,
+                    probe_s=PROBE_S,
                     extra_sbatch="\n".join(extra), srun_args=_srun_args(bind + profile.srun_args))
 
     def submit(self, script: Path, *options: str) -> str:
@@ -204,7 +212,7 @@ class Slurm:
             return {}
         env = {"RANK": os.environ["SLURM_PROCID"], "LOCAL_RANK": os.environ["SLURM_LOCALID"],
                "WORLD_SIZE": os.environ["SLURM_NTASKS"]}
-        nodes = os.environ.get("SLURM_JOB_NUM_NODES")
+        nodes = os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_JOB_NUM_NODES")  # the step's own
         if nodes:
             env["GROUP_WORLD_SIZE"] = nodes
         if job := os.environ.get("SLURM_JOB_ID"):

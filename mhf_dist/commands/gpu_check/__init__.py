@@ -239,11 +239,14 @@ def run(args: argparse.Namespace) -> int:
     ctx.say(f"mhf-dist main-job check, {mode.name} mode: {report.env['device']}, commit {report.env['commit']}; "
             f"output in {out}")
     ctx.say(plan(mode))
-    previous = signal.signal(signal.SIGTERM, terminated)
+    # Ctrl-C and SIGTERM interrupt the check, whatever handlers the process had (restored after)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, terminated),
+                signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
     try:
         checks, timings = run_steps(ctx, report, steps)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     print("\n" + report.write(checks, timings), flush=True)
     print(f"wrote {out / 'gpu_check.md'} and {out / 'gpu_check.json'}", flush=True)
     return 1 if any(c.status == FAIL for c in checks) else 0
