@@ -69,21 +69,26 @@ def test_status_shows_a_running_job_whose_heartbeats_disagree_as_hung(tmp_path):
     assert "ranks      HUNG (2 ranks on n1, n2): not answering: rank 1 (n2, pid 1001" in render(st)
 
 
+def _stopped_mid_run(job: Job, step: int, timeout: float) -> tuple[int, str, dict[int, int]]:
+    """Rank 1 of ``job`` stopped (SIGSTOP) once step ``step`` is logged: the job's exit code, output and rank pids."""
+    job.wait_for(f"step {step}/{STEPS}")
+    ranks = job.ranks()
+    os.kill(ranks[1], signal.SIGSTOP)
+    try:
+        code, out = job.end(timeout=timeout)
+    finally:
+        if running(ranks[1]):
+            os.kill(ranks[1], signal.SIGKILL)
+    return code, out, ranks
+
+
 @pytest.mark.multirank
 def test_a_stopped_rank_ends_the_job_with_every_live_ranks_stacks_and_the_rerun_resumes(tmp_path, data):
     run = tmp_path / "run"
     # without the watchdog rank 0 would wait out the process group's 10 minutes, past job.end's limit
     args = train_args(run, data, 2, "train.checkpoint_interval=2", f"train.hang_timeout_s={HANG_TIMEOUT_S}",
                       "train.dist_timeout_minutes=10", steps=STEPS)
-    job = Job(args, tmp_path / "hang.log")
-    job.wait_for(f"step 3/{STEPS}")
-    ranks = job.ranks()
-    os.kill(ranks[1], signal.SIGSTOP)
-    try:
-        code, out = job.end(timeout=HANG_TIMEOUT_S + 90)
-    finally:
-        if running(ranks[1]):
-            os.kill(ranks[1], signal.SIGKILL)
+    code, out, ranks = _stopped_mid_run(Job(args, tmp_path / "hang.log"), 3, HANG_TIMEOUT_S + 90)
     assert code == HUNG_EXIT_CODE, out[-3000:]
 
     (hang,) = (run / "hangs").iterdir()
@@ -113,15 +118,7 @@ def test_a_rank_without_a_heartbeat_for_the_peer_timeout_is_lost_with_its_node(t
     run = tmp_path / "run"
     args = train_args(run, data, 2, "train.peer_timeout_s=4", "train.hang_timeout_s=600",
                       "train.dist_timeout_minutes=10", steps=STEPS)
-    job = Job(args, tmp_path / "lost.log")
-    job.wait_for(f"step 2/{STEPS}")
-    ranks = job.ranks()
-    os.kill(ranks[1], signal.SIGSTOP)
-    try:
-        code, out = job.end(timeout=90)
-    finally:
-        if running(ranks[1]):
-            os.kill(ranks[1], signal.SIGKILL)
+    code, out, _ = _stopped_mid_run(Job(args, tmp_path / "lost.log"), 2, 90)
     assert code == NODE_LOST_EXIT_CODE, out[-3000:]
     lost = json.loads((run / "heartbeats" / "lost.json").read_text())
     assert lost["ranks"] == [1] and len(lost["nodes"]) == 1

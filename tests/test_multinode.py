@@ -7,8 +7,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from datetime import datetime
 
@@ -17,7 +15,7 @@ import yaml
 
 from helpers.node_cluster import NodeCluster, unavailable
 from helpers.runs import MIXTURE_WEIGHTS, metrics, run_cli, train_args
-from helpers.slurm import missing_binaries
+from helpers.slurm import missing_binaries, submit_job
 from mhf_dist.data.mixture import MixtureSchedule
 from test_submit import wait_for
 
@@ -36,16 +34,6 @@ def cluster(tmp_path_factory):
     nodes.stop()
 
 
-def submit(cluster: NodeCluster, run, data, nodes: int, *overrides: str, steps: int) -> str:
-    """``mhf-dist submit`` of a tiny run on ``nodes`` nodes of the cpu-local profile (2 ranks each); its job id."""
-    args = train_args(run, data, 2, *overrides, steps=steps)
-    args = ["submit", "--cluster", "cpu-local", "--nodes", str(nodes)] + [
-        a for a in args[1:] if a not in ("--nproc-per-node", "2")]
-    proc = subprocess.run([sys.executable, "-m", "mhf_dist", *args], env=cluster.env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return re.search(r"submitted job (\d+)", proc.stdout).group(1)
-
-
 def job_log(run) -> str:
     return "".join(p.read_text() for p in sorted((run / "slurm").glob("*.out")))
 
@@ -59,7 +47,7 @@ def test_a_two_node_job_trains_as_one_node_does_and_resumes_bit_identically_afte
     reference = run_cli(train_args(tmp_path / "one-host", data, 4, *layout, steps=steps)) and metrics(
         tmp_path / "one-host")
     run = tmp_path / "run"
-    job = submit(cluster, run, data, 2, *layout, steps=steps)
+    job = submit_job(cluster, train_args(run, data, 2, *layout, steps=steps), "2")
     log = run / "metrics.jsonl"
     wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 300, "training to start")
     shown = run_cli(["status", str(run)])
@@ -92,12 +80,7 @@ def test_a_job_that_loses_a_node_finishes_on_the_nodes_left_without_a_person(tmp
     overrides = ("parallel.tp=2", "parallel.zero_stage=1", f"train.global_batch_size={batch}",
                  "train.checkpoint_interval=2", "train.peer_timeout_s=10", "data.path=null", f"data.sources={listed}")
     run = tmp_path / "run"
-    args = train_args(run, data, 2, *overrides, steps=steps)
-    args = ["submit", "--cluster", "cpu-local", "--nodes", "2-3"] + [a for a in args[1:] if a not in (
-        "--nproc-per-node", "2")]
-    proc = subprocess.run([sys.executable, "-m", "mhf_dist", *args], env=cluster.env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    job = submit_job(cluster, train_args(run, data, 2, *overrides, steps=steps), "2-3")
     log = run / "metrics.jsonl"
     wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 300, "step 3")
     assert (run / "checkpoints/step-00000002/complete.json").exists()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers.runs import metrics, run_cli, train_args
-from helpers.slurm import LocalSlurm, missing_binaries
+from helpers.slurm import LocalSlurm, missing_binaries, submit_job
 from mhf_dist.cli import main
 from mhf_dist.cluster.job_estimates import save_estimate, time_limit_seconds
 from mhf_dist.cluster.profile import load_profile
@@ -327,12 +326,7 @@ def test_slurm_job_requeued_mid_run_resumes_and_matches(tmp_path, data, slurm):
     overrides = ["parallel.zero_stage=1"]
     reference = run_cli(train_args(tmp_path / "ref", data, 2, *overrides, steps=steps)) and metrics(tmp_path / "ref")
     run = tmp_path / "run d'ir"  # sbatch reads the quoted #SBATCH --chdir / --output
-    submit = train_args(run, data, 2, *overrides, steps=steps)
-    submit = ["submit", "--cluster", "cpu-local", "--nodes", "1"] + [a for a in submit[1:] if a not in (
-        "--nproc-per-node", "2")]
-    proc = subprocess.run([sys.executable, "-m", "mhf_dist", *submit], env=slurm.env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    job = submit_job(slurm, train_args(run, data, 2, *overrides, steps=steps), "1")
     log = run / "metrics.jsonl"
     wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 300, "training to start")
     slurm.scontrol("requeue", job)  # SIGTERM to every rank: they save, then SLURM queues the job again
@@ -367,12 +361,8 @@ def _slurm_rank_pid(job: str, rank: int) -> int | None:
 @pytest.mark.multirank
 def test_slurm_job_log_names_a_rank_killed_by_a_signal(tmp_path, data, slurm):
     run = tmp_path / "run"
-    submit = train_args(run, data, 2, "parallel.zero_stage=1", "train.checkpoint_interval=2", steps=10_000)
-    submit = ["submit", "--cluster", "cpu-local", "--nodes", "1"] + [a for a in submit[1:] if a not in (
-        "--nproc-per-node", "2")]
-    proc = subprocess.run([sys.executable, "-m", "mhf_dist", *submit], env=slurm.env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    job = submit_job(slurm, train_args(run, data, 2, "parallel.zero_stage=1", "train.checkpoint_interval=2",
+                                       steps=10_000), "1")
     wait_for(lambda: (run / "checkpoints/step-00000002/complete.json").exists(), 300, "the first checkpoint")
     pid = wait_for(lambda: _slurm_rank_pid(job, 1), 60, "rank 1's process")
     os.kill(pid, 9)

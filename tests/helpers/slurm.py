@@ -8,8 +8,10 @@ tracked with proctrack/linuxproc and tasks are not confined (task/none). Clients
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -119,3 +121,13 @@ JobAcctGatherType=jobacct_gather/none
         pid = self.root / "munge/munged.pid"
         if pid.exists():
             subprocess.run(["kill", pid.read_text().strip()], capture_output=True)
+
+
+def submit_job(cluster: LocalSlurm, train: list[str], nodes: str) -> str:
+    """``mhf-dist submit`` on ``cluster`` (the cpu-local profile) of a ``train`` command's arguments (its
+    ``--nproc-per-node`` left out: the profile places the ranks), on ``nodes`` (``N`` or ``MIN-MAX``); the job id."""
+    flags = [a for i, a in enumerate(train[1:], 1) if a != "--nproc-per-node" and train[i - 1] != "--nproc-per-node"]
+    proc = subprocess.run([sys.executable, "-m", "mhf_dist", "submit", "--cluster", "cpu-local", "--nodes", nodes,
+                           *flags], env=cluster.env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return re.search(r"submitted job (\d+)", proc.stdout).group(1)
