@@ -40,6 +40,6 @@ def rank_lines(ranks: Ranks | None, label) -> list[str]:
     where = f"{ranks.world} rank{'s' if ranks.world != 1 else ''} on {', '.join(ranks.nodes)}"
     lines = [label("ranks", f"HUNG ({where}): " + "; ".join(ranks.findings) if ranks.hung else where)]
     if s := ranks.straggler:
-        lines.append(label("straggler", f"rank {s['rank']} on {s['node']}: {s['ratio']:.2f}x the other ranks' median "
-                                        f"compute time per step for {s['intervals']} log intervals"))
+        lines.append(label("straggler", f"rank {s['rank']} on {s['node']}: {s['ratio']:.2f}x the median compute "
+                                        f"time per step of its stage's other ranks for {s['intervals']} log intervals"))
     return lines

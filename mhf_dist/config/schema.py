@@ -249,8 +249,8 @@ class TrainConfig(Strict):
         "MIN-MAX) continues on the nodes left; None: wait for the process group's timeout")
     straggler_factor: float = Field(
         1.2, gt=1, description="warn when a rank's own compute time per step (its training thread's CPU time) "
-        "exceeds this multiple of the other ranks' median for train.straggler_intervals log intervals in a row, "
-        "naming the rank and its node")
+        "exceeds this multiple of the median of its pipeline stage's other ranks for train.straggler_intervals log "
+        "intervals in a row, naming the rank and its node")
     straggler_intervals: int = Field(3, ge=1, description="consecutive slow log intervals before the warning")
     init_from: str | None = Field(
         None, description="start from these weights (a model.safetensors with our parameter names, as export, "

@@ -3,7 +3,7 @@
 ``step 20/200 | loss 28.37 | grad 1.9 | lr 4.9e-05 | 600 tok/s | mfu 9.8% | mem 2.1 GB | 0.85 s/step | eta 2 min``
 
 (with several ranks ``slowest r3 1.04x`` before the ETA: the rank with the most compute time per step, against the
-other ranks' median, :mod:`mhf_dist.train.stragglers`)
+median of its pipeline stage's other ranks, :mod:`mhf_dist.train.stragglers`)
 
 and, at evaluations, the validation perplexities. ``metrics.jsonl`` keeps every value at full precision.
 """

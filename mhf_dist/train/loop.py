@@ -358,8 +358,8 @@ class TrainingLoop:
         self.clock, self.watch = SaveClock(t.checkpoint_minutes), LossWatch(t)
         self.step_times: deque[float] = deque(maxlen=20)  # the recent steps' seconds, for the ETA
         self.watchdog = Watchdog(self.run_dir, self.rank, t.hang_timeout_s, t.peer_timeout_s).start()
-        self.stragglers = StragglerWatch(self.run_dir, self.rank, self.world, t.straggler_factor,
-                                         t.straggler_intervals, self.scalars)
+        self.stragglers = StragglerWatch(self.run_dir, self.rank, self.world, self.groups.pp_rank,
+                                         t.straggler_factor, t.straggler_intervals, self.scalars)
         self.progress = tqdm(range(start, self.end), desc="train", unit="step", dynamic_ncols=True, initial=start,
                              total=t.max_steps, disable=None if self.rank == 0 else True)
 

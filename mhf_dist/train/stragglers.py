@@ -4,7 +4,8 @@ a rank waiting in a gloo collective or for its data does not spend, so a rank th
 the ranks that wait for it, whatever the step's wall time. Background threads (the data reader's prefetch, the
 heartbeat) are left out: their bursts would blur one step's figure. Every log interval one small collective gathers
 each rank's mean over the interval; rank 0 logs the median, the slowest rank and its ratio to the median of the other
-ranks (so that one slow rank of two shows its own slowness, not half of it), and warns, naming the rank and its node
+ranks of its pipeline stage (the stages do different work: the last one holds the decoder; one slow rank of two shows
+its own slowness, not half of it), and warns, naming the rank and its node
 (from its heartbeat), when the ratio exceeds ``train.straggler_factor`` for ``train.straggler_intervals`` intervals
 in a row.
 
@@ -24,9 +25,10 @@ from mhf_dist.storage.run_dir import RunDir
 class StragglerWatch:
     """Rank ``rank`` of ``world``'s compute times, gathered and judged every log interval."""
 
-    def __init__(self, run: RunDir, rank: int, world: int, factor: float, intervals: int,
+    def __init__(self, run: RunDir, rank: int, world: int, stage: int, factor: float, intervals: int,
                  scalars: ScalarCollectives):
         self.run, self.rank, self.world, self.factor, self.intervals = run, rank, world, factor, intervals
+        self.stage = stage  # the rank's pipeline stage: ranks are compared with the others of theirs
         self.scalars = scalars
         self._seconds, self._steps = 0.0, 0
         self._slow: tuple[int, int] | None = None  # (rank, consecutive slow intervals)
@@ -43,18 +45,26 @@ class StragglerWatch:
     def interval(self) -> tuple[dict, str | None]:
         """Every rank, at each logged step: gather the interval's means (one collective); on rank 0, the record's
         fields and a warning when a rank stayed slow; elsewhere ``({}, None)``."""
-        mine = [0.0] * self.world
-        mine[self.rank] = self._seconds / max(1, self._steps)
+        mine = [0.0] * (2 * self.world)  # each rank's seconds, then its stage
+        mine[self.rank], mine[self.world + self.rank] = self._seconds / max(1, self._steps), self.stage
         self._seconds, self._steps = 0.0, 0
         if self.world == 1:
             return {"compute_s": mine[0]}, None
-        (*times,) = self.scalars.read(self.scalars.sum_tensor(mine))
+        gathered = self.scalars.read(self.scalars.sum_tensor(mine))
         if self.rank != 0:
             return {}, None
-        slowest = max(range(self.world), key=lambda r: times[r])
-        others = statistics.median(t for r, t in enumerate(times) if r != slowest)
-        ratio = times[slowest] / others if others > 0 else 1.0
-        fields = {"compute_s": statistics.median(times), "slowest_rank": slowest, "slowest_ratio": ratio}
+        times, stages = gathered[:self.world], gathered[self.world:]
+        ratios = {}
+        for r, t in enumerate(times):  # against the median of the other ranks of the same stage
+            peers = [u for q, u in enumerate(times) if q != r and stages[q] == stages[r]]
+            if peers and (median := statistics.median(peers)) > 0:
+                ratios[r] = t / median
+        fields = {"compute_s": statistics.median(times)}
+        if not ratios:  # no stage has two ranks to compare
+            return fields, None
+        slowest = max(ratios, key=ratios.get)
+        ratio = ratios[slowest]
+        fields |= {"slowest_rank": slowest, "slowest_ratio": ratio}
         before, self._slow = self._slow, None
         if ratio <= self.factor:
             flagged = before is not None and before[1] >= self.intervals
@@ -68,4 +78,5 @@ class StragglerWatch:
         if count > self.intervals:  # said once; the records and status keep showing it
             return fields, None
         return fields, (f"rank {slowest} on {node} is a straggler: its compute time per step is {ratio:.2f}x the "
-                        f"other ranks' median for {count} log intervals (train.straggler_factor={self.factor:g})")
+                        f"median of its pipeline stage's other ranks for {count} log intervals "
+                        f"(train.straggler_factor={self.factor:g})")
