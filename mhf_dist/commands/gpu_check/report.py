@@ -13,11 +13,11 @@ import subprocess
 import threading
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 from mhf_dist.backend import versions as backend_versions
 from mhf_dist.commands.gpu_check.preflight import build_name
 from mhf_dist.commands.gpu_check.runner import FAIL, NOT_RUNNABLE, ROOT, Check, Context, Mode
+from mhf_dist.train.checkpoint.writers import write_atomic
 
 PACKAGE = "mhf-dist"
 
@@ -88,13 +88,6 @@ def markdown(mode: Mode, env: dict, checks: list[Check], elapsed: float, finishe
     return "\n".join(lines) + "\n"
 
 
-def replace(path: Path, text: str) -> None:
-    """Write ``path`` whole or not at all: a check killed while it writes leaves the previous version."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 class Report:
     """``gpu_check.md`` and ``gpu_check.json`` of a check of ``total`` steps. :meth:`write` takes the rows and step
     timings so far; the context's commands call :meth:`rewrite` as each of them ends."""
@@ -118,8 +111,8 @@ class Report:
         mode, out, elapsed = self.ctx.mode, self.ctx.out, time.perf_counter() - self.began
         finished = finished_steps(self.timings)
         text = markdown(mode, self.env, self.checks, elapsed, finished, self.total)
-        replace(out / "gpu_check.md", text)
-        replace(out / "gpu_check.json", json.dumps(
+        write_atomic(out / "gpu_check.md", text)
+        write_atomic(out / "gpu_check.json", json.dumps(
             {"mode": mode.name, **self.env, "elapsed_s": elapsed, "complete": finished == self.total,
              "passed": not any(c.status == FAIL for c in self.checks), "steps": self.timings,
              "commands": list(self.ctx.commands),
