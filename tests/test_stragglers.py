@@ -30,6 +30,7 @@ def test_a_rank_at_half_speed_is_named_and_an_even_run_names_none(tmp_path, data
         return
     warning = f"warning: rank 1 on {node_name()} is a straggler: its compute time per step is "
     assert out.count(warning) == 1, out[-3000:]  # said once, when it had lasted 2 intervals
-    assert all(rank == 1 and ratio > 1.5 for rank, ratio in ratios[1:]), ratios  # after step 1's warm-up
+    # from step 4: the first steps are warm-up (ZeRO-3 records its parameter fetch order), uneven across ranks
+    assert all(rank == 1 and ratio > 1.5 for rank, ratio in ratios[2:]), ratios
     assert metrics(run)[-1]["straggler"]["rank"] == 1 and "slowest r1 1." in out
     assert f"straggler  rank 1 on {node_name()}: " in render(gather(run))

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from mhf_dist.atomic import write_atomic
 from mhf_dist.data.formats import FORMAT, MANIFEST, TOKENIZER_DIR, DataError, check_samples
 
 
@@ -131,7 +132,7 @@ def merge(out: str | os.PathLike, part_dirs: Sequence[str | os.PathLike], overwr
     merged["parts"] = [_under(out, d) for d, _ in parts]
     check_samples(merged["splits"], merged["inputs"], merged["seq_len"])
     _replace_tokenizer(parts[0][0] / merged["tokenizer"], out / TOKENIZER_DIR)
-    _write_atomically(out / MANIFEST, json.dumps(merged, indent=2) + "\n")
+    write_atomic(out / MANIFEST, json.dumps(merged, indent=2) + "\n")
     return merged
 
 
@@ -156,9 +157,3 @@ def _replace_tokenizer(source: Path, target: Path) -> None:
     shutil.copytree(source, tmp)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -18,6 +18,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from mhf_dist.atomic import write_atomic
 from mhf_dist.storage.run_dir import RunDir
 
 NODE_ENV = "MHF_DIST_NODE"  # a rank's node name as its scheduler calls it (set for each task)
@@ -36,9 +37,7 @@ def heartbeat_path(run: RunDir, rank: int) -> Path:
 def write_heartbeat(run: RunDir, record: dict) -> None:
     """Replace the rank's heartbeat whole (a reader never sees half of one)."""
     path = heartbeat_path(run, record["rank"])
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(record), durable=False)
 
 
 def clear_heartbeats(run: RunDir) -> None:

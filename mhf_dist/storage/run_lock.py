@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from mhf_dist.atomic import write_atomic
 from mhf_dist.errors import MhfError
 from mhf_dist.storage.run_dir import RunDir
 
@@ -121,9 +122,7 @@ class RunLock:
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(_owner()))
         else:
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(_owner()))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(_owner()), durable=False)
         threading.Thread(target=self._heartbeat, name="run-lock-heartbeat", daemon=True).start()
         return warning
 

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import logging
 import math
-import os
 import secrets
 import string
 import sys
@@ -20,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mhf_dist.atomic import write_atomic
 from mhf_dist.config import ConfigError
 from mhf_dist.storage.run_dir import RunDir
 
@@ -109,9 +109,7 @@ def wandb_run_id(run_dir: Path) -> str:
         return run_id
     run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(run_id + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, run_id + "\n")
     return run_id
 
 

@@ -14,10 +14,10 @@ import threading
 import time
 from dataclasses import asdict
 
+from mhf_dist.atomic import write_atomic
 from mhf_dist.backend import versions as backend_versions
 from mhf_dist.commands.gpu_check.preflight import build_name
 from mhf_dist.commands.gpu_check.runner import FAIL, NOT_RUNNABLE, ROOT, Check, Context, Mode
-from mhf_dist.train.checkpoint.writers import write_atomic
 
 PACKAGE = "mhf-dist"
 

@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
 from mhf_dist import __version__
+from mhf_dist.atomic import fsync, write_atomic
 from mhf_dist.backend import Trainer, convert_for_layout, universal_info
 from mhf_dist.config import ModelConfig, RunConfig
 from mhf_dist.parallel.rank0_work import on_rank0
@@ -55,7 +56,7 @@ from mhf_dist.train.checkpoint.rng import (
     rng_state_bytes,
     set_rng_state,
 )
-from mhf_dist.train.checkpoint.writers import BackgroundWriter, RecordingWriter, fsync, write_atomic
+from mhf_dist.train.checkpoint.writers import BackgroundWriter, RecordingWriter
 from mhf_dist.train.fault_injection import free_bytes, pause_conversion, pause_save
 from mhf_dist.train.host_tables import HOST_TABLES_FILE, HostTablesStep
 from mhf_dist.train.preemption import GRACE_ENV, grace_seconds
@@ -294,7 +295,6 @@ class Checkpointer(Lineage):
             if path.exists():
                 self.deleter.discard(path)
                 self.deleter.finish()  # so that the free space the message names counts the removed files
-            (self.dir / (LATEST + ".tmp")).unlink(missing_ok=True)
         dist.barrier()
         raise CheckpointError(self._failure_message(path, failed, error))
 

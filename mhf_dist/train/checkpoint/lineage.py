@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from mhf_dist.atomic import write_atomic
 from mhf_dist.config import RunConfig
 from mhf_dist.train.checkpoint.index import (
     ABANDONED,
@@ -29,7 +30,6 @@ from mhf_dist.train.checkpoint.index import (
     readable_size,
     step_directories,
 )
-from mhf_dist.train.checkpoint.writers import write_atomic
 from mhf_dist.train.fault_injection import free_bytes
 
 log = logging.getLogger(__name__)

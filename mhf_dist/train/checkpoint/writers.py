@@ -1,6 +1,6 @@
 """The writers of a checkpoint's files: :class:`RecordingWriter` (a synchronous save: each file written, fsynced and
 digested, a failure recorded instead of raised), :class:`BackgroundWriter` (an asynchronous save: the files copied into
-host memory, :class:`HostSnapshot`, then written by a thread) and the fsync and atomic replace they use. The
+host memory, :class:`HostSnapshot`, then written by a thread). The
 checkpointer hands them to the backend (:class:`~mhf_dist.backend.FileWriter`); docs/design.md, "Checkpoints", says how
 a save uses them."""
 
@@ -18,28 +18,13 @@ from pathlib import Path
 
 import torch
 
+from mhf_dist.atomic import fsync, write_atomic
 from mhf_dist.train.checkpoint.index import file_digest
 from mhf_dist.train.fault_injection import write_fails
 
 log = logging.getLogger(__name__)
 
 _COMPLETE, _CUT_SHORT = "complete", "cut short"  # how the queue of a background writer ends
-
-
-def fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    fsync(tmp)
-    os.replace(tmp, path)
-    fsync(path.parent)
 
 
 class RecordingWriter:
