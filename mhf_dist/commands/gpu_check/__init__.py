@@ -115,8 +115,8 @@ step 2 adds two runs (tp=2 and accumulation), 60-90 s on 2 idle cores (the check
 
 The check prints this estimate and a command's time limit first, then each command's and each step's seconds as
 they end. Each command gets ``OMP_NUM_THREADS`` = the cores over the processes that can run beside it (on a GPU
-the 15 processes of step 2 at once; one job at a time with ``--cpu``), so side-by-side runs do not oversubscribe
-the CPU that feeds the GPU.
+the 15 processes of step 2 at once; with ``--cpu`` two jobs at a time, as the side-by-side path is what a GPU
+runs), so side-by-side runs do not oversubscribe the CPU that feeds the GPU.
 
 Then one table, printed and written as ``gpu_check.md`` and ``gpu_check.json`` in ``--out``. It gives the
 date, the commit (git's when there is one, else the one pip recorded, else the package's version: no git is

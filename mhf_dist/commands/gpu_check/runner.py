@@ -60,7 +60,7 @@ GPU = Mode(name="gpu", device="cuda", dtypes=("bf16", "fp32"), steps=30, split=1
 CPU = Mode(name="cpu", device="cpu", dtypes=("fp32",), steps=8, split=4,
            resume_tolerance={"fp32": 0.0}, eval_tolerance=1e-4, new_tokens=8,
            profiles=(("tiny", 128),), profile_dtype="fp32", profile_steps=1, profile_warmup=1,
-           vocab_sizes="4096", jobs=1, timeout_s=600, compare_steps=4, compare_tolerance=1e-4,
+           vocab_sizes="4096", jobs=2, timeout_s=600, compare_steps=4, compare_tolerance=1e-4,
            gloo_layouts=("tp=2",), features=("grad-accum",), sdpa_dtypes=("fp32",), gloo_timeout_s=600,
            estimates_s=(5, 220, 60, 40))
 
