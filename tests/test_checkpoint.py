@@ -187,7 +187,10 @@ def test_mismatched_or_damaged_checkpoints_are_named(tmp_path, data):
     (1, [], 2, []),  # dp 1 -> 2 (ZeRO-3)
     (2, ["parallel.tp=2"], 1, []),  # tp 2 -> 1
     (4, ["parallel.tp=2", "parallel.pp=2"], 2, ["parallel.zero_stage=1"]),  # tp2 x pp2 -> dp 2
-], ids=["dp1-to-dp2", "tp2-to-tp1", "tp2pp2-to-dp2"])
+    # ZeRO-3 under tp = 2 (each tp rank loads its own shards): dp 1 -> 2, and from one unsplit process
+    (2, ["parallel.tp=2"], 4, ["parallel.tp=2"]),
+    (1, [], 2, ["parallel.tp=2"]),
+], ids=["dp1-to-dp2", "tp2-to-tp1", "tp2pp2-to-dp2", "tp2-dp1-to-dp2", "tp1-to-tp2"])
 def test_resume_under_another_layout(tmp_path, data, nproc, overrides, nproc2, overrides2, monkeypatch):
     full = train_run(tmp_path, data, "full", nproc, *overrides, steps=6)
     train_run(tmp_path, data, "split", nproc, *overrides, "train.stop_at_step=3", steps=6)

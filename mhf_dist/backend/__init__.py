@@ -227,11 +227,12 @@ def consolidate(checkpoint: Path, pipeline: bool) -> dict[str, torch.Tensor]:
 
 
 def convert_for_layout(checkpoint: Path, out: Path, source_pipeline: bool, target_pipeline: bool,
-                       n_layers: int) -> Path:
-    """A copy of ``checkpoint`` in ``out`` that an engine of another tp/pp/dp layout loads (``load_universal``)."""
+                       cfg: ModelConfig, zero3_tp: int = 1) -> Path:
+    """A copy of ``checkpoint`` in ``out`` that an engine of another tp/pp/dp layout loads (``load_universal``);
+    ``zero3_tp``: that engine's tensor-parallel size when it partitions parameters (ZeRO-3)."""
     from mhf_dist.backend.deepspeed.universal import convert_for_layout as convert
 
-    return convert(checkpoint, out, source_pipeline, target_pipeline, n_layers)
+    return convert(checkpoint, out, source_pipeline, target_pipeline, cfg, zero3_tp)
 
 
 def universal_info(param_names: list[str], cfg: ModelConfig, tp: int, pipeline: bool) -> dict:

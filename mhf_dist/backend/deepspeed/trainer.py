@@ -47,6 +47,7 @@ from mhf_dist.backend.deepspeed.checkpoint import load_checkpoint, save_checkpoi
 from mhf_dist.backend.deepspeed.config import checkpoint_interval
 from mhf_dist.backend.deepspeed.grad_norm import include_in_global_norm
 from mhf_dist.backend.deepspeed.pipeline import build_pipeline
+from mhf_dist.backend.deepspeed.universal import copy_for_rank
 from mhf_dist.backend.deepspeed.zero import full_ndim, held_values
 from mhf_dist.config import RunConfig
 from mhf_dist.model.calibration import fit_temperature, validation_metrics
@@ -117,6 +118,8 @@ class EngineTrainer:
         save_checkpoint(self.engine, path, client, writer)
 
     def load_files(self, path: Path, universal: bool) -> dict | None:
+        if universal:  # under ZeRO-3 each tensor-parallel rank has its own copy
+            path = copy_for_rank(path, self.groups.tp_rank)
         return load_checkpoint(self.engine, self.optimizer, path, universal)
 
 

@@ -16,6 +16,7 @@ LanguageModel's naming) and for resuming under another layout.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -74,16 +75,22 @@ def read_universal(universal: Path, pipeline: bool) -> dict[str, torch.Tensor]:
 
     ZeRO-3's universal files hold flat tensors; their shapes come from the saved ``param_shapes``.
     """
-    shapes = {}
-    for states in universal.glob("*model_states.pt"):
-        for group in torch.load(states, map_location="cpu", weights_only=False).get("param_shapes") or []:
-            shapes |= group
+    shapes = zero3_shapes(universal)
     out = {}
     for folder in sorted(p for p in (universal / "zero").iterdir() if p.is_dir()):
         value = torch.load(folder / "fp32.pt", map_location="cpu", weights_only=False)
         tensor = value["param"] if isinstance(value, dict) else value.reshape(shapes[folder.name])  # ZeRO-3: flat
         out[canonical_name(folder.name) if pipeline else folder.name] = tensor
     return out
+
+
+def zero3_shapes(universal: Path) -> dict[str, torch.Size]:
+    """The parameter shapes ZeRO-3's model-state files record (its universal tensors are flat)."""
+    shapes = {}
+    for states in universal.glob("*model_states.pt"):
+        for group in torch.load(states, map_location="cpu", weights_only=False).get("param_shapes") or []:
+            shapes |= group
+    return shapes
 
 
 def consolidate(checkpoint: Path, pipeline: bool) -> dict[str, torch.Tensor]:
@@ -93,11 +100,57 @@ def consolidate(checkpoint: Path, pipeline: bool) -> dict[str, torch.Tensor]:
 
 
 def convert_for_layout(checkpoint: Path, out: Path, source_pipeline: bool, target_pipeline: bool,
-                       n_layers: int) -> Path:
-    """A universal copy of ``checkpoint`` whose parameter folders carry the target engine's names."""
+                       cfg: ModelConfig, zero3_tp: int = 1) -> Path:
+    """A universal copy of ``checkpoint`` whose parameter folders carry the target engine's names; ``zero3_tp``:
+    the target's tensor-parallel size when its engine is ZeRO-3 (see :func:`split_for_zero3`)."""
     to_universal(checkpoint, out)
     if source_pipeline != target_pipeline:
         for folder in [p for p in (out / "zero").iterdir() if p.is_dir()]:
             name = canonical_name(folder.name) if source_pipeline else folder.name
-            folder.rename(folder.with_name(pipeline_name(name, n_layers) if target_pipeline else name))
+            folder.rename(folder.with_name(pipeline_name(name, cfg.n_layers) if target_pipeline else name))
+    if zero3_tp > 1:
+        split_for_zero3(out, cfg, zero3_tp)
     return out
+
+
+def split_for_zero3(universal: Path, cfg: ModelConfig, tp: int) -> None:
+    """ZeRO-3 loads a universal parameter whole and partitions it over the data-parallel ranks only (DeepSpeed
+    slices tensor-parallel shards for its own AutoTP layers, not for ours), so each tensor-parallel rank gets its own
+    copy, ``tp-R/``: the parameters the plan splits hold that rank's shard (weights and Adam moments), everything
+    else is linked. :func:`copy_for_rank` picks it."""
+    dims = tp_split_dims(cfg, tp)
+    shapes = zero3_shapes(universal)
+    copies = [universal / f"tp-{r}" for r in range(tp)]
+    split = [f for f in (universal / "zero").iterdir() if f.is_dir() and split_dim(f.name, dims) is not None]
+    for copy in copies:
+        (copy / "zero").mkdir(parents=True)
+        for item in [*universal.iterdir(), *(universal / "zero").iterdir()]:
+            if item.is_file() or (item.is_dir() and item.parent.name == "zero" and item not in split):
+                _link(item, copy / item.relative_to(universal))
+    for folder in split:
+        dim = split_dim(folder.name, dims)
+        for state in folder.glob("*.pt"):
+            targets = [copy / "zero" / folder.name / state.name for copy in copies]
+            for target in targets:
+                target.parent.mkdir(exist_ok=True)
+            value = torch.load(state, map_location="cpu", weights_only=False)
+            full = value["param"] if isinstance(value, dict) else value  # ZeRO-3 without tp: the tensor alone
+            if full.numel() == 1:  # a step count: the same for every rank
+                for target in targets:
+                    _link(state, target)
+                continue
+            if full.dim() == 1 and math.prod(shapes.get(folder.name, ())) == full.numel():
+                full = full.reshape(shapes[folder.name])  # ZeRO-3 without tp stores it flat
+            for shard, target in zip(full.chunk(tp, dim=dim), targets, strict=True):
+                torch.save(value | {"param": shard.clone()} if isinstance(value, dict) else shard.clone(), target)
+
+
+def _link(item: Path, link: Path) -> None:
+    link.symlink_to(os.path.relpath(item, link.parent))
+
+
+def copy_for_rank(universal: Path, tp_rank: int) -> Path:
+    """The universal checkpoint tensor-parallel rank ``tp_rank`` loads: its own copy where
+    :func:`split_for_zero3` made one, else ``universal``."""
+    own = universal / f"tp-{tp_rank}"
+    return own if own.is_dir() else universal

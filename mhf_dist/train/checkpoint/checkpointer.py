@@ -405,8 +405,8 @@ class Checkpointer(Lineage):
             if target.exists():
                 self.deleter.discard(target)
             tqdm.write(f"converting {path} for this layout ({marker['layout']} -> {self.layout})")
-            convert_for_layout(path, target, marker["layout"]["pp"] > 1, self.layout["pp"] > 1,
-                               self.cfg.model.n_layers)
+            convert_for_layout(path, target, marker["layout"]["pp"] > 1, self.layout["pp"] > 1, self.cfg.model,
+                               self.layout["tp"] if zero3 else 1)
             pause_conversion()
             write_atomic(target / MARKER, json.dumps(
                 marker | {"universal": True, "source": str(path), "source_marker": source}, indent=1))
