@@ -44,7 +44,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 test: lint slurm
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q --durations=20 -n 2 --dist loadgroup tests
 
 # Leaves out the tests marked multirank, slurm or slow (pyproject.toml lists the markers).
 test-fast: setup

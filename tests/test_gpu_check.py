@@ -8,8 +8,8 @@ row's memory is its steps' own peak."""
 from __future__ import annotations
 
 import argparse
-import itertools
 import importlib.metadata
+import itertools
 import json
 import math
 import os

@@ -15,9 +15,11 @@ import yaml
 
 from helpers.node_cluster import NodeCluster, unavailable
 from helpers.runs import MIXTURE_WEIGHTS, metrics, run_cli, train_args
-from helpers.slurm import missing_binaries, submit_job
+from helpers.slurm import missing_binaries, submit_job, wait_for
 from mhf_dist.data.mixture import MixtureSchedule
-from test_submit import wait_for
+
+# one SLURM cluster at a time on this machine (its ports, the nodes' network): with the single-node tests
+pytestmark = pytest.mark.xdist_group("slurm")
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,8 @@ def test_a_two_node_job_trains_as_one_node_does_and_resumes_bit_identically_afte
     run = tmp_path / "run"
     job = submit_job(cluster, train_args(run, data, 2, *layout, steps=steps), "2")
     log = run / "metrics.jsonl"
-    wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 300, "training to start")
+    wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 300, "training to start",
+             lambda: cluster.story(job, run))
     shown = run_cli(["status", str(run)])
     assert re.search(r"^ranks +4 ranks on n1, n2$", shown, re.M), shown  # the job's nodes, from the ranks
 
@@ -82,7 +85,8 @@ def test_a_job_that_loses_a_node_finishes_on_the_nodes_left_without_a_person(tmp
     run = tmp_path / "run"
     job = submit_job(cluster, train_args(run, data, 2, *overrides, steps=steps), "2-3")
     log = run / "metrics.jsonl"
-    wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 300, "step 3")
+    wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 300, "step 3",
+             lambda: cluster.story(job, run))
     assert (run / "checkpoints/step-00000002/complete.json").exists()
     lost_at = time.time()
     cluster.kill_node("n3")

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from mhf_dist.parallel.rendezvous import free_port
+
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue")
 
 
@@ -51,15 +53,16 @@ class LocalSlurm:
         key = r / "munge/key/munge.key"
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o400)
-        socket = r / "munge/socket/munge.socket"
-        self._run(["munged", "--force", f"--key-file={key}", f"--socket={socket}",
+        munge_socket = r / "munge/socket/munge.socket"
+        self._run(["munged", "--force", f"--key-file={key}", f"--socket={munge_socket}",
                    f"--pid-file={r / 'munge/munged.pid'}", f"--log-file={r / 'log/munged.log'}",
                    f"--seed-file={r / 'munge/seed'}"])
+        # ports of its own: a cluster still shutting down (or another test's) never holds the next one's
         self.conf.write_text(f"""ClusterName=mhftest
 SlurmctldHost={self.controller}
 SlurmUser=root
 AuthType=auth/munge
-AuthInfo=socket={socket}
+AuthInfo=socket={munge_socket}
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -72,8 +75,8 @@ SlurmctldPidFile={r / 'slurmctld.pid'}
 SlurmdPidFile={r / 'slurmd-%n.pid'}
 SlurmctldLogFile={r / 'log/slurmctld.log'}
 SlurmdLogFile={r / 'log/slurmd-%n.log'}
-SlurmctldPort=16817
-SlurmdPort=16818
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 SlurmdTimeout={self.slurmd_timeout_s}
 KillWait=60
 MinJobAge=3600
@@ -110,7 +113,25 @@ JobAcctGatherType=jobacct_gather/none
         logs = ["slurmctld.log", *(f"slurmd-{node}.log" for node in self.nodes())]
         return "\n".join((self.root / "log" / f).read_text()[-2000:] for f in logs if (self.root / "log" / f).exists())
 
+    def story(self, job: str, run: Path) -> str:
+        """SLURM's view of ``job``, its log in ``run``, the processes of SLURM and the ranks, and the daemons' log
+        tails: why a job did not get somewhere."""
+        log = "".join(p.read_text() for p in (run / "slurm").glob("*.out")) if (run / "slurm").is_dir() else ""
+        ps = subprocess.run(["ps", "-eo", "pid,stat,etime,time,args"], capture_output=True, text=True).stdout
+        squeue = subprocess.run(["squeue"], env=self.env, capture_output=True, text=True).stdout
+        return (f"job {job}: {self.scontrol('show', 'job', job)}\njob log:\n{log[-4000:]}\nsqueue: {squeue}\n"
+                "processes:\n" + "\n".join(line for line in ps.splitlines() if "mhf" in line or "slurm" in line)
+                + f"\ndaemons:\n{self.log_tail()}")
+
     def stop(self) -> None:
+        # end every job first: ranks of a job left running (a failed test's) would take the cores of the next tests
+        jobs = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True).stdout.split()
+        if jobs:
+            subprocess.run(["scancel", "--full", "--signal=KILL", *jobs], env=self.env, capture_output=True)
+            deadline = time.time() + 30
+            while time.time() < deadline and subprocess.run(["squeue", "-h"], env=self.env, capture_output=True,
+                                                            text=True).stdout.strip():
+                time.sleep(0.5)
         for p in self.procs:
             p.terminate()
         for p in self.procs:
@@ -118,9 +139,21 @@ JobAcctGatherType=jobacct_gather/none
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
         pid = self.root / "munge/munged.pid"
         if pid.exists():
             subprocess.run(["kill", pid.read_text().strip()], capture_output=True)
+
+
+def wait_for(predicate, timeout: float, what: str, explain=None):
+    """``predicate()``'s first true value within ``timeout`` seconds; else a failure naming ``what``, followed by
+    what ``explain()`` tells (e.g. :meth:`LocalSlurm.story`)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}" + (f"\n{explain()}" if explain else ""))
 
 
 def submit_job(cluster: LocalSlurm, train: list[str], nodes: str) -> str:
