@@ -7,13 +7,12 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from helpers.runs import metrics, run_cli, train_args
-from helpers.slurm import LocalSlurm, missing_binaries, submit_job
+from helpers.slurm import LocalSlurm, missing_binaries, submit_job, wait_for
 from mhf_dist.cli import main
 from mhf_dist.cluster.job_estimates import save_estimate, time_limit_seconds
 from mhf_dist.cluster.profile import load_profile
@@ -21,8 +20,11 @@ from mhf_dist.cluster.scheduler.hostfile import HOSTFILE
 from mhf_dist.cluster.scheduler.slurm import DATA_SCRIPTS, SLURM
 from mhf_dist.cluster.submit import render, render_data, submit
 from mhf_dist.config import ConfigError, load_config
-from mhf_dist.errors import RANK_LOST_EXIT_CODE
+from mhf_dist.errors import NODE_LOST_EXIT_CODE, RANK_LOST_EXIT_CODE
 from mhf_dist.train.preemption import MIN_GRACE_SECONDS, grace_seconds
+
+# one SLURM cluster at a time on this machine (its ports): with the multi-node tests
+pytestmark = pytest.mark.xdist_group("slurm")
 
 GOLDEN = Path(__file__).parent / "golden"
 DATA = "data.path=/shared/data"
@@ -310,15 +312,6 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.slurm
 @pytest.mark.multirank
 def test_slurm_job_requeued_mid_run_resumes_and_matches(tmp_path, data, slurm):
@@ -328,7 +321,8 @@ def test_slurm_job_requeued_mid_run_resumes_and_matches(tmp_path, data, slurm):
     run = tmp_path / "run d'ir"  # sbatch reads the quoted #SBATCH --chdir / --output
     job = submit_job(slurm, train_args(run, data, 2, *overrides, steps=steps), "1")
     log = run / "metrics.jsonl"
-    wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 300, "training to start")
+    wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 300, "training to start",
+             lambda: slurm.story(job, run))
     slurm.scontrol("requeue", job)  # SIGTERM to every rank: they save, then SLURM queues the job again
     wait_for(lambda: slurm.job_state(job)["JobState"] == "PENDING", 120, "the requeue")
     slurm.scontrol("update", f"JobId={job}", "StartTime=now")  # a requeued job otherwise waits ~2 minutes
@@ -365,7 +359,8 @@ def test_slurm_job_log_names_a_rank_killed_by_a_signal(tmp_path, data, slurm):
     run = tmp_path / "run"
     job = submit_job(slurm, train_args(run, data, 2, "parallel.zero_stage=1", "train.checkpoint_interval=2",
                                        steps=10_000), "1")
-    wait_for(lambda: (run / "checkpoints/step-00000002/complete.json").exists(), 300, "the first checkpoint")
+    wait_for(lambda: (run / "checkpoints/step-00000002/complete.json").exists(), 300, "the first checkpoint",
+             lambda: slurm.story(job, run))
     pid = wait_for(lambda: _slurm_rank_pid(job, 1), 60, "rank 1's process")
     os.kill(pid, 9)
     state = wait_for(lambda: (s := slurm.job_state(job))["JobState"] in ("COMPLETED", "FAILED") and s, 300,
@@ -521,18 +516,18 @@ def test_the_rendered_array_tasks_and_merge_prepare_the_one_process_shards(tmp_p
 
 
 def test_an_elastic_round_takes_the_largest_dp_the_nodes_left_allow_and_tells_why(tmp_path):
-    from mhf_dist.cluster.elastic import plan_round
+    from mhf_dist.cluster.elastic import TooFewNodes, plan_round
     from mhf_dist.storage.run_dir import RunDir
 
     cfg = load_config("tiny-h4b16k", overrides=["parallel.tp=2", "train.global_batch_size=12",
                                                  "train.micro_batch_size=2"])
     run = RunDir(tmp_path / "run")
     first = plan_round(cfg, run, ["n1", "n2", "n3"], [], 2, 2)
-    assert first.shell() == "NODELIST=n1,n2,n3 NNODES=3 NTASKS=6" and first.layout.dp == 3
+    assert first.shell() == "NODELIST=n1,n2,n3 NNODES=3 NTASKS=6 lost=''" and first.layout.dp == 3
     run.heartbeats_dir.mkdir(parents=True)
     (run.heartbeats_dir / "lost.json").write_text(json.dumps({"nodes": ["n3"], "ranks": [4, 5]}))
     second = plan_round(cfg, run, ["n1", "n2"], ["n3"], 2, 2)
-    assert second.shell() == "NODELIST=n1,n2 NNODES=2 NTASKS=4" and second.layout.dp == 2
+    assert second.shell() == "NODELIST=n1,n2 NNODES=2 NTASKS=4 lost=n3" and second.layout.dp == 2
     assert second.story == [
         "lost: node n3 (ranks 4, 5): no longer runs a task",
         "kept: no checkpoint yet: the run starts again from step 0",
@@ -540,14 +535,112 @@ def test_an_elastic_round_takes_the_largest_dp_the_nodes_left_allow_and_tells_wh
         "nodes of 2 allow and that divides the global batch 12 = dp 2 x 3 micro-batches of 2"]
     # 5 nodes of 2 allow dp 5; 12 sequences in micro-batches of 2 (set, so kept) split over dp 3 at most: 3 nodes
     five = plan_round(cfg, run, ["n1", "n2", "n3", "n4", "n5"], [], 2, 2)
-    assert five.shell() == "NODELIST=n1,n2,n3 NNODES=3 NTASKS=6"
-    with pytest.raises(ConfigError, match=r"1 node left \(n1; lost: n2, n3\), fewer than the job's minimum of 2: "
-                       "the job stops; submit it again to resume from the newest checkpoint"):
+    assert five.shell() == "NODELIST=n1,n2,n3 NNODES=3 NTASKS=6 lost=''"
+    with pytest.raises(TooFewNodes, match=r"1 node left \(n1; lost: n2, n3\), fewer than the job's minimum of 2"):
         plan_round(cfg, run, ["n1"], ["n2", "n3"], 2, 2)
+
+    # the ranks of n2 stopped answering while n2 still runs a task: it is left out too
+    (run.heartbeats_dir / "lost.json").write_text(json.dumps({"nodes": ["n2"], "ranks": [2, 3]}))
+    third = plan_round(cfg, run, ["n1", "n2"], ["n3"], 2, 1, ranks_lost=True)
+    assert third.shell() == "NODELIST=n1 NNODES=1 NTASKS=2 lost='n3 n2'"
+    assert third.story[0] == "lost: node n2 (ranks 2, 3): its ranks stopped answering, though it still runs a task"
+    with pytest.raises(TooFewNodes) as too_few:
+        plan_round(cfg, run, ["n1", "n2"], ["n3"], 2, 2, ranks_lost=True)
+    assert too_few.value.lost == ["n3", "n2"]
+    (run.heartbeats_dir / "lost.json").unlink()  # nothing names the ranks' node: no round on the same nodes again
+    with pytest.raises(ConfigError, match="none is named as theirs"):
+        plan_round(cfg, run, ["n1", "n2"], ["n3"], 2, 1, ranks_lost=True)
+
+
+def _job_commands(bin_dir: Path, run: Path, calls: Path, sbatch: str = "echo 42", lost_nodes=("n2",)) -> None:
+    """``scontrol`` (node names), ``srun`` (a probe succeeds; the ranks' first step loses ``lost_nodes``: they record
+    them and exit 88, a later one exits 0) and ``sbatch`` (``sbatch``: its shell body), each recording its arguments."""
+    bin_dir.mkdir()
+    record = (f'{sys.executable} -c "import json, sys; print(json.dumps(sys.argv[1:]))" "$(basename "$0")" "$@" '
+              f'>> {calls}')
+    lost = json.dumps({"nodes": list(lost_nodes), "ranks": [2, 3], "time": 0, "step": 2})
+    bodies = {
+        "scontrol": 'case "$1 $2" in "show hostnames") echo "$3" | tr , "\\n" ;; esac',
+        "srun": (f'case "$*" in *" true") exit 0 ;; esac\n'
+                 f'if [ ! -e {run}/ranks-lost-once ]; then touch {run}/ranks-lost-once; '
+                 f"mkdir -p {run}/heartbeats; echo '{lost}' > {run}/heartbeats/lost.json; exit 88; fi"),
+        "sbatch": sbatch,
+    }
+    for name, body in bodies.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{record}\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+
+
+def _run_job(tmp_path: Path, script: str, nodes: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    env = os.environ | {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+                        "SLURM_JOB_NODELIST": nodes}
+    proc = subprocess.run(["bash", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    calls = tmp_path / "calls.jsonl"
+    return proc, [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
+
+
+def test_a_job_whose_ranks_lost_a_node_queues_itself_again_without_it(tmp_path):
+    """A fixed-size job: the ranks end with exit 88 naming n2; the script submits itself again, to start after this
+    job, excluding n2 and what earlier requeues excluded, recorded where ``status`` looks; a refused one is said."""
+    cfg = load_config("tiny-h4b16k", overrides=["train.micro_batch_size=2"])
+    run = tmp_path / "run"
+    script = render(SLURM, cfg, load_profile("cpu-local"), 2, run, preset="tiny-h4b16k",
+                    overrides=["train.micro_batch_size=2"], python=sys.executable)
+    run.joinpath("slurm").mkdir(parents=True)
+    run.joinpath("slurm/jobs.jsonl").write_text(json.dumps({"job_id": "7", "cluster": "cpu-local", "nodes": 2,
+                                                            "excluded": ["n5"]}) + "\n")
+    _job_commands(tmp_path / "bin", run, tmp_path / "calls.jsonl")
+    proc, calls = _run_job(tmp_path, script, "n1,n2")
+    assert proc.returncode == NODE_LOST_EXIT_CODE, proc.stderr
+    sbatch = [c for c in calls if c[0] == "sbatch"]
+    assert sbatch == [["sbatch", "--parsable", "--exclude=n2,n5", "--dependency=afterany:7", str(tmp_path / "job.sh")]]
+    assert ("requeue: queued again as job 42 without n2, n5, to start when job 7 ends; kept: no checkpoint yet: the "
+            "run starts again from step 0") in proc.stderr
+    last = json.loads(run.joinpath("slurm/jobs.jsonl").read_text().splitlines()[-1])
+    assert last | {"submitted": None} == {"job_id": "42", "submitted": None, "cluster": "cpu-local", "nodes": 2,
+                                          "script": str(tmp_path / "job.sh"), "scheduler": "slurm",
+                                          "requeue_of": "7", "excluded": ["n2", "n5"]}
+
+    # too few nodes without them: sbatch refuses, and the job log says the job stops
+    for p in (tmp_path / "bin", run / "ranks-lost-once", tmp_path / "calls.jsonl"):
+        subprocess.run(["rm", "-r", str(p)], check=True)
+    _job_commands(tmp_path / "bin", run, tmp_path / "calls.jsonl",
+                  'echo "sbatch: error: Batch job submission failed: Requested node configuration is not available" '
+                  ">&2; exit 1")
+    proc, _ = _run_job(tmp_path, script, "n1,n2")
+    assert proc.returncode == NODE_LOST_EXIT_CODE
+    assert ("sbatch refused the job: sbatch: error: Batch job submission failed: Requested node configuration is not "
+            "available; nothing was queued without n2, n5: the job stops; submit it again to resume from the newest "
+            "checkpoint") in proc.stderr
+
+
+@pytest.mark.parametrize("lost, rounds", [(["n2"], 2), (["n2", "n3"], 1)], ids=["goes-on", "requeued"])
+def test_an_elastic_job_leaves_out_a_node_whose_ranks_were_lost(tmp_path, lost, rounds):
+    """A 2-3 node job: every node answers SLURM, but the ranks of ``lost`` were lost (exit 88): the next round runs
+    without them; where that leaves fewer than the minimum, the job is queued again without them."""
+    overrides = ["train.global_batch_size=12", "train.micro_batch_size=1"]
+    cfg = load_config("tiny-h4b16k", overrides=overrides)
+    run = tmp_path / "run"
+    script = render(SLURM, cfg, load_profile("cpu-local"), 3, run, preset="tiny-h4b16k", overrides=overrides,
+                    python=sys.executable, min_nodes=2)
+    _job_commands(tmp_path / "bin", run, tmp_path / "calls.jsonl", lost_nodes=lost)
+    proc, calls = _run_job(tmp_path, script, "n1,n2,n3")
+    trains = [c for c in calls if c[0] == "srun" and "train" in c]
+    assert len(trains) == rounds and "--nodelist=n1,n2,n3" in trains[0], proc.stdout + proc.stderr
+    said = "node n2 (ranks 2, 3)" if rounds == 2 else "nodes n2, n3 (ranks 2, 3)"
+    assert f"elastic: lost: {said}: its ranks stopped answering, though it still runs a task" in proc.stderr
+    if rounds == 2:
+        assert proc.returncode == 0 and "--nodelist=n1,n3" in trains[1] and "round 1 on n1,n3 (4 ranks)" in proc.stdout
+    else:
+        assert proc.returncode == 2 and [c for c in calls if c[0] == "sbatch"] == [
+            ["sbatch", "--parsable", "--exclude=n2,n3", "--dependency=afterany:7", str(tmp_path / "job.sh")]]
+        assert "elastic: queued again as job 42 without n2, n3, to start when job 7 ends" in proc.stderr
 
 
 def test_an_elastic_job_is_checked_at_its_minimum_and_needs_slurm():
-    cfg = load_config("tiny-h4b16k", overrides=["parallel.tp=2", "train.micro_batch_size=4"])
+    cfg = load_config("tiny-h4b16k", overrides=["parallel.tp=2", "train.micro_batch_size=2"])
     profile = load_profile("cpu-local")
     with pytest.raises(ConfigError, match="--nodes 2-2: the minimum must be at least 1 and below the maximum"):
         render(SLURM, cfg, profile, 2, Path("/r"), min_nodes=2)

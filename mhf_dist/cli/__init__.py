@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (train.train_parser, data.prepare_data_parser, planning.plan_parser, models.export_parser,
                 models.export_hf_parser, models.import_hf_parser, models.generate_parser, models.eval_parser,
                 models.expand_vocab_parser, jobs.submit_parser, jobs.submit_data_parser, jobs.status_parser,
-                jobs.elastic_plan_parser, planning.profile_parser, planning.profile_worker_parser,
+                jobs.elastic_plan_parser, jobs.requeue_parser, planning.profile_parser, planning.profile_worker_parser,
                 planning.gpu_check_parser, planning.config_parser, planning.presets_parser, data.tokenizer_parser):
         add(sub)
     return parser

@@ -84,7 +84,8 @@ def submit_parser(sub) -> None:
 
 
 def cmd_elastic_plan(args) -> int:
-    from mhf_dist.cluster.elastic import plan_round
+    from mhf_dist.cluster.elastic import TooFewNodes, plan_round
+    from mhf_dist.cluster.requeue import requeue_without
     from mhf_dist.storage.run_dir import RunDir
 
     if args.preset or args.config:
@@ -93,27 +94,73 @@ def cmd_elastic_plan(args) -> int:
         from mhf_dist.train.resume import resume_config
 
         cfg = resume_config(args.run_dir, args.overrides, "auto")
-    names = lambda text: [n for n in text.replace(",", " ").split() if n]  # noqa: E731
-    chosen = plan_round(cfg, RunDir(Path(args.run_dir).resolve()), names(args.nodes), names(args.lost),
-                        args.tasks_per_node, args.min_nodes)
+    run = RunDir(Path(args.run_dir).resolve())
+    try:
+        chosen = plan_round(cfg, run, _names(args.nodes), _names(args.lost), args.tasks_per_node, args.min_nodes,
+                            args.ranks_lost)
+    except TooFewNodes as e:
+        for line in [*e.story, str(e)]:
+            print(f"elastic: {line}", file=sys.stderr)
+        if not args.job:
+            raise
+        print(f"elastic: {requeue_without(run, args.job, Path(args.script), e.lost)}", file=sys.stderr)
+        return 2
     for line in chosen.story:
         print(f"elastic: {line}", file=sys.stderr)
     print(chosen.shell())
     return 0
 
 
+def _names(text: str) -> list[str]:
+    """Node names, space- or comma-separated."""
+    return [n for n in text.replace(",", " ").split() if n]
+
+
 def elastic_plan_parser(sub) -> None:
     p = sub.add_parser("elastic-plan",  # unlisted: an elastic job's script calls it
                        description="Print the next round of an elastic job (submit --nodes MIN-MAX) as shell values "
-                       "(NODELIST, NNODES, NTASKS) on the answering nodes, and on stderr what was lost, kept and "
-                       "chosen; exit 2 when fewer than --min-nodes answer.")
+                       "(NODELIST, NNODES, NTASKS, lost) on the answering nodes, and on stderr what was lost, kept "
+                       "and chosen; exit 2 when fewer than --min-nodes are left (with --job, after queueing the job "
+                       "again without the lost nodes).")
     add_run_options(p)
     p.add_argument("--run-dir", required=True, help="the job's run directory")
     p.add_argument("--nodes", required=True, help="the nodes that answered, space- or comma-separated")
     p.add_argument("--lost", default="", help="the nodes that did not")
+    p.add_argument("--ranks-lost", action="store_true",
+                   help="the last round's ranks stopped answering (exit 88) while every node answers: leave out the "
+                   "nodes their record (RUN/heartbeats/lost.json) names")
     p.add_argument("--tasks-per-node", type=positive_int, required=True, help="ranks per node")
     p.add_argument("--min-nodes", type=positive_int, required=True, help="the job's minimum")
+    p.add_argument("--job", help="this job's id: when too few nodes are left, queue it again without the lost ones")
+    p.add_argument("--script", help="this job's script (with --job)")
     p.set_defaults(func=cmd_elastic_plan)
+
+
+def cmd_requeue(args) -> int:
+    from mhf_dist.cluster.requeue import requeue_without
+    from mhf_dist.storage.heartbeats import read_lost
+    from mhf_dist.storage.run_dir import RunDir
+
+    run = RunDir(Path(args.run_dir).resolve())
+    lost = _names(args.lost) if args.lost is not None else read_lost(run).get("nodes", [])
+    if not lost:
+        print("requeue: no lost node is named (RUN/heartbeats/lost.json): nothing was queued; submit the job again "
+              "to resume from the newest checkpoint", file=sys.stderr)
+        return 2
+    print(f"requeue: {requeue_without(run, args.job, Path(args.script), lost)}", file=sys.stderr)
+    return 0
+
+
+def requeue_parser(sub) -> None:
+    p = sub.add_parser("requeue",  # unlisted: a job script calls it when a node was lost
+                       description="Submit a job's script again, to start when the job ends, excluding the nodes it "
+                       "lost (RUN/heartbeats/lost.json, or --lost) and those excluded before.")
+    p.add_argument("--run-dir", required=True, help="the job's run directory")
+    p.add_argument("--job", required=True, help="the job's id")
+    p.add_argument("--script", required=True, help="the job's script")
+    p.add_argument("--lost", help="the nodes to exclude, space- or comma-separated (default: those the ranks "
+                   "recorded)")
+    p.set_defaults(func=cmd_requeue)
 
 
 def cmd_submit_data(args) -> int:

@@ -69,6 +69,7 @@ from pathlib import Path
 
 import yaml
 
+from mhf_dist.cluster.job_records import read_jobs
 from mhf_dist.cluster.rank_status import Ranks, rank_lines, read_ranks
 from mhf_dist.cluster.scheduler import scheduler
 from mhf_dist.cluster.scheduler.slurm import SLURM
@@ -243,20 +244,6 @@ def read_lock(run: RunDir, now: float) -> Lock | None:
     job = holder.get("slurm_job_id")
     return Lock(holder.get("host"), _int(holder.get("pid")), str(job) if job else None, holder.get("started"), age,
                 age > STALE_S, holder_gone(holder, age), RunLock(run).stale_reason(holder, age) is not None)
-
-
-def read_jobs(run: RunDir) -> list[dict]:
-    """The submissions in ``slurm/jobs.jsonl``, oldest first (unreadable lines left out)."""
-    path = run.jobs_file
-    jobs = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            job = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(job, dict) and job.get("job_id"):
-            jobs.append(job)
-    return jobs
 
 
 # ---------------------------------------------------------------- the scheduler

@@ -12,17 +12,17 @@ import json
 import re
 import shlex
 import sys
-import time
 from pathlib import Path
 from string import Template
 
 from mhf_dist.cluster.elastic import largest_layout
 from mhf_dist.cluster.files import no_control_characters
+from mhf_dist.cluster.job_records import record_job
 from mhf_dist.cluster.profile import ClusterProfile
 from mhf_dist.cluster.scheduler import Scheduler
 from mhf_dist.cluster.scheduler.slurm import DATA_SCRIPTS, SLURM
 from mhf_dist.config import ConfigError, RunConfig
-from mhf_dist.errors import HUNG_EXIT_CODE, PREEMPTED_EXIT_CODE
+from mhf_dist.errors import HUNG_EXIT_CODE, NODE_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.train.preemption import GRACE_ENV
 from mhf_dist.train.preflight import preflight
@@ -111,7 +111,8 @@ def render(scheduler: Scheduler, cfg: RunConfig, profile: ClusterProfile, nodes:
         run_dir=shlex.quote(str(run_dir)), master_port=29500,
         **_shell_values(profile, python, scheduler.in_container(profile)),
         train_args=_train_args(run_dir, preset, config, _absolute_paths(cfg, overrides)),
-        preempted_exit_code=PREEMPTED_EXIT_CODE, hung_exit_code=HUNG_EXIT_CODE, grace_env=GRACE_ENV,
+        preempted_exit_code=PREEMPTED_EXIT_CODE, hung_exit_code=HUNG_EXIT_CODE,
+        node_lost_exit_code=NODE_LOST_EXIT_CODE, grace_env=GRACE_ENV,
     )
     values |= scheduler.job_values(cfg, profile, nodes, run_dir, grace=grace, depends_on=depends_on,
                                    hostfile=hostfile, min_nodes=min_nodes)
@@ -154,9 +155,7 @@ def submit(scheduler: Scheduler, script: str, run_dir: Path, cluster: str, nodes
     except ConfigError:
         path.unlink()  # nothing was submitted: no script that looks as if it had been
         raise
-    with run.jobs_file.open("a") as f:
-        f.write(json.dumps({"job_id": job, "submitted": time.strftime("%Y-%m-%d %H:%M:%S"), "cluster": cluster,
-                            "nodes": nodes, "script": str(path), "scheduler": scheduler.name}) + "\n")
+    record_job(run, job, cluster=cluster, nodes=nodes, script=str(path), scheduler=scheduler.name)
     return job
 
 

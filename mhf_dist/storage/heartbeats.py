@@ -40,6 +40,22 @@ def write_heartbeat(run: RunDir, record: dict) -> None:
     write_atomic(path, json.dumps(record), durable=False)
 
 
+def write_lost(run: RunDir, nodes: list[str], ranks: list[int], step: int, when: float) -> None:
+    """Record the nodes (and their ranks) this job lost, ``RUN/heartbeats/lost.json``: what the job script acts on
+    (an elastic job's next round leaves them out; a requeue excludes them)."""
+    write_atomic(run.heartbeats_dir / "lost.json", json.dumps({"nodes": nodes, "ranks": ranks, "time": when,
+                                                               "step": step}), durable=False)
+
+
+def read_lost(run: RunDir) -> dict:
+    """The lost-node record of this job (:func:`write_lost`): ``{nodes, ranks, time, step}``, or ``{}``."""
+    try:
+        record = json.loads((run.heartbeats_dir / "lost.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def clear_heartbeats(run: RunDir) -> None:
     """Remove the heartbeats of an earlier job (its world may differ) and its lost-node record; called before this
     job's ranks write."""

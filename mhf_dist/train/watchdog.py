@@ -25,7 +25,6 @@ an elastic job continues on the nodes left. A healthy job never reads its peers'
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import sys
 import threading
@@ -33,7 +32,15 @@ import time
 from pathlib import Path
 
 from mhf_dist.errors import HUNG_EXIT_CODE, NODE_LOST_EXIT_CODE
-from mhf_dist.storage.heartbeats import answers, doing, node_name, rank_health, read_heartbeats, write_heartbeat
+from mhf_dist.storage.heartbeats import (
+    answers,
+    doing,
+    node_name,
+    rank_health,
+    read_heartbeats,
+    write_heartbeat,
+    write_lost,
+)
 from mhf_dist.storage.run_dir import RunDir
 
 MAX_BEAT_S = 10.0
@@ -113,8 +120,7 @@ class Watchdog:
         nodes = sorted({str(b.get("node")) for b in lost})
         live = [b["rank"] for b in read_heartbeats(self.run) if answers(b, now) and b not in lost]
         if self.rank == min(live, default=self.rank):
-            (self.run.heartbeats_dir / "lost.json").write_text(json.dumps(
-                {"nodes": nodes, "ranks": [b["rank"] for b in lost], "time": now, "step": self._progress[0]}))
+            write_lost(self.run, nodes, [b["rank"] for b in lost], self._progress[0], now)
             print(f"lost node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}: ranks "
                   f"{', '.join(str(b['rank']) for b in lost)} sent no heartbeat for over {self.peer_timeout_s:g} s "
                   f"(train.peer_timeout_s), {doing(lost[0])}; stopping without a save (exit {NODE_LOST_EXIT_CODE}); "
