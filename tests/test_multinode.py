@@ -116,3 +116,33 @@ def test_a_job_that_loses_a_node_finishes_on_the_nodes_left_without_a_person(tmp
     seed = yaml.safe_load((run / "config.yaml").read_text())["train"]["seed"]
     read = MixtureSchedule([s.weight for s in sources], seed=seed).consumed(steps * batch)
     assert after[-1]["source_tokens"] == {name: int(n) * 64 for name, n in zip(MIXTURE_WEIGHTS, read)}
+
+
+@pytest.mark.slurm
+@pytest.mark.multirank
+def test_a_job_whose_ranks_on_a_node_stop_answering_queues_itself_again_without_that_node(tmp_path, data, cluster):
+    """A fixed 2-node job: the ranks on its second node stop (SIGSTOP) while that node's slurmd answers. The others
+    exit 88 after train.peer_timeout_s naming the node; the job queues itself again without it, and the new job
+    resumes from the newest checkpoint on the other two nodes and finishes."""
+    steps = 6
+    run = tmp_path / "run"
+    job = submit_job(cluster, train_args(run, data, 2, "parallel.zero_stage=1", "train.checkpoint_interval=2",
+                                         "train.peer_timeout_s=10", steps=steps), "2")
+    log = run / "metrics.jsonl"
+    wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 3, 300, "step 3",
+             lambda: cluster.story(job, run))
+    assert cluster.job_state(job)["NodeList"] == "n[1-2]"
+    cluster.stop_ranks("n2")
+    jobs = run / "slurm" / "jobs.jsonl"
+    again = wait_for(lambda: len(lines := jobs.read_text().splitlines()) > 1 and json.loads(lines[-1]), 300,
+                     "the job to queue itself again", lambda: cluster.story(job, run))
+    assert again["requeue_of"] == job and again["excluded"] == ["n2"]
+    new = again["job_id"]
+    state = wait_for(lambda: (s := cluster.job_state(new))["JobState"] in ("COMPLETED", "FAILED") and s, 600,
+                     "the new job to finish", lambda: cluster.story(new, run))
+    out = job_log(run)
+    assert state["JobState"] == "COMPLETED" and state["NodeList"] == "n[1,3]", out[-5000:]
+    assert cluster.job_state(job)["ExitCode"].startswith("88:"), out[-5000:]
+    assert "lost node n2: ranks 2, 3 sent no heartbeat" in out
+    assert f"requeue: queued again as job {new} without n2, to start when job {job} ends" in out
+    assert "resumed from" in out and [r["step"] for r in metrics(run) if "loss" in r][-1] == steps
