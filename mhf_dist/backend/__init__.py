@@ -86,10 +86,11 @@ class HostTableStep(Protocol):
         """After the engine's step: clip with ``global_norm`` and update the host tables."""
 
 
-OptimizerFactory = Callable[["nn.Module", Callable[["nn.Parameter"], int]],
+OptimizerFactory = Callable[["list[tuple[str, nn.Parameter]]", Callable[["nn.Parameter"], int]],
                             "tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]"]
-"""``(module, ndim) -> (optimizer, scheduler)`` for a module's trainable parameters; ``ndim`` gives a parameter's
-dimensions (the backend's, where it has replaced parameters by flat partitions)."""
+"""``(named, ndim) -> (optimizer, scheduler)`` for the trainable parameters of ``named`` (``(name, parameter)``, the
+name in :class:`~mhf_dist.model.lm.LanguageModel`'s naming whatever the engine's module calls it); ``ndim`` gives a
+parameter's dimensions (the backend's, where it has replaced parameters by flat partitions)."""
 
 HostTableFactory = Callable[["nn.Module", "Trainer"], HostTableStep]
 """``(model, trainer) -> the host tables' step`` of a model whose Engram tables are in host memory."""

@@ -20,9 +20,11 @@ from mhf_dist.config.schema import (
     ConfigError,
     DataConfig,
     DataSource,
+    Family,
     InferenceConfig,
     OptimizerConfig,
     ParallelConfig,
+    ParamGroupRule,
     RunConfig,
     TokenizerConfig,
     TrainConfig,
@@ -32,8 +34,8 @@ from mhf_dist.config.schema import (
 )
 
 __all__ = [
-    "CONFIG_FILE", "EMBEDDED_CORPUS", "SIZES", "ConfigError", "DataConfig", "DataSource", "EngramConfig", "HashConfig",
-    "InferenceConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RunConfig", "TokenizerConfig",
-    "TrainConfig", "WandbConfig", "apply_override", "check_data_source", "deep_merge", "load_config", "parse_blend",
-    "preset", "preset_names",
+    "CONFIG_FILE", "EMBEDDED_CORPUS", "SIZES", "ConfigError", "DataConfig", "DataSource", "EngramConfig", "Family",
+    "HashConfig", "InferenceConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "ParamGroupRule",
+    "RunConfig", "TokenizerConfig", "TrainConfig", "WandbConfig", "apply_override", "check_data_source", "deep_merge",
+    "load_config", "parse_blend", "preset", "preset_names",
 ]

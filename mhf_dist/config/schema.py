@@ -111,6 +111,21 @@ class DataConfig(Strict):
         return None if self.path in (None, EMBEDDED_CORPUS) else self.path
 
 
+Family = Literal["tables", "engram", "gate", "decoder", "backbone", "norms"]
+"""A parameter family (:mod:`mhf_dist.model.families`): the bucket tables (the Standard embedding), the Engram
+memories, the hash gate, the cascaded decoder, the backbone (its blocks and final norm, Engram left out) and every
+norm gain."""
+
+
+class ParamGroupRule(Strict):
+    """One entry of ``optimizer.groups``: the parameters of family ``match`` get this learning-rate scale and weight
+    decay (unset: as before this rule)."""
+
+    match: Family
+    lr_scale: float | None = Field(None, ge=0, description="multiplies the scheduled learning rate")
+    weight_decay: float | None = Field(None, ge=0)
+
+
 class OptimizerConfig(Strict):
     """AdamW with linear warm-up then cosine decay to ``min_lr_ratio * lr`` (docs/spec.md §6)."""
 
@@ -121,6 +136,11 @@ class OptimizerConfig(Strict):
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
+    groups: list[ParamGroupRule] = Field(
+        default_factory=list,
+        description="rules applied in order, each setting lr_scale and/or weight_decay for a family's parameters; "
+        "before them every parameter has lr_scale 1 and weight_decay on matrices and tables, none on biases and norm "
+        "gains (the empty default)")
 
 
     @model_validator(mode="after")

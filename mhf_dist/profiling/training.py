@@ -81,7 +81,7 @@ class TrainingProbe:
             model.backbone.compile_blocks()
         use_kernels(run_cfg.train.fused_head_kernel)
         self.model, self.device = model, device
-        self.optimizer, _ = build_optimizer(model, run_cfg.optimizer, max_steps=max_steps)
+        self.optimizer, _ = build_optimizer(model.named_parameters(), run_cfg.optimizer, max_steps=max_steps)
         gen = torch.Generator().manual_seed(1)
         self.batch = torch.randint(0, VOCAB, (micro, seq_len + 1), generator=gen).to(device)
         self.size, self.hash, self.tp, self.dtype, self.seq_len, self.micro = size, hash_name, tp, dtype, seq_len, micro

@@ -44,6 +44,7 @@ from torch.optim.adamw import adamw
 
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.parallel.scalars import ScalarCollectives, communication_device
+from mhf_dist.train.optim import group_key, group_settings
 
 if TYPE_CHECKING:
     from mhf_dist.backend import HostTableFactory, Trainer
@@ -76,17 +77,21 @@ def host_tables_factory(cfg: RunConfig, groups: ParallelGroups) -> HostTableFact
     if engram is None or not engram.offload:
         return None
     dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32  # what crosses to the device
+    # the Engram tables' optimizer.groups settings (every layer's alike)
+    settings = group_settings(group_key("backbone.layers.0.engram.tables.weight", 3, cfg.optimizer), cfg.optimizer)
     return lambda model, trainer: HostTablesStep(model, trainer, dtype, groups.dp_group, groups.dp,
-                                                 engram.offload_update)
+                                                 engram.offload_update, settings)
 
 
 class HostTablesStep:
-    def __init__(self, model: nn.Module, trainer: Trainer, compute_dtype: torch.dtype, dp_group, dp: int, update: str):
+    def __init__(self, model: nn.Module, trainer: Trainer, compute_dtype: torch.dtype, dp_group, dp: int, update: str,
+                 settings: tuple[float, float]):
         self.memories = [block.engram for block in model.backbone.layers
                          if block.engram is not None and isinstance(block.engram.tables, HostTables)]
         self.tables = host_tables(model)
         self.trainer, self.dp_group, self.dp = trainer, dp_group, dp
         self.lazy = update == "lazy"
+        self.lr_scale, self.weight_decay = settings  # the tables' optimizer group's (optimizer.groups)
         for t in self.tables.values():
             t.device, t.transfer_dtype = trainer.device, compute_dtype
             t.grad = torch.zeros_like(t.weight)
@@ -94,16 +99,18 @@ class HostTablesStep:
                 t.touched = torch.zeros(t.weight.shape[0] * t.weight.shape[1], dtype=torch.bool)
         # parameters sharing the tables' storage: the optimizer updates the tables in place
         self.params = {i: nn.Parameter(t.weight) for i, t in self.tables.items()}
-        group = self._trainer_group()
-        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=group["lr"], betas=group["betas"],
-                                           eps=group["eps"], weight_decay=group["weight_decay"], fused=True)
+        self.optimizer = torch.optim.AdamW(list(self.params.values()), **self._hyper(), fused=True)
         self.pin = trainer.device.type == "cuda"  # host values that go to the device are staged in pinned memory
         self.host_norm = torch.zeros(())
         self.grads: dict[int, torch.Tensor] = {}  # this step's gradients: each table's, or its touched rows' (lazy)
         self.rows: dict[int, torch.Tensor] = {}  # lazy: this step's touched flat rows of each table
 
-    def _trainer_group(self) -> dict:
-        return self.trainer.optimizer.param_groups[0]  # matrices and tables (build_optimizer's first group)
+    def _hyper(self) -> dict:
+        """This step's AdamW settings: the schedule's learning rate (the trainer's first group has lr_scale 1) times
+        the tables' scale, and their weight decay."""
+        group = self.trainer.optimizer.param_groups[0]
+        return {"lr": group["lr"] * self.lr_scale, "betas": group["betas"], "eps": group["eps"],
+                "weight_decay": self.weight_decay}
 
     # ------------------------------------------------------------------ gathering
     def prefetch(self, input_ids: torch.Tensor) -> None:
@@ -143,7 +150,7 @@ class HostTablesStep:
         norms = [torch.linalg.vector_norm(g) for g in self.grads.values()]
         norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
         self.host_norm = norm.pin_memory() if self.pin else norm  # copied to the device inside DeepSpeed's step
-        self.hyper = {k: self._trainer_group()[k] for k in ("lr", "betas", "eps", "weight_decay")}
+        self.hyper = self._hyper()
 
     @torch.no_grad()
     def after_step(self, global_norm: float | None = None) -> None:

@@ -65,12 +65,18 @@ from mhf_dist.storage.heartbeats import clear_heartbeats
 from mhf_dist.storage.run_dir import RunDir, RunDirAsFound
 from mhf_dist.storage.run_lock import RunDirLocked, RunLock
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
+from mhf_dist.train.checkpoint.index import read_marker
 from mhf_dist.train.console import step_line
 from mhf_dist.train.divergence import LossWatch
 from mhf_dist.train.fault_injection import slow_step
 from mhf_dist.train.host_tables import host_tables_factory
 from mhf_dist.train.metrics import MetricsLogger
-from mhf_dist.train.optim import apply_optimizer_changes, optimizer_factory
+from mhf_dist.train.optim import (
+    apply_optimizer_changes,
+    check_resumed_groups,
+    describe_groups,
+    optimizer_factory,
+)
 from mhf_dist.train.preemption import StopSignal
 from mhf_dist.train.preflight import preflight
 from mhf_dist.train.process_group import backend_prints, init_distributed, resolve_device
@@ -261,16 +267,20 @@ class TrainingLoop:
         self.checkpointer = Checkpointer(self.run_dir, cfg, self.table.content_hash if self.table else None,
                                          checkpoint_layout(cfg, layout, model.vocab.tables.num_rows),
                                          [n for n, _ in model.named_parameters()])
+        if cfg.train.trainable_blocks is not None:
+            model.train_only_vocabulary_and_ends(cfg.train.trainable_blocks)
+        line = describe_groups(model.named_parameters(), cfg.optimizer)  # a rule that matches nothing: refused here
+        if self.rank == 0 and cfg.optimizer.groups:  # the default two groups go unsaid
+            tqdm.write(line + (f" (per tensor-parallel rank of {groups.tp})" if groups.tp > 1 else ""))
         resuming, zero3 = None, partitions_parameters(self.ds_config, layout)
         if (path := _resume_path(resume, self.checkpointer)) is not None:
             resuming = ResumePoint(path, *self.checkpointer.for_this_layout(path, zero3))
+            check_resumed_groups(read_marker(path).get("config", {}).get("optimizer", {}), cfg.optimizer)
             self.checkpointer.continue_from(path)  # newer checkpoints (an abandoned line) are set aside
 
         values = SeededValues(cfg.model.init_std, cfg.train.seed)
         if cfg.train.init_from:  # also when resuming: a checkpoint need not hold the frozen parameters
             values = init_weights_file(self.run_dir.path / cfg.train.init_from, model, groups.tp)
-        if cfg.train.trainable_blocks is not None:
-            model.train_only_vocabulary_and_ends(cfg.train.trainable_blocks)
         if cfg.train.compile:
             model.backbone.compile_blocks()
             if zero3 and self.rank == 0:

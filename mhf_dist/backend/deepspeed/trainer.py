@@ -46,7 +46,7 @@ from mhf_dist.backend import (
 from mhf_dist.backend.deepspeed.checkpoint import load_checkpoint, save_checkpoint
 from mhf_dist.backend.deepspeed.config import checkpoint_interval
 from mhf_dist.backend.deepspeed.grad_norm import include_in_global_norm
-from mhf_dist.backend.deepspeed.pipeline import build_pipeline
+from mhf_dist.backend.deepspeed.pipeline import build_pipeline, canonical_name
 from mhf_dist.backend.deepspeed.universal import copy_for_rank
 from mhf_dist.backend.deepspeed.zero import full_ndim, held_values
 from mhf_dist.config import RunConfig
@@ -132,7 +132,7 @@ class DataParallelTrainer(EngineTrainer):
         if materialise is not None:
             model = materialise(model)
         model.backbone.checkpoint_interval = checkpoint_interval(cfg, ds_config)
-        optimizer, scheduler = make_optimizer(model, full_ndim)
+        optimizer, scheduler = make_optimizer(list(model.named_parameters()), full_ndim)
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=groups
         )
@@ -211,7 +211,8 @@ class PipelineTrainer(EngineTrainer):
                  make_optimizer: OptimizerFactory, materialise: Callable[[nn.Module], nn.Module] | None = None):
         self.pipe, self.loss_fn = build_pipeline(model, groups, cfg.data.seq_len,
                                                  checkpoint_interval(cfg, ds_config), materialise)
-        optimizer, scheduler = make_optimizer(self.pipe, torch.Tensor.dim)
+        named = [(canonical_name(n), p) for n, p in self.pipe.named_parameters()]  # this stage's
+        optimizer, scheduler = make_optimizer(named, torch.Tensor.dim)
         self.engine, *_ = deepspeed.initialize(
             model=self.pipe, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
