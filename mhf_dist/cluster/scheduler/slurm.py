@@ -46,6 +46,7 @@ QUERY_TIMEOUT_S = 5.0
 PROBE_S = 30  # an elastic job's probe of one node: a node whose one-task step has not ended by then is lost
 DATA_SCRIPTS = ("prepare-data.sbatch", "merge-data.sbatch")  # submit-data's array job and merge job
 _JOB_ID = re.compile(r"\d+(_\d+)?")
+_SBATCH_EXCLUDE = re.compile(r'^#SBATCH[ \t]+(?:--exclude[= ]|-x[ \t]*)"?([^"\s]+)', re.M)
 _SBATCH_PLAIN = re.compile(r"[A-Za-z0-9_./:%@+,=-]*")
 
 
@@ -193,6 +194,14 @@ class Slurm:
         if proc.returncode:
             raise ConfigError(f"sbatch refused the job: {proc.stderr.strip()}")
         return proc.stdout.strip().split(";")[0]
+
+    def submit_after(self, script: Path, job_id: str, exclude: list[str]) -> tuple[str, list[str]]:
+        """Submit ``script`` again to start once job ``job_id`` has ended, on nodes other than ``exclude`` and those
+        the script's own ``--exclude`` names; ``(the new job id, every node excluded)``. ConfigError when refused
+        (the cluster has too few other nodes)."""
+        own = [n for spec in _SBATCH_EXCLUDE.findall(script.read_text()) for n in spec.split(",")]
+        excluded = sorted({*own, *exclude})
+        return self.submit(script, f"--exclude={','.join(excluded)}", f"--dependency=afterany:{job_id}"), excluded
 
     def query(self, job_id: str) -> JobState | None:
         def stdout(argv: list[str]) -> str:
