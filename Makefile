@@ -43,8 +43,11 @@ slurm:
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# The tests on two workers, then the SLURM ones alone: one SLURM cluster at a time, on a machine no other test loads
+# (a node that answers late is declared down).
 test: lint slurm
-	$(PY) -m pytest -q --durations=20 -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q --durations=20 -n 2 -m "not slurm" tests
+	$(PY) -m pytest -q --durations=10 -m slurm tests
 
 # Leaves out the tests marked multirank, slurm or slow (pyproject.toml lists the markers).
 test-fast: setup

@@ -18,9 +18,6 @@ from helpers.runs import MIXTURE_WEIGHTS, metrics, run_cli, train_args
 from helpers.slurm import missing_binaries, submit_job, wait_for
 from mhf_dist.data.mixture import MixtureSchedule
 
-# one SLURM cluster at a time on this machine (its ports, the nodes' network): with the single-node tests
-pytestmark = pytest.mark.xdist_group("slurm")
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):

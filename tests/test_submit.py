@@ -23,9 +23,6 @@ from mhf_dist.config import ConfigError, load_config
 from mhf_dist.errors import NODE_LOST_EXIT_CODE, RANK_LOST_EXIT_CODE
 from mhf_dist.train.preemption import MIN_GRACE_SECONDS, grace_seconds
 
-# one SLURM cluster at a time on this machine (its ports): with the multi-node tests
-pytestmark = pytest.mark.xdist_group("slurm")
-
 GOLDEN = Path(__file__).parent / "golden"
 DATA = "data.path=/shared/data"
 SITE = str(Path(__file__).parents[1] / "docs" / "site-profile-example.yaml")  # the documented site profile
