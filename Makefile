@@ -43,11 +43,12 @@ slurm:
 lint: setup
 	$(VENV)/bin/ruff check .
 
-# The tests on two workers, then the SLURM ones alone: one SLURM cluster at a time, on a machine no other test loads
-# (a node that answers late is declared down).
+# The tests on two workers and, beside them, the SLURM tests in a session of their own (one SLURM cluster at a time;
+# they mostly wait), whose output follows.
 test: lint slurm
-	$(PY) -m pytest -q --durations=20 -n 2 -m "not slurm" tests
-	$(PY) -m pytest -q --durations=10 -m slurm tests
+	log=$$(mktemp); $(PY) -m pytest -q --durations=10 -m slurm tests > $$log 2>&1 & slurm=$$!; \
+	$(PY) -m pytest -q --durations=20 -n 2 -m "not slurm" tests; rest=$$?; \
+	wait $$slurm; code=$$?; cat $$log; rm -f $$log; [ $$rest -eq 0 ] && [ $$code -eq 0 ]
 
 # Leaves out the tests marked multirank, slurm or slow (pyproject.toml lists the markers).
 test-fast: setup

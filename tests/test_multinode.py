@@ -33,6 +33,13 @@ def cluster(tmp_path_factory):
     nodes.stop()
 
 
+@pytest.fixture(autouse=True)
+def every_node_up(request):
+    """Each test starts with the three nodes in service (an earlier one may have killed one)."""
+    if "cluster" in request.fixturenames:
+        request.getfixturevalue("cluster").revive()
+
+
 def job_log(run) -> str:
     return "".join(p.read_text() for p in sorted((run / "slurm").glob("*.out")))
 

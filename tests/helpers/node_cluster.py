@@ -116,6 +116,15 @@ class NodeCluster(LocalSlurm):
             except ProcessLookupError:
                 pass
 
+    def revive(self) -> None:
+        """Start again the ``slurmd`` of every node a test killed, and wait until every node is back in service."""
+        for node in self.names:
+            if not subprocess.run(["ip", "netns", "pids", self.namespace(node)], capture_output=True,
+                                  text=True).stdout.split():
+                self.procs.append(subprocess.Popen(self.slurmd_command(node), env=self.env,
+                                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.wait_until_up(120)
+
     def stop_ranks(self, node: str) -> None:
         """The ranks on node ``node`` stop (SIGSTOP: a wedged GPU, a dead data network) while its ``slurmd`` answers."""
         for pid in subprocess.run(["ip", "netns", "pids", self.namespace(node)], capture_output=True,

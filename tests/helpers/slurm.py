@@ -91,11 +91,16 @@ JobAcctGatherType=jobacct_gather/none
         for node in self.nodes():
             self.procs.append(subprocess.Popen(self.slurmd_command(node), env=self.env,
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        deadline = time.time() + 60
+        self.wait_until_up()
+        return self
+
+    def wait_until_up(self, timeout: float = 60) -> None:
+        """Until every node is in service (RuntimeError with the daemons' logs after ``timeout`` seconds)."""
+        deadline = time.time() + timeout
         while time.time() < deadline:
             out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=self.env, capture_output=True, text=True).stdout
             if out.split() and all(state in ("idle", "mixed", "allocated") for state in out.split()):
-                return self
+                return
             time.sleep(0.5)
         raise RuntimeError(f"SLURM did not come up: {self.log_tail()}")
 
