@@ -40,15 +40,24 @@ def write_heartbeat(run: RunDir, record: dict) -> None:
     write_atomic(path, json.dumps(record), durable=False)
 
 
-def write_lost(run: RunDir, nodes: list[str], ranks: list[int], step: int, when: float) -> None:
-    """Record the nodes (and their ranks) this job lost, ``RUN/heartbeats/lost.json``: what the job script acts on
-    (an elastic job's next round leaves them out; a requeue excludes them)."""
-    write_atomic(run.heartbeats_dir / "lost.json", json.dumps({"nodes": nodes, "ranks": ranks, "time": when,
-                                                               "step": step}), durable=False)
+def record_lost(run: RunDir, nodes: list[str], ranks: list[int], step: int, when: float) -> bool:
+    """Record the nodes (and their ranks) this job lost, ``RUN/heartbeats/lost.json``, unless a rank already did:
+    whether this call recorded it. What the job script acts on (an elastic job's next round leaves them out; a requeue
+    excludes them). The first rank to see the loss records it: the others may be ended by its exit before they do."""
+    path = run.heartbeats_dir / "lost.json"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"nodes": nodes, "ranks": ranks, "time": when, "step": step}))
+    try:
+        os.link(tmp, path)  # whole, and only where no rank recorded it yet
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_lost(run: RunDir) -> dict:
-    """The lost-node record of this job (:func:`write_lost`): ``{nodes, ranks, time, step}``, or ``{}``."""
+    """The lost-node record of this job (:func:`record_lost`): ``{nodes, ranks, time, step}``, or ``{}``."""
     try:
         record = json.loads((run.heartbeats_dir / "lost.json").read_text())
     except (OSError, ValueError):

@@ -17,7 +17,7 @@ the ranks meet on the shared filesystem, not the network, which may be what fail
 
 A lost node is told apart sooner: once this rank has been waiting a few heartbeats, it reads the other ranks'
 heartbeats, and ranks whose heartbeat is ``train.peer_timeout_s`` old are lost (their node died or dropped off the
-network, and with it their heartbeat thread). The lowest rank that answers names the node and its ranks and writes
+network, and with it their heartbeat thread). The first rank to see it names the node and its ranks and writes
 them to ``RUN/heartbeats/lost.json``; every rank exits with :data:`~mhf_dist.errors.NODE_LOST_EXIT_CODE`, on which
 an elastic job continues on the nodes left. A healthy job never reads its peers' heartbeats.
 """
@@ -38,8 +38,8 @@ from mhf_dist.storage.heartbeats import (
     node_name,
     rank_health,
     read_heartbeats,
+    record_lost,
     write_heartbeat,
-    write_lost,
 )
 from mhf_dist.storage.run_dir import RunDir
 
@@ -115,12 +115,9 @@ class Watchdog:
                 and now - b.get("beat", now) > self.peer_timeout_s]
 
     def _lose(self, lost: list[dict]) -> None:
-        """Peers were lost with their node: the lowest rank that answers names them; every rank exits."""
-        now = time.time()
+        """Peers were lost with their node: the first rank to see it records and names them; every rank exits."""
         nodes = sorted({str(b.get("node")) for b in lost})
-        live = [b["rank"] for b in read_heartbeats(self.run) if answers(b, now) and b not in lost]
-        if self.rank == min(live, default=self.rank):
-            write_lost(self.run, nodes, [b["rank"] for b in lost], self._progress[0], now)
+        if record_lost(self.run, nodes, [b["rank"] for b in lost], self._progress[0], time.time()):
             print(f"lost node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}: ranks "
                   f"{', '.join(str(b['rank']) for b in lost)} sent no heartbeat for over {self.peer_timeout_s:g} s "
                   f"(train.peer_timeout_s), {doing(lost[0])}; stopping without a save (exit {NODE_LOST_EXIT_CODE}); "
