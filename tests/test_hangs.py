@@ -122,7 +122,7 @@ def test_a_rank_without_a_heartbeat_for_the_peer_timeout_is_lost_with_its_node(t
     assert code == NODE_LOST_EXIT_CODE, out[-3000:]
     lost = json.loads((run / "heartbeats" / "lost.json").read_text())
     assert lost["ranks"] == [1] and len(lost["nodes"]) == 1
-    assert re.search(rf"lost node {re.escape(lost['nodes'][0])}: ranks 1 sent no heartbeat for over 4 s "
+    assert re.search(rf"lost node {re.escape(lost['nodes'][0])}: rank 1 sent no heartbeat for over 4 s "
                      rf"\(train.peer_timeout_s\), in step \d+; stopping without a save \(exit {NODE_LOST_EXIT_CODE}\)",
                      out), out[-3000:]
     assert not (run / "hangs").exists()  # not a hang: no stacks

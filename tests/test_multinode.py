@@ -147,6 +147,7 @@ def test_a_job_whose_ranks_on_a_node_stop_answering_queues_itself_again_without_
     out = job_log(run)
     assert state["JobState"] == "COMPLETED" and state["NodeList"] == "n[1,3]", out[-5000:]
     assert cluster.job_state(job)["ExitCode"].startswith("88:"), out[-5000:]
-    assert "lost node n2: ranks 2, 3 sent no heartbeat" in out
+    # the ranks whose heartbeat was the timeout old when the first rank looked: one of n2's or both
+    assert re.search(r"lost node n2: ranks? [23](, 3)? sent no heartbeat", out), out[-5000:]
     assert f"requeue: queued again as job {new} without n2, to start when job {job} ends" in out
     assert "resumed from" in out and [r["step"] for r in metrics(run) if "loss" in r][-1] == steps

@@ -118,7 +118,7 @@ class Watchdog:
         """Peers were lost with their node: the first rank to see it records and names them; every rank exits."""
         nodes = sorted({str(b.get("node")) for b in lost})
         if record_lost(self.run, nodes, [b["rank"] for b in lost], self._progress[0], time.time()):
-            print(f"lost node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}: ranks "
+            print(f"lost node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}: rank{'s' if len(lost) > 1 else ''} "
                   f"{', '.join(str(b['rank']) for b in lost)} sent no heartbeat for over {self.peer_timeout_s:g} s "
                   f"(train.peer_timeout_s), {doing(lost[0])}; stopping without a save (exit {NODE_LOST_EXIT_CODE}); "
                   "the next start resumes from the newest checkpoint", file=sys.stderr, flush=True)
