@@ -23,7 +23,7 @@ def write_atomic(path: Path, text: str, *, durable: bool = True) -> None:
     processes writing the same file never share one). ``durable``: the file and its directory entry are flushed
     before this returns, so that the new content survives a power loss (checkpoint markers, manifests, reports);
     files rewritten every few seconds (heartbeats, the run lock) pass ``durable=False``."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = _temporary(path)
     try:
         tmp.write_text(text)
         if durable:
@@ -34,3 +34,21 @@ def write_atomic(path: Path, text: str, *, durable: bool = True) -> None:
         raise
     if durable:
         fsync(path.parent)
+
+
+def create_whole(path: Path, text: str) -> bool:
+    """Write ``path`` whole unless it exists (another process wrote it first): whether this call wrote it."""
+    tmp = _temporary(path)
+    try:
+        tmp.write_text(text)
+        os.link(tmp, path)  # fails where the file exists: the first writer wins, a reader never sees half
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _temporary(path: Path) -> Path:
+    """The temporary file beside ``path`` that this process writes it through."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")

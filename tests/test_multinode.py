@@ -15,7 +15,7 @@ import yaml
 
 from helpers.node_cluster import NodeCluster, unavailable
 from helpers.runs import MIXTURE_WEIGHTS, metrics, run_cli, train_args
-from helpers.slurm import missing_binaries, submit_job, wait_for
+from helpers.slurm import job_log, missing_binaries, submit_job, wait_for
 from mhf_dist.data.mixture import MixtureSchedule
 
 
@@ -38,10 +38,6 @@ def every_node_up(request):
     """Each test starts with the three nodes in service (an earlier one may have killed one)."""
     if "cluster" in request.fixturenames:
         request.getfixturevalue("cluster").revive()
-
-
-def job_log(run) -> str:
-    return "".join(p.read_text() for p in sorted((run / "slurm").glob("*.out")))
 
 
 @pytest.mark.slurm

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers.runs import metrics, run_cli, train_args
-from helpers.slurm import LocalSlurm, missing_binaries, submit_job, wait_for
+from helpers.slurm import LocalSlurm, job_log, missing_binaries, submit_job, wait_for
 from mhf_dist.cli import main
 from mhf_dist.cluster.job_estimates import save_estimate, time_limit_seconds
 from mhf_dist.cluster.profile import load_profile
@@ -325,7 +325,7 @@ def test_slurm_job_requeued_mid_run_resumes_and_matches(tmp_path, data, slurm):
     slurm.scontrol("update", f"JobId={job}", "StartTime=now")  # a requeued job otherwise waits ~2 minutes
     state = wait_for(lambda: (s := slurm.job_state(job))["JobState"] in ("COMPLETED", "FAILED") and s, 600,
                      "the job to finish")
-    out = "".join(p.read_text() for p in (run / "slurm").glob("*.out"))
+    out = job_log(run)
     assert state["JobState"] == "COMPLETED", out[-4000:] + slurm.log_tail()
     assert int(state["Restarts"]) >= 1
     assert "resumed from" in out
@@ -362,7 +362,7 @@ def test_slurm_job_log_names_a_rank_killed_by_a_signal(tmp_path, data, slurm):
     os.kill(pid, 9)
     state = wait_for(lambda: (s := slurm.job_state(job))["JobState"] in ("COMPLETED", "FAILED") and s, 300,
                      "the job to end")
-    out = "".join(p.read_text() for p in (run / "slurm").glob("*.out"))
+    out = job_log(run)
     assert state["ExitCode"] == f"{RANK_LOST_EXIT_CODE}:0", out[-4000:]
     assert f"rank 1 (pid {pid}) was killed by SIGKILL; stopping the others" in out
     newest = sorted(p.parent.name for p in run.glob("checkpoints/step-*/complete.json"))[-1]

@@ -99,10 +99,11 @@ def cmd_elastic_plan(args) -> int:
         chosen = plan_round(cfg, run, _names(args.nodes), _names(args.lost), args.tasks_per_node, args.min_nodes,
                             args.ranks_lost)
     except TooFewNodes as e:
-        for line in [*e.story, str(e)]:
+        for line in e.story:
             print(f"elastic: {line}", file=sys.stderr)
         if not args.job:
-            raise
+            raise  # said once, as every error is
+        print(f"elastic: {e}", file=sys.stderr)
         print(f"elastic: {requeue_without(run, args.job, Path(args.script), e.lost)}", file=sys.stderr)
         return 2
     for line in chosen.story:

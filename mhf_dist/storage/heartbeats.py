@@ -18,7 +18,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from mhf_dist.atomic import write_atomic
+from mhf_dist.atomic import create_whole, write_atomic
 from mhf_dist.storage.run_dir import RunDir
 
 NODE_ENV = "MHF_DIST_NODE"  # a rank's node name as its scheduler calls it (set for each task)
@@ -44,22 +44,13 @@ def record_lost(run: RunDir, nodes: list[str], ranks: list[int], step: int, when
     """Record the nodes (and their ranks) this job lost, ``RUN/heartbeats/lost.json``, unless a rank already did:
     whether this call recorded it. What the job script acts on (an elastic job's next round leaves them out; a requeue
     excludes them). The first rank to see the loss records it: the others may be ended by its exit before they do."""
-    path = run.heartbeats_dir / "lost.json"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"nodes": nodes, "ranks": ranks, "time": when, "step": step}))
-    try:
-        os.link(tmp, path)  # whole, and only where no rank recorded it yet
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        tmp.unlink(missing_ok=True)
+    return create_whole(run.lost_record, json.dumps({"nodes": nodes, "ranks": ranks, "time": when, "step": step}))
 
 
 def read_lost(run: RunDir) -> dict:
     """The lost-node record of this job (:func:`record_lost`): ``{nodes, ranks, time, step}``, or ``{}``."""
     try:
-        record = json.loads((run.heartbeats_dir / "lost.json").read_text())
+        record = json.loads(run.lost_record.read_text())
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}

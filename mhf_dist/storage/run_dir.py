@@ -63,6 +63,7 @@ class RunDir:
         self.metrics_path = self.path / METRICS_FILE
         self.tensorboard_dir = self.path / TENSORBOARD_DIR
         self.heartbeats_dir = self.path / "heartbeats"
+        self.lost_record = self.heartbeats_dir / "lost.json"  # the nodes the ranks lost (storage.heartbeats)
         self.hangs_dir = self.path / "hangs"
         self.jobs_dir = self.path / JOBS_DIR
         self.jobs_file = self.jobs_dir / "jobs.jsonl"  # one line per submitted job

@@ -121,7 +121,7 @@ JobAcctGatherType=jobacct_gather/none
     def story(self, job: str, run: Path) -> str:
         """SLURM's view of ``job``, its log in ``run``, the processes of SLURM and the ranks, and the daemons' log
         tails: why a job did not get somewhere."""
-        log = "".join(p.read_text() for p in (run / "slurm").glob("*.out")) if (run / "slurm").is_dir() else ""
+        log = job_log(run)
         ps = subprocess.run(["ps", "-eo", "pid,stat,etime,time,args"], capture_output=True, text=True).stdout
         squeue = subprocess.run(["squeue"], env=self.env, capture_output=True, text=True).stdout
         return (f"job {job}: {self.scontrol('show', 'job', job)}\njob log:\n{log[-4000:]}\nsqueue: {squeue}\n"
@@ -148,6 +148,11 @@ JobAcctGatherType=jobacct_gather/none
         pid = self.root / "munge/munged.pid"
         if pid.exists():
             subprocess.run(["kill", pid.read_text().strip()], capture_output=True)
+
+
+def job_log(run: Path) -> str:
+    """The job logs SLURM wrote in ``run``'s job directory, oldest job first."""
+    return "".join(p.read_text() for p in sorted((run / "slurm").glob("*.out")))
 
 
 def wait_for(predicate, timeout: float, what: str, explain=None):
