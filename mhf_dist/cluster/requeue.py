@@ -5,9 +5,10 @@ keeps its own, so the job script submits itself again (``mhf-dist requeue``) as 
 has ended, on nodes other than the lost ones, those earlier requeues left out and those the script itself leaves out
 (:meth:`~mhf_dist.cluster.scheduler.slurm.Slurm.submit_after`). ``RUN/slurm/jobs.jsonl`` records it as ``submit``
 records a job, so ``status`` follows it. It resumes from the newest checkpoint. The job script asks for it when its
-ranks end with :data:`~mhf_dist.errors.NODE_LOST_EXIT_CODE` (a fixed-size job), and an elastic job when fewer nodes
-than its minimum are left in its allocation (it asks for MIN-MAX nodes again). Where the cluster has too few other
-nodes, SLURM refuses the job: the job stops, saying so, and the run resumes whenever it is submitted again.
+ranks recorded a lost node (:func:`~mhf_dist.storage.heartbeats.record_lost`; a fixed-size job), and an elastic job
+when fewer nodes than its minimum are left in its allocation (it asks for MIN-MAX nodes again). Where the cluster
+has too few other nodes, SLURM refuses the job: the job stops, saying so, and the run resumes whenever it is
+submitted again.
 """
 
 from __future__ import annotations
