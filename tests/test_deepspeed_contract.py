@@ -68,6 +68,15 @@ def source_holds(path: str, *texts: str) -> Callable[[], str | None]:
     return check
 
 
+def in_order(path: str, *texts: str) -> Callable[[], str | None]:
+    """The object's source holds ``texts`` in this order (a value it sets before a call that reads it)."""
+    def check() -> str | None:
+        source = inspect.getsource(undecorated(symbol(path)))
+        at = [source.find(t) for t in texts]
+        return None if -1 not in at and at == sorted(at) else f"{path} no longer holds {list(texts)} in this order"
+    return check
+
+
 def is_property(path: str) -> Callable[[], str | None]:
     def check() -> str | None:
         module, _, attributes = path.partition(":")
@@ -159,11 +168,19 @@ CONTRACTS = [
     Contract("DeepSpeedZeroOptimizer.loss_scale", f"{BACKEND}/grad_norm.py", "scales the host tables' norm by",
              is_property(f"{ZERO12}.loss_scale")),
     Contract("DeepSpeedZeroOptimizer_Stage3._global_grad_norm and .overflow", f"{BACKEND}/trainer.py",
-             "reads after a step (global_grad_norm, step_skipped)",
-             source_holds(ZERO3, "self._global_grad_norm = ", "self.overflow = ")),
+             "reads after a step (global_grad_norm, step_skipped), and the norm within it, before the torch "
+             "optimizer's step (SpikeVerdict)",
+             all_of(source_holds(ZERO3, "self._global_grad_norm = ", "self.overflow = "),
+                    in_order(f"{ZERO3}.step", "self._global_grad_norm = ", "self._optimizer_step("))),
     Contract("DeepSpeedZeroOptimizer._global_grad_norm and .overflow", f"{BACKEND}/trainer.py",
-             "reads after a step (global_grad_norm, step_skipped)",
-             source_holds(ZERO12, "self._global_grad_norm = ", "self.overflow = ")),
+             "reads after a step (global_grad_norm, step_skipped), and the norm within it, before the torch "
+             "optimizer's step (SpikeVerdict)",
+             all_of(source_holds(ZERO12, "self._global_grad_norm = ", "self.overflow = "),
+                    in_order(f"{ZERO12}.step", "self._global_grad_norm = ", "self._optimizer_step("))),
+    Contract("BF16_Optimizer._global_grad_norm (bf16 with ZeRO-1)", f"{BACKEND}/trainer.py",
+             "reads within a step, before the torch optimizer's step (SpikeVerdict)",
+             in_order("deepspeed.runtime.bf16_optimizer:BF16_Optimizer.step", "self._global_grad_norm = ",
+                      "self.optimizer.step()")),
     Contract("PipelineModule._partition_layers", f"{BACKEND}/pipeline.py", "overrides (stages cut by FLOPs)",
              all_of(parameters_are(f"{PIPE}._partition_layers", ["self", "method"]),
                     source_holds(f"{PIPE}.__init__", "self._partition_layers("),

@@ -128,10 +128,12 @@ HOST_ONLY = {  # host tensors only: token ids and row masks of the host-memory E
     [],
     ["model.engram.layers=[0,1]", "model.engram.table_size=1000", "model.engram.offload=true",
      "model.engram.offload_update=lazy"],
-], ids=["device-tables", "offload-lazy"])
+    ["train.spike_factor=3", "train.grad_spike_factor=10", "train.on_spike=skip"],
+], ids=["device-tables", "offload-lazy", "spike-skip"])
 def test_an_ordinary_training_step_reads_the_device_once(tmp_path, data, overrides):
+    """Under train.on_spike=skip too: the verdict stays on the device, read with the step's other numbers."""
     steps = run_ranks(_loop_syncs, 1, tmp_path / "run", data, overrides)[0]
     assert len(steps) == 4
-    expected = OURS | DEEPSPEED_ZERO3 | (HOST_ONLY if overrides else {})
+    expected = OURS | DEEPSPEED_ZERO3 | (HOST_ONLY if "model.engram.offload=true" in overrides else {})
     for middle in steps[1:3]:  # not the first (DeepSpeed's first-step set-up) nor the last (evaluation and save)
         assert middle == expected

@@ -18,6 +18,7 @@ package that imports DeepSpeed or calls into it. Its config readers need neither
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["checkpoint_interval", "engine_config", "fp32_accumulation", "grad_accum_dtype", "zero_stage",
            "engine_buffer_bytes", "hostfile_template", "versions", "RANK_MODULES", "StepStats", "BatchSource",
-           "HostTableStep", "OptimizerFactory", "HostTableFactory", "FileWriter", "Trainer",
+           "HostTableStep", "OptimizerFactory", "SpikeLimits", "HostTableFactory", "FileWriter", "Trainer",
            "accelerator_env", "init_distributed", "build_trainer", "partitions_parameters", "parameter_partitioner",
            "consolidate", "convert_for_layout", "universal_info"]
 
@@ -56,6 +57,18 @@ class StepStats:
     grad_norm: float | None  # DeepSpeed reports none without ZeRO
     p_inf_loss: float | None = None  # mean -log P_inf(target) of the loss's term (model.hash.p_inf_loss_weight > 0)
     flags: list[bool] | None = None  # train_step's ``flags``, each raised on any rank (None when not asked)
+    skipped: bool = False  # past train_step's ``limits``: the step applied no update
+
+
+@dataclass(frozen=True)
+class SpikeLimits:
+    """What a step may reach and still update the weights (``train.on_spike=skip``): its global mean loss at most
+    ``loss`` and its global gradient norm at most ``grad_norm`` (``inf``: no limit). A step past either, or with a
+    non-finite one, is left out on every rank: the optimizer applies no update (weights, moments and step counts stay
+    as they were), the learning-rate schedule still advances."""
+
+    loss: float = math.inf
+    grad_norm: float = math.inf
 
 
 class BatchSource(Protocol):
@@ -90,7 +103,9 @@ OptimizerFactory = Callable[["list[tuple[str, nn.Parameter]]", Callable[["nn.Par
                             "tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]"]
 """``(named, ndim) -> (optimizer, scheduler)`` for the trainable parameters of ``named`` (``(name, parameter)``, the
 name in :class:`~mhf_dist.model.lm.LanguageModel`'s naming whatever the engine's module calls it); ``ndim`` gives a
-parameter's dimensions (the backend's, where it has replaced parameters by flat partitions)."""
+parameter's dimensions (the backend's, where it has replaced parameters by flat partitions). The optimizer leaves a
+step out where its ``skip_if`` says so: the backend sets it for a step with :class:`SpikeLimits`, to a callable that
+returns a device scalar, 1.0 to apply no update (:func:`~mhf_dist.train.optim.skippable`)."""
 
 HostTableFactory = Callable[["nn.Module", "Trainer"], HostTableStep]
 """``(model, trainer) -> the host tables' step`` of a model whose Engram tables are in host memory."""
@@ -118,10 +133,13 @@ class Trainer(Protocol):
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped so far (a gradient overflow)."""
+        """Optimizer steps skipped so far for a gradient overflow (those past :class:`SpikeLimits` are the loop's)."""
 
-    def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None) -> StepStats:
-        """One optimizer step on the global batch; ``flags`` come back agreed over all ranks."""
+    def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None, limits: SpikeLimits | None = None,
+                   loss_scale: float = 1.0) -> StepStats:
+        """One optimizer step on the global batch; ``flags`` come back agreed over all ranks; past ``limits`` the
+        step applies no update (:attr:`StepStats.skipped`). ``loss_scale``: the loss is multiplied by it before its
+        backward, and logged so (an injected spike, :mod:`mhf_dist.train.fault_injection`)."""
 
     def evaluate(self, reader: BatchSource, batches: int) -> dict:
         """The ``val_*`` metrics over ``batches`` micro-batches on each data-parallel rank."""
@@ -133,7 +151,7 @@ class Trainer(Protocol):
         """The gradient norm the step clips to (0: none)."""
 
     def step_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped (a gradient overflow)."""
+        """Whether the last optimizer step applied no update (a gradient overflow, or past its limits)."""
 
     def global_grad_norm(self) -> float:
         """The global gradient norm the last optimizer step clipped with (a host read)."""

@@ -42,7 +42,8 @@ null; unknown values are null). Its keys:
 - ``damaged_checkpoints``: the newer complete checkpoints that fail that check, newest first:
   ``[{name, path, step, problem}]`` (``train --resume auto`` moves them to ``checkpoints/corrupt/``)
 - ``validation``: ``{step, val_loss, val_ppl, ...}``: every ``val_*`` field of the newest record holding any, or null
-- ``nonfinite_steps``, ``skipped_steps``, ``loss_spikes``: the newest logged value of each counter, or null
+- ``nonfinite_steps``, ``skipped_steps``, ``loss_spikes``, ``grad_spikes``: the newest logged value of each
+  counter, or null
 - ``slurm``: ``{job_id, state, restarts, source, submitted, cluster, nodes, submissions}`` or null.
   The job is the last line of ``slurm/jobs.jsonl`` (else ``lock.json``'s ``slurm_job_id``);
   ``state``/``restarts`` come from ``source``, the scheduler's query that knew the job (null: not known to the
@@ -83,7 +84,7 @@ from mhf_dist.train.metrics import read_metrics
 RECENT = 10  # logged training records the means (loss, tokens/s, MFU) cover
 STALE_FLOOR_S = 600.0
 STALE_INTERVALS = 5
-COUNTERS = ("nonfinite_steps", "skipped_steps", "loss_spikes")
+COUNTERS = ("nonfinite_steps", "skipped_steps", "loss_spikes", "grad_spikes")
 DEFAULT_WATCH_S = 10.0
 STALE_HELP = (f"flag the run STALE when nothing was logged for this long (default: max({STALE_FLOOR_S / 60:g} min, "
               f"{STALE_INTERVALS} x the recent mean interval between logged steps, estimated from tokens/s))")
@@ -160,6 +161,7 @@ class RunStatus:
     nonfinite_steps: int | None = None
     skipped_steps: int | None = None
     loss_spikes: int | None = None
+    grad_spikes: int | None = None
     slurm: SlurmJob | None = None
     lock: Lock | None = None
     ranks: Ranks | None = None

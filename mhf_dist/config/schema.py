@@ -234,8 +234,17 @@ class TrainConfig(Strict):
         "a checkpoint is never saved from non-finite weights either way")
     max_nonfinite_steps: int = Field(3, ge=1, description="consecutive non-finite steps that stop the run")
     spike_factor: float | None = Field(
-        None, gt=1, description="warn (and count loss_spikes in metrics) when a step's loss exceeds this multiple of "
-        "the median of the last 50 finite losses; None: no spike detection")
+        None, gt=1, description="a loss spike: a step's loss above this multiple of the median of the last 50 "
+        "finite, unspiked losses (counted as loss_spikes in metrics; train.on_spike says what is done); None: the "
+        "loss is not watched for spikes")
+    grad_spike_factor: float | None = Field(
+        None, gt=1, description="a gradient spike: a step's global gradient norm above this multiple of the median "
+        "of the last 50 unspiked norms (counted as grad_spikes); None: the norm is not watched for spikes")
+    on_spike: Literal["warn", "skip"] = Field(
+        "warn", description="a loss or gradient spike (train.spike_factor, train.grad_spike_factor): warn only, or "
+        "skip: the step applies no update (weights, optimizer moments and Adam's step count stay as they were, "
+        "a step with a non-finite loss or norm too), while the learning-rate schedule and the data move on; "
+        "counted in skipped_steps. Needs spike_factor or grad_spike_factor, and ZeRO (stage 1-3) for the norm")
     stop_at_step: int | None = Field(
         None, ge=1, description="save and end at this step; the LR schedule still follows max_steps"
     )
@@ -289,6 +298,9 @@ class TrainConfig(Strict):
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}; make it one"
             )
+        if self.on_spike == "skip" and self.spike_factor is None and self.grad_spike_factor is None:
+            raise ValueError("train.on_spike=skip with neither train.spike_factor nor train.grad_spike_factor: "
+                             "nothing is a spike; set one of them (e.g. train.spike_factor=3)")
         if self.trainable_blocks is not None and self.init_from is None:
             raise ValueError("train.trainable_blocks freezes most of the backbone, which only makes sense for "
                              "trained weights: set train.init_from too (expand-vocab does)")
@@ -349,6 +361,10 @@ class RunConfig(Strict):
             raise ConfigError(
                 f"model.engram.offload with {source}: the host tables' gradient norm joins the clipping norm of "
                 "DeepSpeed's ZeRO optimizer; use parallel.zero_stage 1, 2 or 3")
+        if stage == 0 and self.train.on_spike == "skip":
+            raise ConfigError(
+                f"train.on_spike=skip with {source}: a step is left out inside DeepSpeed's ZeRO optimizer, once it "
+                "has the step's gradient norm; use parallel.zero_stage 1, 2 or 3")
         if self.parallel.pp > 1 and stage >= 2:
             raise ConfigError(
                 f"{source} with parallel.pp={self.parallel.pp}: DeepSpeed's pipeline engine refuses ZeRO-2/3; "

@@ -68,11 +68,16 @@ class ScalarCollectives:
         """Element-wise mean over the ranks of ``group``, left on the communication device (float64)."""
         return self.sum_tensor(values, group).div_(dist.get_world_size(group))
 
+    def max_tensor(self, values: torch.Tensor | Sequence[float], group=None) -> torch.Tensor:
+        """Element-wise maximum over the ranks of ``group`` (default: all), left on the communication device
+        (float64)."""
+        t = self._tensor(values)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t
+
     def any_tensor(self, *flags: bool) -> torch.Tensor:
         """Each flag raised on any rank (1.0, else 0.0), left on the communication device (float64)."""
-        t = self._tensor([float(f) for f in flags])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t
+        return self.max_tensor([float(f) for f in flags])
 
     def read(self, *parts: torch.Tensor) -> list[float]:
         """The elements of ``parts`` (tensors anywhere, e.g. the results above and device scalars), in order, as

@@ -1,4 +1,5 @@
-"""Watching the loss for divergence: non-finite steps and spikes (``train.on_nonfinite``, ``train.spike_factor``).
+"""Watching the loss for divergence: non-finite steps and spikes (``train.on_nonfinite``, ``train.spike_factor``,
+``train.grad_spike_factor``, ``train.on_spike``).
 
 The logged loss and gradient norm are global (averaged over the data-parallel
 ranks, norm over every shard), so every rank reaches the same verdict at the
@@ -6,6 +7,14 @@ same step without another collective. A run whose loss stays non-finite for
 ``train.max_nonfinite_steps`` steps stops with :class:`TrainingDiverged`
 (exit 2) instead of training on and saving NaN weights; the checkpoint it can
 resume from is the newest one, which was saved while the loss was finite.
+
+A spike is a loss (or gradient norm) above its factor times the median of the
+last :data:`SPIKE_WINDOW` finite, unspiked ones (once :data:`MIN_WINDOW` are
+known). Under ``on_spike=skip`` the limits of the next step (:meth:`LossWatch.limits`)
+go to the trainer, which leaves a step past them out on the device, before its
+update; the watch then counts what the trainer reports. Its window and counts
+are saved in checkpoints, so a resumed run judges its steps as the run it
+continues would have.
 """
 
 from __future__ import annotations
@@ -14,10 +23,12 @@ import math
 import statistics
 from collections import deque
 
+from mhf_dist.backend import SpikeLimits
 from mhf_dist.config import TrainConfig
 from mhf_dist.errors import MhfError
 
-SPIKE_WINDOW = 50  # finite losses the spike test compares against
+SPIKE_WINDOW = 50  # finite, unspiked values the spike test compares against
+MIN_WINDOW = 5  # values known before the test starts
 
 
 class TrainingDiverged(MhfError, RuntimeError):
@@ -25,33 +36,65 @@ class TrainingDiverged(MhfError, RuntimeError):
 
 
 class LossWatch:
-    """Counts non-finite steps and loss spikes, one :meth:`observe` per optimizer step."""
+    """Counts non-finite steps, spikes and steps left out, one :meth:`observe` per optimizer step."""
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.streak: list[int] = []  # steps of the current run of non-finite steps
-        self.nonfinite_steps = self.loss_spikes = 0
+        self.nonfinite_steps = self.loss_spikes = self.grad_spikes = self.skipped = 0
         self.recent: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self.recent_norms: deque[float] = deque(maxlen=SPIKE_WINDOW)
 
     @staticmethod
     def finite(loss: float, grad_norm: float | None) -> bool:
         return math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
 
-    def observe(self, step: int, loss: float, grad_norm: float | None) -> list[str]:
-        """Record ``step``'s loss; returns warnings to log."""
+    @staticmethod
+    def _limit(factor: float | None, window: deque[float]) -> float:
+        return factor * statistics.median(window) if factor is not None and len(window) >= MIN_WINDOW else math.inf
+
+    def limits(self) -> SpikeLimits:
+        """The loss and gradient norm the next step may reach without being a spike."""
+        return SpikeLimits(self._limit(self.cfg.spike_factor, self.recent),
+                           self._limit(self.cfg.grad_spike_factor, self.recent_norms))
+
+    def observe(self, step: int, loss: float, grad_norm: float | None, skipped: bool = False) -> list[str]:
+        """Record ``step``'s loss and norm (``skipped``: the trainer left the step out); returns warnings to log."""
+        left_out = "; the step applied no update (train.on_spike=skip)" if skipped else ""
+        self.skipped += skipped
         if not self.finite(loss, grad_norm):
             self.nonfinite_steps += 1
             self.streak.append(step)
-            return [f"step {step}: loss {loss:.4g}, gradient norm {grad_norm} (not finite)"]
+            return [f"step {step}: loss {loss:.4g}, gradient norm {grad_norm} (not finite){left_out}"]
         self.streak = []
-        spike = (self.cfg.spike_factor is not None and len(self.recent) >= 5
-                 and loss > self.cfg.spike_factor * statistics.median(self.recent))
-        if spike:
+        limits, warnings = self.limits(), []
+        if loss > limits.loss:
             self.loss_spikes += 1
-            return [f"step {step}: loss spike {loss:.4g} > {self.cfg.spike_factor:g} x median of the last "
-                    f"{len(self.recent)} ({statistics.median(self.recent):.4g})"]
-        self.recent.append(loss)
-        return []
+            warnings.append(f"step {step}: loss spike {loss:.4g} > {self.cfg.spike_factor:g} x median of the last "
+                            f"{len(self.recent)} ({statistics.median(self.recent):.4g}){left_out}")
+        if grad_norm is not None and grad_norm > limits.grad_norm:
+            self.grad_spikes += 1
+            warnings.append(f"step {step}: gradient spike {grad_norm:.4g} > {self.cfg.grad_spike_factor:g} x median "
+                            f"of the last {len(self.recent_norms)} ({statistics.median(self.recent_norms):.4g})"
+                            f"{left_out}")
+        if not warnings:
+            self.recent.append(loss)
+            if grad_norm is not None:
+                self.recent_norms.append(grad_norm)
+        return warnings
+
+    def state_dict(self) -> dict:
+        """The window and counts, for a checkpoint."""
+        return {"recent": list(self.recent), "recent_norms": list(self.recent_norms), "streak": self.streak,
+                "nonfinite_steps": self.nonfinite_steps, "loss_spikes": self.loss_spikes,
+                "grad_spikes": self.grad_spikes, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.recent.extend(state["recent"])
+        self.recent_norms.extend(state["recent_norms"])
+        self.streak = list(state["streak"])
+        self.nonfinite_steps, self.loss_spikes = state["nonfinite_steps"], state["loss_spikes"]
+        self.grad_spikes, self.skipped = state["grad_spikes"], state["skipped"]
 
     def stop_if_diverged(self) -> None:
         """Under ``on_nonfinite=stop``: raise :class:`TrainingDiverged` once the streak is long enough."""

@@ -9,6 +9,8 @@ for the ranks it starts. Nothing here acts unless its variable is set: a run nev
 - :data:`DISK_BYTES_ENV`: the capacity, in bytes, of a simulated filesystem holding the checkpoints; writes fail
   once the checkpoints fill it.
 - :data:`SLOW_RANK_ENV`: ``RANK:FRACTION``: that rank computes ``FRACTION`` more in each step (a straggler).
+- :data:`LOSS_SPIKE_ENV`: ``STEP:FACTOR[,STEP:FACTOR...]``: those steps' loss, and so their gradients, multiplied by
+  ``FACTOR`` on every rank (a loss spike).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ CONVERT_PAUSE_ENV = "MHF_DIST_TEST_CONVERT_PAUSE"
 SAVE_FAIL_ENV = "MHF_DIST_TEST_SAVE_FAIL_RANK"
 DISK_BYTES_ENV = "MHF_DIST_TEST_DISK_BYTES"
 SLOW_RANK_ENV = "MHF_DIST_TEST_SLOW_RANK"
+LOSS_SPIKE_ENV = "MHF_DIST_TEST_LOSS_SPIKE"
 
 
 def _pause(variable: str) -> None:
@@ -67,3 +70,9 @@ def slow_step(rank: int, compute_s: float) -> None:
         until = time.thread_time() + float(fraction) * compute_s
         while time.thread_time() < until:
             pass
+
+
+def loss_scale(step: int) -> float:
+    """What step ``step``'s loss is multiplied by: its factor in :data:`LOSS_SPIKE_ENV`, else 1."""
+    spikes = dict(item.split(":") for item in os.environ.get(LOSS_SPIKE_ENV, "").split(",") if item)
+    return float(spikes.get(str(step), 1.0))

@@ -68,7 +68,7 @@ from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
 from mhf_dist.train.checkpoint.index import read_marker
 from mhf_dist.train.console import step_line
 from mhf_dist.train.divergence import LossWatch
-from mhf_dist.train.fault_injection import slow_step
+from mhf_dist.train.fault_injection import loss_scale, slow_step
 from mhf_dist.train.host_tables import host_tables_factory
 from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.optim import (
@@ -202,6 +202,7 @@ class TrainingLoop:
         self.cfg, self.stop, self.verbose = cfg, stop, verbose
         self.result = TrainResult()
         self.data_restarted = False  # data.restart dropped the checkpoint's data position (:meth:`_continue_data`)
+        self.watched: dict | None = None  # the resumed checkpoint's loss watch
 
     # ------------------------------------------------------------------ set-up
     def setup(self, run_dir: str | Path, resume: str) -> bool:
@@ -328,6 +329,7 @@ class TrainingLoop:
             if self.rank == 0:
                 tqdm.write(f"changed on resume, from step {start + 1}: {change}")
         self.data_restarted = self._continue_data(client["reader"], start)
+        self.watched = client.get("loss_watch")  # absent from checkpoints saved before the watch was kept
         if self.rank == 0:
             tqdm.write(f"resumed from {resuming.asked} at step {start}"
                        + (" (converted to this layout)" if resuming.universal else ""))
@@ -366,6 +368,8 @@ class TrainingLoop:
             for line in describe(cfg.data.sources, self.reader.readers, samples, samples * cfg.data.seq_len):
                 tqdm.write(line)
         self.clock, self.watch = SaveClock(t.checkpoint_minutes), LossWatch(t)
+        if self.watched is not None:
+            self.watch.load_state_dict(self.watched)
         self.step_times: deque[float] = deque(maxlen=20)  # the recent steps' seconds, for the ETA
         self.watchdog = Watchdog(self.run_dir, self.rank, t.hang_timeout_s, t.peer_timeout_s).start()
         self.stragglers = StragglerWatch(self.run_dir, self.rank, self.world, self.groups.pp_rank,
@@ -401,15 +405,18 @@ class TrainingLoop:
         return self.result
 
     def step(self, step: int) -> Stepped:
-        """One optimizer step, timed, and its loss shown to the divergence watch."""
+        """One optimizer step, timed, and its loss shown to the divergence watch (under ``train.on_spike=skip``,
+        with the limits past which it applies no update)."""
         lr = self.trainer.lr
         began, compute = time.perf_counter(), self.stragglers.clock()
-        stats = self.trainer.train_step(self.reader, lambda: (self.stop.received, self.clock.due))  # read with it
+        limits = self.watch.limits() if self.cfg.train.on_spike == "skip" else None
+        stats = self.trainer.train_step(self.reader, lambda: (self.stop.received, self.clock.due),  # read with it
+                                        limits, loss_scale(step))
         slow_step(self.rank, self.stragglers.clock() - compute)
         self.stragglers.add(self.stragglers.clock() - compute)
         seconds = time.perf_counter() - began
         self.step_times.append(seconds)
-        for warning in self.watch.observe(step, stats.loss, stats.grad_norm):
+        for warning in self.watch.observe(step, stats.loss, stats.grad_norm, stats.skipped):
             if self.rank == 0:
                 tqdm.write(f"warning: {warning}")
         return Stepped(stats, lr, seconds)
@@ -429,9 +436,10 @@ class TrainingLoop:
             "tokens_per_s": tokens_per_s, "step_s": stepped.seconds,
             "tflops": tokens_per_s * self.flops_per_token / 1e12,
             "mfu": tokens_per_s * self.flops_per_token / self.peak, "memory_gb": memory_gb(self.device),
-            "nonfinite_steps": watch.nonfinite_steps, "skipped_steps": self.trainer.skipped_steps,
+            "nonfinite_steps": watch.nonfinite_steps, "skipped_steps": self.trainer.skipped_steps + watch.skipped,
         } | ({"grad_norm": stats.grad_norm} if stats.grad_norm is not None else {}) | (
             {"loss_spikes": watch.loss_spikes} if self.cfg.train.spike_factor is not None else {}) | (
+            {"grad_spikes": watch.grad_spikes} if self.cfg.train.grad_spike_factor is not None else {}) | (
             {"p_inf_loss": stats.p_inf_loss} if stats.p_inf_loss is not None else {}) | (
             {"source_tokens": {name: n * self.cfg.data.seq_len for name, n in self.reader.consumed().items()}}
             if self.cfg.data.sources else {})
@@ -481,8 +489,8 @@ class TrainingLoop:
                            f"the newest checkpoint, {self.checkpointer.latest()}, stays the one to resume from")
             return
         self.watchdog.mark(step, "save")
-        saved = self.checkpointer.save(self.trainer, step, step * self.tokens_per_step,
-                                       self.reader.state_dict(), reason, statistics.median(self.step_times))
+        saved = self.checkpointer.save(self.trainer, step, step * self.tokens_per_step, self.reader.state_dict(),
+                                       reason, statistics.median(self.step_times), self.watch.state_dict())
         self.clock.reset()
         if self.result.preempted:
             self.result.saved = saved

@@ -87,11 +87,27 @@ def _order(key: GroupKey) -> tuple:
     return key[1], not key[0]  # the default two first, matrices before the rest
 
 
+def skippable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``optimizer`` (torch's fused AdamW) made able to leave a step out without the host waiting for the device:
+    its ``skip_if``, when set, returns a device scalar at the step, 1.0 to apply no update (weights, moments and
+    step counts stay as they were, bit for bit), 0.0 to apply it. It becomes the fused kernel's ``found_inf``, as
+    torch's AMP grad scaler leaves out a step with an overflow, through a step pre-hook (the optimizer keeps its
+    class: DeepSpeed's ZeRO takes the optimizers it knows by their exact type). A ZeRO optimizer calls the step once
+    per parameter group or sub-group."""
+    optimizer.skip_if = None
+
+    def before_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
+        opt.found_inf = None if opt.skip_if is None else opt.skip_if().float()  # the kernel takes float32
+
+    optimizer.register_step_pre_hook(before_step)
+    return optimizer
+
+
 def build_optimizer(named: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimizerConfig, max_steps: int,
                     ndim: Callable[[torch.nn.Parameter], int] = torch.Tensor.dim):
     """``(AdamW, LambdaLR)`` for the trainable parameters of ``named`` (``(name in LanguageModel naming,
     parameter)``); ``ndim`` gives a parameter's dimensions (the backend's, where it has replaced parameters by flat
-    partitions). The optimizer's ``group_keys`` name each param group's :data:`GroupKey`."""
+    partitions). The optimizer's ``group_keys`` name each param group's :data:`GroupKey`; it is :func:`skippable`."""
     members: dict[GroupKey, list[torch.nn.Parameter]] = {key: [] for key in DEFAULT_KEYS}
     for name, p in named:
         if p.requires_grad:
@@ -102,7 +118,7 @@ def build_optimizer(named: Iterable[tuple[str, torch.nn.Parameter]], cfg: Optimi
         scale, decay = group_settings(key, cfg)
         groups.append({"params": members[key], "lr": cfg.lr * scale, "weight_decay": decay})
     # the fused kernel (one pass over each parameter on CPU and GPU) steps 100m 4-5x faster on CPU than foreach
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
+    optimizer = skippable(torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True))
     optimizer.group_keys = keys
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, max_steps))
     return optimizer, scheduler

@@ -82,10 +82,13 @@ class PipelineLoss:
         self.vocab: TiedVocabulary | None = None  # the last stage's, once the stage has made it
         self.outputs: list[TrainingLoss | Evaluation] = []
         self._temperatures: torch.Tensor | None = None  # evaluating at these
+        self.loss_scale = 1.0  # a training loss is multiplied by it (the trainer's ``loss_scale``)
 
     def __call__(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self._temperatures is None:
             out = self.vocab.loss(h, targets)
+            if self.loss_scale != 1.0:
+                out = out._replace(loss=out.loss * self.loss_scale)
         else:
             out = self.vocab.evaluation(h, targets, self._temperatures)
         self.outputs.append(out)

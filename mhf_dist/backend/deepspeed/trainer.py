@@ -39,6 +39,7 @@ from mhf_dist.backend import (
     HostTableFactory,
     HostTableStep,
     OptimizerFactory,
+    SpikeLimits,
     StepStats,
     Trainer,
     TrainingFlags,
@@ -58,20 +59,47 @@ from mhf_dist.parallel.layout import Layout
 from mhf_dist.parallel.scalars import ScalarCollectives
 
 
-def read_step(scalars: ScalarCollectives, stats: torch.Tensor, engine, flags: TrainingFlags | None
-              ) -> tuple[list[float], float | None, list[bool] | None]:
-    """``(stats, grad norm, flags agreed over all ranks)`` in one host transfer: ``stats`` (already reduced, on the
-    device), the engine's global gradient norm (a device scalar under ZeRO; a Python number after an overflow) and
-    ``flags()`` (all-reduced with MAX on the device)."""
+class SpikeVerdict:
+    """Whether a step is left out under ``limits``, as the torch optimizer's ``skip_if``: decided when the ZeRO
+    optimizer first calls it in the step (it has the step's global gradient norm by then) from ``loss()`` (the
+    step's global mean loss, on the device) and that norm, agreed over all ranks (a MAX), on the device: 1.0 to
+    leave the step out. An overflow that DeepSpeed skips itself never asks (:attr:`value` stays None)."""
+
+    def __init__(self, limits: SpikeLimits, loss: Callable[[], torch.Tensor], zero_optimizer,
+                 scalars: ScalarCollectives):
+        self.limits, self.loss, self.zero_optimizer, self.scalars = limits, loss, zero_optimizer, scalars
+        self.value: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        if self.value is None:
+            loss = self.loss().double()
+            over = ~(loss <= self.limits.loss)  # NaN is past any limit
+            norm = self.zero_optimizer._global_grad_norm  # the step's, set before the torch optimizer's step
+            if norm is not None:  # compared in float64, as the host compares the norm it reads
+                over |= ~(torch.as_tensor(norm, device=loss.device).double() <= self.limits.grad_norm)
+            self.value = self.scalars.max_tensor(over.double()).reshape(())  # a scalar, as the kernel takes it
+        return self.value
+
+
+def read_step(scalars: ScalarCollectives, stats: torch.Tensor, engine, flags: TrainingFlags | None,
+              verdict: SpikeVerdict | None = None) -> tuple[list[float], float | None, list[bool] | None, bool]:
+    """``(stats, grad norm, flags agreed over all ranks, left out)`` in one host transfer: ``stats`` (already reduced,
+    on the device), the engine's global gradient norm (a device scalar under ZeRO; a Python number after an
+    overflow), ``flags()`` (all-reduced with MAX on the device) and the step's ``verdict`` where it was asked."""
     norm = engine.get_global_grad_norm()
     parts = [stats] + ([norm] if torch.is_tensor(norm) else [])
     if flags is not None:
         parts.append(scalars.any_tensor(*flags()))
+    decided = verdict is not None and verdict.value is not None
+    if decided:
+        parts.append(verdict.value)
     values = scalars.read(*parts)
     n = stats.numel()
     grad_norm = values[n] if torch.is_tensor(norm) else None if norm is None else float(norm)
-    agreed = [bool(v) for v in values[n + torch.is_tensor(norm):]] if flags is not None else None
-    return values[:n], grad_norm, agreed
+    rest = values[n + torch.is_tensor(norm):]
+    skipped = decided and bool(rest.pop())
+    agreed = [bool(v) for v in rest] if flags is not None else None
+    return values[:n], grad_norm, agreed, skipped
 
 
 class EngineTrainer:
@@ -80,6 +108,7 @@ class EngineTrainer:
 
     engine: deepspeed.DeepSpeedEngine
     host_tables: HostTableStep | None = None
+    left_out = False  # the last step was past its spike limits
 
     @property
     def lr(self) -> float:
@@ -109,7 +138,13 @@ class EngineTrainer:
         return self.engine.gradient_clipping()
 
     def step_skipped(self) -> bool:
-        return getattr(self.engine.optimizer, "overflow", False)
+        return self.left_out or getattr(self.engine.optimizer, "overflow", False)
+
+    def _arm(self, limits: SpikeLimits | None, loss: Callable[[], torch.Tensor]) -> SpikeVerdict | None:
+        """The verdict the torch optimizer asks for in this step's update, under ``limits``."""
+        verdict = None if limits is None else SpikeVerdict(limits, loss, self.engine.optimizer, self.scalars)
+        self.optimizer.skip_if = verdict
+        return verdict
 
     def global_grad_norm(self) -> float:
         return float(self.engine.optimizer._global_grad_norm)
@@ -142,11 +177,14 @@ class DataParallelTrainer(EngineTrainer):
             self.host_tables = host_tables(model, self)
             include_in_global_norm(self.engine.optimizer, self.host_tables.host_norm_on)
 
-    def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None) -> StepStats:
+    def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None, limits: SpikeLimits | None = None,
+                   loss_scale: float = 1.0) -> StepStats:
         """One optimizer step; ``flags`` (e.g. stop and save requests) are asked for at its end and come back
-        agreed over all ranks in :attr:`StepStats.flags`, read with the step's other numbers."""
+        agreed over all ranks in :attr:`StepStats.flags`, read with the step's other numbers; past ``limits``, no
+        update (:class:`SpikeVerdict`)."""
         self.engine.train()
         losses = []
+        verdict = self._arm(limits, lambda: means[0])
         host, device = self.host_tables, self.engine.device
         pin = device.type == "cuda"  # pinned micro-batches: copies to the device that do not block the host
         batch = reader.next_batch(self.micro, pin=pin)
@@ -157,25 +195,29 @@ class DataParallelTrainer(EngineTrainer):
                 host.advance()
             on_device = batch.to(device, non_blocking=True)
             out = self.engine(on_device[:, :-1], on_device[:, 1:])
+            if loss_scale != 1.0:
+                out = out._replace(loss=out.loss * loss_scale)
             if i + 1 < self.accum:  # the next micro-batch's rows are gathered while this one computes
                 batch = reader.next_batch(self.micro, pin=pin)
                 if host:
                     host.prefetch(batch[:, :-1])
             self.engine.backward(out.loss)
-            if host and i + 1 == self.accum:
-                host.before_step()
-            self.engine.step()
             # a training forward returns a P_inf NLL only with the loss's log P_inf term (λ > 0)
             p_inf = [] if out.p_inf_nll is None else [out.p_inf_nll.detach()[None]]
             values = [out.loss.detach()[None], out.head_losses.detach(), *p_inf]
             losses.append(torch.cat([v.to(out.loss.dtype) for v in values]))
-        means = self.scalars.mean_tensor(torch.stack(losses).mean(0), self.groups.dp_group)
-        stats, grad_norm, agreed = read_step(self.scalars, means, self.engine, flags)
+            if i + 1 == self.accum:  # the step's losses, before its update (which a spike verdict reads)
+                means = self.scalars.mean_tensor(torch.stack(losses).mean(0), self.groups.dp_group)
+                if host:
+                    host.before_step()
+            self.engine.step()
+        stats, grad_norm, agreed, self.left_out = read_step(self.scalars, means, self.engine, flags, verdict)
+        self.optimizer.skip_if = None
         if host:
             host.after_step(grad_norm)
         heads = len(out.head_losses)
         return StepStats(loss=stats[0], head_losses=stats[1:1 + heads], grad_norm=grad_norm,
-                         p_inf_loss=stats[1 + heads] if p_inf else None, flags=agreed)
+                         p_inf_loss=stats[1 + heads] if p_inf else None, flags=agreed, skipped=self.left_out)
 
     @torch.no_grad()
     def evaluate(self, reader: BatchSource, batches: int) -> dict:
@@ -242,17 +284,23 @@ class PipelineTrainer(EngineTrainer):
     def _last_stage_mean(self, field: str, clear: bool = True) -> list[float]:
         return self.scalars.read(self._last_stage_means([field], clear))
 
-    def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None) -> StepStats:
+    def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None, limits: SpikeLimits | None = None,
+                   loss_scale: float = 1.0) -> StepStats:
         """As :meth:`DataParallelTrainer.train_step`: the loss, the last stage's head losses (and P_inf term), the
-        gradient norm and ``flags`` in one host transfer."""
+        gradient norm and ``flags`` in one host transfer. The update is the pipeline schedule's last instruction,
+        so a spike verdict reads the loss the last stage kept of each micro-batch."""
+        verdict = self._arm(limits, lambda: self._last_stage_means(["loss"], clear=False)[0])
+        self.loss_fn.loss_scale = loss_scale
         loss = self.engine.train_batch(data_iter=self._batches(reader, self.accum))
+        self.optimizer.skip_if = None
         fields = ["head_losses"] + (["p_inf_nll"] if self.p_inf_term else [])
         sums = self._last_stage_means(fields)
-        stats, grad_norm, agreed = read_step(self.scalars, torch.cat([loss.detach().reshape(1).to(sums), sums]),
-                                             self.engine, flags)
+        stats, grad_norm, agreed, self.left_out = read_step(
+            self.scalars, torch.cat([loss.detach().reshape(1).to(sums), sums]), self.engine, flags, verdict)
         heads = stats[1:1 + self.num_heads]
         p_inf = stats[1 + self.num_heads] if self.p_inf_term else None
-        return StepStats(loss=stats[0], head_losses=heads, grad_norm=grad_norm, p_inf_loss=p_inf, flags=agreed)
+        return StepStats(loss=stats[0], head_losses=heads, grad_norm=grad_norm, p_inf_loss=p_inf, flags=agreed,
+                         skipped=self.left_out)
 
     def _last_stage_sum(self, field: str, length: int) -> list[float]:
         """Sum over micro-batches and dp of a loss output ``[length]`` kept on the last stage, sent to every rank;

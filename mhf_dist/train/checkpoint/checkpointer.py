@@ -126,8 +126,9 @@ class Checkpointer(Lineage):
 
     # ------------------------------------------------------------------ save
     def save(self, trainer: Trainer, step: int, tokens: int, reader_state: dict, reason: str,
-             step_s: float = 0.0) -> Path:
-        """Write ``trainer``'s checkpoint ``step`` (every rank calls this); a failure on any rank raises CheckpointError
+             step_s: float = 0.0, loss_watch: dict | None = None) -> Path:
+        """Write ``trainer``'s checkpoint ``step`` (every rank calls this) with the reader's position and the loss
+        watch's window (``loss_watch``, in the client state); a failure on any rank raises CheckpointError
         on all. With ``train.checkpoint_async`` this returns once this rank's files are in host memory, and the save
         ends in the background; the save still in flight is waited for first (:meth:`wait`), so one is in flight at
         most."""
@@ -141,7 +142,7 @@ class Checkpointer(Lineage):
             "step": step, "tokens": tokens, "reader": reader_state, "config": self.cfg.model_dump(mode="json"),
             "signatures_hash": self.signatures_hash, "code_version": __version__, "layout": self.layout,
             "universal_checkpoint_info": self.universal,
-        }
+        } | ({"loss_watch": loss_watch} if loss_watch is not None else {})
         marker = None
         if self.rank == 0:
             marker = {"step": step, "tokens": tokens, "reason": reason, "model": client["config"]["model"],

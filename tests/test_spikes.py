@@ -1,0 +1,115 @@
+"""Loss and gradient spikes: detected against the recent window, and under train.on_spike=skip left out before their
+update on every layout (an injected spike: one step's loss multiplied by a large factor)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from helpers.runs import metrics, run_cli, train_args
+from mhf_dist.backend import SpikeLimits, consolidate
+from mhf_dist.config import ConfigError, TrainConfig, load_config
+from mhf_dist.train.divergence import LossWatch
+from mhf_dist.train.fault_injection import LOSS_SPIKE_ENV
+from mhf_dist.train.optim import skippable
+
+SPIKE_STEP = 7
+
+
+def test_the_watch_sets_limits_from_the_unspiked_window_and_counts_what_the_trainer_left_out():
+    watch = LossWatch(TrainConfig(spike_factor=3, grad_spike_factor=5, on_spike="skip"))
+    assert watch.limits() == SpikeLimits(math.inf, math.inf)  # fewer than five values: no limit yet
+    for step, (loss, norm) in enumerate([(10, 1), (9, 2), (8, 1), (7, 2), (6, 1)], start=1):
+        assert watch.observe(step, loss, norm) == []
+    assert watch.limits() == SpikeLimits(3 * 8, 5 * 1)
+    warnings = watch.observe(6, 30, 1, skipped=True)
+    assert warnings == ["step 6: loss spike 30 > 3 x median of the last 5 (8); the step applied no update "
+                        "(train.on_spike=skip)"]
+    assert watch.observe(7, 7, 6) == ["step 7: gradient spike 6 > 5 x median of the last 5 (1)"]
+    assert (watch.loss_spikes, watch.grad_spikes, watch.skipped) == (1, 1, 1)
+    assert watch.limits() == SpikeLimits(3 * 8, 5 * 1)  # spikes stay out of the window
+    resumed = LossWatch(watch.cfg)
+    resumed.load_state_dict(watch.state_dict())
+    assert resumed.limits() == watch.limits() and resumed.state_dict() == watch.state_dict()
+
+
+def test_a_left_out_step_changes_no_weight_moment_or_step_count():
+    p = torch.nn.Parameter(torch.randn(6))
+    optimizer = skippable(torch.optim.AdamW([p], lr=0.1, weight_decay=0.1, fused=True))
+    assert type(optimizer) is torch.optim.AdamW  # as DeepSpeed's ZeRO requires
+    p.grad = torch.randn(6)
+    optimizer.step()
+    before = p.detach().clone(), {k: v.clone() for k, v in optimizer.state[p].items()}
+    optimizer.skip_if = lambda: torch.tensor(1.0)
+    p.grad = torch.randn(6) * 1e3
+    optimizer.step()
+    assert torch.equal(p.detach(), before[0])
+    assert all(torch.equal(v, before[1][k]) for k, v in optimizer.state[p].items())
+    optimizer.skip_if = lambda: torch.tensor(0.0)
+    optimizer.step()
+    assert not torch.equal(p.detach(), before[0]) and optimizer.state[p]["step"] == 2
+
+
+def test_skip_needs_a_spike_factor_and_zero():
+    with pytest.raises(ValidationError, match="train.on_spike=skip with neither train.spike_factor nor "
+                       "train.grad_spike_factor"):
+        TrainConfig(on_spike="skip")
+    with pytest.raises(ConfigError, match="train.on_spike=skip with parallel.zero_stage=0"):
+        load_config("tiny-h4b16k", overrides=["train.on_spike=skip", "train.spike_factor=3",
+                                              "parallel.zero_stage=0"])
+
+
+def _spiked_run(run, data, monkeypatch, *overrides, on_spike="skip", steps=SPIKE_STEP + 1):
+    monkeypatch.setenv(LOSS_SPIKE_ENV, f"{SPIKE_STEP}:1000")
+    return run_cli(train_args(run, data, 2, *overrides, "train.spike_factor=3", f"train.on_spike={on_spike}",
+                              "train.checkpoint_interval=1", steps=steps))
+
+
+def _weights(run, step: int, pipeline: bool) -> dict[str, torch.Tensor]:
+    return consolidate(run / "checkpoints" / f"step-{step:08d}", pipeline)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("overrides, pipeline", [
+    ([], False), (["parallel.pp=2", "parallel.zero_stage=1"], True), (["parallel.tp=2"], False),
+    (["parallel.pp=2", "parallel.zero_stage=1", "train.dtype=bf16"], True)],
+    ids=["zero3-dp2", "pp2-zero1", "tp2-zero3", "pp2-zero1-bf16"])
+def test_a_skipped_spike_leaves_every_weight_as_it_was(tmp_path, data, monkeypatch, overrides, pipeline):
+    run = tmp_path / "run"
+    out = _spiked_run(run, data, monkeypatch, *overrides)
+    assert f"warning: step {SPIKE_STEP}: loss spike" in out and "the step applied no update" in out, out[-3000:]
+    before, after, next_step = (_weights(run, s, pipeline) for s in (SPIKE_STEP - 1, SPIKE_STEP, SPIKE_STEP + 1))
+    assert before.keys() == after.keys()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    assert any(not torch.equal(after[n], next_step[n]) for n in after)  # the run trains on after it
+    records = {r["step"]: r for r in metrics(run) if "loss" in r}
+    spike = records[SPIKE_STEP]
+    assert spike["loss"] > 100 * records[SPIKE_STEP - 1]["loss"]
+    assert (spike["skipped_steps"], spike["loss_spikes"]) == (1, 1)
+    assert records[SPIKE_STEP - 1]["skipped_steps"] == 0 and records[SPIKE_STEP + 1]["skipped_steps"] == 1
+    assert records[SPIKE_STEP + 1]["lr"] > records[SPIKE_STEP]["lr"]  # the schedule moved on (still warming up)
+
+
+@pytest.mark.multirank
+def test_warn_applies_the_spike_and_a_resumed_run_skips_it_as_the_uninterrupted_one(tmp_path, data, monkeypatch):
+    """The control: under warn the spike's update is applied. And the window of recent losses is in the checkpoint,
+    so a run resumed just before the spike leaves it out as the run it continues does."""
+    warned = tmp_path / "warn"
+    out = _spiked_run(warned, data, monkeypatch, on_spike="warn", steps=SPIKE_STEP)
+    assert f"warning: step {SPIKE_STEP}: loss spike" in out and "no update" not in out
+    before, after = (_weights(warned, s, False) for s in (SPIKE_STEP - 1, SPIKE_STEP))
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    _spiked_run(whole, data, monkeypatch)
+    _spiked_run(resumed, data, monkeypatch, f"train.stop_at_step={SPIKE_STEP - 1}")
+    _spiked_run(resumed, data, monkeypatch)
+    want = {r["step"]: r for r in metrics(whole) if "loss" in r}
+    got = {r["step"]: r for r in metrics(resumed) if "loss" in r and r["step"] >= SPIKE_STEP}
+    for step, record in got.items():
+        assert (record["loss"], record["skipped_steps"]) == (want[step]["loss"], want[step]["skipped_steps"]), step
+    assert got[SPIKE_STEP]["skipped_steps"] == 1
