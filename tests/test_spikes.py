@@ -3,7 +3,9 @@ update on every layout (an injected spike: one step's loss multiplied by a large
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from pydantic import ValidationError
 from helpers.runs import metrics, run_cli, train_args
 from mhf_dist.backend import SpikeLimits, consolidate
 from mhf_dist.config import ConfigError, TrainConfig, load_config
+from mhf_dist.data.reader import ShardReader
 from mhf_dist.train.divergence import LossWatch
 from mhf_dist.train.fault_injection import LOSS_SPIKE_ENV
 from mhf_dist.train.optim import skippable
@@ -63,7 +66,7 @@ def test_skip_needs_a_spike_factor_and_zero():
 
 
 def _spiked_run(run, data, monkeypatch, *overrides, on_spike="skip", steps=SPIKE_STEP + 1):
-    monkeypatch.setenv(LOSS_SPIKE_ENV, f"{SPIKE_STEP}:1000")
+    monkeypatch.setenv(LOSS_SPIKE_ENV, f"{(SPIKE_STEP - 1) * 8}:1000")  # a sample of the step's batch of 8
     return run_cli(train_args(run, data, 2, *overrides, "train.spike_factor=3", f"train.on_spike={on_spike}",
                               "train.checkpoint_interval=1", steps=steps))
 
@@ -113,3 +116,64 @@ def test_warn_applies_the_spike_and_a_resumed_run_skips_it_as_the_uninterrupted_
     for step, record in got.items():
         assert (record["loss"], record["skipped_steps"]) == (want[step]["loss"], want[step]["skipped_steps"]), step
     assert got[SPIKE_STEP]["skipped_steps"] == 1
+
+
+def _batches(data, dp: int, count: int, skipped=(), state=None) -> tuple[list[set[bytes]], dict]:
+    """``count`` global batches of 8 read by ``dp`` ranks' readers (each batch as the set of its samples), and the
+    state after them."""
+    readers = [ShardReader(data["shards"], dp_rank=r, dp_size=dp, skipped=skipped) for r in range(dp)]
+    for reader in readers:
+        if state is not None:
+            reader.load_state_dict(state)
+    batches = [{row.tobytes() for reader in readers for row in reader.next_rows(8 // dp)} for _ in range(count)]
+    state = readers[0].state_dict()
+    for reader in readers:
+        reader.close()
+    return batches, state
+
+
+def test_a_skipped_range_is_never_read_on_any_rank_count_nor_after_a_resume(data):
+    plain, _ = _batches(data, 1, 8)
+    for dp in (1, 2, 4):
+        batches, state = _batches(data, dp, 2, skipped=[(16, 32), (48, 56)])
+        assert batches == plain[:2] and state["position"] == 32, dp  # the next unread: past the range
+        later, _ = _batches(data, dp, 3, skipped=[(16, 32), (48, 56)], state=state)
+        assert later == [plain[4], plain[5], plain[7]], dp
+    resumed, _ = _batches(data, 2, 2, skipped=[(16, 32)], state={**state, "position": 16})  # a checkpoint's position
+    assert resumed == plain[4:6]
+
+
+@pytest.mark.multirank
+def test_a_rollback_skips_the_spiking_data_and_matches_a_resume_by_hand(tmp_path, data, monkeypatch):
+    """Spikes come with two batches' data (those of steps 7 and 9 of an unskipped run). The first rolls the run back
+    to its step-6 checkpoint (train.spike_patience=1) and skips that data; the run trains on, reading on past it, and
+    meets the second at step 9, past train.max_rollbacks=1: it stops, naming the spike and the checkpoint to resume
+    from. A copy of the run resumed by hand from step 6 with the same record reads the same data and meets the same
+    numbers and stop."""
+    monkeypatch.setenv(LOSS_SPIKE_ENV, "48:1000,72:1000")
+    run = tmp_path / "run"
+
+    def args(path):
+        return train_args(path, data, 2, "train.spike_factor=3", "train.on_spike=rollback", "train.spike_patience=1",
+                          "train.max_rollbacks=1", "train.checkpoint_interval=2", steps=10)
+
+    out = run_cli(args(run), expect_rc=2)
+    back_to = run / "checkpoints" / "step-00000006"
+    assert (f"rollback 1/1: 1 spike within the last 50 steps (step 7); back to {back_to} (step 6); the data read "
+            "since it (global samples 48-55) is skipped") in out, out[-3000:]
+    record = json.loads((run / "rollbacks.json").read_text())
+    assert [(r["step"], r["spikes"], r["checkpoint"], r["skipped"]) for r in record] == [
+        (7, [7], "step-00000006", [48, 56])]
+    stop = ("1 spike within the last 50 steps (step 9), and the run made its 1 rollback(s) (train.max_rollbacks; "
+            f"{run / 'rollbacks.json'}); stopped without saving step 9. Resume from {run / 'checkpoints'}")
+    assert stop in out and "step-00000008 with a lower optimizer.lr" in out
+    rolled = {r["step"]: r for r in metrics(run) if "loss" in r}
+    assert sorted(rolled) == list(range(1, 10)) and rolled[7]["loss"] < 10 * rolled[6]["loss"]
+
+    hand = tmp_path / "hand"
+    shutil.copytree(run, hand, ignore=shutil.ignore_patterns("metrics.jsonl", "tensorboard", "heartbeats"))
+    again = run_cli(args(hand) + ["--resume", str(hand / "checkpoints" / "step-00000006")], expect_rc=2)
+    assert "back to" not in again and "(step 9), and the run made its 1 rollback(s)" in again
+    by_hand = {r["step"]: r for r in metrics(hand) if "loss" in r}
+    for step in (7, 8, 9):
+        assert (by_hand[step]["loss"], by_hand[step]["grad_norm"]) == (rolled[step]["loss"], rolled[step]["grad_norm"])

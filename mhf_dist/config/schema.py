@@ -240,11 +240,20 @@ class TrainConfig(Strict):
     grad_spike_factor: float | None = Field(
         None, gt=1, description="a gradient spike: a step's global gradient norm above this multiple of the median "
         "of the last 50 unspiked norms (counted as grad_spikes); None: the norm is not watched for spikes")
-    on_spike: Literal["warn", "skip"] = Field(
-        "warn", description="a loss or gradient spike (train.spike_factor, train.grad_spike_factor): warn only, or "
+    on_spike: Literal["warn", "skip", "rollback"] = Field(
+        "warn", description="a loss or gradient spike (train.spike_factor, train.grad_spike_factor): warn only; "
         "skip: the step applies no update (weights, optimizer moments and Adam's step count stay as they were, "
         "a step with a non-finite loss or norm too), while the learning-rate schedule and the data move on; "
-        "counted in skipped_steps. Needs spike_factor or grad_spike_factor, and ZeRO (stage 1-3) for the norm")
+        "counted in skipped_steps; rollback: skip, and once train.spike_patience spikes fell within the last 50 "
+        "steps, go back to the newest checkpoint saved before the first of them and skip the data read since it "
+        "(recorded in RUN/rollbacks.json), at most train.max_rollbacks times. Needs spike_factor or "
+        "grad_spike_factor, and ZeRO (stage 1-3) for the norm")
+    spike_patience: int = Field(
+        3, ge=1, description="train.on_spike=rollback: spikes within the last 50 steps that roll the run back (the "
+        "ones before are skipped)")
+    max_rollbacks: int = Field(
+        3, ge=0, description="train.on_spike=rollback: rollbacks a run may make (RUN/rollbacks.json counts them); "
+        "the next spike past them stops the run (exit 2), naming its steps and the checkpoint to resume from")
     stop_at_step: int | None = Field(
         None, ge=1, description="save and end at this step; the LR schedule still follows max_steps"
     )
@@ -298,9 +307,9 @@ class TrainConfig(Strict):
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}; make it one"
             )
-        if self.on_spike == "skip" and self.spike_factor is None and self.grad_spike_factor is None:
-            raise ValueError("train.on_spike=skip with neither train.spike_factor nor train.grad_spike_factor: "
-                             "nothing is a spike; set one of them (e.g. train.spike_factor=3)")
+        if self.on_spike != "warn" and self.spike_factor is None and self.grad_spike_factor is None:
+            raise ValueError(f"train.on_spike={self.on_spike} with neither train.spike_factor nor "
+                             "train.grad_spike_factor: nothing is a spike; set one of them (e.g. train.spike_factor=3)")
         if self.trainable_blocks is not None and self.init_from is None:
             raise ValueError("train.trainable_blocks freezes most of the backbone, which only makes sense for "
                              "trained weights: set train.init_from too (expand-vocab does)")
@@ -346,6 +355,9 @@ class RunConfig(Strict):
             raise ValueError(
                 f"model.engram.offload with parallel.tp={tp}, parallel.pp={self.parallel.pp}: host-memory tables "
                 "support tp = pp = 1 only (dp may be any); unset model.engram.offload or use tp = pp = 1")
+        if self.train.on_spike == "rollback" and self.data.sources:
+            raise ValueError("train.on_spike=rollback with data.sources: a rollback skips a range of one reader's "
+                             "global order, which a mixture does not have; use train.on_spike=skip with a mixture")
         if self.parallel.zero_stage is not None:
             self.check_zero_stage(self.parallel.zero_stage, f"parallel.zero_stage={self.parallel.zero_stage}")
         if self.parallel.pp > m.n_layers:
@@ -361,10 +373,10 @@ class RunConfig(Strict):
             raise ConfigError(
                 f"model.engram.offload with {source}: the host tables' gradient norm joins the clipping norm of "
                 "DeepSpeed's ZeRO optimizer; use parallel.zero_stage 1, 2 or 3")
-        if stage == 0 and self.train.on_spike == "skip":
+        if stage == 0 and self.train.on_spike != "warn":
             raise ConfigError(
-                f"train.on_spike=skip with {source}: a step is left out inside DeepSpeed's ZeRO optimizer, once it "
-                "has the step's gradient norm; use parallel.zero_stage 1, 2 or 3")
+                f"train.on_spike={self.train.on_spike} with {source}: a step is left out inside DeepSpeed's ZeRO "
+                "optimizer, once it has the step's gradient norm; use parallel.zero_stage 1, 2 or 3")
         if self.parallel.pp > 1 and stage >= 2:
             raise ConfigError(
                 f"{source} with parallel.pp={self.parallel.pp}: DeepSpeed's pipeline engine refuses ZeRO-2/3; "

@@ -77,6 +77,7 @@ import torch
 import webdataset as wds
 
 from mhf_dist.data.formats import FORMAT, MANIFEST, SHARD_SUFFIX, TRAIN_SPLIT, DataError
+from mhf_dist.data.skipped import Ranges, merged, past_skipped, place
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,8 @@ class ShardReader:
     ``manifest`` (a path or URL of the manifest). URLs are matched to the
     manifest's shards by name; a subset of the shards may be given.
     ``seq_len`` and ``tokenizer_fingerprint``, when given, must match the
-    manifest. ``split`` is ``"train"`` or ``"val"``. ``pipe:`` URLs run a shell
+    manifest. ``split`` is ``"train"`` or ``"val"``. ``skipped``: global position ranges
+    never read (:mod:`mhf_dist.data.skipped`). ``pipe:`` URLs run a shell
     command per shard, so they are refused unless ``allow_pipe`` (``data.allow_pipe``);
     a local directory is read through absolute paths, so its name is never taken
     for a URL scheme.
@@ -144,6 +146,7 @@ class ShardReader:
         on_bad_shard: Literal["error", "skip"] = "error",
         verify_checksums: bool = True,
         allow_pipe: bool = False,
+        skipped: Ranges = (),
     ):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
@@ -163,7 +166,8 @@ class ShardReader:
         self.fingerprint = hashlib.sha256(
             json.dumps([[s.name, s.samples, s.sha256] for s in self.shards]).encode()).hexdigest()
         self.skipped_shards = 0
-        self._base = 0  # global position where this reader's stream starts (shared by all ranks)
+        self.skipped = merged(skipped)
+        self._base = past_skipped(0, self.skipped)  # global position where this reader's stream starts (all ranks)
         self._consumed = 0  # samples returned by this rank since _base
         self._epoch_cache: tuple[int, np.ndarray, list[np.ndarray]] | None = None
         self._thread: threading.Thread | None = None
@@ -200,7 +204,7 @@ class ShardReader:
 
     def state_dict(self) -> dict:
         """The next unread global position (the same on every rank once all took equal batches); JSON-serialisable."""
-        epoch, position = divmod(self._base + self._consumed * self.dp_size, self.samples_per_epoch)
+        epoch, position = divmod(self._position(), self.samples_per_epoch)
         return {"epoch": epoch, "position": position, "seed": self.seed, "shuffle_window": self.shuffle_window,
                 "dataset": self.fingerprint}
 
@@ -219,9 +223,23 @@ class ShardReader:
             raise DataError(f"{mismatch}: resume with the shards, data seed and shuffle window of the saved run, or "
                             f"{RESTART_ADVICE}")
         self.close()
-        self._base = state["epoch"] * self.samples_per_epoch + state["position"]
+        self._base = past_skipped(state["epoch"] * self.samples_per_epoch + state["position"], self.skipped)
         self._consumed = 0
         self._error = None
+
+    def skip(self, start: int, stop: int) -> None:
+        """Never read global positions ``[start, stop)`` (a rollback's, whose stream already stands past them)."""
+        self.close()
+        self.skipped = merged([*self.skipped, (start, stop)])
+        self._base = past_skipped(self._base, self.skipped)
+
+    def _position(self) -> int:
+        """The next unread global position: past the samples all ranks took since ``_base`` and the skipped ranges
+        among them."""
+        if not self._consumed:
+            return self._base
+        last = int(place(self._base, np.array([self._consumed * self.dp_size - 1]), self.skipped)[0])
+        return past_skipped(last + 1, self.skipped)
 
     def close(self) -> None:
         """Stop the prefetch thread (``next_batch`` restarts it where the stream stands)."""
@@ -231,7 +249,7 @@ class ShardReader:
             self._thread = None
             self._stop = threading.Event()
             self._queue = queue.Queue(maxsize=1)
-        self._base += self._consumed * self.dp_size
+        self._base = self._position()
         self._consumed = 0
         self._buffer.clear()
 
@@ -243,10 +261,10 @@ class ShardReader:
 
     # ------------------------------------------------------------ producer
     def _rank_positions(self) -> Iterator[np.ndarray]:
-        """This rank's global positions from where its stream stands, increasing, in blocks."""
-        x, step = self._base + self._consumed * self.dp_size + self.dp_rank, self.dp_size * _POSITION_BLOCK
+        """This rank's global positions from where its stream stands, increasing, in blocks (past skipped ranges)."""
+        x, step = self._consumed * self.dp_size + self.dp_rank, self.dp_size * _POSITION_BLOCK
         while True:
-            yield np.arange(x, x + step, self.dp_size)
+            yield place(self._base, np.arange(x, x + step, self.dp_size), self.skipped)
             x += step
 
     def _produce(self, positions: Iterator[np.ndarray]) -> None:

@@ -18,6 +18,8 @@ Layout (:class:`RunDir`'s attributes)::
     RUN/heartbeats/        each rank's heartbeat (mhf_dist.storage.heartbeats)       heartbeats_dir
     RUN/hangs/<time>/      each live rank's stacks when the job hung                 hangs_dir
     RUN/slurm/             submitted job scripts, their logs and jobs.jsonl          jobs_dir, jobs_file
+    RUN/rollbacks.json     the rollbacks of train.on_spike=rollback and the data     rollbacks_path
+                           each skipped (mhf_dist.train.rollback)
 
 Making a run's assets (the tokenizer, tables, shards) loads the vocabulary and data stacks; naming its paths loads
 nothing, so ``status`` and ``submit`` use this class on a login node.
@@ -67,6 +69,7 @@ class RunDir:
         self.hangs_dir = self.path / "hangs"
         self.jobs_dir = self.path / JOBS_DIR
         self.jobs_file = self.jobs_dir / "jobs.jsonl"  # one line per submitted job
+        self.rollbacks_path = self.path / "rollbacks.json"
 
     def save_config(self, cfg: RunConfig) -> None:
         """``config.yaml``: the config a plain ``train --run-dir RUN`` resumes with."""

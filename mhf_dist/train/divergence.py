@@ -10,7 +10,8 @@ resume from is the newest one, which was saved while the loss was finite.
 
 A spike is a loss (or gradient norm) above its factor times the median of the
 last :data:`SPIKE_WINDOW` finite, unspiked ones (once :data:`MIN_WINDOW` are
-known). Under ``on_spike=skip`` the limits of the next step (:meth:`LossWatch.limits`)
+known). Under ``on_spike=skip`` (and ``rollback``, which also counts the recent spikes:
+:meth:`LossWatch.spikes_within`, :mod:`mhf_dist.train.rollback`) the limits of the next step (:meth:`LossWatch.limits`)
 go to the trainer, which leaves a step past them out on the device, before its
 update; the watch then counts what the trainer reports. Its window and counts
 are saved in checkpoints, so a resumed run judges its steps as the run it
@@ -44,6 +45,7 @@ class LossWatch:
         self.nonfinite_steps = self.loss_spikes = self.grad_spikes = self.skipped = 0
         self.recent: deque[float] = deque(maxlen=SPIKE_WINDOW)
         self.recent_norms: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self.spike_steps: deque[int] = deque(maxlen=SPIKE_WINDOW)  # the steps of the recent spikes
 
     @staticmethod
     def finite(loss: float, grad_norm: float | None) -> bool:
@@ -77,21 +79,29 @@ class LossWatch:
             warnings.append(f"step {step}: gradient spike {grad_norm:.4g} > {self.cfg.grad_spike_factor:g} x median "
                             f"of the last {len(self.recent_norms)} ({statistics.median(self.recent_norms):.4g})"
                             f"{left_out}")
-        if not warnings:
+        if warnings:
+            self.spike_steps.append(step)
+        else:
             self.recent.append(loss)
             if grad_norm is not None:
                 self.recent_norms.append(grad_norm)
         return warnings
 
+    def spikes_within(self, step: int) -> list[int]:
+        """The steps of the spikes among the last :data:`SPIKE_WINDOW` steps up to ``step``."""
+        return [s for s in self.spike_steps if s > step - SPIKE_WINDOW]
+
     def state_dict(self) -> dict:
         """The window and counts, for a checkpoint."""
         return {"recent": list(self.recent), "recent_norms": list(self.recent_norms), "streak": self.streak,
+                "spike_steps": list(self.spike_steps),
                 "nonfinite_steps": self.nonfinite_steps, "loss_spikes": self.loss_spikes,
                 "grad_spikes": self.grad_spikes, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict) -> None:
         self.recent.extend(state["recent"])
         self.recent_norms.extend(state["recent_norms"])
+        self.spike_steps.extend(state["spike_steps"])
         self.streak = list(state["streak"])
         self.nonfinite_steps, self.loss_spikes = state["nonfinite_steps"], state["loss_spikes"]
         self.grad_spikes, self.skipped = state["grad_spikes"], state["skipped"]

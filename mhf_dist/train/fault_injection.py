@@ -9,8 +9,9 @@ for the ranks it starts. Nothing here acts unless its variable is set: a run nev
 - :data:`DISK_BYTES_ENV`: the capacity, in bytes, of a simulated filesystem holding the checkpoints; writes fail
   once the checkpoints fill it.
 - :data:`SLOW_RANK_ENV`: ``RANK:FRACTION``: that rank computes ``FRACTION`` more in each step (a straggler).
-- :data:`LOSS_SPIKE_ENV`: ``STEP:FACTOR[,STEP:FACTOR...]``: those steps' loss, and so their gradients, multiplied by
-  ``FACTOR`` on every rank (a loss spike).
+- :data:`LOSS_SPIKE_ENV`: ``SAMPLE:FACTOR[,SAMPLE:FACTOR...]``: the loss (and so the gradients) of the step whose
+  global batch holds global sample position ``SAMPLE`` multiplied by ``FACTOR`` on every rank: a loss spike that comes
+  with its data, so a run that skips that data does not meet it again.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 SAVE_PAUSE_ENV = "MHF_DIST_TEST_SAVE_PAUSE"
@@ -72,7 +74,12 @@ def slow_step(rank: int, compute_s: float) -> None:
             pass
 
 
-def loss_scale(step: int) -> float:
-    """What step ``step``'s loss is multiplied by: its factor in :data:`LOSS_SPIKE_ENV`, else 1."""
-    spikes = dict(item.split(":") for item in os.environ.get(LOSS_SPIKE_ENV, "").split(",") if item)
-    return float(spikes.get(str(step), 1.0))
+def loss_scale(first: Callable[[], int], batch: int) -> float:
+    """What the loss of a step reading global positions ``first()`` onward (``batch`` of them) is multiplied by: the
+    factor of a sample of :data:`LOSS_SPIKE_ENV` among them, else 1 (``first`` is asked only when the variable is
+    set)."""
+    if not os.environ.get(LOSS_SPIKE_ENV):
+        return 1.0
+    start = first()
+    spikes = [item.split(":") for item in os.environ[LOSS_SPIKE_ENV].split(",")]
+    return next((float(factor) for sample, factor in spikes if start <= int(sample) < start + batch), 1.0)

@@ -67,7 +67,7 @@ from mhf_dist.storage.run_lock import RunDirLocked, RunLock
 from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
 from mhf_dist.train.checkpoint.index import read_marker
 from mhf_dist.train.console import step_line
-from mhf_dist.train.divergence import LossWatch
+from mhf_dist.train.divergence import SPIKE_WINDOW, LossWatch, TrainingDiverged
 from mhf_dist.train.fault_injection import loss_scale, slow_step
 from mhf_dist.train.host_tables import host_tables_factory
 from mhf_dist.train.metrics import MetricsLogger
@@ -80,6 +80,7 @@ from mhf_dist.train.optim import (
 from mhf_dist.train.preemption import StopSignal
 from mhf_dist.train.preflight import preflight
 from mhf_dist.train.process_group import backend_prints, init_distributed, resolve_device
+from mhf_dist.train.rollback import read_rollbacks, rollback_entry, skipped_ranges, write_rollbacks
 from mhf_dist.train.stragglers import StragglerWatch
 from mhf_dist.train.throughput import memory_gb, restart_peak_memory, total_peak_flops
 from mhf_dist.train.watchdog import Watchdog
@@ -307,7 +308,9 @@ class TrainingLoop:
             on_bad_shard=cfg.data.on_bad_shard, verify_checksums=cfg.data.verify_checksums,
             allow_pipe=cfg.data.allow_pipe,
         )
-        self.reader = open_data(cfg.data, self.shards, **self.reader_args)
+        self.rollbacks = read_rollbacks(self.run_dir)  # the data they skipped is never read
+        skipped = {"skipped": skipped_ranges(self.rollbacks)} if self.rollbacks else {}
+        self.reader = open_data(cfg.data, self.shards, **self.reader_args, **skipped)
         if cfg.data.sources:  # a mixture: each source with a validation split is evaluated on its own
             self.validation = [(s.label, s.path, s.weight) for s, r in zip(cfg.data.sources, self.reader.readers)
                                if "val" in r.manifest["splits"]]
@@ -374,25 +377,32 @@ class TrainingLoop:
         self.watchdog = Watchdog(self.run_dir, self.rank, t.hang_timeout_s, t.peer_timeout_s).start()
         self.stragglers = StragglerWatch(self.run_dir, self.rank, self.world, self.groups.pp_rank,
                                          t.straggler_factor, t.straggler_intervals, self.scalars)
-        self.progress = tqdm(range(start, self.end), desc="train", unit="step", dynamic_ncols=True, initial=start,
-                             total=t.max_steps, disable=None if self.rank == 0 else True)
+        self.start = start
+        self.progress = tqdm(desc="train", unit="step", dynamic_ncols=True, initial=start, total=t.max_steps,
+                             disable=None if self.rank == 0 else True)
 
     # ------------------------------------------------------------------ the steps
     def run(self) -> TrainResult:
         """The steps from the start to the end, or to a signal (saved, then stopped) or a divergence (raised)."""
+        step = self.start
         try:
-            for index in self.progress:
-                step = index + 1
+            while step < self.end:
+                step += 1
                 self.watchdog.mark(step, "step")
                 stepped = self.step(step)
                 record = self.measures(step, stepped)
                 record |= self.evaluate(step)
                 self.log(step, record)
                 self.watch.stop_if_diverged()
+                if (back := self.roll_back(step)) is not None:
+                    step = back
+                    continue
                 self.checkpoint(step, stepped.stats)
+                self.progress.update()
                 if self.result.preempted:
                     break
         finally:
+            self.progress.close()
             self.reader.close()
             if self.logger:
                 self.logger.close()
@@ -409,9 +419,10 @@ class TrainingLoop:
         with the limits past which it applies no update)."""
         lr = self.trainer.lr
         began, compute = time.perf_counter(), self.stragglers.clock()
-        limits = self.watch.limits() if self.cfg.train.on_spike == "skip" else None
+        limits = self.watch.limits() if self.cfg.train.on_spike != "warn" else None
+        scale = loss_scale(self._position, self.cfg.train.global_batch_size)
         stats = self.trainer.train_step(self.reader, lambda: (self.stop.received, self.clock.due),  # read with it
-                                        limits, loss_scale(step))
+                                        limits, scale)
         slow_step(self.rank, self.stragglers.clock() - compute)
         self.stragglers.add(self.stragglers.clock() - compute)
         seconds = time.perf_counter() - began
@@ -420,6 +431,54 @@ class TrainingLoop:
             if self.rank == 0:
                 tqdm.write(f"warning: {warning}")
         return Stepped(stats, lr, seconds)
+
+    def _position(self) -> int:
+        """The reader's next global position (one source's)."""
+        state = self.reader.state_dict()
+        return state["epoch"] * self.reader.samples_per_epoch + state["position"]
+
+    def roll_back(self, step: int) -> int | None:
+        """Under ``train.on_spike=rollback``, once ``train.spike_patience`` spikes fell within the last
+        :data:`SPIKE_WINDOW` steps: load the newest checkpoint saved before the first of them, skip the data read
+        since it (recorded, :mod:`mhf_dist.train.rollback`) and return its step, to train on from; None when no
+        rollback is due. Every rank decides alike (the spikes are judged on global numbers). Past
+        ``train.max_rollbacks``, or without a checkpoint before the spikes, raises :class:`TrainingDiverged`."""
+        t = self.cfg.train
+        spikes = self.watch.spikes_within(step) if t.on_spike == "rollback" else []
+        if len(spikes) < t.spike_patience:
+            return None
+        self.checkpointer.wait()  # an asynchronous save in flight becomes part of the line first
+        target = self.checkpointer.newest_before(spikes[0])
+        said = (f"{len(spikes)} spike{'s' if len(spikes) > 1 else ''} within the last {SPIKE_WINDOW} steps "
+                f"(step{'s' if len(spikes) > 1 else ''} {', '.join(map(str, spikes))})")
+        if target is None or len(self.rollbacks) >= t.max_rollbacks:
+            why = (f"no checkpoint was saved before step {spikes[0]} to roll back to" if target is None else
+                   f"the run made its {t.max_rollbacks} rollback(s) (train.max_rollbacks; "
+                   f"{self.run_dir.rollbacks_path})")
+            raise TrainingDiverged(
+                f"{said}, and {why}; stopped without saving step {step}. Resume from "
+                f"{target or self.checkpointer.latest()} with a lower optimizer.lr or a longer optimizer.warmup_steps "
+                "(changes apply on resume), or raise train.max_rollbacks")
+        skip_to = self._position()
+        self.checkpointer.continue_from(target)  # the checkpoints since it are set aside
+        client = self.checkpointer.load(self.trainer, target)
+        back = client["step"]
+        saved = client["reader"]
+        skipped = (saved["epoch"] * self.reader.samples_per_epoch + saved["position"], skip_to)
+        self.reader.skip(*skipped)
+        self.rollbacks.append(rollback_entry(step, spikes, target.name, back, skipped))
+        if self.rank == 0:
+            write_rollbacks(self.run_dir, self.rollbacks)
+            self.logger.rewind(back)
+            tqdm.write(f"rollback {len(self.rollbacks)}/{t.max_rollbacks}: {said}; back to {target} (step {back}); "
+                       f"the data read since it (global samples {skipped[0]}-{skipped[1] - 1}) is skipped, recorded "
+                       f"in {self.run_dir.rollbacks_path}")
+        self.watch = LossWatch(t)
+        if "loss_watch" in client:
+            self.watch.load_state_dict(client["loss_watch"])
+        self.progress.n = back
+        self.progress.refresh()
+        return back
 
     def measures(self, step: int, stepped: Stepped) -> dict:
         """The step's training metrics when it is logged (the first, every ``train.log_interval``-th, the last), else

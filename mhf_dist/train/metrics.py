@@ -39,17 +39,25 @@ class MetricsLogger:
     def __init__(self, run: RunDir, resume_step: int = 0, cfg: RunConfig | None = None):
         self.wandb = start_wandb(run.path, cfg) if cfg is not None else None  # first: a missing wandb fails early
         self.wandb_from = self.wandb.step if self.wandb is not None else 0
+        self.path, self.tensorboard_dir = run.metrics_path, run.tensorboard_dir
+        self.writer, self.last_step = None, 0
+        self.rewind(resume_step)
+
+    def rewind(self, step: int) -> None:
+        """Drop what was logged after ``step`` (a resume's or a rollback's checkpoint); the next record follows it."""
         from torch.utils.tensorboard import SummaryWriter  # here: reading a run's metrics (`status`) needs no torch
 
-        self.path = run.metrics_path
-        if resume_step and self.path.exists():
-            kept = [r for r in _records(self.path) if r["step"] <= resume_step]
+        if step and self.path.exists():
+            kept = [r for r in _records(self.path) if r["step"] <= step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        purge_step = resume_step + 1 if resume_step else None
-        self.writer = SummaryWriter(str(run.tensorboard_dir), purge_step=purge_step)
+        if self.writer is not None:
+            self.writer.close()
+        self.wandb_from = max(self.wandb_from, self.last_step + 1)  # W&B keeps what it was sent
+        self.writer = SummaryWriter(str(self.tensorboard_dir), purge_step=step + 1 if step else None)
 
     def log(self, step: int, values: dict) -> None:
         record = {"step": step, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), **values}
+        self.last_step = max(self.last_step, step)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         scalars = dict(_scalars(values))

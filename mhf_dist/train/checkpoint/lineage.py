@@ -121,6 +121,11 @@ class Lineage:
             log.warning("%s %s; resuming from the newest complete checkpoint, %s", self.dir / LATEST, named, found[-1])
         return found
 
+    def newest_before(self, step: int) -> Path | None:
+        """The newest complete checkpoint of this run's line saved before ``step`` (a rollback's target)."""
+        found = [p for p in self._complete_line() if checkpoint_step(p) < step]
+        return found[-1] if found else None
+
     def continue_from(self, resumed: Path) -> None:
         """Make ``resumed`` the head of this run's line of checkpoints before training continues from it: rank 0
         moves the run's newer checkpoints (an abandoned line of training, which retention and ``--resume auto``
