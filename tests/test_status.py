@@ -171,6 +171,16 @@ def test_every_validation_field_and_counter_is_shown(run, capsys):
     assert "counters   nonfinite_steps 2, skipped_steps 1, loss_spikes 3" in out
 
 
+def test_the_rollbacks_are_listed(run, capsys):
+    write_metrics(run, [record(2), record(4)])
+    rollback = {"step": 9, "spikes": [7, 9], "checkpoint": "step-00000006", "checkpoint_step": 6,
+                "skipped": [48, 72], "time": "2026-12-03T08:00:00+00:00"}
+    (run / "rollbacks.json").write_text(json.dumps([rollback]))
+    assert status_json(capsys, run)["rollbacks"] == [rollback]
+    assert ("rollback   1: at step 9 (spikes at 7, 9) back to step-00000006, global samples 48-71 skipped"
+            in status_text(capsys, run))
+
+
 def test_a_non_finite_loss_is_null_in_json_and_left_out_of_the_mean(run, capsys):
     write_metrics(run, [record(1, 8.0), record(2, 6.0), record(3, float("nan"), nonfinite_steps=1)])
     assert main(["status", str(run), "--json"]) == 0

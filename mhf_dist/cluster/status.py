@@ -44,6 +44,8 @@ null; unknown values are null). Its keys:
 - ``validation``: ``{step, val_loss, val_ppl, ...}``: every ``val_*`` field of the newest record holding any, or null
 - ``nonfinite_steps``, ``skipped_steps``, ``loss_spikes``, ``grad_spikes``: the newest logged value of each
   counter, or null
+- ``rollbacks``: the run's rollbacks (``train.on_spike=rollback``), as ``RUN/rollbacks.json`` lists them:
+  ``[{step, spikes, checkpoint, checkpoint_step, skipped, time}]`` (``skipped``: the global sample range never read)
 - ``slurm``: ``{job_id, state, restarts, source, submitted, cluster, nodes, submissions}`` or null.
   The job is the last line of ``slurm/jobs.jsonl`` (else ``lock.json``'s ``slurm_job_id``);
   ``state``/``restarts`` come from ``source``, the scheduler's query that knew the job (null: not known to the
@@ -80,6 +82,7 @@ from mhf_dist.storage.run_lock import STALE_S, RunLock, holder_gone
 from mhf_dist.train.checkpoint.index import MARKER, CheckpointError, damage, read_marker, step_directories
 from mhf_dist.train.console import duration
 from mhf_dist.train.metrics import read_metrics
+from mhf_dist.train.rollback import read_rollbacks
 
 RECENT = 10  # logged training records the means (loss, tokens/s, MFU) cover
 STALE_FLOOR_S = 600.0
@@ -162,6 +165,7 @@ class RunStatus:
     skipped_steps: int | None = None
     loss_spikes: int | None = None
     grad_spikes: int | None = None
+    rollbacks: list[dict] = field(default_factory=list)
     slurm: SlurmJob | None = None
     lock: Lock | None = None
     ranks: Ranks | None = None
@@ -323,6 +327,7 @@ def gather(run_dir: str | Path, stale_minutes: float | None = None, verify: bool
         written = run.metrics_path.stat().st_mtime
         _timing(st, recent, tokens_per_step, train.get("log_interval"), written, stale_minutes)
     st.checkpoint, st.checkpoint_check, st.damaged_checkpoints = newest_checkpoint(run, now, verify)
+    st.rollbacks = read_rollbacks(run)
     st.lock = read_lock(run, now)
     st.slurm = slurm_job(run, st.lock)
     return st
@@ -428,6 +433,10 @@ def render(st: RunStatus) -> str:
             for k, v in val.items() if k != "step")))
     if counters := [f"{k} {getattr(st, k)}" for k in COUNTERS if getattr(st, k) is not None]:
         lines.append(_line("counters", ", ".join(counters)))
+    for n, r in enumerate(st.rollbacks, start=1):
+        lines.append(_line("rollback" if n == 1 else "", f"{n}: at step {r['step']} (spikes at "
+                           f"{', '.join(map(str, r['spikes']))}) back to {r['checkpoint']}, global samples "
+                           f"{r['skipped'][0]}-{r['skipped'][1] - 1} skipped"))
     return "\n".join(lines + rank_lines(st.ranks, _line) + _job_lines(st))
 
 

@@ -52,22 +52,19 @@ from mhf_dist.data.mixture import describe, open_data
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.fused_head import use_kernels
-from mhf_dist.model.lm import LanguageModel
 from mhf_dist.model.variants import variant
-from mhf_dist.parallel.construct import FileValues, Materialiser, SeededValues, full_shapes, model_skeleton
+from mhf_dist.parallel.construct import Materialiser, SeededValues, model_skeleton
 from mhf_dist.parallel.devices import device_type
 from mhf_dist.parallel.groups import ParallelGroups
-from mhf_dist.parallel.layout import Layout
 from mhf_dist.parallel.rank0_work import on_rank0
 from mhf_dist.parallel.scalars import ScalarCollectives
-from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
 from mhf_dist.storage.heartbeats import clear_heartbeats
 from mhf_dist.storage.run_dir import RunDir, RunDirAsFound
 from mhf_dist.storage.run_lock import RunDirLocked, RunLock
-from mhf_dist.train.checkpoint import Checkpointer, CheckpointError
+from mhf_dist.train.checkpoint import Checkpointer
 from mhf_dist.train.checkpoint.index import read_marker
 from mhf_dist.train.console import step_line
-from mhf_dist.train.divergence import SPIKE_WINDOW, LossWatch, TrainingDiverged
+from mhf_dist.train.divergence import LossWatch
 from mhf_dist.train.fault_injection import loss_scale, slow_step
 from mhf_dist.train.host_tables import host_tables_factory
 from mhf_dist.train.metrics import MetricsLogger
@@ -80,7 +77,9 @@ from mhf_dist.train.optim import (
 from mhf_dist.train.preemption import StopSignal
 from mhf_dist.train.preflight import preflight
 from mhf_dist.train.process_group import backend_prints, init_distributed, resolve_device
-from mhf_dist.train.rollback import read_rollbacks, rollback_entry, skipped_ranges, write_rollbacks
+from mhf_dist.train.rollback import Rollbacks, skipped_ranges
+from mhf_dist.train.save_clock import SaveClock
+from mhf_dist.train.starting_point import ResumePoint, checkpoint_layout, init_weights_file, resume_path
 from mhf_dist.train.stragglers import StragglerWatch
 from mhf_dist.train.throughput import memory_gb, restart_peak_memory, total_peak_flops
 from mhf_dist.train.watchdog import Watchdog
@@ -102,59 +101,11 @@ def _run_assets(run: RunDir, cfg: RunConfig):
     return tokenizer, table, compression, run.ensure_shards(cfg)
 
 
-class SaveClock:
-    """``train.checkpoint_minutes``: a save is due once that long passed since the last one (or the start); the
-    ranks agree on it each step, so a slow clock on one rank cannot split the job."""
-
-    def __init__(self, minutes: float | None):
-        self.seconds = None if minutes is None else minutes * 60
-        self.reset()
-
-    def reset(self) -> None:
-        self.since = time.monotonic()
-
-    @property
-    def due(self) -> bool:
-        return self.seconds is not None and time.monotonic() - self.since >= self.seconds
-
-
 @dataclass
 class TrainResult:
     records: list[dict] = field(default_factory=list)  # what rank 0 logged in this process
     preempted: bool = False  # stopped on a signal after saving
     saved: Path | None = None  # the checkpoint saved on that signal
-
-
-def checkpoint_layout(cfg: RunConfig, layout: Layout, vocab_rows: int) -> dict:
-    """The layout a checkpoint records, and a resume compares to load it as it is: tp, pp, dp and, with a pipeline,
-    its cut (layers per stage), which also follows from the model and the sequence length: a checkpoint of another
-    cut holds other layers' optimizer state in each stage's files, so it loads through a conversion."""
-    recorded = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
-    if layout.pp > 1:
-        recorded["stages"] = pipeline_bounds(layer_costs(cfg.model, cfg.data.seq_len, vocab_rows), layout.pp)
-    return recorded
-
-
-def _resume_path(resume: str, checkpointer: Checkpointer) -> Path | None:
-    if resume == "auto":
-        return checkpointer.resumable()
-    if resume == "none":
-        if checkpointer.latest() is not None:
-            raise CheckpointError(f"{checkpointer.dir} holds checkpoints; resume (--resume auto) or use a new run dir")
-        return None
-    return Path(resume)
-
-
-def init_weights_file(path: Path, model: LanguageModel, tp: int) -> FileValues:
-    """``train.init_from``: every parameter from a full state dict (our names), each rank reading its shards."""
-    if not path.is_file():
-        raise CheckpointError(f"train.init_from: {path} does not exist; point it at a model.safetensors "
-                              "(mhf-dist export, import-hf or expand-vocab write one)")
-    try:
-        return FileValues(path, full_shapes(model, tp))
-    except Exception as e:  # truncated file, or weights of another architecture
-        raise CheckpointError(f"train.init_from: {path} cannot initialise this model ({e}); "
-                              "use weights exported from a run with the same model config") from e
 
 
 def take_lock(run: RunDir, rank: int, scalars: ScalarCollectives) -> None:
@@ -177,14 +128,6 @@ def weights_finite(trainer: Trainer, scalars: ScalarCollectives) -> bool:
     """Whether every rank's parameters (its ZeRO-3 partition, or its whole stage) hold only finite values."""
     bad = any(not torch.isfinite(p).all() for p in trainer.local_parameters())
     return not scalars.any(bad)[0]
-
-
-class ResumePoint(NamedTuple):
-    """The checkpoint a run resumes from."""
-
-    asked: Path  # the checkpoint named by --resume (or the newest, under auto)
-    load: Path  # what is loaded: that checkpoint, or its conversion to this layout
-    universal: bool  # converted to this layout
 
 
 class Stepped(NamedTuple):
@@ -275,7 +218,7 @@ class TrainingLoop:
         if self.rank == 0 and cfg.optimizer.groups:  # the default two groups go unsaid
             tqdm.write(line + (f" (per tensor-parallel rank of {groups.tp})" if groups.tp > 1 else ""))
         resuming, zero3 = None, partitions_parameters(self.ds_config, layout)
-        if (path := _resume_path(resume, self.checkpointer)) is not None:
+        if (path := resume_path(resume, self.checkpointer)) is not None:
             resuming = ResumePoint(path, *self.checkpointer.for_this_layout(path, zero3))
             check_resumed_groups(read_marker(path).get("config", {}).get("optimizer", {}), cfg.optimizer)
             self.checkpointer.continue_from(path)  # newer checkpoints (an abandoned line) are set aside
@@ -308,8 +251,8 @@ class TrainingLoop:
             on_bad_shard=cfg.data.on_bad_shard, verify_checksums=cfg.data.verify_checksums,
             allow_pipe=cfg.data.allow_pipe,
         )
-        self.rollbacks = read_rollbacks(self.run_dir)  # the data they skipped is never read
-        skipped = {"skipped": skipped_ranges(self.rollbacks)} if self.rollbacks else {}
+        self.rollbacks = Rollbacks(self.run_dir, cfg.train, self.rank)  # the data they skipped is never read
+        skipped = {"skipped": skipped_ranges(self.rollbacks.done)} if self.rollbacks.done else {}
         self.reader = open_data(cfg.data, self.shards, **self.reader_args, **skipped)
         if cfg.data.sources:  # a mixture: each source with a validation split is evaluated on its own
             self.validation = [(s.label, s.path, s.weight) for s, r in zip(cfg.data.sources, self.reader.readers)
@@ -438,42 +381,18 @@ class TrainingLoop:
         return state["epoch"] * self.reader.samples_per_epoch + state["position"]
 
     def roll_back(self, step: int) -> int | None:
-        """Under ``train.on_spike=rollback``, once ``train.spike_patience`` spikes fell within the last
-        :data:`SPIKE_WINDOW` steps: load the newest checkpoint saved before the first of them, skip the data read
-        since it (recorded, :mod:`mhf_dist.train.rollback`) and return its step, to train on from; None when no
-        rollback is due. Every rank decides alike (the spikes are judged on global numbers). Past
-        ``train.max_rollbacks``, or without a checkpoint before the spikes, raises :class:`TrainingDiverged`."""
-        t = self.cfg.train
-        spikes = self.watch.spikes_within(step) if t.on_spike == "rollback" else []
-        if len(spikes) < t.spike_patience:
+        """Under ``train.on_spike=rollback``, once a rollback is due (:class:`Rollbacks`): back to the checkpoint before
+        the spikes, with the loss watch, the metrics and the progress as they were there; returns its step, to train
+        on from (None: no rollback)."""
+        spikes = self.watch.spikes_within(step)
+        if not self.rollbacks.due(spikes):
             return None
-        self.checkpointer.wait()  # an asynchronous save in flight becomes part of the line first
-        target = self.checkpointer.newest_before(spikes[0])
-        said = (f"{len(spikes)} spike{'s' if len(spikes) > 1 else ''} within the last {SPIKE_WINDOW} steps "
-                f"(step{'s' if len(spikes) > 1 else ''} {', '.join(map(str, spikes))})")
-        if target is None or len(self.rollbacks) >= t.max_rollbacks:
-            why = (f"no checkpoint was saved before step {spikes[0]} to roll back to" if target is None else
-                   f"the run made its {t.max_rollbacks} rollback(s) (train.max_rollbacks; "
-                   f"{self.run_dir.rollbacks_path})")
-            raise TrainingDiverged(
-                f"{said}, and {why}; stopped without saving step {step}. Resume from "
-                f"{target or self.checkpointer.latest()} with a lower optimizer.lr or a longer optimizer.warmup_steps "
-                "(changes apply on resume), or raise train.max_rollbacks")
-        skip_to = self._position()
-        self.checkpointer.continue_from(target)  # the checkpoints since it are set aside
-        client = self.checkpointer.load(self.trainer, target)
+        client = self.rollbacks.go_back(step, spikes, self.checkpointer, self.trainer, self.reader, self._position())
         back = client["step"]
-        saved = client["reader"]
-        skipped = (saved["epoch"] * self.reader.samples_per_epoch + saved["position"], skip_to)
-        self.reader.skip(*skipped)
-        self.rollbacks.append(rollback_entry(step, spikes, target.name, back, skipped))
-        if self.rank == 0:
-            write_rollbacks(self.run_dir, self.rollbacks)
+        if self.logger:
             self.logger.rewind(back)
-            tqdm.write(f"rollback {len(self.rollbacks)}/{t.max_rollbacks}: {said}; back to {target} (step {back}); "
-                       f"the data read since it (global samples {skipped[0]}-{skipped[1] - 1}) is skipped, recorded "
-                       f"in {self.run_dir.rollbacks_path}")
-        self.watch = LossWatch(t)
+        self.result.records = [r for r in self.result.records if r["step"] <= back]
+        self.watch = LossWatch(self.cfg.train)
         if "loss_watch" in client:
             self.watch.load_state_dict(client["loss_watch"])
         self.progress.n = back

@@ -28,7 +28,8 @@ CHANGEABLE_ON_RESUME = (
     "data.verify_checksums", "data.allow_pipe",
     "train.max_steps", "train.stop_at_step", "train.micro_batch_size", "train.log_interval", "train.eval_interval",
     "train.eval_sequences", "train.checkpoint_interval", "train.checkpoint_minutes", "train.keep_checkpoints",
-    "train.on_nonfinite", "train.max_nonfinite_steps", "train.spike_factor", "train.peak_tflops", "train.compile",
+    "train.on_nonfinite", "train.max_nonfinite_steps", "train.spike_factor", "train.grad_spike_factor",
+    "train.on_spike", "train.spike_patience", "train.max_rollbacks", "train.peak_tflops", "train.compile",
     "train.fused_head_kernel", "train.dist_backend", "train.dist_timeout_minutes", "train.wandb",
     "train.hang_timeout_s", "train.peer_timeout_s", "train.straggler_factor", "train.straggler_intervals",
 )

@@ -15,10 +15,19 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+from tqdm.auto import tqdm
 
 from mhf_dist.atomic import write_atomic
-from mhf_dist.config import ConfigError
+from mhf_dist.config import ConfigError, TrainConfig
 from mhf_dist.storage.run_dir import RunDir
+from mhf_dist.train.divergence import SPIKE_WINDOW, TrainingDiverged
+
+if TYPE_CHECKING:
+    from mhf_dist.backend import Trainer
+    from mhf_dist.data.reader import ShardReader
+    from mhf_dist.train.checkpoint import Checkpointer
 
 
 def read_rollbacks(run: RunDir) -> list[dict]:
@@ -47,3 +56,49 @@ def rollback_entry(step: int, spikes: list[int], checkpoint: str, checkpoint_ste
 def write_rollbacks(run: RunDir, rollbacks: list[dict]) -> None:
     """The record, written whole in place of the old one (rank 0)."""
     write_atomic(run.rollbacks_path, json.dumps(rollbacks, indent=1) + "\n")
+
+
+class Rollbacks:
+    """The run's rollbacks: those recorded (read at start; the readers pass over the data they skipped) and going
+    back once one is due."""
+
+    def __init__(self, run: RunDir, cfg: TrainConfig, rank: int):
+        self.run, self.cfg, self.rank = run, cfg, rank
+        self.done = read_rollbacks(run)
+
+    def due(self, spikes: list[int]) -> bool:
+        """Whether ``spikes`` (the steps of the spikes within the last :data:`SPIKE_WINDOW` steps) roll the run back."""
+        return self.cfg.on_spike == "rollback" and len(spikes) >= self.cfg.spike_patience
+
+    def go_back(self, step: int, spikes: list[int], checkpointer: Checkpointer, trainer: Trainer,
+                reader: ShardReader, position: int) -> dict:
+        """At ``step``: load the newest checkpoint saved before ``spikes[0]`` into ``trainer`` (the checkpoints since
+        are set aside) and have ``reader`` pass over the data from that checkpoint's position to ``position`` (where
+        it stands), recorded; returns the checkpoint's client state. Every rank calls this alike (the spikes are
+        judged on global numbers). Past ``train.max_rollbacks``, or without a checkpoint before the spikes, raises
+        :class:`TrainingDiverged`."""
+        checkpointer.wait()  # an asynchronous save in flight joins the line first
+        target = checkpointer.newest_before(spikes[0])
+        plural = "s" if len(spikes) > 1 else ""
+        said = (f"{len(spikes)} spike{plural} within the last {SPIKE_WINDOW} steps (step{plural} "
+                f"{', '.join(map(str, spikes))})")
+        if target is None or len(self.done) >= self.cfg.max_rollbacks:
+            why = (f"no checkpoint was saved before step {spikes[0]} to roll back to" if target is None else
+                   f"the run made its {self.cfg.max_rollbacks} rollback(s) (train.max_rollbacks; "
+                   f"{self.run.rollbacks_path})")
+            raise TrainingDiverged(
+                f"{said}, and {why}; stopped without saving step {step}. Resume from "
+                f"{target or checkpointer.latest()} with a lower optimizer.lr or a longer optimizer.warmup_steps "
+                "(changes apply on resume), or raise train.max_rollbacks")
+        checkpointer.continue_from(target)
+        client = checkpointer.load(trainer, target)
+        saved = client["reader"]
+        skipped = (saved["epoch"] * reader.samples_per_epoch + saved["position"], position)
+        reader.skip(*skipped)
+        self.done.append(rollback_entry(step, spikes, target.name, client["step"], skipped))
+        if self.rank == 0:
+            write_rollbacks(self.run, self.done)
+            tqdm.write(f"rollback {len(self.done)}/{self.cfg.max_rollbacks}: {said}; back to {target} (step "
+                       f"{client['step']}); the data read since it (global samples {skipped[0]}-{skipped[1] - 1}) "
+                       f"is skipped, recorded in {self.run.rollbacks_path}")
+        return client
