@@ -10,6 +10,11 @@ from mhf_dist.config import load_config
 from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe
 
 
+def pytest_collection_modifyitems(items):
+    """The tests marked ``longest`` first (a stable sort: the same order on every worker)."""
+    items.sort(key=lambda item: item.get_closest_marker("longest") is None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def run_cache(tmp_path_factory):
     """Finished training runs, shared by the tests that train the same one (helpers.runs.train_run)."""

@@ -41,6 +41,7 @@ def _run_args(monkeypatch, out: Path) -> argparse.Namespace:
 
 
 @pytest.mark.multirank
+@pytest.mark.longest
 def test_cpu_mode_runs_every_step_and_reports_every_check(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--cpu", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=1200, env=os.environ | {"PYTHONUNBUFFERED": "1"})
