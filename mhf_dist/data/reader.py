@@ -1,7 +1,7 @@
 """Rank-disjoint, resumable reading of packed token shards.
 
 Shards and the manifest come from :mod:`mhf_dist.data.prepare`. Shards are
-opened by :func:`open_url`: local paths, ``pipe:`` commands such as ``pipe:aws
+opened by :func:`~mhf_dist.data.locations.open_url`: local paths, ``pipe:`` commands such as ``pipe:aws
 s3 cp s3://bucket/train-000000.tar -`` and ``http(s)`` (curl) through
 WebDataset's ``gopen``, object storage (``s3://``, ``gs://``, ``hf://``, any
 scheme fsspec knows) through fsspec when it and the scheme's package are
@@ -34,6 +34,8 @@ Ranks
     every rank; resuming with another ``R`` continues the same stream with no
     sample lost or repeated. Tensor- and pipeline-parallel ranks of one
     data-parallel replica pass the same ``dp_rank`` and get the same batches.
+    Ranges a rollback skipped (``skipped``, :mod:`mhf_dist.data.skipped`) are
+    passed over: positions are counted as if they were not there.
 
 Reading
     A rank reads the shards of a window that hold any of its positions, each
@@ -59,7 +61,6 @@ Bad shards
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
 import json
 import logging
@@ -77,6 +78,7 @@ import torch
 import webdataset as wds
 
 from mhf_dist.data.formats import FORMAT, MANIFEST, SHARD_SUFFIX, TRAIN_SPLIT, DataError
+from mhf_dist.data.locations import is_url, open_url, read_json, refuse_pipe
 from mhf_dist.data.skipped import Ranges, merged, past_skipped, place
 
 log = logging.getLogger(__name__)
@@ -204,7 +206,7 @@ class ShardReader:
 
     def state_dict(self) -> dict:
         """The next unread global position (the same on every rank once all took equal batches); JSON-serialisable."""
-        epoch, position = divmod(self._position(), self.samples_per_epoch)
+        epoch, position = divmod(self.global_position(), self.samples_per_epoch)
         return {"epoch": epoch, "position": position, "seed": self.seed, "shuffle_window": self.shuffle_window,
                 "dataset": self.fingerprint}
 
@@ -223,7 +225,7 @@ class ShardReader:
             raise DataError(f"{mismatch}: resume with the shards, data seed and shuffle window of the saved run, or "
                             f"{RESTART_ADVICE}")
         self.close()
-        self._base = past_skipped(state["epoch"] * self.samples_per_epoch + state["position"], self.skipped)
+        self._base = past_skipped(self.global_position(state), self.skipped)
         self._consumed = 0
         self._error = None
 
@@ -233,9 +235,12 @@ class ShardReader:
         self.skipped = merged([*self.skipped, (start, stop)])
         self._base = past_skipped(self._base, self.skipped)
 
-    def _position(self) -> int:
-        """The next unread global position: past the samples all ranks took since ``_base`` and the skipped ranges
-        among them."""
+    def global_position(self, state: dict | None = None) -> int:
+        """The global position (``epoch × samples per epoch + position``) of ``state`` (a :meth:`state_dict` of this
+        stream), or this reader's next unread one: past the samples all ranks took since ``_base`` and the skipped
+        ranges among them."""
+        if state is not None:
+            return state["epoch"] * self.samples_per_epoch + state["position"]
         if not self._consumed:
             return self._base
         last = int(place(self._base, np.array([self._consumed * self.dp_size - 1]), self.skipped)[0])
@@ -249,7 +254,7 @@ class ShardReader:
             self._thread = None
             self._stop = threading.Event()
             self._queue = queue.Queue(maxsize=1)
-        self._base = self._position()
+        self._base = self.global_position()
         self._consumed = 0
         self._buffer.clear()
 
@@ -404,48 +409,6 @@ def _substitutes(local: np.ndarray, shard_of: np.ndarray, bad: set[int], names: 
     return readable[np.searchsorted(readable, local) % len(readable)]
 
 
-def open_url(url: str):
-    """A binary stream of ``url``: object storage (a scheme fsspec knows other than http) through fsspec when it is
-    installed, everything else (local paths, ``pipe:``, ``http(s)``) through WebDataset's ``gopen``. A scheme whose
-    package is missing (s3fs for ``s3://``, gcsfs for ``gs://``) is an error naming it."""
-    scheme = url.split("://", 1)[0] if "://" in url else None
-    if scheme is None or scheme in ("http", "https") or importlib.util.find_spec("fsspec") is None:
-        return wds.gopen(url)
-    import fsspec
-
-    if scheme not in fsspec.available_protocols():
-        return wds.gopen(url)
-    try:
-        return fsspec.open(url, "rb").open()
-    except ImportError as e:
-        raise DataError(f"{url}: reading {scheme}:// needs a package that is not installed ({e}); install it on "
-                        "every node, or copy the shards to a local or shared directory") from None
-
-
-def is_url(source) -> bool:
-    """Whether ``source`` names a location by URL (``scheme://...``) rather than a local path."""
-    return isinstance(source, str) and "://" in source
-
-
-def _read_json(location: str) -> dict:
-    try:
-        with open_url(location) as f:
-            return json.load(f)
-    except DataError:
-        raise
-    except FileNotFoundError:
-        raise DataError(f"manifest {location} does not exist: prepare shards with mhf-dist prepare-data "
-                        "(it writes manifest.json next to them) or point data.path at their directory") from None
-    except Exception as e:
-        raise DataError(f"manifest {location} cannot be read ({e!r}); re-copy it or prepare the shards again") from None
-
-
-def _refuse_pipe(url: str, allow_pipe: bool) -> None:
-    if url.startswith("pipe:") and not allow_pipe:
-        raise DataError(f"{url!r} is a pipe: URL, which runs a shell command; set data.allow_pipe=true if you wrote "
-                        "it, or give a directory of shards")
-
-
 def _resolve(source, manifest, split: str, allow_pipe: bool) -> tuple[dict, str, list[_Shard]]:
     """The manifest, where it came from, and the split's shards with their URLs (manifest order)."""
     local_dir = isinstance(source, (str, os.PathLike)) and not is_url(source) and Path(source).is_dir()
@@ -462,8 +425,8 @@ def _resolve(source, manifest, split: str, allow_pipe: bool) -> tuple[dict, str,
         raise DataError(f"shard URLs {source!r} need the manifest: pass manifest= (a path or URL of manifest.json)")
     else:
         location = str(manifest)
-    _refuse_pipe(location, allow_pipe)
-    meta = _read_json(location)
+    refuse_pipe(location, allow_pipe)
+    meta = read_json(location)
     if meta.get("format") != FORMAT:
         raise DataError(f"{location} is not a {FORMAT} manifest (format {meta.get('format')!r}); "
                         "prepare the shards with mhf-dist prepare-data")
@@ -482,7 +445,7 @@ def _resolve(source, manifest, split: str, allow_pipe: bool) -> tuple[dict, str,
             if len(matches) != 1 or matches[0] in urls:
                 raise DataError(f"shard URL {url!r} names {'no' if not matches else 'an ambiguous or repeated'} "
                                 f"{split} shard of {location}; give each shard of the manifest at most once")
-            _refuse_pipe(url, allow_pipe)
+            refuse_pipe(url, allow_pipe)
             urls[matches[0]] = url
     shards = [_Shard(k, entries[k]["name"], urls[k], entries[k]["samples"], entries[k]["sha256"]) for k in sorted(urls)]
     if not shards:

@@ -28,8 +28,8 @@ def merged(ranges: Ranges) -> list[tuple[int, int]]:
 
 
 def past_skipped(position: int, ranges: Ranges) -> int:
-    """``position``, or the end of the skipped range it falls in."""
-    for start, stop in merged(ranges):
+    """``position``, or the end of the skipped range it falls in (``ranges``: as :func:`merged` returns them)."""
+    for start, stop in ranges:
         if start <= position < stop:
             return stop
     return position
@@ -37,9 +37,10 @@ def past_skipped(position: int, ranges: Ranges) -> int:
 
 def place(base: int, offsets: np.ndarray, ranges: Ranges) -> np.ndarray:
     """The global positions of the samples ``offsets`` (increasing) unskipped samples past ``base`` (itself not
-    skipped): each range past ``base`` shifts the offsets that reach it by its length."""
+    skipped): each range past ``base`` shifts the offsets that reach it by its length (``ranges``: as :func:`merged`
+    returns them, so that each shift is taken in order)."""
     positions = base + offsets
-    for start, stop in merged(ranges):
+    for start, stop in ranges:
         if stop > base:
             positions = np.where(positions >= start, positions + (stop - start), positions)
     return positions

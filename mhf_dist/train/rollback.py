@@ -41,11 +41,6 @@ def read_rollbacks(run: RunDir) -> list[dict]:
                           "restore it from a backup, or delete it to read that data again") from e
 
 
-def skipped_ranges(rollbacks: list[dict]) -> list[tuple[int, int]]:
-    """The global position ranges the rollbacks skipped."""
-    return [(r["skipped"][0], r["skipped"][1]) for r in rollbacks]
-
-
 def rollback_entry(step: int, spikes: list[int], checkpoint: str, checkpoint_step: int,
                    skipped: tuple[int, int]) -> dict:
     """One rollback's record: at ``step``, for the ``spikes``, back to ``checkpoint``, ``skipped`` never read."""
@@ -66,15 +61,20 @@ class Rollbacks:
         self.run, self.cfg, self.rank = run, cfg, rank
         self.done = read_rollbacks(run)
 
+    @property
+    def skipped(self) -> list[tuple[int, int]]:
+        """The global position ranges the rollbacks skipped."""
+        return [(r["skipped"][0], r["skipped"][1]) for r in self.done]
+
     def due(self, spikes: list[int]) -> bool:
         """Whether ``spikes`` (the steps of the spikes within the last :data:`SPIKE_WINDOW` steps) roll the run back."""
         return self.cfg.on_spike == "rollback" and len(spikes) >= self.cfg.spike_patience
 
     def go_back(self, step: int, spikes: list[int], checkpointer: Checkpointer, trainer: Trainer,
-                reader: ShardReader, position: int) -> dict:
+                reader: ShardReader) -> dict:
         """At ``step``: load the newest checkpoint saved before ``spikes[0]`` into ``trainer`` (the checkpoints since
-        are set aside) and have ``reader`` pass over the data from that checkpoint's position to ``position`` (where
-        it stands), recorded; returns the checkpoint's client state. Every rank calls this alike (the spikes are
+        are set aside) and have ``reader`` pass over the data from that checkpoint's position to where it stands,
+        recorded; returns the checkpoint's client state. Every rank calls this alike (the spikes are
         judged on global numbers). Past ``train.max_rollbacks``, or without a checkpoint before the spikes, raises
         :class:`TrainingDiverged`."""
         checkpointer.wait()  # an asynchronous save in flight joins the line first
@@ -90,10 +90,10 @@ class Rollbacks:
                 f"{said}, and {why}; stopped without saving step {step}. Resume from "
                 f"{target or checkpointer.latest()} with a lower optimizer.lr or a longer optimizer.warmup_steps "
                 "(changes apply on resume), or raise train.max_rollbacks")
+        position = reader.global_position()
         checkpointer.continue_from(target)
         client = checkpointer.load(trainer, target)
-        saved = client["reader"]
-        skipped = (saved["epoch"] * reader.samples_per_epoch + saved["position"], position)
+        skipped = (reader.global_position(client["reader"]), position)
         reader.skip(*skipped)
         self.done.append(rollback_entry(step, spikes, target.name, client["step"], skipped))
         if self.rank == 0:
