@@ -102,7 +102,7 @@ def fused_table_gradient(retrieve: bool) -> torch.Tensor:
     tables = BucketTables(1, ROWS, DIM).to(BF16)
     with torch.no_grad():
         tables.weight[0] = table
-    log_z, target, e_bar = tables.fused_head(c, tables.per_table(), 0, targets, retrieve, chunk=1)
+    log_z, target, e_bar, _ = tables.fused_head(c, tables.per_table(), 0, targets, retrieve, chunk=1)
     loss = (log_z.double() - target.double()).mean()
     if retrieve:
         loss = loss + (e_bar.double() * g_e).sum()

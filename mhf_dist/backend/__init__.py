@@ -58,6 +58,7 @@ class StepStats:
     p_inf_loss: float | None = None  # mean -log P_inf(target) of the loss's term (model.hash.p_inf_loss_weight > 0)
     flags: list[bool] | None = None  # train_step's ``flags``, each raised on any rank (None when not asked)
     skipped: bool = False  # past train_step's ``limits``: the step applied no update
+    health: dict[str, float] | None = None  # the health metrics, when train_step measured them (``health``)
 
 
 @dataclass(frozen=True)
@@ -136,10 +137,12 @@ class Trainer(Protocol):
         """Optimizer steps skipped so far for a gradient overflow (those past :class:`SpikeLimits` are the loop's)."""
 
     def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None, limits: SpikeLimits | None = None,
-                   loss_scale: float = 1.0) -> StepStats:
+                   loss_scale: float = 1.0, health: bool = False) -> StepStats:
         """One optimizer step on the global batch; ``flags`` come back agreed over all ranks; past ``limits`` the
         step applies no update (:attr:`StepStats.skipped`). ``loss_scale``: the loss is multiplied by it before its
-        backward, and logged so (an injected spike, :mod:`mhf_dist.train.fault_injection`)."""
+        backward, and logged so (an injected spike, :mod:`mhf_dist.train.fault_injection`). ``health``: measure the
+        health metrics (:mod:`mhf_dist.model.health`; with ``train.health_metrics``), read with the step's numbers
+        after one more all-reduce, into :attr:`StepStats.health`."""
 
     def evaluate(self, reader: BatchSource, batches: int) -> dict:
         """The ``val_*`` metrics over ``batches`` micro-batches on each data-parallel rank."""

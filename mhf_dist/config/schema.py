@@ -290,6 +290,10 @@ class TrainConfig(Strict):
         "exceeds this multiple of the median of its pipeline stage's other ranks for train.straggler_intervals log "
         "intervals in a row, naming the rank and its node")
     straggler_intervals: int = Field(3, ge=1, description="consecutive slow log intervals before the warning")
+    health_metrics: bool = Field(
+        True, description="every logged step also reports, per parameter family and block, gradient and parameter "
+        "norms and update ratios, and the hash model's bucket, gate and head statistics (docs/usage.md, "
+        "\"Health metrics\"); one more small all-reduce per log interval")
     init_from: str | None = Field(
         None, description="start from these weights (a model.safetensors with our parameter names, as export, "
         "import-hf and expand-vocab write; relative to the run directory) instead of a random init; a resumed "

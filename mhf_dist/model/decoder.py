@@ -52,10 +52,21 @@ class CascadedDecoder(nn.Module):
 
     def nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor) -> torch.Tensor:
         """``-log p_i[target_i]`` per head: ``h [N, d]``, ``targets [N, H]`` -> ``[N, H]``."""
+        return self._nll(h, tables, targets, entropy=False)[0]
+
+    def nll_and_entropy(self, h: torch.Tensor, tables: BucketTables,
+                        targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`nll` and each head's entropy ``-Σ_b p_i,b log p_i,b`` over the rows held here ``[N, H]``
+        (detached; summed over the bucket shards it is the head's entropy), for the health metrics."""
+        return self._nll(h, tables, targets, entropy=True)
+
+    def _nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor,
+             entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.chunk_tokens:
-            return self._fused_nll(h, tables, targets)
-        heads = enumerate(self._heads(h, tables, normalised=True))
-        return torch.stack([-tables.pick(log_p, targets[..., i]) for i, log_p in heads], dim=-1)
+            return self._fused_nll(h, tables, targets, entropy)
+        log_probs = list(self._heads(h, tables, normalised=True))
+        nll = torch.stack([-tables.pick(log_p, targets[..., i]) for i, log_p in enumerate(log_probs)], dim=-1)
+        return nll, head_entropies(log_probs) if entropy else None
 
     def nll_and_log_probs(self, h: torch.Tensor, tables: BucketTables,
                           targets: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -66,16 +77,18 @@ class CascadedDecoder(nn.Module):
         nll = torch.stack([-tables.pick(log_p, targets[..., i]) for i, log_p in enumerate(log_probs)], dim=-1)
         return nll, log_probs
 
-    def _fused_nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor) -> torch.Tensor:
-        c, nll, split = h, [], tables.per_table()
+    def _fused_nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor,
+                   entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        c, nll, entropies, split = h, [], [], tables.per_table()
         for i in range(self.num_heads):
             more = i < self.num_heads - 1
-            log_z, target, soft = tables.fused_head(c, split, i, targets[:, i], more, self.chunk_tokens,
-                                                    self.num_valid_rows)
+            log_z, target, soft, ent = tables.fused_head(c, split, i, targets[:, i], more, self.chunk_tokens,
+                                                         self.num_valid_rows, entropy)
             nll.append(log_z - target)
+            entropies.append(ent)
             if more:
                 c = c + self.cascade_mixer[i](torch.cat([c, soft], dim=-1))
-        return torch.stack(nll, dim=-1)
+        return torch.stack(nll, dim=-1), torch.stack(entropies, dim=-1) if entropy else None
 
     def scores(self, h: torch.Tensor, tables: BucketTables) -> list[torch.Tensor]:
         """Each head's bucket scores for :mod:`~mhf_dist.model.scoring` over the rows held here: H tensors
@@ -83,3 +96,8 @@ class CascadedDecoder(nn.Module):
         vocabulary, where each head's ``log Z_i`` is one more constant and cancels (docs/spec.md §5); so inference
         takes one softmax per retrieving head and no normaliser at all for the last."""
         return list(self._heads(h, tables, normalised=False))
+
+
+def head_entropies(log_probs: list[torch.Tensor]) -> torch.Tensor:
+    """``[N, H]``: each head's ``-Σ_b p_b log p_b`` over the rows of its ``log p [N, R_local]`` (detached)."""
+    return torch.stack([torch.special.entr(log_p.detach().exp()).sum(-1) for log_p in log_probs], dim=-1)

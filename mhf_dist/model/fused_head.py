@@ -139,29 +139,36 @@ def _logit_grads_(products: torch.Tensor, valid: torch.Tensor | None, log_z: tor
 
 class FusedHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, c, weight, rows, owned, valid, retrieve, chunk, tables, gradients, table):
+    def forward(ctx, c, weight, rows, owned, valid, retrieve, chunk, tables, gradients, table, entropy=False):
         """``rows`` local target rows (clamped), ``owned`` whether held here, ``valid [R]`` real rows or None;
-        ``weight``'s gradient goes to slot ``table`` of ``gradients`` (a ``TableGradients``)."""
+        ``weight``'s gradient goes to slot ``table`` of ``gradients`` (a ``TableGradients``); ``entropy``: also
+        return ``-Σ_b p_b log p_b`` over the rows held here, ``(S log T − Σ_b e_b log e_b) / T`` with
+        ``e = exp(o − peak)``, ``S`` its local and ``T`` its global sum (no gradient)."""
         n = c.shape[0]
         stats = _stats_dtype(c)
         log_z, target = c.new_empty(n, dtype=stats), c.new_empty(n, dtype=stats)
         e_bar = c.new_empty(n, c.shape[1]) if retrieve else None
+        ent = c.new_empty(n, dtype=stats) if entropy else None
         for s in range(0, n, chunk):
             logits = c[s:s + chunk] @ weight.t()
             picked = logits.gather(-1, rows[s:s + chunk, None]).squeeze(-1).to(stats)
             target[s:s + chunk] = tables.reduce_sum(torch.where(owned[s:s + chunk], picked, 0.0))
             peak = tables.reduce_max(_row_max(logits, valid))
-            e, total = _shifted_exp(logits, valid, peak)  # (the logits are no longer needed)
-            total = tables.reduce_sum(total)
+            e, local = _shifted_exp(logits, valid, peak)  # (the logits are no longer needed)
+            total = tables.reduce_sum(local)
             log_z[s:s + chunk] = peak + total.log()
+            if entropy:
+                ent[s:s + chunk] = (local * total.log() - torch.special.xlogy(e, e).sum(-1)) / total
             if retrieve:
                 e_bar[s:s + chunk] = tables.reduce_sum(_normalised(e, total, weight.dtype) @ weight)
         ctx.save_for_backward(c, weight, rows, owned, valid, log_z, e_bar)
         ctx.chunk, ctx.gradients, ctx.table = chunk, gradients, table
-        return log_z, target, e_bar
+        if entropy:
+            ctx.mark_non_differentiable(ent)
+        return log_z, target, e_bar, ent
 
     @staticmethod
-    def backward(ctx, g_z, g_t, g_e):
+    def backward(ctx, g_z, g_t, g_e, g_ent=None):
         c, weight, rows, owned, valid, log_z, e_bar = ctx.saved_tensors
         grad_c, slot = torch.empty_like(c), ctx.gradients.slot(ctx.table, weight)
         # ∂L/∂E is summed over the chunks in fp32 (or wider): in place in its slot when that is fp32, else in an
@@ -198,4 +205,4 @@ class FusedHead(torch.autograd.Function):
             slot.zero_()
         elif grad_w is not slot:
             slot.copy_(grad_w)
-        return grad_c, slot, None, None, None, None, None, None, None, None
+        return grad_c, slot, None, None, None, None, None, None, None, None, None

@@ -132,16 +132,17 @@ class BucketTables(nn.Module):
         return SplitTables(self(self._per_table, gradients), gradients)
 
     def fused_head(self, c: torch.Tensor, split: SplitTables, table: int, targets: torch.Tensor, retrieve: bool,
-                   chunk: int, num_valid_rows: int | None = None):
-        """``(log Z, target logit, ē or None)`` of one head for ``c [N, d]``, ``targets [N]`` (global rows) and
-        table ``table`` of ``split`` (:meth:`per_table`), chunked over tokens (:class:`FusedHead`); rows
-        ``>= num_valid_rows`` are never predicted."""
+                   chunk: int, num_valid_rows: int | None = None, entropy: bool = False):
+        """``(log Z, target logit, ē or None, entropy or None)`` of one head for ``c [N, d]``, ``targets [N]``
+        (global rows) and table ``table`` of ``split`` (:meth:`per_table`), chunked over tokens
+        (:class:`FusedHead`); rows ``>= num_valid_rows`` are never predicted. ``entropy``: also the head's entropy
+        over the rows held here ``[N]`` (detached)."""
         rows, owned = self.local_index(targets)
         valid = None
         if num_valid_rows is not None:
             valid = torch.arange(self.local_rows, device=c.device) + self.row_offset < num_valid_rows
         return FusedHead.apply(self.replicated_input(c), split.tables[table], rows, owned, valid, retrieve, chunk,
-                               self, split.gradients, table)
+                               self, split.gradients, table, entropy)
 
     def _lookup(self, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         t, r, d = weight.shape

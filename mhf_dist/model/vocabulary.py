@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from mhf_dist.model.calibration import coarse_temperatures
-from mhf_dist.model.decoder import CascadedDecoder
+from mhf_dist.model.decoder import CascadedDecoder, head_entropies
 from mhf_dist.model.hash_encoder import HashEncoder
 from mhf_dist.model.scoring import (
     LOG_P_INF_CHUNK,
@@ -46,6 +46,9 @@ class TrainingLoss(NamedTuple):
     head_losses: torch.Tensor  # [H]
     # the loss's log P_inf term, mean -log P_inf(target), detached; None for a model without it (λ = 0)
     p_inf_nll: torch.Tensor | None = None
+    # [H] each head's entropy over the rows held here, mean over the kept tokens, detached; only while the
+    # vocabulary's measures_entropy is set (the health metrics' log steps)
+    head_entropy: torch.Tensor | None = None
 
 
 class Evaluation(NamedTuple):
@@ -75,6 +78,7 @@ def _kept_mean(values: torch.Tensor, keep: torch.Tensor, count: torch.Tensor) ->
 
 class TiedVocabulary(nn.Module):
     p_inf_loss_chunk = TARGET_CHUNK  # values gathered per position in one chunk of the log P_inf term's log Z
+    measures_entropy = False  # the training loss also returns each head's entropy (TrainingLoss.head_entropy)
 
     def __init__(self, tables: BucketTables, encoder: nn.Module | None, decoder: CascadedDecoder,
                  codes: torch.Tensor, registered: torch.Tensor, p_inf_loss_weight: float = 0.0):
@@ -110,11 +114,16 @@ class TiedVocabulary(nn.Module):
         count = keep.sum()
         safe = targets.clamp_min(0)
         if not self.p_inf_loss_weight:
-            head_losses = _kept_mean(self.decoder.nll(h, self.tables, self.codes[safe]), keep, count)
-            return TrainingLoss(loss=head_losses.sum(), head_losses=head_losses)
-        head_losses, p_inf_nll = self._head_and_p_inf_losses(h, safe, keep, count)
+            if self.measures_entropy:
+                nll, entropy = self.decoder.nll_and_entropy(h, self.tables, self.codes[safe])
+            else:
+                nll, entropy = self.decoder.nll(h, self.tables, self.codes[safe]), None
+            head_losses = _kept_mean(nll, keep, count)
+            return TrainingLoss(loss=head_losses.sum(), head_losses=head_losses,
+                                head_entropy=None if entropy is None else _kept_mean(entropy, keep, count))
+        head_losses, p_inf_nll, entropy = self._head_and_p_inf_losses(h, safe, keep, count)
         return TrainingLoss(loss=head_losses.sum() + self.p_inf_loss_weight * p_inf_nll, head_losses=head_losses,
-                            p_inf_nll=p_inf_nll.detach())
+                            p_inf_nll=p_inf_nll.detach(), head_entropy=entropy)
 
     def evaluation(self, h: torch.Tensor, targets: torch.Tensor,
                    temperatures: torch.Tensor | None = None) -> Evaluation:
@@ -127,9 +136,9 @@ class TiedVocabulary(nn.Module):
                           sums=self.calibration_sums(h[keep], targets[keep], temperatures))
 
     def _head_and_p_inf_losses(self, h: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
-                               count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(head losses [H], mean -log P_inf(target))`` with gradients, over the positions ``keep`` (``count`` of
-        them), from one plain pass down the cascade
+                               count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(head losses [H], mean -log P_inf(target), head entropies [H] or None)``, the first two with gradients,
+        over the positions ``keep`` (``count`` of them), from one plain pass down the cascade
         (:meth:`CascadedDecoder.nll_and_log_probs`): ``-log P_inf(w) = log Z - Σ_i log p_i[H_i(w)] = log Z +
         Σ_i nll_i``, with ``log Z`` from :func:`~mhf_dist.model.scoring.log_normaliser`. The fused decoder path
         is not used: this term needs every head's scores ``[N, R_local]`` anyway, and the plain path's are them.
@@ -138,7 +147,8 @@ class TiedVocabulary(nn.Module):
         log_z = log_normaliser(log_probs, self.signature_columns(), self.registered, self.tables,
                                self.p_inf_loss_chunk)
         p_inf_nll = torch.where(self.registered[targets], log_z + nll.sum(dim=-1), float("inf"))
-        return _kept_mean(nll, keep, count), _kept_mean(p_inf_nll, keep, count)
+        entropy = _kept_mean(head_entropies(log_probs), keep, count) if self.measures_entropy else None
+        return _kept_mean(nll, keep, count), _kept_mean(p_inf_nll, keep, count), entropy
 
     def calibration_sums(self, h: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor | None = None,
                          chunk_size: int = TARGET_CHUNK) -> torch.Tensor:

@@ -366,7 +366,7 @@ class TrainingLoop:
         # asked only under the fault injection (one source's reader: a mixture has no single global position)
         scale = loss_scale(lambda: self.reader.global_position(), self.cfg.train.global_batch_size)
         stats = self.trainer.train_step(self.reader, lambda: (self.stop.received, self.clock.due),  # read with it
-                                        limits, scale)
+                                        limits, scale, health=self.logged(step))
         slow_step(self.rank, self.stragglers.clock() - compute)
         self.stragglers.add(self.stragglers.clock() - compute)
         seconds = time.perf_counter() - began
@@ -395,10 +395,14 @@ class TrainingLoop:
         self.progress.refresh()
         return back
 
+    def logged(self, step: int) -> bool:
+        """Whether ``step`` is logged: the first, every ``train.log_interval``-th and the last."""
+        return step == 1 or step % self.cfg.train.log_interval == 0 or step == self.end
+
     def measures(self, step: int, stepped: Stepped) -> dict:
         """The step's training metrics when it is logged (the first, every ``train.log_interval``-th, the last), else
         nothing."""
-        if not (step == 1 or step % self.cfg.train.log_interval == 0 or step == self.end):
+        if not self.logged(step):
             return {}
         stats, watch = stepped.stats, self.watch
         tokens_per_s = self.tokens_per_step / stepped.seconds
@@ -416,7 +420,7 @@ class TrainingLoop:
             {"grad_spikes": watch.grad_spikes} if self.cfg.train.grad_spike_factor is not None else {}) | (
             {"p_inf_loss": stats.p_inf_loss} if stats.p_inf_loss is not None else {}) | (
             {"source_tokens": {name: n * self.cfg.data.seq_len for name, n in self.reader.consumed().items()}}
-            if self.cfg.data.sources else {})
+            if self.cfg.data.sources else {}) | (stats.health or {})
 
     def evaluate(self, step: int) -> dict:
         """The validation metrics, calibrated ones included (:func:`mhf_dist.model.calibration.validation_metrics`),

@@ -45,18 +45,21 @@ from mhf_dist.backend import (
     TrainingFlags,
 )
 from mhf_dist.backend.deepspeed.checkpoint import load_checkpoint, save_checkpoint
-from mhf_dist.backend.deepspeed.config import checkpoint_interval
+from mhf_dist.backend.deepspeed.config import checkpoint_interval, zero_stage
 from mhf_dist.backend.deepspeed.grad_norm import include_in_global_norm
-from mhf_dist.backend.deepspeed.pipeline import build_pipeline, canonical_name
+from mhf_dist.backend.deepspeed.health import EngineHealth, counted_here, layout_for
+from mhf_dist.backend.deepspeed.pipeline import VOCAB, build_pipeline, canonical_name
 from mhf_dist.backend.deepspeed.universal import copy_for_rank
 from mhf_dist.backend.deepspeed.zero import full_ndim, held_values
 from mhf_dist.config import RunConfig
 from mhf_dist.model.calibration import fit_temperature, validation_metrics
+from mhf_dist.model.health import ForwardHealth
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.model.scoring import EvalSums
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.layout import Layout
 from mhf_dist.parallel.scalars import ScalarCollectives
+from mhf_dist.parallel.tensor_parallel import tp_split_dims
 
 
 class SpikeVerdict:
@@ -82,24 +85,29 @@ class SpikeVerdict:
 
 
 def read_step(scalars: ScalarCollectives, stats: torch.Tensor, engine, flags: TrainingFlags | None,
-              verdict: SpikeVerdict | None = None) -> tuple[list[float], float | None, list[bool] | None, bool]:
-    """``(stats, grad norm, flags agreed over all ranks, left out)`` in one host transfer: ``stats`` (already reduced,
-    on the device), the engine's global gradient norm (a device scalar under ZeRO; a Python number after an
-    overflow), ``flags()`` (all-reduced with MAX on the device) and the step's ``verdict`` where it was asked."""
+              verdict: SpikeVerdict | None = None, extra: torch.Tensor | None = None
+              ) -> tuple[list[float], float | None, list[bool] | None, bool, list[float]]:
+    """``(stats, grad norm, flags agreed over all ranks, left out, extra)`` in one host transfer: ``stats`` (already
+    reduced, on the device), the engine's global gradient norm (a device scalar under ZeRO; a Python number after an
+    overflow), ``flags()`` (all-reduced with MAX on the device), the step's ``verdict`` where it was asked and the
+    device values ``extra`` (the health metrics of a log step)."""
     norm = engine.get_global_grad_norm()
+    tail = [] if extra is None else [extra]
     parts = [stats] + ([norm] if torch.is_tensor(norm) else [])
     if flags is not None:
         parts.append(scalars.any_tensor(*flags()))
     decided = verdict is not None and verdict.value is not None
     if decided:
         parts.append(verdict.value)
-    values = scalars.read(*parts)
+    values = scalars.read(*parts, *tail)
+    if extra is not None:
+        values, extra_values = values[:-extra.numel()], values[-extra.numel():]
     n = stats.numel()
     grad_norm = values[n] if torch.is_tensor(norm) else None if norm is None else float(norm)
     rest = values[n + torch.is_tensor(norm):]
     skipped = decided and bool(rest.pop())
     agreed = [bool(v) for v in rest] if flags is not None else None
-    return values[:n], grad_norm, agreed, skipped
+    return values[:n], grad_norm, agreed, skipped, extra_values if extra is not None else []
 
 
 class EngineTrainer:
@@ -109,6 +117,23 @@ class EngineTrainer:
     engine: deepspeed.DeepSpeedEngine
     host_tables: HostTableStep | None = None
     left_out = False  # the last step was past its spike limits
+    health: EngineHealth | None = None  # train.health_metrics
+
+    def _measure_health(self, cfg: RunConfig, model: LanguageModel, named: Sequence[tuple[str, nn.Parameter]],
+                        ds_config: dict, forward: ForwardHealth) -> None:
+        """Set up the health metrics (:mod:`~mhf_dist.backend.deepspeed.health`) of ``model`` (the whole model's
+        skeleton), whose parameters this rank trains are ``named`` (the model's naming)."""
+        if not cfg.train.health_metrics:
+            return
+        counted = counted_here(self.groups, [p for p, _ in tp_split_dims(cfg.model, self.groups.tp)],
+                               zero_stage(ds_config) > 0, self.groups.pp_rank == 0)
+        self.health = EngineHealth(forward.layout, self.optimizer, named, counted, forward, self.engine.device)
+
+    def _health_summary(self, measured: bool) -> torch.Tensor | None:
+        """A measured step's health values, on the device (None when not measured)."""
+        if not measured:
+            return None
+        return self.health.summary(self.scalars, self.engine.get_global_grad_norm(), self.gradient_clipping())
 
     @property
     def lr(self) -> float:
@@ -173,18 +198,24 @@ class DataParallelTrainer(EngineTrainer):
         )
         self.groups, self.accum, self.micro = groups, layout.accum, cfg.train.micro_batch_size
         self.scalars = ScalarCollectives()
+        first = groups.tp_rank == 0
+        self._measure_health(cfg, model, list(model.named_parameters()), ds_config,
+                             ForwardHealth(model.vocab, layout_for(model), self.engine.device, first, first))
         if host_tables is not None:
             self.host_tables = host_tables(model, self)
             include_in_global_norm(self.engine.optimizer, self.host_tables.host_norm_on)
 
     def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None, limits: SpikeLimits | None = None,
-                   loss_scale: float = 1.0) -> StepStats:
+                   loss_scale: float = 1.0, health: bool = False) -> StepStats:
         """One optimizer step; ``flags`` (e.g. stop and save requests) are asked for at its end and come back
         agreed over all ranks in :attr:`StepStats.flags`, read with the step's other numbers; past ``limits``, no
-        update (:class:`SpikeVerdict`)."""
+        update (:class:`SpikeVerdict`); ``health``: measure the health metrics (:attr:`StepStats.health`)."""
         self.engine.train()
         losses = []
         verdict = self._arm(limits, lambda: means[0])
+        measured = health and self.health is not None
+        if measured:
+            self.health.arm()
         host, device = self.host_tables, self.engine.device
         pin = device.type == "cuda"  # pinned micro-batches: copies to the device that do not block the host
         batch = reader.next_batch(self.micro, pin=pin)
@@ -195,6 +226,9 @@ class DataParallelTrainer(EngineTrainer):
                 host.advance()
             on_device = batch.to(device, non_blocking=True)
             out = self.engine(on_device[:, :-1], on_device[:, 1:])
+            if self.health is not None:
+                self.health.forward.count_targets(on_device[:, 1:])
+                self.health.forward.add_entropy(out.head_entropy, 1 / (self.accum * self.groups.dp))
             if loss_scale != 1.0:
                 out = out._replace(loss=out.loss * loss_scale)
             if i + 1 < self.accum:  # the next micro-batch's rows are gathered while this one computes
@@ -211,13 +245,15 @@ class DataParallelTrainer(EngineTrainer):
                 if host:
                     host.before_step()
             self.engine.step()
-        stats, grad_norm, agreed, self.left_out = read_step(self.scalars, means, self.engine, flags, verdict)
+        stats, grad_norm, agreed, self.left_out, measures = read_step(self.scalars, means, self.engine, flags,
+                                                                      verdict, self._health_summary(measured))
         self.optimizer.skip_if = None
         if host:
             host.after_step(grad_norm)
         heads = len(out.head_losses)
         return StepStats(loss=stats[0], head_losses=stats[1:1 + heads], grad_norm=grad_norm,
-                         p_inf_loss=stats[1 + heads] if p_inf else None, flags=agreed, skipped=self.left_out)
+                         p_inf_loss=stats[1 + heads] if p_inf else None, flags=agreed, skipped=self.left_out,
+                         health=self.health.metrics(measures) if measured else None)
 
     @torch.no_grad()
     def evaluate(self, reader: BatchSource, batches: int) -> dict:
@@ -251,6 +287,7 @@ class PipelineTrainer(EngineTrainer):
 
     def __init__(self, cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout,
                  make_optimizer: OptimizerFactory, materialise: Callable[[nn.Module], nn.Module] | None = None):
+        health = layout_for(model)  # before the stages freeze their unused parts: the same on every rank
         self.pipe, self.loss_fn = build_pipeline(model, groups, cfg.data.seq_len,
                                                  checkpoint_interval(cfg, ds_config), materialise)
         named = [(canonical_name(n), p) for n, p in self.pipe.named_parameters()]  # this stage's
@@ -262,10 +299,17 @@ class PipelineTrainer(EngineTrainer):
         self.num_heads = model.vocab.decoder.num_heads
         self.p_inf_term = model.vocab.p_inf_loss_weight > 0
         self.scalars = ScalarCollectives()
+        vocab = self.pipe.tied_modules[VOCAB].vocab if VOCAB in self.pipe.tied_modules else None
+        first = groups.tp_rank == 0
+        forward = ForwardHealth(vocab, health, self.engine.device,
+                                counts=first and self.engine.is_last_stage(), gate=first and groups.pp_rank == 0)
+        self._measure_health(cfg, model, named, ds_config, forward)
 
     def _batches(self, reader: BatchSource, count: int):
         for _ in range(count):
             batch = reader.next_batch(self.micro)
+            if self.health is not None:
+                self.health.forward.count_targets(batch[:, 1:])
             yield batch[:, :-1], batch[:, 1:]
 
     def _last_stage_means(self, fields: Sequence[str], clear: bool = True) -> torch.Tensor:
@@ -285,22 +329,29 @@ class PipelineTrainer(EngineTrainer):
         return self.scalars.read(self._last_stage_means([field], clear))
 
     def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None, limits: SpikeLimits | None = None,
-                   loss_scale: float = 1.0) -> StepStats:
+                   loss_scale: float = 1.0, health: bool = False) -> StepStats:
         """As :meth:`DataParallelTrainer.train_step`: the loss, the last stage's head losses (and P_inf term), the
-        gradient norm and ``flags`` in one host transfer. The update is the pipeline schedule's last instruction,
-        so a spike verdict reads the loss the last stage kept of each micro-batch."""
+        gradient norm, ``flags`` (and the health metrics) in one host transfer. The update is the pipeline
+        schedule's last instruction, so a spike verdict reads the loss the last stage kept of each micro-batch."""
         verdict = self._arm(limits, lambda: self._last_stage_means(["loss"], clear=False)[0])
         self.loss_fn.loss_scale = loss_scale
+        measured = health and self.health is not None
+        if measured:
+            self.health.arm()
         loss = self.engine.train_batch(data_iter=self._batches(reader, self.accum))
         self.optimizer.skip_if = None
+        if measured:  # the last stage's micro-batches, on every tp rank (each holds its rows' share)
+            for out in self.loss_fn.outputs:
+                self.health.forward.add_entropy(out.head_entropy, 1 / (self.accum * self.groups.dp))
         fields = ["head_losses"] + (["p_inf_nll"] if self.p_inf_term else [])
         sums = self._last_stage_means(fields)
-        stats, grad_norm, agreed, self.left_out = read_step(
-            self.scalars, torch.cat([loss.detach().reshape(1).to(sums), sums]), self.engine, flags, verdict)
+        stats, grad_norm, agreed, self.left_out, measures = read_step(
+            self.scalars, torch.cat([loss.detach().reshape(1).to(sums), sums]), self.engine, flags, verdict,
+            self._health_summary(measured))
         heads = stats[1:1 + self.num_heads]
         p_inf = stats[1 + self.num_heads] if self.p_inf_term else None
         return StepStats(loss=stats[0], head_losses=heads, grad_norm=grad_norm, p_inf_loss=p_inf, flags=agreed,
-                         skipped=self.left_out)
+                         skipped=self.left_out, health=self.health.metrics(measures) if measured else None)
 
     def _last_stage_sum(self, field: str, length: int) -> list[float]:
         """Sum over micro-batches and dp of a loss output ``[length]`` kept on the last stage, sent to every rank;
