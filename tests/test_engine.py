@@ -1,7 +1,8 @@
 """The DeepSpeed engine: every tp × pp × dp layout trains the same model to the same losses (docs/spec.md §7).
 
 Each run is `mhf-dist train --nproc-per-node N` (torchrun, gloo, fp32) on the same shards, the same
-global batch and seed; the first three optimizer steps' losses must agree to 1e-4.
+global batch and seed; the first three optimizer steps' losses must agree to 1e-4, and the first step's health
+metrics (gradient, parameter and update norms per family and block; bucket, gate and head statistics) to 1e-5.
 """
 
 from __future__ import annotations
@@ -13,12 +14,22 @@ from helpers.runs import run_cli, train_run
 STEPS = 3
 
 
+def health(record: dict) -> dict[str, float]:
+    """A record's health metrics (docs/usage.md, "Health metrics"): per family and block, per head."""
+    return {k: v for k, v in record.items() if "/" in k and k.split("/")[0] not in ("head_losses", "val_loss")}
+
+
 def assert_same_losses(a, b, what):
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
     for ra, rb in zip(a, b):
         assert abs(ra["loss"] - rb["loss"]) <= 1e-4 * abs(rb["loss"]), (what, ra["step"], ra["loss"], rb["loss"])
         for ha, hb in zip(ra["head_losses"], rb["head_losses"]):
             assert abs(ha - hb) <= 1e-4 * abs(hb), (what, ra["step"], ra["head_losses"], rb["head_losses"])
+    # the health metrics of the first step (the same model and batch), each counted once over the layout's ranks
+    first, want = health(a[0]), health(b[0])
+    assert set(first) == set(want) and any(k.startswith("grad_norm/") for k in want), (what, set(first) ^ set(want))
+    for key, value in want.items():
+        assert abs(first[key] - value) <= 1e-5 * abs(value) + 1e-7, (what, key, first[key], value)
     va, vb = a[-1], b[-1]
     for key in ("val_loss", "val_ppl", "val_ppl_calibrated", "val_top1", "val_top5", "val_temperature"):
         assert abs(va[key] - vb[key]) <= 1e-4 * abs(vb[key]), (what, key, va[key], vb[key])

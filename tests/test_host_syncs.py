@@ -8,10 +8,12 @@ wait for every kernel queued before them. On CPU nothing waits, but the same cal
 ``.to(device)`` copies from pageable host memory (every tensor is on the host here) and CUDA event waits; those are
 listed in the docs.
 
-A step of the training loop (its step, log and checkpoint phases; an ordinary step: not logged, evaluated or saved)
-makes **one** host sync of ours: :meth:`ScalarCollectives.read` of the dp-averaged losses, the global gradient norm
-and the stop/save flags. DeepSpeed 0.19.8's ZeRO-3 step makes three of its own (fp32): ``is_invalid_grad_norm``
-(``bool``) and one ``torch.tensor(-1.0, device=)`` per parameter group in ``get_grad_norm_direct``. Host-memory Engram
+A step of the training loop (its step, log and checkpoint phases; an ordinary step: not evaluated or saved) makes
+**one** host sync of ours, logged or not: :meth:`ScalarCollectives.read` of the dp-averaged losses, the global
+gradient norm and the stop/save flags (and on a logged step the health metrics, after the one all-reduce they add,
+which the test counts beside the step's other collectives). DeepSpeed 0.19.8's ZeRO-3 step makes three of its own
+(fp32): ``is_invalid_grad_norm`` (``bool``) and one ``torch.tensor(-1.0, device=)`` per parameter group in
+``get_grad_norm_direct``. Host-memory Engram
 tables add host-only ops on host tensors (``torch.unique`` of each micro-batch's host row ids, ``nonzero`` of the lazy
 row mask), which are no syncs.
 """
@@ -88,30 +90,57 @@ def test_the_training_forward_and_backward_never_wait_for_the_device(preset, ove
     assert not counter.calls
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "reduce",
+               "all_to_all_single", "barrier")
+
+
+def _collective_site() -> str:
+    """The innermost frame in mhf_dist outside the collectives' helpers (parallel/scalars.py), or in DeepSpeed."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if PACKAGE in frame.filename and not frame.filename.endswith("parallel/scalars.py"):
+            return f"{frame.filename[len(PACKAGE) + 1:]}:{frame.name}"
+        if "site-packages/deepspeed" in frame.filename:
+            return "deepspeed"
+    return "?"
+
+
 def _loop_syncs(rank, world, run_dir, data, overrides):
-    """Train 4 steps of 4 micro-batches with the counter on; the calls made from the start of each step to the start
-    of the next (the step, log, evaluation and checkpoint phases)."""
+    """Train 4 steps of 4 micro-batches with the counters on, logging every second step; the host syncs and the
+    collectives made from the start of each step to the start of the next (the step, log, evaluation and checkpoint
+    phases), as ``(syncs, collectives)`` per step."""
+    import torch.distributed as dist
+
     from mhf_dist.train.loop import TrainingLoop
     from mhf_dist.train.preemption import StopSignal
 
     preset = "tiny-h4b16k+engram" if any(o.startswith("model.engram") for o in overrides) else "tiny-h4b16k"
     cfg = load_config(preset, overrides=[
         f"tokenizer.path={data['tokenizer']}", f"data.path={data['shards']}", "data.seq_len=64",
-        "model.hash.num_buckets=256", "train.max_steps=4", "train.log_interval=100", "train.eval_interval=0",
+        "model.hash.num_buckets=256", "train.max_steps=4", "train.log_interval=2", "train.eval_interval=0",
         "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_sequences=8", *overrides])
     loop = TrainingLoop(cfg, StopSignal())
     assert loop.setup(run_dir, "none")
     steps, step = [], loop.step
 
+    def counting(name, call):
+        def counted(*args, **kwargs):
+            if steps:
+                steps[-1][1][(name, _collective_site())] += 1
+            return call(*args, **kwargs)
+        return counted
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counting(name, getattr(dist, name)))
+
     def counted_step(index):
         counter.calls = collections.Counter()
-        steps.append(counter.calls)
+        steps.append((counter.calls, collections.Counter()))
         return step(index)
 
     loop.step = counted_step
     with SyncCounter() as counter:
         loop.run()
-    return [dict(s) for s in steps]
+    return [(dict(syncs), dict(calls)) for syncs, calls in steps]
 
 
 OURS = {("tolist", "parallel/scalars.py:read"): 1}  # losses, gradient norm and stop/save flags, in one transfer
@@ -131,9 +160,14 @@ HOST_ONLY = {  # host tensors only: token ids and row masks of the host-memory E
     ["train.spike_factor=3", "train.grad_spike_factor=10", "train.on_spike=skip"],
 ], ids=["device-tables", "offload-lazy", "spike-skip"])
 def test_an_ordinary_training_step_reads_the_device_once(tmp_path, data, overrides):
-    """Under train.on_spike=skip too: the verdict stays on the device, read with the step's other numbers."""
+    """Under train.on_spike=skip too: the verdict stays on the device, read with the step's other numbers. A logged
+    step's health metrics (train.health_metrics, on by default) add one all-reduce and no host read."""
     steps = run_ranks(_loop_syncs, 1, tmp_path / "run", data, overrides)[0]
     assert len(steps) == 4
     expected = OURS | DEEPSPEED_ZERO3 | (HOST_ONLY if "model.engram.offload=true" in overrides else {})
-    for middle in steps[1:3]:  # not the first (DeepSpeed's first-step set-up) nor the last (evaluation and save)
-        assert middle == expected
+    (logged, logged_calls), (ordinary, ordinary_calls) = steps[1:3]  # steps 2 (logged) and 3: not the first
+    # (DeepSpeed's first-step set-up) nor the last (evaluation and save)
+    assert ordinary == logged == expected
+    assert collections.Counter(logged_calls) - collections.Counter(ordinary_calls) == {
+        ("all_reduce", "backend/deepspeed/health.py:summary"): 1}
+    assert collections.Counter(ordinary_calls) <= collections.Counter(logged_calls)

@@ -171,6 +171,14 @@ def test_every_validation_field_and_counter_is_shown(run, capsys):
     assert "counters   nonfinite_steps 2, skipped_steps 1, loss_spikes 3" in out
 
 
+def test_the_last_logged_gradient_norms_per_family_are_shown(run, capsys):
+    norms = {"grad_norm/tables": 2.5, "grad_norm/gate": 0.125, "grad_norm/block0": 1.0}
+    write_metrics(run, [record(2, **{"grad_norm/tables": 9.0}), record(4, grad_norm=2.6, **norms),
+                        {"step": 5, "val_loss": 6.9}])
+    assert status_json(capsys, run)["grad_norms"] == {"tables": 2.5, "gate": 0.125}  # families, not blocks
+    assert "grad norms tables 2.5000, gate 0.1250\n" in status_text(capsys, run)
+
+
 def test_the_rollbacks_are_listed(run, capsys):
     write_metrics(run, [record(2), record(4)])
     rollback = {"step": 9, "spikes": [7, 9], "checkpoint": "step-00000006", "checkpoint_step": 6,

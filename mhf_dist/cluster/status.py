@@ -165,6 +165,7 @@ class RunStatus:
     skipped_steps: int | None = None
     loss_spikes: int | None = None
     grad_spikes: int | None = None
+    grad_norms: dict | None = None  # the last logged step's gradient norm per parameter family (the health metrics)
     rollbacks: list[dict] = field(default_factory=list)
     slurm: SlurmJob | None = None
     lock: Lock | None = None
@@ -286,6 +287,9 @@ def _from_records(st: RunStatus, records: list[dict], tokens_per_step: int | Non
     if st.step is not None and st.max_steps:
         st.progress, st.finished = st.step / st.max_steps, st.step >= st.max_steps
     st.validation = latest_validation(records)
+    st.grad_norms = next((norms for r in reversed(training) if (norms := {
+        k.removeprefix("grad_norm/"): v for k, v in r.items() if k.startswith("grad_norm/") and "/block" not in k})),
+        None)
     for key in COUNTERS:
         setattr(st, key, next((r[key] for r in reversed(records) if key in r), None))
     return recent
@@ -369,6 +373,8 @@ def _progress_lines(st: RunStatus) -> list[str]:
         mean = f", {_number(st.loss_recent_mean)} mean of the last {st.recent_records} logged steps" if (
             st.loss_recent_mean is not None) else ""
         lines.append(_line("loss", f"{_number(st.loss)} last{mean}{heads}"))
+    if st.grad_norms:
+        lines.append(_line("grad norms", ", ".join(f"{k} {_number(v)}" for k, v in st.grad_norms.items())))
     if st.tokens_per_s is not None:
         mfu = f", MFU {st.mfu:.1%}" if st.mfu is not None else ""
         lines.append(_line("throughput", f"{st.tokens_per_s:,.0f} tokens/s{mfu} "
