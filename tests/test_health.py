@@ -122,6 +122,31 @@ def test_a_measured_step_reports_what_plain_torch_computes(tmp_path, data, prese
         assert stats.health[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
 
 
+def _two_steps(rank, world, run_dir, data, health):
+    """The numbers of two training steps on fixed batches, measured (``health``) or with the metrics off."""
+    from mhf_dist.train.loop import TrainingLoop
+    from mhf_dist.train.preemption import StopSignal
+
+    cfg = load_config("tiny-h4b16k", overrides=[
+        f"tokenizer.path={data['tokenizer']}", f"data.path={data['shards']}", f"data.seq_len={SEQ}",
+        f"model.hash.num_buckets={BUCKETS}", "train.max_steps=4", f"train.global_batch_size={MICRO * ACCUM}",
+        f"train.micro_batch_size={MICRO}", f"train.health_metrics={health}"])
+    loop = TrainingLoop(cfg, StopSignal())
+    assert loop.setup(run_dir, "none")
+    torch.manual_seed(1)
+    batches = torch.randint(1, len(loop.tokenizer), (2, MICRO * ACCUM, SEQ + 1))
+    steps = [loop.trainer.train_step(FixedBatches(b), health=True) for b in batches]
+    return [(s.loss, s.head_losses, s.grad_norm, s.health is not None) for s in steps]
+
+
+@pytest.mark.multirank
+def test_the_metrics_change_no_number_of_the_training(tmp_path, data):
+    measured = run_ranks(_two_steps, 1, tmp_path / "on", data, True)[0]
+    plain = run_ranks(_two_steps, 1, tmp_path / "off", data, False)[0]
+    assert [m[:3] for m in measured] == [p[:3] for p in plain]  # bit for bit, the second step's loss included
+    assert [m[3] for m in measured] == [True, True] and [p[3] for p in plain] == [False, False]
+
+
 def _entropies(model, x, y):
     model.vocab.measures_entropy = True
     return model(x, y).head_entropy

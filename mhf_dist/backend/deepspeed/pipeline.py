@@ -83,9 +83,12 @@ class PipelineLoss:
         self.outputs: list[TrainingLoss | Evaluation] = []
         self._temperatures: torch.Tensor | None = None  # evaluating at these
         self.loss_scale = 1.0  # a training loss is multiplied by it (the trainer's ``loss_scale``)
+        self.count_targets: Callable[[torch.Tensor], None] | None = None  # shown each training micro-batch's targets
 
     def __call__(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self._temperatures is None:
+            if self.count_targets is not None:
+                self.count_targets(targets)
             out = self.vocab.loss(h, targets)
             if self.loss_scale != 1.0:
                 out = out._replace(loss=out.loss * self.loss_scale)

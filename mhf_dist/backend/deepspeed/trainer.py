@@ -304,12 +304,12 @@ class PipelineTrainer(EngineTrainer):
         forward = ForwardHealth(vocab, health, self.engine.device,
                                 counts=first and self.engine.is_last_stage(), gate=first and groups.pp_rank == 0)
         self._measure_health(cfg, model, named, ds_config, forward)
+        if self.health is not None:  # the targets on the device, where the last stage's loss takes them
+            self.loss_fn.count_targets = forward.count_targets
 
     def _batches(self, reader: BatchSource, count: int):
         for _ in range(count):
             batch = reader.next_batch(self.micro)
-            if self.health is not None:
-                self.health.forward.count_targets(batch[:, 1:])
             yield batch[:, :-1], batch[:, 1:]
 
     def _last_stage_means(self, fields: Sequence[str], clear: bool = True) -> torch.Tensor:
