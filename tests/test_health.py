@@ -14,6 +14,7 @@ from helpers.ranks import run_ranks
 from mhf_dist.config import load_config
 from mhf_dist.model import build_model
 from mhf_dist.model.families import families
+from mhf_dist.model.health import HealthLayout
 from mhf_dist.train.optim import build_optimizer
 from mhf_dist.vocab.signatures import SignatureTable
 
@@ -172,3 +173,17 @@ def test_the_fused_heads_measure_the_plain_heads_entropy(preset):
     keep = y.reshape(-1) >= 0
     direct = torch.stack([-(lp.exp() * lp.clamp_min(-1e30)).sum(-1)[keep].mean() for lp in log_probs])
     assert torch.allclose(want, direct, rtol=1e-5)
+
+
+def test_a_step_the_optimizer_skipped_reports_no_optimizer_metrics():
+    """DeepSpeed leaves out a step with an overflow before the torch optimizer runs: nothing was measured there."""
+    layout = HealthLayout(["vocab.tables.weight", "backbone.layers.0.mlp.up_proj.weight",
+                           "backbone.layers.0.engram.tables.weight"], num_heads=2, num_buckets=4)
+    total = layout.zeros(torch.device("cpu"))
+    layout.part(total, "entropy").fill_(1.5)
+    layout.part(total, "gate")[:] = torch.tensor([3.0, 1.0, 4.0])
+    layout.part(total, "buckets")[:] = torch.tensor([1.0, 1.0, 0.0, 0.0, 4.0, 0.0, 0.0, 0.0])
+    metrics = layout.metrics(layout.summary(total).tolist())
+    assert metrics == pytest.approx({"gate_weight/head0": 0.75, "gate_weight/head1": 0.25, "head_entropy/head0": 1.5,
+                                     "head_entropy/head1": 1.5, "buckets_used/head0": 0.5, "buckets_used/head1": 0.25,
+                                     "bucket_entropy/head0": math.log(2), "bucket_entropy/head1": 0.0})

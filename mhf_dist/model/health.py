@@ -90,7 +90,8 @@ class HealthLayout:
 
     def metrics(self, values: list[float], grad_norms: bool = True) -> dict[str, float]:
         """:meth:`summary`'s values by metric name (``grad_norm/tables``, ``bucket_entropy/head0``, ...); without
-        ``grad_norms`` (the gradients were clipped by an unknown factor) those are left out."""
+        ``grad_norms`` (the gradients were clipped by an unknown factor) those are left out, and the optimizer's part
+        all of it when the optimizer did not run (DeepSpeed skipped the step for an overflow)."""
         names = [f"{kind}/{slot}" for kind in ("grad_norm", "param_norm", "update_ratio") for slot in self.slots]
         names += ["engram_rows_touched"] if self.engram else []
         heads = [f"head{i}" for i in range(self.heads)]
@@ -99,7 +100,10 @@ class HealthLayout:
         if self.buckets is not None:
             names += [f"{kind}/{h}" for kind in ("buckets_used", "bucket_entropy") for h in heads]
         found = dict(zip(names, values, strict=True))
-        return found if grad_norms else {k: v for k, v in found.items() if not k.startswith("grad_norm/")}
+        left_out = () if grad_norms else ("grad_norm/",)
+        if not any(found[f"param_norm/{slot}"] for slot in self.slots):  # the optimizer did not run (an overflow)
+            left_out = ("grad_norm/", "param_norm/", "update_ratio/", "engram_rows_touched")
+        return {k: v for k, v in found.items() if not k.startswith(left_out)} if left_out else found
 
 
 class ForwardHealth:

@@ -5,9 +5,9 @@ or sub-group; each rank's share, disjoint over data parallelism) holding the red
 without ZeRO it steps the parameters themselves. On a log step a step pre-hook on the torch optimizer adds the
 squares of each parameter's fragment of those tensors, its gradient and its weights, into the parameter's slots,
 and keeps a copy of the weights; a post-hook adds the squares of the update. Where a parameter's fragment lies:
-ZeRO-3 through DeepSpeed's ``safe_get_local_fp32_param`` (a view into the flat partition), ZeRO-1/2 and the bf16
-optimizer through the parameter's ``_hp_mapping`` (the one private symbol used here;
-tests/test_deepspeed_contract.py names it), without ZeRO the parameter itself.
+ZeRO-3 through DeepSpeed's ``safe_get_local_fp32_param`` (a view into the flat partition, less the padding of the
+last partitions), ZeRO-1/2 and the bf16 optimizer through the parameter's ``_hp_mapping`` (the one private symbol
+used here; tests/test_deepspeed_contract.py names it), without ZeRO the parameter itself.
 
 Each part is counted on one rank: a parameter replicated over tensor parallelism on tp rank 0, the tables tied
 between the pipeline's first and last stage on the first, a parameter every data-parallel rank holds whole (no
@@ -26,6 +26,7 @@ import torch
 from deepspeed.utils import safe_get_local_fp32_param
 from torch import nn
 
+from mhf_dist.backend.deepspeed.zero import unpadded
 from mhf_dist.model.health import ForwardHealth, HealthLayout, is_engram_table
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.scalars import ScalarCollectives
@@ -34,8 +35,8 @@ from mhf_dist.parallel.scalars import ScalarCollectives
 def local_fp32(param: nn.Parameter) -> torch.Tensor | None:
     """The fp32 values the torch optimizer steps of ``param`` on this rank: a view into a flat partition under ZeRO,
     the parameter itself without; None where this rank holds none of it."""
-    if hasattr(param, "ds_id"):  # ZeRO-3
-        return safe_get_local_fp32_param(param)
+    if hasattr(param, "ds_id"):  # ZeRO-3 (the last partitions' padding is not the parameter's)
+        return unpadded(param, safe_get_local_fp32_param(param))
     if hasattr(param, "_hp_mapping"):  # ZeRO-1/2, the bf16 optimizer
         return None if param._hp_mapping is None else param._hp_mapping.get_hp_fragment()
     return param

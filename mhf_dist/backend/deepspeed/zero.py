@@ -22,13 +22,17 @@ def full_ndim(p: nn.Parameter) -> int:
 
 
 def held_values(p: nn.Parameter) -> torch.Tensor:
-    """The values of ``p`` this rank holds: its ZeRO-3 partition (``ds_tensor``) less the padding at the end of the
-    last partitions, which DeepSpeed allocates uninitialised; the parameter itself when it is not partitioned."""
+    """The values of ``p`` this rank holds: its ZeRO-3 partition (``ds_tensor``) less its padding
+    (:func:`unpadded`); the parameter itself when it is not partitioned."""
     part = getattr(p, "ds_tensor", None)
-    if part is None:
-        return p
-    start = part.numel() * dist.get_rank(group=p.ds_process_group)
-    return part.narrow(0, 0, min(part.numel(), max(0, p.ds_numel - start)))
+    return p if part is None else unpadded(p, part)
+
+
+def unpadded(p: nn.Parameter, partition: torch.Tensor) -> torch.Tensor:
+    """``partition`` (this rank's ZeRO-3 partition of ``p``, or a tensor laid out as it, such as its fp32 master
+    copy) less the padding at the end of the last partitions, which DeepSpeed allocates uninitialised."""
+    start = partition.numel() * dist.get_rank(group=p.ds_process_group)
+    return partition.narrow(0, 0, min(partition.numel(), max(0, p.ds_numel - start)))
 
 
 class Zero3Partitioner:
