@@ -64,6 +64,9 @@ class StepHealth:
         self.sums: torch.Tensor | None = None  # measuring while set
         self.fragments: dict[int, _Fragments] = {}
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (tensor, copy before the step)
+        # host memory for those copies, kept between logged steps: the CPU allocator would hand it back to the
+        # system and fault it in again each time (a GPU's caching allocator keeps freed memory for activations)
+        self.host_copies: dict[int, torch.Tensor] = {}
         optimizer.register_step_pre_hook(self._before)
         optimizer.register_step_post_hook(self._after)
 
@@ -115,7 +118,15 @@ class StepHealth:
                     start, length = fragments.spans[i]
                     touched[0] += torch.count_nonzero(grad.narrow(0, start, length))
                     touched[1] += length
-            self.weights[id(tensor)] = (tensor, tensor.detach().clone())
+            self.weights[id(tensor)] = (tensor, self._copy(tensor))
+
+    def _copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "cpu":
+            return tensor.detach().clone()
+        copy = self.host_copies.get(id(tensor))
+        if copy is None or copy.shape != tensor.shape:
+            copy = self.host_copies[id(tensor)] = torch.empty_like(tensor)
+        return copy.copy_(tensor.detach())
 
     def _after(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         for tensor, before in self.weights.values():
