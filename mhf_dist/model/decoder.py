@@ -99,5 +99,10 @@ class CascadedDecoder(nn.Module):
 
 
 def head_entropies(log_probs: list[torch.Tensor]) -> torch.Tensor:
-    """``[N, H]``: each head's ``-Σ_b p_b log p_b`` over the rows of its ``log p [N, R_local]`` (detached)."""
-    return torch.stack([torch.special.entr(log_p.detach().exp()).sum(-1) for log_p in log_probs], dim=-1)
+    """``[N, H]``: each head's ``-Σ_b p_b log p_b`` over the rows of its ``log p [N, R_local]`` (detached; a masked
+    row's ``log p = -inf`` counts as 0)."""
+    def entropy(log_p: torch.Tensor) -> torch.Tensor:
+        log_p = log_p.detach()
+        return -torch.einsum("nb,nb->n", log_p.exp(), log_p.clamp_min(torch.finfo(log_p.dtype).min))
+
+    return torch.stack([entropy(log_p) for log_p in log_probs], dim=-1)

@@ -142,8 +142,8 @@ class FusedHead(torch.autograd.Function):
     def forward(ctx, c, weight, rows, owned, valid, retrieve, chunk, tables, gradients, table, entropy=False):
         """``rows`` local target rows (clamped), ``owned`` whether held here, ``valid [R]`` real rows or None;
         ``weight``'s gradient goes to slot ``table`` of ``gradients`` (a ``TableGradients``); ``entropy``: also
-        return ``-Σ_b p_b log p_b`` over the rows held here, ``(S log T − Σ_b e_b log e_b) / T`` with
-        ``e = exp(o − peak)``, ``S`` its local and ``T`` its global sum (no gradient)."""
+        return ``-Σ_b p_b log p_b`` over the rows held here, ``(S log Z − Σ_b e_b o_b) / T`` with
+        ``e = exp(o − peak)``, ``S`` its local and ``T`` its global sum (no gradient; no logarithm per bucket)."""
         n = c.shape[0]
         stats = _stats_dtype(c)
         log_z, target = c.new_empty(n, dtype=stats), c.new_empty(n, dtype=stats)
@@ -154,11 +154,13 @@ class FusedHead(torch.autograd.Function):
             picked = logits.gather(-1, rows[s:s + chunk, None]).squeeze(-1).to(stats)
             target[s:s + chunk] = tables.reduce_sum(torch.where(owned[s:s + chunk], picked, 0.0))
             peak = tables.reduce_max(_row_max(logits, valid))
-            e, local = _shifted_exp(logits, valid, peak)  # (the logits are no longer needed)
+            kept = logits.clone() if entropy else None  # (the exponentials replace the logits in place)
+            e, local = _shifted_exp(logits, valid, peak)
             total = tables.reduce_sum(local)
             log_z[s:s + chunk] = peak + total.log()
-            if entropy:
-                ent[s:s + chunk] = (local * total.log() - torch.special.xlogy(e, e).sum(-1)) / total
+            if entropy:  # masked rows have e = 0 beside a finite logit
+                products = torch.einsum("nb,nb->n", e, kept.to(e.dtype))  # Σ_b e_b o_b
+                ent[s:s + chunk] = (local * log_z[s:s + chunk] - products) / total
             if retrieve:
                 e_bar[s:s + chunk] = tables.reduce_sum(_normalised(e, total, weight.dtype) @ weight)
         ctx.save_for_backward(c, weight, rows, owned, valid, log_z, e_bar)
