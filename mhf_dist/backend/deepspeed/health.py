@@ -30,6 +30,7 @@ from mhf_dist.backend.deepspeed.zero import unpadded
 from mhf_dist.model.health import ForwardHealth, HealthLayout, is_engram_table
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.scalars import ScalarCollectives
+from mhf_dist.parallel.state_dict import split_dim
 
 
 def local_fp32(param: nn.Parameter) -> torch.Tensor | None:
@@ -159,11 +160,10 @@ class EngineHealth:
     """A trainer's health metrics: the optimizer's part (:class:`StepHealth`) and the forward's
     (:class:`ForwardHealth`), summed over the ranks at the end of a log step."""
 
-    def __init__(self, layout: HealthLayout, optimizer: torch.optim.Optimizer,
-                 named: Sequence[tuple[str, nn.Parameter]], counted: Callable[[str], bool],
-                 forward: ForwardHealth, device: torch.device):
-        self.layout, self.forward = layout, forward
-        self.step = StepHealth(optimizer, named, layout, counted, device)
+    def __init__(self, optimizer: torch.optim.Optimizer, named: Sequence[tuple[str, nn.Parameter]],
+                 counted: Callable[[str], bool], forward: ForwardHealth, device: torch.device):
+        self.layout, self.forward = forward.layout, forward
+        self.step = StepHealth(optimizer, named, forward.layout, counted, device)
         self.grad_norms = True  # False after a step whose gradients were clipped by a factor not known
 
     def metrics(self, values: list[float]) -> dict[str, float]:
@@ -189,16 +189,16 @@ class EngineHealth:
         return self.layout.summary(total, unclip)
 
 
-def counted_here(groups: ParallelGroups, layout_split: list[re.Pattern], partitioned: bool,
+def counted_here(groups: ParallelGroups, split_dims: list[tuple[re.Pattern, int]], partitioned: bool,
                  first_stage: bool) -> Callable[[str], bool]:
-    """Whether this rank counts a parameter (module docstring): ``layout_split`` the patterns of the parameters
-    split over tensor parallelism, ``partitioned`` whether ZeRO partitions the optimizer's tensors over data
-    parallelism, ``first_stage`` whether this is the pipeline's first stage."""
+    """Whether this rank counts a parameter (module docstring): ``split_dims`` the tensor-parallel plan's split
+    parameters (:func:`~mhf_dist.parallel.tensor_parallel.tp_split_dims`), ``partitioned`` whether ZeRO partitions
+    the optimizer's tensors over data parallelism, ``first_stage`` whether this is the pipeline's first stage."""
 
     def counted(name: str) -> bool:
         if not partitioned and groups.dp_rank != 0:
             return False
-        if groups.tp_rank != 0 and not any(p.fullmatch(name) for p in layout_split):
+        if groups.tp_rank != 0 and split_dim(name, split_dims) is None:  # replicated over tp
             return False
         return first_stage or not name.startswith("vocab.tables.")
 

@@ -125,9 +125,9 @@ class EngineTrainer:
         skeleton), whose parameters this rank trains are ``named`` (the model's naming)."""
         if not cfg.train.health_metrics:
             return
-        counted = counted_here(self.groups, [p for p, _ in tp_split_dims(cfg.model, self.groups.tp)],
-                               zero_stage(ds_config) > 0, self.groups.pp_rank == 0)
-        self.health = EngineHealth(forward.layout, self.optimizer, named, counted, forward, self.engine.device)
+        counted = counted_here(self.groups, tp_split_dims(cfg.model, self.groups.tp), zero_stage(ds_config) > 0,
+                               self.groups.pp_rank == 0)
+        self.health = EngineHealth(self.optimizer, named, counted, forward, self.engine.device)
 
     def _health_summary(self, measured: bool) -> torch.Tensor | None:
         """A measured step's health values, on the device (None when not measured)."""
