@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,7 @@ from helpers.jobs import Job
 from helpers.runs import train_args
 from mhf_dist.cluster.status import gather, render
 from mhf_dist.errors import HUNG_EXIT_CODE, NODE_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
-from mhf_dist.storage.heartbeats import rank_health, write_heartbeat
+from mhf_dist.storage.heartbeats import rank_health, read_heartbeats, write_heartbeat
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.storage.run_lock import running
 
@@ -69,9 +70,15 @@ def test_status_shows_a_running_job_whose_heartbeats_disagree_as_hung(tmp_path):
     assert "ranks      HUNG (2 ranks on n1, n2): not answering: rank 1 (n2, pid 1001" in render(st)
 
 
-def _stopped_mid_run(job: Job, step: int, timeout: float) -> tuple[int, str, dict[int, int]]:
-    """Rank 1 of ``job`` stopped (SIGSTOP) once step ``step`` is logged: the job's exit code, output and rank pids."""
+def _stopped_mid_run(job: Job, run: Path, step: int, timeout: float) -> tuple[int, str, dict[int, int]]:
+    """Rank 1 of ``job`` stopped (SIGSTOP) once step ``step`` is logged and rank 1's own heartbeat says it is in a
+    step (its heartbeat thread writes every few seconds, so right after the log it may still say "starting"): the
+    job's exit code, output and rank pids."""
     job.wait_for(f"step {step}/{STEPS}")
+    deadline = time.monotonic() + 60
+    while not any(b["rank"] == 1 and b.get("phase") == "step" for b in read_heartbeats(RunDir(run))):
+        assert time.monotonic() < deadline, "rank 1's heartbeat never said it was in a step"
+        time.sleep(0.2)
     ranks = job.ranks()
     os.kill(ranks[1], signal.SIGSTOP)
     try:
@@ -88,7 +95,7 @@ def test_a_stopped_rank_ends_the_job_with_every_live_ranks_stacks_and_the_rerun_
     # without the watchdog rank 0 would wait out the process group's 10 minutes, past job.end's limit
     args = train_args(run, data, 2, "train.checkpoint_interval=2", f"train.hang_timeout_s={HANG_TIMEOUT_S}",
                       "train.dist_timeout_minutes=10", steps=STEPS)
-    code, out, ranks = _stopped_mid_run(Job(args, tmp_path / "hang.log"), 3, HANG_TIMEOUT_S + 90)
+    code, out, ranks = _stopped_mid_run(Job(args, tmp_path / "hang.log"), run, 3, HANG_TIMEOUT_S + 90)
     assert code == HUNG_EXIT_CODE, out[-3000:]
 
     (hang,) = (run / "hangs").iterdir()
@@ -118,7 +125,7 @@ def test_a_rank_without_a_heartbeat_for_the_peer_timeout_is_lost_with_its_node(t
     run = tmp_path / "run"
     args = train_args(run, data, 2, "train.peer_timeout_s=4", "train.hang_timeout_s=600",
                       "train.dist_timeout_minutes=10", steps=STEPS)
-    code, out, _ = _stopped_mid_run(Job(args, tmp_path / "lost.log"), 2, 90)
+    code, out, _ = _stopped_mid_run(Job(args, tmp_path / "lost.log"), run, 2, 90)
     assert code == NODE_LOST_EXIT_CODE, out[-3000:]
     lost = json.loads((run / "heartbeats" / "lost.json").read_text())
     assert lost["ranks"] == [1] and len(lost["nodes"]) == 1
