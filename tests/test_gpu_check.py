@@ -111,7 +111,7 @@ def _write_run(run, records, preset="tiny-h4b16k"):
 
 def _records(steps=4, loss=38.9, grad_norm=100.0, **extra):
     return [{"step": s, "loss": loss - 0.1 * s, "head_losses": [(loss - 0.1 * s) / 4] * 4, "grad_norm": grad_norm / s,
-             "tokens_per_s": 1000.0, "memory_gb": 1.0, **extra} for s in range(1, steps + 1)]
+             "tokens_per_s": 1000.0, "memory_gb": 1.0, "device_s": 1e-3, **extra} for s in range(1, steps + 1)]
 
 
 def test_layout_and_accumulation_checks_compare_loss_and_gradient_norm(tmp_path):
@@ -139,9 +139,14 @@ def test_feature_checks_on_made_up_runs(tmp_path):
 
     _write_run(ctx.run("engram-device"), _records(c, memory_gb=0.30))
     _write_run(ctx.run("engram-offload"), _records(c, memory_gb=0.10))
-    assert training.engram_offload_check(ctx).status == "PASS"
+    check = training.engram_offload_check(ctx)
+    assert check.status == "PASS" and check.values["device_probe_s"] == 1e-3, check
     _write_run(ctx.run("engram-offload"), _records(c, memory_gb=0.30))  # the tables stayed on the device
     assert training.engram_offload_check(ctx).status == "FAIL"
+    _write_run(ctx.run("engram-offload"), [{k: v for k, v in r.items() if k != "device_s"}
+                                           for r in _records(c, memory_gb=0.10)])
+    check = training.engram_offload_check(ctx)  # on a GPU every compared step carries the device probe's time
+    assert check.status == "FAIL" and "the device probe timed no step" in check.result, check
 
     _write_run(ctx.run("mhf-bf16"), _records(30))
 

@@ -1,6 +1,7 @@
 """Slow ranks are visible: each log interval carries the slowest rank's compute time against the median of its
-pipeline stage's other ranks, a rank that stays slow is named with its node, and an even run names none (also with
-pipeline stages, whose work differs by design)."""
+pipeline stage's other ranks, and the slowest device's time at the device probe against the median of the other
+ranks' devices; a rank or device that stays slow is named with its node, and an even one is not (also with pipeline
+stages, whose work differs by design). Each run slows one measure and keeps the other even."""
 
 from __future__ import annotations
 
@@ -9,30 +10,41 @@ import pytest
 from helpers.runs import metrics, run_cli, train_args
 from mhf_dist.cluster.status import gather, render
 from mhf_dist.storage.heartbeats import node_name
-from mhf_dist.train.fault_injection import SLOW_RANK_ENV
+from mhf_dist.train.fault_injection import SLOW_DEVICE_ENV, SLOW_RANK_ENV
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("slowed", [True, False], ids=["rank-1-at-half-speed", "even-pp2-dp2"])
-def test_a_rank_at_half_speed_is_named_and_an_even_run_names_none(tmp_path, data, monkeypatch, slowed):
+@pytest.mark.parametrize("slowed", ["rank", "device"], ids=["rank-1-at-half-speed", "pp2-dp2-device-3-at-half-speed"])
+def test_a_slow_rank_and_a_slow_device_are_named_and_even_ones_are_not(tmp_path, data, monkeypatch, slowed):
     run = tmp_path / "run"
     # factor 1.5: on the shared 2-core machine even ranks' CPU time per step differs by up to 1.35x (other tests'
-    # ranks contend for the caches), above the 1.2 default; half speed is 2x
-    watch = ["train.straggler_intervals=2", "train.straggler_factor=1.5", "train.log_interval=2"]
-    if slowed:
+    # ranks contend for the caches), above the 1.2 default; half speed is 2x. On CPU the probe is asked for.
+    watch = ["train.straggler_intervals=2", "train.straggler_factor=1.5", "train.log_interval=2",
+             "train.device_probe=true"]
+    if slowed == "rank":
         monkeypatch.setenv(SLOW_RANK_ENV, "1:1.0")  # rank 1 at half speed: its steps compute twice as long
         args = train_args(run, data, 2, *watch, steps=8)
-    else:  # the last stage holds the decoder: each rank is compared with its own stage's other rank
+        slow, key, even, even_record = 1, "slowest_ratio", "has a slow device", "slow_device"
+    else:  # the last stage holds the decoder: each rank's compute is compared with its own stage's other rank
+        monkeypatch.setenv(SLOW_DEVICE_ENV, "3:1.0")  # rank 3's device takes twice as long for the probe's work
         args = train_args(run, data, 4, "parallel.pp=2", "parallel.zero_stage=1", *watch, steps=8)
+        slow, key, even, even_record = 3, "slowest_device_ratio", "is a straggler", "straggler"
     out = run_cli(args)
-    ratios = [(r["slowest_rank"], r["slowest_ratio"]) for r in metrics(run) if "slowest_ratio" in r]
-    assert len(ratios) == 5 and all(r["compute_s"] > 0 for r in metrics(run) if "compute_s" in r)
-    if not slowed:
-        assert "is a straggler" not in out and not [r for r in metrics(run) if "straggler" in r], out[-3000:]
-        return
-    warning = f"warning: rank 1 on {node_name()} is a straggler: its compute time per step is "
+    records = [r for r in metrics(run) if "compute_s" in r]
+    assert len(records) == 5 and all(r["compute_s"] > 0 and r["device_s"] > 0 for r in records)
+    assert all("slowest_ratio" in r and "slowest_device_ratio" in r for r in records)
+    # the even measure names none
+    assert even not in out and not [r for r in records if even_record in r], out[-3000:]
+
+    what = "is a straggler: its compute time per step is " if slowed == "rank" else "has a slow device: the device "
+    warning = f"warning: rank {slow} on {node_name()} {what}"
     assert out.count(warning) == 1, out[-3000:]  # said once, when it had lasted 2 intervals
     # from step 4: the first steps are warm-up (ZeRO-3 records its parameter fetch order), uneven across ranks
-    assert all(rank == 1 and ratio > 1.5 for rank, ratio in ratios[2:]), ratios
-    assert metrics(run)[-1]["straggler"]["rank"] == 1 and "slowest r1 1." in out
-    assert f"straggler  rank 1 on {node_name()}: " in render(gather(run))
+    slowest = [(r[key.replace("ratio", "rank")], r[key]) for r in records[2:]]
+    assert all(rank == slow and ratio > 1.5 for rank, ratio in slowest), slowest
+    if slowed == "rank":
+        assert records[-1]["straggler"]["rank"] == 1 and "slowest r1 1." in out
+        assert f"straggler  rank 1 on {node_name()}: " in render(gather(run))
+    else:
+        assert records[-1]["slow_device"]["rank"] == 3 and "device r3 " in out
+        assert f"device     rank 3 on {node_name()} is slow: " in render(gather(run))

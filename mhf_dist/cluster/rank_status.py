@@ -1,7 +1,7 @@
 """``status``'s view of a running job's ranks, from their heartbeats (:mod:`mhf_dist.storage.heartbeats`) and the
 newest metrics record: how many answer and on which nodes, whether the job is HUNG (ranks disagree: some stopped
 answering while others answer, or a rank that answers made no progress for its hang timeout) and which ranks, and
-the slowest rank when the training loop flagged a straggler."""
+the slowest rank when the training loop flagged a straggler or a slow device."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class Ranks:
     hung: bool
     findings: list[str]  # which ranks stopped answering, fell behind or made no progress
     straggler: dict | None  # the newest record's straggler warning: {rank, node, ratio, intervals}
+    slow_device: dict | None  # the newest record's slow device warning: the same fields
 
 
 def read_ranks(run: RunDir, now: float, records: list[dict]) -> Ranks | None:
@@ -28,9 +29,10 @@ def read_ranks(run: RunDir, now: float, records: list[dict]) -> Ranks | None:
     if health is None:
         return None
     nodes = list(dict.fromkeys(str(b.get("node")) for b in beats))
-    straggler = next((r["straggler"] for r in reversed(records) if "straggler" in r), None) if records else None
+    # the newest record that measured the ranks: a warning stays in every record while it holds
+    newest = next((r for r in reversed(records) if "compute_s" in r), {})
     return Ranks(health.world, nodes, health.step, health.hung, health.describe(now) if health.hung else [],
-                 straggler)
+                 newest.get("straggler"), newest.get("slow_device"))
 
 
 def rank_lines(ranks: Ranks | None, label) -> list[str]:
@@ -42,4 +44,8 @@ def rank_lines(ranks: Ranks | None, label) -> list[str]:
     if s := ranks.straggler:
         lines.append(label("straggler", f"rank {s['rank']} on {s['node']}: {s['ratio']:.2f}x the median compute "
                                         f"time per step of its stage's other ranks for {s['intervals']} log intervals"))
+    if s := ranks.slow_device:
+        lines.append(label("device", f"rank {s['rank']} on {s['node']} is slow: {s['ratio']:.2f}x the median time "
+                                     f"of the other ranks' devices at the device probe for {s['intervals']} log "
+                                     "intervals"))
     return lines

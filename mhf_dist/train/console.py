@@ -3,7 +3,8 @@
 ``step 20/200 | loss 28.37 | grad 1.9 | lr 4.9e-05 | 600 tok/s | mfu 9.8% | mem 2.1 GB | 0.85 s/step | eta 2 min``
 
 (with several ranks ``slowest r3 1.04x`` before the ETA: the rank with the most compute time per step, against the
-median of its pipeline stage's other ranks, :mod:`mhf_dist.train.stragglers`)
+median of its pipeline stage's other ranks, and with the device probe ``device r1 1.01x``: the rank whose device took
+longest for the probe's fixed work, against the median of the others, :mod:`mhf_dist.train.stragglers`)
 
 and, at evaluations, the validation perplexities. ``metrics.jsonl`` keeps every value at full precision.
 """
@@ -48,6 +49,8 @@ def step_line(step: int, total: int, record: dict, seconds_left: float | None) -
         parts.append(f"skipped {record['skipped_steps']}")
     if record.get("slowest_ratio") is not None:  # ranks' own compute time: the slowest against the others
         parts.append(f"slowest r{record['slowest_rank']} {record['slowest_ratio']:.2f}x")
+    if record.get("slowest_device_ratio") is not None:  # the device probe's: the slowest device against the others
+        parts.append(f"device r{record['slowest_device_rank']} {record['slowest_device_ratio']:.2f}x")
     if seconds_left is not None:
         parts.append(f"eta {duration(seconds_left)}")
     return " | ".join(parts)

@@ -9,6 +9,8 @@ for the ranks it starts. Nothing here acts unless its variable is set: a run nev
 - :data:`DISK_BYTES_ENV`: the capacity, in bytes, of a simulated filesystem holding the checkpoints; writes fail
   once the checkpoints fill it.
 - :data:`SLOW_RANK_ENV`: ``RANK:FRACTION``: that rank computes ``FRACTION`` more in each step (a straggler).
+- :data:`SLOW_DEVICE_ENV`: ``RANK:FRACTION``: that rank's device probe computes ``FRACTION`` more products in its
+  timed chain (a device that takes longer for the same work).
 - :data:`LOSS_SPIKE_ENV`: ``SAMPLE:FACTOR[,SAMPLE:FACTOR...]``: the loss (and so the gradients) of the step whose
   global batch holds global sample position ``SAMPLE`` multiplied by ``FACTOR`` on every rank: a loss spike that comes
   with its data, so a run that skips that data does not meet it again.
@@ -27,6 +29,7 @@ CONVERT_PAUSE_ENV = "MHF_DIST_TEST_CONVERT_PAUSE"
 SAVE_FAIL_ENV = "MHF_DIST_TEST_SAVE_FAIL_RANK"
 DISK_BYTES_ENV = "MHF_DIST_TEST_DISK_BYTES"
 SLOW_RANK_ENV = "MHF_DIST_TEST_SLOW_RANK"
+SLOW_DEVICE_ENV = "MHF_DIST_TEST_SLOW_DEVICE"
 LOSS_SPIKE_ENV = "MHF_DIST_TEST_LOSS_SPIKE"
 
 
@@ -72,6 +75,15 @@ def slow_step(rank: int, compute_s: float) -> None:
         until = time.thread_time() + float(fraction) * compute_s
         while time.thread_time() < until:
             pass
+
+
+def slow_device_repeats(rank: int, products: int) -> int:
+    """How many products the device probe times: ``products``, or for the slow device of :data:`SLOW_DEVICE_ENV`
+    that many more by its fraction."""
+    if not os.environ.get(SLOW_DEVICE_ENV):
+        return products
+    slow, fraction = os.environ[SLOW_DEVICE_ENV].split(":")
+    return round(products * (1 + float(fraction))) if int(slow) == rank else products
 
 
 def loss_scale(first: Callable[[], int], batch: int) -> float:

@@ -64,6 +64,7 @@ from mhf_dist.storage.run_lock import RunDirLocked, RunLock
 from mhf_dist.train.checkpoint import Checkpointer
 from mhf_dist.train.checkpoint.index import read_marker
 from mhf_dist.train.console import step_line
+from mhf_dist.train.device_probe import DeviceProbe
 from mhf_dist.train.divergence import LossWatch
 from mhf_dist.train.fault_injection import loss_scale, slow_step
 from mhf_dist.train.host_tables import host_tables_factory
@@ -300,9 +301,9 @@ class TrainingLoop:
         cfg, t = self.cfg, self.cfg.train
         self.tokens_per_step = t.global_batch_size * cfg.data.seq_len
         self.flops_per_token = forward_flops(cfg.model, cfg.data.seq_len, self.vocab_rows).train
-        self.peak = self.scalars.from_rank0(total_peak_flops(
-            t.peak_tflops, self.device, torch.bfloat16 if t.dtype == "bf16" else torch.float32, self.world)
-            if self.rank == 0 else 0.0)
+        dtype = torch.bfloat16 if t.dtype == "bf16" else torch.float32
+        self.peak = self.scalars.from_rank0(total_peak_flops(t.peak_tflops, self.device, dtype, self.world)
+                                            if self.rank == 0 else 0.0)
         restart_peak_memory(self.device)  # the logged peak is the steps' own, not construction's or the probe's
         self.eval_batches = max(1, t.eval_sequences // (t.micro_batch_size * self.layout.dp))
         self.end = min(t.stop_at_step or t.max_steps, t.max_steps)
@@ -318,8 +319,10 @@ class TrainingLoop:
             self.watch.load_state_dict(self.watched)
         self.step_times: deque[float] = deque(maxlen=20)  # the recent steps' seconds, for the ETA
         self.watchdog = Watchdog(self.run_dir, self.rank, t.hang_timeout_s, t.peer_timeout_s).start()
-        self.stragglers = StragglerWatch(self.run_dir, self.rank, self.world, self.groups.pp_rank,
-                                         t.straggler_factor, t.straggler_intervals, self.scalars)
+        probe = t.device_probe if t.device_probe is not None else self.device.type == "cuda"
+        self.stragglers = StragglerWatch(
+            self.run_dir, self.rank, self.world, self.groups.pp_rank, t.straggler_factor, t.straggler_intervals,
+            self.scalars, DeviceProbe(self.device, dtype, self.rank) if probe else None)
         self.start = start
         self.progress = tqdm(desc="train", unit="step", dynamic_ncols=True, initial=start, total=t.max_steps,
                              disable=None if self.rank == 0 else True)
@@ -361,6 +364,8 @@ class TrainingLoop:
         """One optimizer step, timed, and its loss shown to the divergence watch (under ``train.on_spike=skip``,
         with the limits past which it applies no update)."""
         lr = self.trainer.lr
+        if self.logged(step):
+            self.stragglers.probe()
         began, compute = time.perf_counter(), self.stragglers.clock()
         limits = self.watch.limits() if self.cfg.train.on_spike != "warn" else None
         # asked only under the fault injection (one source's reader: a mixture has no single global position)
@@ -406,8 +411,8 @@ class TrainingLoop:
             return {}
         stats, watch = stepped.stats, self.watch
         tokens_per_s = self.tokens_per_step / stepped.seconds
-        ranks, warning = self.stragglers.interval()  # every rank: one small collective
-        if warning:
+        ranks, warnings = self.stragglers.interval()  # every rank: one small collective
+        for warning in warnings:
             tqdm.write(f"warning: {warning}")
         return ranks | {
             "loss": stats.loss, "head_losses": stats.head_losses, "lr": stepped.lr,

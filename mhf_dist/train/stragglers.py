@@ -9,29 +9,57 @@ its own slowness, not half of it), and warns, naming the rank and its node
 (from its heartbeat), when the ratio exceeds ``train.straggler_factor`` for ``train.straggler_intervals`` intervals
 in a row.
 
-On GPU ranks the measure is the host's share of the step (Python, kernel launches, waits that spin): a rank starved
-of CPU shows; a slow device is not told apart by it (that needs the device's own kernel times)."""
+On GPU ranks that measure is the host's share of the step (Python, kernel launches, waits that spin): a rank starved
+of CPU shows. A slow device shows in the second measure, the device probe's (:mod:`mhf_dist.train.device_probe`, on
+by default on GPUs, ``train.device_probe``): the same fixed work timed on every rank's device at each logged step,
+gathered in the same collective and judged the same way against the median of all other ranks (the work is the same
+on every stage)."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.storage.heartbeats import read_heartbeats
 from mhf_dist.storage.run_dir import RunDir
+from mhf_dist.train.device_probe import DeviceProbe
+
+
+@dataclass(frozen=True)
+class Measure:
+    """How one measure of the ranks is reported: its record keys and what its warnings say."""
+
+    rank_key: str  # the slowest rank
+    ratio_key: str  # its ratio to the median of the ranks it is compared with
+    record_key: str  # {rank, node, ratio, intervals} while a rank stays slow
+    slow: str  # "is a straggler: ..." with {ratio} and {count}
+    recovered: str  # "is no longer a straggler" with {rank}
+
+
+COMPUTE = Measure("slowest_rank", "slowest_ratio", "straggler",
+                  "is a straggler: its compute time per step is {ratio:.2f}x the median of its pipeline stage's "
+                  "other ranks for {count} log intervals",
+                  "rank {rank} is no longer a straggler")
+DEVICE = Measure("slowest_device_rank", "slowest_device_ratio", "slow_device",
+                 "has a slow device: the device probe's fixed matrix products take {ratio:.2f}x the median of the "
+                 "other ranks' devices for {count} log intervals",
+                 "rank {rank}'s device is no longer slow")
 
 
 class StragglerWatch:
-    """Rank ``rank`` of ``world``'s compute times, gathered and judged every log interval."""
+    """Rank ``rank`` of ``world``'s compute times (and its device probe's, when ``probe`` is given), gathered and
+    judged every log interval."""
 
     def __init__(self, run: RunDir, rank: int, world: int, stage: int, factor: float, intervals: int,
-                 scalars: ScalarCollectives):
+                 scalars: ScalarCollectives, probe: DeviceProbe | None = None):
         self.run, self.rank, self.world, self.factor, self.intervals = run, rank, world, factor, intervals
         self.stage = stage  # the rank's pipeline stage: ranks are compared with the others of theirs
-        self.scalars = scalars
+        self.scalars, self.device_probe = scalars, probe
         self._seconds, self._steps = 0.0, 0
-        self._slow: tuple[int, int] | None = None  # (rank, consecutive slow intervals)
+        self._device_s = 0.0  # the probe's seconds at the interval's logged step
+        self._slow: dict[Measure, tuple[int, int] | None] = {COMPUTE: None, DEVICE: None}  # (rank, intervals)
 
     def clock(self) -> float:
         """The rank's compute clock (the calling thread's CPU seconds)."""
@@ -42,41 +70,59 @@ class StragglerWatch:
         self._seconds += seconds
         self._steps += 1
 
-    def interval(self) -> tuple[dict, str | None]:
+    def probe(self) -> None:
+        """At the start of a logged step, outside its compute clock: the device probe's measure, when it runs."""
+        if self.device_probe is not None:
+            self._device_s = self.device_probe.measure()
+
+    def interval(self) -> tuple[dict, list[str]]:
         """Every rank, at each logged step: gather the interval's means (one collective); on rank 0, the record's
-        fields and a warning when a rank stayed slow; elsewhere ``({}, None)``."""
-        mine = [0.0] * (2 * self.world)  # each rank's seconds, then its stage
-        mine[self.rank], mine[self.world + self.rank] = self._seconds / max(1, self._steps), self.stage
+        fields and the warnings about ranks that stayed slow or recovered; elsewhere ``({}, [])``."""
+        w, probed = self.world, self.device_probe is not None
+        mine = [0.0] * (3 * w)  # each rank's compute seconds, then its stage, then its device probe's seconds
+        mine[self.rank], mine[w + self.rank] = self._seconds / max(1, self._steps), self.stage
+        mine[2 * w + self.rank] = self._device_s
         self._seconds, self._steps = 0.0, 0
-        if self.world == 1:
-            return {"compute_s": mine[0]}, None
-        gathered = self.scalars.read(self.scalars.sum_tensor(mine))
+        gathered = mine if w == 1 else self.scalars.read(self.scalars.sum_tensor(mine))
         if self.rank != 0:
-            return {}, None
-        times, stages = gathered[:self.world], gathered[self.world:]
-        ratios = {}
-        for r, t in enumerate(times):  # against the median of the other ranks of the same stage
-            peers = [u for q, u in enumerate(times) if q != r and stages[q] == stages[r]]
-            if peers and (median := statistics.median(peers)) > 0:
-                ratios[r] = t / median
-        fields = {"compute_s": statistics.median(times)}
-        if not ratios:  # no stage has two ranks to compare
-            return fields, None
-        slowest = max(ratios, key=ratios.get)
-        ratio = ratios[slowest]
-        fields |= {"slowest_rank": slowest, "slowest_ratio": ratio}
-        before, self._slow = self._slow, None
+            return {}, []
+        times, stages, device = gathered[:w], gathered[w:2 * w], gathered[2 * w:]
+        fields = {"compute_s": statistics.median(times)} | ({"device_s": statistics.median(device)} if probed else {})
+        warnings: list[str] = []
+        self._judge(COMPUTE, ratios(times, stages), fields, warnings)
+        if probed:
+            self._judge(DEVICE, ratios(device, [0] * w), fields, warnings)
+        return fields, warnings
+
+    def _judge(self, measure: Measure, by_rank: dict[int, float], fields: dict, warnings: list[str]) -> None:
+        """The slowest rank of ``by_rank`` into ``fields``; a warning when it has stayed above the factor for the
+        intervals (said once) or a rank that had is below it again."""
+        if not by_rank:  # no two ranks to compare
+            return
+        slowest = max(by_rank, key=by_rank.get)
+        ratio = by_rank[slowest]
+        fields |= {measure.rank_key: slowest, measure.ratio_key: ratio}
+        before, self._slow[measure] = self._slow[measure], None
         if ratio <= self.factor:
-            flagged = before is not None and before[1] >= self.intervals
-            return fields, f"rank {before[0]} is no longer a straggler ({ratio:.2f}x)" if flagged else None
+            if before is not None and before[1] >= self.intervals:
+                warnings.append(measure.recovered.format(rank=before[0]) + f" ({ratio:.2f}x)")
+            return
         count = before[1] + 1 if before and before[0] == slowest else 1
-        self._slow = (slowest, count)
+        self._slow[measure] = (slowest, count)
         if count < self.intervals:
-            return fields, None
+            return
         node = next((b.get("node") for b in read_heartbeats(self.run) if b["rank"] == slowest), "its node unknown")
-        fields["straggler"] = {"rank": slowest, "node": node, "ratio": ratio, "intervals": count}
-        if count > self.intervals:  # said once; the records and status keep showing it
-            return fields, None
-        return fields, (f"rank {slowest} on {node} is a straggler: its compute time per step is {ratio:.2f}x the "
-                        f"median of its pipeline stage's other ranks for {count} log intervals "
-                        f"(train.straggler_factor={self.factor:g})")
+        fields[measure.record_key] = {"rank": slowest, "node": node, "ratio": ratio, "intervals": count}
+        if count == self.intervals:  # said once; the records and status keep showing it
+            warnings.append(f"rank {slowest} on {node} " + measure.slow.format(ratio=ratio, count=count)
+                            + f" (train.straggler_factor={self.factor:g})")
+
+
+def ratios(times: list[float], groups: list[float]) -> dict[int, float]:
+    """Each rank's time against the median of the other ranks of its group (ranks alone in theirs are left out)."""
+    by_rank = {}
+    for r, t in enumerate(times):
+        peers = [u for q, u in enumerate(times) if q != r and groups[q] == groups[r]]
+        if peers and (median := statistics.median(peers)) > 0:
+            by_rank[r] = t / median
+    return by_rank

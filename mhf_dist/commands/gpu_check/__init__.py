@@ -59,7 +59,9 @@ fails, any other failure is its own row):
    These compare steps 1..C with the one-rank fp32 run above (same initial weights, data and learning rate):
    the max relative difference of the loss and of the gradient norm (before clipping) must be at most **1e-4**
    (the layout tests' tolerance; fp32 sums in another order differ by about 1e-6 per step), and the loss must
-   fall. A wrong gradient scale hides from the loss behind Adam and clipping, not from the gradient norm.
+   fall. A wrong gradient scale hides from the loss behind Adam and clipping, not from the gradient norm. On a GPU
+   each compared step must also carry the device probe's time (``device_s``, ``train.device_probe``: on by default
+   on GPUs), which times the probe's products with the device's events.
 
    - ``engram-offload`` (GPU): ``tiny-h4b16k+engram`` with 2 micro-batches per step, first with its tables on
      the device, then in pinned host memory (``model.engram.offload=true``: the CUDA branch, whose side stream

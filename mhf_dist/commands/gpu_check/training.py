@@ -222,10 +222,15 @@ def compare(ctx: Context, run: Path, reference: Path) -> tuple[bool, str, dict[s
     values = {f"max_rel_diff_{key}": max(relative_differences(got, want, steps, key)) for key in keys}
     first, last = got[1]["loss"], got[m.compare_steps]["loss"]
     finite = all(math.isfinite(got[s][key]) for s in steps for key in keys)
-    ok = finite and max(values.values()) <= m.compare_tolerance and last < first
+    # on a GPU the device probe times every logged step (train.device_probe's default there)
+    probed = m.device != "cuda" or all(got[s].get("device_s", 0) > 0 for s in steps)
+    ok = finite and probed and max(values.values()) <= m.compare_tolerance and last < first
     found = (f"steps 1-{m.compare_steps} against {reference.name}: max relative difference "
              + ", ".join(f"{key.replace('_', ' ')} {values[f'max_rel_diff_{key}']:.2g}" for key in keys)
-             + f" (tolerance {m.compare_tolerance:g}); loss {first:.3f} -> {last:.3f}")
+             + f" (tolerance {m.compare_tolerance:g}); loss {first:.3f} -> {last:.3f}"
+             + ("" if probed else "; the device probe timed no step"))
+    if m.device == "cuda" and probed:  # the probe's measured cost, per logged step
+        values["device_probe_s"] = statistics.median(got[s]["device_s"] for s in steps)
     return ok, found, values | {"tolerance_rel": m.compare_tolerance, "steps_compared": len(steps), "last_loss": last}
 
 
