@@ -38,14 +38,15 @@ class DeviceProbe:
         a = torch.full((self.n, self.n), 1 / self.n, device=self.device, dtype=self.dtype)  # a @ a is a again
         out = torch.empty_like(a)
         if self.gpu:
+            stream = torch.cuda.current_stream(self.device)  # the products' stream, whichever device is current
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(self.device)  # an idle device: no other stream's work shares it with the probe
-            start.record()
+            start.record(stream)
         began = time.thread_time()
         for _ in range(products):
             torch.matmul(a, a, out=out)
         if not self.gpu:
             return time.thread_time() - began
-        end.record()
+        end.record(stream)
         end.synchronize()
         return start.elapsed_time(end) / 1000
