@@ -174,31 +174,37 @@ def test_lazy_update_needs_offloaded_tables():
 
 
 @pytest.mark.multirank
-@pytest.mark.xfail(reason="the host-table run drifts from the dense one at step 4 (grad norm 2.6e-5 apart, table rows "
-                   "more than 1e-6) with the packages installed here; the cause is open", strict=False)
 def test_offloaded_training_equals_dense_tables_and_resumes(tmp_path, data):
-    """fp32, 1 rank, ZeRO-3, 4 micro-batches per step, grad_clip 1.0 (the tiny preset's): the offloaded run's
-    losses, grad norms and every table row after 4 steps equal the dense run's; a resume at step 2 continues it."""
+    """fp32, 1 rank, ZeRO-3, 4 micro-batches per step. Without clipping the offloaded run is the dense run bit for bit:
+    losses, every weight and table row after 4 steps. With the preset's clipping (grad_clip 1.0, active) the global
+    norm is summed in another order (the host tables' norm joins DeepSpeed's), 1 ulp apart at step 1; the clip
+    coefficient passes that to AdamW, whose update amplifies it where a gradient is near its eps, so the runs agree
+    to rounding: losses to 1e-6, grad norms to 1e-4, where the rounding leaves them 2.6e-5 apart at step 4 (a host
+    path that left its tables unclipped is 6e-4 off at step 3). A resume at step 2 continues the offloaded run bit
+    for bit."""
     def train(name, *extra):
         return run_cli(train_args(tmp_path / name, data, 1, *ENGRAM, *extra, preset="tiny-h4b16k+engram",
                                   steps=STEPS))
 
-    train("dense")
-    train("host", OFFLOAD)
+    for name, extra in (("dense", ()), ("host", (OFFLOAD,))):
+        train(name, *extra)
+        train(f"{name}-unclipped", *extra, "optimizer.grad_clip=0")
     dense, host = metrics(tmp_path / "dense"), metrics(tmp_path / "host")
     for a, b in zip(host, dense, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * b["loss"], (a["step"], a["loss"], b["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (
             a["step"], a["grad_norm"], b["grad_norm"])
     assert dense[0]["grad_norm"] > 1.0  # clipping was active
     ckpt = tmp_path / "host" / "checkpoints" / f"step-{STEPS:08d}"
     assert HOST_TABLES_FILE in read_marker(ckpt)["digests"]
     saved = load_file(str(ckpt / HOST_TABLES_FILE))
     assert {"layers.0.exp_avg", "layers.1.exp_avg_sq", "layers.1.step"} <= saved.keys()
-    want, got = trained_weights(tmp_path / "dense").state, trained_weights(tmp_path / "host").state
+
+    unclipped = [metrics(tmp_path / f"{name}-unclipped") for name in ("dense", "host")]
+    assert [r["loss"] for r in unclipped[1]] == [r["loss"] for r in unclipped[0]]
+    want, got = (trained_weights(tmp_path / f"{name}-unclipped").state for name in ("dense", "host"))
     assert got.keys() == want.keys()  # the export holds the offloaded tables
-    for name in want:
-        assert torch.allclose(got[name], want[name], atol=1e-6, rtol=0), name
+    assert [name for name in want if not torch.equal(got[name], want[name])] == []
 
     train("resumed", OFFLOAD, "train.stop_at_step=2")
     train("resumed", OFFLOAD)
