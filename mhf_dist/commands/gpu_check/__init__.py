@@ -8,7 +8,7 @@ downloaded, the tiny runs build their tokenizer and shards from the embedded cor
 
 (``bash tools/gpu_check.sh ...`` in a checkout runs the same with the checkout's ``.venv``; ``--skip`` leaves out
 layout and feature runs of step 2 by their check names) and, at tiny sizes and in fp32, on any machine without one
-(CI does; about 5.5 minutes on 2 cores)::
+(CI does; about 2 minutes on 2 idle cores)::
 
     mhf-dist gpu-check --cpu [--out DIR]
 
@@ -113,7 +113,8 @@ compilation and again 20-30 s for its final evaluation's no-grad graphs) and by 
 starts of 20-30 s each); the 2-rank runs compile nothing on CUDA, and each job's steps take seconds. Step 3
 about 3 minutes (decoding with ``compile=True`` dominates); step 4 about 2.5 minutes (each 1B configuration builds
 its model in a fresh process). In all about 9 minutes; ``--skip compile`` saves up to a minute. With ``--cpu``
-step 2 adds two runs (tp=2 and accumulation), 60-90 s on 2 idle cores (the check took 4.3 minutes without them).
+every training run has 1,024 buckets instead of the preset's 16,384 (a CPU step in a seventh of the time) and step 2
+adds two runs (tp=2 and accumulation): 124 s in all on 2 idle cores (2026-12-03; 184 s with 16,384 buckets).
 
 The check prints this estimate and a command's time limit first, then each command's and each step's seconds as
 they end. Each command gets ``OMP_NUM_THREADS`` = the cores over the processes that can run beside it (on a GPU

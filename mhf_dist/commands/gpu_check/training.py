@@ -21,7 +21,8 @@ def train_args(ctx: Context, run: Path, preset: str, dtype: str, *overrides: str
     m = ctx.mode
     args = ["train", "--preset", preset, "--run-dir", str(run)]
     for o in (f"train.max_steps={m.steps}", f"train.checkpoint_interval={m.split}", "train.log_interval=1",
-              f"train.dtype={dtype}", f"train.device={m.device}", "train.fused_head_kernel=eager", *overrides):
+              f"train.dtype={dtype}", f"train.device={m.device}", "train.fused_head_kernel=eager",
+              *m.train_overrides, *overrides):
         args += ["--set", o]
     return args
 
