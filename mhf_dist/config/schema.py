@@ -294,7 +294,8 @@ class TrainConfig(Strict):
         None, description="at every logged step, time the same fixed matrix products on each rank's device and warn, "
         "as for train.straggler_factor, when a rank's device is slower than the median of the others' (a throttled "
         "or degraded GPU, which the compute time per step, the host's share of it, does not show); waits for the "
-        "device before and after, about 1 ms per log interval on an H100 in bf16; None: on GPU ranks, off on CPU ranks")
+        "device before and after, an estimated 1 ms per log interval on an H100 in bf16; None: on GPU ranks, off "
+        "on CPU ranks")
     health_metrics: bool = Field(
         True, description="every logged step also reports, per parameter family and block, gradient and parameter "
         "norms and update ratios, and the hash model's bucket, gate and head statistics (docs/usage.md, "

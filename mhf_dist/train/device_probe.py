@@ -3,8 +3,8 @@ thread's CPU time: on a GPU rank that is the host's share of the step, so a devi
 others (clocks throttled by heat or power, a degraded part) hides in the time every rank then spends waiting for it.
 The probe times the same fixed work on every rank's device once per log interval: a chain of matrix products in the
 run's dtype, on an idle device (it waits for the device before and after), timed by the device's own events. Same
-work, same device model: the ranks' times differ only by their devices' speed. Probe and waits cost the device about
-a millisecond per log interval in bf16 (10 ms in fp32).
+work, same device model: the ranks' times differ only by their devices' speed. Probe and waits cost the device an
+estimated millisecond per log interval in bf16 on an H100 (10 ms in fp32; gpu-check reports the measured time).
 
 On a CPU device the products are timed by the training thread's CPU time (the device is the host; its OpenMP
 workers take equal shares), as the compute time is."""
@@ -17,8 +17,8 @@ import torch
 
 from mhf_dist.train.fault_injection import slow_device_repeats
 
-# (matrix size, products): 0.55 TFLOP on a GPU (about 1 ms on an H100 in bf16, 10 ms in fp32: long beside the events'
-# resolution of a microsecond), 0.27 GFLOP on a CPU (a few ms)
+# (matrix size, products): 0.55 TFLOP on a GPU (an estimated 1 ms on an H100 in bf16, 10 ms in fp32: long beside the
+# events' resolution of a microsecond), 0.27 GFLOP on a CPU (3 ms on a 2-core VM)
 GPU_WORK, CPU_WORK = (2048, 32), (256, 8)
 
 
