@@ -6,11 +6,15 @@ stages, whose work differs by design). Each run slows one measure and keeps the 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers.runs import metrics, run_cli, train_args
 from mhf_dist.cluster.status import gather, render
-from mhf_dist.storage.heartbeats import node_name
+from mhf_dist.storage.heartbeats import node_name, write_heartbeat
+from mhf_dist.storage.run_dir import RunDir
+from mhf_dist.train.device_probe import DeviceProbe
 from mhf_dist.train.fault_injection import SLOW_DEVICE_ENV, SLOW_RANK_ENV
+from mhf_dist.train.stragglers import StragglerWatch
 
 
 @pytest.mark.multirank
@@ -49,3 +53,42 @@ def test_a_slow_rank_and_a_slow_device_are_named_and_even_ones_are_not(tmp_path,
     else:
         assert records[-1]["slow_device"]["rank"] == 3 and "device r3 " in out
         assert f"device     rank 3 on {node_name()} is slow: " in render(gather(run))
+
+
+class _Gathered:
+    """Rank 0's collectives, answering each interval's sum with the ranks' values the test lays out."""
+
+    def __init__(self, intervals):
+        self.intervals = iter(intervals)
+
+    def sum_tensor(self, mine):
+        compute, device = next(self.intervals)
+        return compute + [0.0] * len(compute) + device  # every rank on pipeline stage 0
+
+    def read(self, gathered):
+        return gathered
+
+
+def test_each_measure_is_named_once_on_its_own_count_and_its_recovery_is_said(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.heartbeats_dir.mkdir(parents=True)
+    for rank in range(4):
+        write_heartbeat(run, {"rank": rank, "node": f"n{rank // 2 + 1}", "step": 1, "phase": "step"})
+    even, slow_2, slow_1 = [1.0] * 4, [1.0, 1.0, 2.0, 1.0], [1.0, 3.0, 1.0, 1.0]
+    gathered = _Gathered([(slow_2, even), (slow_2, slow_1), (even, slow_1), (even, slow_1)])
+    watch = StragglerWatch(run, 0, 4, 0, factor=1.5, intervals=2, scalars=gathered,
+                           probe=DeviceProbe(torch.device("cpu"), torch.float32, 0))
+    said = []
+    for _ in range(4):
+        watch.probe()
+        fields, warnings = watch.interval()
+        said.append((fields.get("straggler"), fields.get("slow_device"), warnings))
+    assert said[0] == (None, None, [])
+    assert said[1][0] == {"rank": 2, "node": "n2", "ratio": 2.0, "intervals": 2} and said[1][1] is None
+    assert said[1][2] == ["rank 2 on n2 is a straggler: its compute time per step is 2.00x the median of its pipeline "
+                          "stage's other ranks for 2 log intervals (train.straggler_factor=1.5)"]
+    assert said[2][0] is None and said[2][1] == {"rank": 1, "node": "n1", "ratio": 3.0, "intervals": 2}
+    assert said[2][2] == ["rank 2 is no longer a straggler (1.00x)",
+                          "rank 1 on n1 has a slow device: the device probe's fixed matrix products take 3.00x the "
+                          "median of the other ranks' devices for 2 log intervals (train.straggler_factor=1.5)"]
+    assert said[3] == (None, {"rank": 1, "node": "n1", "ratio": 3.0, "intervals": 3}, [])  # said once, still shown
