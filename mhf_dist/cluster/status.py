@@ -56,8 +56,9 @@ null; unknown values are null). Its keys:
   not running on this host, or its heartbeat missed 3 refreshes), else null; ``next_train_takes_over``: a ``train``
   started now would take the lock over
 - ``ranks``: the running job's ranks from their heartbeats (:mod:`mhf_dist.cluster.rank_status`): ``{world, nodes,
-  step, hung, findings, straggler}``, or null when no rank answers (no job runs). ``hung``: some ranks stopped
-  answering while others answer, or a rank made no progress for ``train.hang_timeout_s``; ``findings`` name them
+  step, hung, findings, straggler, slow_device}``, or null when no rank answers (no job runs). ``hung``: some ranks
+  stopped answering while others answer, or a rank made no progress for ``train.hang_timeout_s``; ``findings`` name
+  them; ``straggler``, ``slow_device``: the newest record's warnings (``{rank, node, ratio, intervals}``), or null
 """
 
 from __future__ import annotations
