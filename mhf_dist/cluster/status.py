@@ -58,8 +58,7 @@ null; unknown values are null). Its keys:
 - ``ranks``: the running job's ranks from their heartbeats (:mod:`mhf_dist.cluster.rank_status`): ``{world, nodes,
   step, hung, findings, straggler, slow_device}``, or null when no rank answers (no job runs). ``hung``: some ranks
   stopped answering while others answer, or a rank made no progress for ``train.hang_timeout_s``; ``findings`` name
-  them; ``straggler``, ``slow_device``: the newest record's warnings (``{rank, node, ratio, intervals}``), or null
-"""
+  them; ``straggler``, ``slow_device``: the newest record's warnings ``{rank, node, ratio, intervals}``, or null"""
 
 from __future__ import annotations
 
