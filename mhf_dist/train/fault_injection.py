@@ -65,14 +65,19 @@ def free_bytes(directory: Path) -> int:
     return shutil.disk_usage(directory).free
 
 
+def _slowed_by(variable: str, rank: int) -> float:
+    """The fraction by which ``variable`` (``RANK:FRACTION``) slows ``rank``: 0 when unset or for another rank."""
+    if not os.environ.get(variable):
+        return 0.0
+    slow, fraction = os.environ[variable].split(":")
+    return float(fraction) if int(slow) == rank else 0.0
+
+
 def slow_step(rank: int, compute_s: float) -> None:
     """The straggler of :data:`SLOW_RANK_ENV`: after a step of ``compute_s`` CPU seconds, it computes for that
     fraction of them again (busy, as a slower device or a starved host would be)."""
-    if not os.environ.get(SLOW_RANK_ENV):
-        return
-    slow, fraction = os.environ[SLOW_RANK_ENV].split(":")
-    if int(slow) == rank:
-        until = time.thread_time() + float(fraction) * compute_s
+    if fraction := _slowed_by(SLOW_RANK_ENV, rank):
+        until = time.thread_time() + fraction * compute_s
         while time.thread_time() < until:
             pass
 
@@ -80,10 +85,7 @@ def slow_step(rank: int, compute_s: float) -> None:
 def slow_device_repeats(rank: int, products: int) -> int:
     """How many products the device probe times: ``products``, or for the slow device of :data:`SLOW_DEVICE_ENV`
     that many more by its fraction."""
-    if not os.environ.get(SLOW_DEVICE_ENV):
-        return products
-    slow, fraction = os.environ[SLOW_DEVICE_ENV].split(":")
-    return round(products * (1 + float(fraction))) if int(slow) == rank else products
+    return round(products * (1 + _slowed_by(SLOW_DEVICE_ENV, rank)))
 
 
 def loss_scale(first: Callable[[], int], batch: int) -> float:
