@@ -7,10 +7,14 @@ import hashlib
 import io
 import json
 import logging
+import os
 import re
 import shutil
+import socket
+import subprocess
 import sys
 import tarfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -363,6 +367,23 @@ def test_documents_that_are_not_strings_are_named_or_skipped_and_counted(docs, t
         list(documents([tmp_path / "broken.parquet"]))
 
 
+def test_inputs_whose_every_document_was_skipped_say_so_and_why(docs, tok_dir, tmp_path, capsys):
+    """Not "0 tokens ... add text": the count skipped and the first one's reason, which names the wrong column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [0, 1, 2], "body": docs[:3]}), tmp_path / "ids.parquet")
+    args = ["prepare-data", str(tmp_path / "ids.parquet"), "--tokenizer", str(tok_dir), "--seq-len", "8",
+            "--on-bad-document", "skip", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert ("every document was skipped (--on-bad-document skip): 3 not text and none kept; the first, "
+            f"{tmp_path / 'ids.parquet'}: row 0: column 'text' holds 0, not a string (the column holds int64, not "
+            "strings; the file's columns: text, body); fix the row or name the text column with --text-field") in err
+    assert "add text" not in err and not (tmp_path / "out").exists()
+    assert main([*args, "--out", str(tmp_path / "body"), "--text-field", "body"]) == 0
+
+
 def test_a_directory_input_is_its_input_files_in_name_order(inputs, tok_dir, shards, tmp_path):
     """A directory stands for the input files directly in it, sorted: here the same files, in the same
     order, as the `shards` fixture's inputs, so the same shards. Other files and subdirectories are not read, and a
@@ -505,6 +526,89 @@ def test_missing_shard_is_a_named_error(copy):
     (copy / "train-000003.tar").unlink()
     with pytest.raises(DataError, match=r"train-000003.tar is missing .*on_bad_shard=skip"):
         _read_epoch(copy)
+
+
+# ---------------------------------------------------------------- data that runs read, prepared again
+def test_prepare_data_does_not_replace_a_directory_that_runs_read(copy, inputs, tok_dir, tmp_path, monkeypatch,
+                                                                   capsys):
+    """A run marks the directory it reads; --overwrite is refused while the mark lives, naming the run and the fix; a
+    run that starts during the preparation keeps the directory, the new preparation is kept beside it; the mark of
+    an exited process or a stale one does not count."""
+    import mhf_dist.commands.prepare_data as command
+    from mhf_dist.storage.reading_marks import READERS_DIR, mark_reading
+    from mhf_dist.storage.run_lock import STALE_S
+
+    run, manifest, host = tmp_path / "run", (copy / "manifest.json").read_text(), socket.gethostname()
+    args = _prepare_args(inputs, tok_dir, copy, "--samples-per-shard", "60", "--overwrite")
+    read = load_config("tiny-h4b16k", overrides=[f"data.path={copy}"]).data
+    marks = mark_reading(read, run)  # as a training run's first rank does before it starts
+    try:
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert (f"{copy} is read by 1 training run: run {run.resolve()} (process {os.getpid()} on {host}, "
+                "started ") in err, err
+        assert "prepare into another directory (--out NEW) and resume them on it with --set data.path=NEW --set " \
+            "data.restart=true" in err
+        assert (copy / "manifest.json").read_text() == manifest and not list(tmp_path.glob(".copy.*"))
+    finally:
+        marks.release()
+    assert not list((copy / READERS_DIR).iterdir())
+
+    started = []
+
+    def prepare_while_a_run_starts(*a, **kw):
+        prepared = prepare(*a, **kw)
+        started.append(mark_reading(read, run))
+        return prepared
+
+    monkeypatch.setattr(command, "prepare", prepare_while_a_run_starts)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    started[0].release()
+    kept = copy.with_name("copy.new")
+    assert f"The new preparation is complete in {kept}: resume those runs on it with --set data.path={kept}" in err
+    assert (copy / "manifest.json").read_text() == manifest
+    assert json.loads((kept / "manifest.json").read_text())["samples_per_shard"] == 60
+    monkeypatch.undo()
+
+    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (copy / READERS_DIR / f"{host}-{exited.stdout.strip()}.json").write_text(
+        json.dumps({"run_dir": "exited", "host": host, "pid": int(exited.stdout)}))
+    elsewhere = copy / READERS_DIR / "elsewhere-1.json"
+    elsewhere.write_text(json.dumps({"run_dir": "stale", "host": "elsewhere", "pid": 1}))
+    os.utime(elsewhere, (time.time() - STALE_S - 60,) * 2)
+    assert main(args) == 0
+    assert json.loads((copy / "manifest.json").read_text())["samples_per_shard"] == 60
+
+
+def test_a_reader_whose_data_was_prepared_again_says_so(copy, inputs, tok_dir):
+    """Shards replaced under a reader are no bad shards: the error says the manifest changed, in either mode."""
+    readers = [_reader(copy), _reader(copy, on_bad_shard="skip")]
+    assert main(_prepare_args(inputs, tok_dir, copy, "--samples-per-shard", "60", "--overwrite")) == 0
+    for reader in readers:
+        with reader, pytest.raises(DataError) as error:
+            reader.next_batch(reader.samples_per_epoch)
+        message = str(error.value)
+        assert re.match(rf"shard \S+ is not the one this run's manifest lists: {re.escape(str(copy))}/manifest.json "
+                        "changed since the run started reading it, so the data was prepared again", message), message
+        assert "--set data.restart=true" in message and "on_bad_shard=skip" not in message
+        assert reader.skipped_shards == 0
+
+
+@pytest.mark.multirank
+def test_a_training_run_marks_the_data_it_reads_until_it_ends(tmp_path, data):
+    from helpers.runs import CliProcess, train_args
+    from mhf_dist.storage.reading_marks import live_readers
+
+    run, output = tmp_path / "run", tmp_path / "output"
+    proc = CliProcess(train_args(run, data, 1, steps=1), output)
+    seen: list[dict] = []
+    while not seen and proc.poll() is None:
+        seen = live_readers(data["shards"])
+        time.sleep(0.1)
+    assert proc.wait(600) == 0, output.read_text()[-3000:]
+    assert [(m["run_dir"], m["host"]) for m in seen] == [(str(run.resolve()), socket.gethostname())]
+    assert live_readers(data["shards"]) == []
 
 
 def test_skip_mode_counts_bad_shards_and_keeps_positions(copy, reference, written, caplog):

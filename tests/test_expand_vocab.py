@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
 
-from helpers.runs import metrics, run_cli, trained_model
+from helpers.runs import metrics, run_cli, train_run, trained_model
 from mhf_dist.config import RunConfig
 from mhf_dist.model import build_model
 from mhf_dist.train.trained_weights import trained_weights
@@ -104,3 +106,21 @@ def test_expansion_needs_a_superset(trained, data, tmp_path):
     out = run_cli(["expand-vocab", "--run-dir", str(trained["mhf"]), "--tokenizer", str(tmp_path / "other"),
                    "--out", str(tmp_path / "x")], expect_rc=2)
     assert "must be a superset of the old one" in out and not (tmp_path / "x").exists()
+
+
+def test_expansion_names_the_commands_that_prepare_its_data_with_the_new_tokenizer(data, superset, tmp_path):
+    """The old run's shards carry the old tokenizer: the advice prepares them again with the new one, then trains."""
+    train_run(tmp_path, data, "run", 1, steps=1)
+    out = run_cli(["expand-vocab", "--run-dir", str(tmp_path / "run"), "--tokenizer", str(superset),
+                   "--out", str(tmp_path / "expanded")])
+    assert "continue with" not in out
+    prepare, train = [line.strip() for line in out.splitlines() if line.strip().startswith("mhf-dist ")]
+    new_shards, tokenizer = f"{data['shards']}-vocab{len(load_tokenizer(superset))}", tmp_path / "expanded/tokenizer"
+    assert prepare == shlex.join(["mhf-dist", "prepare-data", "mhf_dist/data/corpus/kjv.txt.gz", "--tokenizer",
+                                  str(tokenizer), "--out", new_shards, "--seq-len", "64", "--samples-per-shard", "32",
+                                  "--val-fraction", "0.05"])
+    assert train == shlex.join(["mhf-dist", "train", "--run-dir", str(tmp_path / "expanded"), "--config",
+                                str(tmp_path / "expanded/config.yaml"), "--set", f"data.path={new_shards}"])
+    run_cli([*shlex.split(prepare)[1:], "--workers", "1", "--no-progress"])
+    run_cli(shlex.split(train)[1:])
+    assert [r["step"] for r in metrics(tmp_path / "expanded") if "loss" in r] == [1]

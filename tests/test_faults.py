@@ -6,17 +6,22 @@ and nothing already saved is lost.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import yaml
 
+from helpers.filesystems import PAGE, small_filesystem
 from helpers.runs import CliProcess, metrics, run_cli, train_args, train_run
 from mhf_dist.cli import main
 from mhf_dist.config import ConfigError, load_config
+from mhf_dist.errors import MhfError
 from mhf_dist.storage.run_dir import RunDir
+from mhf_dist.train.metrics import MetricsLogger, read_metrics
 
 
 @pytest.mark.parametrize("override, message", [
@@ -98,7 +103,8 @@ def test_optimizer_changes_on_resume_are_applied_and_logged(tmp_path, data):
 
 
 @pytest.mark.multirank
-def test_signal_during_start_up_exits_for_requeue_without_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT], ids=["SIGUSR1", "ctrl-c"])
+def test_signal_during_start_up_exits_for_requeue_without_a_checkpoint(tmp_path, sig):
     # no data.path: rank 0 trains a tokenizer and prepares the embedded corpus while rank 1 waits, so the signal
     # lands in the middle of start-up
     run = tmp_path / "run"
@@ -109,10 +115,13 @@ def test_signal_during_start_up_exits_for_requeue_without_a_checkpoint(tmp_path)
     deadline = time.time() + 300
     while not (run / "tokenizer").exists() and time.time() < deadline:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGUSR1)  # the launcher forwards it to both ranks
+    proc.send_signal(sig)  # the launcher forwards it to both ranks
     rc, out = proc.wait(timeout=300), (tmp_path / "out.log").read_text()
     assert rc == 85, out[-3000:]
     assert "stopped by a signal during start-up; nothing to save" in out
+    if sig == signal.SIGINT:  # no step to finish, nothing to save: said so
+        assert "interrupted during start-up: stopping once the model is built, before the first step" in out
+        assert "finishing this step" not in out
     assert not list(run.glob("checkpoints/step-*"))
 
 
@@ -218,6 +227,52 @@ def test_a_cut_short_metrics_line_does_not_block_resume_or_status(tmp_path, data
     assert "step       2 / 3" in run_cli(["status", str(run)])
     run_cli(train_args(run, data, 1, "parallel.zero_stage=1", steps=3))
     assert [r["step"] for r in metrics(run)] == [1, 2, 3]
+
+
+def _fill(path: Path) -> None:
+    """A file taking all the space its filesystem has left."""
+    with path.open("wb", buffering=0) as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * PAGE)
+
+
+def test_a_full_disk_while_logging_names_the_file_and_leaves_complete_lines(tmp_path):
+    # The run directory on a filesystem that fills while records of 1 KB are logged: the record that does not fit
+    # fails naming metrics.jsonl, the cause and the fix, and leaves nothing of itself (no cut line for the next
+    # record to be glued to); once space is freed, logging goes on.
+    run = RunDir(tmp_path / "run")
+    with small_filesystem(run.path, 64 * PAGE):
+        logger = MetricsLogger(run)
+        logger.log(1, {"loss": 1.0, "note": "x" * 1000})
+        _fill(run.path / "filler")  # what is left is the rest of metrics.jsonl's last page
+        with pytest.raises(MhfError) as failed:
+            for step in range(2, 1000):
+                logger.log(step, {"loss": 1.0, "note": "x" * 1000})
+        assert str(failed.value) == (
+            f"could not log step {step} to {run.metrics_path} (No space left on device): free space on its "
+            "filesystem, then rerun to resume (--resume auto); the file keeps its complete records")
+        assert run.metrics_path.read_text().endswith("}\n")
+        assert [r["step"] for r in read_metrics(run.path)] == list(range(1, step))
+        (run.path / "filler").unlink()
+        logger.log(step, {"loss": 1.0})
+        logger.close()
+        assert [r["step"] for r in read_metrics(run.path)] == list(range(1, step + 1))
+
+
+def test_a_line_cut_short_is_dropped_at_the_next_start(tmp_path, caplog):
+    # A crash mid-write (a full disk, kill -9) leaves a last line without its newline; the next start, even one that
+    # resumes nothing, must not append its first record onto it (the record would be lost with the cut line).
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    cut = '{"step": 2, "lo'
+    run.metrics_path.write_text('{"step": 1, "loss": 2.0}\n' + cut)
+    logger = MetricsLogger(run)
+    logger.log(1, {"loss": 2.5})
+    logger.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(run.path)] == [(1, 2.0), (1, 2.5)]
+    assert f"{run.metrics_path} ended in a line cut short ({len(cut)} bytes: a write that never finished); dropped " \
+           "it" in caplog.text
 
 
 @pytest.mark.multirank

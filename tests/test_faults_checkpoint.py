@@ -11,12 +11,15 @@ import json
 import os
 import random
 import re
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import mhf_dist
+from helpers.filesystems import PAGE, pages, read_only, resize, small_filesystem
 from helpers.runs import CliProcess, metrics, run_cli, train_args, train_run
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
@@ -102,6 +105,78 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path, data, monkeypa
            "([Errno 28] No space left on device" in out
     assert f"could not save checkpoint {path}: rank 1 could not write its part" in out  # rank 0's message
     assert "Traceback" not in out and not path.exists()
+
+
+def _state_files(checkpoint: Path) -> int:
+    """The bytes a tmpfs takes for DeepSpeed's state files of ``checkpoint``."""
+    return sum(pages(f.stat().st_size) for f in checkpoint.glob("*_states.pt"))
+
+
+@pytest.mark.multirank
+def test_a_first_save_on_a_full_filesystem_is_named_and_removed(tmp_path, data):
+    # The checkpoints on a filesystem that holds the state files but not DeepSpeed's helper zero_to_fp32.py, copied
+    # beside the step directories after them: the first save must fail as any other (named, with the space it
+    # takes and what is free, the incomplete directory removed, no partial helper left), and the rerun once space is
+    # freed must save.
+    reference = tmp_path / "reference/checkpoints/step-00000001"
+    train_run(tmp_path, data, "reference", 1, ZERO1, steps=1)
+    size = _state_files(reference) + pages((reference.parent / "zero_to_fp32.py").stat().st_size) - PAGE
+    run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
+    args = train_args(run, data, 1, ZERO1, steps=1)
+    with small_filesystem(ckpts, size):
+        out = run_cli(args, expect_rc=2)
+        path = ckpts / "step-00000001"
+        assert f"could not save checkpoint {path}: rank 0: writing zero_to_fp32.py failed ([Errno 28] No space " \
+               "left on device" in out, out[-3000:]
+        taken = re.search(r"A checkpoint takes about ([\d.]+) MB \(this save's files\); ([\d.]+) MB are free", out)
+        assert taken and abs(float(taken.group(1)) - checkpoint_bytes(reference) / 1e6) <= 0.1, out[-3000:]
+        assert float(taken.group(2)) <= float(taken.group(1))
+        assert "the run has none yet: free space, then rerun" in out and "Traceback" not in out
+        assert list(ckpts.iterdir()) == []  # neither the step directory nor a partial helper
+        resize(ckpts, 4 * size)
+        run_cli(args)
+        assert (ckpts / "latest").read_text() == "step-00000001" and (path / "complete.json").is_file()
+        assert (ckpts / "zero_to_fp32.py").read_bytes() == (reference.parent / "zero_to_fp32.py").read_bytes()
+
+
+@pytest.mark.multirank
+def test_a_save_into_a_read_only_directory_is_named(tmp_path, data):
+    # A read-only checkpoints directory (a read-only mount): one message naming the directory that could not be
+    # created, why, and the fix (no space to free), none of DeepSpeed's own errors before it.
+    ckpts = tmp_path / "run/checkpoints"
+    with read_only(ckpts):
+        out = run_cli(train_args(tmp_path / "run", data, 1, ZERO1, steps=1), expect_rc=2)
+    path = ckpts / "step-00000001"
+    assert f"could not save checkpoint {path}: rank 0: creating step-00000001 failed ([Errno 30] Read-only file " \
+           f"system: '{path}'). Nothing of step-00000001 stays and the run has none yet: make {ckpts} writable, " \
+           "then rerun to resume (--resume auto)" in out, out[-3000:]
+    assert "Failed saving model checkpoint" not in out and "zero_to_fp32" not in out and "Traceback" not in out
+    assert not path.exists()
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_records_its_versions_and_a_resume_under_others_says_so(tmp_path, data):
+    # A checkpoint records the versions it was saved under; one saved under other torch and DeepSpeed versions
+    # resumes with one line naming them, one saved before versions were recorded resumes without a word.
+    run, ckpts = tmp_path / "run", tmp_path / "run/checkpoints"
+    args = train_args(run, data, 1, ZERO1, "train.checkpoint_interval=1", steps=3)
+    train_run(tmp_path, data, "run", 1, ZERO1, "train.checkpoint_interval=1", "train.stop_at_step=1", steps=3)
+    running = {"mhf_dist": mhf_dist.__version__, "torch": torch.__version__, "deepspeed": version("deepspeed")}
+    first, second = ckpts / "step-00000001/complete.json", ckpts / "step-00000002/complete.json"
+    marker = json.loads(first.read_text())
+    assert marker.pop("versions") == running
+    first.write_text(json.dumps(marker))  # as saved before versions were recorded
+    out = run_cli(args + ["--set", "train.stop_at_step=2"])
+    assert "resumed from" in out and "was saved under" not in out
+
+    marker = json.loads(second.read_text())
+    assert marker["versions"] == running
+    marker["versions"] |= {"torch": "2.1.0", "deepspeed": "0.14.0"}  # as another environment saved it
+    second.write_text(json.dumps(marker))
+    out = run_cli(args)
+    assert out.count(f"note: step-00000002 was saved under torch 2.1.0, deepspeed 0.14.0; resuming under torch "
+                     f"{torch.__version__}, deepspeed {version('deepspeed')}\n") == 1, out[-3000:]
+    assert f"resumed from {ckpts / 'step-00000002'} at step 2" in out
 
 
 @pytest.mark.multirank

@@ -19,6 +19,7 @@ from helpers.jobs import Job
 from helpers.runs import metrics, train_args
 from mhf_dist.errors import ABORTED_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
 from mhf_dist.storage.run_lock import running
+from mhf_dist.train.preemption import StopSignal
 
 STEPS = 10_000  # far more than a test waits for: every run here ends by a signal
 
@@ -66,6 +67,27 @@ def test_ctrl_c_saves_and_stops_and_a_second_aborts_without_saving(tmp_path, dat
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
     assert _complete(run) == [saved]
     _assert_ended(ranks)
+
+
+def test_a_first_ctrl_c_during_start_up_promises_no_step_and_no_save(capfd, monkeypatch):
+    """Before the first step there is no step to finish and nothing to save: the note says what happens instead."""
+    monkeypatch.delenv("RANK", raising=False)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    try:
+        notes = []
+        for training in (False, True):
+            stop = StopSignal(lambda: "nothing is lost")  # a new one each time: a second Ctrl-C would abort
+            if training:
+                assert stop.start_up_ends(False) is False  # the ranks agreed to go on: the steps begin
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop.received and stop.interrupted
+            notes.append(capfd.readouterr().err)
+    finally:
+        for sig, handler in zip((signal.SIGINT, signal.SIGUSR1, signal.SIGTERM), before):
+            signal.signal(sig, handler)
+    assert notes == ["interrupted during start-up: stopping once the model is built, before the first step and "
+                     "without a checkpoint (Ctrl-C again aborts at once)\n",
+                     "interrupted: finishing this step, then saving (Ctrl-C again aborts without saving)\n"]
 
 
 @pytest.mark.multirank

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from helpers.jobs import Job
-from helpers.runs import train_args
+from helpers.runs import metrics, train_args
 from mhf_dist.cluster.status import gather, render
-from mhf_dist.errors import HUNG_EXIT_CODE, NODE_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
+from mhf_dist.errors import ERROR_EXIT_CODE, HUNG_EXIT_CODE, NODE_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
 from mhf_dist.storage.heartbeats import rank_health, read_heartbeats, write_heartbeat
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.storage.run_lock import running
@@ -99,7 +99,7 @@ def test_a_stopped_rank_ends_the_job_with_every_live_ranks_stacks_and_the_rerun_
     assert code == HUNG_EXIT_CODE, out[-3000:]
 
     (hang,) = (run / "hangs").iterdir()
-    assert sorted(p.name for p in hang.iterdir()) == ["rank-0.txt", "summary.txt"]  # the stopped rank wrote none
+    assert sorted(p.name for p in hang.iterdir()) == ["hang.json", "rank-0.txt", "summary.txt"]  # rank 1 wrote none
     stacks = (hang / "rank-0.txt").read_text()
     assert "most recent call first" in stacks
     assert re.search(r'File ".*mhf_dist/train/loop\.py", line \d+ in run', stacks), stacks[:3000]
@@ -133,3 +133,50 @@ def test_a_rank_without_a_heartbeat_for_the_peer_timeout_is_lost_with_its_node(t
                      rf"\(train.peer_timeout_s\), in step \d+; stopping without a save \(exit {NODE_LOST_EXIT_CODE}\)",
                      out), out[-3000:]
     assert not (run / "hangs").exists()  # not a hang: no stacks
+
+
+def _hang_job(tmp_path: Path, data: dict, name: str, *overrides: str, steps: int = 2, **env: str) -> tuple[int, str]:
+    """One rank of a run ``run`` with ``train.hang_timeout_s`` of 3 s, to its end; its exit code and output."""
+    args = train_args(tmp_path / "run", data, 1, "train.hang_timeout_s=3", *overrides, steps=steps)
+    return Job(args, tmp_path / f"{name}.log", **env).end(timeout=300)
+
+
+@pytest.mark.multirank
+def test_healthy_phases_longer_than_the_hang_timeout_are_not_hangs(tmp_path, data):
+    """A first step of 6 s (a compile), and at every step an evaluation of 8 s and a save of a second a file: each
+    longer than the 3 s hang timeout, each making progress (micro-batches, files) or under the first step's budget."""
+    code, out = _hang_job(tmp_path, data, "healthy", "train.first_step_timeout_s=20", "train.eval_interval=1",
+                          "train.checkpoint_interval=1",
+                          MHF_DIST_TEST_SLOW_WORK="first_step:6,eval_batch:1,checkpoint_file:1")
+    assert code == 0, out[-3000:]
+    assert not (tmp_path / "run" / "hangs").exists(), out[-3000:]
+    evals = [r for r in metrics(tmp_path / "run") if "val_loss" in r]
+    assert [r["step"] for r in evals] == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")) == ["step-00000001",
+                                                                                         "step-00000002"]
+
+
+@pytest.mark.multirank
+def test_a_phase_the_watchdog_ended_gets_twice_as_long_once_then_stops_naming_the_setting(tmp_path, data):
+    """A save that stalls 8 s without writing: ended at the 3 s timeout (exit 87, requeued) with the setting to raise;
+    the next start allows it 6 s and, ended there again, stops without requeueing (exit 2); with the setting raised
+    as advised the run finishes."""
+    stall = {"MHF_DIST_TEST_SAVE_PAUSE": "8"}
+    code, out = _hang_job(tmp_path, data, "first", steps=1, **stall)
+    assert code == HUNG_EXIT_CODE, out[-3000:]
+    assert "no progress for 3 s in the save of step 1 (train.hang_timeout_s=3): a hang" in out
+    assert ("if in the save of step 1 is healthy work that takes longer than 3 s, the next start allows it 6 s once"
+            in out.replace("\n", " ")), out[-3000:]
+    assert "--set train.hang_timeout_s=12" in out
+
+    code, out = _hang_job(tmp_path, data, "second", steps=1, **stall)
+    assert code == ERROR_EXIT_CODE, out[-3000:]
+    assert "this start allows it 6 s, and stops without requeueing if it ends there again" in out.replace("\n", " ")
+    assert "(6 s, twice what the previous start allowed it): a hang" in out
+    assert "ended in the save of step 1 too, with half this budget: not requeued" in out.replace("\n", " ")
+    hangs = sorted((tmp_path / "run" / "hangs").iterdir())
+    assert len(hangs) == 2 and all((h / "summary.txt").exists() and (h / "rank-0.txt").exists() for h in hangs)
+
+    code, out = _hang_job(tmp_path, data, "raised", "train.hang_timeout_s=12", steps=1, **stall)
+    assert code == 0, out[-3000:]
+    assert len(list((tmp_path / "run" / "hangs").iterdir())) == 2

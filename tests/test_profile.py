@@ -5,11 +5,15 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 
 import pytest
 from PIL import Image
 
 from helpers.runs import run_cli
+from mhf_dist.cli import main
+from mhf_dist.config import ConfigError
+from mhf_dist.profiling.layouts import check_layouts, parse_layouts
 from mhf_dist.profiling.scoring import RatioSpread
 
 COLUMNS = {"size", "hash", "layout", "dtype", "seq_len", "micro_batch", "params", "tokens_per_s", "step_s",
@@ -63,3 +67,42 @@ def test_profile_without_matplotlib_writes_its_tables_and_says_why_no_plots(tmp_
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: the [plots] extra
     assert plots([], [], tmp_path, "cpu") == PLOTS_MISSING and "mhf-dist[plots]" in PLOTS_MISSING
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_layout_that_does_not_fit_is_refused_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    """tp=3 cannot split tiny's tables: one error naming the layout, the configuration, the problem and the layouts
+    that fit; no rank started, no output directory."""
+    import mhf_dist.cluster.launch as launch
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(launch, "launch_local", no_ranks)
+    out = tmp_path / "profile"
+    argv = ["profile", "--size", "tiny", "--hash", "standard,h4b16k", "--steps", "1", "--out", str(out)]
+    assert main([*argv, "--layout", "tp=1,tp=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("mhf-dist: ") == 1 and "Traceback" not in err, err
+    assert ("--layout tp=3 does not fit tiny-standard (no rank was started):\n  model.pad_vocab_to=128 is not a "
+            "multiple of parallel.tp=3") in err, err  # the first configuration: its vocabulary rows
+    assert "leave tp=3 out of --layout and use layouts that fit every configuration (of tp=1..8: tp=1,tp=2,tp=4)" \
+        in err, err
+    assert main([*argv, "--layout", "pp=2"]) == 2
+    assert "--layout 'pp=2': profile measures tensor-parallel layouts only" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_layouts_are_checked_against_tables_heads_stages_and_gpus():
+    check_layouts("tiny", ["h4b16k"], [1, 2, 4], [])
+    for tps, overrides, gpus, problem in (
+            ([3], [], None, "model.hash.num_buckets=16384 is not divisible by parallel.tp=3"),
+            ([8], ["model.hash.num_buckets=256"], None, "model.n_heads=4 is not divisible by parallel.tp=8"),
+            ([1], ["parallel.pp=2"], None, "profile measures tensor parallelism only"),
+            ([2], [], 1, "2 ranks on 1 visible GPU: NCCL needs a GPU per rank")):
+        with pytest.raises(ConfigError, match=re.escape(problem)):
+            check_layouts("tiny", ["h4b16k"], tps, overrides, gpus)
+    check_layouts("tiny", ["h4b16k"], [2], ["train.dist_backend=gloo"], 1)  # gloo ranks share a GPU
+    assert parse_layouts("tp=1, tp=2") == [1, 2]
+    for text in ("tp=0", "2", "tp=x", "dp=2"):
+        with pytest.raises(ConfigError, match="tensor-parallel layouts only"):
+            parse_layouts(text)

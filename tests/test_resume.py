@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import shlex
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.data.reader import ShardReader
 from mhf_dist.train.optim import lr_factor
+from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe
 
 WARMUP = "optimizer.warmup_steps=1"  # the schedule leaves warm-up at once, so its end (lr 0 at step 4) shows
 
@@ -116,3 +118,32 @@ def test_other_data_on_resume_is_read_from_its_beginning_with_data_restart(tmp_p
     out = run_cli(train_args(run, other, 1, "parallel.zero_stage=1", WARMUP, "data.restart=true", steps=5))
     assert "data.restart:" not in out
     assert reader_position(run / "checkpoints" / "step-00000005")["position"] == 16
+
+
+@pytest.mark.multirank
+def test_data_of_another_tokenizer_on_resume_is_named_with_the_command_that_prepares_it_again(tmp_path, data):
+    """A run on the embedded text takes its tokenizer from RUN/tokenizer; a resume on shards that carry another
+    tokenizer of the same size is refused for the data (not the signature table), with commands that work."""
+    other_tok = train_bpe(list(embedded_corpus())[::3], 1024, tmp_path / "other-tok")
+    text = tmp_path / "genesis.txt"
+    with gzip.open("mhf_dist/data/corpus/kjv.txt.gz", "rt") as f:
+        text.write_text(f.read()[:100_000])
+    shards = tmp_path / "shards"
+    assert main(["prepare-data", str(text), "--tokenizer", str(other_tok), "--out", str(shards), "--seq-len", "64",
+                 "--samples-per-shard", "32", "--workers", "1", "--no-progress"]) == 0
+    run = tmp_path / "run"
+    run_cli(train_args(run, data, 1, "tokenizer.path=null", "tokenizer.vocab_size=1024", "data.path=null", steps=1))
+    assert len(load_tokenizer(run / "tokenizer")) == len(load_tokenizer(other_tok))
+
+    out = run_cli(["train", "--run-dir", str(run), "--set", f"data.path={shards}", "--set", "data.restart=true",
+                   "--set", "train.max_steps=2"], expect_rc=2)
+    assert f"{shards / 'manifest.json'} was tokenized by another tokenizer" in out, out[-3000:]
+    assert "signatures was built for another tokenizer" not in out
+    prepare, train = [line.strip() for line in out.splitlines() if line.strip().startswith("mhf-dist ")][-2:]
+    assert prepare == shlex.join(["mhf-dist", "prepare-data", str(text), "--tokenizer", str(run / "tokenizer"),
+                                  "--out", f"{shards}-retokenized", "--seq-len", "64", "--samples-per-shard", "32"])
+    assert train == shlex.join(["mhf-dist", "train", "--run-dir", str(run), "--set",
+                                f"data.path={shards}-retokenized", "--set", "data.restart=true"])
+    run_cli(shlex.split(prepare)[1:])
+    out = run_cli([*shlex.split(train)[1:], "--set", "train.max_steps=2"])
+    assert f"data.restart: from step 2 the data is read from the beginning of {shards}-retokenized" in out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -382,3 +383,36 @@ def test_a_mixture_shows_the_tokens_read_from_each_source(run, capsys):
     write_metrics(run, [record(1), record(2, source_tokens={"web": 1536, "code": 512})])
     assert "sources    web 1,536 tokens, code 512 tokens\n" in status_text(capsys, run)
     assert status_json(capsys, run)["source_tokens"] == {"web": 1536, "code": 512}
+
+
+@pytest.mark.parametrize("content, problem", [
+    (yaml.safe_dump(CFG | {"train": CFG["train"] | {"max_steps": "many"}, "optimiser": {}}).encode(),
+     r"invalid run config \(RUN\):\n  train.max_steps: Input should be a valid integer.*\n  optimiser: unknown field"),
+    (b"preset: tiny-h4b16k\ntrain: {max_steps: \xff}\n",
+     r"cannot read config file RUN: it is not UTF-8 text \(byte 0xff at offset 39\)"),
+    (b"preset: tiny-h4b16k\ntrain: {max_steps: [1,\n",
+     r"cannot read config file RUN: it is not valid YAML:\n(.*\n)*  in \"RUN\", line 3, column 1"),
+], ids=["schema", "bytes", "yaml"])
+def test_an_invalid_config_yaml_is_named_with_its_problem(run, capsys, content, problem):
+    """status and a resuming train both refuse it (exit 2), naming the file and what is wrong, without a traceback."""
+    (run / "config.yaml").write_bytes(content)
+    expected = problem.replace("RUN", re.escape(str(run / "config.yaml")))
+    for argv in (["status", str(run)], ["status", str(run), "--json"], ["train", "--run-dir", str(run)]):
+        assert main(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert captured.out == "" and re.search(expected, captured.err), (argv, captured.err)
+        assert "<unicode string>" not in captured.err and "Error:" not in captured.err
+
+
+@pytest.mark.parametrize("args", [["--json"], []])
+def test_status_into_a_closed_pipe_ends_quietly(run, bin_dir, args):
+    """`status --json | head -1`: the reader closing the pipe early is a normal end (exit 0, nothing on stderr)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before status writes anything
+    try:
+        proc = subprocess.run([sys.executable, "-m", "mhf_dist", "status", str(run), *args], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, env=os.environ | {"PATH": str(bin_dir)},
+                              cwd=Path(__file__).parent.parent, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (0, "")

@@ -33,7 +33,7 @@ CASES = {  # golden file: (profile, nodes, preset, overrides, extra)
     "mi300x-4nodes.sbatch": ("mi300x", 4, "3b-h4b16k", [DATA, "parallel.tp=2", "parallel.pp=2"], {}),
     "cpu-local-1node.sbatch": ("cpu-local", 1, "tiny-h4b16k", ["train.micro_batch_size=4"], {}),
     "a100-80g-2nodes.hostfile.sh": ("a100-80g", 2, "1b-h4b16k", [DATA], {"hostfile": "/shared/hostfile"}),
-    "a100-80g-6to8nodes.elastic.sbatch": (SITE, 8, "1b-h4b16k", [DATA, "parallel.tp=2"], {"min_nodes": 6}),
+    "a100-80g-4to8nodes.elastic.sbatch": (SITE, 8, "1b-h4b16k", [DATA, "parallel.tp=2"], {"min_nodes": 4}),
 }
 
 
@@ -526,11 +526,15 @@ def test_an_elastic_round_takes_the_largest_dp_the_nodes_left_allow_and_tells_wh
     assert second.story == [
         "lost: node n3 (ranks 4, 5): no longer runs a task",
         "kept: no checkpoint yet: the run starts again from step 0",
-        "chose: dp 2 (was dp 3 on 3 nodes) on 2 nodes (n1, n2), 4 ranks: tp 2 x pp 1 kept, the largest dp that 2 "
-        "nodes of 2 allow and that divides the global batch 12 = dp 2 x 3 micro-batches of 2"]
+        "chose: dp 2 (was dp 3 on 3 nodes) on 2 nodes (n1, n2), 4 ranks: tp 2 x pp 1 kept, the most of the 2 "
+        "answering nodes of 2 ranks (at least the minimum of 2) whose ranks all train the global batch 12 = dp 2 x 3 "
+        "micro-batches of 2"]
     # 5 nodes of 2 allow dp 5; 12 sequences in micro-batches of 2 (set, so kept) split over dp 3 at most: 3 nodes
     five = plan_round(cfg, run, ["n1", "n2", "n3", "n4", "n5"], [], 2, 2)
     assert five.shell() == "NODELIST=n1,n2,n3 NNODES=3 NTASKS=6 lost=''"
+    assert five.story[-1] == ("idle: 2 answering nodes (n4, n5; 4 ranks) wait this round out: more nodes do not "
+                              "train the global batch 12 in micro-batches of 2 with every rank busy (dp 5 on 5 nodes; "
+                              "dp 4 on 4 nodes)")
     with pytest.raises(TooFewNodes, match=r"1 node left \(n1; lost: n2, n3\), fewer than the job's minimum of 2"):
         plan_round(cfg, run, ["n1"], ["n2", "n3"], 2, 2)
 
@@ -545,6 +549,93 @@ def test_an_elastic_round_takes_the_largest_dp_the_nodes_left_allow_and_tells_wh
     (run.heartbeats_dir / "lost.json").unlink()  # nothing names the ranks' node: no round on the same nodes again
     with pytest.raises(ConfigError, match="none is named as theirs"):
         plan_round(cfg, run, ["n1", "n2"], ["n3"], 2, 1, ranks_lost=True)
+
+
+def test_an_elastic_round_uses_whole_nodes_and_never_runs_below_the_minimum(tmp_path):
+    """Every rank of a round is busy and a round has at least MIN nodes: where the nodes left train the batch only
+    with idle ranks or below MIN, it is as if fewer than MIN were left (the job is queued again without the lost)."""
+    from mhf_dist.cluster.elastic import TooFewNodes, plan_round
+    from mhf_dist.storage.run_dir import RunDir
+
+    def config(batch: int):
+        return load_config("tiny-h4b16k", overrides=[f"train.global_batch_size={batch}", "train.micro_batch_size=1"])
+
+    run = RunDir(tmp_path / "run")
+    # 2 nodes of 2 ranks: dp 4 does not divide 6, and dp 3 would leave a rank idle
+    with pytest.raises(TooFewNodes, match=r"2 nodes left \(n1, n2; lost: n3\), and no count of them from the job's "
+                       r"minimum of 2 up trains the global batch 6 in micro-batches of 1 with every rank busy "
+                       r"\(dp 4 on 2 nodes\)") as too_few:
+        plan_round(config(6), run, ["n1", "n2"], ["n3"], 2, 2)
+    assert too_few.value.lost == ["n3"]
+    # 4 nodes left of a 4-5 job with a batch of 10: dp 5 on 3 nodes would be below the minimum
+    with pytest.raises(TooFewNodes, match=r"\(dp 8 on 4 nodes\)$"):
+        plan_round(config(10), run, ["n1", "n2", "n3", "n4"], ["n5"], 2, 4)
+    # nothing lost, and the allocation trains nothing: queueing it again would meet the same
+    with pytest.raises(ConfigError, match="the job stops; submit it again with a batch") as stops:
+        plan_round(config(10), run, ["n1", "n2", "n3", "n4"], [], 2, 4)
+    assert not isinstance(stops.value, TooFewNodes)
+
+    # 5 of 6 nodes left with a batch of 12 and a minimum of 3: dp 10 and dp 8 do not divide it; 3 nodes do, 2 wait
+    chosen = plan_round(config(12), run, ["n1", "n2", "n3", "n4", "n5"], ["n6"], 2, 3)
+    assert chosen.shell() == "NODELIST=n1,n2,n3 NNODES=3 NTASKS=6 lost=n6" and chosen.layout.dp == 6
+    assert chosen.story[-1] == ("idle: 2 answering nodes (n4, n5; 4 ranks) wait this round out: more nodes do not "
+                                "train the global batch 12 in micro-batches of 1 with every rank busy (dp 10 on 5 "
+                                "nodes; dp 8 on 4 nodes)")
+    # tp x pp that a node count's ranks do not fit is said as such
+    cfg = load_config("tiny-h4b16k", overrides=["parallel.tp=4", "train.global_batch_size=8",
+                                                 "train.micro_batch_size=1"])
+    odd = plan_round(cfg, run, ["n1", "n2", "n3"], [], 2, 2)
+    assert odd.shell() == "NODELIST=n1,n2 NNODES=2 NTASKS=4 lost=''"
+    assert odd.story[-1].endswith("(6 ranks, no multiple of tp x pp = 4, on 3 nodes)")
+
+
+@pytest.mark.parametrize("nodes, batch, said", [
+    ("2-3", 6, "--nodes 2-3: no count of nodes below 3 trains the global batch 6 in micro-batches of 1 with every "
+               "rank busy (2 ranks a node, tp 1 x pp 1: dp 4 on 2 nodes), so a lost node would end the job's rounds; "
+               "use train.global_batch_size=12 (2 and 3 nodes train it), --nodes 1-3 (1 node trains it) or a fixed "
+               "--nodes 3"),
+    ("4-5", 10, "--nodes 4-5: no count of nodes below 5 trains the global batch 10 in micro-batches of 1 with every "
+                "rank busy (2 ranks a node, tp 1 x pp 1: dp 8 on 4 nodes), so a lost node would end the job's "
+                "rounds; use train.global_batch_size=40 (4 and 5 nodes train it), --nodes 1-5 (1 node trains it) or "
+                "a fixed --nodes 5"),
+    ("5-8", 48, "--nodes 5-8: 5 nodes do not train the global batch 48 in micro-batches of 1 with every rank busy (2 "
+                "ranks a node, tp 1 x pp 1: dp 10 on 5 nodes), and SLURM may start the job on the minimum; raise it "
+                "to 6 (--nodes 6-8)"),
+    ("2-3", 12, None),
+], ids=["a-rank-idle-after-a-loss", "below-the-minimum-after-a-loss", "a-minimum-that-cannot-train", "accepted"])
+def test_submit_says_which_node_counts_of_an_elastic_range_train_the_batch(tmp_path, capsys, nodes, batch, said):
+    args = ["submit", "--preset", "tiny-h4b16k", "--set", f"train.global_batch_size={batch}", "--set",
+            "train.micro_batch_size=1", "--cluster", "cpu-local", "--nodes", nodes, "--run-dir", str(tmp_path / "r"),
+            "--dry-run"]
+    code, out = main(args), capsys.readouterr()
+    if said:
+        assert code == 2 and said in out.err and not out.out, out.err
+        return
+    assert code == 0 and "#SBATCH --nodes=2-3" in out.out
+    assert ("elastic: of 2-3 nodes (2 ranks a node, tp 1 x pp 1), these train the global batch 12 in micro-batches of "
+            "1 with every rank busy: 3 (dp 6), 2 (dp 4); after a loss each round runs on the most of these that the "
+            "nodes left allow (any other node waits, idle), and with fewer than 2 left the job is queued again "
+            "without the lost ones") in out.err
+
+
+def test_submit_of_a_run_directory_without_a_preset_uses_its_config_yaml(tmp_path, capsys):
+    """As ``train --run-dir RUN`` does: the job's ranks resume with RUN/config.yaml, which submit checks first."""
+    from mhf_dist.storage.run_dir import RunDir
+
+    run = tmp_path / "run"
+    args = ["submit", "--cluster", "cpu-local", "--nodes", "1-2", "--run-dir", str(run), "--dry-run"]
+    assert main(args) == 2
+    assert f"no configuration: {run} holds no config.yaml to resume with" in capsys.readouterr().err
+    RunDir(run).save_config(load_config("tiny-h4b16k", overrides=["train.global_batch_size=6",
+                                                                  "train.micro_batch_size=1"]))
+    assert main(args) == 2  # checked as the config.yaml's own: dp 4 on 2 nodes does not divide 6
+    err = capsys.readouterr().err
+    assert "train.global_batch_size=6 is not a multiple of train.micro_batch_size × dp = 1 × 4" in err
+    assert main([*args, "--set", "train.global_batch_size=12"]) == 0
+    out = capsys.readouterr()
+    train = next(line for line in out.out.splitlines() if " train --run-dir " in line)
+    assert f"train --run-dir {run} --set train.global_batch_size=12" in train and "--preset" not in train
+    assert "these train the global batch 12 in micro-batches of 1 with every rank busy: 2 (dp 4), 1 (dp 2)" in out.err
 
 
 def _job_commands(bin_dir: Path, run: Path, calls: Path, sbatch: str = "echo 42", lost_nodes=("n2",)) -> None:

@@ -119,6 +119,9 @@ class FileWriter(Protocol):
     def save(self, state: object, path: Path, save_file: Callable[[object, Path], None]) -> None:
         """Have ``save_file(state, path)`` write ``state`` to ``path``: now, or later from a copy taken now."""
 
+    def makedirs(self, path: Path) -> None:
+        """Create directory ``path`` and its parents (a failure is recorded as a failed write's)."""
+
 
 class Trainer(Protocol):
     """One rank's engine, as the training loop, the checkpointer and the host tables use it."""
@@ -144,8 +147,9 @@ class Trainer(Protocol):
         health metrics (:mod:`mhf_dist.model.health`; with ``train.health_metrics``), read with the step's numbers
         after one more all-reduce, into :attr:`StepStats.health`."""
 
-    def evaluate(self, reader: BatchSource, batches: int) -> dict:
-        """The ``val_*`` metrics over ``batches`` micro-batches on each data-parallel rank."""
+    def evaluate(self, reader: BatchSource, batches: int, progress: Callable[[], None] = lambda: None) -> dict:
+        """The ``val_*`` metrics over ``batches`` micro-batches on each data-parallel rank; ``progress`` is called
+        as the work goes on (the hang watchdog's sign of life)."""
 
     def local_parameters(self) -> Iterator[torch.Tensor]:
         """The values this rank holds of its parameters (a ZeRO-3 partition, or its pipeline stage's)."""

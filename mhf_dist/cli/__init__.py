@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import sys
 
 import yaml
@@ -74,17 +76,45 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # output still buffered meets a closed pipe here, not at the interpreter's exit
+        return rc
     except MhfError as e:
         if args.debug:
             raise
         print(f"mhf-dist{rank_label()}: {e}", file=sys.stderr)
         return ERROR_EXIT_CODE
     except (OSError, json.JSONDecodeError, UnicodeDecodeError, yaml.YAMLError) as e:  # unreadable or malformed files
+        if isinstance(e, BrokenPipeError) and _stdout_closed():
+            return _quiet_after_closed_stdout()
         if args.debug:
             raise
         print(f"mhf-dist{rank_label()}: {_describe(e)} (--debug shows where)", file=sys.stderr)
         return ERROR_EXIT_CODE
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (``mhf-dist status --json | head -1``)."""
+    if not hasattr(select, "poll"):  # Windows: a broken pipe there is most likely stdout's
+        return True
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+    except (OSError, ValueError):  # no file behind stdout: the pipe was another
+        return False
+    return any(events & select.POLLERR for _, events in poll.poll(0))
+
+
+def _quiet_after_closed_stdout() -> int:
+    """The reader of stdout has all it wanted: a normal end (exit 0), with nothing more written and no error at
+    exit, as when Python flushes stdout once more."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _describe(e: Exception) -> str:

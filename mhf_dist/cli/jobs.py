@@ -19,11 +19,12 @@ from mhf_dist.cli.options import (
 
 
 def cmd_submit(args) -> int:
+    from mhf_dist.cluster.elastic import check_range
     from mhf_dist.cluster.scheduler import scheduler
     from mhf_dist.cluster.submit import render, submit, write_script
     from mhf_dist.storage.run_dir import RunDir
 
-    cfg, profile, run_dir = load_run_config(args), _chosen_profile(args), Path(args.run_dir)
+    cfg, profile, run_dir = _run_config(args), _chosen_profile(args), Path(args.run_dir)
     chosen = scheduler("hostfile" if args.hostfile else "slurm")
     min_nodes, nodes = args.nodes
     if min_nodes is None and profile.min_nodes is not None and profile.min_nodes < nodes:
@@ -31,6 +32,8 @@ def cmd_submit(args) -> int:
     script = render(chosen, cfg, profile, nodes, run_dir, preset=args.preset, config=args.config,
                     overrides=args.overrides, grace=args.grace, depends_on=args.depends_on, hostfile=args.hostfile,
                     python=args.python, min_nodes=min_nodes)
+    if min_nodes is not None:  # which node counts train the batch, before the job runs on some of them
+        print(check_range(cfg, min_nodes, nodes, profile.gpus_per_node), file=sys.stderr)
     if args.dry_run:
         print(script, end="")
         if note := chosen.manual_note(RunDir(run_dir.resolve()).jobs_dir):
@@ -48,6 +51,16 @@ def cmd_submit(args) -> int:
     print(f"submitted job {job}; logs: {RunDir(run_dir.resolve()).jobs_dir}/mhf-{run_dir.resolve().name}-{job}.out; "
           f"progress: mhf-dist status {run_dir}")
     return 0
+
+
+def _run_config(args):
+    """The preset and/or config file with ``--set``; without either, the run directory's own config.yaml, as
+    ``train --run-dir`` (which the job runs) takes it."""
+    if args.preset or args.config:
+        return load_run_config(args)
+    from mhf_dist.train.resume import resume_config
+
+    return resume_config(args.run_dir, args.overrides, "auto")
 
 
 def _chosen_profile(args):
@@ -68,10 +81,12 @@ def submit_parser(sub) -> None:
     p = sub.add_parser("submit",
                        help="submit a multi-node training job (SLURM, or a hostfile for DeepSpeed's launcher)")
     add_run_options(p)
-    p.add_argument("--run-dir", required=True, help="run directory on storage every node sees")
+    p.add_argument("--run-dir", required=True, help="run directory on storage every node sees; without --preset and "
+                   "--config, the job resumes with its config.yaml")
     p.add_argument("--nodes", type=node_range, default=(None, 1), metavar="N|MIN-MAX",
                    help="nodes of the cluster profile's kind; MIN-MAX: an elastic job, which continues on the nodes "
-                   "left (at least MIN) when one is lost (default MIN: the profile's min_nodes)")
+                   "left (at least MIN) when one is lost, as many as train the global batch with every rank busy "
+                   "(MIN and a count below MAX must; default MIN: the profile's min_nodes)")
     add_cluster_options(p)
     p.add_argument("--grace", type=positive_int, help="seconds between SLURM's USR1 and the time limit (default: "
                    "what plan estimates a step and a save need, at least 120)")
@@ -88,12 +103,7 @@ def cmd_elastic_plan(args) -> int:
     from mhf_dist.cluster.requeue import requeue_without
     from mhf_dist.storage.run_dir import RunDir
 
-    if args.preset or args.config:
-        cfg = load_run_config(args)
-    else:
-        from mhf_dist.train.resume import resume_config
-
-        cfg = resume_config(args.run_dir, args.overrides, "auto")
+    cfg = _run_config(args)
     run = RunDir(Path(args.run_dir).resolve())
     try:
         chosen = plan_round(cfg, run, _names(args.nodes), _names(args.lost), args.tasks_per_node, args.min_nodes,

@@ -42,6 +42,14 @@ def plan_parser(sub) -> None:
 
 def cmd_profile(args) -> int:
     from mhf_dist.cluster.profile import load_profile
+    from mhf_dist.profiling.layouts import check_layouts, parse_layouts
+
+    tps, hashes = parse_layouts(args.layout), args.hash.split(",")
+    nominal = load_profile(args.cluster).peak_bf16_tflops if args.cluster else None
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
+    check_layouts(args.size, hashes, tps, args.overrides, gpus)  # before any rank starts or any output is made
     from mhf_dist.profiling.report import table, write_outputs
     from mhf_dist.profiling.scoring import profile_scoring
     from mhf_dist.profiling.sweep import run_sweep
@@ -49,14 +57,10 @@ def cmd_profile(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    nominal = load_profile(args.cluster).peak_bf16_tflops if args.cluster else None
-    tps = [int(layout.removeprefix("tp=")) for layout in args.layout.split(",")]
-    rows = run_sweep(args.size, args.hash.split(","), tps, steps=args.steps, warmup=args.warmup, seq_len=args.seq_len,
+    rows = run_sweep(args.size, hashes, tps, steps=args.steps, warmup=args.warmup, seq_len=args.seq_len,
                      micro=args.micro_batch, dtype=args.dtype, out=out, peak_nominal=nominal,
                      overrides=args.overrides, trace=args.trace)
     cfg = load_config(f"{args.size}-h4b16k").model
-    import torch
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     scoring = profile_scoring([int(v) for v in args.vocab_sizes.split(",")], cfg, device, args.dtype)
     no_plots = write_outputs(rows, scoring, out, hardware_name(device))
@@ -72,7 +76,8 @@ def profile_parser(sub) -> None:
     p.add_argument("--size", default="100m", help=", ".join(SIZES))
     p.add_argument("--hash", default="standard,h1b16k,h3b10k,h4b16k",
                    help="comma-separated preset variants; +engram adds the Engram memory, e.g. h4b16k,h4b16k+engram")
-    p.add_argument("--layout", default="tp=1", help="comma-separated tensor-parallel layouts, e.g. tp=1,tp=2")
+    p.add_argument("--layout", default="tp=1", help="comma-separated tensor-parallel layouts, e.g. tp=1,tp=2 (each "
+                   "checked against every configuration before any rank starts)")
     p.add_argument("--steps", type=positive_int, default=3, help="measured training steps per configuration")
     p.add_argument("--warmup", type=non_negative_int, default=1, help="unmeasured steps before the measured ones")
     p.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per sequence")

@@ -46,9 +46,11 @@ def cmd_train(args) -> int:
     stop = StopSignal(lost)  # before the training stack loads: from now on a signal is noted, not fatal
     # each line out as it is written, also into a job log or a pipe (which Python would otherwise fill in blocks)
     sys.stdout.reconfigure(line_buffering=True)
+    from mhf_dist.storage.reading_marks import mark_reading
     from mhf_dist.train.loop import train
     from mhf_dist.train.process_group import collective_failure, leave_process_group
 
+    reading = mark_reading(cfg.data, args.run_dir)  # prepare-data leaves the data alone while this node reads it
     try:
         result = train(cfg, args.run_dir, args.resume, stop, args.verbose)
     except Exception as e:
@@ -61,6 +63,7 @@ def cmd_train(args) -> int:
         return RANK_LOST_EXIT_CODE
     finally:  # also after an error: a process group left to interpreter shutdown can abort the process
         leave_process_group()
+        reading.release()
     if result.records:  # rank 0
         print(_outcome(result, stop, Path(args.run_dir)))
     return PREEMPTED_EXIT_CODE if result.preempted else 0

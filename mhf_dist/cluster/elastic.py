@@ -1,5 +1,12 @@
-"""An elastic job's next round (``submit --nodes MIN-MAX``): on the nodes that still run a task, the largest
-data-parallel size that keeps tp × pp and divides the global batch, from the newest checkpoint.
+"""An elastic job's next round (``submit --nodes MIN-MAX``): on the most of the nodes that still run a task (at
+least MIN) whose ranks all train the global batch, from the newest checkpoint.
+
+A count of N nodes *trains the batch* when every one of its ranks is busy: tp × pp divides its N × ranks-per-node
+ranks and the global batch splits evenly over their dp (in micro-batches of ``train.micro_batch_size`` when it was
+set; a preset's is lowered to fit). Nodes are used whole: a round never leaves some ranks of a node idle, nor runs below
+MIN; nodes that answer but would not train the batch wait the round out, and the plan says so.
+``submit`` lists the counts of MIN-MAX that train the batch and refuses a range whose MIN, or every count below MAX,
+does not (:func:`check_range`): SLURM may start the job on MIN nodes, and a lost node must leave a count that trains.
 
 The job script probes its allocation's nodes before every round and calls ``mhf-dist elastic-plan`` with the nodes
 that answered and those that did not; the plan prints the round's shell values (``NODELIST``, ``NNODES``,
@@ -9,9 +16,10 @@ newest checkpoint) and what it chose. A node whose ranks were lost while it stil
 network failed, not its ``slurmd``) is left out as well, after a round that ended with
 :data:`~mhf_dist.errors.NODE_LOST_EXIT_CODE`. The data reader's global order does not depend on dp, and the
 micro-batches per step follow the new dp (:func:`~mhf_dist.parallel.layout.fit_micro_batch`), so the tokens seen are
-those of an uninterrupted run. Fewer nodes left than MIN end the allocation's rounds (:class:`TooFewNodes`, exit 2):
-the job is queued again without the lost nodes (:mod:`mhf_dist.cluster.requeue`), and stops where SLURM has too few
-other nodes, saying so; the run resumes whenever it is submitted again.
+those of an uninterrupted run. Fewer nodes left than MIN, or no count of them from MIN up that trains the batch, end
+the allocation's rounds (:class:`TooFewNodes`, exit 2): the job is queued again without the lost nodes
+(:mod:`mhf_dist.cluster.requeue`), and stops where SLURM has too few other nodes, saying so; the run resumes whenever
+it is submitted again.
 """
 
 from __future__ import annotations
@@ -52,16 +60,81 @@ class ElasticRound:
                 f"lost={shlex.quote(' '.join(self.lost))}")
 
 
-def largest_layout(cfg: RunConfig, ranks: int) -> Layout | None:
-    """The layout with the largest dp that ``ranks`` ranks allow at the config's tp × pp and whose global batch it
-    divides (micro-batches per step adjusted), or None."""
+def whole_nodes_layout(cfg: RunConfig, nodes: int, tasks_per_node: int) -> Layout | None:
+    """The layout of ``nodes`` nodes with every rank busy (dp = ranks / (tp × pp), the global batch split evenly over
+    dp, micro-batches per step adjusted), or None when that count does not train the batch."""
+    try:
+        return resolve_layout(cfg.model_copy(deep=True), nodes * tasks_per_node)
+    except (ConfigError, ValueError):
+        return None
+
+
+def training_counts(cfg: RunConfig, low: int, high: int, tasks_per_node: int) -> dict[int, Layout]:
+    """The node counts from ``high`` down to ``low`` that train the batch, with their layouts."""
+    counts = ((n, whole_nodes_layout(cfg, n, tasks_per_node)) for n in range(high, low - 1, -1))
+    return {n: layout for n, layout in counts if layout is not None}
+
+
+def _batch(cfg: RunConfig) -> str:
+    micro = "" if cfg.train.micro_batch_from_preset else f" in micro-batches of {cfg.train.micro_batch_size}"
+    return f"the global batch {cfg.train.global_batch_size}{micro}"
+
+
+def _why_not(cfg: RunConfig, counts, tasks_per_node: int) -> str:
+    """Why each of ``counts`` does not train the batch: its dp, or its ranks that tp × pp does not divide."""
     model_parallel = cfg.parallel.tp * cfg.parallel.pp
-    for dp in range(ranks // model_parallel, 0, -1):
-        try:
-            return resolve_layout(cfg.model_copy(deep=True), dp * model_parallel)
-        except (ConfigError, ValueError):
-            continue
-    return None
+    return "; ".join((f"dp {n * tasks_per_node // model_parallel}" if n * tasks_per_node % model_parallel == 0 else
+                      f"{n * tasks_per_node} ranks, no multiple of tp x pp = {model_parallel},")
+                     + f" on {n} node{_s(n)}" for n in counts)
+
+
+def _s(n: int) -> str:
+    return "s" if n != 1 else ""
+
+
+def check_range(cfg: RunConfig, min_nodes: int, max_nodes: int, tasks_per_node: int) -> str:
+    """``submit``'s check of an elastic range: the counts that train the batch, in words; ConfigError when MIN does
+    not (SLURM may start the job on MIN nodes), or no count below MAX does (a lost node would end the rounds), with
+    the batch sizes and ranges that work."""
+    counts = training_counts(cfg, min_nodes, max_nodes, tasks_per_node)
+    shape = f"{tasks_per_node} ranks a node, tp {cfg.parallel.tp} x pp {cfg.parallel.pp}"
+    below = [n for n in counts if n < max_nodes]
+    if not below:
+        missed = _why_not(cfg, range(max_nodes - 1, min_nodes - 1, -1), tasks_per_node)
+        raise ConfigError(f"--nodes {min_nodes}-{max_nodes}: no count of nodes below {max_nodes} trains "
+                          f"{_batch(cfg)} with every rank busy ({shape}: {missed}), so a lost node would end the "
+                          f"job's rounds; {_fixes(cfg, min_nodes, max_nodes, tasks_per_node)}")
+    if min_nodes not in counts:
+        raise ConfigError(f"--nodes {min_nodes}-{max_nodes}: {min_nodes} node{_s(min_nodes)} do"
+                          f"{'es' if min_nodes == 1 else ''} not train {_batch(cfg)} with every rank busy ({shape}: "
+                          f"{_why_not(cfg, [min_nodes], tasks_per_node)}), and SLURM may start the job on the "
+                          f"minimum; raise it to {below[-1]} (--nodes {below[-1]}-{max_nodes})")
+    listed = ", ".join(f"{n} (dp {layout.dp})" for n, layout in counts.items())
+    return (f"elastic: of {min_nodes}-{max_nodes} nodes ({shape}), these train {_batch(cfg)} with every rank busy: "
+            f"{listed}; after a loss each round runs on the most of these that the nodes left allow (any other node "
+            f"waits, idle), and with fewer than {min_nodes} left the job is queued again without the lost ones")
+
+
+def _fixes(cfg: RunConfig, min_nodes: int, max_nodes: int, tasks_per_node: int) -> str:
+    """What makes a refused range work: a global batch that MAX and the largest count below it both train, a lower
+    minimum that trains the batch as it is, or a fixed size."""
+    fixes = []
+    model_parallel = cfg.parallel.tp * cfg.parallel.pp
+    fitting = [n for n in range(max_nodes - 1, min_nodes - 1, -1) if n * tasks_per_node % model_parallel == 0]
+    if fitting:
+        per_micro = 1 if cfg.train.micro_batch_from_preset else cfg.train.micro_batch_size
+        steps = [per_micro * n * tasks_per_node // model_parallel for n in (max_nodes, fitting[0])]
+        step = math.lcm(*steps)
+        batch = math.ceil(cfg.train.global_batch_size / step) * step
+        other = cfg.model_copy(deep=True)
+        other.train.global_batch_size = batch
+        if all(whole_nodes_layout(other, n, tasks_per_node) for n in (max_nodes, fitting[0])):
+            fixes.append(f"train.global_batch_size={batch} ({fitting[0]} and {max_nodes} nodes train it)")
+    lower = next((n for n in range(min_nodes - 1, 0, -1) if whole_nodes_layout(cfg, n, tasks_per_node)), None)
+    if lower is not None:
+        fixes.append(f"--nodes {lower}-{max_nodes} ({lower} node{_s(lower)} train{'s' if lower == 1 else ''} it)")
+    fixes.append(f"a fixed --nodes {max_nodes}")
+    return "use " + ", ".join(fixes[:-1]) + f" or {fixes[-1]}"
 
 
 def newest_checkpoint(run: RunDir) -> str:
@@ -98,12 +171,17 @@ def plan_round(cfg: RunConfig, run: RunDir, up: list[str], lost: list[str], task
     if len(up) < min_nodes:
         raise TooFewNodes(f"{len(up)} node{'s' if len(up) != 1 else ''} left ({', '.join(up) or 'none'}; lost: "
                           f"{', '.join(lost) or 'none'}), fewer than the job's minimum of {min_nodes}", lost, story)
-    layout = largest_layout(cfg, len(up) * tasks_per_node)
-    if layout is None:
-        raise ConfigError(f"no layout of tp={cfg.parallel.tp} x pp={cfg.parallel.pp} fits {len(up)} nodes of "
-                          f"{tasks_per_node} ranks with train.global_batch_size={cfg.train.global_batch_size}")
+    counts = training_counts(cfg, min_nodes, len(up), tasks_per_node)
+    if not counts:
+        why = (f"{len(up)} node{_s(len(up))} left ({', '.join(up)}; lost: {', '.join(lost) or 'none'}), and no count "
+               f"of them from the job's minimum of {min_nodes} up trains {_batch(cfg)} with every rank busy "
+               f"({_why_not(cfg, range(len(up), min_nodes - 1, -1), tasks_per_node)})")
+        if not lost:  # the allocation itself: queueing the job again would meet the same
+            raise ConfigError(f"{why}: the job stops; submit it again with a batch that its node counts train")
+        raise TooFewNodes(why, lost, story)
+    used, layout = next(iter(counts.items()))
     ranks = layout.dp * layout.tp * layout.pp
-    nodes = up[:math.ceil(ranks / tasks_per_node)]
+    nodes, idle = up[:used], up[used:]
     path = run.jobs_dir / PLAN_FILE
     try:
         before = json.loads(path.read_text())
@@ -112,11 +190,13 @@ def plan_round(cfg: RunConfig, run: RunDir, up: list[str], lost: list[str], task
     was = f" (was dp {before['dp']} on {before['nodes']} nodes)" if before and before["dp"] != layout.dp else ""
     story = [*story, *(line for line in (
         f"kept: {newest_checkpoint(run)}" if lost or before else None,
-        f"chose: dp {layout.dp}{was} on {len(nodes)} node{'s' if len(nodes) > 1 else ''} ({', '.join(nodes)}), "
-        f"{ranks} ranks: tp {layout.tp} x pp {layout.pp} kept, the largest dp that {len(up)} node"
-        f"{'s' if len(up) > 1 else ''} of {tasks_per_node} allow and that divides the global batch "
-        f"{cfg.train.global_batch_size} = dp {layout.dp} x {layout.accum} micro-batches of "
-        f"{cfg.train.global_batch_size // (layout.dp * layout.accum)}",
+        f"chose: dp {layout.dp}{was} on {used} node{_s(used)} ({', '.join(nodes)}), {ranks} ranks: tp {layout.tp} x "
+        f"pp {layout.pp} kept, the most of the {len(up)} answering node{_s(len(up))} of {tasks_per_node} ranks (at "
+        f"least the minimum of {min_nodes}) whose ranks all train the global batch {cfg.train.global_batch_size} = "
+        f"dp {layout.dp} x {layout.accum} micro-batches of {cfg.train.global_batch_size // (layout.dp * layout.accum)}",
+        f"idle: {len(idle)} answering node{_s(len(idle))} ({', '.join(idle)}; {len(idle) * tasks_per_node} ranks) "
+        f"wait{'s' if len(idle) == 1 else ''} this round out: more nodes do not train {_batch(cfg)} with every rank "
+        f"busy ({_why_not(cfg, range(len(up), used, -1), tasks_per_node)})" if idle else None,
     ) if line)]
     run.jobs_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"dp": layout.dp, "nodes": len(nodes), "ranks": ranks}))

@@ -70,13 +70,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import yaml
-
 from mhf_dist.cluster.job_records import read_jobs
 from mhf_dist.cluster.rank_status import Ranks, rank_lines, read_ranks
 from mhf_dist.cluster.scheduler import scheduler
 from mhf_dist.cluster.scheduler.slurm import SLURM
-from mhf_dist.config import ConfigError
+from mhf_dist.config import ConfigError, load_config
+from mhf_dist.config.loader import read_config_file
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.storage.run_lock import STALE_S, RunLock, holder_gone
 from mhf_dist.train.checkpoint.index import MARKER, CheckpointError, damage, read_marker, step_directories
@@ -190,14 +189,13 @@ def check_run_dir(path: Path) -> RunDir:
 
 
 def read_config(run: RunDir) -> dict:
-    """The run's ``config.yaml`` as a plain dict ({} before the job wrote it)."""
+    """The run's ``config.yaml`` as a plain dict ({} before the job wrote it); one that ``train --run-dir`` would
+    refuse (unreadable, not YAML, failing the schema) is a :class:`ConfigError` naming it and the problem."""
     path = run.config_path
     if not path.exists():
         return {}
-    cfg = yaml.safe_load(path.read_text())
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{path} is not a run config (a YAML mapping); restore it from a checkpoint's config")
-    return cfg
+    load_config(path=path)
+    return read_config_file(path)
 
 
 def _mean(values: list) -> float | None:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from string import Template
 
-from mhf_dist.cluster.elastic import largest_layout
+from mhf_dist.cluster.elastic import check_range
 from mhf_dist.cluster.files import no_control_characters
 from mhf_dist.cluster.job_records import record_job
 from mhf_dist.cluster.profile import ClusterProfile
@@ -94,16 +94,15 @@ def render(scheduler: Scheduler, cfg: RunConfig, profile: ClusterProfile, nodes:
     """The training job script for ``scheduler``; the layout is checked against the nodes first. ``preset``,
     ``config`` and ``overrides`` are what the ranks load the run's config from, as ``train`` takes them.
     ``min_nodes``: an elastic job of ``min_nodes`` to ``nodes`` nodes, which continues on the nodes left when one is
-    lost (:mod:`mhf_dist.cluster.elastic`); its layout is checked at both ends."""
+    lost (:mod:`mhf_dist.cluster.elastic`); its minimum and some count below its maximum must train the global batch
+    with every rank busy (:func:`~mhf_dist.cluster.elastic.check_range`)."""
     if nodes < 1:
         raise ConfigError(f"--nodes={nodes}: need at least one node")
     if min_nodes is not None and not 1 <= min_nodes < nodes:
         raise ConfigError(f"--nodes {min_nodes}-{nodes}: the minimum must be at least 1 and below the maximum")
     preflight(cfg, nodes * profile.gpus_per_node, "cpu" if profile.backend == "gloo" else "cuda", data_here=False)
-    if min_nodes is not None and largest_layout(cfg, min_nodes * profile.gpus_per_node) is None:
-        raise ConfigError(f"--nodes {min_nodes}-{nodes}: {min_nodes} node(s) of {profile.gpus_per_node} ranks fit no "
-                          f"layout of tp={cfg.parallel.tp} x pp={cfg.parallel.pp} with train.global_batch_size="
-                          f"{cfg.train.global_batch_size}; raise the minimum")
+    if min_nodes is not None:
+        check_range(cfg, min_nodes, nodes, profile.gpus_per_node)
     run_dir = Path(no_control_characters("--run-dir", str(run_dir))).resolve()
     values = dict(
         profile=profile.name, nodes=nodes, tasks_per_node=profile.gpus_per_node, cpus_per_task=profile.cpus_per_task,

@@ -15,12 +15,17 @@ vocabulary side, the final norm and the first and last k blocks
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import shlex
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from mhf_dist.config import EMBEDDED_CORPUS, ConfigError, RunConfig, apply_override
+from mhf_dist.config import EMBEDDED_CORPUS, ConfigError, DataConfig, RunConfig, apply_override
+from mhf_dist.data.formats import MANIFEST, DataError
+from mhf_dist.data.locations import read_json
+from mhf_dist.data.retokenize import prepare_command, prepared_again
 from mhf_dist.hf.importer import INIT_WEIGHTS, save_initialised_run
 from mhf_dist.model import build_model
 from mhf_dist.model.variants import variant
@@ -28,7 +33,7 @@ from mhf_dist.storage.output_dir import check_target, staged
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.train.trained_weights import trained_weights
 from mhf_dist.vocab.signatures import SignatureTable
-from mhf_dist.vocab.token_list import vocabulary
+from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
 from mhf_dist.vocab.tokenizers import TokenizerError, load_tokenizer
 
 TABLES = "vocab.tables.weight"
@@ -40,10 +45,40 @@ class Expansion:
     old_vocab: int
     new_vocab: int
     parameters_added: int
+    prepare: list[str] = field(default_factory=list)  # prepare-data commands that tokenize the data anew
+    data: str | None = None  # the --set that trains on their output
 
     def summary(self) -> str:
-        return (f"expanded {self.old_vocab} -> {self.new_vocab} tokens, {self.parameters_added} parameters added; "
-                f"continue with: mhf-dist train --run-dir {self.run_dir} --config {self.run_dir / 'config.yaml'}")
+        done = f"expanded {self.old_vocab} -> {self.new_vocab} tokens, {self.parameters_added} parameters added"
+        train = ["mhf-dist", "train", "--run-dir", str(self.run_dir), "--config", str(self.run_dir / "config.yaml")]
+        if not self.prepare:
+            return f"{done}; continue with: {shlex.join(train)}"
+        return (f"{done}; the run's data was tokenized by the old tokenizer: prepare it with the new one, then "
+                "continue on it:\n  " + "\n  ".join([*self.prepare, shlex.join([*train, "--set", self.data])]))
+
+
+def data_to_prepare(data: DataConfig, tokenizer: Path, fingerprint: str, suffix: str) -> tuple[list[str], str | None]:
+    """The prepare-data commands that tokenize with ``tokenizer`` (whose fingerprint is ``fingerprint``) the data of
+    ``data`` that another tokenizer tokenized, and the ``data.*`` setting that names their output; none for the
+    embedded text (prepared in the run directory with the run's tokenizer) or data of ``tokenizer`` already."""
+    dirs = [s.path for s in data.sources] if data.sources else [data.path] if data.shard_dir else []
+    stale = [d for d in dirs if _tokenized_by(d) not in (None, fingerprint)]
+    if not stale:
+        return [], None
+    new = {d: prepared_again(d, suffix) if d in stale else d for d in dirs}
+    commands = [prepare_command(d, tokenizer, new[d]) for d in stale]
+    if not data.sources:
+        return commands, f"data.path={new[data.path]}"
+    sources = [s.model_dump(exclude_none=True) | {"path": new[s.path]} for s in data.sources]
+    return commands, f"data.sources={json.dumps(sources)}"
+
+
+def _tokenized_by(shard_dir: str) -> str | None:
+    """The tokenizer fingerprint of ``shard_dir``'s manifest; None when it cannot be read (not prepared yet)."""
+    try:
+        return read_json(f"{shard_dir.rstrip('/')}/{MANIFEST}").get("tokenizer_fingerprint")
+    except DataError:
+        return None
 
 
 def check_superset(old: list[str], new: list[str]) -> None:
@@ -109,4 +144,6 @@ def expand_vocab(run_dir: str | Path, tokenizer: str | Path, out: str | Path | N
         save_initialised_run(RunDir(tmp), new_cfg, new_tok, table, state,
                              {"source": str(trained.checkpoint), "expanded_from_vocab": str(len(old_tokens))})
     added = after_model.parameter_counts()["total"] - before.parameter_counts()["total"]
-    return Expansion(out.path, len(old_tokens), len(new_tokens), added)
+    prepare, data = data_to_prepare(new_cfg.data, out.tokenizer_dir, tokens_fingerprint(new_tokens),
+                                    f"vocab{len(new_tokens)}")
+    return Expansion(out.path, len(old_tokens), len(new_tokens), added, prepare, data)

@@ -11,6 +11,7 @@ from mhf_dist.data.inputs import expand_inputs
 from mhf_dist.data.parts import merge, part_dir_name, part_dirs_pattern
 from mhf_dist.data.prepare import prepare
 from mhf_dist.storage.output_dir import check_target, staged
+from mhf_dist.storage.reading_marks import refuse_if_read
 
 
 def _print_summary(manifest: dict, where: Path) -> None:
@@ -24,9 +25,11 @@ def _print_summary(manifest: dict, where: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``mhf-dist prepare-data``: prepare shards (all, or ``--part I/N`` into ``OUT/part-I-of-N``) into a staging
-    directory, renamed into place when complete, or ``--merge`` parts; print a summary."""
+    directory, renamed into place when complete, or ``--merge`` parts; print a summary. A directory that training
+    runs read is never replaced (:mod:`~mhf_dist.storage.reading_marks`)."""
     _check_mode(args)
     if args.merge:
+        refuse_if_read(args.merge)  # its manifest is replaced in place
         manifest = merge(args.merge, args.inputs, args.overwrite)
         print(f"merged {len(manifest['parts'])} parts")
         _print_summary(manifest, Path(args.merge))
@@ -34,7 +37,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) / part_dir_name(*args.part) if args.part else Path(args.out)
     sources = [*expand_inputs(args.inputs), *([args.tokenizer] if Path(args.tokenizer).exists() else [])]
     out = check_target(out, sources, args.overwrite)
-    with staged(out) as tmp:
+    merged = [Path(args.out)] if args.part else []  # runs read a part's shards through the merged manifest
+    refuse_if_read(out, read_through=merged)  # and again once it is prepared: a run may have started meanwhile
+    with staged(out, before_replace=lambda tmp: refuse_if_read(out, tmp, merged)) as tmp:
         manifest = prepare(
             args.inputs, args.tokenizer, tmp, seq_len=args.seq_len, samples_per_shard=args.samples_per_shard,
             prefix=args.prefix, text_field=args.text_field, val_fraction=args.val_fraction, workers=args.workers,

@@ -30,11 +30,23 @@ def apply_override(raw: dict, assignment: str) -> dict:
     return deep_merge(raw, _nest(key.strip().split("."), value))
 
 
+def _data_replaced(raw: dict, overrides: list[str]) -> dict:
+    """``raw`` without its data of the kind the overrides do not name when they name the other: a ``--set data.path``
+    replaces a file's ``data.sources``, and a ``--set data.sources`` its ``data.path`` (both set by ``--set`` still
+    clash)."""
+    named = {assignment.partition("=")[0].strip() for assignment in overrides}
+    data = raw.get("data")
+    for key, other in (("path", "sources"), ("sources", "path")):
+        if isinstance(data, dict) and f"data.{key}" in named and f"data.{other}" not in named:
+            raw = raw | {"data": {k: v for k, v in data.items() if k != other}}
+    return raw
+
+
 def _nest(path: list[str], value: Any) -> dict:
     return {path[0]: value if len(path) == 1 else _nest(path[1:], value)}
 
 
-def _format_errors(err: ValidationError) -> str:
+def _format_errors(err: ValidationError, source: str = "") -> str:
     lines = []
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "config"
@@ -42,7 +54,31 @@ def _format_errors(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             msg = "unknown field; check its spelling (see `mhf-dist config --preset NAME` for valid keys)"
         lines.append(f"  {where}: {msg}")
-    return "invalid run config:\n" + "\n".join(lines)
+    return f"invalid run config{source}:\n" + "\n".join(lines)
+
+
+def read_config_file(path: str | Path) -> dict:
+    """The mapping a YAML config file holds (empty: ``{}``); a file that cannot be read, is not UTF-8 or not YAML,
+    or holds something else is a :class:`ConfigError` naming the file and the problem."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"cannot read config file {path}: it is not UTF-8 text (byte 0x{e.object[e.start]:02x} at "
+                          f"offset {e.start}); fix or replace the file") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        for mark in (getattr(e, "context_mark", None), getattr(e, "problem_mark", None)):
+            if mark is not None:
+                mark.name = str(path)  # yaml says "<unicode string>" for text it was handed
+        raise ConfigError(f"cannot read config file {path}: it is not valid YAML:\n{e}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level, not a {type(raw).__name__}")
+    return raw
 
 
 def load_config(preset_name: str | None = None, path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
@@ -50,12 +86,7 @@ def load_config(preset_name: str | None = None, path: str | Path | None = None, 
     raw: dict[str, Any] = {}
     named = False  # whether a config file or --set names train.micro_batch_size
     if path is not None:
-        try:
-            from_file = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"cannot read config file {path}: {e}") from e
-        if not isinstance(from_file, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        from_file = read_config_file(path)
         preset_name = preset_name or from_file.get("preset")
         raw = from_file
         named = isinstance(from_file.get("train"), dict) and "micro_batch_size" in from_file["train"]
@@ -63,12 +94,14 @@ def load_config(preset_name: str | None = None, path: str | Path | None = None, 
         raw = deep_merge(preset(preset_name), raw)
     if not raw:
         raise ConfigError("no configuration: pass --preset NAME (e.g. tiny-h4b16k) or --config run.yaml")
+    raw = _data_replaced(raw, overrides)
     for assignment in overrides:
         raw = apply_override(raw, assignment)
         named |= assignment.partition("=")[0].strip() == "train.micro_batch_size"
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e)) from None
+        source = f" ({path}{' with --set' if overrides else ''})" if path is not None else ""
+        raise ConfigError(_format_errors(e, source)) from None
     cfg.train._micro_batch_from_preset = preset_name is not None and not named
     return cfg

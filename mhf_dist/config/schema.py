@@ -277,10 +277,15 @@ class TrainConfig(Strict):
         "process group's timeout); work that grows with the model, such as converting a checkpoint for another "
         "layout, is waited for outside collectives")
     hang_timeout_s: float | None = Field(
-        900, gt=0, description="a step, evaluation or save that makes no progress for this long is a hang: every "
-        "rank writes its Python stacks to RUN/hangs/<time>/, the log names the ranks that stopped answering or fell "
-        "behind (from their heartbeats in RUN/heartbeats/), and the job exits 87 for its scheduler to requeue it; "
-        "raise it above a first step that compiles for minutes; None: no watchdog")
+        900, gt=0, description="a step, evaluation (between micro-batches) or save (while its files stop changing) "
+        "that makes no progress for this long is a hang: every rank writes its Python stacks to RUN/hangs/<time>/, "
+        "the log names the ranks that stopped answering or fell behind (from their heartbeats in RUN/heartbeats/), "
+        "and the job exits 87 for its scheduler to requeue it; the next start allows the phase it ended twice as "
+        "long, and stops (exit 2) if it ends there again; None: no watchdog")
+    first_step_timeout_s: float | None = Field(
+        3600, gt=0, description="the first step and evaluation of every start (compiling, allocating) and a "
+        "rollback's load may go this long without progress instead, when it is longer than train.hang_timeout_s; "
+        "None: train.hang_timeout_s for them too")
     peer_timeout_s: float | None = Field(
         120, gt=0, description="a rank whose heartbeat (RUN/heartbeats/) is this old has been lost with its node: the "
         "others stop at once, naming the node and its ranks, and exit 88, on which an elastic job (submit --nodes "

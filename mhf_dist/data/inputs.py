@@ -79,12 +79,21 @@ class BadDocuments:
         if action not in ON_BAD_DOCUMENT:
             raise DataError(f"on_bad_document={action!r}: use one of {', '.join(ON_BAD_DOCUMENT)}")
         self.action, self.skipped = action, 0
+        self.first: str | None = None  # the first skipped document's place, problem and fix
 
     def found(self, where: str, problem: str, fix: str) -> None:
         """A bad document at ``where``: raised, or counted when skipping."""
         if self.action == "error":
             raise DataError(f"{where}: {problem}; {fix}, or leave such documents out with --on-bad-document skip")
         self.skipped += 1
+        self.first = self.first or f"{where}: {problem}; {fix}"
+
+    def check_kept(self, kept: int) -> None:
+        """Refuse inputs whose every document was skipped, with the first one's reason (else the error would be
+        about too few tokens)."""
+        if kept == 0 and self.skipped:
+            raise DataError(f"every document was skipped (--on-bad-document skip): {self.skipped} not text and none "
+                            f"kept; the first, {self.first}")
 
 
 def _open_text(path: Path):
@@ -154,11 +163,15 @@ def _parquet_documents(path: Path, text_field: str, bad: BadDocuments) -> Iterat
     if text_field not in columns:
         raise DataError(f"input {path} has no column {text_field!r} (it has {', '.join(columns)}); name the text "
                         "column with --text-field")
+    kind = str(table.schema_arrow.field(text_field).type)
+    # a column of another type (numbers, say) is the wrong column, not a few bad rows
+    wrong = "" if kind in ("string", "large_string", "string_view") else (
+        f" (the column holds {kind}, not strings; the file's columns: {', '.join(columns)})")
     row = 0
     for group in range(table.num_row_groups):
         for text in table.read_row_group(group, columns=[text_field]).column(0).to_pylist():
             if not isinstance(text, str):
-                bad.found(f"{path}: row {row}", f"column {text_field!r} holds {text!r}, not a string",
+                bad.found(f"{path}: row {row}", f"column {text_field!r} holds {text!r}, not a string{wrong}",
                           "fix the row or name the text column with --text-field")
             elif text.strip():
                 yield text

@@ -79,8 +79,10 @@ def prepare(
 
     chunks = file_chunks(files, text_field, bad)
     results = tokenized(chunks, ChunkTokenizer(tok, val_fraction), str(tokenizer), workers)
+    kept = 0  # documents tokenized
     with tqdm(desc="tokenizing", unit="doc", disable=not progress) as bar:
         for n_docs, ends_file, (train_ids, val_ids, n_train, n_val) in results:
+            kept += n_docs
             writers[0].add(train_ids, n_train)
             if val_fraction > 0:
                 writers[1].add(val_ids, n_val)
@@ -91,6 +93,7 @@ def prepare(
             bar.set_postfix(samples=sum(w.samples for w in writers), refresh=False)
     splits = dict(zip((TRAIN_SPLIT, VAL_SPLIT), (w.finish() for w in writers)))
     if part is None:  # a part's split may be empty: the merge checks the whole
+        bad.check_kept(kept)
         check_samples(splits, files, seq_len)
 
     tok.save_pretrained(str(out / TOKENIZER_DIR))  # shards carry their tokenizer: a run on them needs no other

@@ -55,7 +55,9 @@ Bad shards
     ``skipped_shards`` (per rank, one count per skip) goes up; its positions
     take the sample at the next position of the same window whose shard is
     readable, so positions, rank shares and state stay exactly as without the
-    failure (a window whose every shard is bad is still an error).
+    failure (a window whose every shard is bad is still an error). A shard that
+    fails because the manifest changed since the reader read it (the directory
+    was prepared again under the run) is that error instead, in either mode.
 """
 
 from __future__ import annotations
@@ -157,6 +159,7 @@ class ShardReader:
         if on_bad_shard not in ("error", "skip"):
             raise ValueError(f"on_bad_shard={on_bad_shard!r}: use 'error' or 'skip'")
         self.manifest, self.manifest_location, self.shards = _resolve(source, manifest, split, allow_pipe)
+        self._manifest_digest = _digest(self.manifest)  # a shard failing later may mean the data was re-prepared
         _check_expectations(self.manifest, self.manifest_location, seq_len, tokenizer_fingerprint)
         self.seq_len = self.manifest["seq_len"]
         self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
@@ -329,11 +332,28 @@ class ShardReader:
                 try:
                     got.update(((s, i), a) for i, a in self._read_shard(self.shards[s], indices).items())
                 except DataError as e:
+                    if (replaced := self._replaced(self.shards[s])) is not None:
+                        raise replaced from None  # no bad shard: skipping it would not help
                     if self.on_bad_shard == "error":
                         raise
                     bad.add(s)
                     self.skipped_shards += 1
                     log.warning("skipping shard (data.on_bad_shard=skip): %s", e)
+
+    def _replaced(self, shard: _Shard) -> DataError | None:
+        """When a shard fails because its manifest changed since this reader read it (the directory was prepared
+        again, ``prepare-data --overwrite``), the error that says so; None when the manifest is as it was."""
+        try:
+            now = _digest(read_json(self.manifest_location))
+        except DataError:  # gone, or unreadable: replaced or being replaced
+            now = None
+        if now == self._manifest_digest:
+            return None
+        change = "is gone" if now is None else "changed"
+        return DataError(f"shard {shard.url} is not the one this run's manifest lists: {self.manifest_location} "
+                         f"{change} since the run started reading it, so the data was prepared again (or removed) "
+                         "under the run, which no data.on_bad_shard setting mends. To train on the new preparation, "
+                         f"resume and {RESTART_ADVICE}; to go on with the old data, put it back and resume")
 
     def _read_shard(self, shard: _Shard, wanted: set[int]) -> dict[int, np.ndarray]:
         """Stream one shard from start to end; the samples at ``wanted`` indices, after every check."""
@@ -388,6 +408,10 @@ def as_batch(rows: list[np.ndarray], pin: bool = False) -> torch.Tensor:
     batch = torch.empty((len(rows), len(rows[0])), dtype=torch.int64, pin_memory=True)
     np.stack(rows, out=batch.numpy())  # widened to int64 straight into the pinned buffer
     return batch
+
+
+def _digest(manifest: dict) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
 def _put(out: queue.Queue, item, stop: threading.Event) -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from mhf_dist.config import load_config
+from mhf_dist.errors import MhfError
 from mhf_dist.parallel.devices import bind_gpu
 from mhf_dist.parallel.layout import backend_name
 from mhf_dist.profiling.timing import torch_dtype
@@ -65,7 +66,7 @@ def run_sweep(size: str, hashes: list[str], tps: list[int], *, steps: int, warmu
         rc = launch_local(tp, ["profile-worker", "--rows", str(rows_file), "--spec",
                                json.dumps(spec | {"device": device.type})], profile_lost_work)
         if rc:
-            raise RuntimeError(f"profiling {size}-{hash_name} at tp={tp} failed (exit {rc})")
+            raise MhfError(f"profiling {size}-{hash_name} at tp={tp} failed (exit {rc}): its ranks' errors are above")
         rows.append(TrainRow(**json.loads(rows_file.read_text())))
         rows_file.unlink()
     return rows

@@ -5,9 +5,9 @@ process, a lost node) and which fell behind. The hang watchdog (:mod:`mhf_dist.t
 read them.
 
 A record: ``rank``, ``node`` (:data:`NODE_ENV`, else the host name), ``pid``, ``step`` (the step under way, or the
-last one done), ``phase`` (``start``, ``step``, ``eval``, ``save``, ``end``, ``finished``), ``since`` (when that
-phase began: the last progress), ``beat`` (when written), ``beat_s`` (the interval between writes),
-``hang_timeout_s``, ``started`` (when the rank's watchdog started).
+last one done), ``phase`` (``start``, ``step``, ``eval``, ``save``, ``rollback``, ``end``, ``finished``), ``since``
+(when that phase began: the last progress), ``beat`` (when written), ``beat_s`` (the interval between writes),
+``hang_timeout_s`` (the phase's budget), ``started`` (when the rank's watchdog started).
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ class RankHealth:
 def doing(beat: dict) -> str:
     """What a heartbeat says its rank was doing: ``in step 4``, ``in the evaluation at step 4``, ..."""
     return {"step": "in step {}", "eval": "in the evaluation at step {}", "save": "in the save of step {}",
+            "rollback": "in the rollback at step {}",
             "end": "in the end of training at step {}", "start": "starting", "finished": "finished at step {}"}.get(
         beat.get("phase"), "in {} of step {{}}".format(beat.get("phase"))).format(beat.get("step"))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from mhf_dist.config import ConfigError
@@ -49,9 +49,11 @@ def check_target(out: str | Path, sources: Sequence[str | Path], overwrite: bool
 
 
 @contextlib.contextmanager
-def staged(out: str | Path) -> Iterator[Path]:
+def staged(out: str | Path, before_replace: Callable[[Path], None] | None = None) -> Iterator[Path]:
     """``with staged(out) as tmp:`` write into ``tmp``; on success it replaces ``out`` (checked with
-    :func:`check_target` first), on failure it is removed and ``out`` is untouched."""
+    :func:`check_target` first), on failure it is removed and ``out`` is untouched. ``before_replace(tmp)`` runs
+    once ``tmp`` is complete, just before it replaces ``out``: it may refuse (raise), having moved ``tmp`` to keep
+    it."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
@@ -59,6 +61,8 @@ def staged(out: str | Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        if before_replace is not None:
+            before_replace(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -28,6 +28,8 @@ nothing, so ``status`` and ``submit`` use this class on a login node.
 from __future__ import annotations
 
 import contextlib
+import json
+import shlex
 import shutil
 from importlib import resources
 from pathlib import Path
@@ -36,7 +38,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from mhf_dist.config import CONFIG_FILE, HashConfig, RunConfig
-from mhf_dist.data.formats import MANIFEST, TOKENIZER_DIR
+from mhf_dist.data.formats import MANIFEST, TOKENIZER_DIR, DataError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -86,7 +88,53 @@ class RunDir:
         source = self.tokenizer_source(cfg)
         if source == str(self.tokenizer_dir) and not (self.tokenizer_dir / "tokenizer.json").is_file():
             train_bpe(embedded_corpus(), cfg.tokenizer.vocab_size, self.tokenizer_dir)
-        return load_tokenizer(source)
+        tokenizer = load_tokenizer(source)
+        if cfg.tokenizer.path is None and source != str(self.tokenizer_dir):
+            self._check_data_tokenizer(cfg, tokenizer)
+        return tokenizer
+
+    def _check_data_tokenizer(self, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        """The tokenizer of ``data.path``'s shards is the run's only while it is the one the run's tables were built
+        for: data of another tokenizer is named here, before the tables' own check blames them."""
+        from mhf_dist.data.retokenize import prepare_command, prepared_again
+        from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
+
+        built_for, found = self._tables_fingerprint(), tokens_fingerprint(vocabulary(tokenizer))
+        if built_for is None or built_for == found:
+            return
+        shard_dir, out = cfg.data.shard_dir, prepared_again(cfg.data.shard_dir, "retokenized")
+        own = self._tokenizer_with(built_for)
+        raise DataError(
+            f"{Path(shard_dir) / MANIFEST} was tokenized by another tokenizer (fingerprint {found[:12]}..., the "
+            f"run's is {built_for[:12]}...): the run keeps the tokenizer it started with; prepare the data with the "
+            "run's tokenizer"
+            + ("" if own else f" (RUN_TOKENIZER: the one the run started with, fingerprint {built_for[:12]}...)")
+            + f" and train on it from its beginning:\n  {prepare_command(shard_dir, own or 'RUN_TOKENIZER', out)}\n"
+            + "  " + shlex.join(["mhf-dist", "train", "--run-dir", str(self.path), "--set", f"data.path={out}",
+                                 "--set", "data.restart=true"]))
+
+    def _tables_fingerprint(self) -> str | None:
+        """The fingerprint of the tokenizer the run's signature or Engram table was built for; None before either."""
+        for meta in (self.signatures_dir / "signatures.json", self.engram_dir / "compression.json"):
+            with contextlib.suppress(OSError, ValueError, KeyError):  # unreadable: the table's own load says so
+                return json.loads(meta.read_text())["tokenizer_fingerprint"]
+        return None
+
+    def _tokenizer_with(self, fingerprint: str) -> str | None:
+        """Where the run's tokenizer is: ``RUN/tokenizer``, or the shards' that ``config.yaml`` (its last start)
+        names."""
+        from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
+        from mhf_dist.vocab.tokenizers import load_tokenizer
+
+        candidates = [self.tokenizer_dir]
+        with contextlib.suppress(OSError, ValueError, AttributeError, yaml.YAMLError):
+            saved = RunConfig.model_validate(yaml.safe_load(self.config_path.read_text()))
+            candidates.append(Path(self.tokenizer_source(saved)))
+        for candidate in candidates:
+            with contextlib.suppress(Exception):  # not a tokenizer: not the run's
+                if tokens_fingerprint(vocabulary(load_tokenizer(str(candidate)))) == fingerprint:
+                    return str(candidate)
+        return None
 
     def ensure_signatures(self, hash_cfg: HashConfig, tokenizer: PreTrainedTokenizerBase) -> SignatureTable:
         """Build the table on first start; afterwards load it and check it matches tokenizer and config."""

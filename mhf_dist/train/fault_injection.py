@@ -11,6 +11,9 @@ for the ranks it starts. Nothing here acts unless its variable is set: a run nev
 - :data:`SLOW_RANK_ENV`: ``RANK:FRACTION``: that rank computes ``FRACTION`` more in each step (a straggler).
 - :data:`SLOW_DEVICE_ENV`: ``RANK:FRACTION``: that rank's device probe computes ``FRACTION`` more products in its
   timed chain (a device that takes longer for the same work).
+- :data:`SLOW_WORK_ENV`: ``KIND:SECONDS[,KIND:SECONDS...]``: healthy work that takes longer: ``first_step`` (a
+  start's first step, as a compile does), ``eval_batch`` (each evaluation micro-batch), ``checkpoint_file`` (each
+  checkpoint file, as on a slow filesystem).
 - :data:`LOSS_SPIKE_ENV`: ``SAMPLE:FACTOR[,SAMPLE:FACTOR...]``: the loss (and so the gradients) of the step whose
   global batch holds global sample position ``SAMPLE`` multiplied by ``FACTOR`` on every rank: a loss spike that comes
   with its data, so a run that skips that data does not meet it again.
@@ -31,6 +34,7 @@ DISK_BYTES_ENV = "MHF_DIST_TEST_DISK_BYTES"
 SLOW_RANK_ENV = "MHF_DIST_TEST_SLOW_RANK"
 SLOW_DEVICE_ENV = "MHF_DIST_TEST_SLOW_DEVICE"
 LOSS_SPIKE_ENV = "MHF_DIST_TEST_LOSS_SPIKE"
+SLOW_WORK_ENV = "MHF_DIST_TEST_SLOW_WORK"
 
 
 def _pause(variable: str) -> None:
@@ -46,6 +50,14 @@ def pause_save() -> None:
 def pause_conversion() -> None:
     """A conversion's extra time (:data:`CONVERT_PAUSE_ENV`)."""
     _pause(CONVERT_PAUSE_ENV)
+
+
+def slow_work(kind: str) -> None:
+    """The extra seconds :data:`SLOW_WORK_ENV` gives work of ``kind``, slept here."""
+    for item in filter(None, os.environ.get(SLOW_WORK_ENV, "").split(",")):
+        name, seconds = item.split(":")
+        if name == kind:
+            time.sleep(float(seconds))
 
 
 def write_fails(rank: int, path: Path) -> bool:

@@ -66,7 +66,7 @@ from mhf_dist.train.checkpoint.index import read_marker
 from mhf_dist.train.console import step_line
 from mhf_dist.train.device_probe import DeviceProbe
 from mhf_dist.train.divergence import LossWatch
-from mhf_dist.train.fault_injection import loss_scale, slow_step
+from mhf_dist.train.fault_injection import loss_scale, slow_step, slow_work
 from mhf_dist.train.host_tables import host_tables_factory
 from mhf_dist.train.metrics import MetricsLogger
 from mhf_dist.train.optim import (
@@ -168,7 +168,7 @@ class TrainingLoop:
         """:meth:`setup` once the run directory is locked."""
         self._prepare()
         resuming = self._build(resume)
-        if self.scalars.any(self.stop.received)[0]:
+        if self.stop.start_up_ends(self.scalars.any(self.stop.received)[0]):
             if self.rank == 0:
                 tqdm.write("stopped by a signal during start-up; nothing to save")
             return False
@@ -318,7 +318,8 @@ class TrainingLoop:
         if self.watched is not None:
             self.watch.load_state_dict(self.watched)
         self.step_times: deque[float] = deque(maxlen=20)  # the recent steps' seconds, for the ETA
-        self.watchdog = Watchdog(self.run_dir, self.rank, t.hang_timeout_s, t.peer_timeout_s).start()
+        self.watchdog = Watchdog(self.run_dir, self.rank, t.hang_timeout_s, t.peer_timeout_s, t.first_step_timeout_s,
+                                 start).start()
         probe = t.device_probe if t.device_probe is not None else self.device.type == "cuda"
         self.stragglers = StragglerWatch(
             self.run_dir, self.rank, self.world, self.groups.pp_rank, t.straggler_factor, t.straggler_intervals,
@@ -352,7 +353,7 @@ class TrainingLoop:
             self.reader.close()
             if self.logger:
                 self.logger.close()
-        self.watchdog.mark(self.end, "end")
+        self.watchdog.mark(self.end, "end", files=self.checkpointer.dir)
         dist.barrier()
         self.checkpointer.wait()  # the last save, when asynchronous (a preempted job's included)
         if not self.result.preempted:  # a preempted job leaves the rest to the next start: its grace is short
@@ -373,6 +374,8 @@ class TrainingLoop:
         stats = self.trainer.train_step(self.reader, lambda: (self.stop.received, self.clock.due),  # read with it
                                         limits, scale, health=self.logged(step))
         slow_step(self.rank, self.stragglers.clock() - compute)
+        if step == self.start + 1:
+            slow_work("first_step")
         self.stragglers.add(self.stragglers.clock() - compute)
         seconds = time.perf_counter() - began
         self.step_times.append(seconds)
@@ -388,6 +391,7 @@ class TrainingLoop:
         spikes = self.watch.spikes_within(step)
         if not self.rollbacks.due(spikes):
             return None
+        self.watchdog.mark(step, "rollback")
         client = self.rollbacks.go_back(step, spikes, self.checkpointer, self.trainer, self.reader)
         back = client["step"]
         if self.logger:
@@ -437,7 +441,7 @@ class TrainingLoop:
         found = {}
         for label, path, weight in self.validation:
             with ShardReader(path, split="val", **self.reader_args) as val:
-                metrics = self.trainer.evaluate(val, self.eval_batches)
+                metrics = self.trainer.evaluate(val, self.eval_batches, self.evaluated_batch)
             if label is None:
                 return metrics
             found[label] = (metrics, weight)
@@ -445,6 +449,11 @@ class TrainingLoop:
         total = sum(weight for _, weight in found.values())
         return {f"{key}/{label}": value for label, (metrics, _) in found.items() for key, value in metrics.items()} | {
             "val_loss": sum(metrics["val_loss"] * weight for metrics, weight in found.values()) / total}
+
+    def evaluated_batch(self) -> None:
+        """An evaluation's micro-batch is done: progress, for the hang watchdog."""
+        slow_work("eval_batch")
+        self.watchdog.advance()
 
     def log(self, step: int, record: dict) -> None:
         """Rank 0 appends a non-empty record to the run's metrics and shows its headline values."""
@@ -471,7 +480,7 @@ class TrainingLoop:
                 tqdm.write(f"warning: not saving step {step} ({reason}): its loss or weights are not finite; "
                            f"the newest checkpoint, {self.checkpointer.latest()}, stays the one to resume from")
             return
-        self.watchdog.mark(step, "save")
+        self.watchdog.mark(step, "save", files=self.checkpointer.dir)
         saved = self.checkpointer.save(self.trainer, step, step * self.tokens_per_step, self.reader.state_dict(),
                                        reason, statistics.median(self.step_times), self.watch.state_dict())
         self.clock.reset()

@@ -4,14 +4,18 @@ Weights & Biases (``train.wandb``).
 ``metrics.jsonl`` is a contract: fields are added over time, never renamed
 (``step``, ``loss``, ``head_losses``, ``lr``, ``tokens_per_s``, ...). Lists are
 logged to TensorBoard and W&B one scalar per element (``head_losses/0``, ...).
+It holds complete lines only: a record is appended whole or not at all, and a last line cut short by a crash is
+dropped at the next start, so that no record is ever glued to it.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import logging
 import math
+import os
 import secrets
 import string
 import sys
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from mhf_dist.atomic import write_atomic
 from mhf_dist.config import ConfigError
+from mhf_dist.errors import MhfError
 from mhf_dist.storage.run_dir import RunDir
 
 if TYPE_CHECKING:
@@ -30,6 +35,13 @@ log = logging.getLogger(__name__)
 
 WANDB_DIR = "wandb"  # W&B's own files (wandb.init(dir=RUN) writes RUN/wandb/)
 WANDB_RUN_ID = "run_id"  # in WANDB_DIR: the W&B run every start of this run directory logs to
+FIXES = {errno.ENOSPC: "free space on its filesystem", errno.EDQUOT: "free space within your disk quota",
+         errno.EFBIG: "raise the file size limit (ulimit -f)", errno.EROFS: "make it writable",
+         errno.EACCES: "make it writable"}
+
+
+class MetricsWriteError(MhfError, OSError):
+    """``metrics.jsonl`` could not be written; the message names the file, the cause and the fix."""
 
 
 class MetricsLogger:
@@ -47,9 +59,12 @@ class MetricsLogger:
         """Drop what was logged after ``step`` (a resume's or a rollback's checkpoint); the next record follows it."""
         from torch.utils.tensorboard import SummaryWriter  # here: reading a run's metrics (`status`) needs no torch
 
+        if self.path.exists():
+            self._written(f"could not drop the cut last line of {self.path}", lambda: _drop_cut_line(self.path))
         if step and self.path.exists():
-            kept = [r for r in _records(self.path) if r["step"] <= step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            kept = "".join(json.dumps(r) + "\n" for r in _records(self.path) if r["step"] <= step)
+            # whole or not at all: a full disk leaves the file as it was
+            self._written(f"could not rewrite {self.path}", lambda: write_atomic(self.path, kept, durable=False))
         if self.writer is not None:
             self.writer.close()
         self.wandb_from = max(self.wandb_from, self.last_step + 1)  # W&B keeps what it was sent
@@ -58,8 +73,8 @@ class MetricsLogger:
     def log(self, step: int, values: dict) -> None:
         record = {"step": step, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), **values}
         self.last_step = max(self.last_step, step)
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = (json.dumps(record) + "\n").encode()
+        self._written(f"could not log step {step} to {self.path}", lambda: _append_whole(self.path, line))
         scalars = dict(_scalars(values))
         for key, value in scalars.items():
             self.writer.add_scalar(key, value, step)
@@ -67,8 +82,21 @@ class MetricsLogger:
         if self.wandb is not None and step >= self.wandb_from:
             self.wandb.log(scalars, step=step)
 
+    @staticmethod
+    def _written(doing: str, write) -> None:
+        """``write()``, its OSError raised as :class:`MetricsWriteError` naming the file, the cause and the fix."""
+        try:
+            write()
+        except OSError as e:
+            fix = FIXES.get(e.errno, "see the cause")
+            raise MetricsWriteError(f"{doing} ({e.strerror or e}): {fix}, then rerun to resume (--resume auto); "
+                                    "the file keeps its complete records") from e
+
     def close(self) -> None:
-        self.writer.close()
+        try:
+            self.writer.close()
+        except OSError as e:  # a full disk: not to hide the error that ends the run, or its outcome
+            log.warning("TensorBoard could not write its events to %s (%s)", self.tensorboard_dir, e)
         if self.wandb is not None:
             try:  # a run that ends on an exception is marked failed; W&B trouble never hides the training outcome
                 self.wandb.finish(exit_code=1 if sys.exc_info()[0] is not None else 0)
@@ -119,6 +147,40 @@ def wandb_run_id(run_dir: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, run_id + "\n")
     return run_id
+
+
+def _append_whole(path: Path, line: bytes) -> None:
+    """``line`` at the end of ``path``, whole or not at all: a write cut short (a full disk) is taken back."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.fstat(fd).st_size
+        try:
+            written = 0
+            while written < len(line):  # a filling disk may take part of it, then refuse the rest
+                written += os.write(fd, line[written:])
+        except OSError:
+            os.ftruncate(fd, end)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _drop_cut_line(path: Path) -> None:
+    """A last line without its newline (a write a crash cut short) is dropped with a warning."""
+    with path.open("rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        end = size
+        while end > 0:  # back to the last newline, a block at a time
+            start = max(0, end - 65536)
+            f.seek(start)
+            if (at := f.read(end - start).rfind(b"\n")) >= 0:
+                end = start + at + 1
+                break
+            end = start
+        if end == size:
+            return
+        f.truncate(end)
+    log.warning("%s ended in a line cut short (%d bytes: a write that never finished); dropped it", path, size - end)
 
 
 def _records(path: Path) -> list[dict]:

@@ -9,9 +9,11 @@ job script answers with a requeue. The job script also tells the ranks the
 grace period (:data:`GRACE_ENV`), so a save that would not fit in it is
 flagged while there is time to act.
 
-A first Ctrl-C is taken as SIGTERM is; a second aborts at once without saving
-(:data:`ABORTED_EXIT_CODE`) and says what that loses: the steps since the
-newest checkpoint, which the next start resumes from.
+A first Ctrl-C is taken as SIGTERM is (during start-up, with no step to finish
+and nothing trained, the note says the ranks stop without a checkpoint); a
+second aborts at once without saving (:data:`ABORTED_EXIT_CODE`) and says what
+that loses: the steps since the newest checkpoint, which the next start resumes
+from.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ GRACE_SAFETY = 1.5  # slow storage days
 EXIT_SECONDS = 30
 GRACE_ENV = "MHF_DIST_GRACE_SECONDS"  # set by the job script: seconds between the scheduler's warning and its limit
 INTERRUPT_NOTE = "interrupted: finishing this step, then saving (Ctrl-C again aborts without saving)"
+# before the first step there is no step to finish and nothing trained to save: set-up ends at the check after the
+# model build, and the ranks exit for a requeue
+START_UP_INTERRUPT_NOTE = ("interrupted during start-up: stopping once the model is built, before the first step and "
+                           "without a checkpoint (Ctrl-C again aborts at once)")
 
 
 def grace_seconds(step_s: float, save_s: float) -> int:
@@ -67,11 +73,18 @@ class StopSignal:
     def __init__(self, lost_work: Callable[[], str] | None = None):
         self.received = False
         self.interrupted = False
+        self.training = False  # set by :meth:`start_up_ends`: a first Ctrl-C finishes a step and saves from then on
         self._lost_work = lost_work
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._handle)
         if lost_work is not None:  # otherwise (an embedding program, a test process) Ctrl-C stays its own
             signal.signal(signal.SIGINT, self._interrupt)
+
+    def start_up_ends(self, stopping: bool) -> bool:
+        """``stopping``: whether the ranks agreed at the end of start-up that a signal stops them (without a save);
+        returned. When they go on, a signal from now on finishes a step and saves."""
+        self.training = not stopping
+        return stopping
 
     def ignore(self) -> None:
         """From now on SIGUSR1 and SIGTERM are ignored, also while the interpreter shuts down (which restores the
@@ -88,4 +101,4 @@ class StopSignal:
             os._exit(ABORTED_EXIT_CODE)  # now: no collective, no save, no interpreter shutdown to wait for
         self.interrupted = True
         self._handle(signum, frame)
-        say_on_rank0(INTERRUPT_NOTE)
+        say_on_rank0(INTERRUPT_NOTE if self.training else START_UP_INTERRUPT_NOTE)

@@ -24,15 +24,15 @@ from mhf_dist.train.checkpoint.index import complete_checkpoints, read_marker
 
 CHANGEABLE_ON_RESUME = (
     "optimizer", "parallel", "inference", "model.engram.offload_update",
-    "data.restart", "data.path", "data.shuffle_seed", "data.shuffle_window", "data.on_bad_shard",
+    "data.restart", "data.path", "data.sources", "data.shuffle_seed", "data.shuffle_window", "data.on_bad_shard",
     "data.verify_checksums", "data.allow_pipe",
     "train.max_steps", "train.stop_at_step", "train.micro_batch_size", "train.log_interval", "train.eval_interval",
     "train.eval_sequences", "train.checkpoint_interval", "train.checkpoint_minutes", "train.keep_checkpoints",
     "train.on_nonfinite", "train.max_nonfinite_steps", "train.spike_factor", "train.grad_spike_factor",
     "train.on_spike", "train.spike_patience", "train.max_rollbacks", "train.peak_tflops", "train.compile",
     "train.fused_head_kernel", "train.dist_backend", "train.dist_timeout_minutes", "train.wandb",
-    "train.hang_timeout_s", "train.peer_timeout_s", "train.straggler_factor", "train.straggler_intervals",
-    "train.device_probe", "train.health_metrics",
+    "train.hang_timeout_s", "train.first_step_timeout_s", "train.peer_timeout_s", "train.straggler_factor",
+    "train.straggler_intervals", "train.device_probe", "train.health_metrics",
 )
 
 

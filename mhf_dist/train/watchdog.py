@@ -1,38 +1,39 @@
 """The hang watchdog: a thread on every rank that writes the rank's heartbeat (:mod:`mhf_dist.storage.heartbeats`)
-and ends a job that makes no progress.
+and ends a job that makes no progress, never one whose work is only long.
 
-The training thread marks its progress (:meth:`Watchdog.mark`: a step, an evaluation, a save begins) and nothing
-else: no file and no collective per step. The thread rewrites the heartbeat every ``beat_s`` seconds. When the phase
-under way has made no progress for ``train.hang_timeout_s`` (a collective waiting on a rank that will never come, a
-save stuck on a filesystem), or when another rank of the job has declared a hang (a new folder in ``RUN/hangs/``:
-the ranks meet on the shared filesystem, not the network, which may be what failed), it
-
-1. writes every thread's Python stack of this rank to ``RUN/hangs/<time>/rank-N.txt`` (``faulthandler``, which needs
-   neither the GIL's holder nor the training thread);
-2. waits a few heartbeats for the other live ranks to write theirs (a scheduler ends every task once one exits);
-3. on the lowest rank that still answers, names in the log (and ``summary.txt``) the ranks that stopped answering
-   and those that did not reach the furthest step, from their heartbeats;
-4. exits with :data:`~mhf_dist.errors.HUNG_EXIT_CODE` without saving (a hung collective cannot be trusted to
-   finish a save); the job script requeues on it and the next start resumes from the newest checkpoint.
+The training thread marks its phases (:meth:`Watchdog.mark`: a step, an evaluation, a save begins) and their
+progress (:meth:`Watchdog.advance`: an evaluation's micro-batch); a save's progress is what its directory holds
+changing (files, bytes), looked at only when its budget runs out. Each phase has a budget: ``train.hang_timeout_s``,
+the longer ``train.first_step_timeout_s`` for the first step and evaluation of a start (compiling, allocating) and
+for a rollback's load, and twice the expired one for the phase the previous start was ended in (``hang.json``). A phase
+that outlasts its budget without progress (a collective waiting on a rank that will never come, a save stuck on a
+filesystem), or a hang another rank declared (a new folder in ``RUN/hangs/``: the ranks meet on the shared
+filesystem, not the network, which may be what failed), ends the job: every live rank writes its threads' Python
+stacks there, the lowest one names the ranks that stopped answering or fell behind (``summary.txt``), and each
+exits with :data:`~mhf_dist.errors.HUNG_EXIT_CODE` without saving, which the job script requeues; ended at the same
+place as the previous start, with the doubled budget, it exits with :data:`~mhf_dist.errors.ERROR_EXIT_CODE`
+instead, naming the setting and value that would let healthy work finish.
 
 A lost node is told apart sooner: once this rank has been waiting a few heartbeats, it reads the other ranks'
-heartbeats, and ranks whose heartbeat is ``train.peer_timeout_s`` old are lost (their node died or dropped off the
-network, and with it their heartbeat thread). The first rank to see it names the node and its ranks and writes
-them to ``RUN/heartbeats/lost.json``; every rank exits with :data:`~mhf_dist.errors.NODE_LOST_EXIT_CODE`, on which
-an elastic job continues on the nodes left. A healthy job never reads its peers' heartbeats.
+heartbeats, and ranks whose heartbeat is ``train.peer_timeout_s`` old are lost. The first rank to see it names them
+in ``RUN/heartbeats/lost.json``; every rank exits with :data:`~mhf_dist.errors.NODE_LOST_EXIT_CODE`.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import math
 import os
 import sys
 import threading
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mhf_dist.errors import HUNG_EXIT_CODE, NODE_LOST_EXIT_CODE
+from mhf_dist.errors import ERROR_EXIT_CODE, HUNG_EXIT_CODE, NODE_LOST_EXIT_CODE
+from mhf_dist.storage.hang_record import HangRecord, newest_hang_record, read_hang_record
 from mhf_dist.storage.heartbeats import (
+    IDLE_PHASES,
     answers,
     doing,
     node_name,
@@ -47,6 +48,9 @@ MAX_BEAT_S = 10.0
 MIN_BEAT_S = 0.5
 LINGER_BEATS = 3  # heartbeats to wait, after writing the stacks, for the other live ranks to write theirs
 WAITING_BEATS = 3  # heartbeats without progress before a rank reads its peers' heartbeats
+WARMING_PHASES = ("step", "eval")  # their first run in a start compiles and allocates: the first-step budget
+LOADING_PHASES = ("rollback",)  # a checkpoint's load, as long as a start's: the first-step budget every time
+HANG_SETTING, FIRST_SETTING = "train.hang_timeout_s", "train.first_step_timeout_s"
 
 
 def beat_interval(*timeouts_s: float | None) -> float:
@@ -55,40 +59,102 @@ def beat_interval(*timeouts_s: float | None) -> float:
     return min(MAX_BEAT_S, max(MIN_BEAT_S, min(set_) / 10)) if set_ else MAX_BEAT_S
 
 
-class Watchdog:
-    """Rank ``rank``'s heartbeat and hang watch in run ``run`` (``hang_timeout_s`` None: heartbeats only)."""
+def last_change(directory: Path) -> float:
+    """When ``directory``, its subdirectories or their files last changed (a file written, one added or removed)."""
+    newest = 0
+    for root, _, names in os.walk(directory):
+        for path in (root, *(os.path.join(root, name) for name in names)):
+            try:
+                newest = max(newest, os.stat(path).st_mtime_ns)
+            except OSError:  # removed while listed
+                continue
+    return newest / 1e9
 
-    def __init__(self, run: RunDir, rank: int, hang_timeout_s: float | None, peer_timeout_s: float | None = None):
+
+@dataclass(frozen=True)
+class Phase:
+    """What the training thread is doing, replaced whole (the watchdog thread reads it)."""
+
+    step: int
+    name: str  # start, step, eval, save, rollback, end, finished
+    since: float  # its last progress
+    budget_s: float | None = None  # how long it may go without progress (None: not watched)
+    setting: str = HANG_SETTING  # the setting the budget comes from
+    retried: bool = False  # the previous start was ended at this step and phase
+    files: Path | None = None  # a directory whose changes are its progress
+
+
+class Watchdog:
+    """Rank ``rank``'s heartbeat and hang watch in run ``run`` (``hang_timeout_s`` None: heartbeats only), from step
+    ``resumed_at``."""
+
+    def __init__(self, run: RunDir, rank: int, hang_timeout_s: float | None, peer_timeout_s: float | None = None,
+                 first_step_timeout_s: float | None = None, resumed_at: int = 0):
         self.run, self.rank, self.timeout_s, self.peer_timeout_s = run, rank, hang_timeout_s, peer_timeout_s
+        self.first_timeout_s = first_step_timeout_s
         self.beat_s = beat_interval(hang_timeout_s, peer_timeout_s)
         self.started = time.time()
-        self._progress = (0, "start", self.started)  # (step, phase, since), replaced whole by the training thread
+        record = newest_hang_record(run) if hang_timeout_s is not None else None
+        self.previous = record if record is not None and record.step > resumed_at else None  # still ahead
+        self._phase = Phase(resumed_at, "start", self.started)
+        self._begun: set[str] = set()  # phases that ran in this start
+        self._lock = threading.Lock()  # the training thread marks, the watchdog thread records progress
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
         self.run.heartbeats_dir.mkdir(parents=True, exist_ok=True)
+        if self.previous is not None and self.rank == 0:
+            budget, setting, _ = self._budget(self.previous.step, self.previous.phase, first=False)
+            print(f"note: the previous start was ended by the hang watchdog after {self.previous.stuck_s:.0f} s "
+                  f"without progress {doing({'phase': self.previous.phase, 'step': self.previous.step})} "
+                  f"({self.previous.setting}={self.previous.budget_s:g}); this start allows it {budget:g} s, and stops "
+                  f"without requeueing if it ends there again", file=sys.stderr, flush=True)
         self._beat()
         self._thread.start()
         return self
 
-    def mark(self, step: int, phase: str) -> None:
-        """Progress: ``phase`` (``step``, ``eval``, ``save``, ``end``) of ``step`` begins now."""
-        self._progress = (step, phase, time.time())
+    def mark(self, step: int, phase: str, files: Path | None = None) -> None:
+        """``phase`` (``step``, ``eval``, ``save``, ``rollback``, ``end``) of ``step`` begins now; a phase that
+        writes into ``files`` progresses while that directory's content changes."""
+        first = (phase in WARMING_PHASES and phase not in self._begun) or phase in LOADING_PHASES
+        self._begun.add(phase)
+        budget, setting, retried = self._budget(step, phase, first)
+        with self._lock:
+            self._phase = Phase(step, phase, time.time(), budget, setting, retried, files)
+
+    def advance(self) -> None:
+        """The phase under way made progress (an evaluation's micro-batch)."""
+        with self._lock:
+            self._phase = replace(self._phase, since=time.time())
 
     def finish(self) -> None:
         """The rank's training ended: no more hang watch; the heartbeat says so."""
-        self._progress = (self._progress[0], "finished", time.time())
+        with self._lock:
+            self._phase = Phase(self._phase.step, "finished", time.time())
         self._stop.set()
         self._thread.join()
         self._beat()
 
+    def _budget(self, step: int, phase: str, first: bool) -> tuple[float | None, str, bool]:
+        """How long ``phase`` of ``step`` may go without progress, the setting that says so, and whether the
+        previous start was ended there (then twice what it had, at least)."""
+        if self.timeout_s is None:
+            return None, HANG_SETTING, False
+        budget, setting = self.timeout_s, HANG_SETTING
+        if first and self.first_timeout_s is not None and self.first_timeout_s > budget:
+            budget, setting = self.first_timeout_s, FIRST_SETTING
+        retried = self.previous is not None and self.previous.at(step, phase)
+        if retried:
+            budget = max(budget, 2 * self.previous.budget_s)
+        return budget, setting, retried
+
     # ------------------------------------------------------------------ the thread
     def _beat(self) -> None:
-        step, phase, since = self._progress
-        write_heartbeat(self.run, {"rank": self.rank, "node": node_name(), "pid": os.getpid(), "step": step,
-                                   "phase": phase, "since": since, "beat": time.time(), "beat_s": self.beat_s,
-                                   "hang_timeout_s": self.timeout_s, "started": self.started})
+        p = self._phase
+        write_heartbeat(self.run, {"rank": self.rank, "node": node_name(), "pid": os.getpid(), "step": p.step,
+                                   "phase": p.name, "since": p.since, "beat": time.time(), "beat_s": self.beat_s,
+                                   "hang_timeout_s": p.budget_s, "started": self.started})
 
     def _watch(self) -> None:
         while not self._stop.wait(self.beat_s):
@@ -96,17 +162,31 @@ class Watchdog:
                 self._beat()
             except OSError as e:  # a filesystem hiccup must not end the rank; the next beat retries
                 print(f"warning: rank {self.rank}'s heartbeat was not written: {e}", file=sys.stderr)
-            step, phase, since = self._progress
-            waiting = phase not in ("start", "finished") and time.time() - since > WAITING_BEATS * self.beat_s
-            if waiting and self.peer_timeout_s is not None and (lost := self._lost_peers()):
+            phase = self._phase
+            idle = time.time() - phase.since
+            if phase.name not in IDLE_PHASES and idle > WAITING_BEATS * self.beat_s and self.peer_timeout_s \
+                    is not None and (lost := self._lost_peers()):
                 self._lose(lost)
             if self.timeout_s is None:
                 continue
             declared = self._declared_hang()
-            if declared is None and phase not in ("start", "finished") and time.time() - since > self.timeout_s:
-                declared = self._declare(step, phase, time.time() - since)
+            if declared is None and phase.budget_s is not None and idle > phase.budget_s \
+                    and not self._progressed(phase) and (current := self._phase).name == phase.name:
+                declared = self._declare(current, time.time() - current.since)
             if declared is not None and not self._stop.is_set():
                 self._end(declared)
+
+    def _progressed(self, phase: Phase) -> bool:
+        """Once ``phase``'s budget ran out: whether the directory it writes changed within the budget (the phase then
+        counts from that change)."""
+        if phase.files is None:
+            return False
+        changed = min(last_change(phase.files), time.time())  # a file server's clock may run ahead
+        if changed > phase.since:
+            with self._lock:
+                if self._phase is phase:  # not replaced by a mark meanwhile
+                    self._phase = replace(phase, since=changed)
+        return time.time() - changed <= phase.budget_s
 
     def _lost_peers(self) -> list[dict]:
         """The other ranks whose heartbeat is ``peer_timeout_s`` old (finished ones are not lost)."""
@@ -117,7 +197,7 @@ class Watchdog:
     def _lose(self, lost: list[dict]) -> None:
         """Peers were lost with their node: the first rank to see it records and names them; every rank exits."""
         nodes = sorted({str(b.get("node")) for b in lost})
-        if record_lost(self.run, nodes, [b["rank"] for b in lost], self._progress[0], time.time()):
+        if record_lost(self.run, nodes, [b["rank"] for b in lost], self._phase.step, time.time()):
             print(f"lost node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}: rank{'s' if len(lost) > 1 else ''} "
                   f"{', '.join(str(b['rank']) for b in lost)} sent no heartbeat for over {self.peer_timeout_s:g} s "
                   f"(train.peer_timeout_s), {doing(lost[0])}; stopping without a save (exit {NODE_LOST_EXIT_CODE}); "
@@ -132,35 +212,60 @@ class Watchdog:
         found = [p for p in self.run.hangs_dir.iterdir() if p.is_dir() and p.stat().st_mtime >= self.started - 1]
         return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
-    def _declare(self, step: int, phase: str, stuck_s: float) -> Path:
+    def _declare(self, phase: Phase, stuck_s: float) -> Path:
+        """This rank saw no progress for its phase's budget: the hang's folder, with what it ended on."""
         folder = self.run.hangs_dir / time.strftime("%Y-%m-%dT%H-%M-%SZ", time.gmtime())
         folder.mkdir(parents=True, exist_ok=True)  # ranks declaring in the same second share it
-        print(f"rank {self.rank}: no progress for {stuck_s:.0f} s {doing({'phase': phase, 'step': step})} "
-              f"(train.hang_timeout_s={self.timeout_s:g}): a hang", file=sys.stderr, flush=True)
+        record = HangRecord(phase.step, phase.name, round(stuck_s, 1), phase.budget_s, phase.setting, phase.retried)
+        record.write(folder)
+        allowed = (f"{phase.budget_s:g} s, twice what the previous start allowed it" if phase.retried else
+                   f"{phase.setting}={phase.budget_s:g}")
+        print(f"rank {self.rank}: no progress for {stuck_s:.0f} s {doing({'phase': phase.name, 'step': phase.step})} "
+              f"({allowed}): a hang", file=sys.stderr, flush=True)
         return folder
 
     def _end(self, folder: Path) -> None:
         """Write this rank's stacks, let the others write theirs, name the culprits (lowest live rank), exit."""
-        step, phase, since = self._progress
+        phase = self._phase
         path = folder / f"rank-{self.rank}.txt"
         with open(path.with_suffix(".tmp"), "w") as f:
-            f.write(f"rank {self.rank} on {node_name()}, pid {os.getpid()}: {time.time() - since:.0f} s without "
-                    f"progress {doing({'phase': phase, 'step': step})}\n\n")
+            f.write(f"rank {self.rank} on {node_name()}, pid {os.getpid()}: {time.time() - phase.since:.0f} s "
+                    f"without progress {doing({'phase': phase.name, 'step': phase.step})}\n\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         os.replace(path.with_suffix(".tmp"), path)
         time.sleep(LINGER_BEATS * self.beat_s)
+        record = read_hang_record(folder)
+        code = ERROR_EXIT_CODE if record is not None and record.retried else HUNG_EXIT_CODE
         now = time.time()
         beats = read_heartbeats(self.run)
         live = [b["rank"] for b in beats if answers(b, now)]
         if live and self.rank == min(live):
             health = rank_health(beats, now)
-            stacks = sorted(int(p.stem.split("-")[1]) for p in folder.glob("rank-*.txt"))
-            lines = [f"hang at step {health.step if health else step}: the job stops (exit {HUNG_EXIT_CODE}, "
-                     "nothing saved; its next start resumes from the newest checkpoint)",
+            then = "" if code == ERROR_EXIT_CODE else "; its next start resumes from the newest checkpoint"
+            lines = [f"hang at step {health.step if health else phase.step}: the job stops (exit {code}, nothing "
+                     f"saved{then})",
                      *(health.describe(now) if health else []),
-                     f"stacks of ranks {', '.join(map(str, stacks))} in {folder}"]
+                     f"stacks of ranks {', '.join(map(str, stacks_in(folder)))} in {folder}",
+                     *(advice(record) if record is not None else [])]
             (folder / "summary.txt").write_text("\n".join(lines) + "\n")
             print("\n".join(lines), file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(HUNG_EXIT_CODE)
+        os._exit(code)
+
+
+def stacks_in(folder: Path) -> list[int]:
+    return sorted(int(p.stem.split("-")[1]) for p in folder.glob("rank-*.txt"))
+
+
+def advice(record: HangRecord) -> list[str]:
+    """What would let the phase finish if it is healthy work, and what the next start does."""
+    where = doing({"phase": record.phase, "step": record.step})
+    keep = f"--set {record.setting}={math.ceil(4 * record.budget_s)}"
+    if record.retried:
+        return [f"the previous start was ended {where} too, with half this budget: not requeued, as it would end "
+                f"there again; if that phase is healthy work that takes longer, resubmit with {keep} or more; if it "
+                "is not, the stacks show where it waits"]
+    return [f"if {where} is healthy work that takes longer than {record.budget_s:g} s, the next start allows it "
+            f"{2 * record.budget_s:g} s once (ended there again, the job stops without requeueing); to allow "
+            f"it for good: {keep}"]

@@ -4,16 +4,22 @@ checkpointer's writer, and its ``load_checkpoint``.
 The engine writes each file through its checkpoint engine (``engine.checkpoint_engine.save(state_dict, path)``); for
 one save that attribute is replaced by :class:`WriterHook`, which hands each file to the
 :class:`~mhf_dist.backend.FileWriter` (fsynced and digested there, or written later by an asynchronous save), written
-by the real checkpoint engine still.
+by the real checkpoint engine still, and each directory too. The recovery scripts the engine copies beside the step
+directories go through the writer as well, so that a failure anywhere in a save is recorded, never raised.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
+import deepspeed.utils
 import torch
 
 from mhf_dist.backend import FileWriter
+
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies (tests/test_deepspeed_contract.py)
 
 
 class WriterHook:
@@ -26,6 +32,10 @@ class WriterHook:
     def save(self, state_dict, path) -> None:
         self.writer.save(state_dict, Path(path), lambda state, p: self.real.save(state, str(p)))
 
+    def makedirs(self, path, exist_ok=False) -> None:
+        # the engine would log a failure as an error and go on to write into the missing directory
+        self.writer.makedirs(Path(path))
+
     def __getattr__(self, name):
         return getattr(self.real, name)
 
@@ -35,10 +45,33 @@ def save_checkpoint(engine, path: Path, client: dict, writer: FileWriter) -> Non
     through ``writer``; ``latest`` is the checkpointer's to write."""
     real = engine.checkpoint_engine
     engine.checkpoint_engine = WriterHook(real, writer)
+    # the engine copies its recovery scripts with shutil, whose failure would end the save on this rank alone
+    engine._copy_recovery_script = lambda save_dir: copy_recovery_scripts(Path(save_dir), writer)
     try:
         engine.save_checkpoint(str(path.parent), tag=path.name, client_state=client, save_latest=False)
     finally:
         engine.checkpoint_engine = real
+        del engine._copy_recovery_script
+
+
+def copy_recovery_scripts(directory: Path, writer: FileWriter) -> None:
+    """DeepSpeed's scripts that rebuild a model from a checkpoint's ZeRO files, into ``directory`` through
+    ``writer``."""
+    source = Path(deepspeed.utils.__file__).parent
+    for name in RECOVERY_SCRIPTS:
+        writer.save((source / name).read_bytes(), directory / name, _write_script)
+
+
+def _write_script(data: bytes, path: Path) -> None:
+    """Whole or not at all (through a temporary file beside it), executable as DeepSpeed makes it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        tmp.chmod(tmp.stat().st_mode | stat.S_IEXEC)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_checkpoint(engine, optimizer: torch.optim.Optimizer, path: Path, universal: bool) -> dict | None:

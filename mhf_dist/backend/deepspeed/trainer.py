@@ -256,8 +256,9 @@ class DataParallelTrainer(EngineTrainer):
                          health=self.health.metrics(measures) if measured else None)
 
     @torch.no_grad()
-    def evaluate(self, reader: BatchSource, batches: int) -> dict:
-        """The ``val_*`` metrics over ``batches`` micro-batches on each data-parallel rank: the training loss and
+    def evaluate(self, reader: BatchSource, batches: int, progress: Callable[[], None] = lambda: None) -> dict:
+        """The ``val_*`` metrics over ``batches`` micro-batches on each data-parallel rank (``progress`` called after
+        each one): the training loss and
         head losses (means over micro-batches and ranks), and ``P_inf``'s NLL, top-1/top-5 and temperature fit
         from sums over every token of every rank (:func:`~mhf_dist.model.calibration.fit_temperature`: two
         passes over the same micro-batches)."""
@@ -273,6 +274,7 @@ class DataParallelTrainer(EngineTrainer):
                 # nothing to differentiate: the model's own entry point (ZeRO-3 gathers the weights per submodule)
                 out = self.engine.module.evaluation(batch[:, :-1], batch[:, 1:], temperatures)
                 sums = sums + out.sums
+                progress()
                 if len(losses) < len(data):  # the first pass's
                     losses.append(torch.cat([out.loss.detach().float()[None], out.head_losses.detach().float()]))
             return self.scalars.sum(sums, self.groups.dp_group)
@@ -363,8 +365,9 @@ class PipelineTrainer(EngineTrainer):
         return self.scalars.sum(values)
 
     @torch.no_grad()
-    def evaluate(self, reader: BatchSource, batches: int) -> dict:
-        """As :meth:`DataParallelTrainer.evaluate`; the last stage computes the loss outputs."""
+    def evaluate(self, reader: BatchSource, batches: int, progress: Callable[[], None] = lambda: None) -> dict:
+        """As :meth:`DataParallelTrainer.evaluate` (``progress`` called after each pass over the micro-batches);
+        the last stage computes the loss outputs."""
         data = [reader.next_batch(self.micro) for _ in range(batches)]
         first = {}
 
@@ -374,6 +377,7 @@ class PipelineTrainer(EngineTrainer):
                                               num_micro_batches=batches)
             if not first:
                 first.update(loss=float(loss), heads=self._last_stage_mean("head_losses", clear=False))
+            progress()
             return self._last_stage_sum("sums", EvalSums.length(len(temperatures)))
 
         fit = fit_temperature(one_pass)

@@ -8,15 +8,18 @@ docs/design.md, "Checkpoints", says how a save is made atomic and verified."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import resource
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 from safetensors.torch import load_file, save
@@ -24,7 +27,7 @@ from tqdm.auto import tqdm
 
 from mhf_dist import __version__
 from mhf_dist.atomic import fsync, write_atomic
-from mhf_dist.backend import Trainer, convert_for_layout, universal_info
+from mhf_dist.backend import Trainer, convert_for_layout, universal_info, versions
 from mhf_dist.config import ModelConfig, RunConfig
 from mhf_dist.parallel.rank0_work import on_rank0
 from mhf_dist.parallel.scalars import ScalarCollectives
@@ -45,6 +48,7 @@ from mhf_dist.train.checkpoint.index import (
     marker_problem,
     read_marker,
     readable_size,
+    version_note,
     warn_if_without_digests,
 )
 from mhf_dist.train.checkpoint.lineage import UNIVERSAL, BackgroundDeleter, Lineage
@@ -115,6 +119,7 @@ class Checkpointer(Lineage):
         self.verified: set[Path] = set()
         self.deleter = BackgroundDeleter(self.dir) if self.rank == 0 else None
         self.in_flight: InFlightSave | None = None  # train.checkpoint_async: the save its writer is finishing
+        self.versions = {"mhf_dist": __version__, "torch": torch.__version__} | versions()
         if self.rank == 0:
             self._remove_interrupted_saves()
         dist.barrier()
@@ -147,7 +152,8 @@ class Checkpointer(Lineage):
         if self.rank == 0:
             marker = {"step": step, "tokens": tokens, "reason": reason, "model": client["config"]["model"],
                       "config": client["config"],  # what a resume from config.yaml is checked against
-                      "signatures_hash": self.signatures_hash, "layout": self.layout, "code_version": __version__}
+                      "signatures_hash": self.signatures_hash, "layout": self.layout, "code_version": __version__,
+                      "versions": self.versions}
         if self.cfg.train.checkpoint_async:
             self._hand_over(trainer, client, InFlightSave(path, reason, marker, began, step_s))
             return path
@@ -155,9 +161,9 @@ class Checkpointer(Lineage):
         self._write_files(trainer, path, client, writer)
         self._write_digests(path, writer)
         pause_save()
-        self._agree_on_writes(path, writer.error)
+        size = self._agree_on_writes(path, writer)
         error = self._commit(path, marker) if self.rank == 0 else None
-        self._agree_on_commit(path, error)
+        self._agree_on_commit(path, error, size)
         if self.rank == 0:
             log_save(path, reason, time.perf_counter() - began, step_s=step_s)
         return path
@@ -222,8 +228,8 @@ class Checkpointer(Lineage):
             return
         self.in_flight = None
         save.writer.thread.join()
-        self._agree_on_writes(save.path, save.writer.error)
-        self._agree_on_commit(save.path, save.commit_error)
+        size = self._agree_on_writes(save.path, save.writer)
+        self._agree_on_commit(save.path, save.commit_error, size)
 
     def _clear_for_save(self, path: Path) -> None:
         """Rank 0: make room for ``path`` — leftovers of an interrupted save of this step are removed; a directory
@@ -251,21 +257,20 @@ class Checkpointer(Lineage):
         digests = {str(p.relative_to(path)): d for p, d in writer.digests.items() if p.is_relative_to(path)}
         writer.report(path / RANK_DIGESTS.format(self.rank), json.dumps(digests))
 
-    def _agree_on_writes(self, path: Path, error: str | None) -> None:
-        """Every rank, once each wrote its files: a failure on any rank fails the save on all."""
-        if failed := self._ranks_where(error is not None):
-            self._fail_save(path, failed, error)
+    def _agree_on_writes(self, path: Path, writer: RecordingWriter) -> float:
+        """Every rank, once each wrote its files: a failure on any rank fails the save on all. Returns the bytes of
+        every rank's part, written or not (what the checkpoint takes)."""
+        raised = [0.0] * self.world
+        raised[self.rank] = float(writer.error is not None)
+        *raised, size = self.scalars.sum(raised + [float(writer.bytes)])
+        if failed := [r for r, v in enumerate(raised) if v]:
+            self._fail_save(path, failed, writer.error, size)
+        return size
 
-    def _agree_on_commit(self, path: Path, error: str | None) -> None:
+    def _agree_on_commit(self, path: Path, error: str | None, size: float) -> None:
         """Every rank, once rank 0 committed (or failed to): its failure fails the save on all."""
         if self.scalars.any(error is not None)[0]:
-            self._fail_save(path, [0], error)
-
-    def _ranks_where(self, flag: bool) -> list[int]:
-        """The ranks on which ``flag`` holds (the same list on every rank)."""
-        raised = [0.0] * self.world
-        raised[self.rank] = float(flag)
-        return [r for r, v in enumerate(self.scalars.sum(raised)) if v]
+            self._fail_save(path, [0], error, size)
 
     def _commit(self, path: Path, marker: dict) -> str | None:
         """Rank 0, once every rank wrote its files: the marker (every file's size and digest), ``latest``, then
@@ -290,24 +295,27 @@ class Checkpointer(Lineage):
         self._retire_old(path)
         return None
 
-    def _fail_save(self, path: Path, failed: list[int], error: str | None) -> None:
+    def _fail_save(self, path: Path, failed: list[int], error: str | None, size: float) -> None:
         """Every rank, after they agreed a save failed: rank 0 removes what was written; all raise the same error."""
         if self.rank == 0:
-            if path.exists():
-                self.deleter.discard(path)
-                self.deleter.finish()  # so that the free space the message names counts the removed files
+            self.deleter.finish()  # so that the free space the message names counts what was deleted before
+            # not moved aside first: on a full disk not even a directory fits; what stays, the next start removes
+            shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
-        raise CheckpointError(self._failure_message(path, failed, error))
+        raise CheckpointError(self._failure_message(path, failed, error, size))
 
-    def _failure_message(self, path: Path, failed: list[int], error: str | None) -> str:
+    def _failure_message(self, path: Path, failed: list[int], error: str | None, size: float) -> str:
         ranks = f"rank {failed[0]}" if len(failed) == 1 else "ranks " + ", ".join(map(str, failed))
         cause = f"{ranks}: {error}" if error else f"{ranks} could not write its part (see its message)"
         previous, free = complete_checkpoints(self.dir), free_bytes(self.dir)
+        resume = f"{previous[-1]} stays the newest checkpoint" if previous else "the run has none yet"
+        if error and any(f"[Errno {code}]" in error for code in (errno.EROFS, errno.EACCES, errno.EPERM)):
+            return (f"could not save checkpoint {path}: {cause}. Nothing of {path.name} stays and {resume}: make "
+                    f"{self.dir} writable, then rerun to resume (--resume auto)")  # no space to free
         if previous:
             need = f"about {readable_size(checkpoint_bytes(previous[-1]))} (the size of {previous[-1].name})"
-            resume = f"{previous[-1]} stays the newest checkpoint"
         else:
-            need, resume = "an unknown amount (the run has no earlier checkpoint to measure)", "the run has none yet"
+            need = f"about {readable_size(size)} (this save's files)"
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         limited = limit != resource.RLIM_INFINITY
         return (f"could not save checkpoint {path}: {cause}. A checkpoint takes {need}; {readable_size(free)} are free "
@@ -440,6 +448,8 @@ class Checkpointer(Lineage):
         client = trainer.load_files(path, bool(marker.get("universal")))
         if client is None:
             raise CheckpointError(f"DeepSpeed could not load {path}; see the log above")
+        if self.rank == 0 and (note := version_note(path, marker, self.versions)):
+            tqdm.write(note)
         if trainer.host_tables is not None:
             self._load_host_tables(trainer.host_tables, path, marker)
         if marker["layout"] == self.layout:

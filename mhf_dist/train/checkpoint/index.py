@@ -3,7 +3,7 @@ torch needed: ``status`` reads it).
 
 A checkpoint is ``RUN/checkpoints/step-XXXXXXXX/``; it counts only once its
 ``complete.json`` marker exists and lists every file with its size (and
-digest), the step, tokens seen, model, run config and layout. ``latest`` names the head of
+digest), the step, tokens seen, model, run config, layout and package versions. ``latest`` names the head of
 the run's line of checkpoints; ``abandoned/`` holds lines set aside by a resume
 from an older checkpoint, ``corrupt/`` the checkpoints whose files no longer
 match their marker, set aside by ``--resume auto``. Writing them, and checking
@@ -81,6 +81,19 @@ def _fields_problem(marker) -> str | None:
 def _safe_name(name: str) -> bool:
     parts = Path(name).parts
     return bool(parts) and not Path(name).is_absolute() and ".." not in parts
+
+
+def version_note(path: Path, marker: dict, running: dict[str, str]) -> str | None:
+    """One line when the checkpoint was saved under other versions of the packages in ``running`` (its marker's
+    ``versions``), None when they are the same or it recorded none (saved before versions were recorded)."""
+    saved = marker.get("versions")
+    if not isinstance(saved, dict):
+        return None
+    differ = [name for name in running if name in saved and saved[name] != running[name]]
+    if not differ:
+        return None
+    then, now = (", ".join(f"{name} {versions[name]}" for name in differ) for versions in (saved, running))
+    return f"note: {path.name} was saved under {then}; resuming under {now}"
 
 
 def marker_problem(path: Path) -> str | None:
