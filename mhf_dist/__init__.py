@@ -1,8 +1,8 @@
 """mhf-dist: distributed training for hash-based generative language models (MultiHashFormer).
 
 The names a script uses are importable from here (docs/models.md, "Python API"): the run configuration
-(:func:`load_config`, :class:`RunConfig`, :func:`preset`, :func:`preset_names`), the signature table
-(:class:`SignatureTable`) and the exported Hugging Face model's classes. They load on first use, so ``import
+(``load_config``, ``RunConfig``, ``preset``, ``preset_names``), the signature table
+(``SignatureTable``) and the exported Hugging Face model's classes. They load on first use, so ``import
 mhf_dist`` stays as light as the command line needs. Their homes may move; these names stay.
 """
 

@@ -1,8 +1,8 @@
 """Errors a user can act on, and the exit codes the command line and job scripts agree on.
 
-Every error that names a problem and its fix derives from :class:`MhfError`;
+Every error that names a problem and its fix derives from ``MhfError``;
 the command line prints it without a traceback and exits with
-:data:`ERROR_EXIT_CODE`. This module imports nothing, so every layer can use it.
+``ERROR_EXIT_CODE``. This module imports nothing, so every layer can use it.
 """
 
 ERROR_EXIT_CODE = 2  # bad input: the message names the problem and the fix

@@ -1,5 +1,5 @@
 """The signature table's first home, kept so that ``from mhf_dist.signatures import SignatureTable`` still works; it
-lives in :mod:`mhf_dist.vocab.signatures` (also ``from mhf_dist import SignatureTable``)."""
+lives in ``mhf_dist.vocab.signatures`` (also ``from mhf_dist import SignatureTable``)."""
 
 from mhf_dist.vocab.signatures import SignatureError, SignatureTable, bucket_of
 

@@ -17,6 +17,7 @@ from helpers.ranks import run_ranks
 from helpers.runs import checkpoint_size_estimate, train_run
 from mhf_dist.backend import engine_config, grad_accum_dtype
 from mhf_dist.config import ConfigError, load_config
+from mhf_dist.model.fused_head import KernelPolicy
 from mhf_dist.model.tables import BucketTables
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.layout import resolve_layout
@@ -102,7 +103,7 @@ def fused_table_gradient(retrieve: bool) -> torch.Tensor:
     tables = BucketTables(1, ROWS, DIM).to(BF16)
     with torch.no_grad():
         tables.weight[0] = table
-    log_z, target, e_bar, _ = tables.fused_head(c, tables.per_table(), 0, targets, retrieve, chunk=1)
+    log_z, target, e_bar, _ = tables.fused_head(c, tables.per_table(), 0, targets, retrieve, 1, KernelPolicy())
     loss = (log_z.double() - target.double()).mean()
     if retrieve:
         loss = loss + (e_bar.double() * g_e).sum()

@@ -218,6 +218,26 @@ def test_export_of_zero3_checkpoint_equals_unsharded_weights(tmp_path, data):
     assert {"config.yaml", "signatures", "tokenizer"} <= {p.name for p in (tmp_path / "export").iterdir()}
 
 
+def test_deepspeeds_zero_to_fp32_beside_the_checkpoints_writes_the_exported_weights(tmp_path, data):
+    """docs/models.md: ``python RUN/checkpoints/zero_to_fp32.py RUN/checkpoints OUT -t step-N`` (DeepSpeed's script,
+    copied there at every save) merges a ZeRO-3 checkpoint into the names and values ``export`` writes."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    train_run(tmp_path, data, "run", 2, steps=2)  # dp 2, ZeRO-3: each rank's file holds half of every parameter
+    checkpoints = tmp_path / "run" / "checkpoints"
+    subprocess.run([sys.executable, str(checkpoints / "zero_to_fp32.py"), str(checkpoints), str(tmp_path / "fp32"),
+                    "-t", "step-00000002", "--safe_serialization"], check=True, capture_output=True,
+                   env=os.environ | {"DS_ACCELERATOR": "cpu"})
+    run_cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "export")])
+    merged, exported = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("fp32", "export"))
+    assert merged.keys() == exported.keys() and "vocab.tables.weight" in merged
+    for k in merged:
+        assert torch.equal(merged[k], exported[k]), k
+
+
 def test_a_checkpoint_of_another_pipeline_cut_resumes_through_a_conversion(tmp_path, data):
     # same tp, pp and dp, but stages that held other layers (a checkpoint written before the cut was recorded, or
     # under another sequence length): its files cannot be loaded as they are

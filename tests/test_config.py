@@ -105,3 +105,67 @@ def test_engram_hash_mode_former_name_reads_as_keyed():
     marker_model["engram"]["hash"] = "seed"
     assert _as_written_now(marker_model) == cfg.model.model_dump(mode="json")
     assert _as_written_now({"n_layers": "many"}) == {"n_layers": "many"}  # no longer valid: compared as stored
+
+
+def _printed(tmp_path, capsys, *args: str):
+    """``mhf-dist config ARGS > run.yaml``: the file's path and text."""
+    from mhf_dist.cli import main
+
+    assert main(["config", *args]) == 0
+    path = tmp_path / "run.yaml"
+    path.write_text(capsys.readouterr().out)
+    return path, path.read_text()
+
+
+def _at_dp(cfg, dp: int):
+    """What a run of ``cfg`` on dp data-parallel ranks trains with: its layout, micro-batch and every field after the
+    layout fitted the micro-batch; or the error that refuses it."""
+    from mhf_dist.parallel.layout import resolve_layout
+
+    try:
+        layout = resolve_layout(cfg, dp)
+    except ConfigError as e:
+        return str(e)
+    return layout, cfg.train.micro_batch_from_preset, cfg.model_dump(mode="json")
+
+
+@pytest.mark.parametrize("name, overrides, dps", [
+    ("tiny-h4b16k", [], (1, 2, 4, 8)),  # the preset's micro-batch 8 is lowered to 4, 2, 1
+    ("tiny-standard+engram", ["train.global_batch_size=16"], (1, 3, 4, 8)),  # dp 3: refused by both
+    ("1b-h4b16k", ["data.path=/shards"], (1, 2, 4, 128)),  # 4 fits up to dp 64; 2 at dp 128
+    ("100m-h1b16k", ["model.hash.num_buckets=4096"], (2, 3, 64)),  # dp 3: 256 is no multiple of 3
+    ("tiny-h4b16k", ["train.micro_batch_size=2"], (1, 2, 4, 8)),  # set by the user: kept, and refused at dp 8
+])
+def test_a_printed_config_trains_as_its_preset_at_every_dp(tmp_path, capsys, name, overrides, dps):
+    path, text = _printed(tmp_path, capsys, "--preset", name, *(f"--set={o}" for o in overrides))
+    set_by_user = any(o.startswith("train.micro_batch_size=") for o in overrides)
+    assert ("  # micro_batch_size: " in text) != set_by_user
+    assert f"preset: {name}\n" in text
+    for dp in dps:
+        direct, printed = load_config(name, overrides=overrides), load_config(path=path)
+        assert printed.train.micro_batch_from_preset == direct.train.micro_batch_from_preset == (not set_by_user)
+        assert _at_dp(printed, dp) == _at_dp(direct, dp), dp
+
+
+def test_a_printed_config_names_the_preset_it_holds(tmp_path, capsys):
+    (tmp_path / "other.yaml").write_text("preset: 1b-h4b16k\ntrain:\n  max_steps: 5\n")
+    path, _ = _printed(tmp_path, capsys, "--preset", "tiny-h4b16k", "--config", str(tmp_path / "other.yaml"))
+    direct = load_config("tiny-h4b16k", tmp_path / "other.yaml")
+    assert direct.preset == "tiny-h4b16k" and direct.model.d_model == 64  # --preset is the one applied
+    assert _at_dp(load_config(path=path), 2) == _at_dp(direct, 2)
+
+
+def test_a_printed_config_trains_on_two_ranks(tmp_path, capsys, data):
+    """``config --preset tiny-h4b16k > run.yaml``, then ``train --config run.yaml`` on 2 ranks: the preset's
+    micro-batch of 8 is lowered to 4, as for ``train --preset tiny-h4b16k``."""
+    import yaml
+
+    from helpers.runs import metrics, run_cli
+
+    settings = [f"tokenizer.path={data['tokenizer']}", f"data.path={data['shards']}", "data.seq_len=64",
+                "model.hash.num_buckets=256", "train.max_steps=2", "train.eval_sequences=8"]
+    path, _ = _printed(tmp_path, capsys, "--preset", "tiny-h4b16k", *(f"--set={s}" for s in settings))
+    run = tmp_path / "run"
+    run_cli(["train", "--config", str(path), "--nproc-per-node", "2", "--run-dir", str(run)])
+    assert [m["step"] for m in metrics(run) if "loss" in m][-1] == 2
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["micro_batch_size"] == 4

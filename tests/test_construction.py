@@ -95,7 +95,7 @@ def construct_worker(rank, world, layouts):
         if pp == 1:
             named = materialise(model).named_parameters()
         else:
-            pipe, _ = build_pipeline(model, groups, seq_len=8, checkpoint_interval=0, materialise=materialise)
+            pipe, _ = build_pipeline(model, groups, seq_len=8, materialise=materialise)
             named = [(canonical_name(n), p) for n, p in pipe.named_parameters()]
         results[name] = {"tp": groups.tp_rank, "pp": groups.pp_rank, "dp": groups.dp_rank,
                          "params": pieces(named)}
@@ -239,7 +239,7 @@ def blocks_worker(rank, world):
         if pp == 1:
             named = list(materialise(model).named_parameters())
         else:
-            pipe, _ = build_pipeline(model, groups, seq_len=8, checkpoint_interval=0, materialise=materialise)
+            pipe, _ = build_pipeline(model, groups, seq_len=8, materialise=materialise)
             named = [(canonical_name(n), p) for n, p in pipe.named_parameters()]
         kept = {n: held_values(p).numel() for n, p in named if hasattr(p, "ds_tensor")}
         results[name] = {"tp": groups.tp_rank, "pp": groups.pp_rank, "dp": groups.dp_rank, "params": pieces(named),

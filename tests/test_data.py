@@ -168,6 +168,27 @@ def test_manifest_counts_equal_the_tokens_written(shards, docs, tok_dir):
     assert set(manifest["splits"]) == {"train"}
 
 
+def test_shards_read_with_plain_webdataset_as_docs_data_md_says(shards, val_shards):
+    """docs/data.md, "Reading shards without mhf-dist": the manifest's shard names, ``webdataset`` and ``.decode()``
+    give every sample as a 1-D array of ``seq_len + 1`` ids of the manifest's dtype, in the shards' order."""
+    import webdataset as wds
+
+    for directory, split in ((shards, "train"), (val_shards, "train"), (val_shards, "val")):
+        manifest = json.loads((directory / "manifest.json").read_text())
+        assert (manifest["sample_member"], manifest["sample_tokens"]) == ("tokens.npy", SEQ + 1)
+        urls = [f"{directory}/{shard['name']}" for shard in manifest["splits"][split]["shards"]]
+        samples = list(wds.WebDataset(urls, shardshuffle=False).decode())
+        assert len(samples) == manifest["splits"][split]["samples"] > 0
+        assert [s["__key__"] for s in samples] == [f"{i:010d}" for i in range(len(samples))]
+        for sample in samples:
+            ids = sample["tokens.npy"]
+            assert isinstance(ids, np.ndarray) and ids.shape == (SEQ + 1,) and ids.dtype == np.dtype(manifest["dtype"])
+        read = [s for url in urls for s in _tar_samples(Path(url))]  # the standard library's reading
+        assert [s["tokens.npy"].tolist() for s in samples] == [s.tolist() for s in read]
+        raw = next(iter(wds.WebDataset(urls[:1], shardshuffle=False)))["tokens.npy"]  # undecoded: the file's bytes
+        assert np.load(io.BytesIO(raw)).tolist() == read[0].tolist()
+
+
 @pytest.fixture(scope="module")
 def val_shards(tmp_path_factory, inputs, tok_dir):
     """A one-process preparation of the fixture with 30 % of the documents held out."""

@@ -88,7 +88,8 @@ class TrainerStandIn:
 
 def host_step(model, update: str) -> HostTablesStep:
     """The trainer's host step, on a :class:`TrainerStandIn` (the tables' lr scale 1, weight decay ``WD``)."""
-    return HostTablesStep(model, TrainerStandIn(), torch.float32, None, 1, update, (1.0, WD))
+    return HostTablesStep(model, TrainerStandIn(), compute_dtype=torch.float32, dp_group=None, dp=1, update=update,
+                          settings=(1.0, WD))
 
 
 def train_step(model, host: HostTablesStep, ids: torch.Tensor) -> dict[int, torch.Tensor]:

@@ -25,7 +25,6 @@ from mhf_dist.cluster.scheduler.slurm import SLURM
 from mhf_dist.cluster.submit import render
 from mhf_dist.config import load_config
 from mhf_dist.errors import MhfError
-from mhf_dist.model.fused_head import use_kernels
 from mhf_dist.parallel.devices import bind_gpu, device_index
 from mhf_dist.train import checkpoint
 from test_model import test_fused_decoder_equals_plain
@@ -139,20 +138,13 @@ def test_rng_files_with_every_visible_gpus_state_still_load(tmp_path, monkeypatc
 
 
 # ---------------------------------------------------------------------------------------------------- compile
-@pytest.fixture
-def kernels():
-    yield use_kernels
-    use_kernels("auto")
-
-
 @pytest.mark.parametrize("preset", ["tiny-h4b16k", "tiny-standard"])
-def test_fused_head_compiled_kernels_equal_eager(kernels, preset):
+def test_fused_head_compiled_kernels_equal_eager(preset):
     """``train.fused_head_kernel=compiled``: the passes as GPUs run them, here compiled for CPU."""
-    kernels("compiled")
-    test_fused_decoder_equals_plain(preset, 64)
+    test_fused_decoder_equals_plain(preset, 64, kernels="compiled")
 
 
-def test_a_failed_compile_falls_back_to_eager_with_one_warning(kernels, monkeypatch, caplog):
+def test_a_failed_compile_falls_back_to_eager_with_one_warning(monkeypatch, caplog):
     compiles = []
 
     def broken_compile(fn, **kwargs):
@@ -165,21 +157,18 @@ def test_a_failed_compile_falls_back_to_eager_with_one_warning(kernels, monkeypa
 
     monkeypatch.setattr(torch, "compile", broken_compile)
     monkeypatch.setattr(fused_head, "_on_gpu", lambda x: True)  # auto compiles on GPUs only
-    kernels("auto")
     with caplog.at_level(logging.WARNING, logger=fused_head.__name__):
-        test_fused_decoder_equals_plain("tiny-h4b16k", 64)  # the eager results, after the failed compile
+        test_fused_decoder_equals_plain("tiny-h4b16k", 64, kernels="auto")  # the eager results, after the failure
     warnings = [r for r in caplog.records if "runs eagerly" in r.getMessage()]
     assert len(warnings) == 1 and "Cannot find a working triton installation" in warnings[0].getMessage()
     assert "More details" not in warnings[0].getMessage()
     assert len(compiles) == 1  # the first failure switches every pass to eager: no retries
 
-    kernels("compiled")  # forced: a failure stops the run
-    with pytest.raises(RuntimeError, match="triton"):
-        test_fused_decoder_equals_plain("tiny-h4b16k", 64)
+    with pytest.raises(RuntimeError, match="triton"):  # forced: a failure stops the run
+        test_fused_decoder_equals_plain("tiny-h4b16k", 64, kernels="compiled")
 
     compiles.clear()
-    kernels("eager")
-    test_fused_decoder_equals_plain("tiny-h4b16k", 64)
+    test_fused_decoder_equals_plain("tiny-h4b16k", 64, kernels="eager")
     assert compiles == []
 
 

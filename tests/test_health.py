@@ -45,11 +45,11 @@ def _measured_step(rank, world, run_dir, data, preset, overrides):
     loop = TrainingLoop(cfg, StopSignal())
     assert loop.setup(run_dir, "none")
     torch.manual_seed(1)
-    batch = torch.randint(1, len(loop.tokenizer), (MICRO * ACCUM, SEQ + 1))
+    batch = torch.randint(1, len(loop.assets.tokenizer), (MICRO * ACCUM, SEQ + 1))
     batch[0, -3:] = -100  # ignored targets count in no statistic
     stats = loop.trainer.train_step(FixedBatches(batch), health=True)
-    codes = loop.table.codes if loop.table is not None else None
-    model = build_model(cfg.model, len(loop.tokenizer), codes, loop.compression, seed=cfg.train.seed)
+    codes = loop.assets.table.codes if loop.assets.table is not None else None
+    model = build_model(cfg.model, len(loop.assets.tokenizer), codes, loop.assets.compression, seed=cfg.train.seed)
     return stats, plain_step(model, cfg, batch)
 
 
@@ -63,10 +63,9 @@ def plain_step(model, cfg, batch: torch.Tensor) -> dict[str, float]:
     alphas = []
     if hashed:
         vocab.encoder.scorer.register_forward_hook(lambda m, a, out: alphas.append(out.detach().softmax(-2)))
-    vocab.measures_entropy = True
     entropy = 0
     for part in batch.split(MICRO):
-        out = model(part[:, :-1], part[:, 1:])
+        out = model(part[:, :-1], part[:, 1:], entropy=True)
         (out.loss / ACCUM).backward()
         entropy = entropy + out.head_entropy / ACCUM
     grads = {n: p.grad.clone() for n, p in named.items()}
@@ -135,7 +134,7 @@ def _two_steps(rank, world, run_dir, data, health):
     loop = TrainingLoop(cfg, StopSignal())
     assert loop.setup(run_dir, "none")
     torch.manual_seed(1)
-    batches = torch.randint(1, len(loop.tokenizer), (2, MICRO * ACCUM, SEQ + 1))
+    batches = torch.randint(1, len(loop.assets.tokenizer), (2, MICRO * ACCUM, SEQ + 1))
     steps = [loop.trainer.train_step(FixedBatches(b), health=True) for b in batches]
     return [(s.loss, s.head_losses, s.grad_norm, s.health is not None) for s in steps]
 
@@ -149,8 +148,7 @@ def test_the_metrics_change_no_number_of_the_training(tmp_path, data):
 
 
 def _entropies(model, x, y):
-    model.vocab.measures_entropy = True
-    return model(x, y).head_entropy
+    return model(x, y, entropy=True).head_entropy
 
 
 @pytest.mark.parametrize("preset", ["tiny-h4b16k", "tiny-standard"])

@@ -1,4 +1,4 @@
-"""Host syncs per training step, counted on CPU through a torch-function hook (docs/design.md, "Host syncs").
+"""Host syncs per training step, counted on CPU through a torch-function hook (docs/design-training.md, "Host syncs").
 
 On a GPU, a host read of a device value (``item``, ``tolist``, ``float(t)``, ``bool(t)``, ``numpy``, ``cpu``), an op
 whose output shape depends on the data (``nonzero``, boolean-mask indexing, ``unique``, ``masked_select``) and a

@@ -16,6 +16,8 @@ import mhf_dist
 PACKAGE = Path(mhf_dist.__file__).parent
 DESIGN = PACKAGE.parent / "docs" / "design.md"
 MAX_LINES = 500
+MAX_DOCSTRING = 15
+MAX_PAGE_LINES = 400
 
 
 def layers() -> dict[str, int]:
@@ -80,6 +82,20 @@ def test_no_module_is_over_the_size_limit():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in sorted(PACKAGE.rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_module_docstrings_say_what_the_module_holds_in_a_few_lines():
+    """The reasoning lives in docs/; a module's docstring says what it holds and where to look."""
+    docstrings = {p: ast.get_docstring(ast.parse(p.read_text()), clean=False) or "" for p in PACKAGE.rglob("*.py")}
+    long = {str(p.relative_to(PACKAGE.parent)): n for p, text in sorted(docstrings.items())
+            if (n := len(text.splitlines())) > MAX_DOCSTRING}
+    assert not long, f"module docstrings over {MAX_DOCSTRING} lines: {long}"
+
+
+def test_docs_pages_stay_readable_in_one_sitting():
+    long = {p.name: n for p in sorted((PACKAGE.parent / "docs").glob("*.md"))
+            if (n := len(p.read_text().splitlines())) > MAX_PAGE_LINES}
+    assert not long, f"docs pages over {MAX_PAGE_LINES} lines: {long}"
 
 
 def test_the_code_layout_names_every_module():

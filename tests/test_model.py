@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from helpers.equivalence import INIT_STD, assert_tensor_close
 from mhf_dist.config import load_config
 from mhf_dist.model import MultiHashFormer, build_model
+from mhf_dist.model.modes import ModelModes
 from mhf_dist.model.tables import BucketTables, TableGradients
 from mhf_dist.vocab.signatures import SignatureTable
 
@@ -168,15 +169,16 @@ def test_target_p_inf_streams_over_the_vocabulary(model):
 
 
 @pytest.mark.parametrize("preset, buckets", [("tiny-h4b16k", 64), ("tiny-h3b10k", 66), ("tiny-standard", 64)])
-def test_fused_decoder_equals_plain(preset, buckets):
-    """Loss, every gradient and log P_inf, with a chunk that does not divide the token count."""
+def test_fused_decoder_equals_plain(preset, buckets, kernels="auto"):
+    """Loss, every gradient and log P_inf, with a chunk that does not divide the token count; the fused heads'
+    passes run as ``kernels`` says (ModelModes.kernels)."""
     results = {}
     for chunk in (0, 5):
         cfg = load_config(preset, overrides=[f"model.hash.num_buckets={buckets}",
                                              f"model.decoder_chunk_tokens={chunk}", f"model.init_std={INIT_STD}"]).model
         table = SignatureTable.build([f"tok{i}" for i in range(V)], cfg.hash.num_hashes, buckets, pad_id=0)
         torch.manual_seed(0)
-        m = build_model(cfg, V, table.codes)
+        m = build_model(cfg, V, table.codes, modes=ModelModes(kernels=kernels))
         x = torch.randint(1, V, (2, 9), generator=torch.Generator().manual_seed(3))  # 16 targets, chunk 5
         out = m(x[:, :-1], x[:, 1:])
         out.loss.backward()

@@ -107,7 +107,7 @@ def test_a_job_that_loses_a_node_finishes_on_the_nodes_left_without_a_person(tmp
     print(f"from the lost node to the next trained step: {back - lost_at:.0f} s")  # docs/benchmarks.md
 
     by_hand = tmp_path / "by-hand"  # the same checkpoint resumed by hand at dp=2 on one host
-    shutil.copytree(run, by_hand, ignore=shutil.ignore_patterns("slurm", "heartbeats", "metrics.jsonl"))
+    shutil.copytree(run, by_hand, ignore=shutil.ignore_patterns("jobs", "slurm", "heartbeats", "metrics.jsonl"))
     hand = train_args(by_hand, data, 4, *overrides, steps=steps) + [
         "--resume", str(by_hand / "checkpoints" / "step-00000002")]
     run_cli(hand)
@@ -133,7 +133,7 @@ def test_a_job_whose_ranks_on_a_node_stop_answering_queues_itself_again_without_
              lambda: cluster.story(job, run))
     assert cluster.job_state(job)["NodeList"] == "n[1-2]"
     cluster.stop_ranks("n2")
-    jobs = run / "slurm" / "jobs.jsonl"
+    jobs = run / "jobs" / "jobs.jsonl"
     again = wait_for(lambda: len(lines := jobs.read_text().splitlines()) > 1 and json.loads(lines[-1]), 300,
                      "the job to queue itself again", lambda: cluster.story(job, run))
     assert again["requeue_of"] == job and again["excluded"] == ["n2"]

@@ -1,4 +1,5 @@
-"""Resuming a run: its own config.yaml, a longer schedule, other data from its beginning, and what a resume refuses."""
+"""Resuming a run: its own config.yaml, a longer schedule, other data from its beginning, what a resume refuses, a
+checkpoint of the previous version, and the client state's parts."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from helpers.runs import metrics, run_cli, train_args, train_run
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.data.reader import ShardReader
+from mhf_dist.train.client_state import ClientState
 from mhf_dist.train.optim import lr_factor
 from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe
 
+GOLDEN = Path(__file__).parent / "golden" / "checkpoint-a105062"  # made by its make.sh
 WARMUP = "optimizer.warmup_steps=1"  # the schedule leaves warm-up at once, so its end (lr 0 at step 4) shows
 
 
@@ -147,3 +150,46 @@ def test_data_of_another_tokenizer_on_resume_is_named_with_the_command_that_prep
     run_cli(shlex.split(prepare)[1:])
     out = run_cli([*shlex.split(train)[1:], "--set", "train.max_steps=2"])
     assert f"data.restart: from step 2 the data is read from the beginning of {shards}-retokenized" in out
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_of_the_previous_version_resumes_bit_identically(tmp_path, monkeypatch):
+    """tests/golden/checkpoint-a105062: a run trained to step 2 of 4 by the code of commit a105062, with its loss
+    watch's window. Resumed here to step 4, it has the numbers of this version's uninterrupted run (steps 1 and 2 in
+    its metrics are the old version's), and the same weights at the end."""
+    from mhf_dist.backend import consolidate
+
+    golden = Path(shutil.copytree(GOLDEN, tmp_path / "golden"))
+    monkeypatch.chdir(golden)  # its config names its tokenizer and shards relative to here
+    out = run_cli(["train", "--run-dir", "run", "--set", "train.stop_at_step=null"])
+    assert "resumed from run/checkpoints/step-00000002 at step 2" in out, out[-3000:]
+    run_cli(["train", "--config", "run/config.yaml", "--run-dir", "whole", "--set", "train.stop_at_step=null"])
+    resumed, whole = ([(r["step"], r["loss"], r["head_losses"], r["grad_norm"]) for r in metrics(golden / name)
+                       if "loss" in r] for name in ("run", "whole"))
+    assert [r[0] for r in whole] == [1, 2, 3, 4] and resumed == whole
+    ends = [consolidate(golden / name / "checkpoints/step-00000004", pipeline=False) for name in ("run", "whole")]
+    assert ends[0].keys() == ends[1].keys() and all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+
+
+class _Part:
+    def __init__(self, **state):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = dict(state)
+
+
+def test_the_client_state_saves_its_parts_keys_in_order_and_loads_each_its_own():
+    progress, watch, nothing = _Part(step=0, tokens=0), _Part(loss_watch=[]), _Part()
+    state = ClientState()
+    for part in (progress, nothing, watch):
+        state.register(part)
+    progress.state, watch.state = {"step": 5, "tokens": 40}, {"loss_watch": [1.0]}
+    assert list(state.state_dict().items()) == [("step", 5), ("tokens", 40), ("loss_watch", [1.0])]
+    state.load_state_dict({"step": 2, "tokens": 16, "reader": {}})  # saved before the watch kept its window
+    assert (progress.state, watch.state) == ({"step": 2, "tokens": 16}, {"loss_watch": []})  # the watch's start
+    with pytest.raises(ValueError, match=r"client state keys \['step'\] are registered twice"):
+        state.register(_Part(step=1))

@@ -49,8 +49,8 @@ def write_checkpoint(run: Path, step: int, age_s: float, reason: str = "interval
 
 
 def write_job(run: Path, job_id: str = "1234") -> None:
-    (run / "slurm").mkdir(exist_ok=True)
-    with (run / "slurm" / "jobs.jsonl").open("a") as f:
+    (run / "jobs").mkdir(exist_ok=True)
+    with (run / "jobs" / "jobs.jsonl").open("a") as f:
         f.write(json.dumps({"job_id": job_id, "submitted": "2026-12-01 03:00:00", "cluster": "a100-80g",
                             "nodes": 4}) + "\n")
 
@@ -106,7 +106,7 @@ def test_text_report_of_a_running_run(run, capsys):
     assert "checkpoint step-00000004 (step 4, interval, 2 h 00 min ago)" in out
     assert "validation step 4: val_loss 7.2000, val_ppl 1300.50" in out
     assert "counters   nonfinite_steps 0, skipped_steps 1\n" in out
-    assert "slurm" not in out and "lock" not in out
+    assert "\njob " not in out and "lock" not in out
 
 
 def test_json_report_has_every_field(run, capsys):
@@ -125,7 +125,7 @@ def test_json_report_has_every_field(run, capsys):
     assert ck["path"] == str(run / "checkpoints" / "step-00000004") and abs(ck["age_s"] - 2 * HOUR) < 60
     assert got["validation"] == {"step": 4, "val_loss": 7.2, "val_ppl": 1300.5}
     assert (got["nonfinite_steps"], got["skipped_steps"], got["loss_spikes"]) == (0, 1, None)
-    assert got["slurm"] is None and got["lock"] is None
+    assert got["job"] is None and got["slurm"] is None and got["lock"] is None
     assert abs(got["checked_at"] - time.time()) < 60
 
 
@@ -218,10 +218,10 @@ def test_what_is_not_a_run_directory_is_an_error(tmp_path, bin_dir, capsys, make
 def test_a_queued_run_shows_what_is_known(tmp_path, bin_dir, capsys):
     run = tmp_path / "queued"
     run.mkdir()
-    write_job(run)  # submitted, the job has not started: only slurm/ exists
+    write_job(run)  # submitted, the job has not started: only jobs/ exists
     out = status_text(capsys, run)
     assert "(no config.yaml yet)" in out and "step       no steps logged yet" in out
-    assert "checkpoint none yet" in out and "slurm      job 1234 state unknown" in out
+    assert "checkpoint none yet" in out and "job        1234 state unknown" in out
     (run / "config.yaml").write_text(yaml.safe_dump(CFG))
     out = status_text(capsys, run)
     assert "(tiny-h4b16k)" in out and f"no steps logged yet (of {MAX_STEPS})" in out
@@ -237,11 +237,11 @@ def test_slurm_state_and_restarts_from_scontrol(run, bin_dir, capsys):
     write_job(run, "1234")  # a resubmission: the last line is the current job
     fake_command(bin_dir, "scontrol", '[ "$*" = "show job -o 1234" ] || exit 1\n'
                  'echo "JobId=1234 JobName=mhf-run UserId=me(1000) JobState=RUNNING Reason=None Dependency=(null) '
-                 'Requeue=1 Restarts=2 BatchFlag=1 Command=/runs/x/slurm/job.sbatch"')
+                 'Requeue=1 Restarts=2 BatchFlag=1 Command=/runs/x/jobs/job.sbatch"')
     got = status_json(capsys, run)["slurm"]
     assert (got["job_id"], got["state"], got["restarts"], got["source"], got["submissions"]) == (
         "1234", "RUNNING", 2, "scontrol", 2)
-    assert ("slurm      job 1234 RUNNING, 2 restarts (submitted 2026-12-01 03:00:00, a100-80g, 4 nodes, "
+    assert ("job        1234 RUNNING, 2 restarts (submitted 2026-12-01 03:00:00, a100-80g, 4 nodes, "
             "2 submissions)") in status_text(capsys, run)
 
 

@@ -14,7 +14,7 @@ from mhf_dist.storage.heartbeats import node_name, write_heartbeat
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.train.device_probe import DeviceProbe
 from mhf_dist.train.fault_injection import SLOW_DEVICE_ENV, SLOW_RANK_ENV
-from mhf_dist.train.stragglers import StragglerWatch
+from mhf_dist.train.stragglers import StragglerSettings, StragglerWatch
 
 
 @pytest.mark.multirank
@@ -76,8 +76,8 @@ def test_each_measure_is_named_once_on_its_own_count_and_its_recovery_is_said(tm
         write_heartbeat(run, {"rank": rank, "node": f"n{rank // 2 + 1}", "step": 1, "phase": "step"})
     even, slow_2, slow_1 = [1.0] * 4, [1.0, 1.0, 2.0, 1.0], [1.0, 3.0, 1.0, 1.0]
     gathered = _Gathered([(slow_2, even), (slow_2, slow_1), (even, slow_1), (even, slow_1)])
-    watch = StragglerWatch(run, 0, 4, 0, factor=1.5, intervals=2, scalars=gathered,
-                           probe=DeviceProbe(torch.device("cpu"), torch.float32, 0))
+    watch = StragglerWatch(StragglerSettings(factor=1.5, intervals=2), run=run, rank=0, world=4, stage=0,
+                           scalars=gathered, probe=DeviceProbe(torch.device("cpu"), torch.float32, 0))
     said = []
     for _ in range(4):
         watch.probe()

@@ -17,7 +17,7 @@ from mhf_dist.cli import main
 from mhf_dist.cluster.job_estimates import save_estimate, time_limit_seconds
 from mhf_dist.cluster.profile import load_profile
 from mhf_dist.cluster.scheduler.hostfile import HOSTFILE
-from mhf_dist.cluster.scheduler.slurm import DATA_SCRIPTS, SLURM
+from mhf_dist.cluster.scheduler.slurm import DATA_SCRIPTS, SLURM, SlurmOptions
 from mhf_dist.cluster.submit import render, render_data, submit
 from mhf_dist.config import ConfigError, load_config
 from mhf_dist.errors import NODE_LOST_EXIT_CODE, RANK_LOST_EXIT_CODE
@@ -100,7 +100,7 @@ def test_a_refused_job_leaves_no_script_behind(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     with pytest.raises(ConfigError, match="sbatch refused the job: sbatch: error: invalid partition"):
         submit(SLURM, "#!/bin/bash\n", tmp_path / "run", "a100-80g", 1)
-    assert not (tmp_path / "run" / "slurm" / "job.sbatch").exists()
+    assert not (tmp_path / "run" / "jobs" / "job.sbatch").exists()
 
 
 def test_a_hardware_profile_asks_for_the_sites_values(tmp_path, capsys):
@@ -174,8 +174,8 @@ def test_container_profiles_wrap_each_rank(tmp_path):
                     overrides=[DATA])
     assert "apptainer exec --rocm '/shared/images/mhf dist.sif' python3 -m mhf_dist train" in script
     assert "[ -x" not in script  # the container brings its own Python
-    pyxis = load_profile("a100-80g").model_copy(update=AT_SITE | {"python": "python", "srun_args": [
-        "--container-image=/shared/images/mhf.sqsh", "--container-mounts=/shared:/shared"]})
+    pyxis = load_profile("a100-80g").model_copy(update=AT_SITE | {"python": "python"}).with_options(SLURM, SlurmOptions(
+        srun_args=["--container-image=/shared/images/mhf.sqsh", "--container-mounts=/shared:/shared"]))
     script = render(SLURM, load_config("1b-h4b16k", overrides=[DATA]), pyxis, 1, Path("/r"), preset="1b-h4b16k",
                     overrides=[DATA])
     assert ("srun --cpus-per-task=16 --kill-on-bad-exit=1 --container-image=/shared/images/mhf.sqsh "
@@ -195,7 +195,7 @@ def test_per_submit_overrides(tmp_path, capsys):
                  "#SBATCH --qos=high", '#SBATCH --constraint="a100&ib"', '#SBATCH --comment="first run"'):
         assert line in out.out.splitlines(), line
     assert "#SBATCH --partition=gpu" not in out.out
-    assert f"mkdir -p {tmp_path / 'r' / 'slurm'}" in out.err and not (tmp_path / "r").exists()  # printed, not made
+    assert f"mkdir -p {tmp_path / 'r' / 'jobs'}" in out.err and not (tmp_path / "r").exists()  # printed, not made
     assert main([*args, "--sbatch-arg", "constraint=a100"]) == 2
     assert "is not an sbatch option" in capsys.readouterr().err
 
@@ -205,8 +205,9 @@ def test_write_makes_the_log_directory_and_submits_nothing(tmp_path, capsys):
     assert main(["submit", "--preset", "tiny-h4b16k", "--set", "train.micro_batch_size=4", "--cluster", "cpu-local",
                  "--run-dir", str(tmp_path / "r"), "--write", str(script)]) == 0
     assert f"sbatch {script}" in capsys.readouterr().out
-    assert script.read_text().startswith("#!/bin/bash") and (tmp_path / "r" / "slurm").is_dir()
-    assert not (tmp_path / "r" / "slurm" / "jobs.jsonl").exists()
+    assert script.read_text().startswith("#!/bin/bash") and (tmp_path / "r" / "jobs").is_dir()
+    assert os.readlink(tmp_path / "r" / "slurm") == "jobs"  # the directory's older name, for whoever reads that
+    assert not (tmp_path / "r" / "jobs" / "jobs.jsonl").exists()
 
 
 HOSTILE = "run d'ir $(touch PWNED1) `touch PWNED2`; touch PWNED3 & | > <"
@@ -461,7 +462,7 @@ def test_submit_data_submits_the_merge_after_the_array(tmp_path, monkeypatch, ca
         capsys.readouterr().err
     assert main([*args, "--parts", "3"]) == 0
     assert "submitted array job 101 (3 parts) and merge job 102 (after all parts succeed)" in capsys.readouterr().out
-    scripts = [out / "slurm" / name for name in DATA_SCRIPTS]
+    scripts = [out / "jobs" / name for name in DATA_SCRIPTS]
     assert [json.loads(line) for line in log.read_text().splitlines()] == [
         ["--parsable", str(scripts[0])], ["--parsable", "--dependency=afterok:101", str(scripts[1])]]
     assert f"'{text}/*.txt' --tokenizer {tmp_path / 'tok'} --out {out} " in scripts[0].read_text()  # absolute
@@ -675,8 +676,8 @@ def test_a_job_whose_ranks_lost_a_node_queues_itself_again_without_it(tmp_path):
     run = tmp_path / "run"
     script = render(SLURM, cfg, load_profile("cpu-local"), 2, run, preset="tiny-h4b16k",
                     overrides=["train.micro_batch_size=2"], python=sys.executable)
-    run.joinpath("slurm").mkdir(parents=True)
-    run.joinpath("slurm/jobs.jsonl").write_text(json.dumps({"job_id": "7", "cluster": "cpu-local", "nodes": 2,
+    run.joinpath("jobs").mkdir(parents=True)
+    run.joinpath("jobs/jobs.jsonl").write_text(json.dumps({"job_id": "7", "cluster": "cpu-local", "nodes": 2,
                                                             "excluded": ["n5"]}) + "\n")
     _job_commands(tmp_path / "bin", run, tmp_path / "calls.jsonl")
     proc, calls = _run_job(tmp_path, script, "n1,n2")
@@ -685,7 +686,7 @@ def test_a_job_whose_ranks_lost_a_node_queues_itself_again_without_it(tmp_path):
     assert sbatch == [["sbatch", "--parsable", "--exclude=n2,n5", "--dependency=afterany:7", str(tmp_path / "job.sh")]]
     assert ("requeue: queued again as job 42 without n2, n5, to start when job 7 ends; kept: no checkpoint yet: the "
             "run starts again from step 0") in proc.stderr
-    last = json.loads(run.joinpath("slurm/jobs.jsonl").read_text().splitlines()[-1])
+    last = json.loads(run.joinpath("jobs/jobs.jsonl").read_text().splitlines()[-1])
     assert last | {"submitted": None} == {"job_id": "42", "submitted": None, "cluster": "cpu-local", "nodes": 2,
                                           "script": str(tmp_path / "job.sh"), "scheduler": "slurm",
                                           "requeue_of": "7", "excluded": ["n2", "n5"]}

@@ -136,10 +136,11 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
     warnings.filterwarnings("ignore")  # torch's and DeepSpeed's notices, once per rank
     import deepspeed
 
-    from mhf_dist.backend import parameter_partitioner
+    from mhf_dist.backend import checkpoint_interval, parameter_partitioner
     from mhf_dist.backend.deepspeed.pipeline import build_pipeline
     from mhf_dist.backend.deepspeed.trainer import build_trainer
     from mhf_dist.model import build_model
+    from mhf_dist.model.modes import ModelModes
     from mhf_dist.parallel.construct import Materialiser, SeededValues, model_skeleton
     from mhf_dist.parallel.devices import bind_gpu
     from mhf_dist.parallel.groups import ParallelGroups
@@ -157,23 +158,24 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
     m = cfg.model
     codes = torch.randint(1, m.hash.num_buckets, (VOCAB, m.hash.num_hashes), generator=torch.Generator().manual_seed(0))
     compression = CompressionTable.identity(VOCAB) if m.engram else None
+    modes = ModelModes(checkpoint_interval(cfg, ds_config), cfg.train.fused_head_kernel)
     torch.distributed.barrier()
     phases = Phases(rank, device)
 
     phases.start("construction")
     materialise, values = None, None
     if args.old:  # the previous construction: the full model on every rank, then the tensor-parallel shards
-        model = build_model(m, VOCAB, codes, compression, seed=cfg.train.seed).to(device)
+        model = build_model(m, VOCAB, codes, compression, seed=cfg.train.seed, modes=modes).to(device)
         apply_tensor_parallel(model, groups.tp_group, groups.tp_rank, tp)
     else:
-        model = model_skeleton(m, VOCAB, codes, compression, groups.tp_group, groups.tp_rank, tp)
+        model = model_skeleton(m, VOCAB, codes, compression, groups.tp_group, groups.tp_rank, tp, modes)
         values = timed(SeededValues(m.init_std, cfg.train.seed))
         materialise = Materialiser(model, values, device, groups.tp_rank, tp,
                                    parameter_partitioner(ds_config, layout, groups))
         if pp == 1:
             materialise(model)
         else:  # each stage materialises its layers as the pipeline is built
-            build_pipeline(model, groups, args.seq_len, 0, materialise)
+            build_pipeline(model, groups, args.seq_len, materialise)
     phases.stop(**({"values": values.seconds} if values is not None else {}))
 
     if args.step:

@@ -87,7 +87,7 @@ def main() -> None:
         cfg = load_config(args.preset, overrides=DEFAULTS + args.set + ["train.health_metrics=true"])
         loop = TrainingLoop(cfg, StopSignal())
         assert loop.setup(args.run_dir or Path(tmp) / "run", "none")
-        trainer, reader = loop.trainer, loop.reader
+        trainer, reader = loop.trainer, loop.data
         wall, cpu = {way: [] for way in WAYS}, {way: [] for way in WAYS}
         for _ in tqdm(range(args.warmup), desc="warm-up"):
             for way in WAYS:

@@ -37,9 +37,9 @@ if TYPE_CHECKING:
 
 __all__ = ["checkpoint_interval", "engine_config", "fp32_accumulation", "grad_accum_dtype", "zero_stage",
            "engine_buffer_bytes", "hostfile_template", "versions", "RANK_MODULES", "StepStats", "BatchSource",
-           "HostTableStep", "OptimizerFactory", "SpikeLimits", "HostTableFactory", "FileWriter", "Trainer",
-           "accelerator_env", "init_distributed", "build_trainer", "partitions_parameters", "parameter_partitioner",
-           "consolidate", "convert_for_layout", "universal_info"]
+           "HostTableStep", "OptimizerFactory", "SpikeLimits", "HostTableFactory", "LossWrapper", "FileWriter",
+           "Trainer", "accelerator_env", "init_distributed", "build_trainer", "partitions_parameters",
+           "parameter_partitioner", "consolidate", "convert_for_layout", "universal_info"]
 
 TrainingFlags = Callable[[], Sequence[bool]]  # the loop's flags, asked for at the end of a step
 
@@ -111,6 +111,10 @@ returns a device scalar, 1.0 to apply no update (:func:`~mhf_dist.train.optim.sk
 HostTableFactory = Callable[["nn.Module", "Trainer"], HostTableStep]
 """``(model, trainer) -> the host tables' step`` of a model whose Engram tables are in host memory."""
 
+LossWrapper = Callable[["torch.Tensor"], "torch.Tensor"]
+"""What a trainer built with one makes of each training micro-batch's loss before its backward, and reports as the
+step's loss: a change to the step's numbers from outside the model (the test suite injects loss spikes so)."""
+
 
 class FileWriter(Protocol):
     """Where a backend's checkpoint files go during one save (:class:`~mhf_dist.train.checkpoint.RecordingWriter`:
@@ -140,12 +144,11 @@ class Trainer(Protocol):
         """Optimizer steps skipped so far for a gradient overflow (those past :class:`SpikeLimits` are the loop's)."""
 
     def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None, limits: SpikeLimits | None = None,
-                   loss_scale: float = 1.0, health: bool = False) -> StepStats:
+                   health: bool = False) -> StepStats:
         """One optimizer step on the global batch; ``flags`` come back agreed over all ranks; past ``limits`` the
-        step applies no update (:attr:`StepStats.skipped`). ``loss_scale``: the loss is multiplied by it before its
-        backward, and logged so (an injected spike, :mod:`mhf_dist.train.fault_injection`). ``health``: measure the
-        health metrics (:mod:`mhf_dist.model.health`; with ``train.health_metrics``), read with the step's numbers
-        after one more all-reduce, into :attr:`StepStats.health`."""
+        step applies no update (:attr:`StepStats.skipped`). ``health``: measure the health metrics
+        (:mod:`mhf_dist.model.health`; with ``train.health_metrics``), read with the step's numbers after one more
+        all-reduce, into :attr:`StepStats.health`."""
 
     def evaluate(self, reader: BatchSource, batches: int, progress: Callable[[], None] = lambda: None) -> dict:
         """The ``val_*`` metrics over ``batches`` micro-batches on each data-parallel rank; ``progress`` is called
@@ -220,13 +223,15 @@ def init_distributed(backend: str, timeout: timedelta, device: torch.device) -> 
 
 def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, config: dict, layout: Layout,
                   optimizer: OptimizerFactory, materialise: Callable[[nn.Module], nn.Module] | None = None,
-                  load_universal: bool = False, host_tables: HostTableFactory | None = None) -> Trainer:
+                  load_universal: bool = False, host_tables: HostTableFactory | None = None,
+                  wrap_loss: LossWrapper | None = None) -> Trainer:
     """This rank's trainer of ``model`` (a skeleton that ``materialise`` makes real, part by part) under the
     engine ``config``, with the optimizer ``optimizer`` makes and, for host-memory tables, the step ``host_tables``
-    makes; ``load_universal``: its checkpoint will be loaded from a :func:`convert_for_layout` copy."""
+    makes; ``load_universal``: its checkpoint will be loaded from a :func:`convert_for_layout` copy; ``wrap_loss``:
+    what each training micro-batch's loss becomes (:data:`LossWrapper`)."""
     from mhf_dist.backend.deepspeed.trainer import build_trainer as build
 
-    return build(cfg, model, groups, config, layout, optimizer, materialise, load_universal, host_tables)
+    return build(cfg, model, groups, config, layout, optimizer, materialise, load_universal, host_tables, wrap_loss)
 
 
 def partitions_parameters(config: dict, layout: Layout) -> bool:

@@ -52,7 +52,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    """Every command's parser (subcommands take the class of their parent) with :class:`_HelpFormatter`."""
+    """Every command's parser (subcommands take the class of their parent) with ``_HelpFormatter``."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", _HelpFormatter)

@@ -20,12 +20,11 @@ from mhf_dist.cli.options import (
 
 def cmd_submit(args) -> int:
     from mhf_dist.cluster.elastic import check_range
-    from mhf_dist.cluster.scheduler import scheduler
     from mhf_dist.cluster.submit import render, submit, write_script
     from mhf_dist.storage.run_dir import RunDir
 
     cfg, profile, run_dir = _run_config(args), _chosen_profile(args), Path(args.run_dir)
-    chosen = scheduler("hostfile" if args.hostfile else "slurm")
+    chosen = _chosen_scheduler(args, profile)
     min_nodes, nodes = args.nodes
     if min_nodes is None and profile.min_nodes is not None and profile.min_nodes < nodes:
         min_nodes = profile.min_nodes  # the site's elastic default
@@ -43,7 +42,7 @@ def cmd_submit(args) -> int:
         path = write_script(script, Path(args.write), run_dir)
         print(f"wrote {path}; {chosen.how_to_submit(path)}")
         return 0
-    if args.hostfile:
+    if args.hostfile:  # the hostfile scheduler's job (_chosen_scheduler): started here, not submitted
         path = write_script(script, run_dir.resolve() / chosen.script_name, run_dir)
         print(f"starting {path}")
         return subprocess.call(["bash", str(path)])
@@ -51,6 +50,18 @@ def cmd_submit(args) -> int:
     print(f"submitted job {job}; logs: {RunDir(run_dir.resolve()).jobs_dir}/mhf-{run_dir.resolve().name}-{job}.out; "
           f"progress: mhf-dist status {run_dir}")
     return 0
+
+
+def _chosen_scheduler(args, profile):
+    """``--scheduler``; else, with ``--hostfile``, the hostfile scheduler; else the profile's."""
+    from mhf_dist.cluster.scheduler import scheduler
+    from mhf_dist.errors import ConfigError
+
+    name = args.scheduler or ("hostfile" if args.hostfile else profile.scheduler)
+    if args.hostfile and name != "hostfile":
+        raise ConfigError(f"--hostfile names the nodes of a hostfile job, which --scheduler {name} does not start: "
+                          f"leave out --hostfile, or --scheduler {name}")
+    return scheduler(name)
 
 
 def _run_config(args):
@@ -78,8 +89,10 @@ def _chosen_profile(args):
 
 
 def submit_parser(sub) -> None:
-    p = sub.add_parser("submit",
-                       help="submit a multi-node training job (SLURM, or a hostfile for DeepSpeed's launcher)")
+    from mhf_dist.cluster.scheduler import schedulers
+
+    p = sub.add_parser("submit", help="submit a multi-node training job to a scheduler (SLURM, DeepSpeed's launcher "
+                       "over a hostfile, or another registered one)")
     add_run_options(p)
     p.add_argument("--run-dir", required=True, help="run directory on storage every node sees; without --preset and "
                    "--config, the job resumes with its config.yaml")
@@ -88,10 +101,14 @@ def submit_parser(sub) -> None:
                    "left (at least MIN) when one is lost, as many as train the global batch with every rank busy "
                    "(MIN and a count below MAX must; default MIN: the profile's min_nodes)")
     add_cluster_options(p)
-    p.add_argument("--grace", type=positive_int, help="seconds between SLURM's USR1 and the time limit (default: "
-                   "what plan estimates a step and a save need, at least 120)")
+    p.add_argument("--grace", type=positive_int, help="seconds between the scheduler's warning signal (SLURM's USR1) "
+                   "and the time limit (default: what plan estimates a step and a save need, at least 120)")
     p.add_argument("--depends-on", help="start after this job id ends (afterany)")
-    p.add_argument("--hostfile", help="no SLURM: launch with DeepSpeed's launcher over this hostfile")
+    p.add_argument("--scheduler", choices=list(schedulers()),
+                   help="the scheduler the job goes to (default: the profile's scheduler, slurm unless the profile "
+                   "names another; hostfile with --hostfile)")
+    p.add_argument("--hostfile", help="the hostfile scheduler (no SLURM): start the ranks with DeepSpeed's launcher "
+                   "on this hostfile's nodes")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--dry-run", action="store_true", help="print the job script only")
     what.add_argument("--write", metavar="FILE", help="write the job script and make its log directory; submit nothing")
@@ -208,7 +225,7 @@ def submit_data_parser(sub) -> None:
     p = sub.add_parser("submit-data", help="prepare-data spread over a SLURM cluster: an array job of --parts "
                        "tasks, then a job merging them", description="Submit an array job whose task I runs "
                        "`prepare-data --part I/N` on one node, and a job that merges the parts (`prepare-data "
-                       "--merge`) once every task succeeded (afterok). Scripts and logs go into OUT/slurm; the "
+                       "--merge`) once every task succeeded (afterok). Scripts and logs go into OUT/jobs; the "
                        "merged OUT trains as a one-process preparation of the same inputs would.")
     p.add_argument("inputs", nargs="+", help="input files or globs, as prepare-data takes them (on storage every node "
                    "sees; relative ones are made absolute)")
@@ -241,11 +258,11 @@ def cmd_status(args) -> int:
 def status_parser(sub) -> None:
     from mhf_dist.cluster.status import DEFAULT_WATCH_S, STALE_HELP, positive_number
 
-    p = sub.add_parser("status", help="a run's progress: step, loss, throughput, ETA, checkpoint, SLURM job; "
+    p = sub.add_parser("status", help="a run's progress: step, loss, throughput, ETA, checkpoint, job; "
                        "flags a stalled run", description="Read a run directory (no process needs to run there): "
                        "step, tokens, loss, tokens/s, MFU, time since the last logged step (STALE past a threshold), "
                        "ETA, newest complete checkpoint whose files check out (and those that do not), validation, "
-                       "divergence counters, the run lock's holder (gone or not), and the SLURM job of a submitted "
+                       "divergence counters, the run lock's holder (gone or not), and the job of a submitted "
                        "run (when its scheduler can be asked). Exits 2 if RUN_DIR is not a run directory.")
     p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="the --run-dir of `mhf-dist train` or `submit`")
     p.add_argument("--json", action="store_true",

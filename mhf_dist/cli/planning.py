@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from mhf_dist.cli.options import (
     add_dtype,
     add_overrides,
@@ -114,9 +112,12 @@ def gpu_check_parser(sub) -> None:
 
 
 def cmd_config(args) -> int:
+    """The resolved config as a file that ``train --config`` reads back as it, at any dp (a preset's micro-batch, a
+    ceiling, is a comment: see ``mhf_dist.config.loader.config_yaml``)."""
+    from mhf_dist.config.loader import config_yaml
 
     cfg = load_run_config(args)
-    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    print(config_yaml(cfg), end="")
     if cfg.train.wandb is None:  # off; its fields would otherwise stay hidden behind `wandb: null`
         from mhf_dist.config import WandbConfig
 

@@ -81,7 +81,7 @@ def _outcome(result, stop, run_dir: Path) -> str:
 
 def _load_train(args) -> RunConfig:
     """The preset and/or config file with ``--set``; without either, the run's own config.yaml, where ``--set``
-    may change only what a resume can (:mod:`mhf_dist.train.resume`)."""
+    may change only what a resume can (``mhf_dist.train.resume``)."""
     if args.preset or args.config:
         return load_run_config(args)
     from mhf_dist.train.resume import resume_config

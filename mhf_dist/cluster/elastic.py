@@ -1,25 +1,13 @@
 """An elastic job's next round (``submit --nodes MIN-MAX``): on the most of the nodes that still run a task (at
 least MIN) whose ranks all train the global batch, from the newest checkpoint.
 
-A count of N nodes *trains the batch* when every one of its ranks is busy: tp × pp divides its N × ranks-per-node
-ranks and the global batch splits evenly over their dp (in micro-batches of ``train.micro_batch_size`` when it was
-set; a preset's is lowered to fit). Nodes are used whole: a round never leaves some ranks of a node idle, nor runs below
-MIN; nodes that answer but would not train the batch wait the round out, and the plan says so.
-``submit`` lists the counts of MIN-MAX that train the batch and refuses a range whose MIN, or every count below MAX,
-does not (:func:`check_range`): SLURM may start the job on MIN nodes, and a lost node must leave a count that trains.
-
-The job script probes its allocation's nodes before every round and calls ``mhf-dist elastic-plan`` with the nodes
-that answered and those that did not; the plan prints the round's shell values (``NODELIST``, ``NNODES``,
-``NTASKS``, and ``lost``: the nodes left out from now on) on stdout and its story on stderr, into the job log: which
-nodes were lost (with their ranks, from ``RUN/heartbeats/lost.json`` when the ranks recorded them), what was kept (the
-newest checkpoint) and what it chose. A node whose ranks were lost while it still runs a task (its GPU or its data
-network failed, not its ``slurmd``) is left out as well, after a round that ended with
-:data:`~mhf_dist.errors.NODE_LOST_EXIT_CODE`. The data reader's global order does not depend on dp, and the
-micro-batches per step follow the new dp (:func:`~mhf_dist.parallel.layout.fit_micro_batch`), so the tokens seen are
-those of an uninterrupted run. Fewer nodes left than MIN, or no count of them from MIN up that trains the batch, end
-the allocation's rounds (:class:`TooFewNodes`, exit 2): the job is queued again without the lost nodes
-(:mod:`mhf_dist.cluster.requeue`), and stops where SLURM has too few other nodes, saying so; the run resumes whenever
-it is submitted again.
+A count of N nodes *trains the batch* when every one of its ranks is busy (tp × pp divides its ranks and the global
+batch splits evenly over their dp); nodes are used whole. ``submit`` refuses a range whose MIN, or every count below
+MAX, does not (``check_range``). Before every round the job script calls ``mhf-dist elastic-plan`` with the nodes
+that answered and those that did not; the plan prints the round's shell values (``ElasticRound.shell``) on stdout
+and its story on stderr. Too few nodes left end the allocation's rounds (``TooFewNodes``, exit 2) and the job queues
+itself again (``mhf_dist.cluster.requeue``). The whole story, with the job log: docs/clusters.md ("A lost node:
+elastic jobs").
 """
 
 from __future__ import annotations
@@ -35,7 +23,7 @@ from mhf_dist.storage.heartbeats import read_lost
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.train.checkpoint.index import marker_problem, read_marker, step_directories
 
-PLAN_FILE = "elastic.json"  # RUN/slurm/elastic.json: the last round's choice
+PLAN_FILE = "elastic.json"  # RUN/jobs/elastic.json: the last round's choice
 
 
 class TooFewNodes(ConfigError):
@@ -198,6 +186,6 @@ def plan_round(cfg: RunConfig, run: RunDir, up: list[str], lost: list[str], task
         f"wait{'s' if len(idle) == 1 else ''} this round out: more nodes do not train {_batch(cfg)} with every rank "
         f"busy ({_why_not(cfg, range(len(up), used, -1), tasks_per_node)})" if idle else None,
     ) if line)]
-    run.jobs_dir.mkdir(parents=True, exist_ok=True)
+    run.make_jobs_dir()
     path.write_text(json.dumps({"dp": layout.dp, "nodes": len(nodes), "ranks": ranks}))
     return ElasticRound(nodes, lost, ranks, layout, story)

@@ -1,32 +1,9 @@
-"""What a training job will take, from its config and cluster profile alone: time per step, checkpoint size, save
-time, and the grace period a save on the scheduler's warning signal needs. Nothing here imports torch: ``plan`` prints
-these estimates and ``submit`` sizes the job's ``--signal`` from them on a login node.
-
-**Time per step** (:func:`step_seconds`), with the FLOPs that MFU counts in
-training (:mod:`mhf_dist.model.flops`, as the training loop logs it): ``F = 3 ·
-forward`` per token. Activation checkpointing recomputes the forward of every
-checkpointed block in backward; MFU leaves that work out, so an assumed MFU
-already pays for it (the plan prints the implied hardware FLOPs utilisation,
-``HFU = MFU · (F + recompute) / F``). For ``T = global_batch · seq_len`` tokens
-per step on ``n`` devices of dense bf16 peak ``peak`` (the profile's ``peak_bf16_tflops``)::
-
-    seconds per step = T · F / (MFU · n · peak),    tokens/s = T / seconds per step
-
-**Checkpoint size** (:func:`checkpoint_bytes`), for the parameters ``P`` DeepSpeed trains
-(:mod:`mhf_dist.model.parameter_count`): every ZeRO stage saves the fp32 master weights and AdamW's two fp32
-moments, 12 bytes per parameter; under ZeRO-3 that is all (its 16-bit weights are partitions of the master),
-while a pipeline's layer files also hold the weights in the run's dtype (4 or 2 bytes), and its first and last
-stage each hold, optimise and save the tied vocabulary tables. Engram tables in host memory
-(``model.engram.offload``) add their weights and moments, 12 bytes per parameter. The RNG states and
-DeepSpeed's bookkeeping are small beside these.
-
-**Save time** (:func:`save_seconds`): the nodes write their ranks' shares at once, each at the profile's
-``storage_gb_per_s``, so ``bytes / (nodes · storage_gb_per_s)``; the digests read the files back from the page
-cache.
-
-**Grace** (:func:`~mhf_dist.train.preemption.grace_seconds`): the scheduler's warning signal arrives during a
-step; the ranks finish it, save and exit. The grace asked for is ``1.5 · (step + save) + 30 s`` (slow storage days,
-the exit), rounded up to ten seconds, and never below ``MIN_GRACE_SECONDS``.
+"""What a training job will take, from its config and cluster profile alone: time per step (``step_seconds``, with the
+FLOPs that MFU counts in training, ``mhf_dist.model.flops``), checkpoint size (``checkpoint_bytes``, from
+``mhf_dist.model.parameter_count``), save time (``save_seconds``) and the grace period a save on the scheduler's
+warning signal needs (``mhf_dist.train.preemption.grace_seconds``). Nothing here imports torch: ``plan`` prints these
+estimates and ``submit`` sizes the job's ``--signal`` from them on a login node. The formulas: docs/configuration.md
+("How plan counts").
 """
 
 from __future__ import annotations
@@ -49,7 +26,7 @@ PLANNING_VOCAB_SIZE = 32768  # the tokenizer size estimates assume (only Standar
 
 @dataclass(frozen=True)
 class StepEstimate:
-    """One optimizer step at an assumed MFU (module docstring)."""
+    """One optimizer step at an assumed MFU (docs/configuration.md, "How plan counts")."""
 
     mfu: float
     peak_flops: float  # all devices together
@@ -100,7 +77,8 @@ def step_estimate(cfg: RunConfig, profile: ClusterProfile, nodes: int, mfu: floa
 
 
 def checkpoint_bytes(cfg: RunConfig, pp: int, vocab_size: int = PLANNING_VOCAB_SIZE) -> int:
-    """The size of one checkpoint of ``cfg`` trained with ``pp`` pipeline stages (module docstring)."""
+    """The size of one checkpoint of ``cfg`` trained with ``pp`` pipeline stages (docs/configuration.md, "How plan
+    counts")."""
     count = parameter_count(cfg.model, vocab_size)
     master_and_moments = 12
     if pp == 1:
@@ -132,7 +110,7 @@ class SaveEstimate:
 
 def save_estimate(cfg: RunConfig, profile: ClusterProfile, nodes: int,
                   vocab_size: int = PLANNING_VOCAB_SIZE) -> SaveEstimate:
-    """The checkpoints of ``cfg`` on ``nodes`` nodes of ``profile`` (step time at :data:`DEFAULT_MFU`)."""
+    """The checkpoints of ``cfg`` on ``nodes`` nodes of ``profile`` (step time at ``DEFAULT_MFU``)."""
     layout = resolve_layout(cfg, nodes * profile.gpus_per_node)
     size = checkpoint_bytes(cfg, layout.pp, vocab_size)
     step = step_estimate(cfg, profile, nodes, vocab_size=vocab_size)

@@ -1,5 +1,6 @@
-"""A run's submitted jobs, ``RUN/slurm/jobs.jsonl``: one line per job ``submit`` (or a requeue without a lost node,
-:mod:`mhf_dist.cluster.requeue`) queued; ``status`` follows the newest."""
+"""A run's submitted jobs, ``RUN/jobs/jobs.jsonl`` (``RUN/slurm/`` in older runs): one line per job ``submit`` (or a
+requeue without a lost node, ``mhf_dist.cluster.requeue``) queued, with its scheduler's name; ``status`` follows the
+newest."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from mhf_dist.storage.run_dir import RunDir
 
 
 def read_jobs(run: RunDir) -> list[dict]:
-    """The submissions in ``slurm/jobs.jsonl``, oldest first (unreadable lines left out)."""
+    """The submissions in ``jobs.jsonl``, oldest first (unreadable lines left out)."""
     path = run.jobs_file
     jobs = []
     for line in path.read_text().splitlines() if path.exists() else []:

@@ -1,27 +1,13 @@
 """Starting and watching ranks: ``mhf-dist train --nproc-per-node N`` on one machine, and each task of a scheduler's
-job step.
+job step (there the scheduler signals and stops the tasks, so nothing is forwarded).
 
-The N local ranks are plain child processes with torch.distributed's environment
-(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``), as torchrun
-would set it. Ranks on CPUs are forked from the launcher once it has imported
-what they import (torch, DeepSpeed, the package: seconds of CPU per process,
-which a machine with fewer cores than ranks would otherwise spend N times); ranks
-on GPUs start fresh interpreters, since a process that has asked CUDA anything
-cannot be forked. The launcher keeps what torchrun hides: the ranks run in a
-session of their own, so a terminal's signals reach the launcher alone, which
-passes them on. SIGUSR1 and SIGTERM are forwarded to every rank (so a preempted
-job saves before it stops); so is a first Ctrl-C, while a second kills the ranks
-at once (:data:`ABORTED_EXIT_CODE`). The ranks' exit code is returned:
-:data:`PREEMPTED_EXIT_CODE` when they stopped on a signal after saving. A rank
-that dies by a signal (``kill -9``, the OOM killer) is named, the others are
-stopped and the launcher exits with :data:`RANK_LOST_EXIT_CODE`; a rank that
-fails with an error code stops the others too, and its code is returned. The
-launcher reaps every rank before it returns, and a rank dies with its launcher.
-
-In a scheduler's job step each task is such a launcher around its one rank, so
-that the job log names a rank killed by a signal; the scheduler signals every
-process of the step and stops the other tasks itself, so nothing is forwarded
-there.
+The N local ranks are plain child processes with torchrun's environment, in a session of their own: CPU ranks are
+forked once the launcher has imported what they import, GPU ranks start fresh interpreters. SIGUSR1, SIGTERM and a
+first Ctrl-C are forwarded to every rank; a second Ctrl-C kills them at once (``ABORTED_EXIT_CODE``). The exit code
+is the ranks' (``PREEMPTED_EXIT_CODE`` when they stopped on a signal after saving), ``RANK_LOST_EXIT_CODE`` when a
+rank died by a signal, or the code of a rank that failed; either stops the others. Every rank is reaped before the
+launcher returns, and a rank dies with its launcher. Why and how: docs/design-training.md ("Training loop"); what a
+user sees: docs/training.md and docs/faults.md.
 """
 
 from __future__ import annotations
@@ -125,7 +111,7 @@ def run_forked(main: Entry, argv: list[str], env: dict[str, str]) -> int:
 class ForkedRank:
     """A rank forked from the launcher, running ``main(argv)`` in ``env`` as a fresh interpreter would (its
     non-daemon threads finished and its exit handlers run before it exits); to the supervisor, what it uses of a
-    :class:`subprocess.Popen`."""
+    ``subprocess.Popen``."""
 
     def __init__(self, main: Entry, argv: list[str], env: dict[str, str], new_session: bool, handlers: dict):
         sys.stdout.flush()  # nothing buffered before the fork is written twice
@@ -223,7 +209,7 @@ class RankSupervisor:
         return [rank for rank, proc in self.procs.items() if proc.poll() is None]
 
     def _watch(self) -> int:
-        """Wait for every rank; after a failure, the others get :data:`STOP_GRACE_S` to end on their own."""
+        """Wait for every rank; after a failure, the others get ``STOP_GRACE_S`` to end on their own."""
         failure = deadline = None
         while self._running():
             if self.interrupts > 1:

@@ -1,31 +1,31 @@
 """Cluster profiles (``cluster/<name>.yaml``): hardware and environment of one kind of node.
 
-Used by ``mhf-dist plan`` (memory per rank, fit) and job submission; MFU uses
-``peak_bf16_tflops`` when training on that cluster. The named profiles and the
-job templates ship inside the package (:data:`~mhf_dist.cluster.files.PROFILE_DIR`).
-
-Where the code runs on the nodes: ``python`` (an absolute path on storage every
-node sees; unset: the Python that ran ``submit``), optionally inside a
-container: ``launcher`` is a command prefix for each rank (Apptainer:
-``[apptainer, exec, --nv, IMAGE]``; Enroot: ``[enroot, start, --mount, ..., IMAGE]``),
-or a scheduler's own container options (:class:`~mhf_dist.cluster.scheduler.slurm.SlurmOptions`, pyxis).
+Used by ``mhf-dist plan`` (memory per rank, fit) and job submission; MFU uses ``peak_bf16_tflops`` when training on
+that cluster. The named profiles and the job templates ship inside the package (``mhf_dist.cluster.files.PROFILE_DIR``).
+Where the code runs on the nodes: ``python`` (unset: the Python that ran ``submit``), optionally inside a container:
+``launcher``, a command prefix for each rank (``[apptainer, exec, --nv, IMAGE]``, ``[enroot, start, ..., IMAGE]``), or
+a scheduler's own container options (in ``scheduler_options``). ``scheduler`` is the one ``submit`` uses;
+``scheduler_options`` holds each one's own options by its name, and a scheduler's given at the top level (the older
+flat form) are moved there. Every field: docs/clusters.md; the boundary: docs/design.md ("The scheduler
+boundary").
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mhf_dist.cluster.files import PROFILE_DIR
-from mhf_dist.cluster.scheduler.slurm import SlurmOptions
+from mhf_dist.cluster.scheduler import Scheduler, scheduler
+from mhf_dist.cluster.scheduler.slurm import SLURM
 from mhf_dist.config import ConfigError
 
 
-class ClusterProfile(SlurmOptions):
+class ClusterProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
@@ -64,6 +64,11 @@ class ClusterProfile(SlurmOptions):
     launcher: list[str] = Field(default_factory=list, description="command prefix for each rank (containers)")
     env: dict[str, str] = Field(default_factory=dict, description="exported in every job")
     setup: list[str] = Field(default_factory=list, description="shell lines before launch (modules, site setup)")
+    scheduler: str = Field(SLURM.name, description="the scheduler submit uses unless --scheduler (or --hostfile) "
+                           "names another")
+    scheduler_options: dict[str, Any] = Field(
+        default_factory=dict, description="each scheduler's own options, by its name; a scheduler not named here "
+        "takes its defaults")
 
     @property
     def cpus_per_task(self) -> int:
@@ -78,6 +83,31 @@ class ClusterProfile(SlurmOptions):
                 raise ValueError(f"env: {key!r} is not a shell variable name")
         return env
 
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_options(cls, raw: Any) -> Any:
+        return _nested(raw) if isinstance(raw, dict) else raw
+
+    @field_validator("scheduler")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        scheduler(name)  # a ValueError naming the schedulers there are
+        return name
+
+    @field_validator("scheduler_options")
+    @classmethod
+    def _own_options(cls, options: dict[str, Any]) -> dict[str, BaseModel]:
+        return {name: scheduler(name).options.model_validate(value) for name, value in options.items()}
+
+    def options_of(self, s: Scheduler) -> BaseModel:
+        """``s``'s own options: the profile's, else its defaults."""
+        own = self.scheduler_options.get(s.name)
+        return s.options() if own is None else own
+
+    def with_options(self, s: Scheduler, options: BaseModel) -> ClusterProfile:
+        """This profile with ``options`` as ``s``'s own."""
+        return self.model_copy(update={"scheduler_options": {**self.scheduler_options, s.name: options}})
+
     @model_validator(mode="after")
     def _cores(self) -> "ClusterProfile":
         if self.cores_per_node < self.gpus_per_node:
@@ -90,15 +120,42 @@ def load_profile(name_or_path: str) -> ClusterProfile:
     """A named profile or a ``.yaml`` path. A site profile may start from another (``extends: a100-80g``): its
     fields replace the other's (``env`` is merged, the site's values winning), and it is no longer hardware only."""
     path, raw = _read_profile(name_or_path)
-    if (base := raw.pop("extends", None)) is not None:
-        _, inherited = _read_profile(str(base))
-        inherited.pop("extends", None)
-        env = {**(inherited.get("env") or {}), **(raw.get("env") or {})}
-        raw = {**inherited, "hardware_only": False, **raw, "env": env}
+    base = raw.pop("extends", None)
+    inherited = None if base is None else _read_profile(str(base))[1]
     try:
+        if inherited is not None:
+            inherited.pop("extends", None)
+            raw, inherited = _nested(raw), _nested(inherited)
+            env = {**(inherited.get("env") or {}), **(raw.get("env") or {})}
+            options = _merged(inherited.get("scheduler_options"), raw.get("scheduler_options"))
+            raw = {**inherited, "hardware_only": False, **raw, "env": env, "scheduler_options": options}
         return ClusterProfile.model_validate(raw)
-    except ValidationError as e:
+    except ValueError as e:  # pydantic's ValidationError among them
         raise ConfigError(f"cluster profile {path} is invalid: {e}") from None
+
+
+def _nested(raw: dict) -> dict:
+    """``raw`` with SLURM's options given at its top level (the older flat form) moved into ``scheduler_options``."""
+    flat = {key: raw[key] for key in SLURM.options.model_fields if key in raw}
+    options = raw.get("scheduler_options") or {}
+    if not flat or not isinstance(options, dict) or not isinstance(options.get(SLURM.name) or {}, dict):
+        return raw  # nothing to move, or a malformed mapping that validation names
+    own = options.get(SLURM.name) or {}
+    if twice := sorted(flat.keys() & own.keys()):
+        raise ValueError(f"{', '.join(twice)}: given both at the top level and in scheduler_options.{SLURM.name}; "
+                         "give each once")
+    rest = {key: value for key, value in raw.items() if key not in flat}
+    return rest | {"scheduler_options": {**options, SLURM.name: {**own, **flat}}}
+
+
+def _merged(base: Any, site: Any) -> Any:
+    """A site profile's scheduler options over those it extends: its values replace theirs one by one, as its fields
+    replace the others'."""
+    base, site = base or {}, site or {}
+    if not isinstance(site, dict) or not isinstance(base, dict):
+        return base if isinstance(site, dict) else site  # the malformed one, which validation names
+    both = [name for name in site if isinstance(site[name], dict) and isinstance(base.get(name), dict)]
+    return {**base, **site} | {name: {**base[name], **site[name]} for name in both}
 
 
 def _read_profile(name_or_path: str) -> tuple[Path, dict]:

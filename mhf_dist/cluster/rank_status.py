@@ -1,4 +1,4 @@
-"""``status``'s view of a running job's ranks, from their heartbeats (:mod:`mhf_dist.storage.heartbeats`) and the
+"""``status``'s view of a running job's ranks, from their heartbeats (``mhf_dist.storage.heartbeats``) and the
 newest metrics record: how many answer and on which nodes, whether the job is HUNG (ranks disagree: some stopped
 answering while others answer, or a rank that answers made no progress for its hang timeout) and which ranks, and
 the slowest rank when the training loop flagged a straggler or a slow device."""

@@ -1,14 +1,12 @@
-"""A job that lost a node, queued again without it.
+"""A job that lost a node, queued again without it (``mhf-dist requeue``).
 
-A running job's node list cannot change (SLURM changes ``ExcNodeList`` of pending jobs only) and a requeued job
-keeps its own, so the job script submits itself again (``mhf-dist requeue``) as a new job that starts once this one
-has ended, on nodes other than the lost ones, those earlier requeues left out and those the script itself leaves out
-(:meth:`~mhf_dist.cluster.scheduler.slurm.Slurm.submit_after`). ``RUN/slurm/jobs.jsonl`` records it as ``submit``
-records a job, so ``status`` follows it. It resumes from the newest checkpoint. The job script asks for it when its
-ranks recorded a lost node (:func:`~mhf_dist.storage.heartbeats.record_lost`; a fixed-size job), and an elastic job
-when fewer nodes than its minimum are left in its allocation (it asks for MIN-MAX nodes again). Where the cluster
-has too few other nodes, SLURM refuses the job: the job stops, saying so, and the run resumes whenever it is
-submitted again.
+A running job's node list cannot change and a requeued job keeps its own, so the job script submits itself again as a
+new job that starts once this one has ended, on nodes other than the lost ones and those left out before
+(``Slurm.submit_after``), recorded in ``RUN/jobs/jobs.jsonl`` as ``submit`` records a job, so ``status`` follows it;
+it resumes from the newest checkpoint. A fixed-size job asks for it when its ranks recorded a lost node
+(``mhf_dist.storage.heartbeats.record_lost``), an elastic job when fewer nodes than its minimum are left. Where the
+cluster has too few other nodes, SLURM refuses the job and it stops, saying so. More: docs/clusters.md ("A lost
+node: elastic jobs").
 """
 
 from __future__ import annotations

@@ -1,64 +1,14 @@
 """``mhf-dist status RUN_DIR``: a run's progress from its files (no process needs to be running).
 
-It reads ``config.yaml``, ``metrics.jsonl``, the complete checkpoints (checking
-their files' sizes against ``complete.json``; ``--verify`` also their SHA-256
-digests, which reads every file), ``lock.json`` and ``slurm/jobs.jsonl``, and
-asks the job's scheduler (:meth:`~mhf_dist.cluster.scheduler.Scheduler.query`)
-for the state of the run's current job. It imports neither torch nor numpy,
-so it starts fast.
-
-``metrics.jsonl`` records hold no wall-clock time, so the time since the last
-logged step is the age of ``metrics.jsonl`` (its modification time), and rates
-come from the logged ``tokens_per_s``: ``seconds_per_step`` is tokens per step
-(``train.global_batch_size × data.seq_len``) over the recent mean tokens/s.
-That rate counts training steps only (not evaluation or checkpoint saves), so
-the ETA is a lower bound. "Recent" means the last :data:`RECENT` logged
-training records.
-
-A run is STALE when it is not finished and nothing was logged for longer than
-``--stale-minutes``; by default max(:data:`STALE_FLOOR_S` s, :data:`STALE_INTERVALS`
-× the recent mean interval between logged records).
-
-``--json`` prints one JSON object per refresh (one line; NaN and infinities as
-null; unknown values are null). Its keys:
-
-- ``run_dir``: absolute path; ``preset``: the config's preset (null: custom or no config.yaml yet)
-- ``checked_at``: Unix time of this report
-- ``step``: last logged step (null: no steps logged yet); ``max_steps``; ``progress``: step / max_steps
-- ``finished``: step ≥ max_steps
-- ``tokens``: tokens seen (step × global batch × sequence length)
-- ``loss``: the last logged loss; ``head_losses``: its per-head losses;
-  ``loss_recent_mean``: mean of the finite losses of the last ``recent_records`` logged training records
-- ``tokens_per_s``, ``mfu``: means over the last ``recent_records`` logged training records
-- ``recent_records``: how many records those means cover
-- ``seconds_per_step``: tokens per step / ``tokens_per_s``
-- ``last_step_age_s``: seconds since ``metrics.jsonl`` was written
-- ``stale_after_s``: the staleness threshold in use; ``stale``: whether the run is STALE
-- ``eta_s``: seconds to ``max_steps`` at ``seconds_per_step`` (0 when finished)
-- ``checkpoint``: newest complete checkpoint whose files check out (the one ``train --resume auto`` continues
-  from), ``{name, path, step, tokens, reason, age_s}`` (``age_s`` from its ``complete.json``), or null
-- ``checkpoint_check``: what was checked: ``sizes`` (every file's size), or ``digests`` (sizes and SHA-256:
-  ``--verify``, for checkpoints that record digests)
-- ``damaged_checkpoints``: the newer complete checkpoints that fail that check, newest first:
-  ``[{name, path, step, problem}]`` (``train --resume auto`` moves them to ``checkpoints/corrupt/``)
-- ``validation``: ``{step, val_loss, val_ppl, ...}``: every ``val_*`` field of the newest record holding any, or null
-- ``nonfinite_steps``, ``skipped_steps``, ``loss_spikes``, ``grad_spikes``: the newest logged value of each
-  counter, or null
-- ``rollbacks``: the run's rollbacks (``train.on_spike=rollback``), as ``RUN/rollbacks.json`` lists them:
-  ``[{step, spikes, checkpoint, checkpoint_step, skipped, time}]`` (``skipped``: the global sample range never read)
-- ``slurm``: ``{job_id, state, restarts, source, submitted, cluster, nodes, submissions}`` or null.
-  The job is the last line of ``slurm/jobs.jsonl`` (else ``lock.json``'s ``slurm_job_id``);
-  ``state``/``restarts`` come from ``source``, the scheduler's query that knew the job (null: not known to the
-  scheduler, or it cannot be asked from here); ``submissions``: lines in ``jobs.jsonl``
-- ``lock``: ``{host, pid, slurm_job_id, started, heartbeat_age_s, heartbeat_stopped, holder_gone,
-  next_train_takes_over}`` from ``lock.json`` (held while a job trains; its age is a heartbeat refreshed every 30 s),
-  or null. ``heartbeat_stopped``: older than 5 min; ``holder_gone``: why the job holding it is gone (its process is
-  not running on this host, or its heartbeat missed 3 refreshes), else null; ``next_train_takes_over``: a ``train``
-  started now would take the lock over
-- ``ranks``: the running job's ranks from their heartbeats (:mod:`mhf_dist.cluster.rank_status`): ``{world, nodes,
-  step, hung, findings, straggler, slow_device}``, or null when no rank answers (no job runs). ``hung``: some ranks
-  stopped answering while others answer, or a rank made no progress for ``train.hang_timeout_s``; ``findings`` name
-  them; ``straggler``, ``slow_device``: the newest record's warnings ``{rank, node, ratio, intervals}``, or null"""
+It reads ``config.yaml``, ``metrics.jsonl``, the complete checkpoints (their files' sizes against ``complete.json``;
+``--verify`` also their SHA-256 digests, which reads every file), ``lock.json``, ``jobs/jobs.jsonl`` and the ranks'
+heartbeats (``rank_status``), and asks the job's scheduler (``Scheduler.query``) for the state of the run's current
+job. It imports neither torch nor numpy, so it starts fast. A run is STALE when it is not finished and nothing was
+logged for longer than ``--stale-minutes``, by default max(``STALE_FLOOR_S`` s, ``STALE_INTERVALS`` × the recent mean
+interval between logged records); "recent" is the last ``RECENT`` logged training records. What the report says and
+how rates and the ETA are derived: docs/training.md ("Monitoring: status"), with every ``--json`` key in its
+"status --json" table.
+"""
 
 from __future__ import annotations
 
@@ -72,7 +22,7 @@ from pathlib import Path
 
 from mhf_dist.cluster.job_records import read_jobs
 from mhf_dist.cluster.rank_status import Ranks, rank_lines, read_ranks
-from mhf_dist.cluster.scheduler import scheduler
+from mhf_dist.cluster.scheduler import schedulers
 from mhf_dist.cluster.scheduler.slurm import SLURM
 from mhf_dist.config import ConfigError, load_config
 from mhf_dist.config.loader import read_config_file
@@ -111,7 +61,7 @@ class DamagedCheckpoint:
 
 
 @dataclass
-class SlurmJob:
+class Job:
     job_id: str
     state: str | None
     restarts: int | None
@@ -166,7 +116,7 @@ class RunStatus:
     grad_spikes: int | None = None
     grad_norms: dict | None = None  # the last logged step's gradient norm per parameter family (the health metrics)
     rollbacks: list[dict] = field(default_factory=list)
-    slurm: SlurmJob | None = None
+    job: Job | None = None
     lock: Lock | None = None
     ranks: Ranks | None = None
 
@@ -174,7 +124,7 @@ class RunStatus:
 # ---------------------------------------------------------------- reading a run directory
 
 def check_run_dir(path: Path) -> RunDir:
-    """The run directory at ``path`` if it looks like one; else a :class:`ConfigError` naming the fix."""
+    """The run directory at ``path`` if it looks like one; else a ``ConfigError`` naming the fix."""
     run = RunDir(path)
     hint = "give the --run-dir that `mhf-dist train` or `mhf-dist submit` was started with"
     if not path.exists():
@@ -190,7 +140,7 @@ def check_run_dir(path: Path) -> RunDir:
 
 def read_config(run: RunDir) -> dict:
     """The run's ``config.yaml`` as a plain dict ({} before the job wrote it); one that ``train --run-dir`` would
-    refuse (unreadable, not YAML, failing the schema) is a :class:`ConfigError` naming it and the problem."""
+    refuse (unreadable, not YAML, failing the schema) is a ``ConfigError`` naming it and the problem."""
     path = run.config_path
     if not path.exists():
         return {}
@@ -253,17 +203,17 @@ def read_lock(run: RunDir, now: float) -> Lock | None:
 
 # ---------------------------------------------------------------- the scheduler
 
-def slurm_job(run: RunDir, lock: Lock | None) -> SlurmJob | None:
+def current_job(run: RunDir, lock: Lock | None) -> Job | None:
     jobs = read_jobs(run)
     current = jobs[-1] if jobs else {}
     job_id = current.get("job_id") or (lock.slurm_job_id if lock else None)
     if not job_id:
         return None
     name = current.get("scheduler", SLURM.name)  # submissions recorded before the name was
-    found = scheduler(name).query(str(job_id))
+    found = s.query(str(job_id)) if (s := schedulers().get(name)) else None  # None: not registered in this process
     state, restarts, source = found if found is not None else (None, None, None)
-    return SlurmJob(str(job_id), state, restarts, source, current.get("submitted"), current.get("cluster"),
-                    _int(current.get("nodes")), len(jobs))
+    return Job(str(job_id), state, restarts, source, current.get("submitted"), current.get("cluster"),
+               _int(current.get("nodes")), len(jobs))
 
 
 # ---------------------------------------------------------------- the report
@@ -312,7 +262,7 @@ def _timing(st: RunStatus, recent: list[dict], tokens_per_step: int | None, log_
 
 def gather(run_dir: str | Path, stale_minutes: float | None = None, verify: bool = False) -> RunStatus:
     """Everything ``status`` reports about ``run_dir`` (``verify``: check the checkpoints' digests, not only their
-    sizes); raises :class:`ConfigError` if it is not a run directory."""
+    sizes); raises ``ConfigError`` if it is not a run directory."""
     run = check_run_dir(Path(run_dir))
     cfg = read_config(run)
     now = time.time()
@@ -331,7 +281,7 @@ def gather(run_dir: str | Path, stale_minutes: float | None = None, verify: bool
     st.checkpoint, st.checkpoint_check, st.damaged_checkpoints = newest_checkpoint(run, now, verify)
     st.rollbacks = read_rollbacks(run)
     st.lock = read_lock(run, now)
-    st.slurm = slurm_job(run, st.lock)
+    st.job = current_job(run, st.lock)
     return st
 
 
@@ -347,7 +297,8 @@ def _finite(value):
 
 
 def to_json(st: RunStatus) -> str:
-    return json.dumps(_finite(asdict(st)), allow_nan=False)
+    report = asdict(st)
+    return json.dumps(_finite(report | {"slurm": report["job"]}), allow_nan=False)  # and the job's older key
 
 
 def _number(value) -> str:
@@ -390,14 +341,14 @@ def _progress_lines(st: RunStatus) -> list[str]:
 
 def _job_lines(st: RunStatus) -> list[str]:
     lines = []
-    if job := st.slurm:
+    if job := st.job:
         state = job.state or "state unknown (not known to its scheduler, or the scheduler cannot be asked from here)"
         restarts = f", {job.restarts} restart{'s' if job.restarts != 1 else ''}" if job.restarts is not None else ""
         details = ", ".join(str(x) for x in (
             job.submitted and f"submitted {job.submitted}", job.cluster,
             job.nodes and f"{job.nodes} node{'s' if job.nodes != 1 else ''}",
             job.submissions > 1 and f"{job.submissions} submissions") if x)
-        lines.append(_line("slurm", f"job {job.job_id} {state}{restarts}" + (f" ({details})" if details else "")))
+        lines.append(_line("job", f"{job.job_id} {state}{restarts}" + (f" ({details})" if details else "")))
     if lock := st.lock:
         takeover = ("the next train takes the lock over" if lock.next_train_takes_over else
                     f"train takes the lock over once its heartbeat is {STALE_S // 60} min old")

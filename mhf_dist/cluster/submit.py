@@ -1,9 +1,9 @@
 """``mhf-dist submit`` and ``submit-data``: job scripts from a cluster profile, for one of the schedulers
-(:mod:`mhf_dist.cluster.scheduler`), and their submission.
+(``mhf_dist.cluster.scheduler``), and their submission.
 
 The script depends on nothing of the machine or directory it was submitted from: it runs in the run directory,
 names the Python (or container) by an absolute path, and every path in the command is made absolute at submit time.
-Every value a user chose is quoted for the shell with :func:`shlex.quote`; the scheduler quotes its own lines.
+Every value a user chose is quoted for the shell with ``shlex.quote``; the scheduler quotes its own lines.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def render(scheduler: Scheduler, cfg: RunConfig, profile: ClusterProfile, nodes:
     """The training job script for ``scheduler``; the layout is checked against the nodes first. ``preset``,
     ``config`` and ``overrides`` are what the ranks load the run's config from, as ``train`` takes them.
     ``min_nodes``: an elastic job of ``min_nodes`` to ``nodes`` nodes, which continues on the nodes left when one is
-    lost (:mod:`mhf_dist.cluster.elastic`); its minimum and some count below its maximum must train the global batch
-    with every rank busy (:func:`~mhf_dist.cluster.elastic.check_range`)."""
+    lost (``mhf_dist.cluster.elastic``); its minimum and some count below its maximum must train the global batch
+    with every rank busy (``check_range``)."""
     if nodes < 1:
         raise ConfigError(f"--nodes={nodes}: need at least one node")
     if min_nodes is not None and not 1 <= min_nodes < nodes:
@@ -140,14 +140,14 @@ def render_data(profile: ClusterProfile, inputs: list[str], tokenizer: str, out:
 
 def write_script(script: str, path: Path, run_dir: Path) -> Path:
     """Write the job script to ``path`` and make the log directory the scheduler needs before the job starts."""
-    RunDir(run_dir.resolve()).jobs_dir.mkdir(parents=True, exist_ok=True)
+    RunDir(run_dir.resolve()).make_jobs_dir()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
     return path
 
 
 def submit(scheduler: Scheduler, script: str, run_dir: Path, cluster: str, nodes: int) -> str:
-    """Submit the script (kept in ``RUN/slurm/``); records and returns the job id."""
+    """Submit the script (kept in ``RUN/jobs/``); records and returns the job id."""
     run = RunDir(run_dir.resolve())
     path = write_script(script, run.jobs_dir / scheduler.script_name, run_dir)
     try:
@@ -161,7 +161,7 @@ def submit(scheduler: Scheduler, script: str, run_dir: Path, cluster: str, nodes
 
 def submit_data(prepare: str, merge: str, out: Path) -> tuple[str, str]:
     """Submit ``submit-data``'s array job, then its merge job to start after every part succeeded (the scripts kept in
-    ``OUT/slurm``); the two job ids."""
+    ``OUT/jobs``); the two job ids."""
     paths = [write_script(script, RunDir(out.resolve()).jobs_dir / name, out) for script, name in
              zip((prepare, merge), DATA_SCRIPTS)]
     return SLURM.submit_data(*paths)

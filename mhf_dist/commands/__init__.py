@@ -1,1 +1,1 @@
-"""One module per command of :mod:`mhf_dist.cli` with logic of its own (the CLI keeps the argument parsing)."""
+"""One module per command of ``mhf_dist.cli`` with logic of its own (the CLI keeps the argument parsing)."""

@@ -1,27 +1,10 @@
 """``mhf-dist eval``: perplexity on shards and last-word accuracy, both under ``P_inf`` (docs/spec.md §5).
 
-- Perplexity: ``exp`` of the mean ``-log P_inf`` of every next token over the
-  sequences of a shard set's split (the shards must be made with the model's
-  tokenizer; the manifest's fingerprint is checked), with the next-token
-  top-1 / top-5 accuracy under ``P_inf`` and the calibrated perplexity: that of
-  ``P_τ ∝ P_inf^τ`` (:mod:`mhf_dist.model.calibration`) at the model's own
-  ``inference_temperature``, or (``calibrate``) at the ``τ`` fitted on
-  ``calibration_split`` — another split for an honest estimate; fitting on the
-  evaluated split itself is optimistic. ``P_inf`` is recovered from the logits
-  whatever ``τ`` the model applies (``log P_τ = τ·log P_inf - const``), and the
-  logits are renormalised, so a Standard export's raw logits work too. The
-  sequences are the shards' ``seq_len`` long (said in a note and reported as
-  ``seq_len``: perplexity depends on it); shards longer than the model's
-  positions (``max_position_embeddings``) are refused.
-- Last-word accuracy (LAMBADA style) over a JSONL file of ``{"text": ...}``:
-  the target is the text's last word (with its leading space), and a document
-  counts as correct when the greedy continuation of the rest reproduces the
-  target's tokens exactly (teacher-forced argmax at every target position,
-  which is the same thing). The target's mean ``-log P_inf`` per document is
-  reported as well, as lm-evaluation-harness does.
-
-The exported model's logits are ``log P_inf`` (or ``log P_τ``, from which
-``log P_inf`` is recovered), so the numbers compare with the Standard baseline's.
+``perplexity``: the mean ``-log P_inf`` of every next token over a split of shards made with the model's tokenizer,
+with top-1/top-5 accuracy and the calibrated perplexity of ``P_τ`` (``mhf_dist.model.calibration``) at the model's
+own ``inference_temperature`` or at a ``τ`` fitted on another split. ``last_word_accuracy``: LAMBADA style, over a
+JSONL file of ``{"text": ...}``. ``P_inf`` is recovered from the exported logits whatever ``τ`` they apply. What is
+measured, and how: docs/models.md, "Generation and evaluation".
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """``mhf-dist expand-vocab``: grow a trained run's vocabulary (docs/spec.md §1; the paper's vocabulary expansion).
 
-The new tokenizer must keep every old token at its old id and append the new
-ones. A MultiHashFormer registers the new tokens with fresh unique signatures
-(:meth:`SignatureTable.extend`: old rows never change) and adds no parameter.
-A Standard model gets one new table row per new token, initialised to the mean
-of the old rows of the token's text under the old tokenizer (as the authors'
-``mean_initialization.py``), and the parameters added are reported.
-
-The result is a new run directory (the old one is left as it was) that starts
-from the expanded weights (``train.init_from``), optionally training only the
-vocabulary side, the final norm and the first and last k blocks
-(``train.trainable_blocks``), as the paper's expansion stage does.
+The new tokenizer keeps every old token at its old id and appends the new ones (``check_superset``). A
+MultiHashFormer registers them with fresh signatures (``SignatureTable.extend``) and adds no parameter; a Standard
+model gets one row per new token, the mean of the old rows of its text (``mean_initialised_rows``). The result is a
+new run directory starting from the expanded weights (``train.init_from``), optionally training only the vocabulary
+side and the outer blocks (``train.trainable_blocks``). The command: docs/models.md, "Vocabulary expansion".
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """``mhf-dist export``: one full state dict from any sharded checkpoint, with what it needs to be used.
 
 Writes ``OUT/model.safetensors`` (the LanguageModel's parameter names, see
-:mod:`mhf_dist.hf.names`), ``OUT/config.yaml`` (the run config), ``OUT/signatures/``,
+``mhf_dist.hf.names``), ``OUT/config.yaml`` (the run config), ``OUT/signatures/``,
 ``OUT/tokenizer/`` and, with Engram memories, ``OUT/engram/`` (the tokenizer
 compression, docs/spec.md §8). The weights are the fp32 master weights merged over
 every data-, tensor- and pipeline-parallel shard (ZeRO-3 included), cast to
-``--dtype``. The merge is :func:`~mhf_dist.train.trained_weights.trained_weights`,
+``--dtype``. The merge is ``mhf_dist.train.trained_weights``,
 shared with ``export-hf``, ``expand-vocab``, ``generate`` and ``eval``.
 """
 

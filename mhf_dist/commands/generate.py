@@ -112,9 +112,9 @@ def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt:
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, num_beams: int = 1,
              seed: int = 0, compile: bool = False, on_text: Callable[[str], None] | None = None) -> torch.Tensor:
     """Generated ids (prompt excluded) ``[num_new]``; ``temperature == 0`` is greedy (or beam search);
-    ``compile``: :func:`compiled_decoding`; ``max_new_tokens`` is capped at the model's positions
-    (:func:`new_token_budget`). ``on_text`` receives the prompt, then the generated text in pieces as it is decoded
-    (:class:`TextPieces`; not with beam search, whose text is settled only at the end)."""
+    ``compile``: ``compiled_decoding``; ``max_new_tokens`` is capped at the model's positions
+    (``new_token_budget``). ``on_text`` receives the prompt, then the generated text in pieces as it is decoded
+    (``TextPieces``; not with beam search, whose text is settled only at the end)."""
     torch.manual_seed(seed)
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
     budget = new_token_budget(model, prompt, ids.shape[1], max_new_tokens)

@@ -1,63 +1,10 @@
 """``mhf-dist plan``: will a run fit, and how long is a step? Memory per rank and per node, time per step.
 
-The model is built on the meta device (no memory), sharded on paper with the
-tensor-parallel table (:func:`tp_split_dims`) and cut into pipeline stages by
-the same FLOP-balanced cut the engine uses (:mod:`mhf_dist.parallel.stages`).
-
-**Model states** per rank, for ``P`` parameters on a stage and ``dp`` data-parallel
-ranks (:func:`model_state_bytes`). bf16 (mixed-precision Adam; the byte counts
-of DeepSpeed's own estimators): 18 bytes per parameter that ZeRO partitions (the
-16-bit and fp32 gradients, the fp32 weights, momentum and variance) plus 2 for
-the 16-bit weights; ZeRO-3 partitions all of it and gathers the largest layer in
-fp32 (``4·largest + 18·P/dp``); ZeRO-2 keeps the 16-bit weights whole (``2·P +
-18·P/dp``); ZeRO-1 also keeps whole 16-bit gradients (``+ 2·P·(1 − 1/dp)``).
-Accumulating the gradients in fp32 (``data_types.grad_accum_dtype``, which a bf16
-run's DeepSpeed config sets, :func:`mhf_dist.backend.engine_config`) costs ZeRO-3 2 more
-bytes per partitioned parameter (``4·largest + 20·P/dp``: its gradient partition is
-fp32), and under ZeRO-1 DeepSpeed then runs its bf16 optimizer instead, which keeps
-the 16-bit weights and an fp32 gradient whole (each parameter's bf16 gradient is
-added in and freed as backward makes it) and partitions the rest (``6·P + 12·P/dp``).
-fp32: DeepSpeed still keeps an fp32 master copy and an fp32 gradient partition
-beside the (fp32) weights and gradients, so 16 bytes per parameter are partitioned
-(master, gradient partition, two moments) plus 4 of weights and 4 of gradients:
-ZeRO-3 partitions everything (``4·largest + 24·P/dp``); ZeRO-2: ``4·P + 20·P/dp``;
-ZeRO-1: ``+ 4·P·(1 − 1/dp)``.
-
-**Activations** per token and layer, in the run's dtype of ``e`` bytes (SDPA keeps no ``S×S`` scores)::
-
-    bytes = e · (4d + (2·n_heads·hd + 2·n_kv·hd) / tp + 4·ffn / tp)
-
-(norm inputs/outputs, q k v and attention output, gate/up/activation/product);
-with activation checkpointing a block keeps only its input (``e·d``) plus one
-block's full set during recompute. A block with an Engram memory (docs/spec.md §8)
-adds its looked-up rows and gate tensors, about ``e·((N−1)·K·head_dim + 8d)``
-per token. Pipeline stage ``s`` holds up to ``pp − s`` micro-batches in flight (1F1B).
-
-**Decoder buffers** (:func:`decoder_bytes`), on the last stage only and for one
-micro-batch (the last stage runs each micro-batch's backward right after its
-forward), in both activation columns and printed as their own column: with the
-fused decoder (the default) each of the ``H`` heads keeps ``c`` and ``ē``
-(``2·e·d``) and two fp32 statistics per token, plus one chunk's logits in
-flight, ``2·min(chunk, tokens)·(B/tp)·(e + 4)`` bytes (the stacked backward
-products in the run's dtype and fp32); below fp32 a head's backward also sums its
-table's gradient over the chunks in fp32, ``(B/tp)·d·(4 + e)`` bytes (the sum and one
-chunk's part of it); the plain path keeps every head's logits
-and fp32 probabilities, ``H·(B/tp)·(e + 4)`` per token. The ``log P_inf``
-training term (``model.hash.p_inf_loss_weight`` > 0) runs the plain path and its
-backward adds an fp32 copy of the heads' scores and their gradient,
-``H·(B/tp)·(e + 12)`` per token in all.
-
-**Host memory at construction** (:func:`construction_bytes`): no rank builds the
-whole model (:mod:`mhf_dist.parallel.construct`). A rank keeps, in fp32, its
-ZeRO-3 share of its tensor-parallel parameters (``1/dp`` of them; pp = 1) or
-its stage's tensor-parallel parameters (ZeRO-1/2, pp > 1), and draws one
-parameter at a time at full size: ``4·kept + 4·largest``, ``largest`` the
-biggest parameter it creates (the bucket tables, usually). The ranks of a node
-build at the same time, so a node needs ``ranks_per_node`` times that, which
-fits when it is at most 90% of the profile's ``memory_gb_per_node``
-(:func:`host_bytes_per_node`).
-
-**Time per step** and **checkpoints**: :mod:`mhf_dist.cluster.job_estimates`.
+The model is built on the meta device (no memory), sharded on paper with the tensor-parallel table
+(``tp_split_dims``) and cut into pipeline stages by the engine's own cut (``mhf_dist.parallel.stages``). Here: the
+memory of each stage (``memory_plan``, from ``model_state_bytes``, ``decoder_bytes``, ``construction_bytes`` and
+``host_bytes_per_node``) and the printed plan (``format_plan``); the time per step and the checkpoints are
+``mhf_dist.cluster.job_estimates``'s. Every formula: docs/configuration.md, "How ``plan`` counts".
 """
 
 from __future__ import annotations
@@ -130,7 +77,7 @@ def meta_model(cfg: ModelConfig, vocab_size: int) -> LanguageModel:
 def model_state_bytes(zero: int, params: int, largest: int, dp: int, dtype: str = "bf16",
                       fp32_accumulation: bool = False) -> float:
     """Weights, gradients and Adam states per rank under ZeRO stage ``zero`` in ``dtype``, bf16 gradients
-    accumulated in fp32 or not (see the module docstring)."""
+    accumulated in fp32 or not (docs/configuration.md, "How ``plan`` counts")."""
     weights, grads, partitioned = (2, 2, 18) if dtype == "bf16" else (4, 4, 20)
     if dtype == "bf16" and fp32_accumulation and zero == 3:
         partitioned += 2  # the gradient partition in fp32
@@ -159,7 +106,7 @@ def decoder_bytes(m: ModelConfig, e: int, tokens: int, rows: int, tp: int) -> fl
 
 def construction_bytes(kept: float, largest: int) -> float:
     """Host memory of one rank while it builds its part of the model: ``kept`` parameters in fp32 plus the
-    ``largest`` one drawn whole (see the module docstring)."""
+    ``largest`` one drawn whole (docs/configuration.md, "How ``plan`` counts")."""
     return 4 * kept + 4 * largest
 
 
@@ -177,7 +124,7 @@ def host_fits(profile: ClusterProfile, per_rank: float) -> bool | None:
 
 
 def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size: int = 32768) -> list[StagePlan]:
-    """One :class:`StagePlan` per pipeline stage of ``cfg`` on ``nodes`` nodes of ``profile``."""
+    """One ``StagePlan`` per pipeline stage of ``cfg`` on ``nodes`` nodes of ``profile``."""
     world = nodes * profile.gpus_per_node
     layout = resolve_layout(cfg, world)
     device = device_of(profile)

@@ -1,5 +1,5 @@
 """``mhf-dist prepare-data``: prepare shards of text files, or merge prepared parts (the library:
-:mod:`mhf_dist.data.prepare`)."""
+``mhf_dist.data.prepare``)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _print_summary(manifest: dict, where: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     """``mhf-dist prepare-data``: prepare shards (all, or ``--part I/N`` into ``OUT/part-I-of-N``) into a staging
     directory, renamed into place when complete, or ``--merge`` parts; print a summary. A directory that training
-    runs read is never replaced (:mod:`~mhf_dist.storage.reading_marks`)."""
+    runs read is never replaced (``reading_marks``)."""
     _check_mode(args)
     if args.merge:
         refuse_if_read(args.merge)  # its manifest is replaced in place

@@ -1,14 +1,11 @@
 """Run configuration: pydantic models, presets and ``--set`` overrides.
 
-A run is described by one :class:`RunConfig`. It comes from a preset
-(``{size}-{variant}``, e.g. ``tiny-h4b16k``, ``100m-standard+4l``), optionally a
-YAML file (which may itself name a ``preset:`` to start from), then
-``--set a.b=c`` overrides, in that order. Validation happens here, at the
-edge: every error names the field and the fix.
+A run is described by one ``RunConfig``. It comes from a preset (``{size}-{variant}``, e.g. ``tiny-h4b16k``,
+``100m-standard+4l``), optionally a YAML file (which may itself name a ``preset:`` to start from), then ``--set a.b=c``
+overrides, in that order. Validation happens here, at the edge: every error names the field and the fix.
 
-:mod:`~mhf_dist.config.schema` holds the models (the model's own in :mod:`~mhf_dist.config.model`),
-:mod:`~mhf_dist.config.presets` the presets and :mod:`~mhf_dist.config.loader` :func:`load_config` with the
-overrides; their names are imported from here.
+``schema`` holds the models (the model's own in ``model``), ``presets`` the presets and ``loader`` ``load_config``
+with the overrides; their names are imported from here. The settings: docs/configuration.md.
 """
 
 from mhf_dist.config.loader import apply_override, deep_merge, load_config

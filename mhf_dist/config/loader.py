@@ -1,5 +1,6 @@
 """A run's config from a preset, then a YAML file (which may itself name a ``preset:`` to start from), then
-``--set a.b=c`` overrides, in that order; validated once at the end."""
+``--set a.b=c`` overrides, in that order; validated once at the end. :func:`config_yaml` writes a config as the file
+that loads back as it."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def load_config(preset_name: str | None = None, path: str | Path | None = None, 
         raw = from_file
         named = isinstance(from_file.get("train"), dict) and "micro_batch_size" in from_file["train"]
     if preset_name:
-        raw = deep_merge(preset(preset_name), raw)
+        raw = deep_merge(preset(preset_name), raw) | {"preset": preset_name}  # the preset whose values it holds
     if not raw:
         raise ConfigError("no configuration: pass --preset NAME (e.g. tiny-h4b16k) or --config run.yaml")
     raw = _data_replaced(raw, overrides)
@@ -105,3 +106,24 @@ def load_config(preset_name: str | None = None, path: str | Path | None = None, 
         raise ConfigError(_format_errors(e, source)) from None
     cfg.train._micro_batch_from_preset = preset_name is not None and not named
     return cfg
+
+
+CEILING_NOTE = "the preset's, a ceiling: lowered to fit dp; uncomment to keep it as set"
+
+
+def config_yaml(cfg: RunConfig) -> str:
+    """``cfg`` as a YAML config file that ``load_config(path=...)`` reads back as ``cfg``, at every dp: every field,
+    except that a preset's micro-batch (a ceiling, which the layout lowers to fit dp) is a comment, so that the file's
+    ``preset:`` supplies it again; a micro-batch the file names is the user's (kept, or refused where it does not fit).
+    """
+    text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    if not (cfg.train.micro_batch_from_preset and cfg.preset):
+        return text
+    lines, section = text.splitlines(keepends=True), None
+    for i, line in enumerate(lines):
+        if not line.startswith(" "):
+            section = line.partition(":")[0]
+        elif section == "train" and line.startswith("  micro_batch_size: "):
+            lines[i] = f"  # {line.strip()}  ({CEILING_NOTE})\n"
+            break
+    return "".join(lines)

@@ -1,14 +1,14 @@
-"""The model's config: :class:`ModelConfig` (the backbone's shape, the variant, their options) with its hash
-section (:class:`HashConfig`) and its optional Engram memory (:class:`EngramConfig`)."""
+"""The model's config: ``ModelConfig`` (the backbone's shape, the variant, their options) with its hash
+section (``HashConfig``) and its optional Engram memory (``EngramConfig``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from mhf_dist.config.strict import Strict
+from mhf_dist.config.variants import variant_rules
 from mhf_dist.errors import ConfigError
 
 
@@ -83,35 +83,10 @@ class EngramConfig(Strict):
         return self
 
 
-class _VariantRules(NamedTuple):
-    """What the config checks of a ``model.variant`` (what the variant is: its record in mhf_dist/model/variants.py)."""
-
-    tp_rows_error: Callable[[ModelConfig, int], str | None]  # why parallel.tp cannot split its tables' rows
-    p_inf_term: bool  # model.hash.p_inf_loss_weight applies (a Standard model's P_inf is its training softmax)
-
-
-def _bucket_rows_error(m: ModelConfig, tp: int) -> str | None:
-    if m.hash.num_buckets % tp:
-        return (f"model.hash.num_buckets={m.hash.num_buckets} is not divisible by parallel.tp={tp}: bucket tables are "
-                "split along B; choose B as a multiple of tp")
-    return None
-
-
-def _vocabulary_rows_error(m: ModelConfig, tp: int) -> str | None:
-    if m.pad_vocab_to % tp:
-        return (f"model.pad_vocab_to={m.pad_vocab_to} is not a multiple of parallel.tp={tp}: the vocabulary rows are "
-                "split over tp; set pad_vocab_to to a multiple of tp")
-    return None
-
-
-_VARIANT_RULES = {"mhf": _VariantRules(_bucket_rows_error, p_inf_term=True),
-                  "standard": _VariantRules(_vocabulary_rows_error, p_inf_term=False)}
-
-
 class ModelConfig(Strict):
     """Backbone shape (docs/spec.md §3) and which input/output the model uses."""
 
-    variant: Literal["mhf", "standard"] = Field(  # each has its record in mhf_dist/model/variants.py
+    variant: str = Field(  # a registered variant (mhf_dist/config/variants.py)
         "mhf", description="MultiHashFormer or the tied-embedding baseline")
     d_model: int = Field(ge=1)
     n_layers: int = Field(ge=1)
@@ -166,6 +141,12 @@ class ModelConfig(Strict):
             return e.head_dim
         return self.d_model if e.gate == "softmax" else self.d_model // ((e.max_ngram - 1) * e.heads)
 
+    @field_validator("variant")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        variant_rules(name)  # an unknown name is refused, naming the known ones
+        return name
+
     @model_validator(mode="after")
     def _shapes(self):
         if self.head_dim is None and self.d_model % self.n_heads:
@@ -175,10 +156,8 @@ class ModelConfig(Strict):
             )
         if self.engram is not None:
             self._check_engram()
-        if not _VARIANT_RULES[self.variant].p_inf_term and self.hash.p_inf_loss_weight:
-            raise ValueError(
-                f"model.hash.p_inf_loss_weight={self.hash.p_inf_loss_weight} with model.variant=standard: a Standard "
-                "model's P_inf is its head's softmax, so the term would repeat its training loss; unset it")
+        if error := variant_rules(self.variant).config_error(self):
+            raise ValueError(error)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads} (GQA groups); "
@@ -206,4 +185,4 @@ class ModelConfig(Strict):
 
     def tp_rows_error(self, tp: int) -> str | None:
         """Why ``parallel.tp`` cannot split this model's vocabulary tables along their rows, or None."""
-        return _VARIANT_RULES[self.variant].tp_rows_error(self, tp)
+        return variant_rules(self.variant).tp_rows_error(self, tp)

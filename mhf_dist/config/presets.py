@@ -53,7 +53,7 @@ def preset_names() -> list[str]:
 
 def preset(name: str) -> dict[str, Any]:
     """The raw config dict of preset ``{size}-{variant}[+engram]``; ``+engram`` adds the docs/spec.md §8 memory with
-    its defaults (:class:`EngramConfig`: layers 1 and L/2)."""
+    its defaults (``EngramConfig``: layers 1 and L/2)."""
     size, _, variant = name.partition("-")
     match = _VARIANT.match(variant)
     if size not in SIZES or not match:

@@ -1,4 +1,4 @@
-"""The run configuration's pydantic models: one :class:`RunConfig` describes a run.
+"""The run configuration's pydantic models: one ``RunConfig`` describes a run.
 
 Validation happens here, at the edge: every error names the field and the fix.
 """
@@ -112,7 +112,7 @@ class DataConfig(Strict):
 
 
 Family = Literal["tables", "engram", "gate", "decoder", "backbone", "norms"]
-"""A parameter family (:mod:`mhf_dist.model.families`): the bucket tables (the Standard embedding), the Engram
+"""A parameter family (``mhf_dist.model.families``): the bucket tables (the Standard embedding), the Engram
 memories, the hash gate, the cascaded decoder, the backbone (its blocks and final norm, Engram left out) and every
 norm gain."""
 
@@ -314,6 +314,10 @@ class TrainConfig(Strict):
         "first and last k blocks, as the paper's vocabulary-expansion stage does; None: every parameter")
     wandb: WandbConfig | None = Field(
         None, description="log to Weights & Biases too (--set train.wandb.project=NAME turns it on); None: off")
+    callbacks: list[str] = Field(
+        default_factory=list, description="callbacks of your own, each a Callback class (mhf_dist.train.callbacks) "
+        "named module:Class, importable where the ranks run (installed, or on PYTHONPATH); made at start, after the "
+        "run's monitors (docs/training.md, \"Callbacks\")")
 
     @model_validator(mode="after")
     def _batches(self):

@@ -1,29 +1,10 @@
-"""The format of prepared data, shared by its writer (:mod:`mhf_dist.data.prepare`) and its reader
-(:mod:`mhf_dist.data.reader`): WebDataset tar shards of packed token ids and their ``manifest.json``; and
-:class:`DataError`. How the shards are packed, and why: docs/design.md, "Data preparation".
+"""The format of prepared data, shared by its writer (``mhf_dist.data.prepare``) and its reader
+(``mhf_dist.data.reader``): WebDataset tar shards of packed token ids and their ``manifest.json``; and
+``DataError``.
 
-Shards
-    ``{prefix}-000000.tar, ...`` (train) and ``val-000000.tar, ...`` (validation),
-    numbered on across the input files; every shard holds ``samples_per_shard``
-    samples except the last of each file. A sample is
-    one tar member ``{key}.tokens.npy``: a 1-D ``.npy`` array of ``seq_len + 1``
-    little-endian ids, ``<u2`` when the vocabulary has at most 65,536 entries,
-    else ``<u4``. ``key`` is the sample's index within its split, 10 digits.
-    Members have mtime 0 and fixed owner and mode.
-
-``manifest.json`` (written last: a directory without one is incomplete)::
-
-    {"format": "mhf-dist-packed-tokens-v1", "seq_len": L, "sample_tokens": L + 1,
-     "dtype": "uint16" | "uint32", "vocab_size": V, "eos_id": E,
-     "tokenizer_fingerprint": tokens_fingerprint(vocabulary(tokenizer)),
-     "sample_member": "tokens.npy", "samples_per_shard": n, "val_fraction": f,
-     "text_field": "text", "inputs": [input files], "skipped_documents": n,
-     "splits": {"train": SPLIT, "val": SPLIT (only when val_fraction > 0)},
-     "part": {...} (a part only), "parts": ["part-1-of-N", ...] (a merge only)}
-    SPLIT = {"documents": d, "input_tokens": t (EOS included), "samples": s,
-             "tokens": s * (L + 1), "dropped_tokens": t - s * (L + 1),
-             "shards": [{"name": "train-000000.tar", "samples": k, "bytes": b,
-                         "sha256": hex}, ...]}
+Here: the format's names (``FORMAT``, ``MANIFEST``, ``SAMPLE_MEMBER``, the split names) and the check that every
+split holds a sample (``check_samples``). The shards' members and every key of ``manifest.json``: docs/data.md,
+"The shard format"; how the shards are packed, and why: docs/design-training.md, "Data preparation".
 """
 
 from __future__ import annotations

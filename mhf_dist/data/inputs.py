@@ -1,14 +1,11 @@
 """The inputs of ``prepare-data`` and their documents.
 
-Inputs (:func:`expand_inputs`) are ``.txt`` and ``.jsonl`` files, each optionally compressed (``.gz``, or ``.zst``
-with the ``data`` extra), ``.parquet`` files (the ``data`` extra: pyarrow), directories (the files of those types
-directly in them) and glob patterns over them (a directory's files and a glob's matches are taken in sorted order;
-inputs in the order given). Their documents (:func:`documents`): in a ``.txt`` file, documents are separated by blank
-lines; in a ``.jsonl`` file every line is one JSON object and its ``text_field`` is one document; in a Parquet file
-each row's ``text_field`` column is one, read one row group at a time (a corpus's files need not fit in memory).
-Whitespace-only documents are ignored. A document that is not a string (a JSON line that does not parse, a missing
-field, a null or a number) stops the preparation with its file and line or row, or, with ``on_bad_document="skip"``,
-is left out and counted in the manifest (``skipped_documents``: :class:`BadDocuments`).
+``expand_inputs``: files, directories (their input files, ``directory_inputs``) and globs, in sorted order.
+``documents``: a ``.txt`` file's blank-line separated paragraphs and a ``.jsonl`` file's ``text_field`` per line
+(either optionally ``.gz`` or ``.zst`` compressed), a Parquet file's ``text_field`` column per row (read a row group
+at a time; ``.zst`` and Parquet need the ``data`` extra); whitespace-only documents are ignored. A document that is
+not a string stops the preparation, or is left out and counted (``BadDocuments``). The formats and rules:
+docs/data.md, "Data: ``prepare-data``".
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ DATA_EXTRA = "pip install 'mhf-dist[data]'"
 
 
 def expand_inputs(patterns: Sequence[str | os.PathLike]) -> list[Path]:
-    """Input files in order: each pattern is a file, a directory (its text files, :func:`directory_inputs`) or a
+    """Input files in order: each pattern is a file, a directory (its text files, ``directory_inputs``) or a
     glob (its matches sorted; directories among them are passed over, the glob names the files it wants)."""
     files: list[Path] = []
     for pattern in map(str, patterns):
@@ -62,7 +59,7 @@ def _readable_kind(path: Path) -> bool:
 
 
 def directory_inputs(directory: Path) -> list[Path]:
-    """The input files directly in ``directory`` (the kinds :func:`expand_inputs` reads), sorted by name; other
+    """The input files directly in ``directory`` (the kinds ``expand_inputs`` reads), sorted by name; other
     files and subdirectories are not read."""
     files = sorted(p for p in directory.iterdir() if p.is_file() and _readable_kind(p))
     if not files:

@@ -1,21 +1,15 @@
-"""Weighted mixtures of shard directories (``data.sources``, or a blend in ``data.path``): one global sample order
-over several prepared datasets, independent of the number of data-parallel ranks and resumable at the next unseen
-sample of every source.
+"""Weighted mixtures of shard directories (``data.sources``, or a blend in ``data.path``): one global sample order over
+several prepared datasets, independent of the number of data-parallel ranks and resumable at the next unseen sample of
+every source.
 
-Schedule
-    The mixture's global positions come in blocks of :data:`BLOCK`. Every block holds ``c_k`` positions of source
-    ``k``, the largest-remainder apportionment of ``BLOCK`` by the weights (each source at least one), in an order
-    drawn by a generator seeded with ``(seed, 2, block)``. The ``i``-th position of source ``k`` over the whole
-    stream reads the ``i``-th sample of that source's own stream, which is a :class:`ShardReader`'s global order
-    (shards permuted every epoch, shuffle windows). A source smaller than its share therefore repeats, epoch after
-    epoch, and one larger than its share is not read to its end: the run says at start how many epochs each source
-    gets (:func:`describe`).
-
-Ranks and resume
-    dp rank ``r`` of ``R`` reads the mixture's positions ``X0 + r, X0 + r + R, ...`` as a single-directory reader
-    does; each source's reader is handed the source positions that fall to this rank and reads only those. The state
-    is the next unread mixture position, the same on every rank, from which every source's next position follows;
-    so a resume, also on another dp, continues every source at its next unseen sample.
+The mixture's global positions come in blocks of :data:`BLOCK`, each holding ``c_k`` positions of source ``k`` (the
+largest-remainder apportionment of ``BLOCK`` by the weights, each source at least one) in an order drawn by a generator
+seeded with ``(seed, 2, block)``. The ``i``-th position of source ``k`` reads the ``i``-th sample of that source's own
+stream (a :class:`ShardReader`'s global order), so a source smaller than its share repeats, epoch after epoch, and one
+larger is not read to its end (said at start, :func:`describe`). dp rank ``r`` of ``R`` reads the positions
+``X0 + r, X0 + r + R, ...``, each source's reader only the source positions that fall to it; the state is the next
+unread mixture position, the same on every rank, so a resume, also on another dp, continues every source at its next
+unseen sample (docs/design-training.md, "Reading the data").
 """
 
 from __future__ import annotations
@@ -30,6 +24,8 @@ import torch
 from mhf_dist.config import DataConfig, DataSource
 from mhf_dist.data.formats import DataError
 from mhf_dist.data.reader import RESTART_ADVICE, ShardReader, as_batch
+from mhf_dist.data.skipped import Ranges
+from mhf_dist.data.training_data import TrainingData, Validation
 
 BLOCK = 4096  # the positions over which the sources' shares are exact
 
@@ -92,16 +88,18 @@ class _SourceReader(ShardReader):
         return self._positions
 
 
-class MixtureReader:
-    """Batches for one data-parallel rank from a weighted mixture of shard directories (module docstring); the
-    reader interface of :class:`ShardReader` (``next_batch``, ``state_dict``, ``load_state_dict``, ``close``)."""
+class MixtureReader(TrainingData):
+    """Batches for one data-parallel rank from a weighted mixture of shard directories (module docstring)."""
 
     def __init__(self, sources: list[DataSource], *, seed: int = 0, dp_rank: int = 0, dp_size: int = 1,
-                 split: str = "train", **reader_args):
+                 split: str = "train", skipped: Ranges = (), **reader_args):
         self.sources = sources
-        self.readers = [_SourceReader(s.path, split=split, seed=seed, **reader_args) for s in sources]
+        self.readers = [_SourceReader(s.path, split=split, seed=seed, skipped=skipped, **reader_args)
+                        for s in sources]
         self.manifest = self.readers[0].manifest
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
+        self.reader_args = reader_args  # the sources' settings, for their validation splits
+        self.name = ", ".join(f"{s.label} ({r.name})" for s, r in zip(sources, self.readers))
         self.schedule = MixtureSchedule([s.weight for s in sources], seed)
         self._start(0)
 
@@ -131,6 +129,15 @@ class MixtureReader:
     def consumed(self) -> dict[str, int]:
         """Samples read so far from each source, by its label, over all ranks."""
         return dict(zip((s.label for s in self.sources), self.schedule.consumed(self.position).tolist()))
+
+    def validation(self) -> list[Validation]:
+        """Each source's validation split, where it has one, read by this rank as a single directory's is."""
+        return [Validation(s.label, s.weight, ShardReader(s.path, split="val", seed=self.seed, dp_rank=self.dp_rank,
+                                                          dp_size=self.dp_size, **self.reader_args))
+                for s, r in zip(self.sources, self.readers) if "val" in r.manifest["splits"]]
+
+    def describe(self, samples: int, tokens: int) -> list[str]:
+        return describe(self.sources, self.readers, samples, tokens)
 
     def state_dict(self) -> dict:
         return {"mixture_position": self.position, "seed": self.seed,
@@ -167,7 +174,7 @@ class MixtureReader:
         self.close()
 
 
-def open_data(data: DataConfig, shards: Path, split: str = "train", **reader_args) -> ShardReader | MixtureReader:
+def open_data(data: DataConfig, shards: Path, split: str = "train", **reader_args) -> TrainingData:
     """The reader of a run's data: its mixture (``data.sources``), else the shards of ``shards``."""
     if data.sources:
         return MixtureReader(data.sources, split=split, **reader_args)

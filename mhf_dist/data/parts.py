@@ -1,7 +1,7 @@
-"""One preparation spread over many machines: the I-th of N parts of the input list (:func:`part_files`;
+"""One preparation spread over many machines: the I-th of N parts of the input list (``part_files``;
 ``prepare-data --part I/N`` writes it into ``OUT/part-I-of-N``), and the merge of the parts into one dataset, their
-shards left in place (:func:`merge`). Why the merged shards are those of a one-process preparation, shard for shard:
-docs/design.md, "Data preparation"; the commands: docs/data.md."""
+shards left in place (``merge``). Why the merged shards are those of a one-process preparation, shard for shard:
+docs/design-training.md, "Data preparation"; the commands: docs/data.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """``prepare-data``'s library: text files -> WebDataset tar shards of packed token ids, plus ``manifest.json``
-(:func:`prepare`). The inputs and their documents are :mod:`~mhf_dist.data.inputs`, their tokenization
-:mod:`~mhf_dist.data.tokenizing`, the shards :mod:`~mhf_dist.data.shards`, the format :mod:`~mhf_dist.data.formats`,
-a part of the inputs and the merge of parts :mod:`~mhf_dist.data.parts`. How and why: docs/design.md, "Data
-preparation"."""
+(``prepare``). The inputs and their documents are ``inputs.py``, their tokenization ``tokenizing.py``, the
+shards ``shards.py``, the format ``formats.py``, a part of the inputs and the merge of parts ``parts.py``. How and
+why: docs/design-training.md, "Data preparation"."""
 
 from __future__ import annotations
 
@@ -50,8 +49,8 @@ def prepare(
     """Tokenize ``inputs`` and write packed shards and ``manifest.json`` into ``out_dir``; returns the manifest.
 
     ``tokenizer`` is a tokenizer directory (or ``mistral-v0.3``, see
-    :func:`mhf_dist.vocab.tokenizers.load_tokenizer`). ``out_dir`` must be new or empty. ``part=(I, N)``
-    prepares only part I of N of the inputs (:mod:`~mhf_dist.data.parts`).
+    ``mhf_dist.vocab.tokenizers.load_tokenizer``). ``out_dir`` must be new or empty. ``part=(I, N)``
+    prepares only part I of N of the inputs (``parts.py``).
     """
     if seq_len < 1 or samples_per_shard < 1 or workers < 1:
         raise DataError(f"seq_len={seq_len}, samples_per_shard={samples_per_shard} and workers={workers} must be >= 1")

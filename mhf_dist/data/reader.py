@@ -1,63 +1,16 @@
-"""Rank-disjoint, resumable reading of packed token shards.
+"""Rank-disjoint, resumable reading of packed token shards (:mod:`mhf_dist.data.prepare` writes them).
 
-Shards and the manifest come from :mod:`mhf_dist.data.prepare`. Shards are
-opened by :func:`~mhf_dist.data.locations.open_url`: local paths, ``pipe:`` commands such as ``pipe:aws
-s3 cp s3://bucket/train-000000.tar -`` and ``http(s)`` (curl) through
-WebDataset's ``gopen``, object storage (``s3://``, ``gs://``, ``hf://``, any
-scheme fsspec knows) through fsspec when it and the scheme's package are
-installed; they are iterated with WebDataset's tar iterators, and checked
-against the manifest's SHA-256 whatever they come from. A source is a local
-directory, the URL of a directory holding ``manifest.json`` and its shards
-(``s3://bucket/shards``), or shard URLs with a manifest: a brace pattern
-(``train-{000000..000099}.tar``), ``::``-separated, or a list.
-
-Global order (independent of the number of data-parallel ranks)
-    The reader defines one infinite stream of samples, the same for every rank
-    count: global position ``X = epoch * N + p`` (``N`` samples per epoch, the
-    sum of the manifest's shard counts). Epoch ``e`` permutes the shards with a
-    generator seeded by ``(seed, 0, e)`` and cuts the permuted list into
-    windows of ``shuffle_window`` shards. Within a window, every shard's samples
-    are permuted by a generator seeded by ``(seed, 1, e, shard)``, and the
-    window interleaves its shards round-robin: the t-th sample of every shard
-    (in window order) before the (t+1)-th of any. Epoch ``e`` is its windows in
-    order. So one optimizer step draws evenly from ``shuffle_window`` shards,
-    and every epoch is reshuffled.
-
-Ranks
-    dp rank ``r`` of ``R`` reads global positions ``X0 + r, X0 + r + R, ...``
-    where ``X0`` is the (shared) start position. After every rank has returned
-    ``m`` samples the stream has advanced to ``X0 + m * R`` on all ranks alike:
-    with micro-batches of ``b`` and ``accum = G / (b * R)`` micro-batches per
-    step, optimizer step ``s`` consumes exactly positions ``[X0 + s*G,
-    X0 + (s+1)*G)`` over all ranks, whatever ``R`` is. The state is
-    ``(epoch, position)`` of the next unread global position, identical on
-    every rank; resuming with another ``R`` continues the same stream with no
-    sample lost or repeated. Tensor- and pipeline-parallel ranks of one
-    data-parallel replica pass the same ``dp_rank`` and get the same batches.
-    Ranges a rollback skipped (``skipped``, :mod:`mhf_dist.data.skipped`) are
-    passed over: positions are counted as if they were not there.
-
-Reading
-    A rank reads the shards of a window that hold any of its positions, each
-    sequentially from start to end (streaming, so ``pipe:`` sources work; the
-    SHA-256 is checked on the fly), keeps the samples it needs, and returns them
-    in position order. With ``R`` a multiple of ``shuffle_window`` a rank reads
-    one shard per window; in general it reads a ``1 / gcd(R, shuffle_window)``
-    share of the data to keep a ``1 / R`` share. Memory holds this rank's
-    samples of up to three windows. One background thread per reader prefetches
-    the next window (no DataLoader worker processes: reading and decoding are
-    far cheaper than a training step, see ``tools/bench_reader.py``).
-
-Bad shards
-    A missing, unreadable, truncated or (with ``verify_checksums``) altered
-    shard raises :class:`DataError` naming the shard, the problem and the fix.
-    With ``on_bad_shard="skip"`` the shard is skipped with a logged warning and
-    ``skipped_shards`` (per rank, one count per skip) goes up; its positions
-    take the sample at the next position of the same window whose shard is
-    readable, so positions, rank shares and state stay exactly as without the
-    failure (a window whose every shard is bad is still an error). A shard that
-    fails because the manifest changed since the reader read it (the directory
-    was prepared again under the run) is that error instead, in either mode.
+Shards are opened by :func:`~mhf_dist.data.locations.open_url` (local paths, ``pipe:`` commands, ``http(s)``, object
+storage through fsspec), iterated with WebDataset's tar iterators and checked against the manifest's SHA-256 whatever
+they come from. A source is a local directory, the URL of a directory holding ``manifest.json`` and its shards, or
+shard URLs with a manifest (a brace pattern, ``::``-separated, or a list). The reader defines one infinite stream of
+samples, the same for every rank count: each epoch permutes the shards and cuts them into windows of
+``shuffle_window`` shards whose (permuted) samples it interleaves; dp rank ``r`` of ``R`` reads global positions
+``X0 + r, X0 + r + R, ...``, so a step consumes the same positions whatever ``R`` is, and the state (the next unread
+position, the same on every rank) resumes on any ``R``. Ranges a rollback skipped are passed over. One background
+thread per reader prefetches the next window. A bad shard raises :class:`DataError` naming it and the fix, or with
+``on_bad_shard="skip"`` is skipped, its positions read from the window's next readable shard, so positions and state
+stay as without it. Position by position, and why: docs/design-training.md, "Reading the data".
 """
 
 from __future__ import annotations
@@ -72,6 +25,7 @@ import threading
 from collections import defaultdict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -82,6 +36,7 @@ import webdataset as wds
 from mhf_dist.data.formats import FORMAT, MANIFEST, SHARD_SUFFIX, TRAIN_SPLIT, DataError
 from mhf_dist.data.locations import is_url, open_url, read_json, refuse_pipe
 from mhf_dist.data.skipped import Ranges, merged, past_skipped, place
+from mhf_dist.data.training_data import TrainingData, Validation
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +73,7 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng(list(key))
 
 
-class ShardReader:
+class ShardReader(TrainingData):
     """Batches of packed samples for one data-parallel rank, in the rank-count-independent global order.
 
     ``source``: a directory holding ``manifest.json`` and its shards (named by
@@ -159,6 +114,11 @@ class ShardReader:
         if on_bad_shard not in ("error", "skip"):
             raise ValueError(f"on_bad_shard={on_bad_shard!r}: use 'error' or 'skip'")
         self.manifest, self.manifest_location, self.shards = _resolve(source, manifest, split, allow_pipe)
+        self.name = self.manifest_location.removesuffix(f"/{MANIFEST}")  # a local directory: its absolute path
+        self._reopen = partial(ShardReader, source, manifest=manifest, seq_len=seq_len, seed=seed, dp_rank=dp_rank,
+                               dp_size=dp_size, tokenizer_fingerprint=tokenizer_fingerprint, allow_pipe=allow_pipe,
+                               shuffle_window=shuffle_window, on_bad_shard=on_bad_shard,
+                               verify_checksums=verify_checksums)  # another split of this source (validation)
         self._manifest_digest = _digest(self.manifest)  # a shard failing later may mean the data was re-prepared
         _check_expectations(self.manifest, self.manifest_location, seq_len, tokenizer_fingerprint)
         self.seq_len = self.manifest["seq_len"]
@@ -231,6 +191,10 @@ class ShardReader:
         self._base = past_skipped(self.global_position(state), self.skipped)
         self._consumed = 0
         self._error = None
+
+    def validation(self) -> list[Validation]:
+        """A reader of this source's validation split, with this reader's settings (none without one)."""
+        return [Validation(None, 1.0, self._reopen(split="val"))] if "val" in self.manifest["splits"] else []
 
     def skip(self, start: int, stop: int) -> None:
         """Never read global positions ``[start, stop)`` (a rollback's, whose stream already stands past them)."""

@@ -1,7 +1,7 @@
 """Packing: one split's token stream cut into samples of ``seq_len + 1`` ids and written into tar shards
-(:class:`SplitWriter`). A file's trailing partial sample is dropped and its last shard closed, so no sample or shard
-spans two files. The format: :mod:`mhf_dist.data.formats`; why a file is the unit of packing: docs/design.md, "Data
-preparation"."""
+(``SplitWriter``). A file's trailing partial sample is dropped and its last shard closed, so no sample or shard
+spans two files. The format: ``mhf_dist.data.formats``; why a file is the unit of packing:
+docs/design-training.md, "Data preparation"."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ def merged(ranges: Ranges) -> list[tuple[int, int]]:
 
 
 def past_skipped(position: int, ranges: Ranges) -> int:
-    """``position``, or the end of the skipped range it falls in (``ranges``: as :func:`merged` returns them)."""
+    """``position``, or the end of the skipped range it falls in (``ranges``: as ``merged`` returns them)."""
     for start, stop in ranges:
         if start <= position < stop:
             return stop
@@ -37,7 +37,7 @@ def past_skipped(position: int, ranges: Ranges) -> int:
 
 def place(base: int, offsets: np.ndarray, ranges: Ranges) -> np.ndarray:
     """The global positions of the samples ``offsets`` (increasing) unskipped samples past ``base`` (itself not
-    skipped): each range past ``base`` shifts the offsets that reach it by its length (``ranges``: as :func:`merged`
+    skipped): each range past ``base`` shifts the offsets that reach it by its length (``ranges``: as ``merged``
     returns them, so that each shift is taken in order)."""
     positions = base + offsets
     for start, stop in ranges:

@@ -1,7 +1,8 @@
-"""Documents -> token ids, in parallel: the documents in chunks that never span two files (:func:`file_chunks`),
+"""Documents -> token ids, in parallel: the documents in chunks that never span two files (``file_chunks``),
 each tokenized without special tokens with the tokenizer's EOS id after every document and split into training and
-held-out ids by a hash of each document's text (:class:`ChunkTokenizer`, :func:`is_validation`), by spawned worker
-processes whose results come back in input order (:func:`tokenized`). docs/design.md, "Data preparation", says why."""
+held-out ids by a hash of each document's text (``ChunkTokenizer``, ``is_validation``), by spawned worker
+processes whose results come back in input order (``tokenized``). docs/design-training.md, "Data preparation",
+says why."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def model_temperature(model: PreTrainedModel) -> float:
 
 class SplitPasses:
     """Passes over ``max_sequences`` sequences of a split (each pass reads them again, in the same order), giving
-    :func:`~mhf_dist.model.scoring.calibration_sums` of the model's ``log P_inf``."""
+    ``scoring.calibration_sums`` of the model's ``log P_inf``."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, shards: str | Path, split: str,
                  max_sequences: int | None, batch_size: int):

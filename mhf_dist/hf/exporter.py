@@ -1,29 +1,12 @@
 """``mhf-dist export-hf``: a checkpoint as a Hugging Face model directory (docs/spec.md §9).
 
-MultiHashFormer runs become ``MultiHashFormerForCausalLM`` (remote code copied
-next to the weights: ``AutoModelForCausalLM.from_pretrained(OUT,
-trust_remote_code=True)``), whose logits are ``log P_inf``; the weights use the
-authors' names, with the signature table as the ``model.hash_map`` buffer.
-Standard runs become a plain ``Qwen3ForCausalLM`` (no remote code): its
-``embed_tokens`` keeps only the real vocabulary's rows (the rows padding the
-table to ``pad_vocab_to`` are never predicted in training), so its softmax is
-our ``log P_inf``.
-
-``--inference-temperature`` (``inference_temperature`` in ``config.json``,
-``inference.temperature`` in the run config) makes a MultiHashFormer's logits
-``log_softmax(τ · log P_inf)``, calibrated (:mod:`mhf_dist.model.calibration`);
-``auto`` takes the ``val_temperature`` training's evaluation fitted last, at or
-before the checkpoint's step, else fits one on the run's validation split. A
-Standard model is refused any ``τ ≠ 1``: a plain ``Qwen3ForCausalLM`` cannot
-express it without custom code (its ``lm_head`` is tied to the input
-embeddings, so scaling it would change the inputs too), and its fitted ``τ`` is
-near 1 anyway; sample at temperature ``1/τ`` instead.
-
-The directory also holds the tokenizer, a generation config and
-``mhf_dist.yaml`` (the run config, so ``import-hf`` restores the run exactly).
-The classes each variant exports as are its record's (:class:`~mhf_dist.model.variants.HFNames`).
-It is written beside ``OUT`` and renamed into place when complete
-(:mod:`mhf_dist.storage.output_dir`).
+A MultiHashFormer run becomes ``MultiHashFormerForCausalLM`` (remote code copied next to the weights), whose logits
+are ``log P_inf``, in the authors' names (``mhf_dist.hf.names``); a Standard run a plain ``Qwen3ForCausalLM`` with
+only the real vocabulary's rows. The classes are the variant's (``mhf_dist.model.variants.HFNames``).
+``--inference-temperature`` makes an MHF model's logits ``log_softmax(τ · log P_inf)`` (``auto``:
+``fitted_temperature``); a Standard model refuses ``τ ≠ 1``. The directory also holds the tokenizer, a generation
+config and ``mhf_dist.yaml`` (the run config), and is written through ``mhf_dist.storage.output_dir``. The command
+and why: docs/models.md, "Export".
 """
 
 from __future__ import annotations
@@ -137,7 +120,7 @@ def fitted_temperature(trained: TrainedWeights, tokenizer, table: SignatureTable
 
 def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", overwrite: bool = False,
               inference_temperature: str | float | None = None) -> Path:
-    """``inference_temperature``: a number, ``"auto"`` (:func:`fitted_temperature`) or None (the run config's)."""
+    """``inference_temperature``: a number, ``"auto"`` (``fitted_temperature``) or None (the run config's)."""
     check_source(checkpoint)  # first: a path that holds no model is named as such
     out = check_target(out, [checkpoint], overwrite)
     trained = trained_weights(checkpoint)

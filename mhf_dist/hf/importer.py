@@ -1,26 +1,13 @@
 """``mhf-dist import-hf``: a model in the authors' layout (docs/spec.md §9) as a run directory to continue from.
 
-Reads ``config.json``, the safetensors weights (one file or an index of
-shards) and the tokenizer of a Hugging Face directory — one of the authors'
-``qwen3_hashformer`` checkpoints or our ``export-hf`` — and writes:
-
-- ``RUN/config.yaml``: the exported run config when the directory has one
-  (``mhf_dist.yaml``), else one derived from ``config.json``; the architecture
-  always comes from ``config.json``, and so does ``inference.temperature``
-  (``inference_temperature``, when it has one), so a re-export applies the same
-  ``τ``. ``train.init_from`` points at the weights.
-- ``RUN/init/model.safetensors``: the weights under our names (fp32).
-- ``RUN/tokenizer/`` and ``RUN/signatures/``: the signature table is
-  ``model.hash_map`` itself (the weights were trained with it), never rebuilt.
-- ``RUN/import-report.json``: every token whose imported signature differs
-  from a fresh build by docs/spec.md §1 for the same tokenizer, and every signature
-  shared by several tokens. The authors' builder remembers only the newest
-  token per prefix, so their tables can differ from ours; the differences are
-  listed, not hidden. A table with shared signatures is imported as
-  non-unique (scoring spreads probability over the tokens sharing one).
-
-Only coordinates from the random hashes are supported (``num_lsh = 0``), as
-docs/spec.md §9 fixes.
+Reads ``config.json``, the safetensors weights (one file or an index of shards) and the tokenizer of a Hugging Face
+directory, one of the authors' ``qwen3_hashformer`` checkpoints or our ``export-hf``, and writes ``RUN/config.yaml``
+(``train.init_from`` pointing at the weights), ``RUN/init/model.safetensors`` (our names, fp32), ``RUN/tokenizer/``,
+``RUN/signatures/`` (``model.hash_map`` itself: the weights were trained with it, so it is never rebuilt) and
+``RUN/import-report.json`` (``ImportReport``: every token whose signature differs from a fresh docs/spec.md §1 build
+for the same tokenizer, and every signature several tokens share; such a table imports as non-unique). Only random
+hash coordinates (``num_lsh = 0``) are supported, as docs/spec.md §9 fixes. What a user sees, and how the config is
+made: docs/models.md, "Import: ``import-hf``".
 """
 
 from __future__ import annotations
@@ -41,7 +28,7 @@ from mhf_dist.hf.configuration_multihashformer import MultiHashFormerConfig
 from mhf_dist.hf.exporter import RUN_CONFIG
 from mhf_dist.hf.names import HFImportError, from_export
 from mhf_dist.model import build_model
-from mhf_dist.model.variants import variant
+from mhf_dist.model.variants import VARIANTS, variant
 from mhf_dist.storage.output_dir import check_target, staged
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.vocab.signatures import HASH_VERSION, SignatureTable
@@ -131,16 +118,15 @@ def model_config_from_hf(config: dict) -> dict:
         rope_theta=rope.get("rope_theta", config.get("rope_theta", 1_000_000.0)),
         norm_eps=config.get("rms_norm_eps", 1e-6),
     )
-    if "num_hashes" not in config:
-        return model | {"variant": "standard"}
-    if config.get("num_lsh", 0) or config.get("lsh_only_embed"):
-        raise HFImportError(f"num_lsh={config.get('num_lsh')}: LSH coordinates are not supported; only checkpoints "
-                           "whose coordinates are all random hashes (num_lsh = 0, docs/spec.md §9) import")
-    gate = config.get("bottle_neck_dim", 64)
-    seeds = (config.get("signature_rule") or {}).get("seeds", [])
-    return model | {"variant": "mhf", "hash": dict(
-        num_hashes=config["num_hashes"], num_buckets=config["num_buckets"], gate_dim=gate,
-        mixer_dim=config.get("mixer_dim") or gate, single_id=len(seeds) > 1 and not any(seeds))}
+    try:  # the variant whose record reads this config.json (its HFNames.model_section)
+        found = [(spec.name, keys) for spec in VARIANTS.values() if (keys := spec.hf.model_section(config)) is not None]
+    except ValueError as e:
+        raise HFImportError(str(e)) from None
+    if len(found) != 1:
+        raise HFImportError(f"config.json is read as {len(found)} model variants ({', '.join(n for n, _ in found)}), "
+                            "not one: check the variants' HFNames.model_section (mhf_dist/model/variants.py)")
+    name, keys = found[0]
+    return model | {"variant": name} | keys
 
 
 @dataclass
@@ -236,7 +222,7 @@ def import_hf(src: str | Path, run_dir: str | Path, overrides: list[str] = (), o
 
 def save_initialised_run(run: RunDir, cfg: RunConfig, tokenizer, table: SignatureTable | None,
                          state: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write a run directory that starts from ``state`` (``train.init_from`` = :data:`INIT_WEIGHTS`, saved with
+    """Write a run directory that starts from ``state`` (``train.init_from`` = ``INIT_WEIGHTS``, saved with
     ``metadata``): its tokenizer, its signature table (MHF), the weights and ``cfg``."""
     tokenizer.save_pretrained(run.tokenizer_dir)
     if table is not None:

@@ -1,42 +1,16 @@
-"""Hugging Face model of an exported MultiHashFormer (hash-signature language model).
+"""Hugging Face model of an exported MultiHashFormer (hash-signature language model), built on transformers' Qwen3
+layers: only the input map and the output head are new (docs/spec.md §1–§5; names: §9, the authors').
 
-Every token ``w`` of the vocabulary has a signature of ``H`` hash coordinates,
-``hash_map[w] = (H_0(w), ..., H_{H-1}(w))``, each a bucket in ``1..B-1`` of
-its own table ``E_i [B, d]`` (bucket 0 is padding; the pad token's signature
-is all zeros, and no two tokens share a full signature). Built on transformers'
-Qwen3 layers: only the input map and the output head are new.
+Every token ``w`` has a signature ``hash_map[w]`` of ``H`` buckets in ``1..B-1``, one in each table ``E_i [B, d]``.
+Input (``ContextualGatingCombiner``): the token's H rows fused by a gate that sees only them. Output (the tables tied
+with the input): H heads' softmaxes ``p_i`` over the B buckets, a ``CascadeMixer`` between heads reading the
+previous head's soft retrieval ``E_iᵀ p_i``. The ``logits`` are ``log P_inf`` over the real vocabulary,
+``Σ_i log p_i[hash_map[w, i]]`` renormalised over the registered tokens (the rest ``-inf``), so ``generate()``, the
+KV cache and lm-evaluation-harness work unchanged; ``config.inference_temperature`` ``τ ≠ 1`` makes them the
+calibrated ``log_softmax(τ · log P_inf)``.
 
-Input: the token's H bucket rows ``u_i = E_i[H_i(w)]`` are fused by a gate
-that sees only them, ``α = softmax_i(σ(u_i W1 + b1) W2 + b2)``, into
-``e(w) = (Σ_i α_i u_i) W_s + b_s`` (σ = SiLU).
-
-Output (cascaded decoder, tables tied with the input): ``c_1`` = the final
-norm's output; for ``i = 1..H``, ``p_i = softmax(E_i c_i)`` over the B buckets,
-and before the next head a mixer reads the soft retrieval ``ē_i = E_iᵀ p_i``:
-``c_{i+1} = c_i + W_up σ(W_dn [c_i ; ē_i] + b_dn) + b_up``. The returned
-``logits`` are ``log P_inf`` over the real vocabulary:
-``score(w) = Σ_i log p_i[hash_map[w, i]]``, renormalised over the registered
-tokens (rows of ``hash_map`` that are not all zero; the rest get ``-inf``).
-So ``generate()`` (greedy, sampling, beam search), the KV cache and
-lm-evaluation-harness work unchanged, and every generated id is a registered
-token.
-
-Calibration: ``config.inference_temperature`` ``τ`` (default 1) makes the
-logits ``log P_τ = log_softmax(τ · log P_inf)``, i.e. ``P_τ ∝ P_inf^τ``. Each
-head is trained as a marginal, so their product ``P_inf`` is too sharp (about
-H times); ``τ`` fitted on held-out text (``mhf-dist export-hf
---inference-temperature auto`` takes the one training's evaluation fitted)
-gives calibrated probabilities, hence perplexity and sampling at temperature 1.
-The order of the tokens, and so greedy decoding and top-k, is the same for
-every ``τ``; ``τ = 1`` returns ``log P_inf`` exactly (no multiplication).
-
-Parameter and buffer names are the authors' (``HUIYINXUE/MHF``,
-``qwen3_hashformer``): ``model.embed_tokens.weight [H·B, d]`` (head k's rows at
-offset k·B), ``lm_head.weight`` tied to it, ``model.hash_map [V, H]``,
-``model.combiner.*``, ``hash_head.cascade_mixer.*``. This file is copied next
-to the weights by ``mhf-dist export-hf`` and loaded with
-``trust_remote_code=True``: it imports only torch and transformers. It is the
-standalone counterpart of ``mhf_dist.model``; a test holds the two equal.
+Copied next to the weights by ``mhf-dist export-hf`` (``trust_remote_code=True``), it imports only torch and
+transformers: the standalone counterpart of ``mhf_dist.model``, which a test holds it equal to.
 """
 
 import torch

@@ -1,28 +1,10 @@
 """State-dict names: ours, and the one adapter to and from the exported layout (docs/spec.md §9).
 
-Our checkpoints store ``LanguageModel.state_dict()`` names. The exported layout
-is the authors' (``HUIYINXUE/MHF``, ``qwen3_hashformer/modeling_qwen3.py``), so
-their checkpoints import without converting weights and ours load in their code.
-
-=========================================  ==============================================  =====================
-ours                                       exported                                        shape change
-=========================================  ==============================================  =====================
-``vocab.tables.weight`` ``[H, B, d]``      ``model.embed_tokens.weight`` ``[H·B, d]``      head k at rows k·B…
-                                           ``lm_head.weight`` (tied: same tensor)
-``vocab.encoder.scorer.{0,2}.*``           ``model.combiner.scorer.{0,2}.*``
-``vocab.encoder.output_proj.0.*``          ``model.combiner.output_proj.0.*``
-``backbone.layers.{i}.<qwen3 names>``      ``model.layers.{i}.<qwen3 names>``
-``backbone.norm.weight``                   ``model.norm.weight``
-``vocab.decoder.cascade_mixer.{k}.{0,2}.*````hash_head.cascade_mixer.{k}.{0,2}.*``
-signature table ``codes`` ``[V, H]``       ``model.hash_map`` ``[V, H]`` int64 buffer
-=========================================  ==============================================  =====================
-
-Qwen3 layer names: ``self_attn.{q,k,v,o}_proj.weight``, ``self_attn.{q,k}_norm.weight``,
-``mlp.{gate,up,down}_proj.weight``, ``input_layernorm.weight``,
-``post_attention_layernorm.weight``. The Standard model is a plain Qwen3:
-``vocab.tables.weight [1, R, d]`` becomes ``model.embed_tokens.weight [R, d]`` and the tied
-``lm_head.weight``; it has no encoder, mixers or hash map. Engram memories (docs/spec.md §8) export under their
-layer, ``model.layers.{i}.engram.*``; the authors' code has no such module.
+Our checkpoints store ``LanguageModel.state_dict()`` names. The exported layout is the authors' (``HUIYINXUE/MHF``,
+``qwen3_hashformer/modeling_qwen3.py``), so their checkpoints import without converting weights and ours load in
+their code. ``to_export`` and ``from_export`` rename by prefix and reshape the stacked tables, ``[H, B, d]`` ours,
+``[H·B, d]`` exported (head k at rows k·B), with the signature table as the ``model.hash_map`` buffer. Every name,
+both ways, the Standard model's and the Engram memories': docs/models.md, "Export".
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Model code: reads like docs/spec.md §2–§5 and knows nothing of process groups.
 
 The package's names are loaded on first use, so that the analytic modules
-(:mod:`~mhf_dist.model.flops`, :mod:`~mhf_dist.model.parameter_count`,
-:mod:`~mhf_dist.model.engram_sizes`) import without torch: ``submit`` runs on
+(``flops``, ``parameter_count``,
+``engram_sizes``) import without torch: ``submit`` runs on
 login nodes that may not have it.
 """
 

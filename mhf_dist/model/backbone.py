@@ -1,15 +1,11 @@
-"""Qwen3-style decoder-only backbone (docs/spec.md §3).
+"""Qwen3-style decoder-only backbone (docs/spec.md §3): ``Backbone`` of ``Block``s (``Attention``, ``SwiGLU``).
 
-Pre-norm RMSNorm blocks with grouped-query attention (RoPE, per-head RMSNorm
-on q and k) and a SwiGLU MLP, no biases, then a final RMSNorm. Parameter names
-follow Hugging Face's Qwen3 (``self_attn.q_proj``, ``mlp.gate_proj``, ...), so
-the exported layout (docs/spec.md §9) is a renaming of prefixes only.
-
-Head counts are read from the projections' output sizes, so the same code runs
-when a tensor-parallel plan swaps the projections for sharded ones.
-
-With ``model.engram``, the blocks of ``cfg.engram_layers`` first add their
-:class:`EngramMemory` (docs/spec.md §8), which reads the token ids: ``x <- x + memory(x, ids)``.
+Pre-norm RMSNorm blocks with grouped-query attention (RoPE, per-head RMSNorm on q and k) and a SwiGLU MLP, no biases,
+then a final RMSNorm. Parameter names follow Hugging Face's Qwen3 (``self_attn.q_proj``, ``mlp.gate_proj``, ...), so
+the exported layout (docs/spec.md §9) is a renaming of prefixes only. Head counts are read from the projections'
+output sizes, so the same code runs when a tensor-parallel plan swaps in sharded projections. With ``model.engram``
+the blocks of ``cfg.engram_layers`` first add their ``EngramMemory`` (docs/spec.md §8), which reads the token ids:
+``x <- x + memory(x, ids)``.
 """
 
 from __future__ import annotations
@@ -105,7 +101,7 @@ class Backbone(nn.Module):
     ``compression`` (the tokenizer's, docs/spec.md §8) is needed only with ``cfg.engram``.
     """
 
-    def __init__(self, cfg: ModelConfig, compression: CompressionTable | None = None):
+    def __init__(self, cfg: ModelConfig, compression: CompressionTable | None = None, checkpoint_interval: int = 0):
         super().__init__()
         self.head_dim, self.rope_theta = cfg.resolved_head_dim, cfg.rope_theta
         sizes = table_sizes(cfg.engram, cfg.engram_layers) if cfg.engram else {}
@@ -116,7 +112,7 @@ class Backbone(nn.Module):
             Block(cfg, EngramMemory(cfg, i, sizes[i], compression) if i in sizes else None)
             for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.checkpoint_interval = 0
+        self.checkpoint_interval = checkpoint_interval
 
     def compile_blocks(self) -> None:
         """``torch.compile`` each block in place (identical blocks share one compiled graph)."""

@@ -1,25 +1,12 @@
-"""Temperature calibration of ``P_inf`` (evaluation): the ``τ`` that minimises the NLL of ``P_τ``.
+"""Temperature calibration of ``P_inf`` (docs/spec.md §5): the ``τ`` that minimises the mean NLL of ``P_τ``.
 
-``log P_τ(w) = τ·score(w) - logsumexp_{w'}(τ·score(w'))`` over the registered vocabulary, ``score(w) = Σ_i log
-p_i[H_i(w)]`` (:mod:`~mhf_dist.model.scoring`); ``τ = 1`` is ``P_inf``, and the ranking of tokens (top-k accuracy)
-is the same for every ``τ > 0``. A MultiHashFormer's heads are each trained as a marginal, so their product
-``P_inf`` is far too sharp (roughly ``H`` times: ``τ`` near ``1/H``); a Standard model's fitted ``τ`` comes out
-near 1. The mean NLL over tokens is convex in ``τ`` (a log-sum-exp of functions linear in ``τ``, minus a linear
-one), so the fit is a one-dimensional minimisation, done in two passes over the evaluation tokens, each streaming
-the vocabulary once (:func:`~mhf_dist.model.scoring.calibration_sums`: ``K`` temperatures per pass):
-
-1. **Coarse**: the summed NLL and its derivative in ``τ`` at :data:`COARSE` temperatures log-spaced over
-   ``[TAU_MIN, TAU_MAX]`` (neighbours 1.42× apart). The minimum lies where the derivative changes sign; the cubic
-   Hermite interpolant of the NLL on that bracket (values and derivatives at both ends) locates it: ``τ̂``.
-2. **Fine**: the exact NLL at :data:`FINE` temperatures ``τ̂ · exp(±j · FINE_STEP)`` (0.5% apart, ±1.5%).
-   The interpolated ``τ̂`` is typically within 0.01% of the minimiser (a tiny trained run: 0.0098%, the NLL
-   6e-9 above the minimum; with 12 coarse temperatures it was 0.6% off), so this pass is a safeguard and an
-   exact evaluation, at a third of the first pass's cost.
-
-The fitted ``τ`` is the one of lowest exact NLL among both passes' temperatures and ``τ = 1``, so the calibrated
-NLL is always an exact evaluation (never an interpolated value) and never above the raw one. A minimum outside
-``[TAU_MIN, TAU_MAX]`` gives the nearest end. The callers sum each pass over every data-parallel rank before
-choosing (the fine grid depends only on those sums), so every rank fits the same ``τ``.
+``log P_τ(w) = τ·score(w) - logsumexp_{w'}(τ·score(w'))``, ``score`` as in ``scoring``; ``τ = 1`` is ``P_inf``.
+``fit_temperature`` takes two passes over the evaluation tokens, each streaming the vocabulary once
+(``scoring.calibration_sums``): the NLL and its slope at ``COARSE`` temperatures log-spaced over ``[TAU_MIN,
+TAU_MAX]``, whose cubic Hermite interpolant locates the minimum ``τ̂`` (``estimate_minimum``), then the exact NLL at
+``FINE`` temperatures ``τ̂ · exp(±j · FINE_STEP)``. The fitted ``τ`` is the best exact one, ``τ = 1`` included, so
+the calibrated NLL is never above the raw one; the callers sum each pass over the data-parallel ranks, so every rank
+fits the same ``τ``. Why and how well: docs/design-model.md, "Calibration".
 """
 
 from __future__ import annotations
@@ -74,7 +61,8 @@ def _hermite_minimum(a: float, b: float, fa: float, fb: float, ga: float, gb: fl
 
 
 def estimate_minimum(coarse: EvalSums) -> float:
-    """``τ̂``: where the NLL's derivative changes sign, located by the cubic Hermite interpolant (module docstring)."""
+    """``τ̂``: where the NLL's derivative changes sign, located by the cubic Hermite interpolant
+    (docs/design-model.md, "Calibration")."""
     taus, f, g = coarse.temperatures.tolist(), coarse.nll.tolist(), coarse.slope.tolist()
     if not all(math.isfinite(v) for v in f + g):
         return 1.0
@@ -108,9 +96,9 @@ class Calibration:
 
 
 def fit_temperature(evaluate: Callable[[torch.Tensor], Sequence[float] | torch.Tensor]) -> Calibration:
-    """Fit ``τ`` by the module docstring's two passes. ``evaluate(temperatures [K])`` runs one pass over the
-    evaluation tokens and returns the :func:`~mhf_dist.model.scoring.calibration_sums` summed over all of them
-    (and over every data-parallel rank)."""
+    """Fit ``τ`` by the module docstring's two passes (coarse, then fine). ``evaluate(temperatures [K])`` runs one
+    pass over the evaluation tokens and returns the ``scoring.calibration_sums`` summed over all of them (and over
+    every data-parallel rank)."""
     coarse_taus = coarse_temperatures()
     coarse = EvalSums.from_sums(coarse_taus, evaluate(coarse_taus))
     fine_taus = fine_temperatures(estimate_minimum(coarse))

@@ -1,14 +1,11 @@
-"""CascadedDecoder: predict the H signature coordinates in turn (docs/spec.md §4, §5).
+"""``CascadedDecoder``: predict the H signature coordinates in turn (docs/spec.md §4, §5).
 
-``c_1 = h``; for each head ``o_i = E_i c_i`` (the input tables, tied),
-``p_i = softmax(o_i)``, ``ē_i = E_iᵀ p_i``, and for ``i < H``
-``c_{i+1} = c_i + W_up,iᵀ σ(W_dn,iᵀ [c_i ; ē_i] + b_dn) + b_up``. The next head
-sees the previous head's soft distribution, never a sampled bucket.
-
-With ``H = 1`` and no mixers this is exactly a tied LM head, which is how the
-Standard baseline uses it; ``num_valid_rows`` then masks its padding rows.
-All table arithmetic goes through :class:`BucketTables`, so the same code runs
-on bucket-sharded tables.
+``c_1 = h``; for each head ``o_i = E_i c_i`` (the input tables, tied), ``p_i = softmax(o_i)``, ``ē_i = E_iᵀ p_i``,
+and for ``i < H`` ``c_{i+1} = c_i + W_up,iᵀ σ(W_dn,iᵀ [c_i ; ē_i] + b_dn) + b_up``: the next head sees the previous
+head's soft distribution, never a sampled bucket. With ``H = 1`` and no mixers this is exactly a tied LM head, which
+is how the Standard baseline uses it; ``num_valid_rows`` then masks its padding rows. All table arithmetic goes
+through ``BucketTables``, so the same code runs on bucket-sharded tables; ``chunk_tokens > 0`` runs each head fused
+over token chunks (``fused_head``). ``head_entropies``: each head's entropy, for the health metrics.
 """
 
 from __future__ import annotations
@@ -18,17 +15,20 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from mhf_dist.model.fused_head import KernelPolicy
 from mhf_dist.model.tables import BucketTables
 
 
 class CascadedDecoder(nn.Module):
-    """``chunk_tokens > 0``: the training loss runs each head fused over token chunks (:class:`FusedHead`,
-    activation memory ``O(chunk × B)``); 0 keeps the plain path, which materialises every head's logits."""
+    """``chunk_tokens > 0``: the training loss runs each head fused over token chunks (``FusedHead``,
+    activation memory ``O(chunk × B)``, its elementwise passes run as ``kernels`` says: ``KernelPolicy``); 0
+    keeps the plain path, which materialises every head's logits."""
 
     def __init__(self, dim: int, num_heads: int, mixer_dim: int, num_valid_rows: int | None = None,
-                 chunk_tokens: int = 0):
+                 chunk_tokens: int = 0, kernels: str = "auto"):
         super().__init__()
         self.num_heads, self.num_valid_rows, self.chunk_tokens = num_heads, num_valid_rows, chunk_tokens
+        self.kernels = KernelPolicy(kernels)
         # Names match the authors' `hash_head.cascade_mixer.{k}.{0,2}` (docs/spec.md §9).
         self.cascade_mixer = nn.ModuleList(
             nn.Sequential(nn.Linear(2 * dim, mixer_dim), nn.SiLU(), nn.Linear(mixer_dim, dim))
@@ -56,7 +56,7 @@ class CascadedDecoder(nn.Module):
 
     def nll_and_entropy(self, h: torch.Tensor, tables: BucketTables,
                         targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`nll` and each head's entropy ``-Σ_b p_i,b log p_i,b`` over the rows held here ``[N, H]``
+        """``nll`` and each head's entropy ``-Σ_b p_i,b log p_i,b`` over the rows held here ``[N, H]``
         (detached; summed over the bucket shards it is the head's entropy), for the health metrics."""
         return self._nll(h, tables, targets, entropy=True)
 
@@ -71,7 +71,7 @@ class CascadedDecoder(nn.Module):
     def nll_and_log_probs(self, h: torch.Tensor, tables: BucketTables,
                           targets: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The plain path's ``-log p_i[target_i]`` ``[N, H]`` and every head's ``log p_i [N, R_local]``, from one
-        pass down the cascade; the log-probabilities are also :meth:`scores` for ``log P_inf`` (each head's
+        pass down the cascade; the log-probabilities are also ``scores`` for ``log P_inf`` (each head's
         normaliser cancels there), which is how the training loss's ``log P_inf`` term gets them."""
         log_probs = list(self._heads(h, tables, normalised=True))
         nll = torch.stack([-tables.pick(log_p, targets[..., i]) for i, log_p in enumerate(log_probs)], dim=-1)
@@ -83,7 +83,7 @@ class CascadedDecoder(nn.Module):
         for i in range(self.num_heads):
             more = i < self.num_heads - 1
             log_z, target, soft, ent = tables.fused_head(c, split, i, targets[:, i], more, self.chunk_tokens,
-                                                         self.num_valid_rows, entropy)
+                                                         self.kernels, self.num_valid_rows, entropy)
             nll.append(log_z - target)
             entropies.append(ent)
             if more:
@@ -91,7 +91,7 @@ class CascadedDecoder(nn.Module):
         return torch.stack(nll, dim=-1), torch.stack(entropies, dim=-1) if entropy else None
 
     def scores(self, h: torch.Tensor, tables: BucketTables) -> list[torch.Tensor]:
-        """Each head's bucket scores for :mod:`~mhf_dist.model.scoring` over the rows held here: H tensors
+        """Each head's bucket scores for ``scoring`` over the rows held here: H tensors
         ``[..., R_local]``, its logits ``o_i``. ``log P_inf`` renormalises ``Σ_i log p_i[H_i(w)]`` over the
         vocabulary, where each head's ``log Z_i`` is one more constant and cancels (docs/spec.md §5); so inference
         takes one softmax per retrieving head and no normaliser at all for the last."""

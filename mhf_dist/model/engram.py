@@ -1,28 +1,14 @@
-"""EngramMemory: a conditional N-gram memory added to the residual stream (docs/spec.md §8).
+"""``EngramMemory``: a conditional N-gram memory added to the residual stream (docs/spec.md §8).
 
-At a configured layer, before the block's attention (as in DeepSeek's demo),
-``x <- x + memory(x, ids)``: the N-grams of compressed ids ending at each
-position are hashed to one row per head (:class:`NgramHash`), the rows are
-looked up (``u_k = E_k[idx_k]``) and fused by a gate that reads the hidden
-state ``h = x`` at that position. Two gates:
-
-- :class:`SoftmaxGate`: ``s_k = h · u_k / sqrt(d)``, heads with
-  ``s_k < θ`` masked (optional; a position whose heads are all masked reads
-  nothing), ``w = softmax(s)``, ``m = Σ_k w_k u_k``, output ``W_o m``.
-- :class:`SigmoidGate` (DeepSeek's demo): ``e`` = the concatenated head
-  vectors, ``g = RMSNorm(W_k e) · RMSNorm(h) / sqrt(d)``,
-  ``α = sigmoid(sign(g)·sqrt(|g|))``, ``v = α · W_v e``, output
-  ``v + SiLU(conv(RMSNorm(v)))`` with a causal depthwise convolution
-  (``kernel_size`` taps, dilation N, as in the demo).
-
-Everything looks backwards: the hash reads tokens ``<= t``, ``h`` comes from a
-causal backbone and the convolution is left-padded. The tables are one
-:class:`BucketTables` ``[(N-1)·K, R, head_dim]`` (each head's table padded to
-``R`` rows, a multiple of ``pad_rows_to``; rows ``>= M_k`` are never read), so
-the tensor-parallel plan shards them along their rows like the bucket tables
-(docs/spec.md §7) and every use of them goes through the module's ``forward`` (ZeRO-3).
-With ``offload`` they are a :class:`HostTables` in host memory instead, whose rows
-the trainer prefetches per micro-batch (:meth:`EngramMemory.prefetch`).
+At a configured layer, before the block's attention (as in DeepSeek's demo), ``x <- x + memory(x, ids)``: the N-grams
+of compressed ids ending at each position are hashed to one row per head (``NgramHash``), the rows are looked up
+(``u_k = E_k[idx_k]``) and fused by a gate that reads the hidden state ``h = x`` there: ``SigmoidGate`` (DeepSeek's
+demo, its causal depthwise convolution ``ShortConv``) or ``SoftmaxGate``, whose formulas docs/spec.md §8 gives.
+Everything looks backwards: the hash reads tokens ``<= t``, ``h`` comes from a causal backbone and the convolution is
+left-padded. The tables are one ``BucketTables`` ``[(N-1)·K, R, head_dim]`` (each head's padded to ``R`` rows, a
+multiple of ``pad_rows_to``; rows ``>= M_k`` are never read), sharded along their rows like the bucket tables
+(docs/spec.md §7), every use through the module's ``forward`` (ZeRO-3); with ``offload`` a ``HostTables`` in host
+memory, whose rows the trainer prefetches per micro-batch (``EngramMemory.prefetch``). Choices: docs/design-model.md.
 """
 
 from __future__ import annotations
@@ -99,7 +85,7 @@ class EngramMemory(nn.Module):
     """The memory of backbone layer ``layer``: ``(h [B, S, d], input_ids [B, S]) -> [B, S, d]``, to be added to ``h``.
 
     ``sizes[n-2][k]`` is the prime size ``M_k`` of head ``k`` of order ``n``
-    (:func:`~mhf_dist.model.engram_sizes.table_sizes`).
+    (``table_sizes``).
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, sizes: list[list[int]], compression: "CompressionTable"):

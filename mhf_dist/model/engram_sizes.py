@@ -1,5 +1,5 @@
 """The prime sizes of the Engram memory's hash tables (docs/spec.md §8), without torch: the model and the job
-estimates (:mod:`mhf_dist.model.parameter_count`) share them."""
+estimates (``parameter_count``) share them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Parameter families: the parts of a model that ``optimizer.groups`` addresses (docs/spec.md §6), by a parameter's
-name in :class:`~mhf_dist.model.lm.LanguageModel`'s naming.
+name in ``LanguageModel``'s naming.
 
 Each parameter belongs to exactly one of ``tables`` (the H bucket tables, or the Standard embedding), ``engram``
 (an Engram memory: its tables and gate), ``gate`` (the hash encoder's gate that fuses the H bucket vectors),

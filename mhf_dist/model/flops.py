@@ -1,25 +1,11 @@
-"""Analytic FLOPs per token: the one count that MFU, the profiler and pipeline balancing use.
+"""Analytic FLOPs per token (``forward_flops``, ``engram_flops``): the one count that MFU, the profiler and pipeline
+balancing use.
 
-Matmul FLOPs are ``2·m·n·k``; a training step is 3× the forward (forward,
-backward for inputs, backward for weights), as in PaLM's MFU. Forward per token:
-
-- backbone, per layer: ``2 ·`` (its linear parameters) + attention scores and
-  values ``4 · n_heads · head_dim · S`` (full ``S``, PaLM's convention);
-- Standard vocabulary: the tied LM head, ``2 · R · d`` (R = padded rows; the
-  input lookup is free);
-- MultiHashFormer vocabulary: the gate MLP on each of H bucket vectors
-  ``H · 2·(d·d_z + d_z)``, ``W_s`` ``2·d²``; the decoder's H bucket-logit matmuls
-  ``2·H·B·d``, its H−1 soft retrievals ``2·(H−1)·B·d`` and H−1 mixers
-  ``2·(2d·r + r·d)`` each. Lookups, norms, softmax and biases are not counted.
-- Engram memory (docs/spec.md §8), per layer that has one, with ``T = (N−1)·K`` heads of
-  ``m = head_dim`` each: sigmoid gate ``W_k`` and ``W_v`` ``2·2·(T·m)·d``, the gate's
-  dot product ``2d`` and the depthwise convolution ``2·kernel·d``; softmax gate
-  the scores and the weighted sum ``2·2·T·m`` and ``W_o`` ``2·d²``. Hashing and
-  lookups are integer work and memory traffic, not counted.
-
-The vocabulary's terms are each variant's (``Variant.vocab_flops``, :mod:`mhf_dist.model.variants`).
-
-So Standard's training FLOPs per token are ``6·N_params + 12·L·n_heads·head_dim·S``.
+Matmul FLOPs are ``2·m·n·k`` and a training step is 3× the forward (forward, backward for inputs, backward for
+weights), as in PaLM's MFU, attention scores and values counted at the full ``S``. The backbone's and the Engram
+memory's (docs/spec.md §8) terms are here; the vocabulary's are each variant's (``Variant.vocab_flops``,
+``variants``). Lookups, hashing, norms, softmax and biases are not counted. Every term, and Standard's
+``6·N_params + 12·L·n_heads·head_dim·S`` per token: docs/design-model.md, "Counts: parameters and FLOPs".
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
-"""One decoder head fused over token chunks: memory ``O(chunk × B)`` instead of ``O(tokens × B)`` (docs/spec.md §4, §5).
+"""One decoder head fused over token chunks (``FusedHead``): memory ``O(chunk × B)`` instead of ``O(tokens × B)``
+(docs/spec.md §4, §5).
 
-For ``c [N, d]`` and a head's table rows ``E [R, d]`` it returns, per token,
-the softmax normaliser ``log Z = logsumexp_b (E c)_b``, the target's logit and
-the soft retrieval ``ē = Eᵀ softmax(E c)``, computing the bucket logits one
-chunk of tokens at a time and recomputing them in backward (the
-Cut-Cross-Entropy / fused-linear-cross-entropy idea). Only ``c``, ``log Z`` and
-``ē`` are kept for backward. With upstream gradients ``g_Z, g_t, g_ē`` the
-gradient of the logits is
-
-    ∂L/∂o_b = p_b (g_Z + E_b·g_ē − ē·g_ē) + g_t [b = target]
-
-(``ē = Σ_b p_b E_b`` so ``∂ē/∂o_b = p_b (E_b − ē)``), then ``∂L/∂c = Σ_b ∂L/∂o_b E_b``
-and ``∂L/∂E_b = ∂L/∂o_b c + p_b g_ē``. On a bucket shard the forward reduces
-the max, the sum of exponentials, ``ē`` and the target logit over the shards
-(the ``tables`` reductions); backward needs no communication: ``log Z`` and
-``ē`` are global, every other term is local, and the partial ``∂L/∂c`` is
-summed by the caller's ``copy_to_tp``. Softmax statistics are kept in fp32
-(or wider) whatever the training dtype; ``ē`` and the gradients come back in ``c``'s dtype.
-In a lower precision the table's gradient is summed over the chunks in an fp32
-accumulator (one ``[R, d]`` per head, alive during its backward) and rounded
-once into its slot: summed in bf16 it would round at every chunk, and a chunk
-smaller than half the running sum's spacing would add nothing at all.
+For ``c [N, d]`` and a head's table rows ``E [R, d]`` it returns, per token, ``log Z = logsumexp_b (E c)_b``, the
+target's logit and the soft retrieval ``ē = Eᵀ softmax(E c)``, computing the bucket logits one chunk of tokens at a
+time and again in backward; only ``c``, ``log Z`` and ``ē`` are kept. With upstream gradients ``g_Z, g_t, g_ē``:
+``∂L/∂o_b = p_b (g_Z + E_b·g_ē − ē·g_ē) + g_t [b = target]``, ``∂L/∂c = Σ_b ∂L/∂o_b E_b`` and
+``∂L/∂E_b = ∂L/∂o_b c + p_b g_ē``. On a bucket shard the forward reduces over the shards (the ``tables``
+reductions) and the backward needs no communication. Softmax statistics are fp32 (or wider), and so is a
+lower-precision table's gradient while it sums over the chunks. ``KernelPolicy`` runs the elementwise passes,
+compiled or eager. Why: docs/design-model.md, "Fused decoder".
 """
 
 from __future__ import annotations
@@ -35,14 +23,22 @@ log = logging.getLogger(__name__)
 _NEG_INF = float("-inf")
 
 
-class _KernelPolicy:
-    """How the elementwise passes below run (``train.fused_head_kernel``): ``auto`` compiles them on GPUs and runs
-    them eagerly on CPUs, and the first compile that fails (a torch without Triton, an Inductor error) switches every
-    pass to eager with one warning; ``compiled`` always compiles and lets a failure through; ``eager`` never
-    compiles."""
+class KernelPolicy:
+    """How the elementwise passes below run for one model (its decoder's, built with the model's
+    ``ModelModes.kernels``, ``train.fused_head_kernel``): ``auto`` compiles them on GPUs and runs them eagerly on
+    CPUs, and the first compile that fails (a torch without Triton, an Inductor error) switches every pass to eager
+    with one warning; ``compiled`` always compiles and lets a failure through; ``eager`` never compiles.
 
-    def __init__(self):
-        self.mode, self.failed = "auto", False
+    Calling it runs a pass: as one fused kernel (``torch.compile``) on GPUs, where each elementwise pass over a
+    chunk's ``chunk × R`` values costs a trip through memory; eagerly on CPU, where the pass works in place and
+    compiling costs more than it saves. A pass is compiled on its first call that wants it, so CPU-only use never
+    loads the compiler; a compile fails before the kernel touches its inputs, so the eager retry sees them
+    unchanged."""
+
+    def __init__(self, mode: str = "auto"):
+        if mode not in ("auto", "compiled", "eager"):
+            raise ValueError(f"fused head kernels: {mode!r} is not auto, compiled or eager")
+        self.mode, self.failed = mode, False
         self.compiled: dict[Callable, Callable] = {}  # each pass's compiled form, made on its first compiled call
 
     def compiles(self, x: torch.Tensor) -> bool:
@@ -57,43 +53,23 @@ class _KernelPolicy:
                     "train.fused_head_kernel=eager to skip the attempt, or =compiled to stop on it",
                     type(error).__name__, first_line)
 
-
-KERNELS = _KernelPolicy()
-
-
-def _on_gpu(x: torch.Tensor) -> bool:
-    return x.is_cuda
-
-
-def use_kernels(mode: str) -> None:
-    """Set how the fused head's passes run: ``auto``, ``compiled`` or ``eager`` (``train.fused_head_kernel``)."""
-    if mode not in ("auto", "compiled", "eager"):
-        raise ValueError(f"fused head kernels: {mode!r} is not auto, compiled or eager")
-    KERNELS.mode, KERNELS.failed = mode, False
-    KERNELS.compiled.clear()
-
-
-def _compiled_on_gpu(fn: Callable) -> Callable:
-    """``fn`` as one fused kernel (``torch.compile``) on GPUs, where each elementwise pass over a chunk's
-    ``chunk × R`` values costs a trip through memory; eager on CPU, where ``fn`` works in place and compiling
-    costs more than it saves (:class:`_KernelPolicy`). Compiled on the first call that wants it, so CPU-only use
-    never loads the compiler; a compile fails before the kernel touches its inputs, so the eager retry sees them
-    unchanged."""
-
-    def run(*args):
-        if not KERNELS.compiles(args[0]):
+    def __call__(self, fn: Callable, *args):
+        """``fn(*args)``, compiled or not as the policy says."""
+        if not self.compiles(args[0]):
             return fn(*args)
-        if (compiled := KERNELS.compiled.get(fn)) is None:
-            compiled = KERNELS.compiled[fn] = torch.compile(fn, dynamic=True)
-        if KERNELS.mode == "compiled":
+        if (compiled := self.compiled.get(fn)) is None:
+            compiled = self.compiled[fn] = torch.compile(fn, dynamic=True)
+        if self.mode == "compiled":
             return compiled(*args)
         try:
             return compiled(*args)
         except Exception as e:  # Inductor reports a missing Triton or a failed lowering in several exception types
-            KERNELS.fall_back(e)
+            self.fall_back(e)
             return fn(*args)
 
-    return run
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    return x.is_cuda
 
 
 def _stats_dtype(x: torch.Tensor) -> torch.dtype:
@@ -104,24 +80,20 @@ def _masked(logits: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     return logits if valid is None else logits.masked_fill(~valid, _NEG_INF)
 
 
-@_compiled_on_gpu
 def _row_max(logits: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     return _masked(logits, valid).amax(dim=-1).to(_stats_dtype(logits))
 
 
-@_compiled_on_gpu
 def _shifted_exp(logits: torch.Tensor, valid: torch.Tensor | None, peak: torch.Tensor):
     """``(exp(o − peak), Σ_b exp(o − peak))`` in fp32; in place when the logits already are."""
     e = _masked(logits.to(_stats_dtype(logits)), valid).sub_(peak[:, None]).exp_()
     return e, e.sum(dim=-1)
 
 
-@_compiled_on_gpu
 def _normalised(e: torch.Tensor, total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return e.div_(total[:, None]).to(dtype)
 
 
-@_compiled_on_gpu
 def _logit_grads_(products: torch.Tensor, valid: torch.Tensor | None, log_z: torch.Tensor, coeff: torch.Tensor,
                   retrieve: bool) -> None:
     """In place: the bottom rows (recomputed logits) become ``p``; with retrieval the top rows (``E_b·g_ē``)
@@ -139,9 +111,11 @@ def _logit_grads_(products: torch.Tensor, valid: torch.Tensor | None, log_z: tor
 
 class FusedHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, c, weight, rows, owned, valid, retrieve, chunk, tables, gradients, table, entropy=False):
+    def forward(ctx, c, weight, rows, owned, valid, retrieve, chunk, tables, gradients, table, kernels,
+                entropy=False):
         """``rows`` local target rows (clamped), ``owned`` whether held here, ``valid [R]`` real rows or None;
-        ``weight``'s gradient goes to slot ``table`` of ``gradients`` (a ``TableGradients``); ``entropy``: also
+        ``weight``'s gradient goes to slot ``table`` of ``gradients`` (a ``TableGradients``); ``kernels`` runs the
+        elementwise passes (a ``KernelPolicy``); ``entropy``: also
         return ``-Σ_b p_b log p_b`` over the rows held here, ``(S log Z − Σ_b e_b o_b) / T`` with
         ``e = exp(o − peak)``, ``S`` its local and ``T`` its global sum (no gradient; no logarithm per bucket)."""
         n = c.shape[0]
@@ -153,18 +127,18 @@ class FusedHead(torch.autograd.Function):
             logits = c[s:s + chunk] @ weight.t()
             picked = logits.gather(-1, rows[s:s + chunk, None]).squeeze(-1).to(stats)
             target[s:s + chunk] = tables.reduce_sum(torch.where(owned[s:s + chunk], picked, 0.0))
-            peak = tables.reduce_max(_row_max(logits, valid))
+            peak = tables.reduce_max(kernels(_row_max, logits, valid))
             kept = logits.clone() if entropy else None  # (the exponentials replace the logits in place)
-            e, local = _shifted_exp(logits, valid, peak)
+            e, local = kernels(_shifted_exp, logits, valid, peak)
             total = tables.reduce_sum(local)
             log_z[s:s + chunk] = peak + total.log()
             if entropy:  # masked rows have e = 0 beside a finite logit
                 products = torch.einsum("nb,nb->n", e, kept.to(e.dtype))  # Σ_b e_b o_b
                 ent[s:s + chunk] = (local * log_z[s:s + chunk] - products) / total
             if retrieve:
-                e_bar[s:s + chunk] = tables.reduce_sum(_normalised(e, total, weight.dtype) @ weight)
+                e_bar[s:s + chunk] = tables.reduce_sum(kernels(_normalised, e, total, weight.dtype) @ weight)
         ctx.save_for_backward(c, weight, rows, owned, valid, log_z, e_bar)
-        ctx.chunk, ctx.gradients, ctx.table = chunk, gradients, table
+        ctx.chunk, ctx.gradients, ctx.table, ctx.kernels = chunk, gradients, table, kernels
         if entropy:
             ctx.mark_non_differentiable(ent)
         return log_z, target, e_bar, ent
@@ -187,7 +161,7 @@ class FusedHead(torch.autograd.Function):
             coeff = torch.zeros_like(log_z[sl]) if g_z is None else g_z[sl].to(log_z.dtype)
             if retrieve:
                 coeff = coeff - (e_bar[sl].to(log_z.dtype) * g_e[sl].to(log_z.dtype)).sum(-1)
-            _logit_grads_(products, valid, log_z[sl], coeff, retrieve)
+            ctx.kernels(_logit_grads_, products, valid, log_z[sl], coeff, retrieve)
             d_logits = products[:n]
             if g_t is not None:
                 picked = torch.where(owned[sl], g_t[sl], 0.0)
@@ -207,4 +181,4 @@ class FusedHead(torch.autograd.Function):
             slot.zero_()
         elif grad_w is not slot:
             slot.copy_(grad_w)
-        return grad_c, slot, None, None, None, None, None, None, None, None, None
+        return grad_c, slot, None, None, None, None, None, None, None, None, None, None

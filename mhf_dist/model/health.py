@@ -1,17 +1,13 @@
 """What a training run reports of its model's health every log interval (docs/usage.md, "Health metrics").
 
-- Per parameter family (:mod:`~mhf_dist.model.families`) and per backbone block: the gradient norm (before
-  clipping, as the global ``grad_norm``), the parameter norm (the weights the step started from) and the update
-  to weight ratio ``‖Δw‖ / ‖w‖`` of the step.
-- MultiHashFormer (docs/spec.md §2, §4): per head, the share of its B buckets that the interval's target tokens fall
-  in and the entropy of those counts; the gate's mean weight ``α_i``.
-- Every model: the mean entropy of each decoder head's distribution ``p_i``.
-- Engram (docs/spec.md §8): the share of its table entries that received gradient in the step.
-
-Each rank adds its part into one vector of sums laid out by :class:`HealthLayout` (which rank counts which part is
-the parallel layout's business: each is counted once); the ranks sum it once, and :meth:`HealthLayout.summary`
-turns the sum into the reported values on the device, which :meth:`HealthLayout.metrics` names.
-:class:`ForwardHealth` gathers the forward's part.
+Per parameter family (``families``) and per backbone block: the gradient norm (before clipping, as the global
+``grad_norm``), the parameter norm (the weights the step started from) and the update to weight ratio
+``‖Δw‖ / ‖w‖``; per MultiHashFormer head (docs/spec.md §2, §4) the share of its B buckets that the interval's target
+tokens fall in, the entropy of those counts and the gate's mean weight ``α_i``; every model's mean entropy of each
+decoder head's ``p_i``; per Engram memory (docs/spec.md §8) the share of its table entries that received gradient.
+``HealthLayout`` lays out the one vector of sums each rank adds its part into (each part counted once), turns its
+sum into the reported values on the device (``summary``) and names them (``metrics``); ``ForwardHealth`` gathers the
+forward's part. How they are measured: docs/design-training.md, "Health metrics".
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ def is_engram_table(name: str) -> bool:
 
 class HealthLayout:
     """Where each sum sits in the vector the ranks add up at a log step, for a model whose trainable parameters
-    are ``names`` (:class:`~mhf_dist.model.lm.LanguageModel` naming), with ``num_heads`` decoder heads,
+    are ``names`` (``LanguageModel`` naming), with ``num_heads`` decoder heads,
     ``num_buckets`` rows per bucket table (None: no hash signatures, so no bucket or gate statistics)."""
 
     def __init__(self, names: Iterable[str], num_heads: int, num_buckets: int | None):
@@ -89,7 +85,7 @@ class HealthLayout:
         return torch.cat(values)
 
     def metrics(self, values: list[float], grad_norms: bool = True) -> dict[str, float]:
-        """:meth:`summary`'s values by metric name (``grad_norm/tables``, ``bucket_entropy/head0``, ...); without
+        """``summary``'s values by metric name (``grad_norm/tables``, ``bucket_entropy/head0``, ...); without
         ``grad_norms`` (the gradients were clipped by an unknown factor) those are left out, and the optimizer's part
         all of it when the optimizer did not run (DeepSpeed skipped the step for an overflow)."""
         names = [f"{kind}/{slot}" for kind in ("grad_norm", "param_norm", "update_ratio") for slot in self.slots]
@@ -108,11 +104,12 @@ class HealthLayout:
 
 class ForwardHealth:
     """The forward's part of the sums (``layout``'s gate, entropy and buckets parts) on one rank: the targets'
-    bucket counts, added every step (:meth:`count_targets`; cheap, so the log step sees the whole interval), and,
-    while :meth:`armed` (a log step), the gate's weights (a forward hook on the encoder's scorer: docs/spec.md §2's
-    ``a_i``) and the heads' entropies (the training loss returns them: :meth:`add_entropy`). ``counts``: this rank
-    counts the tokens (one rank per batch, where the vocabulary's loss runs); ``gate``: this rank counts the gate
-    (one rank per batch, where the vocabulary embeds). ``vocab`` is None on a pipeline stage without it."""
+    bucket counts, added every step (``count_targets``; cheap, so the log step sees the whole interval), and,
+    while ``armed`` (a log step), the gate's weights (a forward hook on the encoder's scorer: docs/spec.md §2's
+    ``a_i``); on a log step the training forwards also return the heads' entropies, which the trainer asks for and
+    adds (``add_entropy``). ``counts``: this rank counts the tokens (one rank per batch, where the vocabulary's
+    loss runs); ``gate``: this rank counts the gate (one rank per batch, where the vocabulary embeds). ``vocab`` is
+    None on a pipeline stage without it."""
 
     def __init__(self, vocab: nn.Module | None, layout: HealthLayout, device: torch.device, counts: bool,
                  gate: bool):
@@ -132,10 +129,9 @@ class ForwardHealth:
         self.layout.part(self.sums, "buckets").index_add_(0, rows.reshape(-1), weights.reshape(-1))
 
     def arm(self) -> None:
-        """Measure the gate and the entropies in the forwards until :meth:`take`."""
+        """Measure the gate in the forwards until ``take``."""
         if self.vocab is None:  # a pipeline stage without the vocabulary
             return
-        self.vocab.measures_entropy = True
         encoder = self.vocab.encoder
         if self.gate and self.layout.buckets is not None and encoder is not None:
             self._hook = encoder.scorer.register_forward_hook(self._gate_weights)
@@ -147,15 +143,13 @@ class ForwardHealth:
         gate[-1] += alpha.shape[0]
 
     def add_entropy(self, head_entropy: torch.Tensor | None, weight: float) -> None:
-        """Add a micro-batch's head entropies (:attr:`TrainingLoss.head_entropy`) with ``weight`` (its share of
+        """Add a micro-batch's head entropies (``TrainingLoss.head_entropy``) with ``weight`` (its share of
         the global batch)."""
         if head_entropy is not None:
             self.layout.part(self.sums, "entropy").add_(head_entropy.detach().double(), alpha=weight)
 
     def take(self) -> torch.Tensor:
         """The sums gathered since the last take, and stop measuring."""
-        if self.vocab is not None:
-            self.vocab.measures_entropy = False
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

@@ -1,26 +1,14 @@
-"""HostTables: Engram tables kept in host memory, outside DeepSpeed (``model.engram.offload``).
+"""``HostTables``: Engram tables kept in host memory, outside DeepSpeed (``model.engram.offload``).
 
-The Engram memory's rows are addressed by token ids alone (hashes of compressed N-grams), so the rows a
-micro-batch reads are known before its forward pass. :class:`HostTables` has :class:`BucketTables`' lookup
-interface, but its ``weight [T, R, d]`` is a plain fp32 host tensor — not a parameter, so neither DeepSpeed nor
-ZeRO nor ``model.to(device)`` touch it:
-
-- **Gather** (:meth:`prefetch`, or synchronously inside :meth:`lookup` when nothing was prefetched): the unique
-  flat rows ``t·R + row`` of the micro-batch are selected on the host, staged in pinned memory and copied to the
-  device on a side CUDA stream (``non_blocking``), so the copy of micro-batch ``i+1`` overlaps the compute of
-  micro-batch ``i``. On a CPU device the gather is an ordinary synchronous ``index_select``.
-- **Forward**: the lookup reads the gathered rows through the indices remapped onto the compact unique set.
-- **Backward**: the gathered rows are an autograd leaf whose hook adds its gradient — rows of the unique set
-  only — into the fp32 host buffer ``grad [T, R, d]`` (``index_add_``), accumulated over micro-batches, and marks
-  them in ``touched [T·R]`` when the trainer keeps that mask (lazy update, or dp > 1). On a CUDA device
-  the hook only starts the gradient's copy (in the compute dtype) into a pinned buffer on a side stream and records
-  an event, so the backward pass goes on; the ``index_add_`` waits for that event in :meth:`accumulate`, between
-  micro-batches for the copies already done (:meth:`advance`) and for all of them before the optimizer step (the
-  trainer's). On a CPU device the hook adds at once.
-
-The optimizer step (a host AdamW with the dense tables' hyperparameters) and the checkpoint files are the
-trainer's (:mod:`mhf_dist.train.host_tables`). ``state_dict`` does not list the weight (DeepSpeed would save it
-with the module); loading a full state dict (``train.init_from``, an export) fills it from ``<prefix>weight``.
+The rows a micro-batch reads depend on its token ids alone, so they are known before its forward pass. ``HostTables``
+has ``BucketTables``' lookup interface, but its ``weight [T, R, d]`` is a plain fp32 host tensor, not a parameter:
+``prefetch`` (or ``lookup`` itself, when nothing was prefetched) gathers the micro-batch's unique rows to the device
+(``GatheredRows``; on a GPU staged in pinned memory and copied on a side stream), the lookup reads them through
+indices remapped onto that set, and their backward hook adds the gradient into the host buffer ``grad [T, R, d]`` (on
+a GPU through a copy, ``PendingGrad``, that ``accumulate`` and ``advance`` wait for), marking ``touched`` rows when
+the trainer keeps that mask (lazy update, or dp > 1). The optimizer step and the checkpoint files are
+``mhf_dist.train.host_tables``'s; ``state_dict`` leaves the weight out. How and why: docs/design-model.md, "Engram
+memory".
 """
 
 from __future__ import annotations
@@ -51,7 +39,7 @@ class PendingGrad:
 
 
 class HostTables(nn.Module):
-    """``T`` tables of ``R`` rows of width ``d`` in host memory, looked up like :class:`BucketTables` (tp = 1)."""
+    """``T`` tables of ``R`` rows of width ``d`` in host memory, looked up like ``BucketTables`` (tp = 1)."""
 
     def __init__(self, num_tables: int, num_rows: int, dim: int):
         super().__init__()
@@ -125,7 +113,7 @@ class HostTables(nn.Module):
         self._current = self._next = None
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        """:meth:`lookup`."""
+        """``lookup``."""
         gathered = self._current
         if gathered is None or gathered.inverse.shape != rows.shape:
             gathered = self.gather(rows.cpu())

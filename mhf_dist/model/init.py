@@ -1,36 +1,13 @@
-"""Initial weights: one rule per parameter name, random values in fixed blocks, each block from its own stream (a
-function of the seed alone).
+"""Initial weights: one rule per parameter name (``RULES``), random values in fixed blocks, each block from its own
+stream (``stream``), so the values are a function of the seed, the parameter's name and its full shape alone.
 
-| parameter (name ends with)                           | initial value                           |
-|------------------------------------------------------|-----------------------------------------|
-| ``tables.weight`` (bucket tables, memory tables)     | Normal(0, ``init_std``), table by table |
-| ``...norm.weight`` (every RMSNorm gain)              | ones                                    |
-| ``.bias`` (gate, decoder mixers)                     | zeros                                   |
-| any other ``.weight`` (linear maps, convolutions)    | Normal(0, ``init_std``)                 |
-
-(the distributions the model has always used). Where the random values come from:
-
-| values                                 | drawn from (a CPU ``torch.Generator`` seeded from the key)     |
-|----------------------------------------|----------------------------------------------------------------|
-| a parameter, flattened                 | blocks of :data:`BLOCK` elements (the last one shorter)        |
-| its block 0                            | the stream ``(seed, name)``                                    |
-| its block b ≥ 1                        | the stream ``(seed, name, b)``                                 |
-| table ``E_i`` of a stack ``[T, R, d]`` | blocks of its own: ``(seed, name, i)``, ``(seed, name, i, b)`` |
-
-Each block is drawn whole, in one ``normal_`` of its full length (CPU ``normal_`` transforms its uniforms in groups
-of 16, so a partial draw would change the values), so the values are a function of the seed, the parameter's name
-and its full shape only — not of the order in which modules are built, nor of which rank builds which part — and
-every layout (tp × pp × dp) starts from the same weights. A parameter (one table, for stacks) of at most
-:data:`BLOCK` elements is one block: one stream over the whole of it.
-
-A rank writes any part of a parameter — its tensor-parallel chunk, or of that chunk only the flat range it keeps as
-its ZeRO-3 partition (:func:`initial_shard`'s ``start``) — by drawing only the blocks that hold those elements. A
-range of the flattened chunk is one contiguous span of the full value when the chunk is split along the first
-dimension or not at all (and within each table of a stack split along its rows), so the rank draws the range plus at
-most a block at each end; split along a later dimension (the row-parallel maps, split along their inputs), the
-chunk's rows are strided in the full value and the rank draws the span from its range's first element to its last:
-about ``parts`` times the range, plus a block at each end. The blocks are drawn one at a time, into a buffer of one
-block, or straight into the output when a whole block lands in a contiguous fp32 CPU output.
+Tables (``tables.weight``: bucket and memory tables, table by table) and any other ``.weight`` (linear maps,
+convolutions) are Normal(0, ``init_std``), RMSNorm gains (``...norm.weight``) ones, biases zeros. A parameter's
+flattened value (each table's, for a stack ``[T, R, d]``) is cut into blocks of ``BLOCK`` elements, each drawn whole
+from a CPU generator seeded from ``(seed, name[, table][, block])``. ``initial_shard`` writes any part of a parameter,
+its tensor-parallel chunk or that chunk's ZeRO-3 range from ``start``, drawing only the blocks that hold it;
+``initialise`` fills a whole model, ``host_tables`` finds the host-memory tables. Why, and what a rank draws:
+docs/design-model.md, "Model construction".
 """
 
 from __future__ import annotations
@@ -165,8 +142,8 @@ def initial_shard(name: str, full_shape: torch.Size | tuple[int, ...], out: torc
     """Write into ``out`` chunk ``rank`` of ``parts`` along ``dim`` (the whole parameter when ``dim`` is None) of
     parameter ``name``'s initial value, whose full shape is ``full_shape`` — or, from ``start``, only elements
     ``start .. start + out.numel()`` of that chunk flattened (``out`` in row-major order: a ZeRO-3 partition). Only
-    the blocks holding those elements are drawn (module docstring), one at a time, into ``buffer`` (CPU fp32, of
-    :func:`draw_size` elements) unless a block lands whole in ``out``."""
+    the blocks holding those elements are drawn (docs/design-model.md, "Model construction"), one at a time, into
+    ``buffer`` (CPU fp32, of ``draw_size`` elements) unless a block lands whole in ``out``."""
     rule = rule_for(name)
     if rule in ("ones", "zeros"):
         out.fill_(1.0 if rule == "ones" else 0.0)

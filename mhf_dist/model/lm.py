@@ -1,19 +1,12 @@
-"""The two language models: MultiHashFormer and the Standard baseline (docs/spec.md §2–§5).
+"""The two language models: ``MultiHashFormer`` and the Standard baseline ``StandardLM`` (docs/spec.md §2–§5).
 
-Both are ``vocabulary.embed -> backbone -> vocabulary.{loss, evaluation, log_p_inf}``;
-they differ only in their :mod:`vocabulary <mhf_dist.model.vocabulary>`. Each use
-has its own entry point: ``forward`` is the training loss, :meth:`~LanguageModel.evaluation`
-adds the evaluation sums to it, :meth:`~LanguageModel.log_p_inf` scores for inference.
-The training loss is the module's ``forward`` because DeepSpeed's engine hooks
-its module's forward output (for gradient accumulation and ZeRO's backward), so
-what it differentiates has to come out of that call. Either may
-carry Engram memories in its backbone (docs/spec.md §8, ``cfg.engram``), built from the
-tokenizer's compression table.
-
-The constructors build the modules only; :func:`build_model` also gives every
-parameter its initial value (:mod:`mhf_dist.model.init`: a function of the seed
-and the parameter's name, so a model built in parts on many ranks starts from
-the same weights).
+Both are ``LanguageModel``s, ``vocabulary.embed -> backbone -> vocabulary.{loss, evaluation, log_p_inf}``, and differ
+only in their ``vocabulary``; either may carry Engram memories in its backbone (docs/spec.md §8, ``cfg.engram``),
+built from the tokenizer's compression table. ``forward`` is the training loss (DeepSpeed's engine hooks its module's
+forward output, for gradient accumulation and ZeRO's backward, so what it differentiates must come out of that call),
+``evaluation`` adds the evaluation sums to it, ``log_p_inf`` scores for inference. ``model_structure`` builds the
+modules only, in the ``ModelModes`` given; ``build_model`` also gives every parameter its initial value (``init``: a
+function of the seed and the name, so a model built in parts on many ranks starts from the same weights).
 """
 
 from __future__ import annotations
@@ -27,6 +20,7 @@ from mhf_dist.config import ModelConfig
 from mhf_dist.model.backbone import Backbone
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.model.init import initialise
+from mhf_dist.model.modes import ModelModes
 from mhf_dist.model.scoring import LOG_P_INF_CHUNK
 from mhf_dist.model.variants import variant
 from mhf_dist.model.vocabulary import Evaluation, HashVocabulary, TiedVocabulary, TokenVocabulary, TrainingLoss
@@ -36,11 +30,12 @@ if TYPE_CHECKING:
 
 
 class LanguageModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab: TiedVocabulary, compression: CompressionTable | None = None):
+    def __init__(self, cfg: ModelConfig, vocab: TiedVocabulary, compression: CompressionTable | None = None,
+                 modes: ModelModes = ModelModes()):
         super().__init__()
         self.cfg = cfg
         self.vocab = vocab
-        self.backbone = Backbone(cfg, compression)
+        self.backbone = Backbone(cfg, compression, modes.checkpoint_interval)
 
     @property
     def vocab_size(self) -> int:
@@ -50,13 +45,14 @@ class LanguageModel(nn.Module):
         """Final-norm output ``h [B, S, d]``."""
         return self.backbone(self.vocab.embed(input_ids), input_ids)
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> TrainingLoss:
-        """The training loss of ``input_ids [B, S]`` predicting ``targets [B, S]`` (``< 0``: ignored)."""
-        return self.vocab.loss(self.hidden(input_ids), targets)
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, entropy: bool = False) -> TrainingLoss:
+        """The training loss of ``input_ids [B, S]`` predicting ``targets [B, S]`` (``< 0``: ignored); ``entropy``:
+        with each head's entropy (``TrainingLoss.head_entropy``)."""
+        return self.vocab.loss(self.hidden(input_ids), targets, entropy)
 
     def evaluation(self, input_ids: torch.Tensor, targets: torch.Tensor,
                    temperatures: torch.Tensor | None = None) -> Evaluation:
-        """The training loss with the evaluation sums at ``temperatures`` (:meth:`TiedVocabulary.evaluation`)."""
+        """The training loss with the evaluation sums at ``temperatures`` (``TiedVocabulary.evaluation``)."""
         return self.vocab.evaluation(self.hidden(input_ids), targets, temperatures)
 
     def log_p_inf(self, input_ids: torch.Tensor, last_only: bool = False,
@@ -86,39 +82,45 @@ class LanguageModel(nn.Module):
 class MultiHashFormer(LanguageModel):
     """Hash-signature input and cascaded-decoder output; ``codes [V, H]`` from a SignatureTable."""
 
-    def __init__(self, cfg: ModelConfig, codes: torch.Tensor, compression: CompressionTable | None = None):
+    def __init__(self, cfg: ModelConfig, codes: torch.Tensor, compression: CompressionTable | None = None,
+                 modes: ModelModes = ModelModes()):
         h = cfg.hash
         if codes.shape[1] != h.num_hashes:
             raise ValueError(f"signature table has H={codes.shape[1]} but model.hash.num_hashes={h.num_hashes}")
         super().__init__(cfg, HashVocabulary(codes, h.num_buckets, cfg.d_model, h.gate_dim, h.mixer_dim,
-                                             cfg.decoder_chunk_tokens, h.p_inf_loss_weight), compression)
+                                             cfg.decoder_chunk_tokens, h.p_inf_loss_weight, modes.kernels),
+                         compression, modes)
 
 
 class StandardLM(LanguageModel):
     """Tied token embedding / LM head over ``vocab_size`` rows, padded to ``cfg.pad_vocab_to``."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, compression: CompressionTable | None = None):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, compression: CompressionTable | None = None,
+                 modes: ModelModes = ModelModes()):
         rows = cfg.padded_vocab_rows(vocab_size)
-        super().__init__(cfg, TokenVocabulary(vocab_size, rows, cfg.d_model, cfg.decoder_chunk_tokens), compression)
+        super().__init__(cfg, TokenVocabulary(vocab_size, rows, cfg.d_model, cfg.decoder_chunk_tokens, modes.kernels),
+                         compression, modes)
 
 
 def model_structure(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None = None,
-                    compression: CompressionTable | None = None) -> LanguageModel:
-    """The modules of the model ``cfg.variant`` names (its record's builder, :mod:`~mhf_dist.model.variants`),
-    their weights not yet initialised (see :func:`build_model`)."""
+                    compression: CompressionTable | None = None, modes: ModelModes = ModelModes()) -> LanguageModel:
+    """The modules of the model ``cfg.variant`` names (its record's builder, ``variants``) in
+    ``modes``, their weights not yet initialised (see ``build_model``)."""
     if compression is not None and cfg.engram and compression.vocab_size != vocab_size:
         raise ValueError(f"the compression table has {compression.vocab_size} rows, the vocabulary {vocab_size}")
     spec = variant(cfg)
     if spec.needs_signatures and (codes is None or codes.shape[0] != vocab_size):
         raise ValueError(f"{spec.title} needs a signature table with {vocab_size} rows")
-    return spec.builder(cfg, vocab_size, codes, compression)
+    return spec.builder(cfg, vocab_size, codes, compression, modes)
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None = None,
-                compression: CompressionTable | None = None, seed: int = 0) -> LanguageModel:
-    """The model ``cfg.variant`` names, initialised from ``seed`` (:mod:`~mhf_dist.model.init`); MultiHashFormer
-    needs its signature table's ``codes [V, H]``, a model with ``cfg.engram`` the tokenizer's compression table
-    (docs/spec.md §8; ignored without ``cfg.engram``). Parameters on the meta device stay uninitialised."""
-    model = model_structure(cfg, vocab_size, codes, compression)
+                compression: CompressionTable | None = None, seed: int = 0,
+                modes: ModelModes = ModelModes()) -> LanguageModel:
+    """The model ``cfg.variant`` names, in ``modes``, initialised from ``seed`` (``init``);
+    MultiHashFormer needs its signature table's ``codes [V, H]``, a model with ``cfg.engram`` the tokenizer's
+    compression table (docs/spec.md §8; ignored without ``cfg.engram``). Parameters on the meta device stay
+    uninitialised."""
+    model = model_structure(cfg, vocab_size, codes, compression, modes)
     initialise(model, cfg.init_std, seed)
     return model

@@ -1,28 +1,12 @@
-"""Multi-head N-gram hashing for the Engram memory (docs/spec.md §8).
+"""``NgramHash``: multi-head N-gram hashing for the Engram memory (docs/spec.md §8).
 
-At position ``t`` the N-gram of order ``n`` is the compressed ids
-``(x_{t-n+1}, ..., x_t)``; positions before the start read the compressed pad
-id, so position ``t`` sees only tokens ``<= t`` (causal). Each order has K
-heads, head ``k`` a table of prime size ``M_k``. Two hash modes:
-
-- ``keyed``: ``v`` packs the N-gram into one int64 by Horner's rule,
-  ``v = (x_{t-n+1}·V' + ...)·V' + x_t`` (``v = a·V' + b`` for a 2-gram), and
-  ``idx_k = ((v·key_k) XOR key_k) mod M_k``.
-- ``engram`` (DeepSeek's public demo): ``mix = (x_t·m_0) XOR (x_{t-1}·m_1) XOR ...``
-  over the order's tokens, ``idx_k = mix mod M_k``.
-
-All arithmetic is int64 and wraps around on overflow (``v·key_k`` does for
-3-grams of a 32K vocabulary); ``mod`` is the floor modulo, so indices are in
-``[0, M_k)`` even for a wrapped negative product. Everything is vectorised over
-batch and sequence: the only Python loops run over orders and shifts.
-
-Constants, drawn deterministically per layer from
-``numpy.random.default_rng(seed + 10007·layer)`` (DeepSeek's rule): the
-``engram`` multipliers ``m_j = 2·r_j + 1`` with ``r_j`` uniform in
-``[0, ⌊⌊(2^63-1)/V'⌋/2⌋)`` (odd, and ``x·m_j`` never overflows), and the ``keyed``
-keys uniform in ``[1, 2^31)``, one per head and order. Table sizes
-(:func:`~mhf_dist.model.engram_sizes.table_sizes`): the next unused prime ``>= table_size`` for each
-(layer, order, head) in that order, so all are distinct.
+At position ``t`` the N-gram of order ``n`` is the compressed ids ``(x_{t-n+1}, ..., x_t)``; positions before the
+start read the compressed pad id, so position ``t`` sees only tokens ``<= t``. Each order has K heads, head ``k`` a
+table of prime size ``M_k`` (``table_sizes``). ``engram`` (DeepSeek's demo) XORs the tokens' products with odd
+multipliers, ``keyed`` packs the N-gram by Horner's rule and XORs its product with a per-head key, both then
+``mod M_k``: int64 arithmetic that wraps around, with the floor modulo. The constants come from
+``numpy.random.default_rng(seed + LAYER_SEED_STRIDE·layer)``. Everything is vectorised over batch and sequence: the
+only Python loops run over orders and shifts. Formulas: docs/spec.md §8; choices: docs/design-model.md.
 """
 
 from __future__ import annotations
@@ -40,7 +24,7 @@ LAYER_SEED_STRIDE = 10007
 class NgramHash(nn.Module):
     """Token ids ``[B, S]`` -> table rows ``[B, S, (N-1)·K]`` of one layer (order-major, then head).
 
-    ``old_to_new`` is the tokenizer compression (:mod:`mhf_dist.vocab.engram_compression`), ``num_ids`` its V',
+    ``old_to_new`` is the tokenizer compression (``mhf_dist.vocab.engram_compression``), ``num_ids`` its V',
     ``pad_id`` the compressed id read before the sequence start.
     """
 

@@ -1,14 +1,10 @@
-"""Parameter counts from the config alone, without building the model or importing torch (``submit`` sizes a job's
-checkpoints from them on a login node). tests/test_memory_plan.py checks them against the built model.
+"""Parameter counts from the config alone (``parameter_count``), without building the model or importing torch
+(``submit`` sizes a job's checkpoints from them on a login node). tests/test_memory_plan.py checks them against the
+built model.
 
-Per backbone layer: attention ``d·(n_heads·hd)·2 + d·(n_kv·hd)·2`` and its two head-dim norms, SwiGLU
-``3·d·ffn``, two RMSNorms of ``d``; one final norm. The vocabulary (docs/spec.md §2–§4): ``H`` bucket tables
-of ``B × d`` (Standard: one of the padded vocabulary rows), the gate MLP ``d·d_z + d_z + d_z + 1`` and ``W_s``
-``d² + d``, and ``H − 1`` mixers ``2d·r + r + r·d + d``. An Engram memory (docs/spec.md §8): its ``(N−1)·K``
-tables of ``R`` rows (the largest prime size rounded up to ``pad_rows_to``) × ``head_dim``, and its gate: the
-sigmoid gate's key and value projections ``2·T·m·d``, two norms and the short convolution's norm and
-``kernel·d`` weights, or the softmax gate's ``d²``. The vocabulary's terms are each variant's
-(``Variant.vocab_parameters``, :mod:`mhf_dist.model.variants`).
+The backbone's terms and the Engram memory's (docs/spec.md §8: ``engram_table_rows``, ``engram_gate_parameters``)
+are here; the vocabulary's (docs/spec.md §2–§4) are each variant's (``Variant.vocab_parameters``, ``variants``).
+Every term: docs/design-model.md, "Counts: parameters and FLOPs".
 """
 
 from __future__ import annotations

@@ -1,49 +1,13 @@
-"""Inference over the real vocabulary: ``log P_inf`` (docs/spec.md §5).
+"""Inference over the real vocabulary: ``log P_inf`` (docs/spec.md §5), and the evaluation sums.
 
-``score(w) = Σ_i log p_i[H_i(w)]`` and
-``log P_inf(w) = score(w) - logsumexp_{w' ∈ V} score(w')``, over registered
-tokens only (``registered`` is False for the pad token, whose row gets ``-inf``).
-A constant added to one head's ``log p_i`` adds to every ``score(w)`` and
-cancels, so each head may give its logits ``o_i = log p_i + log Z_i`` instead
-(:meth:`CascadedDecoder.scores`): no per-head normaliser is needed.
-
-The heads' scores are laid side by side (column ``i·R + b`` is head
-``i``'s bucket ``b``; a last zero column stands for coordinates another rank
-holds), and :func:`signature_columns` maps every signature coordinate to its
-column once per model, head by head, so a head's scores are one contiguous
-gather and the sum over heads is H - 1 vector adds (cheaper than gathering all
-coordinates at once and summing an innermost axis of size H). The
-vocabulary is processed in chunks. :func:`target_log_p_inf` never holds
-``[N, V]``, so its small chunks bound its memory to ``O(N × chunk)`` whatever
-``V`` is (a 1M-token vocabulary included). :func:`log_p_inf` returns ``[N, V]``,
-which bounds its memory anyway, so its chunks are large: one chunk up to
-``V = 2^18`` at ``H = 4``, as every chunk costs some ``2H`` more small ops. Each rank of a
-bucket-sharded model gathers only the coordinates it owns; the sum over heads is
-reduced once per chunk.
-
-Training on ``log P_inf`` (``model.hash.p_inf_loss_weight``) needs the gradient
-of the normaliser ``log Z = logsumexp_{w ∈ V} score(w)``, which is
-``∂log Z/∂score(w) = P_inf(w)``, scattered to each of ``w``'s H head columns.
-:func:`log_normaliser` computes it with bounded memory by a custom autograd
-function (:class:`_LogNormaliser`). The alternatives: autograd through the
-running logsumexp keeps every chunk's ``[N, chunk]`` scores (``O(N × V)``,
-which the chunks exist to avoid); ``torch.utils.checkpoint`` per chunk bounds
-that too, but each chunk's ``index_select`` backward then allocates and fills a
-zero ``[N, H·R + 1]`` gradient per head, summed chunk after chunk. The custom
-function keeps only ``log Z`` (and its inputs, the heads' scores, which the
-decoder keeps for its own backward anyway); its backward recomputes each chunk's
-scores (one more gather, and one more all-reduce of ``[N, chunk]`` on a
-bucket-sharded model), turns them in place into ``g · P_inf`` and adds them
-into one ``[N, H·R + 1]`` gradient. Cost: the backward repeats the forward's
-gathers and adds one scatter-add pass, all ``O(N × V × H)`` memory traffic and
-no matmuls (100m-H4B16K, 512 tokens, V = 32,768, on 2 CPU cores: forward
-0.7–1.2 s, backward 0.9–1.5 s); memory ``O(N × chunk)`` plus, while it runs, a
-copy of the heads' scores and their gradient (``2 × N × H × R_local``). The
-statistics are kept in fp32 (or wider) whatever the scores' dtype. On a
-bucket-sharded model every rank computes the same ``log Z`` from the reduced
-scores, so the gradient of its own partial scores is ``∂log Z/∂score``
-itself (the identity backward of ``reduce_from_tp``), restricted to the
-columns it owns.
+``score(w) = Σ_i log p_i[H_i(w)]`` over registered tokens (``registered`` is False for the pad token: ``-inf``), each
+head's raw logits standing in for its ``log p_i`` (``CascadedDecoder.scores``). ``signature_columns`` maps every
+signature coordinate, once per model, to its column of the heads' scores laid side by side (``side_by_side``), of
+which each rank of a bucket-sharded model holds its own. ``log_p_inf`` returns ``[N, V]`` in large vocabulary
+chunks; ``target_log_p_inf`` streams small ones and never holds ``[N, V]``. ``log_normaliser`` is ``log Z`` over
+the vocabulary for the ``log P_inf`` training term (``model.hash.p_inf_loss_weight``), in bounded memory forward and
+backward. ``EvalSums`` and ``calibration_sums``: the evaluation sums' layout and values. Why, and what it costs:
+docs/design-model.md, "Scoring ``log P_inf``" and "Training on ``P_inf``".
 """
 
 from __future__ import annotations
@@ -61,7 +25,7 @@ TARGET_CHUNK = 2**16  # ... and of target_log_p_inf
 
 
 def signature_columns(codes: torch.Tensor, tables: BucketTables) -> torch.Tensor:
-    """``codes [V, H]`` -> ``[H, V]``: each coordinate's column in :func:`side_by_side`'s layout on this rank."""
+    """``codes [V, H]`` -> ``[H, V]``: each coordinate's column in ``side_by_side``'s layout on this rank."""
     local, owned = tables.local_index(codes.t())
     head_offset = torch.arange(codes.shape[1], device=codes.device).unsqueeze(-1) * tables.local_rows
     return torch.where(owned, local + head_offset, codes.shape[1] * tables.local_rows).contiguous()
@@ -74,7 +38,7 @@ def side_by_side(head_scores: list[torch.Tensor]) -> torch.Tensor:
 
 def signature_scores(side: torch.Tensor, columns: torch.Tensor, registered: torch.Tensor,
                      tables: BucketTables) -> torch.Tensor:
-    """``score [N, V]`` from :func:`side_by_side` head scores, ``columns [H, V]`` (:func:`signature_columns`) and
+    """``score [N, V]`` from ``side_by_side`` head scores, ``columns [H, V]`` (``signature_columns``) and
     ``registered [V]``."""
     return torch.where(registered, tables.reduce_sum(_partial_scores(side, columns)), float("-inf"))
 
@@ -89,7 +53,7 @@ def _partial_scores(side: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 
 def score_chunks(side: torch.Tensor, columns: torch.Tensor, registered: torch.Tensor, tables: BucketTables,
                  chunk_size: int) -> Iterator[torch.Tensor]:
-    """:func:`signature_scores` over consecutive vocabulary chunks, each gathering ``chunk_size`` values per
+    """``signature_scores`` over consecutive vocabulary chunks, each gathering ``chunk_size`` values per
     token (``chunk_size / H`` tokens)."""
     step = max(1, chunk_size // columns.shape[0])
     for start in range(0, columns.shape[1], step):
@@ -115,7 +79,8 @@ def target_log_p_inf(head_scores: list[torch.Tensor], columns: torch.Tensor, reg
 
 
 class _LogNormaliser(torch.autograd.Function):
-    """``log Z [N]`` from H head scores ``[N, R_local]``; backward recomputes the chunks' scores (module docstring)."""
+    """``log Z [N]`` from H head scores ``[N, R_local]``; backward recomputes the chunks' scores
+    (docs/design-model.md, "Training on ``P_inf``")."""
 
     @staticmethod
     def forward(ctx, columns, registered, tables, chunk_size, *head_scores):
@@ -152,18 +117,18 @@ def log_normaliser(head_scores: list[torch.Tensor], columns: torch.Tensor, regis
                    tables: BucketTables, chunk_size: int = TARGET_CHUNK) -> torch.Tensor:
     """``log Z = logsumexp_{w ∈ V} score(w)`` ``[N]`` (fp32 or wider) over the registered vocabulary, so that
     ``log P_inf(w) = score(w) − log Z``: differentiable in ``head_scores`` without materialising ``[N, V]``,
-    forward or backward (module docstring)."""
+    forward or backward (docs/design-model.md, "Training on ``P_inf``")."""
     return _LogNormaliser.apply(columns, registered, tables, chunk_size, *head_scores)
 
 
-TOP_K = 5  # the evaluation's top-5 accuracy; :func:`calibration_sums` keeps one more candidate (ties)
+TOP_K = 5  # the evaluation's top-5 accuracy; ``calibration_sums`` keeps one more candidate (ties)
 
 
 @dataclass
 class EvalSums:
-    """:func:`calibration_sums` summed over tokens (and ranks), as means per token. The class also defines the sums'
-    layout, float64 ``[4 + 2K]`` for ``K`` temperatures (:meth:`length`): :data:`TOKENS`, :data:`P_INF_NLL`,
-    :data:`TOP1`, :data:`TOP5`, then the ``K`` NLL sums and the ``K`` slopes; the model writes it and every engine
+    """``calibration_sums`` summed over tokens (and ranks), as means per token. The class also defines the sums'
+    layout, float64 ``[4 + 2K]`` for ``K`` temperatures (``length``): ``TOKENS``, ``P_INF_NLL``,
+    ``TOP1``, ``TOP5``, then the ``K`` NLL sums and the ``K`` slopes; the model writes it and every engine
     gathers it by it."""
 
     TOKENS, P_INF_NLL, TOP1, TOP5 = range(4)  # the first entries
@@ -202,7 +167,7 @@ def calibration_sums(chunks: Iterable[torch.Tensor], targets: torch.Tensor, temp
     unregistered tokens; ``log P_inf`` works as well, as it differs by one constant per token), ``targets [N]``,
     ``temperatures [K]`` (τ > 0). With ``log P_τ(w) = τ·score(w) - logsumexp_{w'}(τ·score(w'))`` (``τ = 1``:
     ``log P_inf``; a constant added to every score of a token cancels), returns float64 ``[4 + 2K]`` laid out as
-    :class:`EvalSums` defines:
+    ``EvalSums`` defines:
 
     - ``[TOKENS]`` N, ``[P_INF_NLL]`` ``Σ_t -log P_inf(target)``;
     - ``[TOP1]``, ``[TOP5]``: tokens whose target ranks first / in the first five under ``P_inf`` (the
@@ -265,7 +230,7 @@ def calibration_sums(chunks: Iterable[torch.Tensor], targets: torch.Tensor, temp
 def target_calibration_sums(head_scores: list[torch.Tensor], columns: torch.Tensor, registered: torch.Tensor,
                             tables: BucketTables, targets: torch.Tensor, temperatures: torch.Tensor,
                             chunk_size: int = TARGET_CHUNK) -> torch.Tensor:
-    """:func:`calibration_sums` of the signature scores (in fp32 or wider), streamed over vocabulary chunks as
-    :func:`target_log_p_inf` streams them: ``[N, V]`` is never held."""
+    """``calibration_sums`` of the signature scores (in fp32 or wider), streamed over vocabulary chunks as
+    ``target_log_p_inf`` streams them: ``[N, V]`` is never held."""
     side = side_by_side(head_scores).to(torch.promote_types(head_scores[0].dtype, torch.float32))
     return calibration_sums(score_chunks(side, columns, registered, tables, chunk_size), targets, temperatures)

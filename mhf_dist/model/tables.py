@@ -1,21 +1,12 @@
-"""Bucket tables: the rows tied between input lookup and output logits (docs/spec.md §2, §4).
+"""``BucketTables``: the rows tied between input lookup and output logits (docs/spec.md §2, §4).
 
-``weight [T, R, d]`` holds ``T`` tables of ``R`` rows: the MultiHashFormer's
-``H`` bucket tables ``E_i`` (R = B), or the Standard model's single token table
-(T = 1, R = padded vocabulary). Every operation the models need on them —
-lookup, logits, the softmax normaliser, picking a row's value, soft retrieval —
-is a method here, written for rows ``[row_offset, row_offset + R)``. This class
-holds all rows (``row_offset = 0``, the reductions are identities); the
-tensor-parallel ``BucketParallelEmbedding`` holds a slice and overrides the
-reductions with collectives, so the model code is the same for both.
-
-Every use of ``weight`` enters through ``forward``, which hands it to the
-operation asked for (``lookup``, ``logits``, ``retrieve`` and ``per_table``
-call it with theirs, as Megatron's output layer takes ``weight=``): ZeRO-3
-gathers a module's parameters around its ``forward`` and again for its
-backward, which a method reading ``self.weight`` directly would bypass. The
-operations take the weight as an argument, so none of them can read it any
-other way.
+``weight [T, R, d]`` holds ``T`` tables of ``R`` rows: the MultiHashFormer's ``H`` bucket tables ``E_i`` (R = B), or
+the Standard model's single token table (T = 1, R = padded vocabulary). Every operation the models need on them
+(lookup, logits, the softmax normaliser, picking a row's value, soft retrieval) is a method here, written for rows
+``[row_offset, row_offset + R)``: this class holds all rows (the reductions are identities), the tensor-parallel
+``BucketParallelEmbedding`` a slice, with collectives for the reductions. Every use of ``weight`` enters through
+``forward``, which hands it to the operation asked for, so that ZeRO-3 gathers it (docs/design-model.md,
+"Vocabulary"). ``TableGradients``: the one gradient buffer the tables' per-head views share.
 """
 
 from __future__ import annotations
@@ -27,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mhf_dist.model.fused_head import FusedHead
+from mhf_dist.model.fused_head import FusedHead, KernelPolicy
 
 
 class TableGradients:
     """One ``[T, R, d]`` buffer whose slices the heads' backward write their tables' gradients into (allocated
-    by the first head to need it), so :class:`_TableViews` hands it on whole instead of stacking T copies."""
+    by the first head to need it), so ``_TableViews`` hands it on whole instead of stacking T copies."""
 
     def __init__(self):
         self.num_tables = 0
@@ -67,7 +58,7 @@ class _TableViews(torch.autograd.Function):
 
 
 class SplitTables(NamedTuple):
-    """:meth:`BucketTables.per_table`: the tables ``E_i [R_local, d]`` and the buffer their gradients share."""
+    """``BucketTables.per_table``: the tables ``E_i [R_local, d]`` and the buffer their gradients share."""
 
     tables: tuple[torch.Tensor, ...]
     gradients: TableGradients
@@ -94,7 +85,7 @@ class BucketTables(nn.Module):
         return x
 
     def recompute_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`reduce_sum` without autograd, for a custom ``backward`` that recomputes a reduced value."""
+        """``reduce_sum`` without autograd, for a custom ``backward`` that recomputes a reduced value."""
         return x
 
     def replicated_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,22 +118,22 @@ class BucketTables(nn.Module):
     def per_table(self) -> SplitTables:
         """The ``T`` tables ``E_i [R_local, d]`` as views, split by one autograd node, so their gradients make one
         ``[T, R, d]`` tensor (indexing each table separately would zero-fill one per table); heads that write
-        them into the shared :class:`TableGradients` leave the split no copy to make."""
+        them into the shared ``TableGradients`` leave the split no copy to make."""
         gradients = TableGradients()
         return SplitTables(self(self._per_table, gradients), gradients)
 
     def fused_head(self, c: torch.Tensor, split: SplitTables, table: int, targets: torch.Tensor, retrieve: bool,
-                   chunk: int, num_valid_rows: int | None = None, entropy: bool = False):
+                   chunk: int, kernels: KernelPolicy, num_valid_rows: int | None = None, entropy: bool = False):
         """``(log Z, target logit, ē or None, entropy or None)`` of one head for ``c [N, d]``, ``targets [N]``
-        (global rows) and table ``table`` of ``split`` (:meth:`per_table`), chunked over tokens
-        (:class:`FusedHead`); rows ``>= num_valid_rows`` are never predicted. ``entropy``: also the head's entropy
-        over the rows held here ``[N]`` (detached)."""
+        (global rows) and table ``table`` of ``split`` (``per_table``), chunked over tokens
+        (``FusedHead``, its elementwise passes run by ``kernels``); rows ``>= num_valid_rows`` are never
+        predicted. ``entropy``: also the head's entropy over the rows held here ``[N]`` (detached)."""
         rows, owned = self.local_index(targets)
         valid = None
         if num_valid_rows is not None:
             valid = torch.arange(self.local_rows, device=c.device) + self.row_offset < num_valid_rows
         return FusedHead.apply(self.replicated_input(c), split.tables[table], rows, owned, valid, retrieve, chunk,
-                               self, split.gradients, table, entropy)
+                               self, split.gradients, table, kernels, entropy)
 
     def _lookup(self, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         t, r, d = weight.shape

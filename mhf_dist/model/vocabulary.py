@@ -1,19 +1,13 @@
-"""The vocabulary side of a model: bucket tables tied between the input map and the output head.
+"""The vocabulary side of a model (``TiedVocabulary``): bucket tables tied between the input map and the output head.
 
-- :class:`HashVocabulary` (MultiHashFormer, docs/spec.md §2, §4, §5): a token's input is
-  the :class:`HashEncoder` fusion of its signature's H rows; the
-  :class:`CascadedDecoder` predicts the H coordinates; ``codes`` is the
-  signature table.
-- :class:`TokenVocabulary` (Standard): one table of (padded) vocabulary rows,
-  a plain row lookup in and a one-head tied decoder out; ``codes`` is the identity.
+- ``HashVocabulary`` (MultiHashFormer, docs/spec.md §2, §4, §5): a token's input is the ``HashEncoder`` fusion of its
+  signature's H rows; the ``CascadedDecoder`` predicts the H coordinates; ``codes`` is the signature table.
+- ``TokenVocabulary`` (Standard): one table of (padded) vocabulary rows, a plain row lookup in and a one-head tied
+  decoder out; ``codes`` is the identity.
 
-Training loss: ``Σ_i -log p_i[H_i(w)]`` — each head's mean NLL over tokens,
-summed over heads; targets ``< 0`` are ignored; MultiHashFormer may add
-``λ × mean(-log P_inf(target))`` (``model.hash.p_inf_loss_weight``), the NLL of
-the distribution it infers with. Evaluation: the training loss with the sums of
-``P_inf``'s NLL, top-1/top-5 hits and temperature calibration. Inference: ``log P_inf`` over
-registered tokens. Keeping this side in one module lets the pipeline engine
-place it on the first and last stage as one tied unit.
+``loss`` is the docs/spec.md §5 training loss (``TrainingLoss``), the optional ``P_inf`` term included; ``evaluation``
+adds the sums of ``P_inf``'s NLL, top-1/top-5 hits and temperature calibration (``Evaluation``); ``log_p_inf`` scores
+registered tokens. One module, so that the pipeline engine places it on the first and last stage as one tied unit.
 """
 
 from __future__ import annotations
@@ -46,8 +40,8 @@ class TrainingLoss(NamedTuple):
     head_losses: torch.Tensor  # [H]
     # the loss's log P_inf term, mean -log P_inf(target), detached; None for a model without it (λ = 0)
     p_inf_nll: torch.Tensor | None = None
-    # [H] each head's entropy over the rows held here, mean over the kept tokens, detached; only while the
-    # vocabulary's measures_entropy is set (the health metrics' log steps)
+    # [H] each head's entropy over the rows held here, mean over the kept tokens, detached; only when the forward
+    # asks for it (entropy=True: the health metrics' log steps)
     head_entropy: torch.Tensor | None = None
 
 
@@ -78,7 +72,6 @@ def _kept_mean(values: torch.Tensor, keep: torch.Tensor, count: torch.Tensor) ->
 
 class TiedVocabulary(nn.Module):
     p_inf_loss_chunk = TARGET_CHUNK  # values gathered per position in one chunk of the log P_inf term's log Z
-    measures_entropy = False  # the training loss also returns each head's entropy (TrainingLoss.head_entropy)
 
     def __init__(self, tables: BucketTables, encoder: nn.Module | None, decoder: CascadedDecoder,
                  codes: torch.Tensor, registered: torch.Tensor, p_inf_loss_weight: float = 0.0):
@@ -97,15 +90,16 @@ class TiedVocabulary(nn.Module):
         raise NotImplementedError
 
     def signature_columns(self) -> torch.Tensor:
-        """:func:`~mhf_dist.model.scoring.signature_columns` of ``codes`` on this rank's rows, made on first use
+        """``scoring.signature_columns`` of ``codes`` on this rank's rows, made on first use
         (after tensor parallelism has sharded the tables) and again only if the rows or the device change."""
         key = (self.tables.row_offset, self.tables.local_rows, self.codes.device)
         if self._columns is None or self._columns[0] != key:
             self._columns = (key, signature_columns(self.codes, self.tables))
         return self._columns[1]
 
-    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> TrainingLoss:
-        """``h [..., d]`` (final-norm output), ``targets [...]`` token ids -> docs/spec.md §5 training loss."""
+    def loss(self, h: torch.Tensor, targets: torch.Tensor, entropy: bool = False) -> TrainingLoss:
+        """``h [..., d]`` (final-norm output), ``targets [...]`` token ids -> docs/spec.md §5 training loss;
+        ``entropy``: with each head's entropy (``TrainingLoss.head_entropy``)."""
         # targets < 0 are ignored by weight, not by selection: every position goes through the decoder (ignored ones
         # reading token 0) and the means are sums over the kept positions / their count, so no shape depends on
         # the data (boolean indexing would wait for the device to count the kept positions)
@@ -114,20 +108,20 @@ class TiedVocabulary(nn.Module):
         count = keep.sum()
         safe = targets.clamp_min(0)
         if not self.p_inf_loss_weight:
-            if self.measures_entropy:
-                nll, entropy = self.decoder.nll_and_entropy(h, self.tables, self.codes[safe])
+            if entropy:
+                nll, entropies = self.decoder.nll_and_entropy(h, self.tables, self.codes[safe])
             else:
-                nll, entropy = self.decoder.nll(h, self.tables, self.codes[safe]), None
+                nll, entropies = self.decoder.nll(h, self.tables, self.codes[safe]), None
             head_losses = _kept_mean(nll, keep, count)
             return TrainingLoss(loss=head_losses.sum(), head_losses=head_losses,
-                                head_entropy=None if entropy is None else _kept_mean(entropy, keep, count))
-        head_losses, p_inf_nll, entropy = self._head_and_p_inf_losses(h, safe, keep, count)
+                                head_entropy=None if entropies is None else _kept_mean(entropies, keep, count))
+        head_losses, p_inf_nll, entropies = self._head_and_p_inf_losses(h, safe, keep, count, entropy)
         return TrainingLoss(loss=head_losses.sum() + self.p_inf_loss_weight * p_inf_nll, head_losses=head_losses,
-                            p_inf_nll=p_inf_nll.detach(), head_entropy=entropy)
+                            p_inf_nll=p_inf_nll.detach(), head_entropy=entropies)
 
     def evaluation(self, h: torch.Tensor, targets: torch.Tensor,
                    temperatures: torch.Tensor | None = None) -> Evaluation:
-        """:meth:`loss` with the evaluation sums of :meth:`calibration_sums` at ``temperatures``, which count
+        """``loss`` with the evaluation sums of ``calibration_sums`` at ``temperatures``, which count
         tokens, so they take the kept positions only (targets ``>= 0``)."""
         training = self.loss(h, targets)
         h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
@@ -135,26 +129,26 @@ class TiedVocabulary(nn.Module):
         return Evaluation(loss=training.loss, head_losses=training.head_losses,
                           sums=self.calibration_sums(h[keep], targets[keep], temperatures))
 
-    def _head_and_p_inf_losses(self, h: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
-                               count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _head_and_p_inf_losses(self, h: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor, count: torch.Tensor,
+                               entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(head losses [H], mean -log P_inf(target), head entropies [H] or None)``, the first two with gradients,
         over the positions ``keep`` (``count`` of them), from one plain pass down the cascade
-        (:meth:`CascadedDecoder.nll_and_log_probs`): ``-log P_inf(w) = log Z - Σ_i log p_i[H_i(w)] = log Z +
-        Σ_i nll_i``, with ``log Z`` from :func:`~mhf_dist.model.scoring.log_normaliser`. The fused decoder path
+        (``CascadedDecoder.nll_and_log_probs``): ``-log P_inf(w) = log Z - Σ_i log p_i[H_i(w)] = log Z +
+        Σ_i nll_i``, with ``log Z`` from ``log_normaliser``. The fused decoder path
         is not used: this term needs every head's scores ``[N, R_local]`` anyway, and the plain path's are them.
         A target that is not registered (the pad token) has ``P_inf = 0``: its term is ``+inf``, as in evaluation."""
         nll, log_probs = self.decoder.nll_and_log_probs(h, self.tables, self.codes[targets])
         log_z = log_normaliser(log_probs, self.signature_columns(), self.registered, self.tables,
                                self.p_inf_loss_chunk)
         p_inf_nll = torch.where(self.registered[targets], log_z + nll.sum(dim=-1), float("inf"))
-        entropy = _kept_mean(head_entropies(log_probs), keep, count) if self.measures_entropy else None
-        return _kept_mean(nll, keep, count), _kept_mean(p_inf_nll, keep, count), entropy
+        entropies = _kept_mean(head_entropies(log_probs), keep, count) if entropy else None
+        return _kept_mean(nll, keep, count), _kept_mean(p_inf_nll, keep, count), entropies
 
     def calibration_sums(self, h: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor | None = None,
                          chunk_size: int = TARGET_CHUNK) -> torch.Tensor:
-        """``h [N, d]``, ``targets [N]`` -> :func:`~mhf_dist.model.scoring.calibration_sums` (``P_inf`` NLL, top-1/5
+        """``h [N, d]``, ``targets [N]`` -> ``scoring.calibration_sums`` (``P_inf`` NLL, top-1/5
         hits, and the NLL of ``P_τ`` with its slope at each of ``temperatures``, default
-        :func:`~mhf_dist.model.calibration.coarse_temperatures`), streamed over the vocabulary."""
+        ``coarse_temperatures``), streamed over the vocabulary."""
         if temperatures is None:
             temperatures = coarse_temperatures()
         return target_calibration_sums(self.decoder.scores(h, self.tables), self.signature_columns(), self.registered,
@@ -170,12 +164,12 @@ class TiedVocabulary(nn.Module):
 
 class HashVocabulary(TiedVocabulary):
     def __init__(self, codes: torch.Tensor, num_buckets: int, dim: int, gate_dim: int, mixer_dim: int,
-                 chunk_tokens: int = 0, p_inf_loss_weight: float = 0.0):
+                 chunk_tokens: int = 0, p_inf_loss_weight: float = 0.0, kernels: str = "auto"):
         num_hashes = codes.shape[1]
         super().__init__(
             tables=BucketTables(num_hashes, num_buckets, dim),
             encoder=HashEncoder(dim, gate_dim),
-            decoder=CascadedDecoder(dim, num_hashes, mixer_dim, chunk_tokens=chunk_tokens),
+            decoder=CascadedDecoder(dim, num_hashes, mixer_dim, chunk_tokens=chunk_tokens, kernels=kernels),
             codes=codes,
             registered=(codes != 0).any(dim=1),
             p_inf_loss_weight=p_inf_loss_weight,
@@ -186,12 +180,13 @@ class HashVocabulary(TiedVocabulary):
 
 
 class TokenVocabulary(TiedVocabulary):
-    def __init__(self, vocab_size: int, padded_rows: int, dim: int, chunk_tokens: int = 0):
+    def __init__(self, vocab_size: int, padded_rows: int, dim: int, chunk_tokens: int = 0, kernels: str = "auto"):
         ids = torch.arange(vocab_size, device="cpu")  # data, as a signature table is: real on a meta skeleton too
         super().__init__(
             tables=BucketTables(1, padded_rows, dim),
             encoder=None,
-            decoder=CascadedDecoder(dim, 1, mixer_dim=1, num_valid_rows=vocab_size, chunk_tokens=chunk_tokens),
+            decoder=CascadedDecoder(dim, 1, mixer_dim=1, num_valid_rows=vocab_size, chunk_tokens=chunk_tokens,
+                                    kernels=kernels),
             codes=ids[:, None],
             registered=torch.ones_like(ids, dtype=torch.bool),
         )

@@ -1,28 +1,9 @@
 """Analytic tensor-parallel communication per training step (forward + backward).
 
-Payload bytes per collective, for ``N`` tokens, element size ``s``, tp > 1
-(at tp = 1 nothing is communicated). Each term is one call site of
-:mod:`mhf_dist.parallel.comm`:
-
-forward, ``all_reduce_sum``
-  - input lookup: ``N·H·d`` (MHF; ``N·d`` for Standard, H = 1)
-  - per layer: attention output ``N·d`` + MLP output ``N·d``
-  - per Engram memory (docs/spec.md §8): its lookup ``N·(N_max−1)·K·head_dim``
-  - decoder, per head: softmax normaliser ``N`` + target log-prob ``N``;
-    soft retrieval ``N·d`` for each of the first ``H-1`` heads
-forward, ``all_reduce_max``
-  - decoder, per head: softmax maximum ``N``
-backward, ``all_reduce_sum``
-  - per layer: attention input ``N·d`` + MLP input ``N·d``; q/k norm gains ``2·hd``;
-    replicated k/v projections ``2·n_kv·hd·d`` when n_kv_heads < tp
-  - decoder, per head: the hidden state entering the sharded logits ``N·d``;
-    with the plain (unfused) decoder also its log-normaliser ``N``
-
-With the ``log P_inf`` training term (``model.hash.p_inf_loss_weight`` > 0,
-over ``V`` tokens) the decoder runs unfused, and the signature scores are
-all-reduced ``N·V`` in the forward and again (recomputed) ``N·V`` in the backward.
-
-The profiler reports these next to measured counts (:func:`count_collectives`).
+``expected_collective_bytes``: the payload bytes of each collective for ``N`` tokens at tp > 1, one term per call
+site of ``mhf_dist.parallel.comm`` (the input lookup, each layer's attention and MLP, each Engram memory, each
+decoder head, the ``log P_inf`` training term), which the profiler reports next to the measured counts
+(``count_collectives``). Every term: docs/design-model.md, "Tensor and pipeline parallelism".
 """
 
 from __future__ import annotations

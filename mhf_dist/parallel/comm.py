@@ -1,20 +1,10 @@
 """Tensor-parallel collectives with the right autograd, and byte accounting.
 
-Megatron's conjugate pair: :func:`copy_to_tp` (identity forward, all-reduce
-backward) marks where replicated values enter a region that each rank computes
-only part of; :func:`reduce_from_tp` (all-reduce forward, identity backward)
-marks where partial results leave it. Its identity backward is right
-wherever every rank goes on to compute the same loss from the reduced value:
-the gradient of each rank's partial is then ``dL/dsum``, which every rank
-already holds (the decoder's picked log-probabilities and soft retrieval, the
-``log P_inf`` training term's signature scores). :func:`all_reduce_max` carries no
-gradient (it is only applied to detached softmax maxima), nor does
-:func:`all_reduce_sum`, the plain sum a custom backward uses to recompute a
-reduced value (recorded under the phase it runs in).
-
-:func:`count_collectives` records every collective issued through this module:
-operation, phase (forward/backward) and payload bytes (the tensor's size; the
-wire traffic of a ring all-reduce is ``2·(tp-1)/tp`` of it).
+Megatron's conjugate pair: ``copy_to_tp`` (identity forward, all-reduce backward) where replicated values enter a
+region each rank computes only part of, ``reduce_from_tp`` (all-reduce forward, identity backward) where partial
+results leave it; ``all_reduce_max`` and ``all_reduce_sum`` carry no gradient. ``count_collectives`` records every
+collective issued here (operation, phase, payload bytes: the tensor's size). Why each backward is right:
+docs/design-model.md, "Tensor and pipeline parallelism".
 """
 
 from __future__ import annotations

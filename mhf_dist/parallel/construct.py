@@ -1,51 +1,12 @@
 """Partitioned model construction: every rank creates only the parameters it keeps.
 
-Design: meta-device construction with per-rank materialisation (as torchtitan does), each materialised
-module handed to ZeRO-3 at once:
-
-1. :func:`model_skeleton` builds the whole model under ``torch.device("meta")`` (no memory; the buffers —
-   signature table, the memories' hash constants — are data the model code makes on the host, so they are
-   real: they are small and come from the run directory), then the tensor-parallel plan swaps in its modules at
-   this rank's shard size (:func:`~mhf_dist.parallel.tensor_parallel.shard_modules`), on meta as well. No
-   full-size tensor is ever allocated.
-2. :class:`Materialiser` turns the meta parameters of a module into real ones, one leaf module at a time
-   (every module holding parameters here is a leaf: Linear, RMSNorm, Conv1d, BucketTables): it allocates this rank's
-   tensor-parallel shard on the device and sets it on the leaf. Without ZeRO-3 it fills the shard with that shard of
-   the initial value by the parameter's name (:func:`~mhf_dist.model.init.initial_shard`, or of a
-   ``train.init_from`` file read one tensor slice at a time). Under ZeRO-3 it hands the unfilled leaf to the
-   backend's partitioner right away (:func:`mhf_dist.backend.parameter_partitioner`: DeepSpeed's documented way to
-   partition an allocated module), which keeps this rank's 1/dp of each parameter — a range of the flattened shard —
-   and frees the rest before the next leaf; the rank then writes that range in place
-   (:meth:`Partitioner.held`), drawing only the blocks of the initial value that hold it
-   (:mod:`mhf_dist.model.init`), or reading only the rows of the file that hold it. (DeepSpeed's partitioning
-   broadcasts each parameter from the group's first rank and copies this rank's range of it, so values written
-   before it would be the first rank's; where the backend keeps another copy of a partition — hpZeRO, NVMe
-   offload, quantized frozen weights — the leaf is filled in full before it is partitioned instead.)
-3. pp > 1: the pipeline's layers materialise their part of the skeleton, and the backend builds each only on the
-   stage holding it.
-
-Why not DeepSpeed's ``zero.Init`` as a context around the model's constructor (GPT-NeoX, Megatron-DeepSpeed)?
-It partitions each module as its ``__init__`` returns, so the tensor-parallel layers would have to be
-created by the model code itself — which knows nothing of process groups and reads like the paper; the
-plan swaps modules after construction — and every parameter would first be filled by PyTorch's default
-initialiser and broadcast, then gathered again to receive its seeded value. The meta skeleton keeps the
-model code and the plan as they are, and writes each parameter once, from its own seeded streams, in any layout.
-
-Why not torchtitan's ``model.to_empty(device)`` followed by an initialisation pass? ``to_empty`` allocates the
-whole module before anything is partitioned (a rank would hold the full tensor-parallel shard of the model under
-ZeRO-3), empties the real buffers along with the parameters, and replaces each parameter by a new one without the
-attributes set at construction (``tensor_model_parallel``, which DeepSpeed reads). Materialising leaf by leaf
-keeps the pattern — meta skeleton, then real tensors written once by name — and allocates each leaf in the
-precision and the one buffer the ZeRO-3 conversion wants.
-
-Peak memory while constructing, per rank: ZeRO-3 — its 1/dp of its tensor-parallel shard of the model, plus one leaf
-module's tensor-parallel shard in full (the buffer it is partitioned from, which the broadcast fills) and one block of
-the draw (:data:`~mhf_dist.model.init.BLOCK` fp32 elements); pp > 1 — its stage's layers (tensor-parallel shards),
-plus one block. Work while constructing: ZeRO-3 draws about 1/dp of each tensor-parallel shard (a few blocks more
-per parameter; about tp times that for the row-parallel maps, whose shard is strided in the full value); pp > 1 and
-tensor parallelism alone draw the rank's shards (the whole of a row-parallel map). ZeRO-3 also broadcasts each leaf
-from the first data-parallel rank as it partitions it: the full tensor-parallel shard of the model over the
-data-parallel group, whatever its values.
+Meta-device construction with per-rank materialisation (as torchtitan does), each leaf handed to ZeRO-3 at once:
+``model_skeleton`` builds the model on the meta device with this rank's tensor-parallel modules
+(``shard_modules``); ``Materialiser`` makes it real one leaf module at a time, filling each tensor-parallel shard
+with its initial values by name (``SeededValues``, or ``FileValues`` of a ``train.init_from`` file) or, under ZeRO-3,
+handing the leaf to the backend's ``Partitioner`` first and writing only this rank's range. With pp > 1 the backend
+builds each pipeline layer on its own stage. The steps, the peak memory and work, and why neither ``zero.Init`` nor
+``to_empty``: docs/design-model.md, "Model construction".
 """
 
 from __future__ import annotations
@@ -59,16 +20,17 @@ from torch import nn
 
 from mhf_dist.model.init import draw_size, host_tables, initial_shard
 from mhf_dist.model.lm import LanguageModel, model_structure
+from mhf_dist.model.modes import ModelModes
 from mhf_dist.parallel.state_dict import split_dim
 from mhf_dist.parallel.tensor_parallel import shard_modules, tp_split_dims
 
 
 class Partitioner(Protocol):
     """Partitions a module's freshly made parameters over the data-parallel group (ZeRO-3): what construction needs of
-    the backend, which provides one (:func:`mhf_dist.backend.parameter_partitioner`)."""
+    the backend, which provides one (``mhf_dist.backend.parameter_partitioner``)."""
 
     dtype: torch.dtype  # the dtype the partitioned parameters train in
-    # Whether a partition may be written after partitioning (:meth:`held`): then the leaf need not hold its values
+    # Whether a partition may be written after partitioning (``held``): then the leaf need not hold its values
     # when it is partitioned; else it must hold them all
     writes_held: bool
 
@@ -81,18 +43,18 @@ class Partitioner(Protocol):
 
 
 def model_skeleton(cfg, vocab_size: int, codes: torch.Tensor | None, compression, tp_group=None, tp_rank: int = 0,
-                   tp: int = 1) -> LanguageModel:
-    """The model with this rank's tensor-parallel modules, every parameter on the meta device (see the module
-    docstring); :class:`Materialiser` makes them real."""
+                   tp: int = 1, modes: ModelModes = ModelModes()) -> LanguageModel:
+    """The model in ``modes`` with this rank's tensor-parallel modules, every parameter on the meta device
+    (docs/design-model.md, "Model construction"); ``Materialiser`` makes them real."""
     with torch.device("meta"):
-        model = model_structure(cfg, vocab_size, codes, compression)
+        model = model_structure(cfg, vocab_size, codes, compression, modes)
         shard_modules(model, tp_group, tp_rank, tp)
     return model
 
 
 class SeededValues:
-    """Initial values from the run's seed (:mod:`mhf_dist.model.init`). Between :meth:`reserve` and
-    :meth:`release`, the draws that cannot go straight into a parameter share one buffer."""
+    """Initial values from the run's seed (``mhf_dist.model.init``). Between ``reserve`` and
+    ``release``, the draws that cannot go straight into a parameter share one buffer."""
 
     def __init__(self, std: float, seed: int):
         self.std, self.seed = std, seed
@@ -109,7 +71,7 @@ class SeededValues:
     def shard(self, name: str, full_shape: tuple[int, ...], out: torch.Tensor, dim: int | None, rank: int,
               parts: int, start: int = 0) -> None:
         """``out`` <- chunk ``rank`` of ``parts`` along ``dim`` of parameter ``name``, or from ``start`` the next
-        ``out.numel()`` elements of that chunk flattened (:func:`~mhf_dist.model.init.initial_shard`)."""
+        ``out.numel()`` elements of that chunk flattened (``initial_shard``)."""
         initial_shard(name, full_shape, out, self.std, self.seed, dim, rank, parts, self.buffer, start)
 
 
@@ -140,7 +102,7 @@ class FileValues:
 
     def shard(self, name: str, full_shape: tuple[int, ...], out: torch.Tensor, dim: int | None, rank: int,
               parts: int, start: int = 0) -> None:
-        """As :meth:`SeededValues.shard`: only the rows (along the first dimension) that hold the elements are read."""
+        """As ``SeededValues.shard``: only the rows (along the first dimension) that hold the elements are read."""
         index, shape = [slice(None)] * len(full_shape), list(full_shape)
         if dim is not None:
             size = shape[dim] = full_shape[dim] // parts

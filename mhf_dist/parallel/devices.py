@@ -4,7 +4,7 @@ A launcher, or the scheduler that started the rank's task, tells each rank its i
 among the ranks of its node (``LOCAL_RANK``). Where every task sees all of the node's GPUs, that index is
 its GPU; where a site binds each task to its own GPU (``--gpus-per-task=1``,
 ``--gpu-bind``, a container given one device) every task sees one GPU, at index
-0, and the local rank is no GPU index at all. :func:`device_index` covers both,
+0, and the local rank is no GPU index at all. ``device_index`` covers both,
 and also several ranks sharing fewer GPUs (checks that run two ranks on one GPU).
 """
 

@@ -1,21 +1,12 @@
 """Tensor-parallel layers, Megatron style.
 
-- :class:`BucketParallelEmbedding`: each bucket table split along its rows;
-  lookup = masked local lookup + all-reduce; decoder logits stay sharded and the
-  softmax statistics, picked log-probabilities and soft retrieval are reduced
-  over the group (vocab-parallel cross entropy). The plain decoder's log-softmax
-  brings the replicated ``log Z`` back into the shards through ``copy_to_tp``, so
-  its gradient sums every shard's part (the fused head needs no such reduction);
-  its statistics are kept in fp32 whatever the training dtype, as the fused head's.
-- :class:`ColumnParallelLinear` / :class:`RowParallelLinear`: output / input
-  features split. A *region* (attention, MLP) copies its input into the group
-  once (:func:`mark_region`), so its column-parallel projections need no copy.
-- :class:`RegionRMSNorm` and :class:`ReplicatedHeadsLinear`: replicated
-  parameters used inside a region on this rank's heads only; their weight
-  passes through ``copy_to_tp`` so its gradient is summed over the group.
-
-Sharded parameters carry ``tensor_model_parallel = True`` (DeepSpeed's
-gradient-norm reduction reads it).
+``BucketParallelEmbedding``: each bucket table split along its rows; the lookup is a masked local lookup plus an
+all-reduce, and the decoder's logits stay sharded while the softmax statistics (fp32 whatever the training dtype),
+picked log-probabilities and soft retrieval are reduced over the group (vocab-parallel cross entropy).
+``ColumnParallelLinear`` / ``RowParallelLinear``: output / input features split; a region (attention, MLP) copies
+its input into the group once (``mark_region``). ``RegionRMSNorm`` and ``ReplicatedHeadsLinear``: replicated
+parameters used inside a region on this rank's heads only. Sharded parameters carry ``tensor_model_parallel = True``
+(DeepSpeed's gradient-norm reduction reads it). Why: docs/design-model.md, "Tensor and pipeline parallelism".
 """
 
 from __future__ import annotations
@@ -81,7 +72,7 @@ class BucketParallelEmbedding(BucketTables):
 
 
 class ColumnParallelLinear(nn.Linear):
-    """``out_features / tp`` outputs; the input is already copied into the region (:func:`mark_region`).
+    """``out_features / tp`` outputs; the input is already copied into the region (``mark_region``).
 
     Args:
         in_features: the input width, whole on every rank.

@@ -1,5 +1,5 @@
 """The parallel layout of a run (tp × pp × dp, micro-batches) and its process-group backend, resolved before any
-rank starts (:func:`mhf_dist.train.preflight.preflight` adds the engine config). Nothing here imports torch, so
+rank starts (``mhf_dist.train.preflight.preflight`` adds the engine config). Nothing here imports torch, so
 ``plan``, ``submit`` and ``train`` check a layout in a fraction of a second on a login node."""
 
 from __future__ import annotations

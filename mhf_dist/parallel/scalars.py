@@ -1,19 +1,11 @@
 """Collectives on the run's own bookkeeping: stop and save decisions, logged losses, the measured peak, and the
 host-side buffers kept outside DeepSpeed (the offloaded Engram tables' gradients and row masks).
 
-NCCL (what DeepSpeed picks on GPUs, RCCL on ROCm) moves only CUDA tensors and
-gloo only host ones, so a host tensor handed to ``dist.all_reduce`` works in a
-CPU test and fails on the cluster ("No backend type associated with device
-type cpu"). :class:`ScalarCollectives` is therefore the one place that builds
-such tensors: it takes Python numbers or any tensor, moves them to the process
-group's communication device and hands Python numbers back. Outside it, only
-the model's tensor-parallel collectives (:mod:`mhf_dist.parallel.comm`, on
-activations and gradients that already live on the device) call ``torch.distributed``.
-
-Host syncs. Reading a device value on the host (``tolist``) waits for everything queued before it, so a training
-step reads its numbers once: the ``*_tensor`` methods reduce without reading, and :meth:`~ScalarCollectives.read`
-brings any number of such results (and device scalars such as the gradient norm) to the host in one transfer. Python
-numbers go to a CUDA device through pinned memory without blocking the host.
+``ScalarCollectives`` is the one place that builds such tensors, since NCCL moves only device tensors and gloo only
+host ones: it takes Python numbers or any tensor, moves them to the process group's communication device
+(``communication_device``) and hands Python numbers back. Its ``*_tensor`` methods reduce without reading, and
+``ScalarCollectives.read`` brings any number of such results to the host in one transfer. Why, and what a step
+reads: docs/design-training.md, "Host syncs".
 """
 
 from __future__ import annotations
@@ -59,7 +51,7 @@ class ScalarCollectives:
     # ------------------------------------------------------------------ reductions that stay on the device
     def sum_tensor(self, values: torch.Tensor | Sequence[float], group=None) -> torch.Tensor:
         """Element-wise sum over the ranks of ``group`` (default: all), left on the communication device (float64):
-        read it with :meth:`read`."""
+        read it with ``read``."""
         t = self._tensor(values)
         dist.all_reduce(t, group=group)
         return t

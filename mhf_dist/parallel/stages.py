@@ -1,13 +1,11 @@
 """Pipeline stages: the cost of each pipeline layer and the cut into stages.
 
-The pipeline's layers are the vocabulary input side (tables + gate), the
-backbone blocks, the final norm, and the vocabulary output side (tables +
-cascaded decoder). Each costs its analytic forward FLOPs per sequence
-(:mod:`mhf_dist.model.flops`; the norm counts 1). The cut minimises the most
-expensive stage, the one that sets a pipeline's pace; among equally good cuts
-the later stages are kept lighter (the last one also computes the loss). The
-final norm always stays on the last stage (:func:`pipeline_bounds`). ``plan`` and the pipeline engine both use
-it, so the plan shows the stages a run will have.
+The pipeline's layers are the vocabulary input side (tables + gate), the backbone blocks, the final norm and the
+vocabulary output side (tables + cascaded decoder), each costing its analytic forward FLOPs per sequence
+(``layer_costs``, from ``mhf_dist.model.flops``; the norm counts 1). ``stage_bounds`` minimises the most expensive
+stage, keeping the later stages lighter among equally good cuts (the last one also computes the loss), and
+``pipeline_bounds`` keeps the final norm on the last stage. ``plan`` and the pipeline engine both use it, so the
+plan shows the stages a run will have.
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ def stage_bounds(costs: list[int], stages: int) -> list[int]:
 
 
 def pipeline_bounds(costs: list[int], stages: int) -> list[int]:
-    """:func:`stage_bounds` of the pipeline's layers (:func:`layer_costs`) with the final norm kept on the last stage,
+    """``stage_bounds`` of the pipeline's layers (``layer_costs``) with the final norm kept on the last stage,
     beside the vocabulary out. That stage then holds a parameter of its own: DeepSpeed counts the tied vocabulary's
     gradients on the first stage only, and its bf16 optimizer fails on a stage with none to count. (The norm costs 1,
     so the balance is the same.)"""

@@ -1,7 +1,7 @@
 """Tensor-parallel sharding of state dicts: each rank's shard of a full one, and the full one from the shards.
 
 The split dimension of every parameter comes from the tensor-parallel plan
-(:func:`mhf_dist.parallel.tensor_parallel.tp_split_dims`); parameters it does
+(``mhf_dist.parallel.tensor_parallel.tp_split_dims``); parameters it does
 not name are replicated. The same table serves checkpoint conversion between a
 full (tp = 1) state dict and tp-sharded ones, in both directions.
 """

@@ -1,23 +1,13 @@
 """The tensor-parallel plan: which module of a LanguageModel becomes which parallel layer.
 
-:func:`tp_plan` is the one table, module-name pattern → :class:`Style`, in the
-manner of a parallelize plan: a style says which parallel layer replaces the
-module and which dimension of its weight is split (None: replicated). Both uses
-read it: :func:`shard_modules` swaps the modules for their parallel forms, built
-at this rank's shard size (training applies it to a model whose parameters are
-still on the meta device, then materialises only the shards:
-:mod:`mhf_dist.parallel.construct`), and :func:`tp_split_dims`, the split
-dimension of every parameter, by which :mod:`mhf_dist.parallel.state_dict`
-shards and merges state dicts and checkpoints. :func:`apply_tensor_parallel`
-does the swap on a model built at full size and loads each rank's shard of its
-weights, which the equivalence tests compare with one process.
-
-Attention heads and the MLP are column/row parallel with one all-reduce after
-each in forward; k/v heads are split when ``n_kv_heads`` is a multiple of tp,
-else each rank computes the one kv head its query heads share
-(:meth:`~mhf_dist.config.ModelConfig.kv_heads_split`). The Engram memories'
-tables (docs/spec.md §8) split along their rows like the bucket tables; their gates are
-replicated (each rank computes them on the all-reduced lookup).
+``tp_plan`` is the one table, module-name pattern → ``Style`` (which parallel layer replaces the module and which
+dimension of its weight is split; None: replicated), as a parallelize plan is. ``shard_modules`` swaps the modules
+for their parallel forms at this rank's shard size (on the meta device in training: ``mhf_dist.parallel.construct``);
+``tp_split_dims``, every parameter's split dimension, is how ``mhf_dist.parallel.state_dict`` shards and merges state
+dicts and checkpoints; ``apply_tensor_parallel`` swaps a full-size model's modules and loads this rank's shard (the
+equivalence tests). Attention and the MLP are column/row parallel, k/v heads split when ``n_kv_heads`` is a multiple
+of tp, else replicated (``ModelConfig.kv_heads_split``); the Engram tables split along their rows like the bucket
+tables, their gates replicated. Why: docs/design-model.md, "Tensor and pipeline parallelism".
 """
 
 from __future__ import annotations
@@ -101,14 +91,14 @@ def tp_plan(cfg: ModelConfig, tp: int) -> dict[str, Style]:
 
 
 def tp_split_dims(cfg: ModelConfig, tp: int) -> list[tuple[re.Pattern, int]]:
-    """(parameter-name pattern, split dim) of every split weight in :func:`tp_plan`; other parameters are
+    """(parameter-name pattern, split dim) of every split weight in ``tp_plan``; other parameters are
     replicated."""
     return [(re.compile(pattern + r"\.weight"), style.dim) for pattern, style in tp_plan(cfg, tp).items()
             if style.dim is not None]
 
 
 def shard_modules(model: LanguageModel, group, rank: int, size: int) -> LanguageModel:
-    """Swap every module :func:`tp_plan` names for its parallel form at this rank's size, created on the current
+    """Swap every module ``tp_plan`` names for its parallel form at this rank's size, created on the current
     default device (its weights not initialised; the meta device creates none)."""
     if size == 1:
         return model
@@ -123,7 +113,7 @@ def shard_modules(model: LanguageModel, group, rank: int, size: int) -> Language
 
 
 def apply_tensor_parallel(model: LanguageModel, group, rank: int, size: int) -> LanguageModel:
-    """:func:`shard_modules` on a model built at full size, then this rank's shard of its weights."""
+    """``shard_modules`` on a model built at full size, then this rank's shard of its weights."""
     if size == 1:
         return model
     full = model.state_dict()

@@ -12,7 +12,7 @@ _TRIED_TP = range(1, 9)  # the layouts a refusal may suggest instead
 
 
 def parse_layouts(text: str) -> list[int]:
-    """The tp of each layout in ``text`` (``tp=1,tp=2``); anything else is a :class:`ConfigError`."""
+    """The tp of each layout in ``text`` (``tp=1,tp=2``); anything else is a ``ConfigError``."""
     tps = []
     for layout in (part.strip() for part in text.split(",")):
         name, _, value = layout.partition("=")
@@ -41,7 +41,7 @@ def _problem(size: str, hash_name: str, tp: int, overrides: list[str], gpus: int
 def check_layouts(size: str, hashes: list[str], tps: list[int], overrides: list[str], gpus: int | None = None) -> None:
     """Refuse, before any rank starts, a layout in ``tps`` that some configuration ``{size}-{hash}`` of ``hashes``
     cannot be split into (with ``overrides``; ``gpus``: the GPUs visible to the ranks, None on CPU): one
-    :class:`ConfigError` naming the layout, the configuration, the problem and the layouts that fit."""
+    ``ConfigError`` naming the layout, the configuration, the problem and the layouts that fit."""
     for hash_name in hashes:  # a configuration that is wrong whatever the layout is said as such
         load_config(f"{size}-{hash_name}", overrides=overrides)
     for tp in tps:

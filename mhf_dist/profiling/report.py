@@ -1,5 +1,5 @@
 """The sweep's results: ``profile.json``, ``profile.csv``, ``scoring.csv``, TensorBoard scalars and the plots
-(:mod:`.plot`) in the output directory, and the text table printed at the end."""
+(``plot``) in the output directory, and the text table printed at the end."""
 
 from __future__ import annotations
 

@@ -87,8 +87,8 @@ class InferenceHeads:
         return {name: min(times) for name, times in samples.items()}
 
     def row(self, timings: list[dict[str, float]]) -> dict:
-        """Median per-token times over ``timings`` (from :meth:`time`, one per round) and the MHF/Standard ratio's
-        :class:`RatioSpread` over the rounds, next to the analytic FLOP ratio."""
+        """Median per-token times over ``timings`` (from ``time``, one per round) and the MHF/Standard ratio's
+        ``RatioSpread`` over the rounds, next to the analytic FLOP ratio."""
         ratio = RatioSpread.of([t["mhf"] / t["standard"] for t in timings])
         return {"vocab_size": self.vocab_size, "tokens": self.tokens, "compiled": self.compiled,
                 "mhf_s_per_token": statistics.median(t["mhf"] for t in timings) / self.tokens,
@@ -99,7 +99,7 @@ class InferenceHeads:
 
 def profile_scoring(vocab_sizes: list[int], cfg: ModelConfig, device: torch.device, dtype: str, repeats: int = 5,
                     tokens: int = 1, compiled: bool = False, rounds: int = 5) -> list[dict]:
-    """:class:`InferenceHeads` rows per vocabulary size: ``rounds`` rounds, each timing every size in turn (the best
+    """``InferenceHeads`` rows per vocabulary size: ``rounds`` rounds, each timing every size in turn (the best
     of ``repeats`` calls), so that a machine whose speed drifts moves every size alike; medians over the rounds.
     Every size's heads are held at once (a 1M-token Standard head at d = 768 is 3 GB in fp32)."""
     heads = [InferenceHeads(v, cfg, device, dtype, tokens, compiled) for v in vocab_sizes]

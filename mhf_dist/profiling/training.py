@@ -12,8 +12,8 @@ import torch.distributed as dist
 from mhf_dist.config import ModelConfig, load_config
 from mhf_dist.model import build_model
 from mhf_dist.model.flops import forward_flops
-from mhf_dist.model.fused_head import use_kernels
 from mhf_dist.model.lm import LanguageModel
+from mhf_dist.model.modes import ModelModes
 from mhf_dist.parallel.comm import count_collectives
 from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel
 from mhf_dist.profiling.timing import Timer, torch_dtype
@@ -50,18 +50,19 @@ class TrainRow:
 
 
 def step_seconds(step: dict[str, float]) -> float:
-    """Seconds of a whole training step from :meth:`TrainingProbe.step`'s split (collectives fall inside it)."""
+    """Seconds of a whole training step from ``TrainingProbe.step``'s split (collectives fall inside it)."""
     return step["forward"] + step["backward"] + step["optimizer"]
 
 
-def probe_model(cfg: ModelConfig, tp: int, device: torch.device, dtype: torch.dtype) -> tuple[LanguageModel, int]:
+def probe_model(cfg: ModelConfig, tp: int, device: torch.device, dtype: torch.dtype,
+                modes: ModelModes = ModelModes()) -> tuple[LanguageModel, int]:
     """(this rank's model, the whole model's parameter count): built on the host at full size with random
     signatures, cut to this rank's tensor-parallel shard (the parallel modules are new, on the host and in fp32),
     then moved to ``device`` and ``dtype`` in one go, so no module is left behind on either."""
     codes = torch.randint(1, cfg.hash.num_buckets, (VOCAB, cfg.hash.num_hashes),
                           generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
-    model = build_model(cfg, VOCAB, codes, CompressionTable.identity(VOCAB))
+    model = build_model(cfg, VOCAB, codes, CompressionTable.identity(VOCAB), modes=modes)
     params = sum(p.numel() for p in model.parameters())
     apply_tensor_parallel(model, dist.group.WORLD if tp > 1 else None, dist.get_rank() if tp > 1 else 0, tp)
     return model.to(device=device, dtype=dtype), params
@@ -69,17 +70,17 @@ def probe_model(cfg: ModelConfig, tp: int, device: torch.device, dtype: torch.dt
 
 class TrainingProbe:
     """One configuration trained step by step on this rank (tp ranks build it together): the model of preset
-    ``{size}-{hash_name}``, AdamW and one synthetic batch. :meth:`step` times one step; :meth:`row` summarises
+    ``{size}-{hash_name}``, AdamW and one synthetic batch. ``step`` times one step; ``row`` summarises
     the steps it is given, so several probes can be stepped in turn (side by side, as the benchmark does)."""
 
     def __init__(self, size: str, hash_name: str, tp: int, seq_len: int, micro: int, dtype: str,
                  device: torch.device, overrides: list[str], max_steps: int):
         run_cfg = load_config(f"{size}-{hash_name}", overrides=[f"parallel.tp={tp}", *overrides])
         cfg = run_cfg.model
-        model, self.params = probe_model(cfg, tp, device, torch_dtype(dtype))
+        model, self.params = probe_model(cfg, tp, device, torch_dtype(dtype),
+                                         ModelModes(kernels=run_cfg.train.fused_head_kernel))
         if run_cfg.train.compile:
             model.backbone.compile_blocks()
-        use_kernels(run_cfg.train.fused_head_kernel)
         self.model, self.device = model, device
         self.optimizer, _ = build_optimizer(model.named_parameters(), run_cfg.optimizer, max_steps=max_steps)
         gen = torch.Generator().manual_seed(1)
@@ -102,7 +103,7 @@ class TrainingProbe:
         return {"forward": fwd.seconds, "backward": bwd.seconds, "optimizer": opt.seconds, "comm": log.seconds}
 
     def row(self, steps: list[dict[str, float]], peak_measured: float, peak_nominal: float | None) -> TrainRow:
-        """Median times of ``steps`` (from :meth:`step`) as a row; MFU against ``peak_measured``."""
+        """Median times of ``steps`` (from ``step``) as a row; MFU against ``peak_measured``."""
         split = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
         step_s = step_seconds(split)
         tokens_per_s = self.micro * self.seq_len / step_s  # one data-parallel replica

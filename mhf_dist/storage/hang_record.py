@@ -1,6 +1,6 @@
 """What the hang watchdog ended a job on, ``RUN/hangs/<time>/hang.json``: the step and phase that made no progress,
 for how long, under which budget and setting, and whether that budget was already a retry's. The next start reads
-the newest one, so a phase that was ended does not end the same way again (:mod:`mhf_dist.train.watchdog`).
+the newest one, so a phase that was ended does not end the same way again (``mhf_dist.train.watchdog``).
 """
 
 from __future__ import annotations

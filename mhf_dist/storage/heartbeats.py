@@ -1,12 +1,11 @@
-"""Each rank's heartbeat, ``RUN/heartbeats/rank-N.json``: what the rank is doing (its step and phase, and since
-when) and when it last said so. A thread of the rank rewrites it every few seconds, whatever its training thread is
-waiting on, so the files tell, without the network, which ranks still answer, which stopped answering (a stopped
-process, a lost node) and which fell behind. The hang watchdog (:mod:`mhf_dist.train.watchdog`) and ``status``
-read them.
+"""Each rank's heartbeat, ``RUN/heartbeats/rank-N.json``, rewritten every few seconds by a thread of the rank whatever
+its training thread waits on, so the files tell without the network which ranks answer, which stopped and which fell
+behind (``rank_health``); and the lost-node record, ``RUN/heartbeats/lost.json`` (``record_lost``). The hang
+watchdog (``mhf_dist.train.watchdog``) and ``status`` read them (docs/training.md, "Monitoring: ``status``").
 
-A record: ``rank``, ``node`` (:data:`NODE_ENV`, else the host name), ``pid``, ``step`` (the step under way, or the
-last one done), ``phase`` (``start``, ``step``, ``eval``, ``save``, ``rollback``, ``end``, ``finished``), ``since``
-(when that phase began: the last progress), ``beat`` (when written), ``beat_s`` (the interval between writes),
+A heartbeat: ``rank``, ``node`` (``NODE_ENV``, else the host name), ``pid``, ``step`` (under way, or the last one
+done), ``phase`` (``start``, ``step``, ``eval``, ``save``, ``rollback``, ``end``, ``finished``), ``since`` (when the
+phase began: the last progress), ``beat`` (when written), ``beat_s`` (the interval between writes),
 ``hang_timeout_s`` (the phase's budget), ``started`` (when the rank's watchdog started).
 """
 
@@ -48,7 +47,7 @@ def record_lost(run: RunDir, nodes: list[str], ranks: list[int], step: int, when
 
 
 def read_lost(run: RunDir) -> dict:
-    """The lost-node record of this job (:func:`record_lost`): ``{nodes, ranks, time, step}``, or ``{}``."""
+    """The lost-node record of this job (``record_lost``): ``{nodes, ranks, time, step}``, or ``{}``."""
     try:
         record = json.loads(run.lost_record.read_text())
     except (OSError, ValueError):

@@ -51,7 +51,7 @@ def check_target(out: str | Path, sources: Sequence[str | Path], overwrite: bool
 @contextlib.contextmanager
 def staged(out: str | Path, before_replace: Callable[[Path], None] | None = None) -> Iterator[Path]:
     """``with staged(out) as tmp:`` write into ``tmp``; on success it replaces ``out`` (checked with
-    :func:`check_target` first), on failure it is removed and ``out`` is untouched. ``before_replace(tmp)`` runs
+    ``check_target`` first), on failure it is removed and ``out`` is untouched. ``before_replace(tmp)`` runs
     once ``tmp`` is complete, just before it replaces ``out``: it may refuse (raise), having moved ``tmp`` to keep
     it."""
     out = Path(out)

@@ -1,18 +1,12 @@
 """Which training runs read a data directory, so that ``prepare-data --overwrite`` never replaces shards under them.
 
-``mhf-dist train`` marks every local directory of shards a run reads (``data.path``, or each of ``data.sources``)
-once per node: its rank with ``LOCAL_RANK`` 0 writes ``DATA/.readers/<host>-<pid>.json`` (``run_dir``, ``host``,
-``pid``, ``started``) before it starts training, a background thread refreshes the file's modification time every
-:data:`~.run_lock.HEARTBEAT_S` seconds, and the mark is removed when the rank's training ends, however it ends. A
-mark counts while its process runs (judged on its own host) and its heartbeat is at most
-:data:`~.run_lock.STALE_S` seconds old, so a killed run's mark is ignored at once on its host and after that long
-elsewhere. Shards read by URL (object storage, ``http(s)``, ``pipe:``) are not marked (nothing here sees who reads
-them; a reader still says when their manifest changed under it), nor a directory the run cannot write (a read-only
-dataset), nor the embedded corpus's ``RUN/data`` (prepare-data never writes into a run directory).
-
-``prepare-data`` refuses to replace a directory that is marked, naming the runs (:func:`refuse_if_read`), and checks
-again once the new preparation is complete: a run that started meanwhile keeps the directory, and the new
-preparation is kept beside it as ``DATA.new``.
+``mark_reading``: a run's first rank on each node marks every local shard directory it reads with
+``DATA/.readers/<host>-<pid>.json`` (``run_dir``, ``host``, ``pid``, ``started``), refreshed every
+``run_lock.HEARTBEAT_S`` seconds and removed when its training ends. A mark counts while its process runs (judged on
+its own host) and its refresh is at most ``run_lock.STALE_S`` seconds old (``live_readers``). Shards read by URL, a
+directory the run cannot write and the run's own ``RUN/data`` are not marked. ``refuse_if_read``: ``prepare-data``
+names the runs and refuses, before it writes and again once the new preparation is complete (then kept beside as
+``DATA.new``). The rules: docs/data.md, "Preparing again data that runs read".
 """
 
 from __future__ import annotations
@@ -36,7 +30,7 @@ READERS_DIR = ".readers"
 
 
 class ReadingMarks:
-    """The marks one process holds (:func:`mark_reading`), refreshed until :meth:`release`."""
+    """The marks one process holds (``mark_reading``), refreshed until ``release``."""
 
     def __init__(self, files: list[Path]):
         self.files = files

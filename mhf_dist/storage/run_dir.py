@@ -1,28 +1,14 @@
-"""The run directory: everything a run needs to continue lives under it, each part named here once.
+"""The run directory: everything a run needs to continue lives under it, each part named here once (``RunDir``).
 
-Layout (:class:`RunDir`'s attributes)::
-
-    RUN/config.yaml        resolved RunConfig                                        config_path
-    RUN/tokenizer/         the tokenizer (trained here on the embedded corpus        tokenizer_dir
-                           when tokenizer.path is None)
-    RUN/signatures/        the SignatureTable (docs/spec.md §1), built once, then    signatures_dir
-                           verified on every start
-    RUN/engram/            the Engram tokenizer compression (docs/spec.md §8, only   engram_dir
-                           with model.engram), likewise
-    RUN/data/              shards of the embedded corpus (only when data.path is     data_dir
-                           unset or 'embedded')
-    RUN/checkpoints/       the checkpoints (mhf_dist.train.checkpoint)               checkpoints_dir
-    RUN/lock.json          the job that trains here (mhf_dist.storage.run_lock)      lock_path
-    RUN/metrics.jsonl      one JSON object per logged step                           metrics_path
-    RUN/tensorboard/       TensorBoard event files                                   tensorboard_dir
-    RUN/heartbeats/        each rank's heartbeat (mhf_dist.storage.heartbeats)       heartbeats_dir
-    RUN/hangs/<time>/      each live rank's stacks when the job hung                 hangs_dir
-    RUN/slurm/             submitted job scripts, their logs and jobs.jsonl          jobs_dir, jobs_file
-    RUN/rollbacks.json     the rollbacks of train.on_spike=rollback and the data     rollbacks_path
-                           each skipped (mhf_dist.train.rollback)
-
-Making a run's assets (the tokenizer, tables, shards) loads the vocabulary and data stacks; naming its paths loads
-nothing, so ``status`` and ``submit`` use this class on a login node.
+``RUN/`` holds ``config.yaml`` (the resolved RunConfig), ``tokenizer/`` (trained here when ``tokenizer.path`` is
+None), ``signatures/`` and ``engram/`` (docs/spec.md §1, §8; built once, then verified on every start), ``data/``
+(the embedded corpus's shards), ``checkpoints/`` (``mhf_dist.train.checkpoint``), ``lock.json``
+(``mhf_dist.storage.run_lock``), ``metrics.jsonl``, ``tensorboard/``, ``heartbeats/``
+(``mhf_dist.storage.heartbeats``), ``hangs/<time>/`` (each live rank's stacks), ``jobs/`` (submitted job scripts,
+their logs and ``jobs.jsonl``; ``slurm/`` in a run submitted before) and ``rollbacks.json``
+(``mhf_dist.train.rollback``). What each holds: docs/training.md, "Training: ``train``". Making a run's assets (the
+tokenizer, tables, shards) loads the vocabulary and data stacks; naming its paths loads nothing, so ``status`` and
+``submit`` use this class on a login node.
 """
 
 from __future__ import annotations
@@ -50,7 +36,8 @@ CHECKPOINTS_DIR = "checkpoints"
 LOCK_FILE = "lock.json"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-JOBS_DIR = "slurm"  # also OUT/slurm of submit-data
+JOBS_DIR = "jobs"  # also OUT/jobs of submit-data
+OLD_JOBS_DIR = "slurm"  # the job directory's name before it was named for any scheduler
 RUN_MARKERS = (CHECKPOINTS_DIR, METRICS_FILE, LOCK_FILE)  # what only a run directory holds
 
 
@@ -69,9 +56,29 @@ class RunDir:
         self.heartbeats_dir = self.path / "heartbeats"
         self.lost_record = self.heartbeats_dir / "lost.json"  # the nodes the ranks lost (storage.heartbeats)
         self.hangs_dir = self.path / "hangs"
-        self.jobs_dir = self.path / JOBS_DIR
-        self.jobs_file = self.jobs_dir / "jobs.jsonl"  # one line per submitted job
         self.rollbacks_path = self.path / "rollbacks.json"
+
+    @property
+    def jobs_dir(self) -> Path:
+        """``RUN/jobs``; ``RUN/slurm`` where only that one is there (a run submitted by an older mhf-dist keeps it,
+        so its jobs, their requeues and their logs stay in one place)."""
+        old = self.path / OLD_JOBS_DIR
+        return old if old.is_dir() and not (self.path / JOBS_DIR).exists() else self.path / JOBS_DIR
+
+    @property
+    def jobs_file(self) -> Path:
+        """One line per submitted job."""
+        return self.jobs_dir / "jobs.jsonl"
+
+    def make_jobs_dir(self) -> Path:
+        """Make the job directory; a new ``RUN/jobs`` gets ``RUN/slurm``, its older name, as a link to it, for whoever
+        still reads that one."""
+        jobs, old = self.jobs_dir, self.path / OLD_JOBS_DIR
+        jobs.mkdir(parents=True, exist_ok=True)
+        if jobs.name == JOBS_DIR and not old.is_symlink() and not old.exists():
+            with contextlib.suppress(OSError):  # a filesystem without links: only the new name is there
+                old.symlink_to(JOBS_DIR)
+        return jobs
 
     def save_config(self, cfg: RunConfig) -> None:
         """``config.yaml``: the config a plain ``train --run-dir RUN`` resumes with."""
@@ -211,7 +218,7 @@ class RunDir:
 
 class RunDirAsFound:
     """A run directory as a start found it, before it wrote anything there: new (absent or empty) or a run's. A
-    start refused before it trained calls :meth:`restore`, which leaves a new one as it was found (removed again, or
+    start refused before it trained calls ``restore``, which leaves a new one as it was found (removed again, or
     emptied), so that nothing made for a refused config (a tokenizer, signatures, prepared data) meets the next
     start; a run's directory is left alone."""
 

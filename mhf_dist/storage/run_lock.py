@@ -1,16 +1,12 @@
-"""One job per run directory: ``RUN/lock.json`` names the job that trains in it.
+"""One job per run directory: ``RUN/lock.json`` names the job that trains in it (``RunLock``).
 
-Two jobs in one run directory would overwrite each other's config and
-checkpoints, so rank 0 takes the lock before it writes anything and releases it
-when the run ends. The lock records the host, the process id, the scheduler's job
-id (:data:`JOB_ID_ENV`, when there is one) and the start time, and a background thread refreshes its
-modification time every :data:`HEARTBEAT_S` seconds. A lock is stale, and
-taken over with a warning, when its process is gone (same host), when it was
-taken by an earlier run of the same scheduler job (a requeue), or when its
-heartbeat stopped more than :data:`STALE_S` seconds ago (a crashed node).
-``status`` calls its holder gone sooner (:func:`holder_gone`): once the
-process is not running (same host) or the heartbeat missed
-:data:`MISSED_BEATS` refreshes.
+Two jobs in one run directory would overwrite each other's config and checkpoints, so rank 0 takes the lock before
+it writes anything and releases it when the run ends. The lock records the host, the pid, the scheduler's job id
+(``JOB_ID_ENV``, when there is one) and the start time; a thread refreshes its modification time every
+``HEARTBEAT_S`` seconds. It is stale, and taken over with a warning, when its process is gone (same host), when an
+earlier run of the same scheduler job took it (a requeue), or when its heartbeat stopped over ``STALE_S`` seconds
+ago (a crashed node); a live holder makes the start fail with ``RunDirLocked``. ``status`` calls its holder gone
+sooner (``holder_gone``): the process is not running (same host) or the heartbeat missed ``MISSED_BEATS`` refreshes.
 """
 
 from __future__ import annotations
@@ -63,7 +59,7 @@ def _exited(holder: dict) -> str | None:
 
 def holder_gone(holder: dict, age_s: float) -> str | None:
     """Why the job holding a lock (heartbeat ``age_s`` seconds ago) is gone as far as this host can tell, or None
-    while it may be alive: its process is not running here, or its heartbeat missed :data:`MISSED_BEATS` refreshes."""
+    while it may be alive: its process is not running here, or its heartbeat missed ``MISSED_BEATS`` refreshes."""
     if (exited := _exited(holder)) is not None:
         return exited
     if age_s > MISSED_BEATS * HEARTBEAT_S:
@@ -95,7 +91,7 @@ class RunLock:
         return None
 
     def acquire(self) -> str | None:
-        """Take the lock; returns a warning when a stale lock was taken over. Raises :class:`RunDirLocked`."""
+        """Take the lock; returns a warning when a stale lock was taken over. Raises ``RunDirLocked``."""
         warning = None
         try:
             holder = json.loads(self.path.read_text())

@@ -1,21 +1,15 @@
 """Watching the loss for divergence: non-finite steps and spikes (``train.on_nonfinite``, ``train.spike_factor``,
 ``train.grad_spike_factor``, ``train.on_spike``).
 
-The logged loss and gradient norm are global (averaged over the data-parallel
-ranks, norm over every shard), so every rank reaches the same verdict at the
-same step without another collective. A run whose loss stays non-finite for
-``train.max_nonfinite_steps`` steps stops with :class:`TrainingDiverged`
-(exit 2) instead of training on and saving NaN weights; the checkpoint it can
-resume from is the newest one, which was saved while the loss was finite.
-
-A spike is a loss (or gradient norm) above its factor times the median of the
-last :data:`SPIKE_WINDOW` finite, unspiked ones (once :data:`MIN_WINDOW` are
-known). Under ``on_spike=skip`` (and ``rollback``, which also counts the recent spikes:
-:meth:`LossWatch.spikes_within`, :mod:`mhf_dist.train.rollback`) the limits of the next step (:meth:`LossWatch.limits`)
-go to the trainer, which leaves a step past them out on the device, before its
-update; the watch then counts what the trainer reports. Its window and counts
-are saved in checkpoints, so a resumed run judges its steps as the run it
-continues would have.
+The logged loss and gradient norm are global (averaged over the data-parallel ranks, norm over every shard), so every
+rank reaches the same verdict at the same step without another collective. A run whose loss stays non-finite for
+``train.max_nonfinite_steps`` steps stops with :class:`TrainingDiverged` (exit 2) instead of training on and saving NaN
+weights. A spike is a loss (or gradient norm) above its factor times the median of the last :data:`SPIKE_WINDOW`
+finite, unspiked ones (once :data:`MIN_WINDOW` are known). Under ``on_spike=skip`` (and ``rollback``, which also counts
+the recent spikes, :mod:`mhf_dist.train.rollback`) the limits of the next step (:meth:`LossWatch.limits`) go to the
+trainer, which leaves a step past them out on the device, before its update; the watch counts what the trainer
+reports. Its window and counts are saved in checkpoints, so a resumed run judges its steps as the run it continues
+would have. :class:`~mhf_dist.train.divergence_watch.DivergenceWatch` is the watch as a run's callback.
 """
 
 from __future__ import annotations

@@ -1,22 +1,18 @@
-"""Faults the test suite injects into checkpoint saves and conversions, through environment variables a test sets
-for the ranks it starts. Nothing here acts unless its variable is set: a run never has them.
+"""Faults the test suite injects into steps, evaluations, checkpoint saves and conversions, through environment
+variables a test sets for the ranks it starts; nothing here acts unless its variable is set. A step's faults act
+through callbacks (:func:`injected_faults`), a change to its numbers through the loss wrapper the trainer is built with.
 
-- :data:`SAVE_PAUSE_ENV`: seconds a save stalls after its files, before it is marked complete (crash-safety tests
-  kill a rank there).
-- :data:`CONVERT_PAUSE_ENV`: seconds a conversion for another layout takes longer (it must outlast the process
-  group's timeout without any rank waiting in a collective).
+- :data:`SAVE_PAUSE_ENV`: seconds a save stalls after its files, before it is marked complete (a rank is killed there).
+- :data:`CONVERT_PAUSE_ENV`: seconds a conversion for another layout takes longer (past the process group's timeout).
 - :data:`SAVE_FAIL_ENV`: the rank whose checkpoint writes fail as on a full disk.
-- :data:`DISK_BYTES_ENV`: the capacity, in bytes, of a simulated filesystem holding the checkpoints; writes fail
-  once the checkpoints fill it.
-- :data:`SLOW_RANK_ENV`: ``RANK:FRACTION``: that rank computes ``FRACTION`` more in each step (a straggler).
-- :data:`SLOW_DEVICE_ENV`: ``RANK:FRACTION``: that rank's device probe computes ``FRACTION`` more products in its
-  timed chain (a device that takes longer for the same work).
-- :data:`SLOW_WORK_ENV`: ``KIND:SECONDS[,KIND:SECONDS...]``: healthy work that takes longer: ``first_step`` (a
-  start's first step, as a compile does), ``eval_batch`` (each evaluation micro-batch), ``checkpoint_file`` (each
-  checkpoint file, as on a slow filesystem).
-- :data:`LOSS_SPIKE_ENV`: ``SAMPLE:FACTOR[,SAMPLE:FACTOR...]``: the loss (and so the gradients) of the step whose
-  global batch holds global sample position ``SAMPLE`` multiplied by ``FACTOR`` on every rank: a loss spike that comes
-  with its data, so a run that skips that data does not meet it again.
+- :data:`DISK_BYTES_ENV`: the capacity, in bytes, of a simulated filesystem holding the checkpoints.
+- :data:`SLOW_RANK_ENV`, :data:`SLOW_DEVICE_ENV`: ``RANK:FRACTION``: that rank computes ``FRACTION`` more in each step
+  (a straggler), or its device probe times ``FRACTION`` more products (a device slower at the same work).
+- :data:`SLOW_WORK_ENV`: ``KIND:SECONDS[,...]``: healthy work that takes longer: ``first_step`` (a start's first step,
+  as a compile does), ``eval_batch`` (each evaluation micro-batch), ``checkpoint_file`` (each checkpoint file).
+- :data:`LOSS_SPIKE_ENV`: ``SAMPLE:FACTOR[,...]``: the loss of the step whose global batch holds sample position
+  ``SAMPLE`` multiplied by ``FACTOR`` on every rank: a spike that comes with its data, so a run that skips that data
+  does not meet it again.
 """
 
 from __future__ import annotations
@@ -24,8 +20,13 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mhf_dist.train.callbacks import Callback, RunContext, Stepped
+
+if TYPE_CHECKING:
+    import torch
 
 SAVE_PAUSE_ENV = "MHF_DIST_TEST_SAVE_PAUSE"
 CONVERT_PAUSE_ENV = "MHF_DIST_TEST_CONVERT_PAUSE"
@@ -85,13 +86,35 @@ def _slowed_by(variable: str, rank: int) -> float:
     return float(fraction) if int(slow) == rank else 0.0
 
 
-def slow_step(rank: int, compute_s: float) -> None:
-    """The straggler of :data:`SLOW_RANK_ENV`: after a step of ``compute_s`` CPU seconds, it computes for that
-    fraction of them again (busy, as a slower device or a starved host would be)."""
-    if fraction := _slowed_by(SLOW_RANK_ENV, rank):
-        until = time.thread_time() + fraction * compute_s
+class SlowRank(Callback):
+    """The straggler of :data:`SLOW_RANK_ENV`: after a step of so many CPU seconds, it computes for that fraction of
+    them again (busy, as a slower device or a starved host would be), inside the straggler watch's measure."""
+
+    def on_start(self, run: RunContext) -> None:
+        self.fraction = _slowed_by(SLOW_RANK_ENV, run.job.rank)
+
+    def before_step(self, step: int) -> None:
+        self.began = time.thread_time()
+
+    def after_step(self, step: int, stepped: Stepped) -> None:
+        until = time.thread_time() + self.fraction * (time.thread_time() - self.began)
         while time.thread_time() < until:
             pass
+
+
+class SlowWork(Callback):
+    """The longer healthy work of :data:`SLOW_WORK_ENV` in the loop: a start's first step, each evaluation
+    micro-batch."""
+
+    def on_start(self, run: RunContext) -> None:
+        self.first = run.progress.start + 1
+
+    def after_step(self, step: int, stepped: Stepped) -> None:
+        if step == self.first:
+            slow_work("first_step")
+
+    def eval_progress(self) -> None:
+        slow_work("eval_batch")
 
 
 def slow_device_repeats(rank: int, products: int) -> int:
@@ -100,12 +123,28 @@ def slow_device_repeats(rank: int, products: int) -> int:
     return round(products * (1 + _slowed_by(SLOW_DEVICE_ENV, rank)))
 
 
-def loss_scale(first: Callable[[], int], batch: int) -> float:
-    """What the loss of a step reading global positions ``first()`` onward (``batch`` of them) is multiplied by: the
-    factor of a sample of :data:`LOSS_SPIKE_ENV` among them, else 1 (``first`` is asked only when the variable is
-    set)."""
-    if not os.environ.get(LOSS_SPIKE_ENV):
-        return 1.0
-    start = first()
-    spikes = [item.split(":") for item in os.environ[LOSS_SPIKE_ENV].split(",")]
-    return next((float(factor) for sample, factor in spikes if start <= int(sample) < start + batch), 1.0)
+class LossSpikes(Callback):
+    """The spikes of :data:`LOSS_SPIKE_ENV`: the loss of a step whose ``batch`` global positions hold a listed sample
+    is multiplied by its factor (the data's position read before each step: one directory's reader, as a mixture
+    has no single global order)."""
+
+    def __init__(self, batch: int):
+        self.batch, self.factor = batch, 1.0
+        self.spikes = [(int(sample), float(factor)) for sample, factor in
+                       (item.split(":") for item in os.environ[LOSS_SPIKE_ENV].split(","))]
+
+    def on_start(self, run: RunContext) -> None:
+        self.data = run.data
+
+    def before_step(self, step: int) -> None:
+        first = self.data.global_position()
+        self.factor = next((factor for sample, factor in self.spikes if first <= sample < first + self.batch), 1.0)
+
+    def wrap_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.factor == 1.0 else loss * self.factor
+
+
+def injected_faults(batch: int) -> list[Callback]:
+    """The callbacks of the step faults the environment asks for, in a run of global batches of ``batch``."""
+    wanted = ((SLOW_RANK_ENV, SlowRank), (SLOW_WORK_ENV, SlowWork), (LOSS_SPIKE_ENV, lambda: LossSpikes(batch)))
+    return [make() for variable, make in wanted if os.environ.get(variable)]

@@ -1,34 +1,14 @@
-"""The training side of offloaded Engram tables (``model.engram.offload``, :class:`HostTables`).
-
-Per step (the backend's :class:`~mhf_dist.backend.Trainer` calls these around its optimizer step):
-
-1. :meth:`HostTablesStep.prefetch` / :meth:`~HostTablesStep.advance` gather each micro-batch's rows ahead of its
-   forward (the next micro-batch's while the current one computes).
-2. :meth:`~HostTablesStep.before_step`, before DeepSpeed's optimizer step: the gradients still on their way from the
-   device are added (:meth:`HostTables.accumulate`, waiting for their copies); with dp > 1 the host gradients are
-   averaged over the data-parallel ranks (as DeepSpeed averages its own), rows read on some rank only: the ranks'
-   row masks (:attr:`HostTables.touched`, kept whenever dp > 1) are all-reduced with MAX, one byte a row, and only
-   the union's rows are all-reduced — every other row's gradient is zero on every rank — through pinned staging
-   buffers on the communication device, never handed to NCCL from the host. Then their norm is taken, and the
-   learning rate, betas, eps and weight decay of the trainer's decayed (>= 2-D) group are read.
-3. DeepSpeed's step: the trainer made its ZeRO optimizer's global gradient norm include the host tables'
-   (:meth:`~HostTablesStep.host_norm_on`: ``sqrt(n_device² + n_host²)``), so its clipping and the logged grad norm
-   are those of the dense run.
-4. :meth:`~HostTablesStep.after_step`: the same clip coefficient ``max(1, (norm + 1e-6) / grad_clip)`` on the host
-   gradients (the global norm as the trainer read it with the step's other numbers, so it costs no host sync of its
-   own), then ``torch.optim.AdamW`` (fused, as the dense path) on the host tables with those hyperparameters:
-   every row is updated each step (weight decay and the moments' decay reach rows without gradient), exactly as
-   the dense tables. The bias correction follows the host optimizer's own step count, equal to DeepSpeed's.
-
-``model.engram.offload_update=lazy`` steps only the rows read in the step instead: the union, over the micro-batches
-and (with dp > 1) the data-parallel ranks, of the rows whose gradient the lookups added (the same mask). Only those
-rows' gradients are dp-averaged, normed and clipped; the same fused AdamW kernel runs on them (``index_select``), and
-the rows and their moments are written back (``index_copy_``). The step count still advances every step, so the bias
-correction is the dense path's; the other rows and their moments stay exactly as they are (LazyAdam / SparseAdam).
-Both modes keep the same ``exp_avg``/``exp_avg_sq``/``step`` state, so a checkpoint of either resumes in either.
-
-Checkpoints hold the tables and their AdamW state in ``engram-host-tables.safetensors`` (:meth:`state`/:meth:`load`),
-written by rank 0 only: with tp = pp = 1 every rank holds the same tables.
+"""The training side of offloaded Engram tables (``model.engram.offload``, :class:`HostTables`), called by the
+backend's :class:`~mhf_dist.backend.Trainer` around its optimizer step: :meth:`HostTablesStep.prefetch` and
+:meth:`~HostTablesStep.advance` gather each micro-batch's rows ahead of its forward; :meth:`~HostTablesStep.before_step`
+adds the gradients still on their way from the device and, with dp > 1, averages the rows any rank read over the
+data-parallel ranks (their row masks all-reduced with MAX, then the union's rows only, through pinned staging buffers);
+DeepSpeed's global gradient norm includes the host tables' (:meth:`~HostTablesStep.host_norm_on`), so its clipping
+and the logged norm are the dense run's; :meth:`~HostTablesStep.after_step` clips with that norm and steps a fused
+``torch.optim.AdamW`` on every row, as the dense tables (``model.engram.offload_update=lazy``: on the rows read only,
+with the same step count and Adam state, so a checkpoint of either resumes in either). Checkpoints hold the tables and
+their AdamW state in ``engram-host-tables.safetensors``, written by rank 0 (with tp = pp = 1 every rank holds the same
+tables). Why and how: docs/design-model.md, "Engram memory".
 """
 
 from __future__ import annotations
@@ -79,13 +59,13 @@ def host_tables_factory(cfg: RunConfig, groups: ParallelGroups) -> HostTableFact
     dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32  # what crosses to the device
     # the Engram tables' optimizer.groups settings (every layer's alike)
     settings = group_settings(group_key("backbone.layers.0.engram.tables.weight", 3, cfg.optimizer), cfg.optimizer)
-    return lambda model, trainer: HostTablesStep(model, trainer, dtype, groups.dp_group, groups.dp,
-                                                 engram.offload_update, settings)
+    return lambda model, trainer: HostTablesStep(model, trainer, compute_dtype=dtype, dp_group=groups.dp_group,
+                                                 dp=groups.dp, update=engram.offload_update, settings=settings)
 
 
 class HostTablesStep:
-    def __init__(self, model: nn.Module, trainer: Trainer, compute_dtype: torch.dtype, dp_group, dp: int, update: str,
-                 settings: tuple[float, float]):
+    def __init__(self, model: nn.Module, trainer: Trainer, *, compute_dtype: torch.dtype, dp_group, dp: int,
+                 update: str, settings: tuple[float, float]):
         self.memories = [block.engram for block in model.backbone.layers
                          if block.engram is not None and isinstance(block.engram.tables, HostTables)]
         self.tables = host_tables(model)

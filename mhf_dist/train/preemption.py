@@ -1,19 +1,14 @@
 """Stopping on a signal: SIGUSR1 (a scheduler's warning before the time limit), SIGTERM (preemption, a cancelled job)
 or Ctrl-C (SIGINT).
 
-The handler is installed before anything slow starts (imports of the training
-stack, data preparation, the model build), so a signal at any moment of a
-rank's life is noted instead of killing it: the ranks agree on it, save if
-they trained anything, and exit with :data:`PREEMPTED_EXIT_CODE`, which the
-job script answers with a requeue. The job script also tells the ranks the
-grace period (:data:`GRACE_ENV`), so a save that would not fit in it is
-flagged while there is time to act.
-
-A first Ctrl-C is taken as SIGTERM is (during start-up, with no step to finish
-and nothing trained, the note says the ranks stop without a checkpoint); a
-second aborts at once without saving (:data:`ABORTED_EXIT_CODE`) and says what
-that loses: the steps since the newest checkpoint, which the next start resumes
-from.
+The handler is installed before anything slow starts (imports of the training stack, data preparation, the model
+build), so a signal at any moment of a rank's life is noted instead of killing it: the ranks agree on it, save if they
+trained anything, and exit with :data:`PREEMPTED_EXIT_CODE`, which the job script answers with a requeue. The job
+script also tells the ranks the grace period (:data:`GRACE_ENV`), so a save that would not fit in it is flagged while
+there is time to act. A first Ctrl-C is taken as SIGTERM is (during start-up, with no step to finish and nothing
+trained, the note says the ranks stop without a checkpoint); a second aborts at once without saving
+(:data:`ABORTED_EXIT_CODE`) and says what that loses: the steps since the newest checkpoint, which the next start
+resumes from.
 """
 
 from __future__ import annotations

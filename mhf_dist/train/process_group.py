@@ -1,5 +1,6 @@
-"""This rank in the job's process group: the device it computes on, joining the group over the configured backend
-(and the backend's own prints while it starts), leaving it, and what a failed collective says."""
+"""This rank in the job's process group: its place in the job (:class:`Job`), the device it computes on, joining the
+group over the configured backend (and the backend's own prints while it starts), leaving it, and what a failed
+collective says."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import io
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -17,8 +19,36 @@ from mhf_dist.backend import accelerator_env
 from mhf_dist.backend import init_distributed as init_backend_distributed
 from mhf_dist.config import RunConfig
 from mhf_dist.parallel.devices import bind_gpu, device_type
-from mhf_dist.parallel.layout import backend_name
+from mhf_dist.parallel.groups import ParallelGroups
+from mhf_dist.parallel.layout import Layout, backend_name
 from mhf_dist.parallel.rendezvous import free_port
+from mhf_dist.parallel.scalars import ScalarCollectives
+from mhf_dist.train.preflight import preflight
+
+
+@dataclass(frozen=True)
+class Job:
+    """This rank's place in the job."""
+
+    rank: int
+    world: int
+    layout: Layout
+    ds_config: dict  # the engine's config for this layout
+    device: torch.device  # where this rank computes
+    groups: ParallelGroups
+    scalars: ScalarCollectives
+
+
+def join_job(cfg: RunConfig, verbose: bool = False) -> Job:
+    """Resolve the layout and the engine config (every config error before any collective), then join the job's
+    process group and its parallel groups (``verbose``: with the backend's start-up lines)."""
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    layout, ds_config = preflight(cfg, world, device_type(cfg))
+    device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
+    with backend_prints(verbose):
+        init_distributed(cfg, device)
+    return Job(rank, world, layout, ds_config, device, ParallelGroups.create(layout.tp, layout.pp),
+               ScalarCollectives())
 
 
 def leave_process_group() -> None:

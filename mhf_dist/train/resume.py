@@ -32,7 +32,7 @@ CHANGEABLE_ON_RESUME = (
     "train.on_spike", "train.spike_patience", "train.max_rollbacks", "train.peak_tflops", "train.compile",
     "train.fused_head_kernel", "train.dist_backend", "train.dist_timeout_minutes", "train.wandb",
     "train.hang_timeout_s", "train.first_step_timeout_s", "train.peer_timeout_s", "train.straggler_factor",
-    "train.straggler_intervals", "train.device_probe", "train.health_metrics",
+    "train.straggler_intervals", "train.device_probe", "train.health_metrics", "train.callbacks",
 )
 
 

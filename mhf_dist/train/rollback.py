@@ -25,7 +25,9 @@ from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.train.divergence import SPIKE_WINDOW, TrainingDiverged
 
 if TYPE_CHECKING:
-    from mhf_dist.backend import Trainer
+    from collections.abc import Callable
+    from pathlib import Path
+
     from mhf_dist.data.reader import ShardReader
     from mhf_dist.train.checkpoint import Checkpointer
 
@@ -41,6 +43,11 @@ def read_rollbacks(run: RunDir) -> list[dict]:
                           "restore it from a backup, or delete it to read that data again") from e
 
 
+def skipped_ranges(run: RunDir) -> list[tuple[int, int]]:
+    """The global position ranges the run's rollbacks skipped, which its readers never read."""
+    return [(r["skipped"][0], r["skipped"][1]) for r in read_rollbacks(run)]
+
+
 def rollback_entry(step: int, spikes: list[int], checkpoint: str, checkpoint_step: int,
                    skipped: tuple[int, int]) -> dict:
     """One rollback's record: at ``step``, for the ``spikes``, back to ``checkpoint``, ``skipped`` never read."""
@@ -54,29 +61,22 @@ def write_rollbacks(run: RunDir, rollbacks: list[dict]) -> None:
 
 
 class Rollbacks:
-    """The run's rollbacks: those recorded (read at start; the readers pass over the data they skipped) and going
-    back once one is due."""
+    """The run's rollbacks: those recorded (read at start) and going back once one is due."""
 
     def __init__(self, run: RunDir, cfg: TrainConfig, rank: int):
         self.run, self.cfg, self.rank = run, cfg, rank
         self.done = read_rollbacks(run)
 
-    @property
-    def skipped(self) -> list[tuple[int, int]]:
-        """The global position ranges the rollbacks skipped."""
-        return [(r["skipped"][0], r["skipped"][1]) for r in self.done]
-
     def due(self, spikes: list[int]) -> bool:
         """Whether ``spikes`` (the steps of the spikes within the last :data:`SPIKE_WINDOW` steps) roll the run back."""
         return self.cfg.on_spike == "rollback" and len(spikes) >= self.cfg.spike_patience
 
-    def go_back(self, step: int, spikes: list[int], checkpointer: Checkpointer, trainer: Trainer,
-                reader: ShardReader) -> dict:
-        """At ``step``: load the newest checkpoint saved before ``spikes[0]`` into ``trainer`` (the checkpoints since
-        are set aside) and have ``reader`` pass over the data from that checkpoint's position to where it stands,
-        recorded; returns the checkpoint's client state. Every rank calls this alike (the spikes are
-        judged on global numbers). Past ``train.max_rollbacks``, or without a checkpoint before the spikes, raises
-        :class:`TrainingDiverged`."""
+    def go_back(self, step: int, spikes: list[int], checkpointer: Checkpointer, reader: ShardReader,
+                load: Callable[[Path], dict]) -> None:
+        """At ``step``: ``load`` the newest checkpoint saved before ``spikes[0]`` as a resume loads it (the
+        checkpoints since are set aside) and have ``reader`` pass over the data from that checkpoint's position to
+        where it stood, recorded. Every rank calls this alike (the spikes are judged on global numbers). Past
+        ``train.max_rollbacks``, or without a checkpoint before the spikes, raises :class:`TrainingDiverged`."""
         checkpointer.wait()  # an asynchronous save in flight joins the line first
         target = checkpointer.newest_before(spikes[0])
         plural = "s" if len(spikes) > 1 else ""
@@ -92,7 +92,7 @@ class Rollbacks:
                 "(changes apply on resume), or raise train.max_rollbacks")
         position = reader.global_position()
         checkpointer.continue_from(target)
-        client = checkpointer.load(trainer, target)
+        client = load(target)  # the reader too, at the checkpoint's position: from there it passes over the data
         skipped = (reader.global_position(client["reader"]), position)
         reader.skip(*skipped)
         self.done.append(rollback_entry(step, spikes, target.name, client["step"], skipped))
@@ -101,4 +101,3 @@ class Rollbacks:
             tqdm.write(f"rollback {len(self.done)}/{self.cfg.max_rollbacks}: {said}; back to {target} (step "
                        f"{client['step']}); the data read since it (global samples {skipped[0]}-{skipped[1] - 1}) "
                        f"is skipped, recorded in {self.run.rollbacks_path}")
-        return client

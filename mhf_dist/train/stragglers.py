@@ -1,19 +1,17 @@
-"""Slow ranks made visible. Each rank measures its own compute time per step: the CPU seconds of its training
-thread in the step (on a CPU device that thread's share of the compute, its OpenMP workers taking equal shares), which
-a rank waiting in a gloo collective or for its data does not spend, so a rank that is slow itself stands out from
-the ranks that wait for it, whatever the step's wall time. Background threads (the data reader's prefetch, the
-heartbeat) are left out: their bursts would blur one step's figure. Every log interval one small collective gathers
-each rank's mean over the interval; rank 0 logs the median, the slowest rank and its ratio to the median of the other
-ranks of its pipeline stage (the stages do different work: the last one holds the decoder; one slow rank of two shows
-its own slowness, not half of it), and warns, naming the rank and its node
-(from its heartbeat), when the ratio exceeds ``train.straggler_factor`` for ``train.straggler_intervals`` intervals
-in a row.
+"""Slow ranks made visible. Each rank measures its own compute time per step: the CPU seconds of its training thread in
+the step (on a CPU device that thread's share of the compute, its OpenMP workers taking equal shares), which a rank
+waiting in a gloo collective or for its data does not spend, so a rank that is slow itself stands out from the ranks
+that wait for it. Background threads (the reader's prefetch, the heartbeat) are left out: their bursts would blur a
+step's figure. Every log interval one small collective gathers each rank's mean; rank 0 logs the median, the slowest
+rank and its ratio to the median of the other ranks of its pipeline stage (the stages do different work; one slow rank
+of two shows its own slowness, not half of it), and warns, naming the rank and its node (from its heartbeat), when the
+ratio exceeds ``train.straggler_factor`` for ``train.straggler_intervals`` intervals in a row.
 
-On GPU ranks that measure is the host's share of the step (Python, kernel launches, waits that spin): a rank starved
-of CPU shows. A slow device shows in the second measure, the device probe's (:mod:`mhf_dist.train.device_probe`, on
-by default on GPUs, ``train.device_probe``): the same fixed work timed on every rank's device at each logged step,
-gathered in the same collective and judged the same way against the median of all other ranks (the work is the same
-on every stage)."""
+On GPU ranks that measure is the host's share of the step: a rank starved of CPU shows. A slow device shows in the
+device probe's measure (:mod:`mhf_dist.train.device_probe`, ``train.device_probe``, on by default on GPUs): the same
+fixed work timed on every rank's device at each logged step, gathered in the same collective and judged the same way
+against the median of all other ranks. :class:`Stragglers` is the watch as a run's callback.
+"""
 
 from __future__ import annotations
 
@@ -21,9 +19,14 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import torch
+from tqdm.auto import tqdm
+
+from mhf_dist.config import TrainConfig
 from mhf_dist.parallel.scalars import ScalarCollectives
 from mhf_dist.storage.heartbeats import read_heartbeats
 from mhf_dist.storage.run_dir import RunDir
+from mhf_dist.train.callbacks import Callback, RunContext, Stepped
 from mhf_dist.train.device_probe import DeviceProbe
 
 
@@ -48,13 +51,28 @@ DEVICE = Measure("slowest_device_rank", "slowest_device_ratio", "slow_device",
                  "rank {rank}'s device is no longer slow")
 
 
+@dataclass(frozen=True)
+class StragglerSettings:
+    """When a rank or its device is slow: past ``factor`` times the median for ``intervals`` log intervals in a
+    row; ``device_probe``: whether the device probe runs (None: on GPU ranks)."""
+
+    factor: float
+    intervals: int
+    device_probe: bool | None = None
+
+    @classmethod
+    def of(cls, train: TrainConfig) -> StragglerSettings:
+        return cls(train.straggler_factor, train.straggler_intervals, train.device_probe)
+
+
 class StragglerWatch:
     """Rank ``rank`` of ``world``'s compute times (and its device probe's, when ``probe`` is given), gathered and
-    judged every log interval."""
+    judged every log interval (the heartbeats in ``run`` name a slow rank's node)."""
 
-    def __init__(self, run: RunDir, rank: int, world: int, stage: int, factor: float, intervals: int,
+    def __init__(self, settings: StragglerSettings, *, run: RunDir, rank: int, world: int, stage: int,
                  scalars: ScalarCollectives, probe: DeviceProbe | None = None):
-        self.run, self.rank, self.world, self.factor, self.intervals = run, rank, world, factor, intervals
+        self.run, self.rank, self.world = run, rank, world
+        self.factor, self.intervals = settings.factor, settings.intervals
         self.stage = stage  # the rank's pipeline stage: ranks are compared with the others of theirs
         self.scalars, self.device_probe = scalars, probe
         self._seconds, self._steps = 0.0, 0
@@ -126,3 +144,34 @@ def ratios(times: list[float], groups: list[float]) -> dict[int, float]:
         if peers and (median := statistics.median(peers)) > 0:
             by_rank[r] = t / median
     return by_rank
+
+
+class Stragglers(Callback):
+    """The straggler watch of a run: each step's compute time, the device probe at the start of a logged step, and
+    the ranks' times gathered and judged into the record (rank 0 says the warnings)."""
+
+    def __init__(self, settings: StragglerSettings):
+        self.settings = settings
+
+    def on_start(self, run: RunContext) -> None:
+        job, settings = run.job, self.settings
+        probed = settings.device_probe if settings.device_probe is not None else job.device.type == "cuda"
+        dtype = torch.bfloat16 if run.cfg.train.dtype == "bf16" else torch.float32
+        self.progress = run.progress
+        probe = DeviceProbe(job.device, dtype, job.rank) if probed else None
+        self.watch = StragglerWatch(settings, run=run.run, rank=job.rank, world=job.world, stage=job.groups.pp_rank,
+                                    scalars=job.scalars, probe=probe)
+
+    def before_step(self, step: int) -> None:
+        if self.progress.logged(step):
+            self.watch.probe()  # outside the step's compute clock
+        self.began = self.watch.clock()
+
+    def after_step(self, step: int, stepped: Stepped) -> None:
+        self.watch.add(self.watch.clock() - self.began)
+
+    def record(self, step: int, stepped: Stepped) -> dict:
+        fields, warnings = self.watch.interval()  # every rank: one small collective
+        for warning in warnings:
+            tqdm.write(f"warning: {warning}")
+        return fields

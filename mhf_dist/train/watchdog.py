@@ -1,22 +1,18 @@
-"""The hang watchdog: a thread on every rank that writes the rank's heartbeat (:mod:`mhf_dist.storage.heartbeats`)
-and ends a job that makes no progress, never one whose work is only long.
+"""The hang watchdog: a thread on every rank that writes the rank's heartbeat (:mod:`mhf_dist.storage.heartbeats`) and
+ends a job that makes no progress, never one whose work is only long.
 
-The training thread marks its phases (:meth:`Watchdog.mark`: a step, an evaluation, a save begins) and their
-progress (:meth:`Watchdog.advance`: an evaluation's micro-batch); a save's progress is what its directory holds
-changing (files, bytes), looked at only when its budget runs out. Each phase has a budget: ``train.hang_timeout_s``,
-the longer ``train.first_step_timeout_s`` for the first step and evaluation of a start (compiling, allocating) and
-for a rollback's load, and twice the expired one for the phase the previous start was ended in (``hang.json``). A phase
-that outlasts its budget without progress (a collective waiting on a rank that will never come, a save stuck on a
-filesystem), or a hang another rank declared (a new folder in ``RUN/hangs/``: the ranks meet on the shared
-filesystem, not the network, which may be what failed), ends the job: every live rank writes its threads' Python
-stacks there, the lowest one names the ranks that stopped answering or fell behind (``summary.txt``), and each
-exits with :data:`~mhf_dist.errors.HUNG_EXIT_CODE` without saving, which the job script requeues; ended at the same
-place as the previous start, with the doubled budget, it exits with :data:`~mhf_dist.errors.ERROR_EXIT_CODE`
-instead, naming the setting and value that would let healthy work finish.
-
-A lost node is told apart sooner: once this rank has been waiting a few heartbeats, it reads the other ranks'
-heartbeats, and ranks whose heartbeat is ``train.peer_timeout_s`` old are lost. The first rank to see it names them
-in ``RUN/heartbeats/lost.json``; every rank exits with :data:`~mhf_dist.errors.NODE_LOST_EXIT_CODE`.
+The training thread marks its phases (:meth:`Watchdog.mark`: a step, an evaluation, a save begins) and their progress
+(:meth:`Watchdog.advance`: an evaluation's micro-batch); a save's progress is its directory's content changing, looked
+at only when its budget runs out. Each phase has a budget: ``train.hang_timeout_s``, the longer
+``train.first_step_timeout_s`` for a start's first step and evaluation and for a rollback's load, and twice the expired
+one for the phase the previous start was ended in (``hang.json``). A phase that outlasts its budget without progress,
+or a hang another rank declared (a new folder in ``RUN/hangs/``: the ranks meet on the shared filesystem, not the
+network), ends the job: every live rank writes its threads' Python stacks there, the lowest names the ranks that
+stopped answering or fell behind (``summary.txt``), and each exits with :data:`~mhf_dist.errors.HUNG_EXIT_CODE`
+(requeued), or with :data:`~mhf_dist.errors.ERROR_EXIT_CODE` where the previous start ended too, naming the setting
+that would let healthy work finish. Ranks whose heartbeat is ``train.peer_timeout_s`` old are lost: the first rank to
+see it names them in ``RUN/heartbeats/lost.json``; every rank exits with :data:`~mhf_dist.errors.NODE_LOST_EXIT_CODE`.
+:class:`HangWatch` is the watchdog as a run's callback: the loop's hooks mark its phases.
 """
 
 from __future__ import annotations
@@ -30,6 +26,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from mhf_dist.config import TrainConfig
 from mhf_dist.errors import ERROR_EXIT_CODE, HUNG_EXIT_CODE, NODE_LOST_EXIT_CODE
 from mhf_dist.storage.hang_record import HangRecord, newest_hang_record, read_hang_record
 from mhf_dist.storage.heartbeats import (
@@ -43,6 +40,7 @@ from mhf_dist.storage.heartbeats import (
     write_heartbeat,
 )
 from mhf_dist.storage.run_dir import RunDir
+from mhf_dist.train.callbacks import Callback, RunContext
 
 MAX_BEAT_S = 10.0
 MIN_BEAT_S = 0.5
@@ -72,6 +70,19 @@ def last_change(directory: Path) -> float:
 
 
 @dataclass(frozen=True)
+class HangSettings:
+    """``train.hang_timeout_s`` (None: heartbeats only), ``train.peer_timeout_s``, ``train.first_step_timeout_s``."""
+
+    hang_timeout_s: float | None
+    peer_timeout_s: float | None = None
+    first_step_timeout_s: float | None = None
+
+    @classmethod
+    def of(cls, train: TrainConfig) -> HangSettings:
+        return cls(train.hang_timeout_s, train.peer_timeout_s, train.first_step_timeout_s)
+
+
+@dataclass(frozen=True)
 class Phase:
     """What the training thread is doing, replaced whole (the watchdog thread reads it)."""
 
@@ -85,16 +96,14 @@ class Phase:
 
 
 class Watchdog:
-    """Rank ``rank``'s heartbeat and hang watch in run ``run`` (``hang_timeout_s`` None: heartbeats only), from step
-    ``resumed_at``."""
+    """Rank ``rank``'s heartbeat and hang watch in run ``run``, from step ``resumed_at``."""
 
-    def __init__(self, run: RunDir, rank: int, hang_timeout_s: float | None, peer_timeout_s: float | None = None,
-                 first_step_timeout_s: float | None = None, resumed_at: int = 0):
-        self.run, self.rank, self.timeout_s, self.peer_timeout_s = run, rank, hang_timeout_s, peer_timeout_s
-        self.first_timeout_s = first_step_timeout_s
-        self.beat_s = beat_interval(hang_timeout_s, peer_timeout_s)
+    def __init__(self, run: RunDir, rank: int, settings: HangSettings, resumed_at: int = 0):
+        self.run, self.rank, self.timeout_s = run, rank, settings.hang_timeout_s
+        self.peer_timeout_s, self.first_timeout_s = settings.peer_timeout_s, settings.first_step_timeout_s
+        self.beat_s = beat_interval(self.timeout_s, self.peer_timeout_s)
         self.started = time.time()
-        record = newest_hang_record(run) if hang_timeout_s is not None else None
+        record = newest_hang_record(run) if self.timeout_s is not None else None
         self.previous = record if record is not None and record.step > resumed_at else None  # still ahead
         self._phase = Phase(resumed_at, "start", self.started)
         self._begun: set[str] = set()  # phases that ran in this start
@@ -252,6 +261,40 @@ class Watchdog:
             print("\n".join(lines), file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(code)
+
+
+class HangWatch(Callback):
+    """The watchdog of a run, its phases marked at the loop's hooks: each step, evaluation (and its progress),
+    rollback and save, and the end, whose last save is waited for while its files change."""
+
+    def __init__(self, settings: HangSettings):
+        self.settings = settings
+
+    def on_start(self, run: RunContext) -> None:
+        self.files = run.checkpointer.dir  # a save's progress
+        self.watchdog = Watchdog(run.run, run.job.rank, self.settings, run.progress.start).start()
+
+    def before_step(self, step: int) -> None:
+        self.watchdog.mark(step, "step")
+
+    def before_eval(self, step: int) -> None:
+        self.watchdog.mark(step, "eval")
+
+    def eval_progress(self) -> None:
+        self.watchdog.advance()
+
+    def on_rollback(self, step: int) -> None:
+        self.watchdog.mark(step, "rollback")
+
+    def before_save(self, step: int) -> None:
+        self.watchdog.mark(step, "save", files=self.files)
+
+    def on_end(self, step: int) -> None:
+        self.watchdog.mark(step, "end", files=self.files)
+
+    def close(self, finished: bool) -> None:
+        if finished:  # a rank that failed leaves its heartbeat to age: the others see it lost
+            self.watchdog.finish()
 
 
 def stacks_in(folder: Path) -> list[int]:

@@ -1,24 +1,12 @@
 """Tokenizer compression for the Engram memory (docs/spec.md §8): an ``old → new`` token-id table.
 
-Token ids whose decoded text is equal after normalisation share one compressed
-id; the vocabulary shrinks, sequences keep their length. The normalisation is
-DeepSeek's (their public demo's ``CompressedTokenizer``), applied to each token
-decoded on its own: NFKC, accent stripping (NFD, nonspacing marks dropped),
-lower-casing, runs of spaces/tabs/newlines collapsed to one space, then
-surrounding whitespace stripped — except that a whitespace-only token becomes
-a single space, not the empty string. So ``" The"``, ``"the"`` and ``"THE"``
-share an id. A token that decodes to a partial UTF-8 sequence (``"�"``, a
-byte-level piece) keeps its own vocabulary string as key, so bytes never merge.
-Compressed ids are numbered in order of first appearance by ascending old id.
-
-Positions before a sequence's start hash as the compressed id of the pad token
-(:attr:`CompressionTable.pad_id`); a tokenizer without one (Mistral v0.3) uses
-its EOS token, which is what precedes a document inside packed sequences.
-
-Like the signature table (:mod:`mhf_dist.vocab.signatures`) the table is stored, not
-recomputed: ``compression.safetensors`` holds the ``int32 [V]`` table,
-``compression.json`` the metadata, the normalised key of every compressed id
-and a content hash that :meth:`CompressionTable.load` verifies.
+Token ids whose text, decoded on its own, is equal after DeepSeek's normalisation (``normalize``: NFKC, accents
+stripped, lower-cased, whitespace collapsed and stripped) share one compressed id (``compression_key``), so
+``" The"``, ``"the"`` and ``"THE"`` share one; a token decoding to partial UTF-8 keeps its own. Positions before a
+sequence's start hash as the pad token's compressed id (``CompressionTable.pad_id``; EOS without one). Like the
+signature table (``mhf_dist.vocab.signatures``) the ``CompressionTable`` is stored, never recomputed:
+``compression.safetensors`` (the ``int32 [V]`` table) and ``compression.json`` (the metadata, every compressed id's
+key and a content hash that ``CompressionTable.load`` verifies). The choices: docs/design-model.md, "Engram memory".
 """
 
 from __future__ import annotations

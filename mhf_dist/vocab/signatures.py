@@ -1,17 +1,11 @@
 """Hash signatures: the MultiHashFormer vocabulary (docs/spec.md §1).
 
-A token is a unique signature of ``H`` hash coordinates, each in ``1..B-1``
-(bucket 0 is padding). Coordinate ``i`` of token ``w`` is
-``mmh3.hash128(w, seed=i) % (B - 1) + 1`` over the token's string exactly as
-the tokenizer stores it. Tokens are registered in ascending id order; when a
-full signature is already taken, only the last coordinate is recomputed with
-seeds ``H-1+k`` (k = 1, 2, ...) until the signature is free, compared against
-*every* registered signature (the authors' code remembers only the newest token
-per prefix, a bug we do not copy).
-
-The table is stored, never recomputed: ``signatures.safetensors`` holds the
-``int32 [V, H]`` codes, ``signatures.json`` the metadata, the token strings and a
-content hash that :meth:`SignatureTable.load` verifies.
+A token is a unique signature of ``H`` hash coordinates, each in ``1..B-1`` (bucket 0 is padding), coordinate ``i``
+of token ``w`` being ``mmh3.hash128(w, seed=i) % (B - 1) + 1`` (``bucket_of``); a signature already taken
+re-hashes its last coordinate, compared against every registered signature (the authors' code remembers only the
+newest token per prefix, a bug not copied). The ``SignatureTable`` is stored, never recomputed:
+``signatures.safetensors`` holds the ``int32 [V, H]`` codes, ``signatures.json`` the metadata, the token strings and
+a content hash that ``SignatureTable.load`` verifies.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from mhf_dist.parallel.rendezvous import free_port
+from mhf_dist.storage.run_dir import RunDir
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue")
 
@@ -152,7 +153,7 @@ JobAcctGatherType=jobacct_gather/none
 
 def job_log(run: Path) -> str:
     """The job logs SLURM wrote in ``run``'s job directory, oldest job first."""
-    return "".join(p.read_text() for p in sorted((run / "slurm").glob("*.out")))
+    return "".join(p.read_text() for p in sorted(RunDir(run).jobs_dir.glob("*.out")))
 
 
 def wait_for(predicate, timeout: float, what: str, explain=None):

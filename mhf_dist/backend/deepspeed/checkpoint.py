@@ -2,8 +2,8 @@
 checkpointer's writer, and its ``load_checkpoint``.
 
 The engine writes each file through its checkpoint engine (``engine.checkpoint_engine.save(state_dict, path)``); for
-one save that attribute is replaced by :class:`WriterHook`, which hands each file to the
-:class:`~mhf_dist.backend.FileWriter` (fsynced and digested there, or written later by an asynchronous save), written
+one save that attribute is replaced by ``WriterHook``, which hands each file to the
+``FileWriter`` (fsynced and digested there, or written later by an asynchronous save), written
 by the real checkpoint engine still, and each directory too. The recovery scripts the engine copies beside the step
 directories go through the writer as well, so that a failure anywhere in a save is recorded, never raised.
 """

@@ -2,7 +2,7 @@
 
 A file from ``deepspeed_configs/`` (``parallel.deepspeed_config``) completed from the run config — batch sizes,
 gradient accumulation, clipping, bf16, ZeRO stage — and finally overridden by ``parallel.deepspeed``. A bf16 run
-accumulates its gradients over micro-batches and reduces them over dp in fp32 (:data:`BF16_GRADIENTS`, beneath the
+accumulates its gradients over micro-batches and reduces them over dp in fp32 (``BF16_GRADIENTS``, beneath the
 file: DeepSpeed's own default for both is bf16, and under ZeRO-1 only fp32 accumulation selects its bf16 optimizer).
 Nothing here imports DeepSpeed or torch (``plan`` and ``submit`` read it on a login node).
 """

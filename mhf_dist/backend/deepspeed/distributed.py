@@ -38,7 +38,7 @@ def init_distributed(backend: str, timeout: timedelta, device: torch.device) -> 
 
 def pipe_model_data_topology(pp: int, tp: int, dp: int):
     """DeepSpeed's grid of ranks, axes pipe, data and model (tensor parallel, innermost), which its pipeline engine
-    cuts the stages over: the grid of :mod:`mhf_dist.parallel.groups`."""
+    cuts the stages over: the grid of ``mhf_dist.parallel.groups``."""
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)

@@ -1,19 +1,14 @@
-"""The health metrics of a DeepSpeed engine's step (:mod:`mhf_dist.model.health`).
+"""The health metrics of a DeepSpeed engine's step (``mhf_dist.model.health``): ``EngineHealth``.
 
-The optimizer's part: under every ZeRO stage the torch optimizer steps flat fp32 partitions (one per parameter group
-or sub-group; each rank's share, disjoint over data parallelism) holding the reduced, already clipped gradients;
-without ZeRO it steps the parameters themselves. On a log step a step pre-hook on the torch optimizer adds the
-squares of each parameter's fragment of those tensors, its gradient and its weights, into the parameter's slots,
-and keeps a copy of the weights; a post-hook adds the squares of the update. Where a parameter's fragment lies:
-ZeRO-3 through DeepSpeed's ``safe_get_local_fp32_param`` (a view into the flat partition, less the padding of the
-last partitions), ZeRO-1/2 and the bf16 optimizer through the parameter's ``_hp_mapping`` (the one private symbol
-used here; tests/test_deepspeed_contract.py names it), without ZeRO the parameter itself.
-
-Each part is counted on one rank: a parameter replicated over tensor parallelism on tp rank 0, the tables tied
-between the pipeline's first and last stage on the first, a parameter every data-parallel rank holds whole (no
-ZeRO) on dp rank 0. The forward's part is :class:`~mhf_dist.model.health.ForwardHealth`'s, counted on tp rank 0
-where the vocabulary runs (the head entropies on every tp rank: each holds its rows' share). At the end of a log
-step the ranks sum the vector in one all-reduce.
+The optimizer's part (``StepHealth``): on a log step a pre-hook on the torch optimizer adds the squares of each
+parameter's fragment of the flat fp32 partitions it steps (reduced, already clipped gradients) and of its weights
+into the parameter's slots and keeps a copy of the weights; a post-hook adds the squares of the update. The fragment
+comes from ``safe_get_local_fp32_param`` under ZeRO-3, the parameter's ``_hp_mapping`` under ZeRO-1/2 and the bf16
+optimizer (the one private symbol used here; tests/test_deepspeed_contract.py names it), the parameter itself without
+ZeRO. The forward's part is ``ForwardHealth``'s. Each part is counted on one rank (``counted_here``): a parameter
+replicated over tensor parallelism on tp rank 0, the tables tied between the pipeline's first and last stage on the
+first, a parameter every data-parallel rank holds whole (no ZeRO) on dp rank 0. At the end of a log step the ranks
+sum the vector in one all-reduce. How: docs/design-training.md, "Health metrics".
 """
 
 from __future__ import annotations
@@ -149,7 +144,7 @@ def sum_of_squares(values: torch.Tensor) -> torch.Tensor:
 
 
 def layout_for(model: nn.Module) -> HealthLayout:
-    """The health layout of ``model`` (a :class:`~mhf_dist.model.lm.LanguageModel`, a skeleton too)."""
+    """The health layout of ``model`` (a ``LanguageModel``, a skeleton too)."""
     vocab = model.vocab
     hashed = vocab.encoder is not None
     return HealthLayout([n for n, p in model.named_parameters() if p.requires_grad], vocab.decoder.num_heads,
@@ -157,8 +152,8 @@ def layout_for(model: nn.Module) -> HealthLayout:
 
 
 class EngineHealth:
-    """A trainer's health metrics: the optimizer's part (:class:`StepHealth`) and the forward's
-    (:class:`ForwardHealth`), summed over the ranks at the end of a log step."""
+    """A trainer's health metrics: the optimizer's part (``StepHealth``) and the forward's
+    (``ForwardHealth``), summed over the ranks at the end of a log step."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, named: Sequence[tuple[str, nn.Parameter]],
                  counted: Callable[[str], bool], forward: ForwardHealth, device: torch.device):
@@ -167,7 +162,7 @@ class EngineHealth:
         self.grad_norms = True  # False after a step whose gradients were clipped by a factor not known
 
     def metrics(self, values: list[float]) -> dict[str, float]:
-        """The metrics of a step's :meth:`summary` values, read on the host."""
+        """The metrics of a step's ``summary`` values, read on the host."""
         return self.layout.metrics(values, self.grad_norms)
 
     def arm(self) -> None:
@@ -177,7 +172,7 @@ class EngineHealth:
 
     def summary(self, scalars: ScalarCollectives, grad_norm: torch.Tensor | float | None,
                 clipping: float) -> torch.Tensor:
-        """The step's reported values, on the device (:meth:`HealthLayout.summary`), after one all-reduce over
+        """The step's reported values, on the device (``HealthLayout.summary``), after one all-reduce over
         the job; ``grad_norm`` and ``clipping``: the global norm and the norm it was clipped to (0: none)."""
         total = scalars.sum_tensor(self.step.take() + self.forward.take())
         unclip = 1.0
@@ -192,7 +187,7 @@ class EngineHealth:
 def counted_here(groups: ParallelGroups, split_dims: list[tuple[re.Pattern, int]], partitioned: bool,
                  first_stage: bool) -> Callable[[str], bool]:
     """Whether this rank counts a parameter (module docstring): ``split_dims`` the tensor-parallel plan's split
-    parameters (:func:`~mhf_dist.parallel.tensor_parallel.tp_split_dims`), ``partitioned`` whether ZeRO partitions
+    parameters (``tp_split_dims``), ``partitioned`` whether ZeRO partitions
     the optimizer's tensors over data parallelism, ``first_stage`` whether this is the pipeline's first stage."""
 
     def counted(name: str) -> bool:

@@ -1,5 +1,5 @@
-"""DeepSpeed's buffers on a rank, as ``plan`` counts them (:mod:`mhf_dist.commands.plan`). Nothing here imports
-DeepSpeed; tests/test_memory_plan.py checks :data:`ZERO_DEFAULTS` against the installed one."""
+"""DeepSpeed's buffers on a rank, as ``plan`` counts them (``mhf_dist.commands.plan``). Nothing here imports
+DeepSpeed; tests/test_memory_plan.py checks ``ZERO_DEFAULTS`` against the installed one."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ZERO_DEFAULTS = {"contiguous_gradients": True, "reduce_bucket_size": 500_000_000
 
 
 def zero_setting(ds_config: dict, key: str):
-    """``zero_optimization.<key>`` of the engine's DeepSpeed config, else DeepSpeed's default (:data:`ZERO_DEFAULTS`;
+    """``zero_optimization.<key>`` of the engine's DeepSpeed config, else DeepSpeed's default (``ZERO_DEFAULTS``;
     ``overlap_comm`` defaults to on under ZeRO-3 only)."""
     zero = ds_config["zero_optimization"]
     if key in zero:

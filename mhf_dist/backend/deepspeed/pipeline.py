@@ -1,23 +1,13 @@
-"""Pipeline parallelism: the model as DeepSpeed ``PipelineModule`` layers.
+"""Pipeline parallelism: the model as DeepSpeed ``PipelineModule`` layers (``build_pipeline``).
 
-Layers: the vocabulary (input side) · every backbone block · the final norm ·
-the vocabulary again (output side); the loss is the vocabulary's docs/spec.md §5 loss.
-The two vocabulary layers are one ``TiedLayerSpec``: the first and last stage
-each hold the bucket tables (and the signature table), DeepSpeed sums the
-tables' gradients over the tie. The encoder is used only on the first stage and
-the decoder's mixers only on the last, so the other stage freezes its copy.
-
-Each stage creates only its own layers: the layers are LayerSpecs, which
-DeepSpeed builds on the stage holding them alone, and building one
-materialises that part of the model skeleton (:mod:`~mhf_dist.parallel.construct`).
-
-Stages are balanced by analytic forward FLOPs per layer (:mod:`flops`), which
-counts the decoder's ``(2H−1)·B·d`` work: the last stage gets fewer blocks.
-
-Engram memories (docs/spec.md §8) live in their blocks, so each stage owns the
-memories of its layers; they hash the token ids, which therefore travel beside
-the hidden states — ``(x, ids)`` — from the first stage up to the last block
-with a memory (integer tensors carry no gradient through DeepSpeed's pipeline).
+Layers: the vocabulary (input side, ``VocabularyStage``) · every backbone block (``BlockStage``) · the final norm · the
+vocabulary again (output side), whose ``PipelineLoss`` is the vocabulary's docs/spec.md §5 loss. The two vocabulary
+layers are one ``TiedLayerSpec``: the first and last stage each hold the bucket tables (and the signature table), and
+DeepSpeed sums the tables' gradients over the tie. Layers are LayerSpecs, built only on the stage holding them, each
+materialising its part of the model skeleton (``mhf_dist.parallel.construct``). ``BalancedPipeline`` cuts the stages
+by analytic forward FLOPs per layer (``flops``), the decoder's ``(2H−1)·B·d`` included. Engram memories (docs/spec.md
+§8) live in their blocks; the token ids they hash travel beside the hidden states, ``(x, ids)``. Why:
+docs/design-model.md, "Tensor and pipeline parallelism".
 """
 
 from __future__ import annotations
@@ -73,25 +63,26 @@ class BlockStage(nn.Module):
 
 
 class PipelineLoss:
-    """``loss_fn(h, targets)`` on the last stage: the vocabulary's training loss (:meth:`TiedVocabulary.loss`), or
-    inside :meth:`evaluating` its evaluation (:meth:`TiedVocabulary.evaluation`). Keeps each micro-batch's output
-    in :attr:`outputs`. DeepSpeed's pipeline engine calls the one ``loss_fn`` its module was built with, for
+    """``loss_fn(h, targets)`` on the last stage: the vocabulary's training loss (``TiedVocabulary.loss``), or
+    inside ``evaluating`` its evaluation (``TiedVocabulary.evaluation``). Keeps each micro-batch's output
+    in ``outputs``. DeepSpeed's pipeline engine calls the one ``loss_fn`` its module was built with, for
     ``train_batch`` and ``eval_batch`` alike, so the evaluation is chosen here."""
 
     def __init__(self):
         self.vocab: TiedVocabulary | None = None  # the last stage's, once the stage has made it
         self.outputs: list[TrainingLoss | Evaluation] = []
         self._temperatures: torch.Tensor | None = None  # evaluating at these
-        self.loss_scale = 1.0  # a training loss is multiplied by it (the trainer's ``loss_scale``)
+        self.wrap_loss: Callable[[torch.Tensor], torch.Tensor] | None = None  # the trainer's, for a training loss
+        self.entropy = False  # a training loss also returns the heads' entropies (the step measures its health)
         self.count_targets: Callable[[torch.Tensor], None] | None = None  # shown each training micro-batch's targets
 
     def __call__(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self._temperatures is None:
             if self.count_targets is not None:
                 self.count_targets(targets)
-            out = self.vocab.loss(h, targets)
-            if self.loss_scale != 1.0:
-                out = out._replace(loss=out.loss * self.loss_scale)
+            out = self.vocab.loss(h, targets, self.entropy)
+            if self.wrap_loss is not None:
+                out = out._replace(loss=self.wrap_loss(out.loss))
         else:
             out = self.vocab.evaluation(h, targets, self._temperatures)
         self.outputs.append(out)
@@ -119,7 +110,7 @@ def canonical_name(name: str) -> str:
 
 
 def pipeline_name(name: str, n_layers: int) -> str:
-    """The inverse of :func:`canonical_name` for a model of ``n_layers`` blocks."""
+    """The inverse of ``canonical_name`` for a model of ``n_layers`` blocks."""
     if name.startswith("vocab."):
         return f"tied_modules.{VOCAB}.{name}"
     if name.startswith("backbone.layers."):
@@ -140,7 +131,7 @@ class LocalLayer(LayerSpec):
 
 
 class TiedLocalLayer(TiedLayerSpec):
-    """:class:`LocalLayer` for a tied layer (made once per stage holding it)."""
+    """``LocalLayer`` for a tied layer (made once per stage holding it)."""
 
     def __init__(self, key: str, typename: type[nn.Module], make: Callable[[], nn.Module], tied_weight_attr: list[str]):
         super().__init__(key, typename, tied_weight_attr=tied_weight_attr)
@@ -151,7 +142,7 @@ class TiedLocalLayer(TiedLayerSpec):
 
 
 class BalancedPipeline(PipelineModule):
-    """Cuts the stages by analytic FLOPs per layer (:func:`pipeline_bounds`) instead of parameter counts."""
+    """Cuts the stages by analytic FLOPs per layer (``pipeline_bounds``) instead of parameter counts."""
 
     def __init__(self, *args, layer_costs: list[int], **kwargs):
         self._layer_costs = layer_costs
@@ -163,11 +154,11 @@ class BalancedPipeline(PipelineModule):
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
 
-def build_pipeline(model: LanguageModel, groups: ParallelGroups, seq_len: int, checkpoint_interval: int,
+def build_pipeline(model: LanguageModel, groups: ParallelGroups, seq_len: int,
                    materialise: Callable[[nn.Module], nn.Module] | None = None) -> tuple[PipelineModule, PipelineLoss]:
-    """Cut a (tensor-parallel) ``model`` into the pipeline stages of ``groups``' grid; returns the module and its
-    loss function.
-    ``materialise`` makes a part of ``model`` real (a :class:`~mhf_dist.parallel.construct.Materialiser` when
+    """Cut a (tensor-parallel) ``model`` into the pipeline stages of ``groups``' grid, its blocks checkpointed as
+    the model's backbone is built to be; returns the module and its loss function.
+    ``materialise`` makes a part of ``model`` real (a ``Materialiser`` when
     ``model`` is a skeleton); it runs on the parts this stage holds only."""
     cfg = model.cfg
     real = materialise or (lambda module: module)
@@ -185,7 +176,7 @@ def build_pipeline(model: LanguageModel, groups: ParallelGroups, seq_len: int, c
     costs = layer_costs(cfg, seq_len, model.vocab.tables.num_rows)
     pipe = BalancedPipeline(
         layers=layers, topology=pipe_model_data_topology(groups.pp, groups.tp, groups.dp), loss_fn=loss,
-        layer_costs=costs, activation_checkpoint_interval=checkpoint_interval,
+        layer_costs=costs, activation_checkpoint_interval=model.backbone.checkpoint_interval,
         checkpointable_layers=[BlockStage.__name__],
     )
     if VOCAB in pipe.tied_modules:  # the first and the last stage

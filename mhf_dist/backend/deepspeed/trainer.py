@@ -1,27 +1,16 @@
-"""DeepSpeed engines for every layout.
+"""DeepSpeed engines for every layout: pp = 1, ``deepspeed.initialize`` on the (tensor-parallel) model, ZeRO-3 by
+default (the bucket tables route every use through their ``forward``, so ZeRO-3 gathers them like any tied
+embedding); pp > 1, a ``PipelineModule`` (:mod:`mhf_dist.backend.deepspeed.pipeline`) with ZeRO-1 (DeepSpeed's
+pipeline engine refuses ZeRO-2/3, so asking for them is a config error).
 
-- pp = 1: ``deepspeed.initialize`` on the (tensor-parallel) model, ZeRO-3 by
-  default (the bucket tables route every use through their ``forward``, so
-  ZeRO-3 gathers them like any tied embedding).
-- pp > 1: a ``PipelineModule`` (:mod:`mhf_dist.backend.deepspeed.pipeline`) with ZeRO-1;
-  DeepSpeed's pipeline engine refuses ZeRO-2/3, so asking for them is a
-  config error.
-
-The model arrives as a skeleton (:mod:`mhf_dist.parallel.construct`) with the
-``materialise`` that makes it real: pp = 1 materialises it whole (partitioned
-leaf by leaf under ZeRO-3) before ``deepspeed.initialize``; pp > 1 hands it to the
-pipeline, whose stages materialise their own layers. Without ``materialise``
-the model is taken as built.
-
-The DeepSpeed config comes from :mod:`mhf_dist.backend.deepspeed.config`. Both trainers are the backend's
-:class:`~mhf_dist.backend.Trainer`: the same ``train_step`` / ``evaluate``, checkpoint files and optimizer state.
-
-Host syncs (on a GPU, a host read of a device value waits for all the work queued before it). A training step reads
-its numbers once: the losses (averaged over dp on the device), the global gradient norm and the loop's stop/save flags
-(:class:`TrainingFlags`, agreed over all ranks on the device) come back in one transfer
-(:meth:`ScalarCollectives.read`), and host-memory Engram tables clip with that norm. The micro-batches go to the
-device from pinned memory without blocking, and the loss has no data-dependent shape. What else waits for the device
-in a step is DeepSpeed's own (``tests/test_host_syncs.py`` counts them; docs/design.md, "Host syncs").
+The model arrives as a skeleton (:mod:`mhf_dist.parallel.construct`) with the ``materialise`` that makes it real:
+pp = 1 materialises it whole (partitioned leaf by leaf under ZeRO-3) before ``deepspeed.initialize``; pp > 1 hands it
+to the pipeline, whose stages materialise their own layers. Without ``materialise`` the model is taken as built. The
+DeepSpeed config comes from :mod:`mhf_dist.backend.deepspeed.config`. Both trainers are the backend's
+:class:`~mhf_dist.backend.Trainer`: the same ``train_step`` / ``evaluate``, checkpoint files and optimizer state. A
+training step reads its numbers from the device once (:func:`read_step`: the losses, the global gradient norm and the
+loop's flags in one transfer); what else waits for the device in a step is DeepSpeed's own (docs/design-training.md,
+"Host syncs"; ``tests/test_host_syncs.py`` counts them).
 """
 
 from __future__ import annotations
@@ -38,6 +27,7 @@ from mhf_dist.backend import (
     FileWriter,
     HostTableFactory,
     HostTableStep,
+    LossWrapper,
     OptimizerFactory,
     SpikeLimits,
     StepStats,
@@ -45,7 +35,7 @@ from mhf_dist.backend import (
     TrainingFlags,
 )
 from mhf_dist.backend.deepspeed.checkpoint import load_checkpoint, save_checkpoint
-from mhf_dist.backend.deepspeed.config import checkpoint_interval, zero_stage
+from mhf_dist.backend.deepspeed.config import zero_stage
 from mhf_dist.backend.deepspeed.grad_norm import include_in_global_norm
 from mhf_dist.backend.deepspeed.health import EngineHealth, counted_here, layout_for
 from mhf_dist.backend.deepspeed.pipeline import VOCAB, build_pipeline, canonical_name
@@ -116,6 +106,7 @@ class EngineTrainer:
 
     engine: deepspeed.DeepSpeedEngine
     host_tables: HostTableStep | None = None
+    wrap_loss: LossWrapper | None = None  # what each training micro-batch's loss becomes (LossWrapper)
     left_out = False  # the last step was past its spike limits
     health: EngineHealth | None = None  # train.health_metrics
 
@@ -188,10 +179,10 @@ class DataParallelTrainer(EngineTrainer):
 
     def __init__(self, cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout,
                  make_optimizer: OptimizerFactory, materialise: Callable[[nn.Module], nn.Module] | None = None,
-                 host_tables: HostTableFactory | None = None):
+                 host_tables: HostTableFactory | None = None, wrap_loss: LossWrapper | None = None):
+        self.wrap_loss = wrap_loss
         if materialise is not None:
             model = materialise(model)
-        model.backbone.checkpoint_interval = checkpoint_interval(cfg, ds_config)
         optimizer, scheduler = make_optimizer(list(model.named_parameters()), full_ndim)
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=groups
@@ -206,7 +197,7 @@ class DataParallelTrainer(EngineTrainer):
             include_in_global_norm(self.engine.optimizer, self.host_tables.host_norm_on)
 
     def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None, limits: SpikeLimits | None = None,
-                   loss_scale: float = 1.0, health: bool = False) -> StepStats:
+                   health: bool = False) -> StepStats:
         """One optimizer step; ``flags`` (e.g. stop and save requests) are asked for at its end and come back
         agreed over all ranks in :attr:`StepStats.flags`, read with the step's other numbers; past ``limits``, no
         update (:class:`SpikeVerdict`); ``health``: measure the health metrics (:attr:`StepStats.health`)."""
@@ -225,12 +216,12 @@ class DataParallelTrainer(EngineTrainer):
             if host:
                 host.advance()
             on_device = batch.to(device, non_blocking=True)
-            out = self.engine(on_device[:, :-1], on_device[:, 1:])
+            out = self.engine(on_device[:, :-1], on_device[:, 1:], entropy=measured)
             if self.health is not None:
                 self.health.forward.count_targets(on_device[:, 1:])
                 self.health.forward.add_entropy(out.head_entropy, 1 / (self.accum * self.groups.dp))
-            if loss_scale != 1.0:
-                out = out._replace(loss=out.loss * loss_scale)
+            if self.wrap_loss is not None:
+                out = out._replace(loss=self.wrap_loss(out.loss))
             if i + 1 < self.accum:  # the next micro-batch's rows are gathered while this one computes
                 batch = reader.next_batch(self.micro, pin=pin)
                 if host:
@@ -288,10 +279,11 @@ class PipelineTrainer(EngineTrainer):
     """pp > 1: DeepSpeed's pipeline engine over the stages of :func:`build_pipeline`, ZeRO-0/1."""
 
     def __init__(self, cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout,
-                 make_optimizer: OptimizerFactory, materialise: Callable[[nn.Module], nn.Module] | None = None):
+                 make_optimizer: OptimizerFactory, materialise: Callable[[nn.Module], nn.Module] | None = None,
+                 wrap_loss: LossWrapper | None = None):
         health = layout_for(model)  # before the stages freeze their unused parts: the same on every rank
-        self.pipe, self.loss_fn = build_pipeline(model, groups, cfg.data.seq_len,
-                                                 checkpoint_interval(cfg, ds_config), materialise)
+        self.pipe, self.loss_fn = build_pipeline(model, groups, cfg.data.seq_len, materialise)
+        self.loss_fn.wrap_loss = wrap_loss
         named = [(canonical_name(n), p) for n, p in self.pipe.named_parameters()]  # this stage's
         optimizer, scheduler = make_optimizer(named, torch.Tensor.dim)
         self.engine, *_ = deepspeed.initialize(
@@ -331,13 +323,13 @@ class PipelineTrainer(EngineTrainer):
         return self.scalars.read(self._last_stage_means([field], clear))
 
     def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None, limits: SpikeLimits | None = None,
-                   loss_scale: float = 1.0, health: bool = False) -> StepStats:
+                   health: bool = False) -> StepStats:
         """As :meth:`DataParallelTrainer.train_step`: the loss, the last stage's head losses (and P_inf term), the
         gradient norm, ``flags`` (and the health metrics) in one host transfer. The update is the pipeline
         schedule's last instruction, so a spike verdict reads the loss the last stage kept of each micro-batch."""
         verdict = self._arm(limits, lambda: self._last_stage_means(["loss"], clear=False)[0])
-        self.loss_fn.loss_scale = loss_scale
         measured = health and self.health is not None
+        self.loss_fn.entropy = measured
         if measured:
             self.health.arm()
         loss = self.engine.train_batch(data_iter=self._batches(reader, self.accum))
@@ -386,11 +378,14 @@ class PipelineTrainer(EngineTrainer):
 
 def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, ds_config: dict, layout: Layout,
                   make_optimizer: OptimizerFactory, materialise: Callable[[nn.Module], nn.Module] | None = None,
-                  load_universal: bool = False, host_tables: HostTableFactory | None = None) -> Trainer:
+                  load_universal: bool = False, host_tables: HostTableFactory | None = None,
+                  wrap_loss: LossWrapper | None = None) -> Trainer:
     """The trainer of ``layout``; ``load_universal``: its checkpoint will be loaded from a universal conversion;
-    ``host_tables``: the step of host-memory tables (pp = 1 only)."""
+    ``host_tables``: the step of host-memory tables (pp = 1 only); ``wrap_loss``: what each training micro-batch's
+    loss becomes."""
     if load_universal:
         ds_config = ds_config | {"checkpoint": {"load_universal": True}}
     if layout.pp > 1:
-        return PipelineTrainer(cfg, model, groups, ds_config, layout, make_optimizer, materialise)
-    return DataParallelTrainer(cfg, model, groups, ds_config, layout, make_optimizer, materialise, host_tables)
+        return PipelineTrainer(cfg, model, groups, ds_config, layout, make_optimizer, materialise, wrap_loss)
+    return DataParallelTrainer(cfg, model, groups, ds_config, layout, make_optimizer, materialise, host_tables,
+                               wrap_loss)

@@ -1,17 +1,12 @@
-"""DeepSpeed universal checkpoints: layout-free copies of a sharded checkpoint.
+"""DeepSpeed universal checkpoints: layout-free copies of a sharded checkpoint, for consolidation (``export``: one full
+state dict in the ``LanguageModel``'s naming, ``consolidate``) and for resuming under another layout
+(``convert_for_layout``).
 
-``ds_to_universal`` merges every data-, tensor- and pipeline-parallel shard into
-one fp32 tensor (plus Adam moments) per parameter, under ``zero/<name>/``. It
-needs to know how tensor-parallel shards join: :func:`universal_info` writes
-that, per parameter name as the engine sees it, from the same table the
-tensor-parallel plan shards with (:func:`tp_split_dims`) — row-parallel and
-bucket-table shards join on dim 1, column-parallel ones on dim 0, the rest are
-replicated; the tied bucket tables train on two pipeline stages and are taken once.
-(DeepSpeed joins an unlisted parameter on dim 0 silently, so every parameter is
-listed explicitly.)
-
-Used for consolidation (``mhf-dist export``: one full state dict in the
-LanguageModel's naming) and for resuming under another layout.
+``ds_to_universal`` merges every data-, tensor- and pipeline-parallel shard into one fp32 tensor (plus Adam moments)
+per parameter, under ``zero/<name>/``. ``universal_info`` tells it how tensor-parallel shards join, for every
+parameter as the engine names it (DeepSpeed joins an unlisted one on dim 0 silently), from the table the
+tensor-parallel plan shards with (``tp_split_dims``): row-parallel and bucket-table shards on dim 1, column-parallel
+ones on dim 0, the rest replicated; the tied bucket tables train on two pipeline stages and are taken once.
 """
 
 from __future__ import annotations
@@ -102,7 +97,7 @@ def consolidate(checkpoint: Path, pipeline: bool) -> dict[str, torch.Tensor]:
 def convert_for_layout(checkpoint: Path, out: Path, source_pipeline: bool, target_pipeline: bool,
                        cfg: ModelConfig, zero3_tp: int = 1) -> Path:
     """A universal copy of ``checkpoint`` whose parameter folders carry the target engine's names; ``zero3_tp``:
-    the target's tensor-parallel size when its engine is ZeRO-3 (see :func:`split_for_zero3`)."""
+    the target's tensor-parallel size when its engine is ZeRO-3 (see ``split_for_zero3``)."""
     to_universal(checkpoint, out)
     if source_pipeline != target_pipeline:
         for folder in [p for p in (out / "zero").iterdir() if p.is_dir()]:
@@ -117,7 +112,7 @@ def split_for_zero3(universal: Path, cfg: ModelConfig, tp: int) -> None:
     """ZeRO-3 loads a universal parameter whole and partitions it over the data-parallel ranks only (DeepSpeed
     slices tensor-parallel shards for its own AutoTP layers, not for ours), so each tensor-parallel rank gets its own
     copy, ``tp-R/``: the parameters the plan splits hold that rank's shard (weights and Adam moments), everything
-    else is linked. :func:`copy_for_rank` picks it."""
+    else is linked. ``copy_for_rank`` picks it."""
     dims = tp_split_dims(cfg, tp)
     shapes = zero3_shapes(universal)
     copies = [universal / f"tp-{r}" for r in range(tp)]
@@ -151,6 +146,6 @@ def _link(item: Path, link: Path) -> None:
 
 def copy_for_rank(universal: Path, tp_rank: int) -> Path:
     """The universal checkpoint tensor-parallel rank ``tp_rank`` loads: its own copy where
-    :func:`split_for_zero3` made one, else ``universal``."""
+    ``split_for_zero3`` made one, else ``universal``."""
     own = universal / f"tp-{tp_rank}"
     return own if own.is_dir() else universal

@@ -1,4 +1,4 @@
-"""ZeRO-3 partitioning of a model built module by module (:class:`~mhf_dist.parallel.construct.Materialiser`)."""
+"""ZeRO-3 partitioning of a model built module by module (``Materialiser``)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def full_ndim(p: nn.Parameter) -> int:
 
 def held_values(p: nn.Parameter) -> torch.Tensor:
     """The values of ``p`` this rank holds: its ZeRO-3 partition (``ds_tensor``) less its padding
-    (:func:`unpadded`); the parameter itself when it is not partitioned."""
+    (``unpadded``); the parameter itself when it is not partitioned."""
     part = getattr(p, "ds_tensor", None)
     return p if part is None else unpadded(p, part)
 
@@ -44,10 +44,10 @@ class Zero3Partitioner:
     Partitioning broadcasts each parameter from the group's first rank, then copies this rank's range of it into the
     partition (``ds_tensor``: ``ceil(numel / dp)`` elements, the last partitions padded at the end): the values a leaf
     holds when it is partitioned are the first rank's, and a rank's own values reach its partition only when written
-    there afterwards (:meth:`held`). That partition is the only copy the rank keeps unless the config keeps a second
+    there afterwards (``held``). That partition is the only copy the rank keeps unless the config keeps a second
     one (hpZeRO's ``zero_hpz_partition_size``), moves it to NVMe (``offload_param``) or quantizes the frozen
     parameters (``zero_quantized_nontrainable_weights``): then the leaf must hold its values in full
-    (:attr:`writes_held` is False)."""
+    (``writes_held`` is False)."""
 
     def __init__(self, config: dict, groups, dtype: torch.dtype):
         self.config, self.groups, self.dtype = config, groups, dtype

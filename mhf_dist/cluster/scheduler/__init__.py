@@ -1,20 +1,25 @@
 """Schedulers: how a job script is written, submitted and queried, and what a task of a running job is told.
 
-:class:`Scheduler` is what ``submit``, ``status`` and ``train`` ask of one; each scheduler is one module here with
-its job template beside the cluster profiles (:mod:`~mhf_dist.cluster.scheduler.slurm`: ``sbatch.template`` and
-``prepare-data.template``; :mod:`~mhf_dist.cluster.scheduler.hostfile`: DeepSpeed's launcher over a hostfile, whose
-template is the backend's). Adding a scheduler is one module and its template, registered in :data:`SCHEDULERS`.
-Nothing here imports torch: ``submit`` and ``status`` run on login nodes.
+``Scheduler`` is what ``submit``, ``status`` and ``train`` ask of one; each scheduler is one module here with its job
+template beside the cluster profiles (``slurm``: ``sbatch.template`` and ``prepare-data.template``; ``hostfile``:
+DeepSpeed's launcher over a hostfile, whose template is the backend's). Every scheduler is in the registry by its name
+(``register``): the shipped ones register themselves when imported; one from elsewhere registers before the command
+line is built, and ``submit --scheduler`` and profiles (``scheduler``, ``scheduler_options``) name it as they name
+the shipped ones. Nothing here imports torch: ``submit`` and ``status`` run on login nodes. See docs/design.md ("The
+scheduler boundary").
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
+from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from mhf_dist.cluster.profile import ClusterProfile
     from mhf_dist.config import RunConfig
 
@@ -34,10 +39,11 @@ class Scheduler(Protocol):
     name: str  # as --scheduler names it
     script_name: str  # the submitted training script, kept in the run's job directory
     preemption_signal: signal.Signals | None  # what it sends the ranks ahead of the time limit (None: nothing)
+    options: type[BaseModel]  # its own options in a cluster profile (scheduler_options.<name>), with defaults for all
 
     def template(self) -> str:
-        """The training job script, a :class:`string.Template` of the values :mod:`mhf_dist.cluster.submit` and
-        :meth:`job_values` give."""
+        """The training job script, a ``string.Template`` of the values ``mhf_dist.cluster.submit`` and
+        ``job_values`` give."""
 
     def job_values(self, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, *, grace: int | None,
                    depends_on: str | None, hostfile: str | None, min_nodes: int | None) -> dict[str, object]:
@@ -46,8 +52,8 @@ class Scheduler(Protocol):
         cannot take."""
 
     def launch_template(self, elastic: bool) -> str:
-        """The part of the training job script that starts the ranks (``${launch}`` of :meth:`template`), a
-        :class:`string.Template` of the same values; ``elastic``: the rounds of an elastic job."""
+        """The part of the training job script that starts the ranks (``${launch}`` of ``template``), a
+        ``string.Template`` of the same values; ``elastic``: the rounds of an elastic job."""
 
     def in_container(self, profile: ClusterProfile) -> bool:
         """Whether the profile starts the ranks in a container, which brings its own Python."""
@@ -60,7 +66,7 @@ class Scheduler(Protocol):
 
     def task_env(self) -> dict[str, str]:
         """In a task of one of this scheduler's job steps: the rank's environment (RANK, LOCAL_RANK, WORLD_SIZE,
-        GROUP_WORLD_SIZE: the job's nodes, and :data:`~mhf_dist.storage.run_lock.JOB_ID_ENV`); empty elsewhere."""
+        GROUP_WORLD_SIZE: the job's nodes, and ``mhf_dist.storage.run_lock.JOB_ID_ENV``); empty elsewhere."""
 
     def how_to_submit(self, path: Path) -> str:
         """How a written script at ``path`` is submitted (or started) by hand."""
@@ -72,14 +78,28 @@ class Scheduler(Protocol):
         """This scheduler's own options of ``submit`` and ``submit-data``."""
 
     def with_arguments(self, profile: ClusterProfile, args: argparse.Namespace) -> ClusterProfile:
-        """``profile`` with this scheduler's options from the command line (:meth:`add_arguments`)."""
+        """``profile`` with this scheduler's options from the command line (``add_arguments``)."""
+
+
+SHIPPED = ("mhf_dist.cluster.scheduler.slurm", "mhf_dist.cluster.scheduler.hostfile")  # their modules, in this order
+_REGISTRY: dict[str, Scheduler] = {}
+
+
+def register(s: Scheduler) -> Scheduler:
+    """Add ``s`` to the schedulers, under its name; ``s`` back (``PBS = register(Pbs())``). A scheduler that does not
+    answer the whole protocol, or a second one of a registered name, is refused."""
+    if not isinstance(s, Scheduler):
+        raise TypeError(f"{s!r} is not a scheduler: it lacks some of {Scheduler.__module__}.Scheduler's members")
+    if _REGISTRY.setdefault(s.name, s) is not s:
+        raise ValueError(f"another scheduler is registered as {s.name!r}")
+    return s
 
 
 def schedulers() -> dict[str, Scheduler]:
-    """Every scheduler by name."""
-    from mhf_dist.cluster.scheduler import hostfile, slurm
-
-    return {s.name: s for s in (slurm.SLURM, hostfile.HOSTFILE)}
+    """Every registered scheduler by name, the shipped ones included."""
+    for module in SHIPPED:
+        import_module(module)  # registers its scheduler, the first time
+    return dict(_REGISTRY)
 
 
 def scheduler(name: str) -> Scheduler:

@@ -9,15 +9,22 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pydantic import BaseModel, ConfigDict
+
 from mhf_dist.backend import hostfile_template
 from mhf_dist.cluster.files import no_control_characters
-from mhf_dist.cluster.scheduler import JobState
-from mhf_dist.cluster.scheduler.slurm import SLURM
+from mhf_dist.cluster.scheduler import JobState, register, scheduler
 from mhf_dist.errors import ConfigError
 
 if TYPE_CHECKING:
     from mhf_dist.cluster.profile import ClusterProfile
     from mhf_dist.config import RunConfig
+
+
+class HostfileOptions(BaseModel):
+    """No options of its own: the nodes are the hostfile's (``--hostfile``), the rest is the profile's."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class Hostfile:
@@ -26,12 +33,16 @@ class Hostfile:
     name = "hostfile"
     script_name = "launch.sh"
     preemption_signal = None
+    options = HostfileOptions
 
     def template(self) -> str:
         return hostfile_template()
 
     def in_container(self, profile: ClusterProfile) -> bool:
-        return SLURM.in_container(profile)  # a profile may name SLURM's container options, which this cannot start
+        # the launcher, or another scheduler's container options in the profile (SLURM's srun_args), which the
+        # hostfile launcher cannot start
+        return bool(profile.launcher) or any(scheduler(name).in_container(profile)
+                                             for name in profile.scheduler_options if name != self.name)
 
     def job_values(self, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, *, grace: int | None,
                    depends_on: str | None, hostfile: str | None, min_nodes: int | None) -> dict[str, object]:
@@ -41,11 +52,12 @@ class Hostfile:
         if self.in_container(profile):
             raise ConfigError(f"profile {profile.name} runs in a container (launcher/srun_args), which DeepSpeed's "
                               "hostfile launcher does not start; submit through SLURM, or use a profile without them")
+        if not hostfile:
+            raise ConfigError("a job of the hostfile scheduler needs --hostfile FILE: the nodes to start the ranks on")
         return dict(
             launcher_env="\n".join(f"{k}={no_control_characters(k, v)}" for k, v in profile.env.items()),
             # absolute: the script runs in the run directory
-            hostfile=shlex.quote(str(Path(no_control_characters("--hostfile", hostfile)).resolve()) if hostfile
-                                 else ""))
+            hostfile=shlex.quote(str(Path(no_control_characters("--hostfile", hostfile)).resolve())))
 
     def launch_template(self, elastic: bool) -> str:
         return ""  # the template starts DeepSpeed's launcher itself
@@ -72,4 +84,4 @@ class Hostfile:
         return None
 
 
-HOSTFILE = Hostfile()
+HOSTFILE = register(Hostfile())

@@ -1,18 +1,13 @@
 """SLURM: the training job script, the data-preparation array and merge jobs, their submission, a job's state, and
 what each ``srun`` task is told.
 
-The training script is rendered from ``sbatch.template`` with one ``srun`` task per rank. Each task learns its rank
-from SLURM (``SLURM_PROCID``/``SLURM_LOCALID``/``SLURM_NTASKS``, :meth:`Slurm.task_env`) and the ranks rendezvous on
-the first node of ``scontrol show hostnames``; ``--signal=USR1@<grace>`` reaches every rank itself, the ranks save
-and exit with 85, and the script requeues the job (``--requeue``), which resumes from that checkpoint. ``scontrol
-requeue`` or preemption (SIGTERM) goes the same way. ``submit-data`` renders two jobs from ``prepare-data.template``:
-an array job whose task ``I`` of ``1..N`` runs ``prepare-data --part I/N`` on one node, and a merge job that SLURM
-starts only when every task succeeded (``--dependency=afterok``, given at submission).
-
-Every value a user chose is quoted, in ``#SBATCH`` lines in sbatch's own double quotes; values that no quoting makes
-safe (control characters, ``"`` or ``\\`` in an ``#SBATCH`` value, a job id that is not a number) are refused with
-the reason. A job's state comes from ``scontrol`` while SLURM remembers the job, then ``sacct``, each within
-:data:`QUERY_TIMEOUT_S`.
+The training script is rendered from ``sbatch.template`` with one ``srun`` task per rank; each task takes its rank
+from SLURM (``Slurm.task_env``), the ranks rendezvous on the first node of ``scontrol show hostnames``, and a job
+stopped by ``--signal=USR1@<grace>``, ``scontrol requeue`` or preemption saves, exits 85 and is requeued.
+``submit-data`` renders an array job (``prepare-data --part I/N``) and a merge job (``--dependency=afterok``) from
+``prepare-data.template``. Every value a user chose is quoted, or refused with the reason where no quoting makes it
+safe. A job's state comes from ``scontrol``, then ``sacct``, each within ``QUERY_TIMEOUT_S``. The job script in
+full: docs/clusters.md ("Clusters and submit"); data preparation: docs/data.md.
 """
 
 from __future__ import annotations
@@ -29,10 +24,10 @@ from pathlib import Path
 from string import Template
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mhf_dist.cluster.files import PROFILE_DIR, no_control_characters
-from mhf_dist.cluster.scheduler import JobState
+from mhf_dist.cluster.scheduler import JobState, register
 from mhf_dist.errors import ConfigError
 from mhf_dist.storage.heartbeats import NODE_ENV
 from mhf_dist.storage.run_dir import RunDir
@@ -51,7 +46,9 @@ _SBATCH_PLAIN = re.compile(r"[A-Za-z0-9_./:%@+,=-]*")
 
 
 class SlurmOptions(BaseModel):
-    """A cluster profile's keys that only SLURM reads."""
+    """SLURM's own options in a cluster profile (``scheduler_options.slurm``, or the profile's top level)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     sbatch_args: list[str] = Field(default_factory=list, description="more #SBATCH options, e.g. --constraint=a100")
     srun_args: list[str] = Field(default_factory=list, description="more srun options (e.g. pyxis --container-image)")
@@ -103,7 +100,7 @@ def check_site_values(profile: ClusterProfile) -> None:
 def _sbatch_lines(profile: ClusterProfile, job_options: dict[str, object]) -> list[str]:
     """The profile's ``#SBATCH`` lines (its sbatch_args, partition, account, qos, exclusive) with ``job_options``
     (``None`` values left out) after its qos."""
-    lines = [_sbatch_option(f"profile {profile.name}: sbatch_args", a) for a in profile.sbatch_args]
+    lines = [_sbatch_option(f"profile {profile.name}: sbatch_args", a) for a in SLURM.own(profile).sbatch_args]
     options = {"partition": profile.partition, "account": profile.account, "qos": profile.qos} | job_options
     lines += [f"#SBATCH --{key}={sbatch_quoted(key, value)}" for key, value in options.items() if value is not None]
     if profile.exclusive:
@@ -117,7 +114,7 @@ def _srun_args(args: list[str]) -> str:
 
 def signal_grace(cfg: RunConfig, profile: ClusterProfile, nodes: int, asked: int | None) -> int:
     """The seconds before the time limit at which SLURM signals the ranks to save: ``asked`` (``--grace``), else
-    what a step and a save of this job need (:mod:`mhf_dist.cluster.job_estimates`). A grace that leaves the job no
+    what a step and a save of this job need (``mhf_dist.cluster.job_estimates``). A grace that leaves the job no
     time to train is refused; an asked one shorter than the estimate is warned about."""
     from mhf_dist.cluster.job_estimates import save_estimate, time_limit_seconds
 
@@ -152,6 +149,11 @@ class Slurm:
     name = "slurm"
     script_name = "job.sbatch"
     preemption_signal = signal.SIGUSR1
+    options = SlurmOptions
+
+    def own(self, profile: ClusterProfile) -> SlurmOptions:
+        """The profile's SLURM options (``SlurmOptions``)."""
+        return profile.options_of(self)
 
     def template(self) -> str:
         return (PROFILE_DIR / "sbatch.template").read_text()
@@ -160,7 +162,7 @@ class Slurm:
         return (PROFILE_DIR / ("sbatch-elastic.template" if elastic else "sbatch-launch.template")).read_text()
 
     def in_container(self, profile: ClusterProfile) -> bool:
-        return bool(profile.launcher or profile.srun_args)
+        return bool(profile.launcher or self.own(profile).srun_args)
 
     def job_values(self, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, *, grace: int | None,
                    depends_on: str | None, hostfile: str | None, min_nodes: int | None) -> dict[str, object]:
@@ -184,13 +186,13 @@ class Slurm:
                     grace=signal_grace(cfg, profile, nodes, grace), signal=self.preemption_signal.name[3:],
                     nodes_spec=f"{min_nodes}-{nodes}" if min_nodes is not None else str(nodes), min_nodes=min_nodes,
                     probe_s=PROBE_S,
-                    extra_sbatch="\n".join(extra), srun_args=_srun_args(bind + profile.srun_args))
+                    extra_sbatch="\n".join(extra), srun_args=_srun_args(bind + self.own(profile).srun_args))
 
     def submit(self, script: Path, *options: str) -> str:
         proc = _run(["sbatch", "--parsable", *options, str(script)])
         if proc is None:
             raise ConfigError("sbatch is not on PATH: submit from a SLURM login node, or use --write "
-                              "(submit: or --hostfile)")
+                              "(submit: or --hostfile, or another --scheduler)")
         if proc.returncode:
             raise ConfigError(f"sbatch refused the job: {proc.stderr.strip()}")
         return proc.stdout.strip().split(";")[0]
@@ -235,19 +237,21 @@ class Slurm:
                             help="one more #SBATCH option, e.g. --sbatch-arg=--constraint=a100 (repeatable)")
 
     def with_arguments(self, profile: ClusterProfile, args: argparse.Namespace) -> ClusterProfile:
-        return profile.model_copy(update={"sbatch_args": [*profile.sbatch_args, *args.sbatch_args]})
+        own = self.own(profile)
+        return profile.with_options(self, own.model_copy(update={"sbatch_args": [*own.sbatch_args, *args.sbatch_args]}))
 
     # ------------------------------------------------------------------ submit-data
     def render_data(self, profile: ClusterProfile, shell: dict[str, str], parts: int, out: Path, log_dir: Path,
                     inputs: list[str], tokenizer: str, options: list[str], cpus: int,
                     merge_args: str) -> tuple[str, str]:
         """The array job preparing part ``$SLURM_ARRAY_TASK_ID`` of ``parts`` of ``inputs`` into ``out`` and the job
-        merging the parts (:data:`DATA_SCRIPTS`); ``shell`` holds the job's shell values, ``merge_args`` the merge's
+        merging the parts (``DATA_SCRIPTS``); ``shell`` holds the job's shell values, ``merge_args`` the merge's
         ``prepare-data`` arguments."""
         check_site_values(profile)
         mem = 0 if profile.all_memory else None
         common = dict(profile=profile.name, time=sbatch_quoted("time", profile.time), log_dir=log_dir,
-                      sbatch_out=sbatch_quoted("--out", out), srun_args=_srun_args(profile.srun_args), **shell)
+                      sbatch_out=sbatch_quoted("--out", out), srun_args=_srun_args(self.own(profile).srun_args),
+                      **shell)
         template = Template((PROFILE_DIR / "prepare-data.template").read_text())
         prepare = template.substitute(
             common, what=f"part $SLURM_ARRAY_TASK_ID of {parts} of the inputs, one array task each.",
@@ -286,9 +290,8 @@ class Slurm:
         return f"submit it with: sbatch {path}"
 
 
-
 def job_name(prefix: str, directory: Path) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{prefix}-{directory.name}")
 
 
-SLURM = Slurm()
+SLURM = register(Slurm())

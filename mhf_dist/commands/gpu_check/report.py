@@ -89,8 +89,8 @@ def markdown(mode: Mode, env: dict, checks: list[Check], elapsed: float, finishe
 
 
 class Report:
-    """``gpu_check.md`` and ``gpu_check.json`` of a check of ``total`` steps. :meth:`write` takes the rows and step
-    timings so far; the context's commands call :meth:`rewrite` as each of them ends."""
+    """``gpu_check.md`` and ``gpu_check.json`` of a check of ``total`` steps. ``write`` takes the rows and step
+    timings so far; the context's commands call ``rewrite`` as each of them ends."""
 
     def __init__(self, ctx: Context, env: dict, total: int):
         self.ctx, self.env, self.total, self.began = ctx, env, total, time.perf_counter()

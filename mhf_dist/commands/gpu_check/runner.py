@@ -175,7 +175,7 @@ class Context:
             self._running[name] = (proc, began)
 
     def _finished(self, name: str) -> bool:
-        """Forget a command that ended; False when :meth:`interrupt` ended and recorded it."""
+        """Forget a command that ended; False when ``interrupt`` ended and recorded it."""
         with self._lock:
             return self._running.pop(name, None) is not None
 
@@ -189,7 +189,7 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 def mhf_dist(ctx: Context, name: str, args: list[str], timeout_s: int | None = None, threads: int | None = None) -> str:
     """Run ``mhf-dist ARGS`` (its output in ``OUT/logs/NAME.log``) with ``threads`` OpenMP threads per process
-    (default: every core); returns its stdout, raises :class:`StepFailed` on a non-zero exit or a timeout
+    (default: every core); returns its stdout, raises ``StepFailed`` on a non-zero exit or a timeout
     (``timeout_s``, default the mode's)."""
     cmd = [sys.executable, "-m", "mhf_dist", *args]
     log = ctx.logs / f"{name}.log"

@@ -1,5 +1,5 @@
 """Step 2: ``tiny-standard`` prepares the shards; the resume pairs and the layout and feature runs train on them side
-by side; each is held to its rule (the package's docstring gives the rules and their tolerances)."""
+by side; each is held to its rule (docs/profiling.md, "GPU check", gives the rules and their tolerances)."""
 
 from __future__ import annotations
 
@@ -157,8 +157,8 @@ def resume_check(ctx: Context, dtype: str) -> Check:
                   "steps_compared": len(steps), "last_loss": last})
 
 
-# gloo's own errors when a collective meets what it cannot carry (see the module docstring); group 1 (when present)
-# or the whole match is reported
+# gloo's own errors when a collective meets what it cannot carry (docs/profiling.md, "GPU check"); group 1 (when
+# present) or the whole match is reported
 GLOO_LIMITS = (
     re.compile(r"ProcessGroupGloo::\w+: unsupported device type \w+"),  # no CUDA implementation of the op
     re.compile(r"Backend gloo does not support \w+"),  # no implementation on any device

@@ -8,8 +8,8 @@
   background deletes;
 - :mod:`~mhf_dist.train.checkpoint.checkpointer`: :class:`Checkpointer`, which saves, commits, verifies and loads.
 
-How a save is made atomic and verified, and why: docs/design.md, "Checkpoints". The names below are importable from
-here; they load on first use, so that importing :mod:`~mhf_dist.train.checkpoint.index` loads no torch.
+How a save is made atomic and verified, and why: docs/design-training.md, "Checkpoints". The names below are
+importable from here; they load on first use, so that importing :mod:`~mhf_dist.train.checkpoint.index` loads no torch.
 """
 
 import importlib

@@ -1,9 +1,10 @@
 """The checkpointer: every rank's save (synchronous, or handed to a background writer), rank 0's commit (the
 ``complete.json`` marker, then ``latest``, then retention), the ranks' agreement on a save's outcome, and the
-verification, conversion for another layout and load of a checkpoint. The files it writes are the backend's, the RNG
-states (:mod:`~mhf_dist.train.checkpoint.rng`) and the host tables; the marker's format is
+verification, conversion for another layout and load of a checkpoint. The files it writes are the backend's (with the
+client state, :mod:`~mhf_dist.train.client_state`, inside), the RNG states (:mod:`~mhf_dist.train.checkpoint.rng`)
+and the host tables; the marker's format is
 :mod:`~mhf_dist.train.checkpoint.index`, the line of checkpoints :mod:`~mhf_dist.train.checkpoint.lineage`.
-docs/design.md, "Checkpoints", says how a save is made atomic and verified."""
+docs/design-training.md, "Checkpoints", says how a save is made atomic and verified."""
 
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ from mhf_dist.train.checkpoint.rng import (
     set_rng_state,
 )
 from mhf_dist.train.checkpoint.writers import BackgroundWriter, RecordingWriter
+from mhf_dist.train.client_state import ClientState
 from mhf_dist.train.fault_injection import free_bytes, pause_conversion, pause_save
 from mhf_dist.train.host_tables import HOST_TABLES_FILE, HostTablesStep
 from mhf_dist.train.preemption import GRACE_ENV, grace_seconds
@@ -129,28 +131,33 @@ class Checkpointer(Lineage):
         if self.deleter is not None:
             self.deleter.finish()
 
+    def state_dict(self) -> dict:
+        """The checkpointer's part of the client state: what a checkpoint was saved with (the run config, the
+        signature table's hash, the code version, the layout, and each parameter's split for a conversion)."""
+        return {"config": self.cfg.model_dump(mode="json"), "signatures_hash": self.signatures_hash,
+                "code_version": __version__, "layout": self.layout, "universal_checkpoint_info": self.universal}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to take: a resume reads the saved config in the client state :meth:`load` returns."""
+
     # ------------------------------------------------------------------ save
-    def save(self, trainer: Trainer, step: int, tokens: int, reader_state: dict, reason: str,
-             step_s: float = 0.0, loss_watch: dict | None = None) -> Path:
-        """Write ``trainer``'s checkpoint ``step`` (every rank calls this) with the reader's position and the loss
-        watch's window (``loss_watch``, in the client state); a failure on any rank raises CheckpointError
-        on all. With ``train.checkpoint_async`` this returns once this rank's files are in host memory, and the save
-        ends in the background; the save still in flight is waited for first (:meth:`wait`), so one is in flight at
-        most."""
+    def save(self, trainer: Trainer, state: ClientState, reason: str, step_s: float = 0.0) -> Path:
+        """Write ``trainer``'s checkpoint of the step ``state`` holds (every rank calls this), with every registered
+        part of the client state; a failure on any rank raises CheckpointError on all. With
+        ``train.checkpoint_async`` this returns once this rank's files are in host memory, and the save ends in the
+        background; the save still in flight is waited for first (:meth:`wait`), so one is in flight at most.
+        ``step_s``: a step's seconds, for the grace a save needs (:func:`log_save`)."""
         began = time.perf_counter()
         self.wait()
+        client = state.state_dict()
+        step = client["step"]
         path = self.dir / f"step-{step:08d}"
         if self.rank == 0:
             self._clear_for_save(path)
         dist.barrier()
-        client = {
-            "step": step, "tokens": tokens, "reader": reader_state, "config": self.cfg.model_dump(mode="json"),
-            "signatures_hash": self.signatures_hash, "code_version": __version__, "layout": self.layout,
-            "universal_checkpoint_info": self.universal,
-        } | ({"loss_watch": loss_watch} if loss_watch is not None else {})
         marker = None
         if self.rank == 0:
-            marker = {"step": step, "tokens": tokens, "reason": reason, "model": client["config"]["model"],
+            marker = {"step": step, "tokens": client["tokens"], "reason": reason, "model": client["config"]["model"],
                       "config": client["config"],  # what a resume from config.yaml is checked against
                       "signatures_hash": self.signatures_hash, "layout": self.layout, "code_version": __version__,
                       "versions": self.versions}
@@ -439,9 +446,9 @@ class Checkpointer(Lineage):
                                   "model.engram.offload needs; resume with the config it was saved with") from e
         host_tables.load(tensors)
 
-    def load(self, trainer: Trainer, path: Path) -> dict:
-        """Load ``trainer``'s model, optimizer, scheduler and (same layout only) this rank's RNG state; returns the
-        client state."""
+    def load(self, trainer: Trainer, path: Path, state: ClientState) -> dict:
+        """Load ``trainer``'s model, optimizer, scheduler, (same layout only) this rank's RNG state and every part of
+        ``state``: the one way a resume and a rollback load a checkpoint. Returns the client state."""
         marker = read_marker(path)
         if not marker.get("universal") and path not in self.verified:
             self.verify(path)
@@ -458,6 +465,7 @@ class Checkpointer(Lineage):
                 set_rng_state(read_rng_state(rng), cuda)
             elif (legacy := path / LEGACY_RNG_FILE.format(self.rank)).is_file():
                 set_rng_state(read_legacy_rng_state(legacy), cuda)
+        state.load_state_dict(client)
         return client
 
 

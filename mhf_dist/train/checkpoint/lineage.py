@@ -1,8 +1,8 @@
 """The run's line of checkpoints: ``latest``, the checkpoints a resume sets aside (``abandoned/``, ``corrupt/``),
 retention (``train.keep_checkpoints``, after a save and, when the disk is short, before one) and the background
 deletes (:class:`BackgroundDeleter`). :class:`Lineage` is the base of
-:class:`~mhf_dist.train.checkpoint.checkpointer.Checkpointer`; docs/design.md, "Checkpoints", says why a resume sets
-checkpoints aside and when retention runs."""
+:class:`~mhf_dist.train.checkpoint.checkpointer.Checkpointer`; docs/design-training.md, "Checkpoints", says why a
+resume sets checkpoints aside and when retention runs."""
 
 from __future__ import annotations
 

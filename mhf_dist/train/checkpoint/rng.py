@@ -1,6 +1,6 @@
 """The RNG state files of a checkpoint, one per rank: python's, numpy's, torch's and the rank's own GPU generator,
 as safetensors with JSON metadata (read without pickle), and the ``rng-rank*.pt`` of older checkpoints, unpickled with
-``weights_only=True``. docs/design.md, "Checkpoints", says why."""
+``weights_only=True``. docs/design-training.md, "Checkpoints", says why."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The writers of a checkpoint's files: :class:`RecordingWriter` (a synchronous save: each file written, fsynced and
 digested, a failure recorded instead of raised), :class:`BackgroundWriter` (an asynchronous save: the files copied into
-host memory, :class:`HostSnapshot`, then written by a thread). The
-checkpointer hands them to the backend (:class:`~mhf_dist.backend.FileWriter`); docs/design.md, "Checkpoints", says how
-a save uses them."""
+host memory, :class:`HostSnapshot`, then written by a thread). The checkpointer hands them to the backend
+(:class:`~mhf_dist.backend.FileWriter`); docs/design-training.md, "Checkpoints", says how a save uses them."""
 
 from __future__ import annotations
 
