@@ -151,3 +151,28 @@ def test_eval_says_its_sequence_length_and_refuses_one_past_the_models_positions
     err = capsys.readouterr().err
     assert (f"{data['shards']} holds sequences of 64 tokens, more than the model's 48 positions "
             "(max_position_embeddings): evaluate on shards prepared with --seq-len 48 or less") in err
+
+
+def test_an_exported_files_metadata_is_written_in_one_order(tmp_path):
+    """safetensors orders the metadata by a hash that changes per process: the export sorts it in place, so the same
+    checkpoint gives the same bytes whatever order a process wrote."""
+    from safetensors.torch import load_file, save_file
+
+    from mhf_dist.commands.export import sort_metadata
+
+    tensors = {"b": torch.arange(6.0).reshape(2, 3), "a": torch.ones(4, dtype=torch.bfloat16)}
+    written = []
+    for order in (["step", "source"], ["source", "step"]):
+        path = tmp_path / f"{order[0]}.safetensors"
+        save_file(tensors, str(path), metadata={"step": "40", "source": "runs/é/step-00000040"})
+        size = int.from_bytes(path.read_bytes()[:8], "little")
+        header = json.loads(path.read_bytes()[8:8 + size])
+        header["__metadata__"] = {key: header["__metadata__"][key] for key in order}  # as a process may write it
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode().ljust(size)
+        path.write_bytes(path.read_bytes()[:8] + raw + path.read_bytes()[8 + size:])
+        sort_metadata(path)
+        written.append(path.read_bytes())
+    assert written[0] == written[1]
+    assert b'"__metadata__":{"source":"runs/\xc3\xa9/step-00000040","step":"40"}' in written[0]
+    loaded = load_file(str(tmp_path / "step.safetensors"))
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())

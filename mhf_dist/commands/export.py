@@ -11,6 +11,7 @@ shared with ``export-hf``, ``expand-vocab``, ``generate`` and ``eval``.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -31,6 +32,7 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", overwri
         save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in trained.state.items()},
                   str(tmp / "model.safetensors"),
                   metadata={"step": str(trained.step), "source": str(trained.checkpoint)})
+        sort_metadata(tmp / "model.safetensors")
         (tmp / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         for source in (run.signatures_dir, run.engram_dir):
             if source.is_dir():
@@ -39,3 +41,16 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", overwri
         if tokenizer.is_dir():
             shutil.copytree(tokenizer, tmp / "tokenizer")
     return out
+
+
+def sort_metadata(path: Path) -> None:
+    """A safetensors file's metadata in sorted order, rewritten in place: safetensors writes it in a hash map's order,
+    which changes from process to process, and one checkpoint should always export to the same bytes."""
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= size:  # the same content in the same compact form: the same length, padded as before
+            f.seek(8)
+            f.write(text.ljust(size))
