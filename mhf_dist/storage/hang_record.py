@@ -24,6 +24,11 @@ class HangRecord:
     setting: str  # the setting that gave the budget: train.hang_timeout_s or train.first_step_timeout_s
     retried: bool  # the budget was already twice that of an earlier start ended at the same place
 
+    @property
+    def retry_budget_s(self) -> float:
+        """What the next start allows the same step and phase: twice what this one had."""
+        return 2 * self.budget_s
+
     def at(self, step: int, phase: str) -> bool:
         return (self.step, self.phase) == (step, phase)
 

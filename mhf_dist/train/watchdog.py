@@ -114,7 +114,7 @@ class Watchdog:
     def start(self) -> Watchdog:
         self.run.heartbeats_dir.mkdir(parents=True, exist_ok=True)
         if self.previous is not None and self.rank == 0:
-            budget, setting, _ = self._budget(self.previous.step, self.previous.phase, first=False)
+            budget, _, _ = self._budget(self.previous.step, self.previous.phase, first=False)
             print(f"note: the previous start was ended by the hang watchdog after {self.previous.stuck_s:.0f} s "
                   f"without progress {doing({'phase': self.previous.phase, 'step': self.previous.step})} "
                   f"({self.previous.setting}={self.previous.budget_s:g}); this start allows it {budget:g} s, and stops "
@@ -155,7 +155,7 @@ class Watchdog:
             budget, setting = self.first_timeout_s, FIRST_SETTING
         retried = self.previous is not None and self.previous.at(step, phase)
         if retried:
-            budget = max(budget, 2 * self.previous.budget_s)
+            budget = max(budget, self.previous.retry_budget_s)
         return budget, setting, retried
 
     # ------------------------------------------------------------------ the thread
@@ -310,5 +310,5 @@ def advice(record: HangRecord) -> list[str]:
                 f"there again; if that phase is healthy work that takes longer, resubmit with {keep} or more; if it "
                 "is not, the stacks show where it waits"]
     return [f"if {where} is healthy work that takes longer than {record.budget_s:g} s, the next start allows it "
-            f"{2 * record.budget_s:g} s once (ended there again, the job stops without requeueing); to allow "
+            f"{record.retry_budget_s:g} s once (ended there again, the job stops without requeueing); to allow "
             f"it for good: {keep}"]
