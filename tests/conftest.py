@@ -74,7 +74,7 @@ def trained(tmp_path_factory, data):
 @pytest.fixture(scope="session")
 def sources(tmp_path_factory, data):
     """Three shard directories of the test tokenizer (64-token samples, each with a validation split), weighted as
-    :data:`helpers.runs.MIXTURE_WEIGHTS`: a mixture's ``data.sources``."""
+    ``helpers.runs.MIXTURE_WEIGHTS``: a mixture's ``data.sources``."""
     from mhf_dist.config import DataSource
     from mhf_dist.data.prepare import prepare
 

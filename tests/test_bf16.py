@@ -103,7 +103,8 @@ def fused_table_gradient(retrieve: bool) -> torch.Tensor:
     tables = BucketTables(1, ROWS, DIM).to(BF16)
     with torch.no_grad():
         tables.weight[0] = table
-    log_z, target, e_bar, _ = tables.fused_head(c, tables.per_table(), 0, targets, retrieve, 1, KernelPolicy())
+    log_z, target, e_bar, _ = tables.fused_head(c, tables.per_table(), 0, targets=targets, retrieve=retrieve, chunk=1,
+                                                kernels=KernelPolicy())
     loss = (log_z.double() - target.double()).mean()
     if retrieve:
         loss = loss + (e_bar.double() * g_e).sum()
@@ -173,7 +174,7 @@ ZERO_GRADIENT = "vocab.encoder.scorer.2.bias"
 
 
 def bf16_step(model, batch) -> dict:
-    """:func:`step` of ``model`` cast to bf16, with the dtypes of its parameters and gradients, and the first head's
+    """``step`` of ``model`` cast to bf16, with the dtypes of its parameters and gradients, and the first head's
     logits on the rows held here with their log-softmax and softmax (the normaliser over every rank's rows)."""
     model.to(BF16)
     out = step(model, batch)

@@ -41,7 +41,7 @@ def brute_nll(logp: torch.Tensor, targets: torch.Tensor, tau: float) -> float:
 
 
 def brute_slope(logp: torch.Tensor, targets: torch.Tensor, tau: float) -> float:
-    """d/dτ of :func:`brute_nll`: E_{P_τ}[log P_inf] - log P_inf(target)."""
+    """d/dτ of ``brute_nll``: E_{P_τ}[log P_inf] - log P_inf(target)."""
     lp = logp.double()
     p = (tau * lp).softmax(-1)
     expected = torch.where(p > 0, p * lp, 0.0).sum(-1)
@@ -66,7 +66,8 @@ def brute_minimum(logp: torch.Tensor, targets: torch.Tensor) -> tuple[float, flo
 def test_streamed_sums_equal_brute_force(chunk):
     heads, columns, registered, tables, logp, targets = make_case()
     taus = coarse_temperatures()
-    sums = EvalSums.from_sums(taus, target_calibration_sums(heads, columns, registered, tables, targets, taus, chunk))
+    sums = EvalSums.from_sums(taus, target_calibration_sums(heads, columns, registered, tables=tables, targets=targets,
+                                                            temperatures=taus, chunk_size=chunk))
     assert sums.tokens == N
     assert sums.p_inf_nll == pytest.approx(brute_nll(logp, targets, 1.0), rel=1e-6)
     for k, tau in enumerate(taus.tolist()):
@@ -88,7 +89,8 @@ def test_fitted_temperature_is_the_brute_force_minimum():
 
     def evaluate(taus):
         passes.append(taus)
-        return target_calibration_sums(heads, columns, registered, tables, targets, taus, chunk_size=H * 7)
+        return target_calibration_sums(heads, columns, registered, tables=tables, targets=targets, temperatures=taus,
+                                       chunk_size=H * 7)
 
     fit = fit_temperature(evaluate)
     assert len(passes) == 2  # a coarse grid, then a fine one around its estimate
@@ -110,7 +112,8 @@ def test_a_minimum_outside_the_range_gives_its_end():
     heads, columns, registered, tables, logp, _ = make_case()
     uncorrelated = logp.argsort(-1)[:, 1]  # the least likely registered token (column 0: -inf, the pad)
     for targets, end in ((logp.argmax(-1), TAU_MAX), (uncorrelated, TAU_MIN)):  # sure / always wrong
-        fit = fit_temperature(lambda taus: target_calibration_sums(heads, columns, registered, tables, targets, taus))
+        fit = fit_temperature(lambda taus: target_calibration_sums(heads, columns, registered, tables=tables,
+                                                                   targets=targets, temperatures=taus))
         assert fit.temperature == pytest.approx(end, rel=1e-6)
 
 

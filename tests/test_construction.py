@@ -87,7 +87,8 @@ def construct_worker(rank, world, layouts):
     for name, tp, pp, weights in layouts:
         groups = ParallelGroups.create(tp, pp)
         cfg = tiny_cfg(tp)
-        model = model_skeleton(cfg, V, codes, compression, groups.tp_group, groups.tp_rank, tp)
+        model = model_skeleton(cfg, V, codes, compression=compression, tp_group=groups.tp_group, tp_rank=groups.tp_rank,
+                               tp=tp)
         assert all(p.is_meta for p in model.parameters())
         values = SeededValues(cfg.init_std, SEED) if weights is None else FileValues(weights, full_shapes(model, tp))
         partition = Zero3Partitioner(zero3_config(), groups, torch.float32) if pp == 1 else None
@@ -174,7 +175,7 @@ def memory_worker(rank, world):
     torch.distributed.barrier()
     reset = reset_host_peak()
     before = host_rss_bytes()
-    model = model_skeleton(cfg, MEMORY_VOCAB, codes, None)
+    model = model_skeleton(cfg, MEMORY_VOCAB, codes, compression=None)
     shapes = full_shapes(model, 1)
     Materialiser(model, SeededValues(cfg.init_std, SEED), torch.device("cpu"),
                  partition=Zero3Partitioner(zero3_config(), groups, torch.float32))(model)
@@ -228,7 +229,8 @@ def blocks_worker(rank, world):
     for name, tp, pp, in_place in BLOCK_LAYOUTS:
         groups = ParallelGroups.create(tp, pp)
         cfg = tiny_cfg(tp)
-        model = model_skeleton(cfg, V, codes, compression, groups.tp_group, groups.tp_rank, tp)
+        model = model_skeleton(cfg, V, codes, compression=compression, tp_group=groups.tp_group, tp_rank=groups.tp_rank,
+                               tp=tp)
         partition = Zero3Partitioner(zero3_config(), groups, torch.float32) if pp == 1 else None
         if partition is not None:
             assert partition.writes_held

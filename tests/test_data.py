@@ -664,7 +664,7 @@ def sources(tmp_path_factory, docs, tok_dir):
 
 
 def _mixture_stream(sources, ranks: int, per_rank: int, state=None):
-    """Like :func:`_global_stream`, over a mixture."""
+    """Like ``_global_stream``, over a mixture."""
     readers = [MixtureReader(sources, seed=SEED, dp_rank=r, dp_size=ranks, shuffle_window=WINDOW)
                for r in range(ranks)]
     if state is not None:

@@ -77,12 +77,17 @@ def in_order(path: str, *texts: str) -> Callable[[], str | None]:
     return check
 
 
-def is_property(path: str) -> Callable[[], str | None]:
+def same_property(path: str, alias: str) -> Callable[[], str | None]:
+    """``path`` is a property reading what the property ``alias`` reads."""
     def check() -> str | None:
-        module, _, attributes = path.partition(":")
-        owner, _, name = attributes.rpartition(".")
-        value = inspect.getattr_static(symbol(f"{module}:{owner}"), name, None)
-        return None if isinstance(value, property) else f"it is {value!r}, not a property"
+        found = []
+        for p in (path, alias):
+            module, _, attributes = p.partition(":")
+            owner, _, name = attributes.rpartition(".")
+            found.append(inspect.getattr_static(symbol(f"{module}:{owner}"), name, None))
+        if not all(isinstance(f, property) for f in found):
+            return f"they are {found[0]!r} and {found[1]!r}, not properties"
+        return None if found[0].fget is found[1].fget else f"{path} no longer reads what {alias} reads"
     return check
 
 
@@ -163,21 +168,21 @@ CONTRACTS = [
                     source_holds(ZERO12, "self.scaled_global_norm()"))),
     Contract("deepspeed.runtime.utils.combine_grad_norm_groups", f"{BACKEND}/grad_norm.py", "calls",
              parameters_are("deepspeed.runtime.utils:combine_grad_norm_groups", ["norm_groups", "norm_type"])),
-    Contract("DeepSpeedZeroOptimizer_Stage3.loss_scale", f"{BACKEND}/grad_norm.py", "scales the host tables' norm by",
-             is_property(f"{ZERO3}.loss_scale")),
-    Contract("DeepSpeedZeroOptimizer.loss_scale", f"{BACKEND}/grad_norm.py", "scales the host tables' norm by",
-             is_property(f"{ZERO12}.loss_scale")),
-    Contract("DeepSpeedZeroOptimizer_Stage3._global_grad_norm and .overflow", f"{BACKEND}/trainer.py",
+    Contract("DeepSpeedZeroOptimizer_Stage3.cur_scale", f"{BACKEND}/grad_norm.py", "scales the host tables' norm by",
+             same_property(f"{ZERO3}.cur_scale", f"{ZERO3}.loss_scale")),
+    Contract("DeepSpeedZeroOptimizer.cur_scale", f"{BACKEND}/grad_norm.py", "scales the host tables' norm by",
+             same_property(f"{ZERO12}.cur_scale", f"{ZERO12}.loss_scale")),
+    Contract("DeepSpeedZeroOptimizer_Stage3._global_grad_norm and .overflow", f"{BACKEND}/engine_trainer.py",
              "reads after a step (global_grad_norm, step_skipped), and the norm within it, before the torch "
              "optimizer's step (SpikeVerdict)",
              all_of(source_holds(ZERO3, "self._global_grad_norm = ", "self.overflow = "),
                     in_order(f"{ZERO3}.step", "self._global_grad_norm = ", "self._optimizer_step("))),
-    Contract("DeepSpeedZeroOptimizer._global_grad_norm and .overflow", f"{BACKEND}/trainer.py",
+    Contract("DeepSpeedZeroOptimizer._global_grad_norm and .overflow", f"{BACKEND}/engine_trainer.py",
              "reads after a step (global_grad_norm, step_skipped), and the norm within it, before the torch "
              "optimizer's step (SpikeVerdict)",
              all_of(source_holds(ZERO12, "self._global_grad_norm = ", "self.overflow = "),
                     in_order(f"{ZERO12}.step", "self._global_grad_norm = ", "self._optimizer_step("))),
-    Contract("BF16_Optimizer._global_grad_norm (bf16 with ZeRO-1)", f"{BACKEND}/trainer.py",
+    Contract("BF16_Optimizer._global_grad_norm (bf16 with ZeRO-1)", f"{BACKEND}/engine_trainer.py",
              "reads within a step, before the torch optimizer's step (SpikeVerdict)",
              in_order("deepspeed.runtime.bf16_optimizer:BF16_Optimizer.step", "self._global_grad_norm = ",
                       "self.optimizer.step()")),
@@ -255,7 +260,7 @@ CONTRACTS = [
     Contract("DeepSpeedEngine.save_checkpoint / load_checkpoint", f"{BACKEND}/checkpoint.py", "calls by keyword",
              all_of(takes_keywords(f"{ENGINE}.save_checkpoint", ["save_dir", "tag", "client_state", "save_latest"]),
                     takes_keywords(f"{ENGINE}.load_checkpoint", ["load_dir", "tag", "load_module_strict"]))),
-    Contract("PipelineEngine.train_batch / eval_batch", f"{BACKEND}/trainer.py", "calls by keyword",
+    Contract("PipelineEngine.train_batch / eval_batch", f"{BACKEND}/pipeline_trainer.py", "calls by keyword",
              all_of(takes_keywords("deepspeed.runtime.pipe.engine:PipelineEngine.train_batch", ["data_iter"]),
                     takes_keywords("deepspeed.runtime.pipe.engine:PipelineEngine.eval_batch",
                                    ["data_iter", "num_micro_batches"]))),

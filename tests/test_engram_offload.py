@@ -65,8 +65,8 @@ LR, BETAS, EPS, WD, CLIP = 1e-2, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
 class TrainerStandIn:
-    """The part of a :class:`~mhf_dist.backend.Trainer` the host step reads, without DeepSpeed: the decayed group's
-    hyperparameters, gradient clipping 1.0, and (set by :func:`train_step`) a global norm that is the host tables'
+    """The part of a ``Trainer`` the host step reads, without DeepSpeed: the decayed group's
+    hyperparameters, gradient clipping 1.0, and (set by ``train_step``) a global norm that is the host tables'
     own."""
 
     device = torch.device("cpu")
@@ -87,7 +87,7 @@ class TrainerStandIn:
 
 
 def host_step(model, update: str) -> HostTablesStep:
-    """The trainer's host step, on a :class:`TrainerStandIn` (the tables' lr scale 1, weight decay ``WD``)."""
+    """The trainer's host step, on a ``TrainerStandIn`` (the tables' lr scale 1, weight decay ``WD``)."""
     return HostTablesStep(model, TrainerStandIn(), compute_dtype=torch.float32, dp_group=None, dp=1, update=update,
                           settings=(1.0, WD))
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from mhf_dist.commands import gpu_check
+from mhf_dist.commands.gpu_check import feature_checks, runner, training
 from mhf_dist.commands.gpu_check import report as reporting
-from mhf_dist.commands.gpu_check import runner, training
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPECTED = ["build", "sdpa", "train-standard", "resume-fp32", "layout-tp2-gloo", "grad-accum", "export-hf",
@@ -32,7 +32,7 @@ EXPECTED = ["build", "sdpa", "train-standard", "resume-fp32", "layout-tp2-gloo",
 
 
 def _run_args(monkeypatch, out: Path) -> argparse.Namespace:
-    """``gpu-check --cpu --out OUT``'s arguments, for :func:`run` in this process; what it sets in the environment is
+    """``gpu-check --cpu --out OUT``'s arguments, for ``run`` in this process; what it sets in the environment is
     set here first, so that it is undone after the test."""
     for name, value in (("CUDA_VISIBLE_DEVICES", ""), ("DS_ACCELERATOR", "cpu"),
                         ("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", "unused"))):
@@ -127,7 +127,7 @@ def test_layout_and_accumulation_checks_compare_loss_and_gradient_norm(tmp_path)
     }
     for case, (records, expected) in cases.items():
         _write_run(ctx.run("grad-accum"), records)
-        check = training.grad_accum_check(ctx)
+        check = feature_checks.grad_accum_check(ctx)
         assert check.status == expected, (case, check)
     assert "global batch 8 = 4 micro-batches of 2" not in check.result  # the preset's micro-batch is 8
     assert "global batch 8 = 1 micro-batches of 8" in check.result
@@ -135,24 +135,24 @@ def test_layout_and_accumulation_checks_compare_loss_and_gradient_norm(tmp_path)
 
 def test_feature_checks_on_made_up_runs(tmp_path):
     ctx = runner.Context(runner.GPU, tmp_path, tmp_path / "work", 989.0)
-    c, weight = ctx.mode.compare_steps, training.P_INF_WEIGHT
+    c, weight = ctx.mode.compare_steps, feature_checks.P_INF_WEIGHT
 
     _write_run(ctx.run("engram-device"), _records(c, memory_gb=0.30))
     _write_run(ctx.run("engram-offload"), _records(c, memory_gb=0.10))
-    check = training.engram_offload_check(ctx)
+    check = feature_checks.engram_offload_check(ctx)
     assert check.status == "PASS" and check.values["device_probe_s"] == 1e-3, check
     _write_run(ctx.run("engram-offload"), _records(c, memory_gb=0.30))  # the tables stayed on the device
-    assert training.engram_offload_check(ctx).status == "FAIL"
+    assert feature_checks.engram_offload_check(ctx).status == "FAIL"
     _write_run(ctx.run("engram-offload"), [{k: v for k, v in r.items() if k != "device_s"}
                                            for r in _records(c, memory_gb=0.10)])
-    check = training.engram_offload_check(ctx)  # on a GPU every compared step carries the device probe's time
+    check = feature_checks.engram_offload_check(ctx)  # on a GPU every compared step carries the device probe's time
     assert check.status == "FAIL" and "the device probe timed no step" in check.result, check
 
     _write_run(ctx.run("mhf-bf16"), _records(30))
 
     def p_inf(records):
         _write_run(ctx.run("p-inf-tp2-bf16"), records)
-        return training.p_inf_check(ctx).status
+        return feature_checks.p_inf_check(ctx).status
 
     good = [r | {"p_inf_loss": 8.0 - 0.1 * r["step"]} for r in _records(c)]
     good = [r | {"loss": sum(r["head_losses"]) + weight * r["p_inf_loss"]} for r in good]
@@ -165,7 +165,7 @@ def test_feature_checks_on_made_up_runs(tmp_path):
 
     _write_run(ctx.run("mhf-fp32"), _records(30))
     _write_run(ctx.run("compile"), _records(c))
-    check = training.compile_check(ctx)
+    check = feature_checks.compile_check(ctx)
     assert check.status == "PASS" and check.values["first_step_s"] > 0, check
 
     out = ctx.work / "profile-tp2-gloo"
@@ -173,12 +173,12 @@ def test_feature_checks_on_made_up_runs(tmp_path):
     row = {"size": "100m", "hash": "h4b16k", "layout": "tp=2", "dtype": "bf16", "seq_len": 512, "tokens_per_s": 9e3,
            "step_s": 0.05, "comm_s": 0.01, "comm_bytes_per_step": 2**24, "memory_gb": 3.0}
     (out / "profile.json").write_text(json.dumps({"training": [row]}))
-    assert training.profile_tp2_check(ctx).status == "measured"
+    assert feature_checks.profile_tp2_check(ctx).status == "measured"
     (out / "profile.json").write_text(json.dumps({"training": [row | {"comm_bytes_per_step": 0}]}))
-    assert training.profile_tp2_check(ctx).status == "FAIL"  # no tensor-parallel traffic: not tp=2
+    assert feature_checks.profile_tp2_check(ctx).status == "FAIL"  # no tensor-parallel traffic: not tp=2
 
     (out / "profile.json").unlink()  # results that cannot be read fail their own row, not the step
-    check = training.feature_check(ctx, runner.Job("profile-tp2-gloo", [], required=False, ranks=2), None)
+    check = feature_checks.feature_check(ctx, runner.Job("profile-tp2-gloo", [], required=False, ranks=2), None)
     assert check.status == "FAIL" and "reading its results failed: FileNotFoundError" in check.result
 
 
@@ -204,17 +204,17 @@ GLOO_LOGS = {  # a failed 2-rank run's log: is it a gloo limitation?
 
 def test_a_gloo_limitation_is_told_from_a_defect_by_the_error_text(tmp_path):
     for text, limitation in GLOO_LOGS.items():
-        assert (training.gloo_limitation(f"step 1 | loss 38.9\n{text}\n") is not None) == limitation, text
+        assert (feature_checks.gloo_limitation(f"step 1 | loss 38.9\n{text}\n") is not None) == limitation, text
     log = tmp_path / "train-layout-pp2-gloo.log"
     log.write_text("RuntimeError: ProcessGroupGloo::reduce: unsupported device type cuda\n")
     error = runner.StepFailed("train-layout-pp2-gloo exited 1", log)
     two_ranks = runner.Job("layout-pp2-gloo", [], required=False, ranks=2)
-    check = training.failed_run_check(two_ranks, error)
+    check = feature_checks.failed_run_check(two_ranks, error)
     assert check.status == runner.NOT_RUNNABLE and "unsupported device type cuda" in check.result
     one_rank = runner.Job("compile", [], required=False)
-    assert training.failed_run_check(one_rank, error).status == "FAIL"  # one rank uses no gloo collective
+    assert feature_checks.failed_run_check(one_rank, error).status == "FAIL"  # one rank uses no gloo collective
     log.write_text("torch.AcceleratorError: CUDA error: invalid device ordinal\n")
-    assert training.failed_run_check(two_ranks, error).status == "FAIL"
+    assert feature_checks.failed_run_check(two_ranks, error).status == "FAIL"
     env = {"date": "d", "commit": "c", "device": "H200", "torch": "2", "build": "CUDA 12", "deepspeed": "0",
            "transformers": "5"}
     steps = len(gpu_check.STEPS)
@@ -258,7 +258,7 @@ def test_gpu_mode_commands_parse_and_their_configs_validate(tmp_path):
 
 def test_the_check_runs_without_git_and_names_its_commit(tmp_path, monkeypatch):
     """git is optional: where it is missing (a container, a copied tree) or fails, the commit comes from the package's
-    metadata, and the check gets past its start (:func:`run` with its steps replaced, in this process)."""
+    metadata, and the check gets past its start (``run`` with its steps replaced, in this process)."""
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no git, nothing else either
     env = reporting.environment(runner.CPU)
     version = importlib.metadata.version("mhf-dist")

@@ -53,8 +53,8 @@ def test_profile_binding_one_gpu_per_task_renders_into_the_job_script():
     default = load_profile("a100-80g").model_copy(update={"partition": "gpu", "time": "1:00:00"})
     bound = default.model_copy(update={"gpus_per_task": 1})
     kwargs = dict(preset="1b-h4b16k", config=None, overrides=["data.path=/shared/data"], python="/opt/py")
-    plain = render(SLURM, cfg, default, 2, Path("/shared/run"), **kwargs)
-    script = render(SLURM, cfg, bound, 2, Path("/shared/run"), **kwargs)
+    plain = render(SLURM, cfg, default, nodes=2, run_dir=Path("/shared/run"), **kwargs)
+    script = render(SLURM, cfg, bound, nodes=2, run_dir=Path("/shared/run"), **kwargs)
     assert "#SBATCH --gpus-per-node=8" in plain and "--gpus-per-task" not in plain and "--gpu-bind" not in plain
     assert "#SBATCH --gpus-per-task=1" in script and "--gpus-per-node" not in script
     assert "srun --cpus-per-task=16 --kill-on-bad-exit=1 --gpu-bind=closest " in script

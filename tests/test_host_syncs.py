@@ -4,12 +4,12 @@ On a GPU, a host read of a device value (``item``, ``tolist``, ``float(t)``, ``b
 whose output shape depends on the data (``nonzero``, boolean-mask indexing, ``unique``, ``masked_select``) and a
 tensor built from Python data on the device (``torch.tensor(..., device=)``: a copy from pageable memory) make the host
 wait for every kernel queued before them. On CPU nothing waits, but the same calls go through
-``__torch_function__``, so :class:`SyncCounter` records each with its call site. What it cannot see on a CPU:
+``__torch_function__``, so ``SyncCounter`` records each with its call site. What it cannot see on a CPU:
 ``.to(device)`` copies from pageable host memory (every tensor is on the host here) and CUDA event waits; those are
 listed in the docs.
 
 A step of the training loop (its step, log and checkpoint phases; an ordinary step: not evaluated or saved) makes
-**one** host sync of ours, logged or not: :meth:`ScalarCollectives.read` of the dp-averaged losses, the global
+**one** host sync of ours, logged or not: ``ScalarCollectives.read`` of the dp-averaged losses, the global
 gradient norm and the stop/save flags (and on a logged step the health metrics, after the one all-reduce they add,
 which the test counts beside the step's other collectives). DeepSpeed 0.19.8's ZeRO-3 step makes three of its own
 (fp32): ``is_invalid_grad_norm`` (``bool``) and one ``torch.tensor(-1.0, device=)`` per parameter group in

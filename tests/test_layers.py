@@ -18,6 +18,7 @@ DESIGN = PACKAGE.parent / "docs" / "design.md"
 MAX_LINES = 500
 MAX_DOCSTRING = 15
 MAX_PAGE_LINES = 400
+MIN_KEYWORD_PARAMS = 7
 
 
 def layers() -> dict[str, int]:
@@ -90,6 +91,24 @@ def test_module_docstrings_say_what_the_module_holds_in_a_few_lines():
     long = {str(p.relative_to(PACKAGE.parent)): n for p, text in sorted(docstrings.items())
             if (n := len(text.splitlines())) > MAX_DOCSTRING}
     assert not long, f"module docstrings over {MAX_DOCSTRING} lines: {long}"
+
+
+# Signatures torch defines, which a subclass keeps as they are
+TORCH_OVERRIDES = {"forward", "backward", "_load_from_state_dict"}
+
+
+def test_long_signatures_take_their_parameters_by_keyword():
+    """A function of seven or more parameters takes at most its first three by position: a call names the rest."""
+    found = []
+    for p in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name in TORCH_OVERRIDES:
+                continue
+            positional = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
+            if len(positional) + len(node.args.kwonlyargs) >= MIN_KEYWORD_PARAMS and len(positional) > 3:
+                where = f"{p.relative_to(PACKAGE.parent)}:{node.lineno}"
+                found.append(f"{where} {node.name} ({len(positional)} positional)")
+    assert not found, "\n".join(found)
 
 
 def test_docs_pages_stay_readable_in_one_sitting():

@@ -254,13 +254,13 @@ def test_a_parameter_of_at_most_one_block_is_one_stream_as_before():
         return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
     w = torch.empty(192, 64)
-    init.initial_shard("backbone.layers.0.mlp.gate_proj.weight", w.shape, w, 0.02, 1234)
+    init.initial_shard("backbone.layers.0.mlp.gate_proj.weight", w.shape, w, std=0.02, seed=1234)
     assert torch.equal(w, torch.empty(192, 64).normal_(0.0, 0.02, generator=generator(
         "1234/backbone.layers.0.mlp.gate_proj.weight")))
     assert w.view(-1)[[0, 1, 2, 12287]].tolist() == [-0.015405993908643723, -0.013752768747508526,
                                                       -0.009411449544131756, -0.018609963357448578]
     t = torch.empty(4, 16384, 64)  # tiny-h4b16k's bucket tables: one stream per table
-    init.initial_shard("vocab.tables.weight", t.shape, t, 0.02, 1234)
+    init.initial_shard("vocab.tables.weight", t.shape, t, std=0.02, seed=1234)
     table = torch.empty(16384, 64).normal_(0.0, 0.02, generator=generator("1234/vocab.tables.weight/2"))
     assert torch.equal(t[2], table)
     assert t[2].reshape(-1)[[0, 1, 2**20 - 1]].tolist() == [0.009206878021359444, -0.023869337514042854,
@@ -268,7 +268,7 @@ def test_a_parameter_of_at_most_one_block_is_one_stream_as_before():
     assert t[0, 0, 0].item() == -0.010589882731437683
     assert init.BLOCK == 2**20 and t[2].numel() == init.BLOCK  # the tiny presets' largest stream: one block
     b = torch.empty(init.BLOCK)
-    init.initial_shard("x.weight", b.shape, b, 1.0, 5)
+    init.initial_shard("x.weight", b.shape, b, std=1.0, seed=5)
     assert b[[0, init.BLOCK - 1]].tolist() == [-0.789883553981781, 0.028049500659108162]
 
 
@@ -291,7 +291,7 @@ def test_a_rank_draws_only_the_blocks_of_its_partition(monkeypatch, name, shape)
     real = init.draw_block
     monkeypatch.setattr(init, "draw_block", lambda out, *a: (drawn.append(out.numel()), real(out, *a)))
     whole = torch.empty(shape)
-    init.initial_shard(name, shape, whole, 1.0, 3)
+    init.initial_shard(name, shape, whole, std=1.0, seed=3)
     assert not torch.equal(whole.view(-1)[:block], whole.view(-1)[block:2 * block])  # blocks: different streams
     tables = name == "vocab.tables.weight"
     for dim in [None, *range(len(shape))]:
@@ -311,7 +311,8 @@ def test_a_rank_draws_only_the_blocks_of_its_partition(monkeypatch, name, shape)
                         n = max(0, min(size, chunk.numel() - start))
                         held = torch.full((n,), float("nan"), dtype=torch.bfloat16)
                         drawn.clear()
-                        init.initial_shard(name, shape, held, 1.0, 3, dim, tp_rank, tp, torch.empty(block), start)
+                        init.initial_shard(name, shape, held, std=1.0, seed=3, dim=dim, rank=tp_rank, parts=tp,
+                                           buffer=torch.empty(block), start=start)
                         assert torch.equal(held, chunk[start:start + n].bfloat16()), (dim, tp, dp)
                         spans = (start + n - 1) // per - start // per + 1 if n else 0  # tables touched
                         slack = 2 * block + (2 * stride if stride > 1 else 0)

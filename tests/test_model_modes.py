@@ -113,7 +113,7 @@ def _pipeline_interval(rank, world):
     join_distributed(rank, world)
     cfg = load_config("tiny-h4b16k", overrides=["model.hash.num_buckets=64"]).model
     codes = SignatureTable.build([f"tok{i}" for i in range(V)], cfg.hash.num_hashes, 64, pad_id=0).codes
-    model = model_skeleton(cfg, V, codes, None, modes=ModelModes(checkpoint_interval=1))
+    model = model_skeleton(cfg, V, codes, compression=None, modes=ModelModes(checkpoint_interval=1))
     materialise = Materialiser(model, SeededValues(cfg.init_std, 0), torch.device("cpu"), 0, 1, None)
     pipe, _ = build_pipeline(model, ParallelGroups.create(1, 2), seq_len=8, materialise=materialise)
     return pipe.activation_checkpoint_interval

@@ -1,4 +1,4 @@
-"""Jobs of several nodes, on a cluster of network namespaces on this machine (:mod:`helpers.node_cluster`): each node
+"""Jobs of several nodes, on a cluster of network namespaces on this machine (``helpers.node_cluster``): each node
 has its own address, host name and ``slurmd``, and ranks on different nodes talk over the namespaces' bridge."""
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def test_a_run_directory_of_the_older_layout_keeps_its_slurm_directory(tmp_path,
     (old / "elastic.json").write_text(json.dumps({"dp": 3, "nodes": 3, "ranks": 6}))
     cfg = load_config("tiny-h4b16k", overrides=["parallel.tp=2", "train.global_batch_size=12",
                                                 "train.micro_batch_size=2"])
-    chosen = plan_round(cfg, RunDir(run), ["n1", "n2"], ["n3"], 2, 1)
+    chosen = plan_round(cfg, RunDir(run), up=["n1", "n2"], lost=["n3"], tasks_per_node=2, min_nodes=1)
     assert any("chose: dp 2 (was dp 3 on 3 nodes)" in line for line in chosen.story), chosen.story
     assert json.loads((old / "elastic.json").read_text())["dp"] == 2
 

@@ -15,7 +15,7 @@ from helpers.runs import metrics, run_cli, train_args
 from mhf_dist.backend import SpikeLimits, consolidate
 from mhf_dist.config import ConfigError, TrainConfig, load_config
 from mhf_dist.data.reader import ShardReader
-from mhf_dist.train.divergence import LossWatch
+from mhf_dist.train.divergence import DivergenceSettings, LossWatch
 from mhf_dist.train.fault_injection import LOSS_SPIKE_ENV
 from mhf_dist.train.optim import skippable
 
@@ -23,7 +23,7 @@ SPIKE_STEP = 7
 
 
 def test_the_watch_sets_limits_from_the_unspiked_window_and_counts_what_the_trainer_left_out():
-    watch = LossWatch(TrainConfig(spike_factor=3, grad_spike_factor=5, on_spike="skip"))
+    watch = LossWatch(DivergenceSettings.of(TrainConfig(spike_factor=3, grad_spike_factor=5, on_spike="skip")))
     assert watch.limits() == SpikeLimits(math.inf, math.inf)  # fewer than five values: no limit yet
     for step, (loss, norm) in enumerate([(10, 1), (9, 2), (8, 1), (7, 2), (6, 1)], start=1):
         assert watch.observe(step, loss, norm) == []
@@ -76,7 +76,7 @@ def _weights(run, step: int, pipeline: bool) -> dict[str, torch.Tensor]:
 
 
 def _assert_skipped(run, out: str, pipeline: bool) -> None:
-    """The spike of :data:`SPIKE_STEP` was left out: its weights are those of the step before, bit for bit."""
+    """The spike of ``SPIKE_STEP`` was left out: its weights are those of the step before, bit for bit."""
     assert f"warning: step {SPIKE_STEP}: loss spike" in out and "the step applied no update" in out, out[-3000:]
     before, after, next_step = (_weights(run, s, pipeline) for s in (SPIKE_STEP - 1, SPIKE_STEP, SPIKE_STEP + 1))
     assert before.keys() == after.keys()

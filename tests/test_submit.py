@@ -46,8 +46,8 @@ def rendered(name: str) -> str:
     profile, nodes, preset, overrides, extra = CASES[name]
     scheduler = HOSTFILE if "hostfile" in extra else SLURM
     return render(scheduler, load_config(preset, overrides=overrides), at_site(profile) if profile == "mi300x" else
-                  load_profile(profile), nodes, Path("/shared/runs/demo"), preset=preset, overrides=overrides,
-                  python="/opt/venv/bin/python", **extra)
+                  load_profile(profile), nodes=nodes, run_dir=Path("/shared/runs/demo"), preset=preset,
+                  overrides=overrides, python="/opt/venv/bin/python", **extra)
 
 
 def test_every_scheduler_answers_the_whole_protocol_and_is_found_by_name():
@@ -87,8 +87,8 @@ def test_rendered_scripts_match_reviewed_golden_files(name):
 def test_a_relative_hostfile_is_named_absolutely(tmp_path, monkeypatch):
     # the script runs in the run directory, where a relative hostfile would name nothing
     monkeypatch.chdir(tmp_path)
-    script = render(HOSTFILE, load_config("1b-h4b16k", overrides=[DATA]), load_profile("a100-80g"), 2,
-                    Path("/shared/runs/demo"), preset="1b-h4b16k", overrides=[DATA], hostfile="hosts")
+    script = render(HOSTFILE, load_config("1b-h4b16k", overrides=[DATA]), load_profile("a100-80g"), nodes=2,
+                    run_dir=Path("/shared/runs/demo"), preset="1b-h4b16k", overrides=[DATA], hostfile="hosts")
     assert f"--hostfile {tmp_path / 'hosts'} " in script and "--hostfile hosts" not in script
 
 
@@ -126,8 +126,9 @@ def test_a_hardware_profile_asks_for_the_sites_values(tmp_path, capsys):
 
 def test_a_failed_setup_line_stops_the_job(tmp_path):
     profile = load_profile("cpu-local").model_copy(update={"setup": ["false  # a module that is not there"]})
-    script = render(SLURM, load_config("tiny-h4b16k", overrides=["train.micro_batch_size=4"]), profile, 1,
-                    tmp_path / "r", preset="tiny-h4b16k", overrides=["train.micro_batch_size=4"], python="/no/python")
+    script = render(SLURM, load_config("tiny-h4b16k", overrides=["train.micro_batch_size=4"]), profile, nodes=1,
+                    run_dir=tmp_path / "r", preset="tiny-h4b16k", overrides=["train.micro_batch_size=4"],
+                    python="/no/python")
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2
     assert "the setup line of profile cpu-local failed: false  # a module that is not there" in proc.stderr
@@ -151,8 +152,8 @@ def test_script_contents():
 
 def test_nodes_that_do_not_fit_the_layout_fail_before_submitting(capsys):
     with pytest.raises(ConfigError, match=r"world size 24 does not fit parallel.tp=16"):
-        render(SLURM, load_config("3b-h4b16k", overrides=[DATA, "parallel.tp=16"]), load_profile("a100-80g"), 3,
-               Path("/x"), preset="3b-h4b16k", overrides=[])
+        render(SLURM, load_config("3b-h4b16k", overrides=[DATA, "parallel.tp=16"]), load_profile("a100-80g"), nodes=3,
+               run_dir=Path("/x"), preset="3b-h4b16k", overrides=[])
     assert main(["submit", "--preset", "tiny-h4b16k", "--cluster", "nope", "--run-dir", "/tmp/x", "--dry-run"]) == 2
     assert "cluster profile 'nope' not found" in capsys.readouterr().err
 
@@ -160,7 +161,7 @@ def test_nodes_that_do_not_fit_the_layout_fail_before_submitting(capsys):
 def test_relative_paths_are_resolved_at_submit_time(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config("1b-h4b16k", overrides=["data.path=shards", "tokenizer.path=tok"])
-    script = render(SLURM, cfg, at_site("a100-80g"), 1, Path("runs/r"), preset="1b-h4b16k",
+    script = render(SLURM, cfg, at_site("a100-80g"), nodes=1, run_dir=Path("runs/r"), preset="1b-h4b16k",
                     overrides=["data.path=shards", "tokenizer.path=tok"])
     assert f"--run-dir {tmp_path}/runs/r" in script
     assert f"--set data.path={tmp_path}/shards" in script and f"--set tokenizer.path={tmp_path}/tok" in script
@@ -170,19 +171,19 @@ def test_relative_paths_are_resolved_at_submit_time(tmp_path, monkeypatch):
 def test_container_profiles_wrap_each_rank(tmp_path):
     profile = load_profile("mi300x").model_copy(update=AT_SITE | {
         "python": "python3", "launcher": ["apptainer", "exec", "--rocm", "/shared/images/mhf dist.sif"]})
-    script = render(SLURM, load_config("1b-h4b16k", overrides=[DATA]), profile, 1, Path("/r"), preset="1b-h4b16k",
-                    overrides=[DATA])
+    script = render(SLURM, load_config("1b-h4b16k", overrides=[DATA]), profile, nodes=1, run_dir=Path("/r"),
+                    preset="1b-h4b16k", overrides=[DATA])
     assert "apptainer exec --rocm '/shared/images/mhf dist.sif' python3 -m mhf_dist train" in script
     assert "[ -x" not in script  # the container brings its own Python
     pyxis = load_profile("a100-80g").model_copy(update=AT_SITE | {"python": "python"}).with_options(SLURM, SlurmOptions(
         srun_args=["--container-image=/shared/images/mhf.sqsh", "--container-mounts=/shared:/shared"]))
-    script = render(SLURM, load_config("1b-h4b16k", overrides=[DATA]), pyxis, 1, Path("/r"), preset="1b-h4b16k",
-                    overrides=[DATA])
+    script = render(SLURM, load_config("1b-h4b16k", overrides=[DATA]), pyxis, nodes=1, run_dir=Path("/r"),
+                    preset="1b-h4b16k", overrides=[DATA])
     assert ("srun --cpus-per-task=16 --kill-on-bad-exit=1 --container-image=/shared/images/mhf.sqsh "
             "--container-mounts=/shared:/shared") in script
     with pytest.raises(ConfigError, match="hostfile launcher does not start"):
-        render(HOSTFILE, load_config("1b-h4b16k", overrides=[DATA]), profile, 1, Path("/r"), preset="1b-h4b16k",
-               overrides=[DATA], hostfile="/h")
+        render(HOSTFILE, load_config("1b-h4b16k", overrides=[DATA]), profile, nodes=1, run_dir=Path("/r"),
+               preset="1b-h4b16k", overrides=[DATA], hostfile="/h")
 
 
 def test_per_submit_overrides(tmp_path, capsys):
@@ -237,8 +238,8 @@ def test_hostile_values_stay_single_arguments(tmp_path):
     env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
                         "SLURM_JOB_NODELIST": "localhost"}
     for kind in ("sbatch", "hostfile"):
-        script = render(SCHEDULERS[kind], cfg, load_profile("cpu-local"), 1, run_dir, preset="tiny-h4b16k",
-                        overrides=overrides, hostfile=hostfile, python=str(bin_dir / "python"))
+        script = render(SCHEDULERS[kind], cfg, load_profile("cpu-local"), nodes=1, run_dir=run_dir,
+                        preset="tiny-h4b16k", overrides=overrides, hostfile=hostfile, python=str(bin_dir / "python"))
         path = tmp_path / f"{kind}.sh"
         path.write_text(script)
         subprocess.run(["bash", "-n", str(path)], check=True)
@@ -256,7 +257,7 @@ def test_hostile_values_stay_single_arguments(tmp_path):
 
     # a Python path that is itself hostile: the job stops at the check, naming it, and runs nothing it spells
     python = str(tmp_path / "$(touch PWNED6)" / "python")
-    script = render(SLURM, cfg, load_profile("cpu-local"), 1, run_dir, preset="tiny-h4b16k",
+    script = render(SLURM, cfg, load_profile("cpu-local"), nodes=1, run_dir=run_dir, preset="tiny-h4b16k",
                     overrides=overrides, python=python)
     (tmp_path / "check.sh").write_text(script)
     proc = subprocess.run(["bash", str(tmp_path / "check.sh")], env=env, cwd=tmp_path, capture_output=True, text=True)
@@ -277,8 +278,7 @@ def test_values_no_quoting_makes_safe_are_refused(change, message):
     extra = {k: v for k, v in args.items() if k in ("depends_on", "grace")}
     with pytest.raises(ConfigError, match=message):
         render(SLURM, load_config("tiny-h4b16k", overrides=["train.micro_batch_size=4"]), load_profile("cpu-local"),
-               1, args["run_dir"], preset="tiny-h4b16k",
-               overrides=args["overrides"], **extra)
+               nodes=1, run_dir=args["run_dir"], preset="tiny-h4b16k", overrides=args["overrides"], **extra)
 
 
 def test_a_profile_with_fewer_cores_than_ranks_is_refused(tmp_path, capsys):
@@ -375,14 +375,15 @@ def test_the_grace_is_sized_from_the_save_and_must_fit_in_the_time_limit(capsys)
     est = save_estimate(cfg, slow, 2)
     assert est.seconds == pytest.approx(est.bytes / (2 * 0.5e9)) and est.grace > MIN_GRACE_SECONDS
     assert est.grace == grace_seconds(est.step_seconds, est.seconds)
-    script = render(SLURM, cfg, slow, 2, Path("/r"), preset="13b-h4b16k", overrides=[DATA])
+    script = render(SLURM, cfg, slow, nodes=2, run_dir=Path("/r"), preset="13b-h4b16k", overrides=[DATA])
     assert f"#SBATCH --signal=USR1@{est.grace}\n" in script and f"MHF_DIST_GRACE_SECONDS={est.grace} " in script
     # an asked grace shorter than the estimate is used, with a warning
-    assert "#SBATCH --signal=USR1@200\n" in render(SLURM, cfg, slow, 2, Path("/r"), overrides=[DATA], grace=200)
+    assert "#SBATCH --signal=USR1@200\n" in render(SLURM, cfg, slow, nodes=2, run_dir=Path("/r"), overrides=[DATA],
+                                                  grace=200)
     assert f"--grace 200 is shorter than the {est.grace} s a save on SLURM's signal needs" in capsys.readouterr().err
     # a time limit no longer than the grace would never train
     with pytest.raises(ConfigError, match=rf"time limit \(0:03:00\) is not longer than the {est.grace} s"):
-        render(SLURM, cfg, slow.model_copy(update={"time": "0:03:00"}), 2, Path("/r"), overrides=[DATA])
+        render(SLURM, cfg, slow.model_copy(update={"time": "0:03:00"}), nodes=2, run_dir=Path("/r"), overrides=[DATA])
 
 
 def test_grace_seconds_covers_a_step_and_a_save():
@@ -407,7 +408,7 @@ def test_a_mixtures_relative_sources_are_made_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     blend = "data.path=0.7 shards/web 0.3 /shared/code"
     cfg = load_config("1b-h4b16k", overrides=[blend])
-    script = render(SLURM, cfg, load_profile(SITE), 2, Path("/r"), preset="1b-h4b16k", overrides=[blend])
+    script = render(SLURM, cfg, load_profile(SITE), nodes=2, run_dir=Path("/r"), preset="1b-h4b16k", overrides=[blend])
     listed = [{"path": str(tmp_path / "shards/web"), "weight": 0.7}, {"path": "/shared/code", "weight": 0.3}]
     assert shlex.quote(f"data.sources={json.dumps(listed)}") in script and "data.path=" not in script
 
@@ -421,8 +422,8 @@ DATA_CASES = {  # golden file prefix: (profile, parts, options)
 
 def rendered_data(name: str) -> dict[str, str]:
     profile, parts, options = DATA_CASES[name]
-    scripts = render_data(load_profile(profile), ["/shared/text/*.jsonl.zst"], "/shared/tok", Path("/shared/data"),
-                          parts, options, python="/opt/venv/bin/python")
+    scripts = render_data(load_profile(profile), ["/shared/text/*.jsonl.zst"], tokenizer="/shared/tok",
+                          out=Path("/shared/data"), parts=parts, options=options, python="/opt/venv/bin/python")
     return {f"{name}.{script_name}": script for script_name, script in zip(DATA_SCRIPTS, scripts)}
 
 
@@ -492,8 +493,8 @@ def test_the_rendered_array_tasks_and_merge_prepare_the_one_process_shards(tmp_p
     (bin_dir / "srun").write_text('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n')  # options off
     (bin_dir / "srun").chmod(0o755)
     out, options = tmp_path / "data d'ir", ["--seq-len", "32", "--samples-per-shard", "50", "--val-fraction", "0.2"]
-    scripts = render_data(load_profile("cpu-local"), [str(text / "*.txt")], str(bpe_dir), out, 3, options,
-                          workers=1, python=sys.executable)
+    scripts = render_data(load_profile("cpu-local"), [str(text / "*.txt")], tokenizer=str(bpe_dir), out=out, parts=3,
+                          options=options, workers=1, python=sys.executable)
     env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(Path(__file__).parents[1])}
     for task in ("3", "1", "2"):
         proc = subprocess.run(["bash", "-c", scripts[0]], env=env | {"SLURM_ARRAY_TASK_ID": task}, cwd=tmp_path,
@@ -518,11 +519,11 @@ def test_an_elastic_round_takes_the_largest_dp_the_nodes_left_allow_and_tells_wh
     cfg = load_config("tiny-h4b16k", overrides=["parallel.tp=2", "train.global_batch_size=12",
                                                  "train.micro_batch_size=2"])
     run = RunDir(tmp_path / "run")
-    first = plan_round(cfg, run, ["n1", "n2", "n3"], [], 2, 2)
+    first = plan_round(cfg, run, up=["n1", "n2", "n3"], lost=[], tasks_per_node=2, min_nodes=2)
     assert first.shell() == "NODELIST=n1,n2,n3 NNODES=3 NTASKS=6 lost=''" and first.layout.dp == 3
     run.heartbeats_dir.mkdir(parents=True)
     (run.heartbeats_dir / "lost.json").write_text(json.dumps({"nodes": ["n3"], "ranks": [4, 5]}))
-    second = plan_round(cfg, run, ["n1", "n2"], ["n3"], 2, 2)
+    second = plan_round(cfg, run, up=["n1", "n2"], lost=["n3"], tasks_per_node=2, min_nodes=2)
     assert second.shell() == "NODELIST=n1,n2 NNODES=2 NTASKS=4 lost=n3" and second.layout.dp == 2
     assert second.story == [
         "lost: node n3 (ranks 4, 5): no longer runs a task",
@@ -531,25 +532,25 @@ def test_an_elastic_round_takes_the_largest_dp_the_nodes_left_allow_and_tells_wh
         "answering nodes of 2 ranks (at least the minimum of 2) whose ranks all train the global batch 12 = dp 2 x 3 "
         "micro-batches of 2"]
     # 5 nodes of 2 allow dp 5; 12 sequences in micro-batches of 2 (set, so kept) split over dp 3 at most: 3 nodes
-    five = plan_round(cfg, run, ["n1", "n2", "n3", "n4", "n5"], [], 2, 2)
+    five = plan_round(cfg, run, up=["n1", "n2", "n3", "n4", "n5"], lost=[], tasks_per_node=2, min_nodes=2)
     assert five.shell() == "NODELIST=n1,n2,n3 NNODES=3 NTASKS=6 lost=''"
     assert five.story[-1] == ("idle: 2 answering nodes (n4, n5; 4 ranks) wait this round out: more nodes do not "
                               "train the global batch 12 in micro-batches of 2 with every rank busy (dp 5 on 5 nodes; "
                               "dp 4 on 4 nodes)")
     with pytest.raises(TooFewNodes, match=r"1 node left \(n1; lost: n2, n3\), fewer than the job's minimum of 2"):
-        plan_round(cfg, run, ["n1"], ["n2", "n3"], 2, 2)
+        plan_round(cfg, run, up=["n1"], lost=["n2", "n3"], tasks_per_node=2, min_nodes=2)
 
     # the ranks of n2 stopped answering while n2 still runs a task: it is left out too
     (run.heartbeats_dir / "lost.json").write_text(json.dumps({"nodes": ["n2"], "ranks": [2, 3]}))
-    third = plan_round(cfg, run, ["n1", "n2"], ["n3"], 2, 1, ranks_lost=True)
+    third = plan_round(cfg, run, up=["n1", "n2"], lost=["n3"], tasks_per_node=2, min_nodes=1, ranks_lost=True)
     assert third.shell() == "NODELIST=n1 NNODES=1 NTASKS=2 lost='n3 n2'"
     assert third.story[0] == "lost: node n2 (ranks 2, 3): its ranks stopped answering, though it still runs a task"
     with pytest.raises(TooFewNodes) as too_few:
-        plan_round(cfg, run, ["n1", "n2"], ["n3"], 2, 2, ranks_lost=True)
+        plan_round(cfg, run, up=["n1", "n2"], lost=["n3"], tasks_per_node=2, min_nodes=2, ranks_lost=True)
     assert too_few.value.lost == ["n3", "n2"]
     (run.heartbeats_dir / "lost.json").unlink()  # nothing names the ranks' node: no round on the same nodes again
     with pytest.raises(ConfigError, match="none is named as theirs"):
-        plan_round(cfg, run, ["n1", "n2"], ["n3"], 2, 1, ranks_lost=True)
+        plan_round(cfg, run, up=["n1", "n2"], lost=["n3"], tasks_per_node=2, min_nodes=1, ranks_lost=True)
 
 
 def test_an_elastic_round_uses_whole_nodes_and_never_runs_below_the_minimum(tmp_path):
@@ -566,18 +567,18 @@ def test_an_elastic_round_uses_whole_nodes_and_never_runs_below_the_minimum(tmp_
     with pytest.raises(TooFewNodes, match=r"2 nodes left \(n1, n2; lost: n3\), and no count of them from the job's "
                        r"minimum of 2 up trains the global batch 6 in micro-batches of 1 with every rank busy "
                        r"\(dp 4 on 2 nodes\)") as too_few:
-        plan_round(config(6), run, ["n1", "n2"], ["n3"], 2, 2)
+        plan_round(config(6), run, up=["n1", "n2"], lost=["n3"], tasks_per_node=2, min_nodes=2)
     assert too_few.value.lost == ["n3"]
     # 4 nodes left of a 4-5 job with a batch of 10: dp 5 on 3 nodes would be below the minimum
     with pytest.raises(TooFewNodes, match=r"\(dp 8 on 4 nodes\)$"):
-        plan_round(config(10), run, ["n1", "n2", "n3", "n4"], ["n5"], 2, 4)
+        plan_round(config(10), run, up=["n1", "n2", "n3", "n4"], lost=["n5"], tasks_per_node=2, min_nodes=4)
     # nothing lost, and the allocation trains nothing: queueing it again would meet the same
     with pytest.raises(ConfigError, match="the job stops; submit it again with a batch") as stops:
-        plan_round(config(10), run, ["n1", "n2", "n3", "n4"], [], 2, 4)
+        plan_round(config(10), run, up=["n1", "n2", "n3", "n4"], lost=[], tasks_per_node=2, min_nodes=4)
     assert not isinstance(stops.value, TooFewNodes)
 
     # 5 of 6 nodes left with a batch of 12 and a minimum of 3: dp 10 and dp 8 do not divide it; 3 nodes do, 2 wait
-    chosen = plan_round(config(12), run, ["n1", "n2", "n3", "n4", "n5"], ["n6"], 2, 3)
+    chosen = plan_round(config(12), run, up=["n1", "n2", "n3", "n4", "n5"], lost=["n6"], tasks_per_node=2, min_nodes=3)
     assert chosen.shell() == "NODELIST=n1,n2,n3 NNODES=3 NTASKS=6 lost=n6" and chosen.layout.dp == 6
     assert chosen.story[-1] == ("idle: 2 answering nodes (n4, n5; 4 ranks) wait this round out: more nodes do not "
                                 "train the global batch 12 in micro-batches of 1 with every rank busy (dp 10 on 5 "
@@ -585,7 +586,7 @@ def test_an_elastic_round_uses_whole_nodes_and_never_runs_below_the_minimum(tmp_
     # tp x pp that a node count's ranks do not fit is said as such
     cfg = load_config("tiny-h4b16k", overrides=["parallel.tp=4", "train.global_batch_size=8",
                                                  "train.micro_batch_size=1"])
-    odd = plan_round(cfg, run, ["n1", "n2", "n3"], [], 2, 2)
+    odd = plan_round(cfg, run, up=["n1", "n2", "n3"], lost=[], tasks_per_node=2, min_nodes=2)
     assert odd.shell() == "NODELIST=n1,n2 NNODES=2 NTASKS=4 lost=''"
     assert odd.story[-1].endswith("(6 ranks, no multiple of tp x pp = 4, on 3 nodes)")
 
@@ -674,7 +675,7 @@ def test_a_job_whose_ranks_lost_a_node_queues_itself_again_without_it(tmp_path):
     job, excluding n2 and what earlier requeues excluded, recorded where ``status`` looks; a refused one is said."""
     cfg = load_config("tiny-h4b16k", overrides=["train.micro_batch_size=2"])
     run = tmp_path / "run"
-    script = render(SLURM, cfg, load_profile("cpu-local"), 2, run, preset="tiny-h4b16k",
+    script = render(SLURM, cfg, load_profile("cpu-local"), nodes=2, run_dir=run, preset="tiny-h4b16k",
                     overrides=["train.micro_batch_size=2"], python=sys.executable)
     run.joinpath("jobs").mkdir(parents=True)
     run.joinpath("jobs/jobs.jsonl").write_text(json.dumps({"job_id": "7", "cluster": "cpu-local", "nodes": 2,
@@ -711,8 +712,8 @@ def test_an_elastic_job_leaves_out_a_node_whose_ranks_were_lost(tmp_path, lost, 
     overrides = ["train.global_batch_size=12", "train.micro_batch_size=1"]
     cfg = load_config("tiny-h4b16k", overrides=overrides)
     run = tmp_path / "run"
-    script = render(SLURM, cfg, load_profile("cpu-local"), 3, run, preset="tiny-h4b16k", overrides=overrides,
-                    python=sys.executable, min_nodes=2)
+    script = render(SLURM, cfg, load_profile("cpu-local"), nodes=3, run_dir=run, preset="tiny-h4b16k",
+                    overrides=overrides, python=sys.executable, min_nodes=2)
     _job_commands(tmp_path / "bin", run, tmp_path / "calls.jsonl", lost_nodes=lost)
     proc, calls = _run_job(tmp_path, script, "n1,n2,n3")
     trains = [c for c in calls if c[0] == "srun" and "train" in c]
@@ -731,8 +732,8 @@ def test_an_elastic_job_is_checked_at_its_minimum_and_needs_slurm():
     cfg = load_config("tiny-h4b16k", overrides=["parallel.tp=2", "train.micro_batch_size=2"])
     profile = load_profile("cpu-local")
     with pytest.raises(ConfigError, match="--nodes 2-2: the minimum must be at least 1 and below the maximum"):
-        render(SLURM, cfg, profile, 2, Path("/r"), min_nodes=2)
+        render(SLURM, cfg, profile, nodes=2, run_dir=Path("/r"), min_nodes=2)
     with pytest.raises(ConfigError, match="needs SLURM"):
-        render(HOSTFILE, cfg, profile, 2, Path("/r"), min_nodes=1, hostfile="/h")
-    script = render(SLURM, cfg, profile, 2, Path("/r"), min_nodes=1)
+        render(HOSTFILE, cfg, profile, nodes=2, run_dir=Path("/r"), min_nodes=1, hostfile="/h")
+    script = render(SLURM, cfg, profile, nodes=2, run_dir=Path("/r"), min_nodes=1)
     assert "#SBATCH --nodes=1-2\n" in script and "#SBATCH --no-kill\n" in script and "elastic-plan" in script

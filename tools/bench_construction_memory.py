@@ -6,7 +6,7 @@ Usage: python tools/bench_construction_memory.py [--preset 1b-h4b16k] [--ranks 4
 
 Each layout runs on ``--ranks`` local ranks (gloo on CPU, one GPU per rank with ``--device cuda``), as
 ``mhf-dist train`` builds the model: the skeleton, then each rank materialises only what it keeps
-(:mod:`mhf_dist.parallel.construct`). Layouts: ``zero3`` (tp = 1, dp = ranks, ZeRO-3), ``tpN`` (tp = N, ZeRO-3
+(``mhf_dist.parallel.construct``). Layouts: ``zero3`` (tp = 1, dp = ranks, ZeRO-3), ``tpN`` (tp = N, ZeRO-3
 over dp = ranks / N), ``ppN`` (N pipeline stages, ZeRO-1), ``tpNppM``. Reported per rank (the largest over the
 ranks is printed): the rise of peak resident host memory (``VmHWM``, restarted before each phase) above the
 memory held before construction, for
@@ -26,7 +26,7 @@ tensor-parallel plan adds its shards twice more). Ranks report their progress as
 step's training peak (model states, activations, DeepSpeed's buffers and the runtime) against the whole
 process's peak (what it held before construction plus its rise). ``--runtime`` measures the runtime the plan
 counts for a CPU rank (``mhf_dist.commands.plan.CPU_RUNTIME_BYTES``): the whole process's peak through construction,
-engine and first step of the tiny preset's structure with tensors of no size (:data:`RUNTIME_MODEL`, 32k
+engine and first step of the tiny preset's structure with tensors of no size (``RUNTIME_MODEL``, 32k
 parameters), ZeRO-3 over every rank: Python, torch, DeepSpeed, the process group, the engine's bookkeeping for
 every module and parameter, autograd and the kernels' workspaces.
 """
@@ -116,7 +116,7 @@ class Phases:
 
 
 def timed(values):
-    """``values`` (initial values: :class:`~mhf_dist.parallel.construct.SeededValues`) with the CPU time its ``shard``
+    """``values`` (initial values: ``SeededValues``) with the CPU time its ``shard``
     calls take — drawing the values and writing them, on the calling thread — summed in ``values.seconds``."""
     shard, values.seconds = values.shard, 0.0
 
@@ -168,7 +168,8 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
         model = build_model(m, VOCAB, codes, compression, seed=cfg.train.seed, modes=modes).to(device)
         apply_tensor_parallel(model, groups.tp_group, groups.tp_rank, tp)
     else:
-        model = model_skeleton(m, VOCAB, codes, compression, groups.tp_group, groups.tp_rank, tp, modes)
+        model = model_skeleton(m, VOCAB, codes, compression=compression, tp_group=groups.tp_group,
+                               tp_rank=groups.tp_rank, tp=tp, modes=modes)
         values = timed(SeededValues(m.init_std, cfg.train.seed))
         materialise = Materialiser(model, values, device, groups.tp_rank, tp,
                                    parameter_partitioner(ds_config, layout, groups))
@@ -181,7 +182,8 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
     if args.step:
         phases.start("engine")
         # (pp > 1: the pipeline is built again around the layers made above, which are real now)
-        trainer = build_trainer(cfg, model, groups, ds_config, layout, optimizer_factory(cfg), materialise)
+        trainer = build_trainer(cfg, model, groups, ds_config=ds_config, layout=layout,
+                                make_optimizer=optimizer_factory(cfg), materialise=materialise)
         phases.stop()
         phases.start("first step")
         trainer.train_step(SyntheticBatches(args.seq_len))

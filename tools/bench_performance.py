@@ -80,8 +80,9 @@ def main() -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     names = {("h4b16k", "false"): "100m-h4b16k", ("standard", "false"): "100m-standard",
              ("h4b16k", "true"): "h4b16k+compile", ("standard", "true"): "standard+compile"}
-    probes = {key: TrainingProbe("100m", key[0], 1, args.seq_len, args.micro_batch, args.dtype, device,
-                                 [*args.set, f"train.compile={key[1]}"], max_steps=args.rounds + 1) for key in names}
+    probes = {key: TrainingProbe("100m", key[0], 1, seq_len=args.seq_len, micro=args.micro_batch, dtype=args.dtype,
+                                 device=device, overrides=[*args.set, f"train.compile={key[1]}"],
+                                 max_steps=args.rounds + 1) for key in names}
     for probe in probes.values():  # warm-up (and compilation)
         probe.step()
     cfg = load_config("100m-h4b16k").model
@@ -98,7 +99,7 @@ def main() -> None:
     rows = {key: probes[key].row(steps[key], peak, None) for key in probes}
 
     def step_ratio(compiled: str) -> dict:
-        """The MHF/Standard step time's :class:`RatioSpread` over the rounds."""
+        """The MHF/Standard step time's ``RatioSpread`` over the rounds."""
         pairs = zip(steps["h4b16k", compiled], steps["standard", compiled])
         return RatioSpread.of([step_seconds(m) / step_seconds(s) for m, s in pairs])._asdict()
 

@@ -4,7 +4,7 @@ Usage: python tools/bench_reader.py [--seq-len 2048] [--model-seq 512] [--dp-siz
 
 1. Prepares shards of the embedded corpus (a byte-level BPE trained on part of
    it, ``seq_len + 1`` tokens per sample) and reports the prepare rate.
-2. Reads them with :class:`ShardReader` as rank 0 of each ``--dp-sizes``, with
+2. Reads them with ``ShardReader`` as rank 0 of each ``--dp-sizes``, with
    SHA-256 verification on, and reports the tokens per second one rank
    receives (startup and every shard read included).
 3. Times one fp32 forward + backward of the ``100m-h4b16k`` model on this CPU

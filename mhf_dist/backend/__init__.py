@@ -1,16 +1,16 @@
 """The training backend's boundary (docs/design.md, "The backend boundary").
 
 A backend builds the engine that holds this rank's part of the model and its optimizer, steps it, evaluates with it
-and writes and reads its checkpoint files. What the rest of the package uses of it is :class:`Trainer`: the training
-loop steps, evaluates and logs through it, the checkpointer saves and loads through it (:class:`FileWriter` is how
+and writes and reads its checkpoint files. What the rest of the package uses of it is ``Trainer``: the training
+loop steps, evaluates and logs through it, the checkpointer saves and loads through it (``FileWriter`` is how
 the backend's files reach the checkpointer's integrity logic), and the host-memory Engram tables read the optimizer
 step through it. What the backend needs of the code above it, it names here: where its batches come from
-(:class:`BatchSource`), how its optimizer is made (:data:`OptimizerFactory`) and the tables it steps beside its
-engine (:class:`HostTableStep`).
+(``BatchSource``), how its optimizer is made (``OptimizerFactory``) and the tables it steps beside its
+engine (``HostTableStep``).
 
 The functions below are the rest of what the package asks of a backend: its config for a run and what is read from
 it, joining the process group, building the trainer, partitioning parameters as construction makes them, and
-converting checkpoints between layouts. The one backend is DeepSpeed's, :mod:`mhf_dist.backend.deepspeed`: the only
+converting checkpoints between layouts. The one backend is DeepSpeed's, ``mhf_dist.backend.deepspeed``: the only
 package that imports DeepSpeed or calls into it. Its config readers need neither torch nor DeepSpeed (``plan`` and
 ``submit`` use them on a login node); the rest loads them when called.
 """
@@ -103,10 +103,10 @@ class HostTableStep(Protocol):
 OptimizerFactory = Callable[["list[tuple[str, nn.Parameter]]", Callable[["nn.Parameter"], int]],
                             "tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]"]
 """``(named, ndim) -> (optimizer, scheduler)`` for the trainable parameters of ``named`` (``(name, parameter)``, the
-name in :class:`~mhf_dist.model.lm.LanguageModel`'s naming whatever the engine's module calls it); ``ndim`` gives a
+name in ``LanguageModel``'s naming whatever the engine's module calls it); ``ndim`` gives a
 parameter's dimensions (the backend's, where it has replaced parameters by flat partitions). The optimizer leaves a
-step out where its ``skip_if`` says so: the backend sets it for a step with :class:`SpikeLimits`, to a callable that
-returns a device scalar, 1.0 to apply no update (:func:`~mhf_dist.train.optim.skippable`)."""
+step out where its ``skip_if`` says so: the backend sets it for a step with ``SpikeLimits``, to a callable that
+returns a device scalar, 1.0 to apply no update (``skippable``)."""
 
 HostTableFactory = Callable[["nn.Module", "Trainer"], HostTableStep]
 """``(model, trainer) -> the host tables' step`` of a model whose Engram tables are in host memory."""
@@ -117,7 +117,7 @@ step's loss: a change to the step's numbers from outside the model (the test sui
 
 
 class FileWriter(Protocol):
-    """Where a backend's checkpoint files go during one save (:class:`~mhf_dist.train.checkpoint.RecordingWriter`:
+    """Where a backend's checkpoint files go during one save (``RecordingWriter``:
     it fsyncs and digests each file and records a failed write instead of raising it)."""
 
     def save(self, state: object, path: Path, save_file: Callable[[object, Path], None]) -> None:
@@ -141,14 +141,14 @@ class Trainer(Protocol):
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped so far for a gradient overflow (those past :class:`SpikeLimits` are the loop's)."""
+        """Optimizer steps skipped so far for a gradient overflow (those past ``SpikeLimits`` are the loop's)."""
 
     def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None, limits: SpikeLimits | None = None,
                    health: bool = False) -> StepStats:
         """One optimizer step on the global batch; ``flags`` come back agreed over all ranks; past ``limits`` the
-        step applies no update (:attr:`StepStats.skipped`). ``health``: measure the health metrics
-        (:mod:`mhf_dist.model.health`; with ``train.health_metrics``), read with the step's numbers after one more
-        all-reduce, into :attr:`StepStats.health`."""
+        step applies no update (``StepStats.skipped``). ``health``: measure the health metrics
+        (``mhf_dist.model.health``; with ``train.health_metrics``), read with the step's numbers after one more
+        all-reduce, into ``StepStats.health``."""
 
     def evaluate(self, reader: BatchSource, batches: int, progress: Callable[[], None] = lambda: None) -> dict:
         """The ``val_*`` metrics over ``batches`` micro-batches on each data-parallel rank; ``progress`` is called
@@ -188,8 +188,8 @@ def __getattr__(name: str):
 
 
 def hostfile_template() -> str:
-    """The job script (a :class:`string.Template`) that starts a run's ranks on the nodes of a hostfile, without a
-    scheduler: ``mhf-dist submit --hostfile`` renders it (:mod:`mhf_dist.cluster.submit` fills its fields)."""
+    """The job script (a ``string.Template``) that starts a run's ranks on the nodes of a hostfile, without a
+    scheduler: ``mhf-dist submit --hostfile`` renders it (``mhf_dist.cluster.submit`` fills its fields)."""
     from importlib import resources
 
     return (resources.files("mhf_dist.backend.deepspeed") / "hostfile.template").read_text()
@@ -221,17 +221,18 @@ def init_distributed(backend: str, timeout: timedelta, device: torch.device) -> 
     join(backend, timeout, device)
 
 
-def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, config: dict, layout: Layout,
+def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, *, config: dict, layout: Layout,
                   optimizer: OptimizerFactory, materialise: Callable[[nn.Module], nn.Module] | None = None,
                   load_universal: bool = False, host_tables: HostTableFactory | None = None,
                   wrap_loss: LossWrapper | None = None) -> Trainer:
     """This rank's trainer of ``model`` (a skeleton that ``materialise`` makes real, part by part) under the
     engine ``config``, with the optimizer ``optimizer`` makes and, for host-memory tables, the step ``host_tables``
-    makes; ``load_universal``: its checkpoint will be loaded from a :func:`convert_for_layout` copy; ``wrap_loss``:
-    what each training micro-batch's loss becomes (:data:`LossWrapper`)."""
+    makes; ``load_universal``: its checkpoint will be loaded from a ``convert_for_layout`` copy; ``wrap_loss``:
+    what each training micro-batch's loss becomes (``LossWrapper``)."""
     from mhf_dist.backend.deepspeed.trainer import build_trainer as build
 
-    return build(cfg, model, groups, config, layout, optimizer, materialise, load_universal, host_tables, wrap_loss)
+    return build(cfg, model, groups, ds_config=config, layout=layout, make_optimizer=optimizer, materialise=materialise,
+                 load_universal=load_universal, host_tables=host_tables, wrap_loss=wrap_loss)
 
 
 def partitions_parameters(config: dict, layout: Layout) -> bool:
@@ -242,7 +243,7 @@ def partitions_parameters(config: dict, layout: Layout) -> bool:
 
 
 def parameter_partitioner(config: dict, layout: Layout, groups: ParallelGroups) -> Partitioner | None:
-    """What partitions each leaf as construction makes it (:func:`partitions_parameters`); None otherwise."""
+    """What partitions each leaf as construction makes it (``partitions_parameters``); None otherwise."""
     if not partitions_parameters(config, layout):
         return None
     from mhf_dist.backend.deepspeed.zero import Zero3Partitioner, training_dtype
@@ -267,7 +268,7 @@ def convert_for_layout(checkpoint: Path, out: Path, source_pipeline: bool, targe
 
 
 def universal_info(param_names: list[str], cfg: ModelConfig, tp: int, pipeline: bool) -> dict:
-    """What a checkpoint records for :func:`convert_for_layout`: how each parameter is split over tp."""
+    """What a checkpoint records for ``convert_for_layout``: how each parameter is split over tp."""
     from mhf_dist.backend.deepspeed.universal import universal_info as info
 
     return info(param_names, cfg, tp, pipeline)

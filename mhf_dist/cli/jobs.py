@@ -28,7 +28,7 @@ def cmd_submit(args) -> int:
     min_nodes, nodes = args.nodes
     if min_nodes is None and profile.min_nodes is not None and profile.min_nodes < nodes:
         min_nodes = profile.min_nodes  # the site's elastic default
-    script = render(chosen, cfg, profile, nodes, run_dir, preset=args.preset, config=args.config,
+    script = render(chosen, cfg, profile, nodes=nodes, run_dir=run_dir, preset=args.preset, config=args.config,
                     overrides=args.overrides, grace=args.grace, depends_on=args.depends_on, hostfile=args.hostfile,
                     python=args.python, min_nodes=min_nodes)
     if min_nodes is not None:  # which node counts train the batch, before the job runs on some of them
@@ -123,8 +123,8 @@ def cmd_elastic_plan(args) -> int:
     cfg = _run_config(args)
     run = RunDir(Path(args.run_dir).resolve())
     try:
-        chosen = plan_round(cfg, run, _names(args.nodes), _names(args.lost), args.tasks_per_node, args.min_nodes,
-                            args.ranks_lost)
+        chosen = plan_round(cfg, run, up=_names(args.nodes), lost=_names(args.lost),
+                            tasks_per_node=args.tasks_per_node, min_nodes=args.min_nodes, ranks_lost=args.ranks_lost)
     except TooFewNodes as e:
         for line in e.story:
             print(f"elastic: {line}", file=sys.stderr)
@@ -202,8 +202,8 @@ def cmd_submit_data(args) -> int:
     profile, out = _chosen_profile(args), Path(args.out)
     part_files(expand_inputs(args.inputs), 1, args.parts)  # the inputs are there, at least one file per part
     options = ["--seq-len", str(args.seq_len), *preparation_options(args), *(["--overwrite"] * args.overwrite)]
-    scripts = jobs.render_data(profile, args.inputs, args.tokenizer, out, args.parts, options, workers=args.workers,
-                               python=args.python)
+    scripts = jobs.render_data(profile, args.inputs, tokenizer=args.tokenizer, out=out, parts=args.parts,
+                               options=options, workers=args.workers, python=args.python)
     if args.dry_run:
         for name, script in zip(names, scripts):
             print(f"# ---------------- {name}\n{script}", end="")
@@ -266,8 +266,8 @@ def status_parser(sub) -> None:
                        "run (when its scheduler can be asked). Exits 2 if RUN_DIR is not a run directory.")
     p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="the --run-dir of `mhf-dist train` or `submit`")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object (keys listed in mhf_dist/cluster/status.py; one line per refresh with "
-                   "--watch)")
+                   help="print one JSON object (keys: RunStatus's fields, mhf_dist/cluster/run_status.py; one line "
+                   "per refresh with --watch)")
     p.add_argument("--watch", nargs="?", const=str(DEFAULT_WATCH_S), metavar="SECONDS",
                    help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C")
     p.add_argument("--stale-minutes", type=positive_number, metavar="MINUTES", help=STALE_HELP)

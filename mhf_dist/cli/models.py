@@ -125,8 +125,9 @@ def cmd_eval(args) -> int:
         if calibrate and (args.calibration_split or args.split) == args.split:
             print(f"note: τ is fitted on the evaluated split ({args.split}), so its calibrated perplexity is "
                   "optimistic; fit it on another split with --calibration-split", file=sys.stderr)
-        results["perplexity"] = perplexity(model, tokenizer, args.data, args.split, args.max_sequences,
-                                           args.batch_size, calibrate, args.calibration_split)
+        results["perplexity"] = perplexity(model, tokenizer, args.data, split=args.split,
+                                           max_sequences=args.max_sequences, batch_size=args.batch_size,
+                                           calibrate=calibrate, calibration_split=args.calibration_split)
     if args.lambada:
         results["last_word"] = last_word_accuracy(model, tokenizer, args.lambada)
     text = json.dumps(results, indent=1)

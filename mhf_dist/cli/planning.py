@@ -60,7 +60,7 @@ def cmd_profile(args) -> int:
                      overrides=args.overrides, trace=args.trace)
     cfg = load_config(f"{args.size}-h4b16k").model
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    scoring = profile_scoring([int(v) for v in args.vocab_sizes.split(",")], cfg, device, args.dtype)
+    scoring = profile_scoring([int(v) for v in args.vocab_sizes.split(",")], cfg, device, dtype=args.dtype)
     no_plots = write_outputs(rows, scoring, out, hardware_name(device))
     print(table(rows, scoring))
     pngs = "" if no_plots else "throughput.png, memory.png, scoring.png, "

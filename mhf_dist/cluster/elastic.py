@@ -143,7 +143,7 @@ def lost_story(run: RunDir, lost: list[str], why: str = "no longer runs a task")
     return f"lost: node{'s' if len(lost) > 1 else ''} {', '.join(lost)}{ranks}: {why}"
 
 
-def plan_round(cfg: RunConfig, run: RunDir, up: list[str], lost: list[str], tasks_per_node: int,
+def plan_round(cfg: RunConfig, run: RunDir, *, up: list[str], lost: list[str], tasks_per_node: int,
                min_nodes: int, ranks_lost: bool = False) -> ElasticRound:
     """The next round on the answering nodes ``up`` (``lost``: those that did not answer). ``ranks_lost``: the last
     round ended because ranks stopped answering while every node still answers: the nodes the ranks' lost-node record

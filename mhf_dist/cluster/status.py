@@ -1,13 +1,9 @@
 """``mhf-dist status RUN_DIR``: a run's progress from its files (no process needs to be running).
 
-It reads ``config.yaml``, ``metrics.jsonl``, the complete checkpoints (their files' sizes against ``complete.json``;
-``--verify`` also their SHA-256 digests, which reads every file), ``lock.json``, ``jobs/jobs.jsonl`` and the ranks'
-heartbeats (``rank_status``), and asks the job's scheduler (``Scheduler.query``) for the state of the run's current
-job. It imports neither torch nor numpy, so it starts fast. A run is STALE when it is not finished and nothing was
-logged for longer than ``--stale-minutes``, by default max(``STALE_FLOOR_S`` s, ``STALE_INTERVALS`` × the recent mean
-interval between logged records); "recent" is the last ``RECENT`` logged training records. What the report says and
-how rates and the ETA are derived: docs/training.md ("Monitoring: status"), with every ``--json`` key in its
-"status --json" table.
+``run_status`` gathers what the run's files and its scheduler say (``gather``, ``RunStatus``); this module renders it,
+as the report (``render``) or as ``--json`` (``to_json``), and holds the command (``show``, with ``--watch``). It
+imports neither torch nor numpy, so it starts fast. What the report says and how rates and the ETA are derived:
+docs/training.md ("Monitoring: status"), with every ``--json`` key in its "status --json" table.
 """
 
 from __future__ import annotations
@@ -17,273 +13,21 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-from mhf_dist.cluster.job_records import read_jobs
-from mhf_dist.cluster.rank_status import Ranks, rank_lines, read_ranks
-from mhf_dist.cluster.scheduler import schedulers
-from mhf_dist.cluster.scheduler.slurm import SLURM
-from mhf_dist.config import ConfigError, load_config
-from mhf_dist.config.loader import read_config_file
-from mhf_dist.storage.run_dir import RunDir
-from mhf_dist.storage.run_lock import STALE_S, RunLock, holder_gone
-from mhf_dist.train.checkpoint.index import MARKER, CheckpointError, damage, read_marker, step_directories
+from mhf_dist.cluster.rank_status import rank_lines
+from mhf_dist.cluster.run_status import COUNTERS, STALE_FLOOR_S, STALE_INTERVALS, RunStatus, gather
+from mhf_dist.config import ConfigError
+from mhf_dist.storage.run_lock import STALE_S
 from mhf_dist.train.console import duration
-from mhf_dist.train.metrics import read_metrics
-from mhf_dist.train.rollback import read_rollbacks
 
-RECENT = 10  # logged training records the means (loss, tokens/s, MFU) cover
-STALE_FLOOR_S = 600.0
-STALE_INTERVALS = 5
-COUNTERS = ("nonfinite_steps", "skipped_steps", "loss_spikes", "grad_spikes")
 DEFAULT_WATCH_S = 10.0
 STALE_HELP = (f"flag the run STALE when nothing was logged for this long (default: max({STALE_FLOOR_S / 60:g} min, "
               f"{STALE_INTERVALS} x the recent mean interval between logged steps, estimated from tokens/s))")
 
 
-@dataclass
-class Checkpoint:
-    name: str
-    path: str
-    step: int
-    tokens: int
-    reason: str
-    age_s: float
-
-
-@dataclass
-class DamagedCheckpoint:
-    name: str
-    path: str
-    step: int
-    problem: str
-
-
-@dataclass
-class Job:
-    job_id: str
-    state: str | None
-    restarts: int | None
-    source: str | None
-    submitted: str | None
-    cluster: str | None
-    nodes: int | None
-    submissions: int
-
-
-@dataclass
-class Lock:
-    host: str | None
-    pid: int | None
-    slurm_job_id: str | None
-    started: str | None
-    heartbeat_age_s: float
-    heartbeat_stopped: bool
-    holder_gone: str | None
-    next_train_takes_over: bool
-
-
-@dataclass
-class RunStatus:
-    run_dir: str
-    preset: str | None
-    checked_at: float
-    step: int | None = None
-    max_steps: int | None = None
-    progress: float | None = None
-    finished: bool = False
-    tokens: int | None = None
-    source_tokens: dict | None = None  # a mixture's tokens read from each source (data.sources)
-    loss: float | None = None
-    head_losses: list | None = None
-    loss_recent_mean: float | None = None
-    tokens_per_s: float | None = None
-    mfu: float | None = None
-    recent_records: int = 0
-    seconds_per_step: float | None = None
-    last_step_age_s: float | None = None
-    stale_after_s: float = STALE_FLOOR_S
-    stale: bool = False
-    eta_s: float | None = None
-    checkpoint: Checkpoint | None = None
-    checkpoint_check: str = "sizes"
-    damaged_checkpoints: list[DamagedCheckpoint] = field(default_factory=list)
-    validation: dict | None = None
-    nonfinite_steps: int | None = None
-    skipped_steps: int | None = None
-    loss_spikes: int | None = None
-    grad_spikes: int | None = None
-    grad_norms: dict | None = None  # the last logged step's gradient norm per parameter family (the health metrics)
-    rollbacks: list[dict] = field(default_factory=list)
-    job: Job | None = None
-    lock: Lock | None = None
-    ranks: Ranks | None = None
-
-
-# ---------------------------------------------------------------- reading a run directory
-
-def check_run_dir(path: Path) -> RunDir:
-    """The run directory at ``path`` if it looks like one; else a ``ConfigError`` naming the fix."""
-    run = RunDir(path)
-    hint = "give the --run-dir that `mhf-dist train` or `mhf-dist submit` was started with"
-    if not path.exists():
-        raise ConfigError(f"{path} does not exist: {hint}")
-    if not path.is_dir():
-        raise ConfigError(f"{path} is not a directory: {hint}")
-    markers = (run.config_path, run.metrics_path, run.checkpoints_dir, run.jobs_file, run.lock_path)
-    if not any(p.exists() for p in markers):
-        named = [str(p.relative_to(path)) + ("/" if p == run.checkpoints_dir else "") for p in markers[:4]]
-        raise ConfigError(f"{path} is not a run directory (no {', '.join(named[:3])} or {named[3]}): {hint}")
-    return run
-
-
-def read_config(run: RunDir) -> dict:
-    """The run's ``config.yaml`` as a plain dict ({} before the job wrote it); one that ``train --run-dir`` would
-    refuse (unreadable, not YAML, failing the schema) is a ``ConfigError`` naming it and the problem."""
-    path = run.config_path
-    if not path.exists():
-        return {}
-    load_config(path=path)
-    return read_config_file(path)
-
-
-def _mean(values: list) -> float | None:
-    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
-    return sum(finite) / len(finite) if finite else None
-
-
-def _int(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def newest_checkpoint(run: RunDir, now: float, digests: bool = False) -> tuple[Checkpoint | None, str,
-                                                                             list[DamagedCheckpoint]]:
-    """(the newest complete checkpoint whose files have their saved sizes — with ``digests``, their saved content
-    too — or None; what was checked of it, ``sizes`` or ``digests``; the newer complete ones that fail that check,
-    newest first)."""
-    damaged = []
-    for path in reversed(step_directories(run.checkpoints_dir)):
-        try:
-            marker, written = read_marker(path), (path / MARKER).stat().st_mtime
-            problem = damage(path, digests)
-        except (CheckpointError, OSError):  # incomplete (perhaps being saved right now), or removed since listed
-            continue
-        if problem is not None:
-            damaged.append(DamagedCheckpoint(path.name, str(path), marker["step"], problem))
-            continue
-        checked = "digests" if digests and "digests" in marker else "sizes"  # older checkpoints have no digests
-        return Checkpoint(path.name, str(path), marker["step"], marker["tokens"], marker["reason"],
-                          max(0.0, now - written)), checked, damaged
-    return None, "digests" if digests else "sizes", damaged
-
-
-def latest_validation(records: list[dict]) -> dict | None:
-    for record in reversed(records):
-        values = {k: v for k, v in record.items() if k.startswith("val_")}
-        if values:
-            return {"step": record.get("step"), **values}
-    return None
-
-
-def read_lock(run: RunDir, now: float) -> Lock | None:
-    path = run.lock_path
-    try:
-        age = max(0.0, now - path.stat().st_mtime)
-        holder = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):  # a write in progress
-        holder = {}
-    holder = holder if isinstance(holder, dict) else {}
-    job = holder.get("slurm_job_id")
-    return Lock(holder.get("host"), _int(holder.get("pid")), str(job) if job else None, holder.get("started"), age,
-                age > STALE_S, holder_gone(holder, age), RunLock(run).stale_reason(holder, age) is not None)
-
-
-# ---------------------------------------------------------------- the scheduler
-
-def current_job(run: RunDir, lock: Lock | None) -> Job | None:
-    jobs = read_jobs(run)
-    current = jobs[-1] if jobs else {}
-    job_id = current.get("job_id") or (lock.slurm_job_id if lock else None)
-    if not job_id:
-        return None
-    name = current.get("scheduler", SLURM.name)  # submissions recorded before the name was
-    found = s.query(str(job_id)) if (s := schedulers().get(name)) else None  # None: not registered in this process
-    state, restarts, source = found if found is not None else (None, None, None)
-    return Job(str(job_id), state, restarts, source, current.get("submitted"), current.get("cluster"),
-               _int(current.get("nodes")), len(jobs))
-
-
 # ---------------------------------------------------------------- the report
-
-def _from_records(st: RunStatus, records: list[dict], tokens_per_step: int | None) -> list[dict]:
-    """The step, tokens, loss, throughput, validation and counters from ``metrics.jsonl``'s records."""
-    st.step = _int(records[-1].get("step"))
-    training = [r for r in records if "loss" in r]  # a record may hold validation only
-    recent = training[-RECENT:]
-    st.recent_records = len(recent)
-    if training:
-        st.loss, st.head_losses = training[-1]["loss"], training[-1].get("head_losses")
-    st.loss_recent_mean = _mean([r["loss"] for r in recent])
-    st.tokens_per_s = _mean([r.get("tokens_per_s") for r in recent])
-    st.mfu = _mean([r.get("mfu") for r in recent])
-    if st.step is not None and tokens_per_step:
-        st.tokens = st.step * tokens_per_step
-    st.source_tokens = next((r["source_tokens"] for r in reversed(records) if "source_tokens" in r), None)
-    if st.step is not None and st.max_steps:
-        st.progress, st.finished = st.step / st.max_steps, st.step >= st.max_steps
-    st.validation = latest_validation(records)
-    st.grad_norms = next((norms for r in reversed(training) if (norms := {
-        k.removeprefix("grad_norm/"): v for k, v in r.items() if k.startswith("grad_norm/") and "/block" not in k})),
-        None)
-    for key in COUNTERS:
-        setattr(st, key, next((r[key] for r in reversed(records) if key in r), None))
-    return recent
-
-
-def _timing(st: RunStatus, recent: list[dict], tokens_per_step: int | None, log_interval, written: float,
-            stale_minutes: float | None) -> None:
-    """Seconds per step, ETA, and whether the run is stale (``written``: when ``metrics.jsonl`` was written)."""
-    if tokens_per_step and st.tokens_per_s:
-        st.seconds_per_step = tokens_per_step / st.tokens_per_s
-        steps = [r["step"] for r in recent]
-        between = _mean([b - a for a, b in zip(steps, steps[1:])]) or _int(log_interval) or 1
-        if stale_minutes is None:
-            st.stale_after_s = max(STALE_FLOOR_S, STALE_INTERVALS * between * st.seconds_per_step)
-        if st.step is not None and st.max_steps:
-            st.eta_s = (st.max_steps - st.step) * st.seconds_per_step
-    if st.finished:
-        st.eta_s = 0.0
-    st.last_step_age_s = max(0.0, st.checked_at - written)
-    st.stale = not st.finished and st.last_step_age_s > st.stale_after_s
-
-
-def gather(run_dir: str | Path, stale_minutes: float | None = None, verify: bool = False) -> RunStatus:
-    """Everything ``status`` reports about ``run_dir`` (``verify``: check the checkpoints' digests, not only their
-    sizes); raises ``ConfigError`` if it is not a run directory."""
-    run = check_run_dir(Path(run_dir))
-    cfg = read_config(run)
-    now = time.time()
-    train, data = cfg.get("train") or {}, cfg.get("data") or {}
-    batch, seq_len = _int(train.get("global_batch_size")), _int(data.get("seq_len"))
-    tokens_per_step = batch * seq_len if batch and seq_len else None
-    st = RunStatus(run_dir=str(run.path.resolve()), preset=cfg.get("preset"), checked_at=now,
-                   max_steps=_int(train.get("max_steps")))
-    if stale_minutes is not None:
-        st.stale_after_s = stale_minutes * 60
-    st.ranks = read_ranks(run, now, records := read_metrics(run.path))
-    if records:
-        recent = _from_records(st, records, tokens_per_step)
-        written = run.metrics_path.stat().st_mtime
-        _timing(st, recent, tokens_per_step, train.get("log_interval"), written, stale_minutes)
-    st.checkpoint, st.checkpoint_check, st.damaged_checkpoints = newest_checkpoint(run, now, verify)
-    st.rollbacks = read_rollbacks(run)
-    st.lock = read_lock(run, now)
-    st.job = current_job(run, st.lock)
-    return st
-
 
 def _finite(value):
     """``value`` with NaN and infinities replaced by None (strict JSON)."""

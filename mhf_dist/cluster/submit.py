@@ -87,7 +87,7 @@ def _shell_values(profile: ClusterProfile, python: str | None, container: bool) 
     )
 
 
-def render(scheduler: Scheduler, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, *,
+def render(scheduler: Scheduler, cfg: RunConfig, profile: ClusterProfile, *, nodes: int, run_dir: Path,
            preset: str | None = None, config: str | None = None, overrides: list[str] = (), grace: int | None = None,
            depends_on: str | None = None, hostfile: str | None = None, python: str | None = None,
            min_nodes: int | None = None) -> str:
@@ -114,14 +114,14 @@ def render(scheduler: Scheduler, cfg: RunConfig, profile: ClusterProfile, nodes:
         node_lost_exit_code=NODE_LOST_EXIT_CODE,
         lost_record=shlex.quote(str(RunDir(run_dir).lost_record)), grace_env=GRACE_ENV,
     )
-    values |= scheduler.job_values(cfg, profile, nodes, run_dir, grace=grace, depends_on=depends_on,
+    values |= scheduler.job_values(cfg, profile, nodes=nodes, run_dir=run_dir, grace=grace, depends_on=depends_on,
                                    hostfile=hostfile, min_nodes=min_nodes)
     values["launch"] = Template(scheduler.launch_template(min_nodes is not None)).substitute(values)
     return Template(scheduler.template()).substitute(values)
 
 
-def render_data(profile: ClusterProfile, inputs: list[str], tokenizer: str, out: Path, parts: int,
-                options: list[str], *, workers: int | None = None, python: str | None = None) -> tuple[str, str]:
+def render_data(profile: ClusterProfile, inputs: list[str], *, tokenizer: str, out: Path, parts: int,
+                options: list[str], workers: int | None = None, python: str | None = None) -> tuple[str, str]:
     """``submit-data``'s two jobs (a scheduler's array job preparing part I of ``parts`` of ``inputs`` into ``out``
     on one node each, and the job merging the parts); ``options`` are more ``prepare-data`` options. Paths are made
     absolute."""
@@ -134,8 +134,9 @@ def render_data(profile: ClusterProfile, inputs: list[str], tokenizer: str, out:
     merge_args = (shlex.join(["--merge", str(out), *[o for o in options if o == "--overwrite"]])
                   + f" {shlex.quote(str(out))}/{part_dirs_pattern(parts)}")  # the glob outside the quotes
     shell = _shell_values(profile, python, SLURM.in_container(profile))
-    return SLURM.render_data(profile, shell, parts, out, RunDir(out).jobs_dir, inputs, tokenizer, options,
-                             workers or profile.cores_per_node, merge_args)
+    return SLURM.render_data(profile, shell, parts=parts, out=out, log_dir=RunDir(out).jobs_dir, inputs=inputs,
+                             tokenizer=tokenizer, options=options, cpus=workers or profile.cores_per_node,
+                             merge_args=merge_args)
 
 
 def write_script(script: str, path: Path, run_dir: Path) -> Path:

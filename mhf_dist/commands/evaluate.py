@@ -27,7 +27,7 @@ def _summary(passes: SplitPasses, fit: Calibration) -> dict:
 
 
 @torch.no_grad()
-def perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, shards: str | Path, split: str = "val",
+def perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, shards: str | Path, *, split: str = "val",
                max_sequences: int | None = None, batch_size: int = 8, calibrate: bool = False,
                calibration_split: str | None = None) -> dict:
     """Perplexity, top-1/top-5 and calibrated perplexity of ``split`` (module docstring); ``calibrate``: ``τ``

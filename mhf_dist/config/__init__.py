@@ -4,8 +4,9 @@ A run is described by one ``RunConfig``. It comes from a preset (``{size}-{varia
 ``100m-standard+4l``), optionally a YAML file (which may itself name a ``preset:`` to start from), then ``--set a.b=c``
 overrides, in that order. Validation happens here, at the edge: every error names the field and the fix.
 
-``schema`` holds the models (the model's own in ``model``), ``presets`` the presets and ``loader`` ``load_config``
-with the overrides; their names are imported from here. The settings: docs/configuration.md.
+``schema`` holds the models (the model's own in ``model``, ``train``'s in ``training``), ``presets`` the presets
+and ``loader`` ``load_config`` with the overrides; their names are imported from here. The settings:
+docs/configuration.md.
 """
 
 from mhf_dist.config.loader import apply_override, deep_merge, load_config
@@ -24,11 +25,10 @@ from mhf_dist.config.schema import (
     ParamGroupRule,
     RunConfig,
     TokenizerConfig,
-    TrainConfig,
-    WandbConfig,
     check_data_source,
     parse_blend,
 )
+from mhf_dist.config.training import TrainConfig, WandbConfig
 
 __all__ = [
     "CONFIG_FILE", "EMBEDDED_CORPUS", "SIZES", "ConfigError", "DataConfig", "DataSource", "EngramConfig", "Family",

@@ -1,5 +1,5 @@
 """A run's config from a preset, then a YAML file (which may itself name a ``preset:`` to start from), then
-``--set a.b=c`` overrides, in that order; validated once at the end. :func:`config_yaml` writes a config as the file
+``--set a.b=c`` overrides, in that order; validated once at the end. ``config_yaml`` writes a config as the file
 that loads back as it."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _format_errors(err: ValidationError, source: str = "") -> str:
 
 def read_config_file(path: str | Path) -> dict:
     """The mapping a YAML config file holds (empty: ``{}``); a file that cannot be read, is not UTF-8 or not YAML,
-    or holds something else is a :class:`ConfigError` naming the file and the problem."""
+    or holds something else is a ``ConfigError`` naming the file and the problem."""
     try:
         text = Path(path).read_bytes().decode("utf-8")
     except OSError as e:

@@ -2,11 +2,11 @@
 several prepared datasets, independent of the number of data-parallel ranks and resumable at the next unseen sample of
 every source.
 
-The mixture's global positions come in blocks of :data:`BLOCK`, each holding ``c_k`` positions of source ``k`` (the
+The mixture's global positions come in blocks of ``BLOCK``, each holding ``c_k`` positions of source ``k`` (the
 largest-remainder apportionment of ``BLOCK`` by the weights, each source at least one) in an order drawn by a generator
 seeded with ``(seed, 2, block)``. The ``i``-th position of source ``k`` reads the ``i``-th sample of that source's own
-stream (a :class:`ShardReader`'s global order), so a source smaller than its share repeats, epoch after epoch, and one
-larger is not read to its end (said at start, :func:`describe`). dp rank ``r`` of ``R`` reads the positions
+stream (a ``ShardReader``'s global order), so a source smaller than its share repeats, epoch after epoch, and one
+larger is not read to its end (said at start, ``describe``). dp rank ``r`` of ``R`` reads the positions
 ``X0 + r, X0 + r + R, ...``, each source's reader only the source positions that fall to it; the state is the next
 unread mixture position, the same on every rank, so a resume, also on another dp, continues every source at its next
 unseen sample (docs/design-training.md, "Reading the data").

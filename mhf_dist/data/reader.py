@@ -1,16 +1,16 @@
-"""Rank-disjoint, resumable reading of packed token shards (:mod:`mhf_dist.data.prepare` writes them).
+"""Rank-disjoint, resumable reading of packed token shards (``mhf_dist.data.prepare`` writes them).
 
-Shards are opened by :func:`~mhf_dist.data.locations.open_url` (local paths, ``pipe:`` commands, ``http(s)``, object
+Shards are opened by ``open_url`` (local paths, ``pipe:`` commands, ``http(s)``, object
 storage through fsspec), iterated with WebDataset's tar iterators and checked against the manifest's SHA-256 whatever
-they come from. A source is a local directory, the URL of a directory holding ``manifest.json`` and its shards, or
-shard URLs with a manifest (a brace pattern, ``::``-separated, or a list). The reader defines one infinite stream of
-samples, the same for every rank count: each epoch permutes the shards and cuts them into windows of
-``shuffle_window`` shards whose (permuted) samples it interleaves; dp rank ``r`` of ``R`` reads global positions
-``X0 + r, X0 + r + R, ...``, so a step consumes the same positions whatever ``R`` is, and the state (the next unread
-position, the same on every rank) resumes on any ``R``. Ranges a rollback skipped are passed over. One background
-thread per reader prefetches the next window. A bad shard raises :class:`DataError` naming it and the fix, or with
-``on_bad_shard="skip"`` is skipped, its positions read from the window's next readable shard, so positions and state
-stay as without it. Position by position, and why: docs/design-training.md, "Reading the data".
+they come from. A source is a local directory, the URL of a directory holding ``manifest.json`` and its shards, or shard
+URLs with a manifest (a brace pattern, ``::``-separated, or a list); ``mhf_dist.data.shard_source`` resolves it. The
+reader defines one infinite stream of samples, the same for every rank count: each epoch permutes the shards and cuts
+them into windows of ``shuffle_window`` shards whose (permuted) samples it interleaves; dp rank ``r`` of ``R`` reads
+global positions ``X0 + r, X0 + r + R, ...``, so a step consumes the same positions whatever ``R`` is, and the state
+(the next unread position, the same on every rank) resumes on any ``R``. Ranges a rollback skipped are passed over. One
+background thread per reader prefetches the next window. A bad shard raises ``DataError`` naming it and the fix, or
+with ``on_bad_shard="skip"`` is skipped, its positions read from the window's next readable shard, so positions and
+state stay as without it. Position by position, and why: docs/design-training.md, "Reading the data".
 """
 
 from __future__ import annotations
@@ -24,17 +24,16 @@ import queue
 import threading
 from collections import defaultdict, deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
 import webdataset as wds
 
-from mhf_dist.data.formats import FORMAT, MANIFEST, SHARD_SUFFIX, TRAIN_SPLIT, DataError
-from mhf_dist.data.locations import is_url, open_url, read_json, refuse_pipe
+from mhf_dist.data.formats import MANIFEST, TRAIN_SPLIT, DataError
+from mhf_dist.data.locations import open_url, read_json
+from mhf_dist.data.shard_source import Shard, check_expectations, manifest_digest, resolve
 from mhf_dist.data.skipped import Ranges, merged, past_skipped, place
 from mhf_dist.data.training_data import TrainingData, Validation
 
@@ -45,15 +44,6 @@ RESTART_ADVICE = ("start this data's order from its beginning with --set data.re
 _POSITION_BLOCK = 4096  # a rank's positions are planned this many at a time
 _REPAIR = "re-copy or re-create it (mhf-dist prepare-data)"
 _FIX = _REPAIR + ", or set data.on_bad_shard=skip to train without it"
-
-
-@dataclass(frozen=True)
-class _Shard:
-    index: int  # position in the manifest's split: seeds its in-shard shuffle
-    name: str
-    url: str
-    samples: int
-    sha256: str
 
 
 class _HashingReader:
@@ -78,13 +68,13 @@ class ShardReader(TrainingData):
 
     ``source``: a directory holding ``manifest.json`` and its shards (named by
     their paths under it: a merged manifest's are in the parts' sub-directories,
-    ``part-1-of-4/train-000000.tar``, see :mod:`mhf_dist.data.parts`), or shard
+    ``part-1-of-4/train-000000.tar``, see ``mhf_dist.data.parts``), or shard
     URLs (a brace pattern / ``::``-separated string, or a list) together with
     ``manifest`` (a path or URL of the manifest). URLs are matched to the
     manifest's shards by name; a subset of the shards may be given.
     ``seq_len`` and ``tokenizer_fingerprint``, when given, must match the
     manifest. ``split`` is ``"train"`` or ``"val"``. ``skipped``: global position ranges
-    never read (:mod:`mhf_dist.data.skipped`). ``pipe:`` URLs run a shell
+    never read (``mhf_dist.data.skipped``). ``pipe:`` URLs run a shell
     command per shard, so they are refused unless ``allow_pipe`` (``data.allow_pipe``);
     a local directory is read through absolute paths, so its name is never taken
     for a URL scheme.
@@ -113,14 +103,14 @@ class ShardReader(TrainingData):
             raise ValueError(f"seed={seed} must be >= 0 and shuffle_window={shuffle_window} >= 1")
         if on_bad_shard not in ("error", "skip"):
             raise ValueError(f"on_bad_shard={on_bad_shard!r}: use 'error' or 'skip'")
-        self.manifest, self.manifest_location, self.shards = _resolve(source, manifest, split, allow_pipe)
+        self.manifest, self.manifest_location, self.shards = resolve(source, manifest, split, allow_pipe)
         self.name = self.manifest_location.removesuffix(f"/{MANIFEST}")  # a local directory: its absolute path
         self._reopen = partial(ShardReader, source, manifest=manifest, seq_len=seq_len, seed=seed, dp_rank=dp_rank,
                                dp_size=dp_size, tokenizer_fingerprint=tokenizer_fingerprint, allow_pipe=allow_pipe,
                                shuffle_window=shuffle_window, on_bad_shard=on_bad_shard,
                                verify_checksums=verify_checksums)  # another split of this source (validation)
-        self._manifest_digest = _digest(self.manifest)  # a shard failing later may mean the data was re-prepared
-        _check_expectations(self.manifest, self.manifest_location, seq_len, tokenizer_fingerprint)
+        self._manifest_digest = manifest_digest(self.manifest)  # a failing shard may mean the data was re-prepared
+        check_expectations(self.manifest, self.manifest_location, seq_len, tokenizer_fingerprint)
         self.seq_len = self.manifest["seq_len"]
         self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
         self.member = self.manifest["sample_member"]
@@ -203,7 +193,7 @@ class ShardReader(TrainingData):
         self._base = past_skipped(self._base, self.skipped)
 
     def global_position(self, state: dict | None = None) -> int:
-        """The global position (``epoch × samples per epoch + position``) of ``state`` (a :meth:`state_dict` of this
+        """The global position (``epoch × samples per epoch + position``) of ``state`` (a ``state_dict`` of this
         stream), or this reader's next unread one: past the samples all ranks took since ``_base`` and the skipped
         ranges among them."""
         if state is not None:
@@ -304,11 +294,11 @@ class ShardReader(TrainingData):
                     self.skipped_shards += 1
                     log.warning("skipping shard (data.on_bad_shard=skip): %s", e)
 
-    def _replaced(self, shard: _Shard) -> DataError | None:
+    def _replaced(self, shard: Shard) -> DataError | None:
         """When a shard fails because its manifest changed since this reader read it (the directory was prepared
         again, ``prepare-data --overwrite``), the error that says so; None when the manifest is as it was."""
         try:
-            now = _digest(read_json(self.manifest_location))
+            now = manifest_digest(read_json(self.manifest_location))
         except DataError:  # gone, or unreadable: replaced or being replaced
             now = None
         if now == self._manifest_digest:
@@ -319,7 +309,7 @@ class ShardReader(TrainingData):
                          "under the run, which no data.on_bad_shard setting mends. To train on the new preparation, "
                          f"resume and {RESTART_ADVICE}; to go on with the old data, put it back and resume")
 
-    def _read_shard(self, shard: _Shard, wanted: set[int]) -> dict[int, np.ndarray]:
+    def _read_shard(self, shard: Shard, wanted: set[int]) -> dict[int, np.ndarray]:
         """Stream one shard from start to end; the samples at ``wanted`` indices, after every check."""
         try:
             stream = open_url(shard.url)
@@ -353,7 +343,7 @@ class ShardReader(TrainingData):
                             f"the file is corrupt or was changed; {_FIX}")
         return found
 
-    def _decode(self, sample: dict, shard: _Shard, index: int) -> np.ndarray:
+    def _decode(self, sample: dict, shard: Shard, index: int) -> np.ndarray:
         try:
             tokens = np.load(io.BytesIO(sample[self.member]), allow_pickle=False)
         except (KeyError, ValueError, OSError) as e:
@@ -374,10 +364,6 @@ def as_batch(rows: list[np.ndarray], pin: bool = False) -> torch.Tensor:
     return batch
 
 
-def _digest(manifest: dict) -> str:
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
-
-
 def _put(out: queue.Queue, item, stop: threading.Event) -> None:
     while not stop.is_set():
         try:
@@ -395,57 +381,3 @@ def _substitutes(local: np.ndarray, shard_of: np.ndarray, bad: set[int], names: 
     if len(readable) == 0:
         raise DataError(f"every shard of a shuffle window is unreadable ({', '.join(names)}): {_REPAIR}")
     return readable[np.searchsorted(readable, local) % len(readable)]
-
-
-def _resolve(source, manifest, split: str, allow_pipe: bool) -> tuple[dict, str, list[_Shard]]:
-    """The manifest, where it came from, and the split's shards with their URLs (manifest order)."""
-    local_dir = isinstance(source, (str, os.PathLike)) and not is_url(source) and Path(source).is_dir()
-    # a URL that is neither a shard nor a pattern names a directory of object storage, its manifest inside
-    remote_dir = is_url(source) and manifest is None and not source.endswith(SHARD_SUFFIX) and "{" not in source \
-        and "::" not in source
-    if local_dir:
-        source = Path(source).resolve()
-        location = str(manifest or source / MANIFEST)
-    elif remote_dir:
-        source = source.rstrip("/")
-        location = f"{source}/{MANIFEST}"
-    elif manifest is None:
-        raise DataError(f"shard URLs {source!r} need the manifest: pass manifest= (a path or URL of manifest.json)")
-    else:
-        location = str(manifest)
-    refuse_pipe(location, allow_pipe)
-    meta = read_json(location)
-    if meta.get("format") != FORMAT:
-        raise DataError(f"{location} is not a {FORMAT} manifest (format {meta.get('format')!r}); "
-                        "prepare the shards with mhf-dist prepare-data")
-    if split not in meta["splits"]:
-        raise DataError(f"{location} has no {split!r} split (it has {sorted(meta['splits'])}); "
-                        "choose one of those, or prepare with --val-fraction for a validation split")
-    entries = meta["splits"][split]["shards"]
-    if local_dir:
-        urls = {k: str(source / e["name"]) for k, e in enumerate(entries)}
-    elif remote_dir:
-        urls = {k: f"{source}/{e['name']}" for k, e in enumerate(entries)}
-    else:
-        urls = {}
-        for url in wds.shardlists.expand_urls(source) if isinstance(source, str) else list(source):
-            matches = [k for k, e in enumerate(entries) if e["name"] in url]
-            if len(matches) != 1 or matches[0] in urls:
-                raise DataError(f"shard URL {url!r} names {'no' if not matches else 'an ambiguous or repeated'} "
-                                f"{split} shard of {location}; give each shard of the manifest at most once")
-            refuse_pipe(url, allow_pipe)
-            urls[matches[0]] = url
-    shards = [_Shard(k, entries[k]["name"], urls[k], entries[k]["samples"], entries[k]["sha256"]) for k in sorted(urls)]
-    if not shards:
-        raise DataError(f"no {split} shards to read from {source!r} ({location})")
-    return meta, location, shards
-
-
-def _check_expectations(meta: dict, location: str, seq_len: int | None, fingerprint: str | None) -> None:
-    if seq_len is not None and meta["seq_len"] != seq_len:
-        raise DataError(f"{location} holds samples for seq_len={meta['seq_len']} but the run uses seq_len={seq_len}: "
-                        f"prepare the data again with --seq-len {seq_len} or set data.seq_len={meta['seq_len']}")
-    if fingerprint is not None and meta["tokenizer_fingerprint"] != fingerprint:
-        raise DataError(f"{location} was tokenized by another tokenizer (fingerprint "
-                        f"{meta['tokenizer_fingerprint'][:12]}..., the run's is {fingerprint[:12]}...): prepare the "
-                        "data with the run's tokenizer, or set tokenizer.path to the one the data was prepared with")

@@ -1,6 +1,6 @@
-"""What the training loop reads through: :class:`TrainingData`, the protocol of one data-parallel rank's training
+"""What the training loop reads through: ``TrainingData``, the protocol of one data-parallel rank's training
 data, which the shard reader (one directory, ``data.path``) and the mixture reader (``data.sources``) both implement,
-and :class:`DataPosition`, that data's part of a checkpoint (its position, with ``data.restart``'s exception)."""
+and ``DataPosition``, that data's part of a checkpoint (its position, with ``data.restart``'s exception)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class TrainingData(Protocol):
 class DataPosition:
     """The data's part of a checkpoint's client state, ``reader``: its position. With ``data.restart`` (``restart``),
     a position in other data (another data.path, shuffle seed or window) is dropped on load and the data is read from
-    its beginning; :attr:`dropped` says why."""
+    its beginning; ``dropped`` says why."""
 
     def __init__(self, data: TrainingData, restart: bool):
         self.data, self.restart = data, restart

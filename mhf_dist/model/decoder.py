@@ -82,8 +82,9 @@ class CascadedDecoder(nn.Module):
         c, nll, entropies, split = h, [], [], tables.per_table()
         for i in range(self.num_heads):
             more = i < self.num_heads - 1
-            log_z, target, soft, ent = tables.fused_head(c, split, i, targets[:, i], more, self.chunk_tokens,
-                                                         self.kernels, self.num_valid_rows, entropy)
+            log_z, target, soft, ent = tables.fused_head(c, split, i, targets=targets[:, i], retrieve=more,
+                                                         chunk=self.chunk_tokens, kernels=self.kernels,
+                                                         num_valid_rows=self.num_valid_rows, entropy=entropy)
             nll.append(log_z - target)
             entropies.append(ent)
             if more:

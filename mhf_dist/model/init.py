@@ -109,7 +109,7 @@ class _Chunk:
             k, lo = k + m, lo + m
 
 
-def _draw_range(out: torch.Tensor, shape: tuple[int, ...], dim: int | None, rank: int, parts: int, start: int,
+def _draw_range(out: torch.Tensor, shape: tuple[int, ...], dim: int | None, *, rank: int, parts: int, start: int,
                 std: float, seed: int, name: str, index: int | None, buffer: torch.Tensor | None) -> None:
     """``out`` (flat, contiguous) <- elements ``start .. start + out.numel()`` of chunk ``rank`` of ``parts`` along
     ``dim`` of the flattened value of ``shape`` drawn from the streams of ``(seed, name, index)``: each block that holds
@@ -136,7 +136,7 @@ def _draw_range(out: torch.Tensor, shape: tuple[int, ...], dim: int | None, rank
 
 
 @torch.no_grad()
-def initial_shard(name: str, full_shape: torch.Size | tuple[int, ...], out: torch.Tensor, std: float, seed: int,
+def initial_shard(name: str, full_shape: torch.Size | tuple[int, ...], out: torch.Tensor, *, std: float, seed: int,
                   dim: int | None = None, rank: int = 0, parts: int = 1, buffer: torch.Tensor | None = None,
                   start: int = 0) -> None:
     """Write into ``out`` chunk ``rank`` of ``parts`` along ``dim`` (the whole parameter when ``dim`` is None) of
@@ -159,10 +159,11 @@ def initial_shard(name: str, full_shape: torch.Size | tuple[int, ...], out: torc
         per = _Chunk(full_shape[1:], inner, rank, parts).size  # elements of each table's chunk
         for t in range(start // per, (start + n - 1) // per + 1 if n and per else 0):
             lo, hi = max(start, t * per), min(start + n, (t + 1) * per)
-            _draw_range(flat[lo - start:hi - start], full_shape[1:], inner, rank, parts, lo - t * per, std, seed,
-                        name, tables[t], buffer)
+            _draw_range(flat[lo - start:hi - start], full_shape[1:], inner, rank=rank, parts=parts,
+                        start=lo - t * per, std=std, seed=seed, name=name, index=tables[t], buffer=buffer)
     else:
-        _draw_range(flat, full_shape, dim, rank, parts, start, std, seed, name, None, buffer)
+        _draw_range(flat, full_shape, dim, rank=rank, parts=parts, start=start, std=std, seed=seed, name=name,
+                    index=None, buffer=buffer)
     if not out.is_contiguous():
         out.copy_(flat.view(out.shape))
 
@@ -179,6 +180,6 @@ def initialise(model: nn.Module, std: float, seed: int) -> None:
     device are skipped."""
     for name, param in model.named_parameters():
         if not param.is_meta:
-            initial_shard(name, param.shape, param.data, std, seed)
+            initial_shard(name, param.shape, param.data, std=std, seed=seed)
     for name, weight in host_tables(model).items():
-        initial_shard(name, weight.shape, weight, std, seed)
+        initial_shard(name, weight.shape, weight, std=std, seed=seed)

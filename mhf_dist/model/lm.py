@@ -87,8 +87,9 @@ class MultiHashFormer(LanguageModel):
         h = cfg.hash
         if codes.shape[1] != h.num_hashes:
             raise ValueError(f"signature table has H={codes.shape[1]} but model.hash.num_hashes={h.num_hashes}")
-        super().__init__(cfg, HashVocabulary(codes, h.num_buckets, cfg.d_model, h.gate_dim, h.mixer_dim,
-                                             cfg.decoder_chunk_tokens, h.p_inf_loss_weight, modes.kernels),
+        super().__init__(cfg, HashVocabulary(codes, h.num_buckets, cfg.d_model, gate_dim=h.gate_dim,
+                                             mixer_dim=h.mixer_dim, chunk_tokens=cfg.decoder_chunk_tokens,
+                                             p_inf_loss_weight=h.p_inf_loss_weight, kernels=modes.kernels),
                          compression, modes)
 
 

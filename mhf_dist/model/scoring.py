@@ -227,7 +227,7 @@ def calibration_sums(chunks: Iterable[torch.Tensor], targets: torch.Tensor, temp
 
 
 @torch.no_grad()
-def target_calibration_sums(head_scores: list[torch.Tensor], columns: torch.Tensor, registered: torch.Tensor,
+def target_calibration_sums(head_scores: list[torch.Tensor], columns: torch.Tensor, registered: torch.Tensor, *,
                             tables: BucketTables, targets: torch.Tensor, temperatures: torch.Tensor,
                             chunk_size: int = TARGET_CHUNK) -> torch.Tensor:
     """``calibration_sums`` of the signature scores (in fp32 or wider), streamed over vocabulary chunks as

@@ -122,7 +122,7 @@ class BucketTables(nn.Module):
         gradients = TableGradients()
         return SplitTables(self(self._per_table, gradients), gradients)
 
-    def fused_head(self, c: torch.Tensor, split: SplitTables, table: int, targets: torch.Tensor, retrieve: bool,
+    def fused_head(self, c: torch.Tensor, split: SplitTables, table: int, *, targets: torch.Tensor, retrieve: bool,
                    chunk: int, kernels: KernelPolicy, num_valid_rows: int | None = None, entropy: bool = False):
         """``(log Z, target logit, ē or None, entropy or None)`` of one head for ``c [N, d]``, ``targets [N]``
         (global rows) and table ``table`` of ``split`` (``per_table``), chunked over tokens

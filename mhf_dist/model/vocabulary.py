@@ -152,7 +152,8 @@ class TiedVocabulary(nn.Module):
         if temperatures is None:
             temperatures = coarse_temperatures()
         return target_calibration_sums(self.decoder.scores(h, self.tables), self.signature_columns(), self.registered,
-                                       self.tables, targets, temperatures, chunk_size)
+                                       tables=self.tables, targets=targets, temperatures=temperatures,
+                                       chunk_size=chunk_size)
 
     def log_p_inf(self, h: torch.Tensor, chunk_size: int = LOG_P_INF_CHUNK) -> torch.Tensor:
         """``h [..., d]`` -> ``log P_inf [..., V]``."""
@@ -163,7 +164,7 @@ class TiedVocabulary(nn.Module):
 
 
 class HashVocabulary(TiedVocabulary):
-    def __init__(self, codes: torch.Tensor, num_buckets: int, dim: int, gate_dim: int, mixer_dim: int,
+    def __init__(self, codes: torch.Tensor, num_buckets: int, dim: int, *, gate_dim: int, mixer_dim: int,
                  chunk_tokens: int = 0, p_inf_loss_weight: float = 0.0, kernels: str = "auto"):
         num_hashes = codes.shape[1]
         super().__init__(

@@ -42,7 +42,7 @@ class Partitioner(Protocol):
         partition's values (a flat tensor, padding left out), which the rank may write in place."""
 
 
-def model_skeleton(cfg, vocab_size: int, codes: torch.Tensor | None, compression, tp_group=None, tp_rank: int = 0,
+def model_skeleton(cfg, vocab_size: int, codes: torch.Tensor | None, *, compression, tp_group=None, tp_rank: int = 0,
                    tp: int = 1, modes: ModelModes = ModelModes()) -> LanguageModel:
     """The model in ``modes`` with this rank's tensor-parallel modules, every parameter on the meta device
     (docs/design-model.md, "Model construction"); ``Materialiser`` makes them real."""
@@ -68,11 +68,12 @@ class SeededValues:
     def release(self) -> None:
         self.buffer = None
 
-    def shard(self, name: str, full_shape: tuple[int, ...], out: torch.Tensor, dim: int | None, rank: int,
+    def shard(self, name: str, full_shape: tuple[int, ...], out: torch.Tensor, *, dim: int | None, rank: int,
               parts: int, start: int = 0) -> None:
         """``out`` <- chunk ``rank`` of ``parts`` along ``dim`` of parameter ``name``, or from ``start`` the next
         ``out.numel()`` elements of that chunk flattened (``initial_shard``)."""
-        initial_shard(name, full_shape, out, self.std, self.seed, dim, rank, parts, self.buffer, start)
+        initial_shard(name, full_shape, out, std=self.std, seed=self.seed, dim=dim, rank=rank, parts=parts,
+                      buffer=self.buffer, start=start)
 
 
 class FileValues:
@@ -100,7 +101,7 @@ class FileValues:
             more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
             raise ValueError("; ".join(problems[:5]) + more)
 
-    def shard(self, name: str, full_shape: tuple[int, ...], out: torch.Tensor, dim: int | None, rank: int,
+    def shard(self, name: str, full_shape: tuple[int, ...], out: torch.Tensor, *, dim: int | None, rank: int,
               parts: int, start: int = 0) -> None:
         """As ``SeededValues.shard``: only the rows (along the first dimension) that hold the elements are read."""
         index, shape = [slice(None)] * len(full_shape), list(full_shape)
@@ -179,12 +180,12 @@ class Materialiser:
             if after:
                 for n, name, _ in params:
                     start, held = self.partition.held(getattr(leaf, n))
-                    self.values.shard(name, self.shapes[name], held, split_dim(name, self.dims), self.tp_rank,
-                                      self.tp, start)
+                    self.values.shard(name, self.shapes[name], held, dim=split_dim(name, self.dims),
+                                      rank=self.tp_rank, parts=self.tp, start=start)
         self.values.release()
         for name, weight in host_tables(module).items():  # model.engram.offload: whole, in host memory
             self.values.shard(self.prefixes[id(module)] + ("." if self.prefixes[id(module)] else "") + name,
-                              tuple(weight.shape), weight, None, 0, 1)
+                              tuple(weight.shape), weight, dim=None, rank=0, parts=1)
         for owner in module.modules():
             for n, buffer in list(owner.named_buffers(recurse=False)):
                 setattr(owner, n, buffer.to(self.device))
@@ -196,7 +197,8 @@ class Materialiser:
         if out is None:
             out = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
         if fill:
-            self.values.shard(name, self.shapes[name], out, split_dim(name, self.dims), self.tp_rank, self.tp)
+            self.values.shard(name, self.shapes[name], out, dim=split_dim(name, self.dims), rank=self.tp_rank,
+                              parts=self.tp)
         param = nn.Parameter(out, requires_grad=meta.requires_grad)
         param.__dict__.update(meta.__dict__)  # tensor_model_parallel and the like
         return param

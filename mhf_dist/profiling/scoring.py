@@ -52,7 +52,7 @@ class InferenceHeads:
         gen = torch.Generator().manual_seed(0)
         hc = cfg.hash
         codes = torch.randint(1, hc.num_buckets, (vocab_size, hc.num_hashes), generator=gen)
-        vocab = HashVocabulary(codes, hc.num_buckets, cfg.d_model, hc.gate_dim, hc.mixer_dim)
+        vocab = HashVocabulary(codes, hc.num_buckets, cfg.d_model, gate_dim=hc.gate_dim, mixer_dim=hc.mixer_dim)
         torch.nn.init.normal_(vocab.tables.weight, std=0.02)
         vocab.to(device, torch_dtype(dtype))
         embedding = torch.randn(vocab_size, cfg.d_model, generator=gen).to(device, torch_dtype(dtype))
@@ -97,7 +97,7 @@ class InferenceHeads:
                 "rounds": len(timings), "flop_ratio": self.flop_ratio}
 
 
-def profile_scoring(vocab_sizes: list[int], cfg: ModelConfig, device: torch.device, dtype: str, repeats: int = 5,
+def profile_scoring(vocab_sizes: list[int], cfg: ModelConfig, device: torch.device, *, dtype: str, repeats: int = 5,
                     tokens: int = 1, compiled: bool = False, rounds: int = 5) -> list[dict]:
     """``InferenceHeads`` rows per vocabulary size: ``rounds`` rounds, each timing every size in turn (the best
     of ``repeats`` calls), so that a machine whose speed drifts moves every size alike; medians over the rounds.

@@ -73,7 +73,7 @@ class TrainingProbe:
     ``{size}-{hash_name}``, AdamW and one synthetic batch. ``step`` times one step; ``row`` summarises
     the steps it is given, so several probes can be stepped in turn (side by side, as the benchmark does)."""
 
-    def __init__(self, size: str, hash_name: str, tp: int, seq_len: int, micro: int, dtype: str,
+    def __init__(self, size: str, hash_name: str, tp: int, *, seq_len: int, micro: int, dtype: str,
                  device: torch.device, overrides: list[str], max_steps: int):
         run_cfg = load_config(f"{size}-{hash_name}", overrides=[f"parallel.tp={tp}", *overrides])
         cfg = run_cfg.model
@@ -120,13 +120,14 @@ class TrainingProbe:
         )
 
 
-def profile_training(size: str, hash_name: str, tp: int, steps: int, warmup: int, seq_len: int, micro: int,
+def profile_training(size: str, hash_name: str, tp: int, *, steps: int, warmup: int, seq_len: int, micro: int,
                      dtype: str, device: torch.device, peak_measured: float, peak_nominal: float | None,
                      overrides: list[str], trace_dir: Path | None = None) -> TrainRow:
     """One configuration on this rank (tp ranks run this together): ``warmup`` steps, then ``steps`` measured. Its
     row's memory is the steps' own peak: what the process did before them (building the model on the host at full
     size, a peak-FLOPs matmul measured in the same process) is not in it."""
-    probe = TrainingProbe(size, hash_name, tp, seq_len, micro, dtype, device, overrides, max_steps=steps + warmup)
+    probe = TrainingProbe(size, hash_name, tp, seq_len=seq_len, micro=micro, dtype=dtype, device=device,
+                          overrides=overrides, max_steps=steps + warmup)
     restart_peak_memory(device)  # from what is held now (the model), which the steps hold too
     profiler = None
     if trace_dir is not None:

@@ -1,10 +1,10 @@
 """Callbacks: what the training loop tells the code that watches a run, and asks of it, at the points of its phases.
 
 The loop names no monitor: the hang watchdog, the straggler watch, the loss watch, the save clock and the logs are
-:class:`Callback` subclasses (:mod:`~mhf_dist.train.monitors` assembles them), as are the test suite's injected
-faults and a user's own (``train.callbacks``, :func:`installed`). Every rank calls every hook, in the callbacks'
-order; a hook that answers (:meth:`Callback.wants_save`, :meth:`Callback.wants_rollback`,
-:meth:`Callback.allows_save`) answers alike on every rank. docs/design-training.md, "Training loop", says why the
+``Callback`` subclasses (``monitors`` assembles them), as are the test suite's injected
+faults and a user's own (``train.callbacks``, ``installed``). Every rank calls every hook, in the callbacks'
+order; a hook that answers (``Callback.wants_save``, ``Callback.wants_rollback``,
+``Callback.allows_save``) answers alike on every rank. docs/design-training.md, "Training loop", says why the
 hooks are these.
 """
 
@@ -43,7 +43,7 @@ class Stepped(NamedTuple):
 
 @dataclass(frozen=True)
 class RunContext:
-    """What a callback may use of the run, handed to :meth:`Callback.on_start`."""
+    """What a callback may use of the run, handed to ``Callback.on_start``."""
 
     cfg: RunConfig
     run: RunDir
@@ -60,7 +60,7 @@ class RunContext:
 
 class Callback:
     """The hooks, each doing nothing here; a callback overrides those it needs. A callback with state of its own
-    returns it from :meth:`state_dict`, under keys of its own, and the checkpoints keep it (:mod:`client_state`)."""
+    returns it from ``state_dict``, under keys of its own, and the checkpoints keep it (``client_state``)."""
 
     wrap_loss: LossWrapper | None = None  # a change to each training micro-batch's loss, given to the trainer
     save_reason = "callback"  # what a save this callback asked for (wants_save) is recorded as
@@ -69,7 +69,7 @@ class Callback:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        """``state``: the keys of :meth:`state_dict`, from a checkpoint (one saved before they were kept: as at the
+        """``state``: the keys of ``state_dict``, from a checkpoint (one saved before they were kept: as at the
         callback's start)."""
 
     def on_start(self, run: RunContext) -> None:
@@ -103,7 +103,7 @@ class Callback:
         """``record`` is the step's complete record (its measures, callbacks' fields, evaluation)."""
 
     def wants_rollback(self, step: int) -> bool:
-        """After the step's log: whether the run goes back to an earlier checkpoint (:meth:`on_rollback`). A
+        """After the step's log: whether the run goes back to an earlier checkpoint (``on_rollback``). A
         callback may raise here instead, to stop the run."""
         return False
 
@@ -170,7 +170,7 @@ class Callbacks:
         return [c.wants_save() for c in self]
 
     def save_reason(self, wanted: list[bool]) -> str | None:
-        """The reason of the first callback whose :meth:`Callback.wants_save` the ranks agreed on (``wanted``)."""
+        """The reason of the first callback whose ``Callback.wants_save`` the ranks agreed on (``wanted``)."""
         return next((c.save_reason for c, w in zip(self, wanted) if w), None)
 
     def after_step(self, step: int, stepped: Stepped) -> None:

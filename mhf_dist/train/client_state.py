@@ -1,8 +1,8 @@
 """What a checkpoint holds of the run beside the engine's files and the RNG states: the client state, each part of it
 registered by the component it belongs to, under keys of its own.
 
-A save writes every part's :meth:`~Stateful.state_dict`; a resume and a rollback load every part from the same
-dict, through :meth:`ClientState.load_state_dict`. The keys are those checkpoints have always held (``step``,
+A save writes every part's ``state_dict``; a resume and a rollback load every part from the same
+dict, through ``ClientState.load_state_dict``. The keys are those checkpoints have always held (``step``,
 ``tokens``, ``reader``, ``config``, ..., ``loss_watch``), so older checkpoints load; a part whose keys a checkpoint
 lacks (saved before that part kept its state) loads the state it had when registered, its start.
 """

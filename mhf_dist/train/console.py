@@ -4,7 +4,7 @@
 
 (with several ranks ``slowest r3 1.04x`` before the ETA: the rank with the most compute time per step, against the
 median of its pipeline stage's other ranks, and with the device probe ``device r1 1.01x``: the rank whose device took
-longest for the probe's fixed work, against the median of the others, :mod:`mhf_dist.train.stragglers`)
+longest for the probe's fixed work, against the median of the others, ``mhf_dist.train.stragglers``)
 
 and, at evaluations, the validation perplexities. ``metrics.jsonl`` keeps every value at full precision.
 """

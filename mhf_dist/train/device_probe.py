@@ -1,4 +1,4 @@
-"""A slow device made visible. A rank's compute time per step (:mod:`mhf_dist.train.stragglers`) is its training
+"""A slow device made visible. A rank's compute time per step (``mhf_dist.train.stragglers``) is its training
 thread's CPU time: on a GPU rank that is the host's share of the step, so a device that computes slower than the
 others (clocks throttled by heat or power, a degraded part) hides in the time every rank then spends waiting for it.
 The probe times the same fixed work on every rank's device once per log interval: a chain of matrix products in the

@@ -3,13 +3,13 @@
 
 The logged loss and gradient norm are global (averaged over the data-parallel ranks, norm over every shard), so every
 rank reaches the same verdict at the same step without another collective. A run whose loss stays non-finite for
-``train.max_nonfinite_steps`` steps stops with :class:`TrainingDiverged` (exit 2) instead of training on and saving NaN
-weights. A spike is a loss (or gradient norm) above its factor times the median of the last :data:`SPIKE_WINDOW`
-finite, unspiked ones (once :data:`MIN_WINDOW` are known). Under ``on_spike=skip`` (and ``rollback``, which also counts
-the recent spikes, :mod:`mhf_dist.train.rollback`) the limits of the next step (:meth:`LossWatch.limits`) go to the
+``train.max_nonfinite_steps`` steps stops with ``TrainingDiverged`` (exit 2) instead of training on and saving NaN
+weights. A spike is a loss (or gradient norm) above its factor times the median of the last ``SPIKE_WINDOW``
+finite, unspiked ones (once ``MIN_WINDOW`` are known). Under ``on_spike=skip`` (and ``rollback``, which also counts
+the recent spikes, ``mhf_dist.train.rollback``) the limits of the next step (``LossWatch.limits``) go to the
 trainer, which leaves a step past them out on the device, before its update; the watch counts what the trainer
 reports. Its window and counts are saved in checkpoints, so a resumed run judges its steps as the run it continues
-would have. :class:`~mhf_dist.train.divergence_watch.DivergenceWatch` is the watch as a run's callback.
+would have. ``DivergenceWatch`` is the watch as a run's callback.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from dataclasses import dataclass
+from typing import Literal
 
 from mhf_dist.backend import SpikeLimits
 from mhf_dist.config import TrainConfig
@@ -30,10 +32,30 @@ class TrainingDiverged(MhfError, RuntimeError):
     """The loss or gradient norm stayed NaN/inf for ``train.max_nonfinite_steps`` steps in a row."""
 
 
-class LossWatch:
-    """Counts non-finite steps, spikes and steps left out, one :meth:`observe` per optimizer step."""
+@dataclass(frozen=True)
+class DivergenceSettings:
+    """What a diverging run does: stop after ``max_nonfinite_steps`` non-finite steps in a row (or warn), the spike
+    factors of the loss and the gradient norm (None: not watched), and what a spike does (``on_spike``), a rollback
+    after ``spike_patience`` spikes within the window, at most ``max_rollbacks`` of them."""
 
-    def __init__(self, cfg: TrainConfig):
+    on_nonfinite: Literal["stop", "warn"]
+    max_nonfinite_steps: int
+    spike_factor: float | None
+    grad_spike_factor: float | None
+    on_spike: Literal["warn", "skip", "rollback"]
+    spike_patience: int
+    max_rollbacks: int
+
+    @classmethod
+    def of(cls, train: TrainConfig) -> DivergenceSettings:
+        return cls(train.on_nonfinite, train.max_nonfinite_steps, train.spike_factor, train.grad_spike_factor,
+                   train.on_spike, train.spike_patience, train.max_rollbacks)
+
+
+class LossWatch:
+    """Counts non-finite steps, spikes and steps left out, one ``observe`` per optimizer step."""
+
+    def __init__(self, cfg: DivergenceSettings):
         self.cfg = cfg
         self.streak: list[int] = []  # steps of the current run of non-finite steps
         self.nonfinite_steps = self.loss_spikes = self.grad_spikes = self.skipped = 0
@@ -82,7 +104,7 @@ class LossWatch:
         return warnings
 
     def spikes_within(self, step: int) -> list[int]:
-        """The steps of the spikes among the last :data:`SPIKE_WINDOW` steps up to ``step``."""
+        """The steps of the spikes among the last ``SPIKE_WINDOW`` steps up to ``step``."""
         return [s for s in self.spike_steps if s > step - SPIKE_WINDOW]
 
     def state_dict(self) -> dict:
@@ -101,7 +123,7 @@ class LossWatch:
         self.grad_spikes, self.skipped = state["grad_spikes"], state["skipped"]
 
     def stop_if_diverged(self) -> None:
-        """Under ``on_nonfinite=stop``: raise :class:`TrainingDiverged` once the streak is long enough."""
+        """Under ``on_nonfinite=stop``: raise ``TrainingDiverged`` once the streak is long enough."""
         if self.cfg.on_nonfinite == "stop" and len(self.streak) >= self.cfg.max_nonfinite_steps:
             raise TrainingDiverged(
                 f"the loss or gradient norm was not finite for {len(self.streak)} steps in a row (steps "

@@ -1,24 +1,23 @@
-"""The loss watch as a run's callback (:class:`DivergenceWatch`): the limits of each step, the verdict on each step
-and the rollbacks, over :class:`~mhf_dist.train.divergence.LossWatch` and
-:class:`~mhf_dist.train.rollback.Rollbacks`."""
+"""The loss watch as a run's callback (``DivergenceWatch``): the limits of each step, the verdict on each step
+and the rollbacks, over ``LossWatch`` and
+``Rollbacks``."""
 
 from __future__ import annotations
 
 from tqdm.auto import tqdm
 
 from mhf_dist.backend import SpikeLimits
-from mhf_dist.config import TrainConfig
 from mhf_dist.train.callbacks import Callback, RunContext, Stepped
-from mhf_dist.train.divergence import LossWatch
+from mhf_dist.train.divergence import DivergenceSettings, LossWatch
 from mhf_dist.train.rollback import Rollbacks
 
 
 class DivergenceWatch(Callback):
-    """A run's :class:`LossWatch`: each step's limits (``train.on_spike`` skip or rollback), its verdict on each step
+    """A run's ``LossWatch``: each step's limits (``train.on_spike`` skip or rollback), its verdict on each step
     (warnings, the counters in the record, a stop), its window in checkpoints (``loss_watch``) and the rollbacks of
-    ``train.on_spike=rollback`` (:class:`~mhf_dist.train.rollback.Rollbacks`)."""
+    ``train.on_spike=rollback`` (``Rollbacks``)."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: DivergenceSettings):
         self.cfg, self.watch = cfg, LossWatch(cfg)
         self.rolling_back = False  # this watch asked for the rollback under way
 

@@ -1,16 +1,16 @@
 """Faults the test suite injects into steps, evaluations, checkpoint saves and conversions, through environment
 variables a test sets for the ranks it starts; nothing here acts unless its variable is set. A step's faults act
-through callbacks (:func:`injected_faults`), a change to its numbers through the loss wrapper the trainer is built with.
+through callbacks (``injected_faults``), a change to its numbers through the loss wrapper the trainer is built with.
 
-- :data:`SAVE_PAUSE_ENV`: seconds a save stalls after its files, before it is marked complete (a rank is killed there).
-- :data:`CONVERT_PAUSE_ENV`: seconds a conversion for another layout takes longer (past the process group's timeout).
-- :data:`SAVE_FAIL_ENV`: the rank whose checkpoint writes fail as on a full disk.
-- :data:`DISK_BYTES_ENV`: the capacity, in bytes, of a simulated filesystem holding the checkpoints.
-- :data:`SLOW_RANK_ENV`, :data:`SLOW_DEVICE_ENV`: ``RANK:FRACTION``: that rank computes ``FRACTION`` more in each step
+- ``SAVE_PAUSE_ENV``: seconds a save stalls after its files, before it is marked complete (a rank is killed there).
+- ``CONVERT_PAUSE_ENV``: seconds a conversion for another layout takes longer (past the process group's timeout).
+- ``SAVE_FAIL_ENV``: the rank whose checkpoint writes fail as on a full disk.
+- ``DISK_BYTES_ENV``: the capacity, in bytes, of a simulated filesystem holding the checkpoints.
+- ``SLOW_RANK_ENV``, ``SLOW_DEVICE_ENV``: ``RANK:FRACTION``: that rank computes ``FRACTION`` more in each step
   (a straggler), or its device probe times ``FRACTION`` more products (a device slower at the same work).
-- :data:`SLOW_WORK_ENV`: ``KIND:SECONDS[,...]``: healthy work that takes longer: ``first_step`` (a start's first step,
+- ``SLOW_WORK_ENV``: ``KIND:SECONDS[,...]``: healthy work that takes longer: ``first_step`` (a start's first step,
   as a compile does), ``eval_batch`` (each evaluation micro-batch), ``checkpoint_file`` (each checkpoint file).
-- :data:`LOSS_SPIKE_ENV`: ``SAMPLE:FACTOR[,...]``: the loss of the step whose global batch holds sample position
+- ``LOSS_SPIKE_ENV``: ``SAMPLE:FACTOR[,...]``: the loss of the step whose global batch holds sample position
   ``SAMPLE`` multiplied by ``FACTOR`` on every rank: a spike that comes with its data, so a run that skips that data
   does not meet it again.
 """
@@ -44,17 +44,17 @@ def _pause(variable: str) -> None:
 
 
 def pause_save() -> None:
-    """A save's stall between its files and its marker (:data:`SAVE_PAUSE_ENV`)."""
+    """A save's stall between its files and its marker (``SAVE_PAUSE_ENV``)."""
     _pause(SAVE_PAUSE_ENV)
 
 
 def pause_conversion() -> None:
-    """A conversion's extra time (:data:`CONVERT_PAUSE_ENV`)."""
+    """A conversion's extra time (``CONVERT_PAUSE_ENV``)."""
     _pause(CONVERT_PAUSE_ENV)
 
 
 def slow_work(kind: str) -> None:
-    """The extra seconds :data:`SLOW_WORK_ENV` gives work of ``kind``, slept here."""
+    """The extra seconds ``SLOW_WORK_ENV`` gives work of ``kind``, slept here."""
     for item in filter(None, os.environ.get(SLOW_WORK_ENV, "").split(",")):
         name, seconds = item.split(":")
         if name == kind:
@@ -63,7 +63,7 @@ def slow_work(kind: str) -> None:
 
 def write_fails(rank: int, path: Path) -> bool:
     """Whether writing checkpoint file ``path`` on ``rank`` fails as on a full disk: the rank named by
-    :data:`SAVE_FAIL_ENV`, or a simulated filesystem (:data:`DISK_BYTES_ENV`) that the checkpoints directory (the
+    ``SAVE_FAIL_ENV``, or a simulated filesystem (``DISK_BYTES_ENV``) that the checkpoints directory (the
     parent of ``path``'s step directory) has filled."""
     if os.environ.get(SAVE_FAIL_ENV) == str(rank):
         return True
@@ -71,7 +71,7 @@ def write_fails(rank: int, path: Path) -> bool:
 
 
 def free_bytes(directory: Path) -> int:
-    """Free space on ``directory``'s filesystem; under :data:`DISK_BYTES_ENV`, what that capacity leaves beside the
+    """Free space on ``directory``'s filesystem; under ``DISK_BYTES_ENV``, what that capacity leaves beside the
     files in ``directory``."""
     if DISK_BYTES_ENV in os.environ:
         return int(os.environ[DISK_BYTES_ENV]) - sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
@@ -87,7 +87,7 @@ def _slowed_by(variable: str, rank: int) -> float:
 
 
 class SlowRank(Callback):
-    """The straggler of :data:`SLOW_RANK_ENV`: after a step of so many CPU seconds, it computes for that fraction of
+    """The straggler of ``SLOW_RANK_ENV``: after a step of so many CPU seconds, it computes for that fraction of
     them again (busy, as a slower device or a starved host would be), inside the straggler watch's measure."""
 
     def on_start(self, run: RunContext) -> None:
@@ -103,7 +103,7 @@ class SlowRank(Callback):
 
 
 class SlowWork(Callback):
-    """The longer healthy work of :data:`SLOW_WORK_ENV` in the loop: a start's first step, each evaluation
+    """The longer healthy work of ``SLOW_WORK_ENV`` in the loop: a start's first step, each evaluation
     micro-batch."""
 
     def on_start(self, run: RunContext) -> None:
@@ -118,13 +118,13 @@ class SlowWork(Callback):
 
 
 def slow_device_repeats(rank: int, products: int) -> int:
-    """How many products the device probe times: ``products``, or for the slow device of :data:`SLOW_DEVICE_ENV`
+    """How many products the device probe times: ``products``, or for the slow device of ``SLOW_DEVICE_ENV``
     that many more by its fraction."""
     return round(products * (1 + _slowed_by(SLOW_DEVICE_ENV, rank)))
 
 
 class LossSpikes(Callback):
-    """The spikes of :data:`LOSS_SPIKE_ENV`: the loss of a step whose ``batch`` global positions hold a listed sample
+    """The spikes of ``LOSS_SPIKE_ENV``: the loss of a step whose ``batch`` global positions hold a listed sample
     is multiplied by its factor (the data's position read before each step: one directory's reader, as a mixture
     has no single global order)."""
 

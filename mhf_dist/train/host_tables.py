@@ -1,10 +1,10 @@
-"""The training side of offloaded Engram tables (``model.engram.offload``, :class:`HostTables`), called by the
-backend's :class:`~mhf_dist.backend.Trainer` around its optimizer step: :meth:`HostTablesStep.prefetch` and
-:meth:`~HostTablesStep.advance` gather each micro-batch's rows ahead of its forward; :meth:`~HostTablesStep.before_step`
+"""The training side of offloaded Engram tables (``model.engram.offload``, ``HostTables``), called by the
+backend's ``Trainer`` around its optimizer step: ``HostTablesStep.prefetch`` and
+``advance`` gather each micro-batch's rows ahead of its forward; ``before_step``
 adds the gradients still on their way from the device and, with dp > 1, averages the rows any rank read over the
 data-parallel ranks (their row masks all-reduced with MAX, then the union's rows only, through pinned staging buffers);
-DeepSpeed's global gradient norm includes the host tables' (:meth:`~HostTablesStep.host_norm_on`), so its clipping
-and the logged norm are the dense run's; :meth:`~HostTablesStep.after_step` clips with that norm and steps a fused
+DeepSpeed's global gradient norm includes the host tables' (``host_norm_on``), so its clipping
+and the logged norm are the dense run's; ``after_step`` clips with that norm and steps a fused
 ``torch.optim.AdamW`` on every row, as the dense tables (``model.engram.offload_update=lazy``: on the rows read only,
 with the same step count and Adam state, so a checkpoint of either resumes in either). Checkpoints hold the tables and
 their AdamW state in ``engram-host-tables.safetensors``, written by rank 0 (with tp = pp = 1 every rank holds the same

@@ -1,14 +1,14 @@
 """The training loop, run by every rank (one process, or N under torchrun / the DeepSpeed launcher):
-:class:`TrainingLoop`'s set-up, then per step its step, evaluation, log, rollback and checkpoint phases, which call
-the run's callbacks (:mod:`~mhf_dist.train.callbacks`; the monitors, :mod:`~mhf_dist.train.monitors`).
+``TrainingLoop``'s set-up, then per step its step, evaluation, log, rollback and checkpoint phases, which call
+the run's callbacks (``callbacks``; the monitors, ``monitors``).
 
 Set-up: resolve the layout and engine config (every config error before any collective) and join the job → lock the
 run directory; rank 0 prepares its assets while the others wait → every rank builds the model's skeleton and hands
-it to the engine, which creates only this rank's parameters (:mod:`mhf_dist.parallel.construct`) → the data → the
+it to the engine, which creates only this rank's parameters (``mhf_dist.parallel.construct``) → the data → the
 resumed checkpoint (``--resume auto``: the newest) is loaded, engine, RNG and client state
-(:mod:`~mhf_dist.train.client_state`), so the run continues bit-identically. A start refused on the way leaves a run
+(``client_state``), so the run continues bit-identically. A start refused on the way leaves a run
 directory that was new as it found it. SIGUSR1/SIGTERM (or a first Ctrl-C) on any rank make all ranks finish the
-step, save and stop with :data:`PREEMPTED_EXIT_CODE`.
+step, save and stop with ``PREEMPTED_EXIT_CODE``.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class TrainResult:
 
 
 class TrainingLoop:
-    """One rank's training, in phases: :meth:`setup`, then per step :meth:`step`, :meth:`measures`,
-    :meth:`evaluate`, :meth:`log`, :meth:`roll_back` (when a callback asks) and :meth:`checkpoint` (:meth:`run`)."""
+    """One rank's training, in phases: ``setup``, then per step ``step``, ``measures``,
+    ``evaluate``, ``log``, ``roll_back`` (when a callback asks) and ``checkpoint`` (``run``)."""
 
     cfg: RunConfig
     stop: StopSignal  # the signal handler: a stop is agreed at the end of each step
@@ -86,7 +86,7 @@ class TrainingLoop:
     # ------------------------------------------------------------------ set-up
     def setup(self, run_dir: str | Path, resume: str) -> bool:
         """Everything before the first step; False when a signal arrived during it (nothing trained yet, so
-        nothing to save). A refused start leaves a new run directory as it found it (:class:`RunDirAsFound`)."""
+        nothing to save). A refused start leaves a new run directory as it found it (``RunDirAsFound``)."""
         self.job = join_job(self.cfg, self.verbose)
         self.run_dir = RunDir(run_dir)
         found = RunDirAsFound(self.run_dir.path) if self.job.rank == 0 else None  # before the lock is written there
@@ -99,7 +99,7 @@ class TrainingLoop:
             raise
 
     def _start(self, resume: str) -> bool:
-        """:meth:`setup` once the run directory is locked."""
+        """``setup`` once the run directory is locked."""
         self.assets = prepare_assets(self.run_dir, self.cfg, self.job.rank, self.job.scalars)
         resuming = self._build(resume)
         if self.stop.start_up_ends(self.job.scalars.any(self.stop.received)[0]):
@@ -124,7 +124,8 @@ class TrainingLoop:
         seed_everything(cfg.train.seed)
         modes = ModelModes(checkpoint_interval(cfg, job.ds_config), cfg.train.fused_head_kernel)
         model = model_skeleton(cfg.model, len(self.assets.tokenizer), table.codes if table else None,
-                               self.assets.compression, groups.tp_group, groups.tp_rank, groups.tp, modes)
+                               compression=self.assets.compression, tp_group=groups.tp_group, tp_rank=groups.tp_rank,
+                               tp=groups.tp, modes=modes)
         self.checkpointer = Checkpointer(self.run_dir, cfg, table.content_hash if table else None,
                                          checkpoint_layout(cfg, job.layout, model.vocab.tables.num_rows),
                                          [n for n, _ in model.named_parameters()])
@@ -150,8 +151,9 @@ class TrainingLoop:
         materialise = Materialiser(model, values, job.device, groups.tp_rank, groups.tp,
                                    parameter_partitioner(job.ds_config, job.layout, groups))
         with backend_prints(self.verbose):
-            self.trainer = build_trainer(cfg, model, groups, job.ds_config, job.layout, optimizer_factory(cfg),
-                                         materialise, load_universal=resuming is not None and resuming.universal,
+            self.trainer = build_trainer(cfg, model, groups, config=job.ds_config, layout=job.layout,
+                                         optimizer=optimizer_factory(cfg), materialise=materialise,
+                                         load_universal=resuming is not None and resuming.universal,
                                          host_tables=host_tables_factory(cfg, groups),
                                          wrap_loss=self.callbacks.loss_wrapper())
         return resuming
@@ -218,7 +220,7 @@ class TrainingLoop:
         return self.result
 
     def step(self, step: int) -> Stepped:
-        """One optimizer step between the callbacks' :meth:`~Callbacks.before_step` and ``after_step``, timed, under
+        """One optimizer step between the callbacks' ``before_step`` and ``after_step``, timed, under
         their spike limits; at its end the ranks agree on a stop signal and on the saves the callbacks ask for."""
         self.callbacks.before_step(step)
         lr, began = self.trainer.lr, time.perf_counter()
@@ -245,7 +247,7 @@ class TrainingLoop:
         return record | self.callbacks.record(step, stepped)
 
     def evaluate(self, step: int) -> dict:
-        """The validation metrics, calibrated ones included (:func:`mhf_dist.model.calibration.validation_metrics`),
+        """The validation metrics, calibrated ones included (``mhf_dist.model.calibration.validation_metrics``),
         every ``train.eval_interval`` steps and at the last; nothing without a validation split."""
         t = self.cfg.train
         if not ((t.eval_interval and step % t.eval_interval == 0) or step == self.progress.end):

@@ -1,6 +1,6 @@
 """What a logged step's record says of the step's cost and of the model's health: tokens/s, TFLOP/s and MFU against
-the peak (:mod:`~mhf_dist.train.throughput`), this rank's peak memory, and the health metrics the trainer measured in
-the step (``train.health_metrics``, :mod:`mhf_dist.model.health`)."""
+the peak (``throughput``), this rank's peak memory, and the health metrics the trainer measured in
+the step (``train.health_metrics``, ``mhf_dist.model.health``)."""
 
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ class MetricsLogger:
 
     @staticmethod
     def _written(doing: str, write) -> None:
-        """``write()``, its OSError raised as :class:`MetricsWriteError` naming the file, the cause and the fix."""
+        """``write()``, its OSError raised as ``MetricsWriteError`` naming the file, the cause and the fix."""
         try:
             write()
         except OSError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from mhf_dist.config import RunConfig
 from mhf_dist.train.callbacks import Callback, installed
+from mhf_dist.train.divergence import DivergenceSettings
 from mhf_dist.train.divergence_watch import DivergenceWatch
 from mhf_dist.train.fault_injection import injected_faults
 from mhf_dist.train.finite_weights import FiniteWeights
@@ -24,7 +25,7 @@ def run_callbacks(cfg: RunConfig) -> list[Callback]:
         HangWatch(HangSettings.of(t)),  # before the others' work in a phase: the phase is marked first
         StepMeasures(),
         Stragglers(StragglerSettings.of(t)),
-        DivergenceWatch(t),
+        DivergenceWatch(DivergenceSettings.of(t)),
         SaveClock(t.checkpoint_minutes),
         FiniteWeights(),
         *installed(t.callbacks),

@@ -2,8 +2,8 @@
 
 By default weight decay applies to matrices and tables (``ndim >= 2``), not to biases and norm gains, as in the
 authors' Hugging Face Trainer set-up: two groups. ``optimizer.groups`` rules, applied in order, set a learning-rate
-scale and a weight decay per parameter family (:mod:`mhf_dist.model.families`). A parameter's group is given by
-whether it is a matrix and which rules match it (:data:`GroupKey`), not by the values the rules set, so a resume may
+scale and a weight decay per parameter family (``mhf_dist.model.families``). A parameter's group is given by
+whether it is a matrix and which rules match it (``GroupKey``), not by the values the rules set, so a resume may
 change the values (said once, as for ``optimizer.lr``) but not which rules there are (their Adam state is kept per
 group).
 """
@@ -107,7 +107,7 @@ def build_optimizer(named: Iterable[tuple[str, torch.nn.Parameter]], cfg: Optimi
                     ndim: Callable[[torch.nn.Parameter], int] = torch.Tensor.dim):
     """``(AdamW, LambdaLR)`` for the trainable parameters of ``named`` (``(name in LanguageModel naming,
     parameter)``); ``ndim`` gives a parameter's dimensions (the backend's, where it has replaced parameters by flat
-    partitions). The optimizer's ``group_keys`` name each param group's :data:`GroupKey`; it is :func:`skippable`."""
+    partitions). The optimizer's ``group_keys`` name each param group's ``GroupKey``; it is ``skippable``."""
     members: dict[GroupKey, list[torch.nn.Parameter]] = {key: [] for key in DEFAULT_KEYS}
     for name, p in named:
         if p.requires_grad:
@@ -125,7 +125,7 @@ def build_optimizer(named: Iterable[tuple[str, torch.nn.Parameter]], cfg: Optimi
 
 
 def optimizer_factory(cfg: RunConfig) -> OptimizerFactory:
-    """What the backend makes its optimizer with: :func:`build_optimizer` with the run's settings."""
+    """What the backend makes its optimizer with: ``build_optimizer`` with the run's settings."""
     return lambda named, ndim: build_optimizer(named, cfg.optimizer, cfg.train.max_steps, ndim)
 
 

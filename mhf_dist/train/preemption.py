@@ -3,11 +3,11 @@ or Ctrl-C (SIGINT).
 
 The handler is installed before anything slow starts (imports of the training stack, data preparation, the model
 build), so a signal at any moment of a rank's life is noted instead of killing it: the ranks agree on it, save if they
-trained anything, and exit with :data:`PREEMPTED_EXIT_CODE`, which the job script answers with a requeue. The job
-script also tells the ranks the grace period (:data:`GRACE_ENV`), so a save that would not fit in it is flagged while
+trained anything, and exit with ``PREEMPTED_EXIT_CODE``, which the job script answers with a requeue. The job
+script also tells the ranks the grace period (``GRACE_ENV``), so a save that would not fit in it is flagged while
 there is time to act. A first Ctrl-C is taken as SIGTERM is (during start-up, with no step to finish and nothing
 trained, the note says the ranks stop without a checkpoint); a second aborts at once without saving
-(:data:`ABORTED_EXIT_CODE`) and says what that loses: the steps since the newest checkpoint, which the next start
+(``ABORTED_EXIT_CODE``) and says what that loses: the steps since the newest checkpoint, which the next start
 resumes from.
 """
 
@@ -35,7 +35,7 @@ START_UP_INTERRUPT_NOTE = ("interrupted during start-up: stopping once the model
 
 def grace_seconds(step_s: float, save_s: float) -> int:
     """The grace period that fits a step and a save after the scheduler's warning: ``1.5 · (step + save) + 30 s``,
-    rounded up to ten seconds, at least :data:`MIN_GRACE_SECONDS`."""
+    rounded up to ten seconds, at least ``MIN_GRACE_SECONDS``."""
     needed = GRACE_SAFETY * (step_s + save_s) + EXIT_SECONDS
     return max(MIN_GRACE_SECONDS, 10 * math.ceil(needed / 10))
 
@@ -63,12 +63,12 @@ class StopSignal:
     """SIGUSR1 / SIGTERM on any rank: every rank stops after the current step (the ranks agree each step).
 
     With ``lost_work`` (a note of what an abort loses), Ctrl-C too: the first is a stop like SIGTERM
-    (:attr:`interrupted` says so), the second ends this process at once without saving."""
+    (``interrupted`` says so), the second ends this process at once without saving."""
 
     def __init__(self, lost_work: Callable[[], str] | None = None):
         self.received = False
         self.interrupted = False
-        self.training = False  # set by :meth:`start_up_ends`: a first Ctrl-C finishes a step and saves from then on
+        self.training = False  # set by ``start_up_ends``: a first Ctrl-C finishes a step and saves from then on
         self._lost_work = lost_work
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._handle)

@@ -1,4 +1,4 @@
-"""This rank in the job's process group: its place in the job (:class:`Job`), the device it computes on, joining the
+"""This rank in the job's process group: its place in the job (``Job``), the device it computes on, joining the
 group over the configured backend (and the backend's own prints while it starts), leaving it, and what a failed
 collective says."""
 

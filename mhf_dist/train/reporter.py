@@ -1,6 +1,6 @@
 """Rank 0's report of a run: each logged step's record in ``metrics.jsonl``, TensorBoard and W&B
-(:class:`~mhf_dist.train.metrics.MetricsLogger`) and as a console line with the ETA
-(:func:`~mhf_dist.train.console.step_line`), the progress bar, and at the start what the run reads: a mixture's
+(``MetricsLogger``) and as a console line with the ETA
+(``step_line``), the progress bar, and at the start what the run reads: a mixture's
 sources, a data restart's record."""
 
 from __future__ import annotations

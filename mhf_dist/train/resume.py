@@ -3,9 +3,9 @@
 The run's own ``config.yaml`` (written at every start) is the base and ``--set`` overrides apply on top. A field
 the checkpoint fixes (the model, the tokenizer, ``data.seq_len``, the seed, ...) must equal the checkpoint's, whether
 an override or a hand edit of ``config.yaml`` changed it: the refusal names the field and its checkpoint value.
-The fields in :data:`CHANGEABLE_ON_RESUME` may differ: steps, intervals, logging, checkpoint settings, the
-optimizer (:func:`mhf_dist.train.optim.apply_optimizer_changes`), the layout (checkpoints convert), the data source
-(:attr:`mhf_dist.config.DataConfig.restart`) and how the run computes. The checkpoint's config is read from its
+The fields in ``CHANGEABLE_ON_RESUME`` may differ: steps, intervals, logging, checkpoint settings, the
+optimizer (``mhf_dist.train.optim.apply_optimizer_changes``), the layout (checkpoints convert), the data source
+(``mhf_dist.config.DataConfig.restart``) and how the run computes. The checkpoint's config is read from its
 ``complete.json``; one saved before markers held it is compared by its model section only.
 
 No torch here: the command line checks this before it starts any rank.
@@ -114,7 +114,7 @@ def _as_written_now(kind: type[BaseModel], raw: dict) -> dict:
 
 
 def _changeable_summary() -> str:
-    """:data:`CHANGEABLE_ON_RESUME`, grouped by section: ``optimizer.*, ..., train.{max_steps, ...}``."""
+    """``CHANGEABLE_ON_RESUME``, grouped by section: ``optimizer.*, ..., train.{max_steps, ...}``."""
     groups: dict[str, list[str]] = {}
     for name in CHANGEABLE_ON_RESUME:
         section, _, rest = name.partition(".")

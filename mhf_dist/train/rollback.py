@@ -3,7 +3,7 @@
 Once ``train.spike_patience`` spikes fell within the last 50 steps, the run goes back to the newest checkpoint saved
 before the first of them and skips the data it read since that checkpoint: the reader goes on where it stands, and
 the range of global positions from the checkpoint's position to there is recorded, so that a later resume (from that
-checkpoint, or under another layout) never reads it either (:mod:`mhf_dist.data.skipped`). The record is a list, one
+checkpoint, or under another layout) never reads it either (``mhf_dist.data.skipped``). The record is a list, one
 entry per rollback, in order::
 
     {"step": 9, "spikes": [7, 9], "checkpoint": "step-00000006", "checkpoint_step": 6, "skipped": [48, 72], "time": ...}
@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from mhf_dist.atomic import write_atomic
-from mhf_dist.config import ConfigError, TrainConfig
+from mhf_dist.config import ConfigError
 from mhf_dist.storage.run_dir import RunDir
-from mhf_dist.train.divergence import SPIKE_WINDOW, TrainingDiverged
+from mhf_dist.train.divergence import SPIKE_WINDOW, DivergenceSettings, TrainingDiverged
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -63,12 +63,12 @@ def write_rollbacks(run: RunDir, rollbacks: list[dict]) -> None:
 class Rollbacks:
     """The run's rollbacks: those recorded (read at start) and going back once one is due."""
 
-    def __init__(self, run: RunDir, cfg: TrainConfig, rank: int):
+    def __init__(self, run: RunDir, cfg: DivergenceSettings, rank: int):
         self.run, self.cfg, self.rank = run, cfg, rank
         self.done = read_rollbacks(run)
 
     def due(self, spikes: list[int]) -> bool:
-        """Whether ``spikes`` (the steps of the spikes within the last :data:`SPIKE_WINDOW` steps) roll the run back."""
+        """Whether ``spikes`` (the steps of the spikes within the last ``SPIKE_WINDOW`` steps) roll the run back."""
         return self.cfg.on_spike == "rollback" and len(spikes) >= self.cfg.spike_patience
 
     def go_back(self, step: int, spikes: list[int], checkpointer: Checkpointer, reader: ShardReader,
@@ -76,7 +76,7 @@ class Rollbacks:
         """At ``step``: ``load`` the newest checkpoint saved before ``spikes[0]`` as a resume loads it (the
         checkpoints since are set aside) and have ``reader`` pass over the data from that checkpoint's position to
         where it stood, recorded. Every rank calls this alike (the spikes are judged on global numbers). Past
-        ``train.max_rollbacks``, or without a checkpoint before the spikes, raises :class:`TrainingDiverged`."""
+        ``train.max_rollbacks``, or without a checkpoint before the spikes, raises ``TrainingDiverged``."""
         checkpointer.wait()  # an asynchronous save in flight joins the line first
         target = checkpointer.newest_before(spikes[0])
         plural = "s" if len(spikes) > 1 else ""

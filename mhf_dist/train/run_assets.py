@@ -1,7 +1,7 @@
-"""The run directory a start trains in: locked for one job (:func:`take_lock`), and its assets (the tokenizer, the
+"""The run directory a start trains in: locked for one job (``take_lock``), and its assets (the tokenizer, the
 signature table, the Engram compression table, the shards of the embedded corpus) made by rank 0 on first use while
 the other ranks wait, then loaded by every rank with the data ranges the run's rollbacks skipped
-(:func:`prepare_assets`)."""
+(``prepare_assets``)."""
 
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ of two shows its own slowness, not half of it), and warns, naming the rank and i
 ratio exceeds ``train.straggler_factor`` for ``train.straggler_intervals`` intervals in a row.
 
 On GPU ranks that measure is the host's share of the step: a rank starved of CPU shows. A slow device shows in the
-device probe's measure (:mod:`mhf_dist.train.device_probe`, ``train.device_probe``, on by default on GPUs): the same
+device probe's measure (``mhf_dist.train.device_probe``, ``train.device_probe``, on by default on GPUs): the same
 fixed work timed on every rank's device at each logged step, gathered in the same collective and judged the same way
-against the median of all other ranks. :class:`Stragglers` is the watch as a run's callback.
+against the median of all other ranks. ``Stragglers`` is the watch as a run's callback.
 """
 
 from __future__ import annotations

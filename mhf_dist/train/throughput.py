@@ -1,6 +1,6 @@
 """Throughput, MFU and memory for logging and profiling.
 
-MFU = achieved model FLOP/s (analytic, :mod:`mhf_dist.model.flops`) / peak.
+MFU = achieved model FLOP/s (analytic, ``mhf_dist.model.flops``) / peak.
 The peak is ``train.peak_tflops`` per device × devices when given, else
 measured in the run's dtype with a timed large matmul: per GPU × world size,
 or on CPU the per-rank measurement × the ranks that can run at once
@@ -45,7 +45,7 @@ def total_peak_flops(per_device_tflops: float | None, device: torch.device, dtyp
 
 
 def restart_peak_memory(device: torch.device) -> None:
-    """Start this rank's peak memory (:func:`memory_gb`) afresh from what it holds now, so that it is the steps'
+    """Start this rank's peak memory (``memory_gb``) afresh from what it holds now, so that it is the steps'
     own: CUDA's peak allocated, or on CPU the process's peak resident memory (``VmHWM``; where the kernel refuses
     the restart, the peak keeps what came before)."""
     if device.type == "cuda":
@@ -55,7 +55,7 @@ def restart_peak_memory(device: torch.device) -> None:
 
 
 def memory_gb(device: torch.device) -> float:
-    """This rank's peak memory since it started or since :func:`restart_peak_memory`: CUDA max allocated, or on CPU
+    """This rank's peak memory since it started or since ``restart_peak_memory``: CUDA max allocated, or on CPU
     the peak resident memory (the process's max RSS where ``/proc`` has no ``VmHWM``)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -80,7 +80,7 @@ def host_rss_bytes() -> int:
 
 
 def host_peak_bytes() -> int:
-    """This process's peak resident memory since it started or since :func:`reset_host_peak`."""
+    """This process's peak resident memory since it started or since ``reset_host_peak``."""
     return _status_bytes("VmHWM")
 
 

@@ -37,7 +37,7 @@ def check_source(path: str | Path, accepted: str = MODEL_SOURCES) -> Path:
 
 
 def resolve_weights(path: str | Path) -> Path:
-    """Where the weights of ``path`` (:func:`check_source`) are: a checkpoint directory (``path`` itself, or a run
+    """Where the weights of ``path`` (``check_source``) are: a checkpoint directory (``path`` itself, or a run
     directory's newest complete checkpoint), or, for a run without a checkpoint yet, the file of its initial weights
     (``train.init_from``: a fresh ``import-hf`` or ``expand-vocab`` run, whose initial weights are the model)."""
     path = check_source(path)
@@ -64,7 +64,7 @@ class TrainedWeights:
 
 def trained_weights(checkpoint: str | Path) -> TrainedWeights:
     """The full weights of a checkpoint (or a run directory's newest), merged over every shard; a run without a
-    checkpoint yet gives its initial weights, at step 0 (:func:`resolve_weights`)."""
+    checkpoint yet gives its initial weights, at step 0 (``resolve_weights``)."""
     ckpt = resolve_weights(checkpoint)
     if ckpt.is_file():
         return initial_weights(RunDir(checkpoint), ckpt)

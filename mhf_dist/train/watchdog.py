@@ -1,18 +1,18 @@
-"""The hang watchdog: a thread on every rank that writes the rank's heartbeat (:mod:`mhf_dist.storage.heartbeats`) and
+"""The hang watchdog: a thread on every rank that writes the rank's heartbeat (``mhf_dist.storage.heartbeats``) and
 ends a job that makes no progress, never one whose work is only long.
 
-The training thread marks its phases (:meth:`Watchdog.mark`: a step, an evaluation, a save begins) and their progress
-(:meth:`Watchdog.advance`: an evaluation's micro-batch); a save's progress is its directory's content changing, looked
+The training thread marks its phases (``Watchdog.mark``: a step, an evaluation, a save begins) and their progress
+(``Watchdog.advance``: an evaluation's micro-batch); a save's progress is its directory's content changing, looked
 at only when its budget runs out. Each phase has a budget: ``train.hang_timeout_s``, the longer
 ``train.first_step_timeout_s`` for a start's first step and evaluation and for a rollback's load, and twice the expired
 one for the phase the previous start was ended in (``hang.json``). A phase that outlasts its budget without progress,
 or a hang another rank declared (a new folder in ``RUN/hangs/``: the ranks meet on the shared filesystem, not the
 network), ends the job: every live rank writes its threads' Python stacks there, the lowest names the ranks that
-stopped answering or fell behind (``summary.txt``), and each exits with :data:`~mhf_dist.errors.HUNG_EXIT_CODE`
-(requeued), or with :data:`~mhf_dist.errors.ERROR_EXIT_CODE` where the previous start ended too, naming the setting
+stopped answering or fell behind (``summary.txt``), and each exits with ``HUNG_EXIT_CODE``
+(requeued), or with ``ERROR_EXIT_CODE`` where the previous start ended too, naming the setting
 that would let healthy work finish. Ranks whose heartbeat is ``train.peer_timeout_s`` old are lost: the first rank to
-see it names them in ``RUN/heartbeats/lost.json``; every rank exits with :data:`~mhf_dist.errors.NODE_LOST_EXIT_CODE`.
-:class:`HangWatch` is the watchdog as a run's callback: the loop's hooks mark its phases.
+see it names them in ``RUN/heartbeats/lost.json``; every rank exits with ``NODE_LOST_EXIT_CODE``.
+``HangWatch`` is the watchdog as a run's callback: the loop's hooks mark its phases.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 to the others by a bridge this helper creates, with its own address, host name and ``slurmd``; one ``slurmctld`` and
 ``munged`` serve them all from the root namespace. The nodes share the filesystem, as a cluster shares ``/shared``.
 
-Addresses are the test's own (:data:`SUBNET`), reached only through the bridge; nothing is routed beyond it. A
+Addresses are the test's own (``SUBNET``), reached only through the bridge; nothing is routed beyond it. A
 node's ``slurmd`` (and so the tasks it runs) enters the node's network namespace and a mount and host-name namespace
 of its own, where the node's name is its host name and ``/etc/netns/<namespace>/hosts`` is mounted over
 ``/etc/hosts`` to resolve the node names (as ``ip netns exec`` would, without remounting ``/sys``, whose cgroups
-SLURM reads). :meth:`stop` removes
+SLURM reads). ``stop`` removes
 everything (daemons, namespaces, the bridge, the hosts files), also what an earlier test run left.
 """
 

@@ -25,7 +25,7 @@ MIXTURE_WEIGHTS = {"psalms": 0.5, "law": 0.3, "gospels": 0.2}  # the sources fix
 
 
 def _forkserver():
-    """A process that has imported what the commands import and computed nothing: each :class:`CliProcess` is forked
+    """A process that has imported what the commands import and computed nothing: each ``CliProcess`` is forked
     from it (started with the first; a fork of this test process would carry its state into the command: logging
     handlers, warning filters, a used OpenMP thread pool, which does not survive a fork)."""
     global _CONTEXT
@@ -43,7 +43,7 @@ STARTED: list[CliProcess] = []  # every CliProcess of the running test (tests/co
 
 def _command(args: list[str], env: dict[str, str], cwd: str, output: str, new_session: bool,
              file_size_limit: int | None) -> None:
-    """In the forked child: ``mhf-dist ARGS`` to its end (see :class:`CliProcess`)."""
+    """In the forked child: ``mhf-dist ARGS`` to its end (see ``CliProcess``)."""
     from mhf_dist.cli import main
     from mhf_dist.cluster.launch import run_forked
 
@@ -69,10 +69,10 @@ def _command(args: list[str], env: dict[str, str], cwd: str, output: str, new_se
 
 
 class CliProcess:
-    """``mhf-dist ARGS`` in a child process, not waited for: what the tests use of a :class:`subprocess.Popen`.
+    """``mhf-dist ARGS`` in a child process, not waited for: what the tests use of a ``subprocess.Popen``.
 
     The child is forked from a process that has imported torch, DeepSpeed and the package already (``_forkserver``)
-    and runs the command as a fresh interpreter would (:func:`mhf_dist.cluster.launch.run_forked`, as the launcher's
+    and runs the command as a fresh interpreter would (``mhf_dist.cluster.launch.run_forked``, as the launcher's
     CPU ranks do; a fresh ``python -m mhf_dist`` spends seconds of CPU importing them again): in this process's
     working directory, stdout and stderr appended to ``output`` (unbuffered under PYTHONUNBUFFERED), stdin from
     /dev/null, a session of its own when ``new_session`` (a terminal's job: ``os.killpg(proc.pid, ...)`` reaches it),
@@ -135,7 +135,7 @@ class CliProcess:
 
 
 def run_cli(args: list[str], expect_rc: int = 0, timeout: int = 600) -> str:
-    """``mhf-dist ARGS`` in a :class:`CliProcess`, to its end; asserts the exit code and returns stdout + stderr."""
+    """``mhf-dist ARGS`` in a ``CliProcess``, to its end; asserts the exit code and returns stdout + stderr."""
     with tempfile.TemporaryDirectory() as tmp:
         output = Path(tmp) / "output"
         rc = CliProcess(args, output, os.environ | {"PYTHONUNBUFFERED": "1"}).wait(timeout)
@@ -164,7 +164,7 @@ def train_run(tmp_path: Path, data: dict, name: str, nproc: int, *overrides: str
     """Train to the end (or stop_at_step) in ``tmp_path/name``; returns its metrics records.
 
     A fresh run (``tmp_path/name`` does not exist yet) that this test run has already trained with the same arguments
-    and fault-injection settings is copied from :data:`RUN_CACHE` instead of trained again: the runs are
+    and fault-injection settings is copied from ``RUN_CACHE`` instead of trained again: the runs are
     deterministic, so the copy is the files the training would write. A run into an existing directory (a resume)
     always trains."""
     run = tmp_path / name

@@ -158,7 +158,7 @@ def job_log(run: Path) -> str:
 
 def wait_for(predicate, timeout: float, what: str, explain=None):
     """``predicate()``'s first true value within ``timeout`` seconds; else a failure naming ``what``, followed by
-    what ``explain()`` tells (e.g. :meth:`LocalSlurm.story`)."""
+    what ``explain()`` tells (e.g. ``LocalSlurm.story``)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if value := predicate():

@@ -42,7 +42,7 @@ class Toy:
     def template(self) -> str:
         return TEMPLATE
 
-    def job_values(self, cfg, profile, nodes, run_dir, *, grace, depends_on, hostfile, min_nodes) -> dict[str, object]:
+    def job_values(self, cfg, profile, *, nodes, run_dir, grace, depends_on, hostfile, min_nodes) -> dict[str, object]:
         if min_nodes is not None:
             raise ConfigError("the toy scheduler runs jobs of a fixed size only")
         return {"queue": shlex.quote(profile.options_of(self).queue)}

@@ -4,7 +4,8 @@ DeepSpeed clips with it and reports it, so both are those of the run that keeps 
 The norm is computed inside DeepSpeed's step by private methods, which are replaced on the optimizer instance:
 ZeRO-3's ``_get_norm_groups`` (the per-group norms it combines) gets one more group, ZeRO-1/2's
 ``scaled_global_norm`` combines its norm with the extra one (``combine_grad_norm_groups``, as DeepSpeed combines its
-groups: an invalid group norm stays invalid). Both work on loss-scaled norms.
+groups: an invalid group norm stays invalid). Both work on loss-scaled norms (``cur_scale``: fp16's loss scale, 1
+otherwise).
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ def include_in_global_norm(opt, extra_norm: Callable[[torch.Tensor], torch.Tenso
 
         def norm_groups():
             groups = original_groups()
-            return [*groups, extra_norm(groups[0]) * opt.loss_scale]
+            return [*groups, extra_norm(groups[0]) * opt.cur_scale]
         opt._get_norm_groups = norm_groups
     elif isinstance(opt, DeepSpeedZeroOptimizer):
         original_norm = opt.scaled_global_norm
 
         def scaled_global_norm(norm_type=2):
             norm = original_norm(norm_type)
-            host = extra_norm(norm) * opt.loss_scale
+            host = extra_norm(norm) * opt.cur_scale
             return combine_grad_norm_groups([norm, host])
         opt.scaled_global_norm = scaled_global_norm
     else:

@@ -45,7 +45,7 @@ class Scheduler(Protocol):
         """The training job script, a ``string.Template`` of the values ``mhf_dist.cluster.submit`` and
         ``job_values`` give."""
 
-    def job_values(self, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, *, grace: int | None,
+    def job_values(self, cfg: RunConfig, profile: ClusterProfile, *, nodes: int, run_dir: Path, grace: int | None,
                    depends_on: str | None, hostfile: str | None, min_nodes: int | None) -> dict[str, object]:
         """The template values of this scheduler's own part of a training job (its options, its signal's grace; an
         elastic job of ``min_nodes`` to ``nodes`` nodes when ``min_nodes`` is set); raises ConfigError for values it

@@ -44,7 +44,7 @@ class Hostfile:
         return bool(profile.launcher) or any(scheduler(name).in_container(profile)
                                              for name in profile.scheduler_options if name != self.name)
 
-    def job_values(self, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, *, grace: int | None,
+    def job_values(self, cfg: RunConfig, profile: ClusterProfile, *, nodes: int, run_dir: Path, grace: int | None,
                    depends_on: str | None, hostfile: str | None, min_nodes: int | None) -> dict[str, object]:
         if min_nodes is not None:
             raise ConfigError("an elastic job (--nodes MIN-MAX, min_nodes) needs SLURM: DeepSpeed's hostfile launcher "

@@ -164,7 +164,7 @@ class Slurm:
     def in_container(self, profile: ClusterProfile) -> bool:
         return bool(profile.launcher or self.own(profile).srun_args)
 
-    def job_values(self, cfg: RunConfig, profile: ClusterProfile, nodes: int, run_dir: Path, *, grace: int | None,
+    def job_values(self, cfg: RunConfig, profile: ClusterProfile, *, nodes: int, run_dir: Path, grace: int | None,
                    depends_on: str | None, hostfile: str | None, min_nodes: int | None) -> dict[str, object]:
         if grace is not None and grace < 1:
             raise ConfigError(f"--grace={grace}: the seconds between SLURM's warning signal and the time limit must "
@@ -241,7 +241,7 @@ class Slurm:
         return profile.with_options(self, own.model_copy(update={"sbatch_args": [*own.sbatch_args, *args.sbatch_args]}))
 
     # ------------------------------------------------------------------ submit-data
-    def render_data(self, profile: ClusterProfile, shell: dict[str, str], parts: int, out: Path, log_dir: Path,
+    def render_data(self, profile: ClusterProfile, shell: dict[str, str], *, parts: int, out: Path, log_dir: Path,
                     inputs: list[str], tokenizer: str, options: list[str], cpus: int,
                     merge_args: str) -> tuple[str, str]:
         """The array job preparing part ``$SLURM_ARRAY_TASK_ID`` of ``parts`` of ``inputs`` into ``out`` and the job

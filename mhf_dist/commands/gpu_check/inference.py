@@ -10,8 +10,7 @@ import statistics
 import time
 from pathlib import Path
 
-from mhf_dist.commands.gpu_check.runner import FAIL, MEASURED, PASS, Check, Context, mhf_dist
-from mhf_dist.commands.gpu_check.training import metrics
+from mhf_dist.commands.gpu_check.runner import FAIL, MEASURED, PASS, Check, Context, metrics, mhf_dist
 
 PROMPT = "In the beginning God created"
 

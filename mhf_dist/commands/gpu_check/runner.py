@@ -1,5 +1,6 @@
 """The check's modes, its rows, and how its commands run: one at a time or side by side, each with its log, its
-time limit, its share of the cores, and its seconds in the report as soon as it ends."""
+time limit, its share of the cores, and its seconds in the report as soon as it ends; and a run's logged metrics,
+which the steps' checks read."""
 
 from __future__ import annotations
 
@@ -256,3 +257,10 @@ def run_jobs(ctx: Context, jobs: list[Job]) -> dict[str, BaseException | None]:
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     return {name: future.exception() for name, future in futures.items()}
+
+
+def metrics(run: Path) -> dict[int, dict]:
+    """The run's ``metrics.jsonl`` records by step."""
+    from mhf_dist.train.metrics import read_metrics
+
+    return {r["step"]: r for r in read_metrics(run)}

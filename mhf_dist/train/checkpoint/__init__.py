@@ -1,22 +1,24 @@
 """Checkpoints: atomic, sharded, verified saves and exact resume (preemption, crash and disk-full safe).
 
-- :mod:`~mhf_dist.train.checkpoint.index`: which checkpoints a run directory holds, the ``complete.json`` marker and
+- ``index``: which checkpoints a run directory holds, the ``complete.json`` marker and
   the file checks against it (no torch: ``status`` reads it);
-- :mod:`~mhf_dist.train.checkpoint.rng`: the per-rank RNG state files;
-- :mod:`~mhf_dist.train.checkpoint.writers`: the writers of a save's files, synchronous and in the background;
-- :mod:`~mhf_dist.train.checkpoint.lineage`: ``latest``, the checkpoints a resume sets aside, retention and the
+- ``rng``: the per-rank RNG state files;
+- ``writers``: the writers of a save's files, synchronous and in the background;
+- ``lineage``: ``latest``, the checkpoints a resume sets aside, retention and the
   background deletes;
-- :mod:`~mhf_dist.train.checkpoint.checkpointer`: :class:`Checkpointer`, which saves, commits, verifies and loads.
+- ``reading``: which checkpoint a resume continues from, the verification, the
+  conversion for another layout and the load (a base of ``Checkpointer``);
+- ``checkpointer``: ``Checkpointer``, which saves, commits, verifies and loads.
 
 How a save is made atomic and verified, and why: docs/design-training.md, "Checkpoints". The names below are
-importable from here; they load on first use, so that importing :mod:`~mhf_dist.train.checkpoint.index` loads no torch.
+importable from here; they load on first use, so that importing ``index`` loads no torch.
 """
 
 import importlib
 
 PUBLIC = {  # name: the module that defines it
     "Checkpointer": "checkpointer",
-    "_as_written_now": "checkpointer",
+    "_as_written_now": "reading",
     "CheckpointError": "index",
     "MARKER": "index",
     "LATEST": "index",

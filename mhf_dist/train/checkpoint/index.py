@@ -6,8 +6,8 @@ A checkpoint is ``RUN/checkpoints/step-XXXXXXXX/``; it counts only once its
 digest), the step, tokens seen, model, run config, layout and package versions. ``latest`` names the head of
 the run's line of checkpoints; ``abandoned/`` holds lines set aside by a resume
 from an older checkpoint, ``corrupt/`` the checkpoints whose files no longer
-match their marker, set aside by ``--resume auto``. Writing them, and checking
-them with every rank, is :mod:`mhf_dist.train.checkpoint.checkpointer`.
+match their marker, set aside by ``--resume auto``. Writing them is
+``mhf_dist.train.checkpoint.checkpointer``, checking them with every rank ``mhf_dist.train.checkpoint.reading``.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def intact_note(intact: Path | None, directory: Path) -> str:
 def verify_files(path: Path) -> dict:
     """The marker of a complete checkpoint whose every file has the size and digest it was saved with (one process
     checks them all: for tools that read a checkpoint outside training). A damaged one raises
-    :class:`CorruptCheckpoint` naming the newest checkpoint beside it that verifies."""
+    ``CorruptCheckpoint`` naming the newest checkpoint beside it that verifies."""
     marker = read_marker(path)
     warn_if_without_digests(path, marker)
     problem = describe_problems(path, marker, file_problems(path, marker, sorted(marker["files"])))

@@ -1,7 +1,7 @@
 """The run's line of checkpoints: ``latest``, the checkpoints a resume sets aside (``abandoned/``, ``corrupt/``),
 retention (``train.keep_checkpoints``, after a save and, when the disk is short, before one) and the background
-deletes (:class:`BackgroundDeleter`). :class:`Lineage` is the base of
-:class:`~mhf_dist.train.checkpoint.checkpointer.Checkpointer`; docs/design-training.md, "Checkpoints", says why a
+deletes (``BackgroundDeleter``). ``Lineage`` is a base of
+``Checkpointer``; docs/design-training.md, "Checkpoints", says why a
 resume sets checkpoints aside and when retention runs."""
 
 from __future__ import annotations
@@ -82,8 +82,9 @@ class BackgroundDeleter:
 
 
 class Lineage:
-    """Which checkpoints make up the run's line, and which are retired; the base of
-    :class:`~mhf_dist.train.checkpoint.checkpointer.Checkpointer`, which sets the attributes below."""
+    """Which checkpoints make up the run's line, and which are retired; a base of
+    ``Checkpointer`` (through
+    ``Reading``), which sets the attributes below."""
 
     dir: Path  # RUN/checkpoints
     cfg: RunConfig
@@ -106,7 +107,7 @@ class Lineage:
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, None when there is none (``--resume auto`` continues from it when its files
-        verify: :meth:`Checkpointer.resumable <mhf_dist.train.checkpoint.checkpointer.Checkpointer.resumable>`). It is
+        verify: ``Checkpointer.resumable <mhf_dist.train.checkpoint.checkpointer.Checkpointer.resumable>``). It is
         the one ``latest`` names, since a resume from an older one sets the newer ones aside; they differ only when a
         crash fell between a checkpoint's ``complete.json`` and ``latest`` (warned about)."""
         found = self._complete_line()
@@ -207,7 +208,7 @@ class Lineage:
         self.deleter.finish()
 
     def _keep_that_fits(self, found: list[Path], free: int) -> int | None:
-        """The highest ``train.keep_checkpoints`` whose deletes before a save (:meth:`_retire_to_fit`) make room for
+        """The highest ``train.keep_checkpoints`` whose deletes before a save (``_retire_to_fit``) make room for
         a checkpoint the size of the newest of ``found``, or None when even 1 would not."""
         need, freed = checkpoint_bytes(found[-1]), free
         for deleted, old in enumerate(found[:-1], start=1):

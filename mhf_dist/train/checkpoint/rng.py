@@ -34,7 +34,7 @@ def rng_state_bytes(cuda: bool) -> bytes:
 
 
 def read_rng_state(path: Path) -> dict:
-    """The states of a file holding :func:`rng_state_bytes`, in the form :func:`set_rng_state` takes."""
+    """The states of a file holding ``rng_state_bytes``, in the form ``set_rng_state`` takes."""
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}

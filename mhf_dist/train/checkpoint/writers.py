@@ -1,7 +1,7 @@
-"""The writers of a checkpoint's files: :class:`RecordingWriter` (a synchronous save: each file written, fsynced and
-digested, a failure recorded instead of raised), :class:`BackgroundWriter` (an asynchronous save: the files copied into
-host memory, :class:`HostSnapshot`, then written by a thread). The checkpointer hands them to the backend
-(:class:`~mhf_dist.backend.FileWriter`); docs/design-training.md, "Checkpoints", says how a save uses them."""
+"""The writers of a checkpoint's files: ``RecordingWriter`` (a synchronous save: each file written, fsynced and
+digested, a failure recorded instead of raised), ``BackgroundWriter`` (an asynchronous save: the files copied into
+host memory, ``HostSnapshot``, then written by a thread). The checkpointer hands them to the backend
+(``FileWriter``); docs/design-training.md, "Checkpoints", says how a save uses them."""
 
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ _COMPLETE, _CUT_SHORT = "complete", "cut short"  # how the queue of a background
 
 
 class RecordingWriter:
-    """This rank's files of one save (the backend's :class:`~mhf_dist.backend.FileWriter`). Each file is written
+    """This rank's files of one save (the backend's ``FileWriter``). Each file is written
     (the backend's state dicts by its own ``save_file``), then fsynced and digested; a failed write (DeepSpeed's
     ``torch.save`` reports a full disk as an OSError or a RuntimeError) is recorded instead of raised, so this rank
     still joins the backend's collectives and the ranks can agree on the outcome afterwards. Once one write failed,
-    this rank's later writes are skipped. :attr:`bytes` counts what this rank's part takes, written or not."""
+    this rank's later writes are skipped. ``bytes`` counts what this rank's part takes, written or not."""
 
     def __init__(self, rank: int):
         self.digests: dict[Path, str] = {}
@@ -82,7 +82,7 @@ class RecordingWriter:
 
 
 def _fail_if_injected(rank: int, path: Path) -> None:
-    """A write that fails as on a full disk where a test says so (:func:`write_fails`)."""
+    """A write that fails as on a full disk where a test says so (``write_fails``)."""
     if write_fails(rank, path):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
@@ -99,7 +99,7 @@ class HostSnapshot:
 
     def __init__(self, obj, copy: bool = True):
         self.storages: dict[int, torch.UntypedStorage] = {}
-        self.copy = copy  # False: the storages are only counted (:attr:`bytes`), not copied
+        self.copy = copy  # False: the storages are only counted (``bytes``), not copied
         buffer = io.BytesIO()
         pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
         pickler.persistent_id = self._copy
@@ -128,10 +128,10 @@ class HostSnapshot:
 
 class BackgroundWriter(RecordingWriter):
     """The writer of an asynchronous save (``train.checkpoint_async``). On the training thread each file is only
-    copied into host memory — the backend's state dicts as a :class:`HostSnapshot`, the other files as their bytes —
+    copied into host memory — the backend's state dicts as a ``HostSnapshot``, the other files as their bytes —
     and queued; a background thread writes them, fsyncs and digests them in order, as
-    :class:`RecordingWriter` does, then calls ``finish`` with this writer. :meth:`close` queues the end of the save,
-    :meth:`stop` an end cut short (``finish`` then sees an error)."""
+    ``RecordingWriter`` does, then calls ``finish`` with this writer. ``close`` queues the end of the save,
+    ``stop`` an end cut short (``finish`` then sees an error)."""
 
     def __init__(self, rank: int, finish):
         super().__init__(rank)
