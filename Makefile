@@ -42,6 +42,7 @@ slurm:
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # The tests on two workers and, beside them, the SLURM tests in a session of their own (one SLURM cluster at a time;
 # they mostly wait), whose output follows.

@@ -41,7 +41,9 @@ def create_whole(path: Path, text: str) -> bool:
     tmp = _temporary(path)
     try:
         tmp.write_text(text)
-        os.link(tmp, path)  # fails where the file exists: the first writer wins, a reader never sees half
+        os.link(
+            tmp, path
+        )  # fails where the file exists: the first writer wins, a reader never sees half
         return True
     except FileExistsError:
         return False

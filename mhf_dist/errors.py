@@ -6,11 +6,21 @@ the command line prints it without a traceback and exits with
 """
 
 ERROR_EXIT_CODE = 2  # bad input: the message names the problem and the fix
-PREEMPTED_EXIT_CODE = 85  # "saved and stopped on a signal; requeue me" (cluster scripts test for it)
-RANK_LOST_EXIT_CODE = 86  # a rank died (killed, crashed): the others stopped without saving; rerun to resume
-HUNG_EXIT_CODE = 87  # no progress for train.hang_timeout_s: stacks written, nothing saved; requeue to resume
-NODE_LOST_EXIT_CODE = 88  # ranks stopped answering (their heartbeats) for train.peer_timeout_s: a lost node
-ABORTED_EXIT_CODE = 130  # a second Ctrl-C: stopped at once without saving (128 + SIGINT, as shells report it)
+PREEMPTED_EXIT_CODE = (
+    85  # "saved and stopped on a signal; requeue me" (cluster scripts test for it)
+)
+RANK_LOST_EXIT_CODE = (
+    86  # a rank died (killed, crashed): the others stopped without saving; rerun to resume
+)
+HUNG_EXIT_CODE = (
+    87  # no progress for train.hang_timeout_s: stacks written, nothing saved; requeue to resume
+)
+NODE_LOST_EXIT_CODE = (
+    88  # ranks stopped answering (their heartbeats) for train.peer_timeout_s: a lost node
+)
+ABORTED_EXIT_CODE = (
+    130  # a second Ctrl-C: stopped at once without saving (128 + SIGINT, as shells report it)
+)
 
 
 class MhfError(Exception):

@@ -54,9 +54,28 @@ def tiny_cfg():
 def data(tmp_path_factory, bpe_dir):
     """Tokenizer and shards (seq_len 64, 5 % validation) of the embedded corpus, for training runs."""
     out = tmp_path_factory.mktemp("shards") / "shards"
-    assert main(["prepare-data", "mhf_dist/data/corpus/kjv.txt.gz", "--tokenizer", str(bpe_dir), "--out", str(out),
-                 "--seq-len", "64", "--samples-per-shard", "32", "--val-fraction", "0.05", "--workers", "1",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "prepare-data",
+                "mhf_dist/data/corpus/kjv.txt.gz",
+                "--tokenizer",
+                str(bpe_dir),
+                "--out",
+                str(out),
+                "--seq-len",
+                "64",
+                "--samples-per-shard",
+                "32",
+                "--val-fraction",
+                "0.05",
+                "--workers",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return {"tokenizer": bpe_dir, "shards": out}
 
 
@@ -80,9 +99,18 @@ def sources(tmp_path_factory, data):
 
     root, docs = tmp_path_factory.mktemp("mixture"), list(embedded_corpus())
     found = []
-    for (name, weight), part in zip(runs.MIXTURE_WEIGHTS.items(), (docs[:40], docs[40:80], docs[80:140])):
+    for (name, weight), part in zip(
+        runs.MIXTURE_WEIGHTS.items(), (docs[:40], docs[40:80], docs[80:140])
+    ):
         (root / f"{name}.txt").write_text("\n\n".join(part) + "\n")
-        prepare([root / f"{name}.txt"], data["tokenizer"], root / name, seq_len=64, samples_per_shard=32,
-                val_fraction=0.2, progress=False)
+        prepare(
+            [root / f"{name}.txt"],
+            data["tokenizer"],
+            root / name,
+            seq_len=64,
+            samples_per_shard=32,
+            val_fraction=0.2,
+            progress=False,
+        )
         found.append(DataSource(path=str(root / name), weight=weight))
     return found

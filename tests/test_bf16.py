@@ -49,16 +49,31 @@ def test_every_bf16_layout_sums_gradients_in_fp32(name):
     from deepspeed.runtime.config import DeepSpeedConfig, DtypeEnum
 
     device, world, overrides = BF16_LAYOUTS[name]
-    cfg = load_config("tiny-h4b16k", overrides=["train.dtype=bf16", "train.global_batch_size=16",
-                                                "train.micro_batch_size=1", *overrides])
+    cfg = load_config(
+        "tiny-h4b16k",
+        overrides=[
+            "train.dtype=bf16",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=1",
+            *overrides,
+        ],
+    )
     ds = engine_config(cfg, resolve_layout(cfg, world), device)
     assert ds["bf16"] == {"enabled": True, "immediate_grad_update": True}
     assert grad_accum_dtype(ds) == "fp32" and ds["communication_data_type"] == "fp32"
     # (parsed as one rank's: DeepSpeed checks the batch sizes against the world size)
-    parsed = DeepSpeedConfig({k: v for k, v in ds.items()
-                              if k not in ("train_batch_size", "gradient_accumulation_steps")})
+    parsed = DeepSpeedConfig(
+        {
+            k: v
+            for k, v in ds.items()
+            if k not in ("train_batch_size", "gradient_accumulation_steps")
+        }
+    )
     assert DtypeEnum(parsed.grad_accum_dtype).value == torch.float32
-    assert parsed.communication_data_type == torch.float32 and parsed.bfloat16_config.immediate_grad_update
+    assert (
+        parsed.communication_data_type == torch.float32
+        and parsed.bfloat16_config.immediate_grad_update
+    )
 
 
 def test_bf16_gradient_settings_give_way_to_the_file_and_overrides(tmp_path):
@@ -67,17 +82,34 @@ def test_bf16_gradient_settings_give_way_to_the_file_and_overrides(tmp_path):
         return engine_config(cfg, resolve_layout(cfg, 1), "cuda")
 
     mine = tmp_path / "mine.json"
-    mine.write_text(json.dumps({"zero_optimization": {"stage": 3}, "data_types": {"grad_accum_dtype": "bf16"}}))
-    assert grad_accum_dtype(resolved("train.dtype=bf16", f"parallel.deepspeed_config={mine}")) == "bf16"
-    assert grad_accum_dtype(resolved("train.dtype=bf16", "parallel.deepspeed.data_types.grad_accum_dtype=bf16")) == \
-        "bf16"
+    mine.write_text(
+        json.dumps({"zero_optimization": {"stage": 3}, "data_types": {"grad_accum_dtype": "bf16"}})
+    )
+    assert (
+        grad_accum_dtype(resolved("train.dtype=bf16", f"parallel.deepspeed_config={mine}"))
+        == "bf16"
+    )
+    assert (
+        grad_accum_dtype(
+            resolved("train.dtype=bf16", "parallel.deepspeed.data_types.grad_accum_dtype=bf16")
+        )
+        == "bf16"
+    )
     fp32 = resolved()  # an fp32 run on the bf16 file: bf16 off, every sum in fp32
     assert not fp32["bf16"]["enabled"] and grad_accum_dtype(fp32) == "fp32"
     # without ZeRO, DeepSpeed 0.19.8 takes bf16 weights with bf16 accumulation only
     with pytest.raises(ConfigError, match="bf16 with ZeRO stage 0.*parallel.zero_stage 1, 2 or 3"):
         resolved("train.dtype=bf16", "parallel.zero_stage=0")
-    assert grad_accum_dtype(resolved("train.dtype=bf16", "parallel.zero_stage=0",
-                                     "parallel.deepspeed.data_types.grad_accum_dtype=bf16")) == "bf16"
+    assert (
+        grad_accum_dtype(
+            resolved(
+                "train.dtype=bf16",
+                "parallel.zero_stage=0",
+                "parallel.deepspeed.data_types.grad_accum_dtype=bf16",
+            )
+        )
+        == "bf16"
+    )
 
 
 # ---------------------------------------------------------------- the fused head's table gradient, summed in fp32
@@ -92,7 +124,9 @@ def head_inputs():
     m = torch.randn(DIM, generator=gen)
     c = (m + 0.1 * torch.randn(TOKENS, DIM, generator=gen)).to(BF16)
     table = (0.3 * torch.randn(ROWS, DIM, generator=gen)).to(BF16)
-    g_e = torch.randn(DIM, generator=gen).to(BF16).double().expand(TOKENS, DIM) / TOKENS  # exact in bf16
+    g_e = (
+        torch.randn(DIM, generator=gen).to(BF16).double().expand(TOKENS, DIM) / TOKENS
+    )  # exact in bf16
     return c, table, torch.zeros(TOKENS, dtype=torch.long), g_e
 
 
@@ -103,8 +137,15 @@ def fused_table_gradient(retrieve: bool) -> torch.Tensor:
     tables = BucketTables(1, ROWS, DIM).to(BF16)
     with torch.no_grad():
         tables.weight[0] = table
-    log_z, target, e_bar, _ = tables.fused_head(c, tables.per_table(), 0, targets=targets, retrieve=retrieve, chunk=1,
-                                                kernels=KernelPolicy())
+    log_z, target, e_bar, _ = tables.fused_head(
+        c,
+        tables.per_table(),
+        0,
+        targets=targets,
+        retrieve=retrieve,
+        chunk=1,
+        kernels=KernelPolicy(),
+    )
     loss = (log_z.double() - target.double()).mean()
     if retrieve:
         loss = loss + (e_bar.double() * g_e).sum()
@@ -125,8 +166,12 @@ def exact_table_gradient(retrieve: bool) -> tuple[torch.Tensor, torch.Tensor, fl
     (grad,) = torch.autograd.grad(loss, weight)
     with torch.no_grad():
         p, e = o.softmax(-1), weight.abs()
-        coeff = p / TOKENS + torch.nn.functional.one_hot(targets, ROWS) / TOKENS  # |g_Z| p + |g_t| [b = target]
-        if retrieve:  # p (|E_b|·|g_ē| + Σ_b' p_b' |E_b'|·|g_ē|): the retrieval's part of ∂L/∂o, term by term
+        coeff = (
+            p / TOKENS + torch.nn.functional.one_hot(targets, ROWS) / TOKENS
+        )  # |g_Z| p + |g_t| [b = target]
+        if (
+            retrieve
+        ):  # p (|E_b|·|g_ē| + Σ_b' p_b' |E_b'|·|g_ē|): the retrieval's part of ∂L/∂o, term by term
             coeff = coeff + p * (g_e.abs() @ e.t() + (p @ e * g_e.abs()).sum(-1, keepdim=True))
         size = coeff.t() @ c.double().abs() + (p.t() @ g_e.abs() if retrieve else 0)
     return grad, size, o.abs().max().item()
@@ -157,7 +202,9 @@ def test_fused_table_gradient_rounds_once_not_once_per_chunk(retrieve):
     kappa = 4 * largest_logit + 5
     err = (got - exact).abs()
     excess = ((err - U * exact.abs()) / (U * size)).max().item()
-    assert excess <= kappa, f"table gradient off by up to {excess:.1f} U·S (+ U·|G|), bound κ = {kappa:.1f}"
+    assert excess <= kappa, (
+        f"table gradient off by up to {excess:.1f} U·S (+ U·|G|), bound κ = {kappa:.1f}"
+    )
 
 
 # ---------------------------------------------------------------- tensor parallel in bf16
@@ -198,10 +245,14 @@ def bf16_tp_worker(rank, world):
 
 def assert_within_budget(got: torch.Tensor, ref: torch.Tensor, what: str):
     err, scale = (got.double() - ref.double()).abs().max().item(), ref.double().abs().max().item()
-    assert err <= STEP_BUDGET * scale, f"{what}: max error {err:.3e} = {err / scale / U:.1f} U x scale {scale:.3e}"
+    assert err <= STEP_BUDGET * scale, (
+        f"{what}: max error {err:.3e} = {err / scale / U:.1f} U x scale {scale:.3e}"
+    )
 
 
-def assert_normalised_in_fp32(logits: torch.Tensor, log_p: torch.Tensor, p: torch.Tensor, what: str):
+def assert_normalised_in_fp32(
+    logits: torch.Tensor, log_p: torch.Tensor, p: torch.Tensor, what: str
+):
     """``log p`` and ``p`` of bf16 ``logits`` are the exact values rounded once to bf16: within ``U`` of their size
     (plus the fp32 statistics' own error, under 2^-16 here). A normaliser rounded to bf16 itself adds up to half its
     spacing to every value, ``U·|log Z|``, and the difference is rounded again."""
@@ -210,8 +261,10 @@ def assert_normalised_in_fp32(logits: torch.Tensor, log_p: torch.Tensor, p: torc
     lp_err = ((log_p.double() - exact).abs() - U * exact.abs()).max().item()
     p_err = ((p.double() - exact.exp()).abs() - U * exact.exp()).max().item()
     assert log_p.dtype == p.dtype == BF16
-    assert lp_err <= slack, f"{what}: log-softmax off by {lp_err:.2e} beyond U·|log p| (|log Z| ≈ " \
+    assert lp_err <= slack, (
+        f"{what}: log-softmax off by {lp_err:.2e} beyond U·|log p| (|log Z| ≈ "
         f"{logits.double().logsumexp(-1).abs().max().item():.1f})"
+    )
     assert p_err <= slack, f"{what}: softmax off by {p_err:.2e} beyond U·p"
 
 
@@ -239,10 +292,14 @@ def test_tensor_parallel_bf16_matches_one_process_in_bf16_and_in_fp32():
             assert grads.keys() == ref["grads"].keys()
             for key, g in ref["grads"].items():
                 if key == ZERO_GRADIENT:
-                    assert (grads[key].double() - g.double()).abs().max() <= U * largest, f"{what}: {key}"
+                    assert (grads[key].double() - g.double()).abs().max() <= U * largest, (
+                        f"{what}: {key}"
+                    )
                 else:
                     assert_within_budget(grads[key], g, f"{what}: grad {key}")
-        logits, log_p, p = (torch.cat([r[chunk]["head"][i] for r in ranks], dim=-1) for i in range(3))
+        logits, log_p, p = (
+            torch.cat([r[chunk]["head"][i] for r in ranks], dim=-1) for i in range(3)
+        )
         assert_normalised_in_fp32(logits, log_p, p, f"chunk {chunk}, tp=2")
         assert_normalised_in_fp32(*bf16["head"], f"chunk {chunk}, one process")
 
@@ -272,11 +329,20 @@ def test_pipeline_bf16_matches_one_process_in_bf16_and_in_fp32(tmp_path, data):
     bf16 = train_run(tmp_path, data, "bf16", 1, "train.dtype=bf16", steps=2)
     piped = train_run(tmp_path, data, "bf16-pp2", 2, "train.dtype=bf16", "parallel.pp=2", steps=2)
     fp32 = train_run(tmp_path, data, "fp32", 1, steps=2)
-    assert [r["step"] for r in piped] == [r["step"] for r in bf16] == [r["step"] for r in fp32] == [1, 2]
+    assert (
+        [r["step"] for r in piped]
+        == [r["step"] for r in bf16]
+        == [r["step"] for r in fp32]
+        == [1, 2]
+    )
     (pp, one, full), (pp2, one2, full2) = zip(piped, bf16, fp32)
     assert close(pp["loss"], one["loss"], FP32_SUM), (pp["loss"], one["loss"])
-    assert all(close(a, b, FP32_SUM) for a, b in zip(pp["head_losses"], one["head_losses"], strict=True))
-    assert not all(close(a, b, FP32_SUM) for a, b in zip(one["head_losses"], full["head_losses"])), "not bf16"
+    assert all(
+        close(a, b, FP32_SUM) for a, b in zip(pp["head_losses"], one["head_losses"], strict=True)
+    )
+    assert not all(
+        close(a, b, FP32_SUM) for a, b in zip(one["head_losses"], full["head_losses"])
+    ), "not bf16"
     assert close(pp["grad_norm"], one["grad_norm"], U), (pp["grad_norm"], one["grad_norm"])
     for key in ("loss", "grad_norm", "val_loss"):
         assert close(pp2[key], one2[key], 2 * U), (key, pp2[key], one2[key])

@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from mhf_dist.model.calibration import TAU_MAX, TAU_MIN, coarse_temperatures, evaluate_at, fit_temperature
+from mhf_dist.model.calibration import (
+    TAU_MAX,
+    TAU_MIN,
+    coarse_temperatures,
+    evaluate_at,
+    fit_temperature,
+)
 from mhf_dist.model.scoring import (
     TARGET_CHUNK,
     EvalSums,
@@ -20,7 +26,9 @@ from mhf_dist.model.tables import BucketTables
 from mhf_dist.vocab.signatures import SignatureTable
 
 H, B, V, N = 3, 16, 61, 400
-TRUE_TAU = 0.3  # targets are drawn from P_τ at this τ, so the fit has a minimum inside the range to find
+TRUE_TAU = (
+    0.3  # targets are drawn from P_τ at this τ, so the fit has a minimum inside the range to find
+)
 
 
 def make_case(seed: int = 0):
@@ -30,7 +38,9 @@ def make_case(seed: int = 0):
     registered = (table.codes != 0).any(dim=1)
     heads = [3 * torch.randn(N, B, generator=g) for _ in range(H)]
     columns = signature_columns(table.codes.long(), tables)
-    logp = log_p_inf(heads, columns, registered, tables)  # [N, V], the brute-force reference's input
+    logp = log_p_inf(
+        heads, columns, registered, tables
+    )  # [N, V], the brute-force reference's input
     targets = torch.multinomial((TRUE_TAU * logp).softmax(-1), 1, generator=g).squeeze(1)
     return heads, columns, registered, tables, logp, targets
 
@@ -66,13 +76,27 @@ def brute_minimum(logp: torch.Tensor, targets: torch.Tensor) -> tuple[float, flo
 def test_streamed_sums_equal_brute_force(chunk):
     heads, columns, registered, tables, logp, targets = make_case()
     taus = coarse_temperatures()
-    sums = EvalSums.from_sums(taus, target_calibration_sums(heads, columns, registered, tables=tables, targets=targets,
-                                                            temperatures=taus, chunk_size=chunk))
+    sums = EvalSums.from_sums(
+        taus,
+        target_calibration_sums(
+            heads,
+            columns,
+            registered,
+            tables=tables,
+            targets=targets,
+            temperatures=taus,
+            chunk_size=chunk,
+        ),
+    )
     assert sums.tokens == N
     assert sums.p_inf_nll == pytest.approx(brute_nll(logp, targets, 1.0), rel=1e-6)
     for k, tau in enumerate(taus.tolist()):
-        assert sums.nll[k].item() == pytest.approx(brute_nll(logp, targets, tau), rel=1e-6, abs=1e-6), tau
-        assert sums.slope[k].item() == pytest.approx(brute_slope(logp, targets, tau), rel=1e-5, abs=1e-5), tau
+        assert sums.nll[k].item() == pytest.approx(
+            brute_nll(logp, targets, tau), rel=1e-6, abs=1e-6
+        ), tau
+        assert sums.slope[k].item() == pytest.approx(
+            brute_slope(logp, targets, tau), rel=1e-5, abs=1e-5
+        ), tau
     top5 = logp.topk(5, dim=-1).indices
     assert sums.top1 == (top5[:, 0] == targets).double().mean().item()
     assert sums.top5 == (top5 == targets[:, None]).any(-1).double().mean().item()
@@ -89,8 +113,15 @@ def test_fitted_temperature_is_the_brute_force_minimum():
 
     def evaluate(taus):
         passes.append(taus)
-        return target_calibration_sums(heads, columns, registered, tables=tables, targets=targets, temperatures=taus,
-                                       chunk_size=H * 7)
+        return target_calibration_sums(
+            heads,
+            columns,
+            registered,
+            tables=tables,
+            targets=targets,
+            temperatures=taus,
+            chunk_size=H * 7,
+        )
 
     fit = fit_temperature(evaluate)
     assert len(passes) == 2  # a coarse grid, then a fine one around its estimate
@@ -98,7 +129,9 @@ def test_fitted_temperature_is_the_brute_force_minimum():
     assert 0.1 < tau_star < 0.6  # the targets were drawn at τ = 0.3
     assert fit.temperature == pytest.approx(tau_star, rel=0.01)
     # the reported NLL is an exact evaluation at the reported τ, and within 1e-6 of the true minimum
-    assert fit.p_inf_nll_calibrated == pytest.approx(brute_nll(logp, targets, fit.temperature), rel=1e-6)
+    assert fit.p_inf_nll_calibrated == pytest.approx(
+        brute_nll(logp, targets, fit.temperature), rel=1e-6
+    )
     assert nll_star - 1e-6 <= fit.p_inf_nll_calibrated <= nll_star + 1e-6
     assert fit.p_inf_nll_calibrated < fit.p_inf_nll - 0.1
     assert fit.perplexity_calibrated == pytest.approx(math.exp(fit.p_inf_nll_calibrated))
@@ -110,10 +143,18 @@ def test_fitted_temperature_is_the_brute_force_minimum():
 
 def test_a_minimum_outside_the_range_gives_its_end():
     heads, columns, registered, tables, logp, _ = make_case()
-    uncorrelated = logp.argsort(-1)[:, 1]  # the least likely registered token (column 0: -inf, the pad)
-    for targets, end in ((logp.argmax(-1), TAU_MAX), (uncorrelated, TAU_MIN)):  # sure / always wrong
-        fit = fit_temperature(lambda taus: target_calibration_sums(heads, columns, registered, tables=tables,
-                                                                   targets=targets, temperatures=taus))
+    uncorrelated = logp.argsort(-1)[
+        :, 1
+    ]  # the least likely registered token (column 0: -inf, the pad)
+    for targets, end in (
+        (logp.argmax(-1), TAU_MAX),
+        (uncorrelated, TAU_MIN),
+    ):  # sure / always wrong
+        fit = fit_temperature(
+            lambda taus: target_calibration_sums(
+                heads, columns, registered, tables=tables, targets=targets, temperatures=taus
+            )
+        )
         assert fit.temperature == pytest.approx(end, rel=1e-6)
 
 

@@ -25,7 +25,12 @@ def within(value: float, target: float, rel: float = 0.05) -> bool:
 
 
 def test_every_preset_builds_on_meta():
-    for name in preset_names() + ["tiny-h4b8k", "100m-standard+4l", "tiny-standard+1l", "tiny-h4b8k+engram"]:
+    for name in preset_names() + [
+        "tiny-h4b8k",
+        "100m-standard+4l",
+        "tiny-standard+1l",
+        "tiny-h4b8k+engram",
+    ]:
         assert counts(name)["total"] > 0
 
 
@@ -50,7 +55,11 @@ def test_backbone_parameter_counts_match_spec():
 def test_preset_variants_parse():
     assert preset("3b-h3b10k")["model"]["hash"] == {"num_hashes": 3, "num_buckets": 10624}
     assert preset("tiny-h4b8k")["model"]["hash"] == {"num_hashes": 4, "num_buckets": 8192}
-    assert preset("1b-h1b16k")["model"]["hash"] == {"num_hashes": 4, "num_buckets": 16384, "single_id": True}
+    assert preset("1b-h1b16k")["model"]["hash"] == {
+        "num_hashes": 4,
+        "num_buckets": 16384,
+        "single_id": True,
+    }
     assert preset("100m-standard+4l")["model"]["n_layers"] == 16
     assert load_config("100m-h4b16k").train.global_batch_size == 256
     # real runs save every half hour besides their step interval; tiny runs only by steps
@@ -61,8 +70,15 @@ def test_preset_variants_parse():
 
 
 def test_overrides_reach_every_field(tmp_path):
-    cfg = load_config("tiny-h4b16k", overrides=["model.hash.num_buckets=4096", "parallel.tp=2",
-                                                 "optimizer.betas=[0.9, 0.99]", "data.path=/x/y"])
+    cfg = load_config(
+        "tiny-h4b16k",
+        overrides=[
+            "model.hash.num_buckets=4096",
+            "parallel.tp=2",
+            "optimizer.betas=[0.9, 0.99]",
+            "data.path=/x/y",
+        ],
+    )
     assert cfg.model.hash.num_buckets == 4096 and cfg.parallel.tp == 2
     assert cfg.optimizer.betas == (0.9, 0.99) and cfg.data.path == "/x/y"
     yaml_file = tmp_path / "run.yaml"
@@ -74,16 +90,32 @@ def test_overrides_reach_every_field(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["model.hash.num_buckets=1000", "parallel.tp=3"],
-         r"model.hash.num_buckets=1000 is not divisible by parallel.tp=3"),
-        (["model.d_model=66"], r"model.d_model=66 is not divisible by model.n_heads=4.*model.head_dim"),
+        (
+            ["model.hash.num_buckets=1000", "parallel.tp=3"],
+            r"model.hash.num_buckets=1000 is not divisible by parallel.tp=3",
+        ),
+        (
+            ["model.d_model=66"],
+            r"model.d_model=66 is not divisible by model.n_heads=4.*model.head_dim",
+        ),
         (["model.n_kv_heads=3"], r"n_heads=4 is not divisible by model.n_kv_heads=3"),
-        (["model.n_heads=12", "model.head_dim=16", "model.n_kv_heads=3", "parallel.tp=2"],
-         r"n_kv_heads=3 neither divides nor is a multiple"),
-        (["model.ffn_dim=190", "parallel.tp=4"], r"model.ffn_dim=190 is not divisible by parallel.tp=4"),
-        (["parallel.pp=2", "parallel.zero_stage=3"], r"pipeline engine refuses ZeRO-2/3; use parallel.zero_stage=1"),
+        (
+            ["model.n_heads=12", "model.head_dim=16", "model.n_kv_heads=3", "parallel.tp=2"],
+            r"n_kv_heads=3 neither divides nor is a multiple",
+        ),
+        (
+            ["model.ffn_dim=190", "parallel.tp=4"],
+            r"model.ffn_dim=190 is not divisible by parallel.tp=4",
+        ),
+        (
+            ["parallel.pp=2", "parallel.zero_stage=3"],
+            r"pipeline engine refuses ZeRO-2/3; use parallel.zero_stage=1",
+        ),
         (["parallel.pp=3"], r"parallel.pp=3 is more stages than model.n_layers=2"),
-        (["train.global_batch_size=12", "train.micro_batch_size=8"], r"not a multiple of train.micro_batch_size"),
+        (
+            ["train.global_batch_size=12", "train.micro_batch_size=8"],
+            r"not a multiple of train.micro_batch_size",
+        ),
         (["model.hash.num_bucket=5"], r"model.hash.num_bucket: unknown field"),
         (["optimizer.lr=-1"], r"optimizer.lr: Input should be greater than 0"),
         (["train.max_steps"], r"expected key=value"),
@@ -104,7 +136,9 @@ def test_engram_hash_mode_former_name_reads_as_keyed():
     marker_model = cfg.model.model_dump(mode="json")
     marker_model["engram"]["hash"] = "seed"
     assert _as_written_now(marker_model) == cfg.model.model_dump(mode="json")
-    assert _as_written_now({"n_layers": "many"}) == {"n_layers": "many"}  # no longer valid: compared as stored
+    assert _as_written_now({"n_layers": "many"}) == {
+        "n_layers": "many"
+    }  # no longer valid: compared as stored
 
 
 def _printed(tmp_path, capsys, *args: str):
@@ -129,13 +163,28 @@ def _at_dp(cfg, dp: int):
     return layout, cfg.train.micro_batch_from_preset, cfg.model_dump(mode="json")
 
 
-@pytest.mark.parametrize("name, overrides, dps", [
-    ("tiny-h4b16k", [], (1, 2, 4, 8)),  # the preset's micro-batch 8 is lowered to 4, 2, 1
-    ("tiny-standard+engram", ["train.global_batch_size=16"], (1, 3, 4, 8)),  # dp 3: refused by both
-    ("1b-h4b16k", ["data.path=/shards"], (1, 2, 4, 128)),  # 4 fits up to dp 64; 2 at dp 128
-    ("100m-h1b16k", ["model.hash.num_buckets=4096"], (2, 3, 64)),  # dp 3: 256 is no multiple of 3
-    ("tiny-h4b16k", ["train.micro_batch_size=2"], (1, 2, 4, 8)),  # set by the user: kept, and refused at dp 8
-])
+@pytest.mark.parametrize(
+    "name, overrides, dps",
+    [
+        ("tiny-h4b16k", [], (1, 2, 4, 8)),  # the preset's micro-batch 8 is lowered to 4, 2, 1
+        (
+            "tiny-standard+engram",
+            ["train.global_batch_size=16"],
+            (1, 3, 4, 8),
+        ),  # dp 3: refused by both
+        ("1b-h4b16k", ["data.path=/shards"], (1, 2, 4, 128)),  # 4 fits up to dp 64; 2 at dp 128
+        (
+            "100m-h1b16k",
+            ["model.hash.num_buckets=4096"],
+            (2, 3, 64),
+        ),  # dp 3: 256 is no multiple of 3
+        (
+            "tiny-h4b16k",
+            ["train.micro_batch_size=2"],
+            (1, 2, 4, 8),
+        ),  # set by the user: kept, and refused at dp 8
+    ],
+)
 def test_a_printed_config_trains_as_its_preset_at_every_dp(tmp_path, capsys, name, overrides, dps):
     path, text = _printed(tmp_path, capsys, "--preset", name, *(f"--set={o}" for o in overrides))
     set_by_user = any(o.startswith("train.micro_batch_size=") for o in overrides)
@@ -143,15 +192,23 @@ def test_a_printed_config_trains_as_its_preset_at_every_dp(tmp_path, capsys, nam
     assert f"preset: {name}\n" in text
     for dp in dps:
         direct, printed = load_config(name, overrides=overrides), load_config(path=path)
-        assert printed.train.micro_batch_from_preset == direct.train.micro_batch_from_preset == (not set_by_user)
+        assert (
+            printed.train.micro_batch_from_preset
+            == direct.train.micro_batch_from_preset
+            == (not set_by_user)
+        )
         assert _at_dp(printed, dp) == _at_dp(direct, dp), dp
 
 
 def test_a_printed_config_names_the_preset_it_holds(tmp_path, capsys):
     (tmp_path / "other.yaml").write_text("preset: 1b-h4b16k\ntrain:\n  max_steps: 5\n")
-    path, _ = _printed(tmp_path, capsys, "--preset", "tiny-h4b16k", "--config", str(tmp_path / "other.yaml"))
+    path, _ = _printed(
+        tmp_path, capsys, "--preset", "tiny-h4b16k", "--config", str(tmp_path / "other.yaml")
+    )
     direct = load_config("tiny-h4b16k", tmp_path / "other.yaml")
-    assert direct.preset == "tiny-h4b16k" and direct.model.d_model == 64  # --preset is the one applied
+    assert (
+        direct.preset == "tiny-h4b16k" and direct.model.d_model == 64
+    )  # --preset is the one applied
     assert _at_dp(load_config(path=path), 2) == _at_dp(direct, 2)
 
 
@@ -162,9 +219,17 @@ def test_a_printed_config_trains_on_two_ranks(tmp_path, capsys, data):
 
     from helpers.runs import metrics, run_cli
 
-    settings = [f"tokenizer.path={data['tokenizer']}", f"data.path={data['shards']}", "data.seq_len=64",
-                "model.hash.num_buckets=256", "train.max_steps=2", "train.eval_sequences=8"]
-    path, _ = _printed(tmp_path, capsys, "--preset", "tiny-h4b16k", *(f"--set={s}" for s in settings))
+    settings = [
+        f"tokenizer.path={data['tokenizer']}",
+        f"data.path={data['shards']}",
+        "data.seq_len=64",
+        "model.hash.num_buckets=256",
+        "train.max_steps=2",
+        "train.eval_sequences=8",
+    ]
+    path, _ = _printed(
+        tmp_path, capsys, "--preset", "tiny-h4b16k", *(f"--set={s}" for s in settings)
+    )
     run = tmp_path / "run"
     run_cli(["train", "--config", str(path), "--nproc-per-node", "2", "--run-dir", str(run)])
     assert [m["step"] for m in metrics(run) if "loss" in m][-1] == 2

@@ -58,8 +58,16 @@ def inputs(tmp_path_factory, docs):
 
 
 def _prepare(inputs, tok_dir, out, **kw):
-    return prepare(inputs, tok_dir, out, seq_len=SEQ, samples_per_shard=PER_SHARD, text_field="body",
-                   progress=False, **kw)
+    return prepare(
+        inputs,
+        tok_dir,
+        out,
+        seq_len=SEQ,
+        samples_per_shard=PER_SHARD,
+        text_field="body",
+        progress=False,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +87,11 @@ def _tar_samples(path: Path) -> list[np.ndarray]:
 def written(shards):
     """(sample as a tuple, name of its shard) of every train sample, in file order."""
     manifest = json.loads((shards / "manifest.json").read_text())
-    return [(tuple(s.tolist()), e["name"]) for e in manifest["splits"]["train"]["shards"]
-            for s in _tar_samples(shards / e["name"])]
+    return [
+        (tuple(s.tolist()), e["name"])
+        for e in manifest["splits"]["train"]["shards"]
+        for s in _tar_samples(shards / e["name"])
+    ]
 
 
 def _reader(source, rank=0, size=1, **kw):
@@ -121,7 +132,11 @@ def test_documents_come_in_input_order(inputs, docs):
 def test_prepare_is_byte_identical_across_runs_and_worker_counts(shards, inputs, tok_dir, tmp_path):
     _prepare(inputs, tok_dir, tmp_path / "again", workers=2)
     names = sorted(str(p.relative_to(shards)) for p in shards.rglob("*") if p.is_file())
-    again = sorted(str(p.relative_to(tmp_path / "again")) for p in (tmp_path / "again").rglob("*") if p.is_file())
+    again = sorted(
+        str(p.relative_to(tmp_path / "again"))
+        for p in (tmp_path / "again").rglob("*")
+        if p.is_file()
+    )
     assert len(names) > 3 and names == again and "tokenizer/tokenizer.json" in names
     for name in names:
         assert (shards / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
@@ -135,18 +150,26 @@ def _packed_per_file(docs, tok, held_out: bool | None = None) -> tuple[list[int]
     for file_docs in (docs[:20], docs[20:35], docs[35:]):  # a.txt, b.jsonl.gz, c.jsonl
         if held_out is not None:
             file_docs = [d for d in file_docs if is_validation(d, 0.3) == held_out]
-        stream = [t for d in file_docs for t in tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+        stream = [
+            t
+            for d in file_docs
+            for t in tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ]
         samples = len(stream) // (SEQ + 1)
         kept += stream[: samples * (SEQ + 1)]
         dropped += len(stream) - samples * (SEQ + 1)
-        shard_sizes += [PER_SHARD] * (samples // PER_SHARD) + ([samples % PER_SHARD] if samples % PER_SHARD else [])
+        shard_sizes += [PER_SHARD] * (samples // PER_SHARD) + (
+            [samples % PER_SHARD] if samples % PER_SHARD else []
+        )
     return kept, shard_sizes, dropped
 
 
 def test_manifest_counts_equal_the_tokens_written(shards, docs, tok_dir):
     manifest = json.loads((shards / "manifest.json").read_text())
     tok = load_tokenizer(tok_dir)
-    expected = [t for d in docs for t in tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    expected = [
+        t for d in docs for t in tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    ]
     kept, shard_sizes, dropped = _packed_per_file(docs, tok)
     split = manifest["splits"]["train"]
     written = []
@@ -157,14 +180,20 @@ def test_manifest_counts_equal_the_tokens_written(shards, docs, tok_dir):
         assert len(samples) == entry["samples"] <= PER_SHARD
         assert all(s.dtype == np.dtype("<u2") and s.shape == (SEQ + 1,) for s in samples)
         written.extend(t for s in samples for t in s.tolist())
-    assert manifest["seq_len"] == SEQ and manifest["dtype"] == "uint16" and manifest["vocab_size"] == len(tok)
+    assert (
+        manifest["seq_len"] == SEQ
+        and manifest["dtype"] == "uint16"
+        and manifest["vocab_size"] == len(tok)
+    )
     assert manifest["tokenizer_fingerprint"] == tokens_fingerprint(vocabulary(tok))
     assert split["documents"] == len(docs) and split["input_tokens"] == len(expected)
     assert split["tokens"] == len(written) == split["samples"] * (SEQ + 1)
     # packed file by file (no sample or shard spans two files), in document order, EOS after each document
     assert written == kept and [e["samples"] for e in split["shards"]] == shard_sizes
     assert split["dropped_tokens"] == len(expected) - len(written) == dropped < 3 * (SEQ + 1)
-    assert [e["name"] for e in split["shards"]] == [f"train-{i:06d}.tar" for i in range(len(shard_sizes))]
+    assert [e["name"] for e in split["shards"]] == [
+        f"train-{i:06d}.tar" for i in range(len(shard_sizes))
+    ]
     assert set(manifest["splits"]) == {"train"}
 
 
@@ -182,10 +211,18 @@ def test_shards_read_with_plain_webdataset_as_docs_data_md_says(shards, val_shar
         assert [s["__key__"] for s in samples] == [f"{i:010d}" for i in range(len(samples))]
         for sample in samples:
             ids = sample["tokens.npy"]
-            assert isinstance(ids, np.ndarray) and ids.shape == (SEQ + 1,) and ids.dtype == np.dtype(manifest["dtype"])
-        read = [s for url in urls for s in _tar_samples(Path(url))]  # the standard library's reading
+            assert (
+                isinstance(ids, np.ndarray)
+                and ids.shape == (SEQ + 1,)
+                and ids.dtype == np.dtype(manifest["dtype"])
+            )
+        read = [
+            s for url in urls for s in _tar_samples(Path(url))
+        ]  # the standard library's reading
         assert [s["tokens.npy"].tolist() for s in samples] == [s.tolist() for s in read]
-        raw = next(iter(wds.WebDataset(urls[:1], shardshuffle=False)))["tokens.npy"]  # undecoded: the file's bytes
+        raw = next(iter(wds.WebDataset(urls[:1], shardshuffle=False)))[
+            "tokens.npy"
+        ]  # undecoded: the file's bytes
         assert np.load(io.BytesIO(raw)).tolist() == read[0].tolist()
 
 
@@ -213,9 +250,26 @@ def test_validation_split_holds_out_documents_by_text_hash(val_shards, tok_dir, 
 
 # ---------------------------------------------------------------- parts and merge
 def _prepare_args(inputs, tok_dir, out, *more):
-    return ["prepare-data", *inputs, "--tokenizer", str(tok_dir), "--out", str(out), "--seq-len", str(SEQ),
-            "--samples-per-shard", str(PER_SHARD), "--text-field", "body", "--val-fraction", "0.3", "--workers", "1",
-            "--no-progress", *more]
+    return [
+        "prepare-data",
+        *inputs,
+        "--tokenizer",
+        str(tok_dir),
+        "--out",
+        str(out),
+        "--seq-len",
+        str(SEQ),
+        "--samples-per-shard",
+        str(PER_SHARD),
+        "--text-field",
+        "body",
+        "--val-fraction",
+        "0.3",
+        "--workers",
+        "1",
+        "--no-progress",
+        *more,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -235,8 +289,10 @@ def unmerged(parts, tmp_path):
 
 def _samples_in_shard_order(directory: Path, split: str) -> list[tuple[int, list]]:
     manifest = json.loads((directory / "manifest.json").read_text())
-    return [(e["samples"], [s.tolist() for s in _tar_samples(directory / e["name"])])
-            for e in manifest["splits"][split]["shards"]]
+    return [
+        (e["samples"], [s.tolist() for s in _tar_samples(directory / e["name"])])
+        for e in manifest["splits"][split]["shards"]
+    ]
 
 
 def test_part_files_are_contiguous_runs_of_near_equal_size():
@@ -246,7 +302,9 @@ def test_part_files_are_contiguous_runs_of_near_equal_size():
     assert part_files(files, 1, 1) == files and part_dir_name(3, 12) == "part-03-of-12"
     with pytest.raises(DataError, match=r"part 4/3: the part number must be in 1..3"):
         part_files(files, 4, 3)
-    with pytest.raises(DataError, match="the inputs are 7 files, fewer than 8 parts .* use at most 7 parts"):
+    with pytest.raises(
+        DataError, match="the inputs are 7 files, fewer than 8 parts .* use at most 7 parts"
+    ):
         part_files(files, 1, 8)
 
 
@@ -254,56 +312,91 @@ def test_merged_parts_train_as_one_preparation_of_the_same_inputs(unmerged, val_
     one = json.loads((val_shards / "manifest.json").read_text())
     part_dirs = sorted(unmerged.glob("part-*-of-2"))
     assert [d.name for d in part_dirs] == ["part-1-of-2", "part-2-of-2"]
-    assert [json.loads((d / "manifest.json").read_text())["inputs"] for d in part_dirs] == \
-        [one["inputs"][:2], one["inputs"][2:]]  # 3 files: the first part holds the extra one
+    assert [json.loads((d / "manifest.json").read_text())["inputs"] for d in part_dirs] == [
+        one["inputs"][:2],
+        one["inputs"][2:],
+    ]  # 3 files: the first part holds the extra one
     capsys.readouterr()
     assert main(["prepare-data", "--merge", str(unmerged), *map(str, reversed(part_dirs))]) == 0
-    assert f"merged 2 parts\ntrain: {one['splits']['train']['documents']} documents" in capsys.readouterr().out
+    assert (
+        f"merged 2 parts\ntrain: {one['splits']['train']['documents']} documents"
+        in capsys.readouterr().out
+    )
     merged = json.loads((unmerged / "manifest.json").read_text())
     assert merged["splits"]["train"]["shards"][0]["name"] == "part-1-of-2/train-000000.tar"
     assert merged["parts"] == ["part-1-of-2", "part-2-of-2"] and merged["inputs"] == one["inputs"]
     for split in ("train", "val"):
-        assert _samples_in_shard_order(unmerged, split) == _samples_in_shard_order(val_shards, split)
+        assert _samples_in_shard_order(unmerged, split) == _samples_in_shard_order(
+            val_shards, split
+        )
         counts = ("documents", "input_tokens", "samples", "tokens", "dropped_tokens")
-        assert [merged["splits"][split][k] for k in counts] == [one["splits"][split][k] for k in counts]
+        assert [merged["splits"][split][k] for k in counts] == [
+            one["splits"][split][k] for k in counts
+        ]
         # the reader's stream into 3 ranks over 1.5 epochs, SHA-256 verified, as over the one preparation
         n = one["splits"][split]["samples"] // 2
         merged_stream, _ = _global_stream(unmerged, 3, n, split=split)
         assert merged_stream == _global_stream(val_shards, 3, n, split=split)[0]
-    urls = [str(unmerged / e["name"]) for e in merged["splits"]["train"]["shards"]]  # shard URLs, matched by name
-    with _reader(urls, manifest=unmerged / "manifest.json") as by_url, _reader(val_shards) as one_process:
+    urls = [
+        str(unmerged / e["name"]) for e in merged["splits"]["train"]["shards"]
+    ]  # shard URLs, matched by name
+    with (
+        _reader(urls, manifest=unmerged / "manifest.json") as by_url,
+        _reader(val_shards) as one_process,
+    ):
         assert by_url.next_batch(8).tolist() == one_process.next_batch(8).tolist()
-    assert (unmerged / "tokenizer" / "tokenizer.json").read_bytes() == \
-        (val_shards / "tokenizer" / "tokenizer.json").read_bytes()
+    assert (unmerged / "tokenizer" / "tokenizer.json").read_bytes() == (
+        val_shards / "tokenizer" / "tokenizer.json"
+    ).read_bytes()
 
 
-@pytest.mark.parametrize("key, value", [("seq_len", 16), ("dtype", "uint32"), ("tokenizer_fingerprint", "0" * 64)])
+@pytest.mark.parametrize(
+    "key, value", [("seq_len", 16), ("dtype", "uint32"), ("tokenizer_fingerprint", "0" * 64)]
+)
 def test_merge_names_a_part_of_other_settings(unmerged, key, value):
     manifest_path = unmerged / "part-2-of-2" / "manifest.json"
     manifest_path.write_text(json.dumps(json.loads(manifest_path.read_text()) | {key: value}))
-    with pytest.raises(DataError, match=rf"part {unmerged}/part-2-of-2 has {key} '?{value}'?, the other parts .*"
-                                        r"prepare it again with the others'"):
+    with pytest.raises(
+        DataError,
+        match=rf"part {unmerged}/part-2-of-2 has {key} '?{value}'?, the other parts .*"
+        r"prepare it again with the others'",
+    ):
         merge(unmerged, [unmerged / "part-1-of-2", unmerged / "part-2-of-2"])
     assert not (unmerged / "manifest.json").exists() and not (unmerged / "tokenizer").exists()
 
 
 def test_merge_names_a_missing_repeated_or_unfinished_part(unmerged, tmp_path):
     first, second = unmerged / "part-1-of-2", unmerged / "part-2-of-2"
-    with pytest.raises(DataError, match=r"part 2 of 2 is missing: prepare it \(prepare-data --part I/2\)"):
+    with pytest.raises(
+        DataError, match=r"part 2 of 2 is missing: prepare it \(prepare-data --part I/2\)"
+    ):
         merge(unmerged, [first])
-    with pytest.raises(DataError, match=rf"{first} and {first} are both part 1/2: pass each part once"):
+    with pytest.raises(
+        DataError, match=rf"{first} and {first} are both part 1/2: pass each part once"
+    ):
         merge(unmerged, [first, second, first])
     shutil.copytree(first, unmerged / "copy")
     with pytest.raises(DataError, match=rf"{first} and {unmerged / 'copy'} are both part 1/2"):
         merge(unmerged, [first, unmerged / "copy", second])
     (unmerged / "unfinished").mkdir()
-    with pytest.raises(DataError, match=r"unfinished has no manifest.json: its preparation did not finish"):
+    with pytest.raises(
+        DataError, match=r"unfinished has no manifest.json: its preparation did not finish"
+    ):
         merge(unmerged, [first, second, unmerged / "unfinished"])
-    with pytest.raises(DataError, match=rf"part directory {second} is not inside {tmp_path / 'elsewhere'}"):
+    with pytest.raises(
+        DataError, match=rf"part directory {second} is not inside {tmp_path / 'elsewhere'}"
+    ):
         merge(tmp_path / "elsewhere", [second])
-    shard = second / json.loads((second / "manifest.json").read_text())["splits"]["train"]["shards"][-1]["name"]
+    shard = (
+        second
+        / json.loads((second / "manifest.json").read_text())["splits"]["train"]["shards"][-1][
+            "name"
+        ]
+    )
     shard.write_bytes(shard.read_bytes()[:-512])
-    with pytest.raises(DataError, match=rf"shard {shard} is missing or not \d+ bytes as .* says; prepare that part"):
+    with pytest.raises(
+        DataError, match=rf"shard {shard} is missing or not \d+ bytes as .* says; prepare that part"
+    ):
         merge(unmerged, [first, second])
     assert not (unmerged / "manifest.json").exists()
 
@@ -314,16 +407,34 @@ def test_merge_keeps_an_existing_manifest_unless_told(unmerged, capsys):
     written = (unmerged / "manifest.json").read_text()
     (unmerged / "manifest.json").write_text("kept")
     assert main(["prepare-data", "--merge", str(unmerged), *part_dirs]) == 2
-    assert "already holds a manifest.json or tokenizer/; pass --overwrite" in capsys.readouterr().err
+    assert (
+        "already holds a manifest.json or tokenizer/; pass --overwrite" in capsys.readouterr().err
+    )
     assert (unmerged / "manifest.json").read_text() == "kept"
     assert main(["prepare-data", "--merge", str(unmerged), *part_dirs, "--overwrite"]) == 0
     assert (unmerged / "manifest.json").read_text() == written
     assert main(["prepare-data", "--merge", str(unmerged), *part_dirs, "--seq-len", "8"]) == 2
     assert "--seq-len belong to preparing the parts: leave them out" in capsys.readouterr().err
     assert main(["prepare-data", part_dirs[0], "--out", str(unmerged / "x")]) == 2
-    assert "prepare-data needs --tokenizer, --seq-len (or --merge OUT PART_DIRS..." in capsys.readouterr().err
+    assert (
+        "prepare-data needs --tokenizer, --seq-len (or --merge OUT PART_DIRS..."
+        in capsys.readouterr().err
+    )
     with pytest.raises(SystemExit):
-        main(["prepare-data", part_dirs[0], "--part", "2", "--out", "x", "--tokenizer", "t", "--seq-len", "8"])
+        main(
+            [
+                "prepare-data",
+                part_dirs[0],
+                "--part",
+                "2",
+                "--out",
+                "x",
+                "--tokenizer",
+                "t",
+                "--seq-len",
+                "8",
+            ]
+        )
     assert "--part: expected I/N (part I of N, e.g. 3/8), got '2'" in capsys.readouterr().err
 
 
@@ -333,7 +444,9 @@ def test_prepare_names_bad_inputs(tmp_path, tok_dir, shards):
     with pytest.raises(DataError, match=r"bad.jsonl:2: .*--text-field"):
         prepare([bad], tok_dir, tmp_path / "o1", seq_len=SEQ, progress=False)
     with pytest.raises(DataError, match="matches no file"):
-        prepare([str(tmp_path / "none*.txt")], tok_dir, tmp_path / "o2", seq_len=SEQ, progress=False)
+        prepare(
+            [str(tmp_path / "none*.txt")], tok_dir, tmp_path / "o2", seq_len=SEQ, progress=False
+        )
     with pytest.raises(DataError, match="not empty"):
         prepare([bad], tok_dir, shards, seq_len=SEQ, progress=False)
 
@@ -342,41 +455,78 @@ def _shard_digests(manifest: dict) -> list[str]:
     return [e["sha256"] for split in manifest["splits"].values() for e in split["shards"]]
 
 
-def test_parquet_and_zstd_inputs_give_the_shards_of_the_same_documents_in_jsonl(inputs, docs, tok_dir, shards,
-                                                                                 tmp_path):
+def test_parquet_and_zstd_inputs_give_the_shards_of_the_same_documents_in_jsonl(
+    inputs, docs, tok_dir, shards, tmp_path
+):
     import pyarrow as pa
     import pyarrow.parquet as pq
     import zstandard
 
     # docs[:20] as .txt.zst, docs[20:35] as a Parquet file of several row groups, docs[35:] as .jsonl.zst
-    (tmp_path / "a.txt.zst").write_bytes(zstandard.compress(("\n\n\n".join(docs[:20]) + "\n").encode()))
-    pq.write_table(pa.table({"id": list(range(15)), "body": docs[20:35]}), tmp_path / "b.parquet", row_group_size=4)
+    (tmp_path / "a.txt.zst").write_bytes(
+        zstandard.compress(("\n\n\n".join(docs[:20]) + "\n").encode())
+    )
+    pq.write_table(
+        pa.table({"id": list(range(15)), "body": docs[20:35]}),
+        tmp_path / "b.parquet",
+        row_group_size=4,
+    )
     assert pq.ParquetFile(tmp_path / "b.parquet").num_row_groups == 4
-    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.compress(
-        "".join(json.dumps({"body": t}) + "\n" for t in docs[35:]).encode()))
+    (tmp_path / "c.jsonl.zst").write_bytes(
+        zstandard.compress("".join(json.dumps({"body": t}) + "\n" for t in docs[35:]).encode())
+    )
     files = [tmp_path / "a.txt.zst", tmp_path / "b.parquet", tmp_path / "c.jsonl.zst"]
     assert list(documents(files, "body")) == docs
     manifest = _prepare([str(f) for f in files], tok_dir, tmp_path / "out", workers=1)
     reference = json.loads((shards / "manifest.json").read_text())
-    assert _shard_digests(manifest) == _shard_digests(reference) and manifest["skipped_documents"] == 0
+    assert (
+        _shard_digests(manifest) == _shard_digests(reference) and manifest["skipped_documents"] == 0
+    )
 
 
-def test_documents_that_are_not_strings_are_named_or_skipped_and_counted(docs, tok_dir, tmp_path, capsys):
+def test_documents_that_are_not_strings_are_named_or_skipped_and_counted(
+    docs, tok_dir, tmp_path, capsys
+):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"text": [docs[0], None, docs[1]]}), tmp_path / "rows.parquet", row_group_size=2)
-    (tmp_path / "lines.jsonl").write_text(f'{json.dumps({"text": docs[2]})}\n{{"text": 7}}\nnot json\n')
-    with pytest.raises(DataError, match=r"rows.parquet: row 1: column 'text' holds None, not a string.*"
-                                        r"--on-bad-document skip"):
+    pq.write_table(
+        pa.table({"text": [docs[0], None, docs[1]]}), tmp_path / "rows.parquet", row_group_size=2
+    )
+    (tmp_path / "lines.jsonl").write_text(
+        f'{json.dumps({"text": docs[2]})}\n{{"text": 7}}\nnot json\n'
+    )
+    with pytest.raises(
+        DataError,
+        match=r"rows.parquet: row 1: column 'text' holds None, not a string.*"
+        r"--on-bad-document skip",
+    ):
         list(documents([tmp_path / "rows.parquet"]))
     with pytest.raises(DataError, match=r"lines.jsonl:2: field 'text' is not a string"):
         list(documents([tmp_path / "lines.jsonl"]))
-    with pytest.raises(DataError, match=r"has no column 'body' \(it has text\); name the text column"):
+    with pytest.raises(
+        DataError, match=r"has no column 'body' \(it has text\); name the text column"
+    ):
         list(documents([tmp_path / "rows.parquet"], "body"))
-    assert main(["prepare-data", str(tmp_path / "rows.parquet"), str(tmp_path / "lines.jsonl"), "--tokenizer",
-                 str(tok_dir), "--out", str(tmp_path / "out"), "--seq-len", "8", "--on-bad-document", "skip",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "prepare-data",
+                str(tmp_path / "rows.parquet"),
+                str(tmp_path / "lines.jsonl"),
+                "--tokenizer",
+                str(tok_dir),
+                "--out",
+                str(tmp_path / "out"),
+                "--seq-len",
+                "8",
+                "--on-bad-document",
+                "skip",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "skipped 3 documents that were not strings" in capsys.readouterr().out
     manifest = json.loads((tmp_path / "out/manifest.json").read_text())
     assert manifest["skipped_documents"] == 3 and manifest["splits"]["train"]["documents"] == 3
@@ -394,13 +544,24 @@ def test_inputs_whose_every_document_was_skipped_say_so_and_why(docs, tok_dir, t
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": [0, 1, 2], "body": docs[:3]}), tmp_path / "ids.parquet")
-    args = ["prepare-data", str(tmp_path / "ids.parquet"), "--tokenizer", str(tok_dir), "--seq-len", "8",
-            "--on-bad-document", "skip", "--no-progress"]
+    args = [
+        "prepare-data",
+        str(tmp_path / "ids.parquet"),
+        "--tokenizer",
+        str(tok_dir),
+        "--seq-len",
+        "8",
+        "--on-bad-document",
+        "skip",
+        "--no-progress",
+    ]
     assert main([*args, "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert ("every document was skipped (--on-bad-document skip): 3 not text and none kept; the first, "
-            f"{tmp_path / 'ids.parquet'}: row 0: column 'text' holds 0, not a string (the column holds int64, not "
-            "strings; the file's columns: text, body); fix the row or name the text column with --text-field") in err
+    assert (
+        "every document was skipped (--on-bad-document skip): 3 not text and none kept; the first, "
+        f"{tmp_path / 'ids.parquet'}: row 0: column 'text' holds 0, not a string (the column holds int64, not "
+        "strings; the file's columns: text, body); fix the row or name the text column with --text-field"
+    ) in err
     assert "add text" not in err and not (tmp_path / "out").exists()
     assert main([*args, "--out", str(tmp_path / "body"), "--text-field", "body"]) == 0
 
@@ -420,21 +581,27 @@ def test_a_directory_input_is_its_input_files_in_name_order(inputs, tok_dir, sha
         (mixed / name).write_text("text\n")
     assert expand_inputs([mixed]) == [mixed / "a.jsonl", mixed / "b.txt"]
     assert expand_inputs([str(mixed / "[bs]*")]) == [mixed / "b.txt"]
-    with pytest.raises(DataError, match=r"sub: a directory without .txt, .jsonl \(optionally compressed\) or "
-                                        r".parquet files .* a glob such as"):
+    with pytest.raises(
+        DataError,
+        match=r"sub: a directory without .txt, .jsonl \(optionally compressed\) or "
+        r".parquet files .* a glob such as",
+    ):
         expand_inputs([mixed / "sub"])
 
 
 # ---------------------------------------------------------------- reader: order, ranks, resume
 def test_each_epoch_is_a_fresh_permutation_of_all_samples(reference, written):
     n = len(written)
-    assert Counter(reference[:n]) == Counter(reference[n: 2 * n]) == Counter(s for s, _ in written)
-    assert reference[:n] != reference[n: 2 * n]
+    assert Counter(reference[:n]) == Counter(reference[n : 2 * n]) == Counter(s for s, _ in written)
+    assert reference[:n] != reference[n : 2 * n]
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_ranks_read_disjoint_shares_of_one_global_order(shards, reference, written, ranks):
-    micro, global_batch = 2, 8  # accum = 8 / (2 * ranks) micro-batches per step for ranks in (1, 2, 4)
+    micro, global_batch = (
+        2,
+        8,
+    )  # accum = 8 / (2 * ranks) micro-batches per step for ranks in (1, 2, 4)
     per_rank = -(-len(written) // global_batch) * global_batch // ranks  # just over one epoch
     stream, states = _global_stream(shards, ranks, per_rank, micro=micro)
     assert stream == reference[: len(stream)]
@@ -447,9 +614,13 @@ def test_one_step_over_ranks_is_one_global_batch(shards, reference):
     micro, global_batch, ranks = 2, 8, 2
     readers = [_reader(shards, r, ranks) for r in range(ranks)]
     for step in range(3):
-        batch = [tuple(row) for _ in range(global_batch // (micro * ranks))
-                 for reader in readers for row in reader.next_batch(micro).tolist()]
-        assert sorted(batch) == sorted(reference[step * global_batch: (step + 1) * global_batch])
+        batch = [
+            tuple(row)
+            for _ in range(global_batch // (micro * ranks))
+            for reader in readers
+            for row in reader.next_batch(micro).tolist()
+        ]
+        assert sorted(batch) == sorted(reference[step * global_batch : (step + 1) * global_batch])
     for reader in readers:
         reader.close()
 
@@ -475,13 +646,17 @@ def test_reader_state_refuses_another_seed_or_dataset(shards):
     state = _reader(shards).state_dict()
     with pytest.raises(DataError, match="seed"):
         ShardReader(shards, seed=SEED + 1, shuffle_window=WINDOW).load_state_dict(state)
-    with pytest.raises(DataError, match=r"dataset='0+' .*start this data's order .* --set data\.restart=true"):
+    with pytest.raises(
+        DataError, match=r"dataset='0+' .*start this data's order .* --set data\.restart=true"
+    ):
         _reader(shards).load_state_dict(state | {"dataset": "0" * 64})
     assert _reader(shards).state_mismatch(state) is None
 
 
 def test_manifest_mismatches_name_the_manifest_and_the_fix(shards, tok_dir):
-    with pytest.raises(DataError, match=rf"manifest.json holds samples for seq_len={SEQ} .*--seq-len {SEQ + 1}"):
+    with pytest.raises(
+        DataError, match=rf"manifest.json holds samples for seq_len={SEQ} .*--seq-len {SEQ + 1}"
+    ):
         _reader(shards, seq_len=SEQ + 1)
     with pytest.raises(DataError, match="another tokenizer"):
         _reader(shards, tokenizer_fingerprint="0" * 64)
@@ -526,19 +701,25 @@ def copy(shards, tmp_path):
 
 def _read_epoch(source, **kw):
     with _reader(source, **kw) as reader:
-        return [tuple(row) for row in reader.next_batch(reader.samples_per_epoch).tolist()], reader.skipped_shards
+        return [
+            tuple(row) for row in reader.next_batch(reader.samples_per_epoch).tolist()
+        ], reader.skipped_shards
 
 
 @pytest.mark.parametrize("verify", [True, False])
 def test_truncated_shard_is_a_named_error(copy, verify):
     _truncate(copy / "train-000001.tar")
-    with pytest.raises(DataError, match=r"shard \S*train-000001.tar is unreadable: truncated.*on_bad_shard=skip"):
+    with pytest.raises(
+        DataError, match=r"shard \S*train-000001.tar is unreadable: truncated.*on_bad_shard=skip"
+    ):
         _read_epoch(copy, verify_checksums=verify)
 
 
 def test_tampered_shard_fails_its_checksum(copy):
     _tamper(copy / "train-000002.tar")
-    with pytest.raises(DataError, match=r"train-000002.tar fails its SHA-256 check against \S*manifest.json"):
+    with pytest.raises(
+        DataError, match=r"train-000002.tar fails its SHA-256 check against \S*manifest.json"
+    ):
         _read_epoch(copy)
     assert len(_read_epoch(copy, verify_checksums=False)[0]) > 0  # only the checksum tells
 
@@ -550,8 +731,9 @@ def test_missing_shard_is_a_named_error(copy):
 
 
 # ---------------------------------------------------------------- data that runs read, prepared again
-def test_prepare_data_does_not_replace_a_directory_that_runs_read(copy, inputs, tok_dir, tmp_path, monkeypatch,
-                                                                   capsys):
+def test_prepare_data_does_not_replace_a_directory_that_runs_read(
+    copy, inputs, tok_dir, tmp_path, monkeypatch, capsys
+):
     """A run marks the directory it reads; --overwrite is refused while the mark lives, naming the run and the fix; a
     run that starts during the preparation keeps the directory, the new preparation is kept beside it; the mark of
     an exited process or a stale one does not count."""
@@ -559,18 +741,28 @@ def test_prepare_data_does_not_replace_a_directory_that_runs_read(copy, inputs, 
     from mhf_dist.storage.reading_marks import READERS_DIR, mark_reading
     from mhf_dist.storage.run_lock import STALE_S
 
-    run, manifest, host = tmp_path / "run", (copy / "manifest.json").read_text(), socket.gethostname()
+    run, manifest, host = (
+        tmp_path / "run",
+        (copy / "manifest.json").read_text(),
+        socket.gethostname(),
+    )
     args = _prepare_args(inputs, tok_dir, copy, "--samples-per-shard", "60", "--overwrite")
     read = load_config("tiny-h4b16k", overrides=[f"data.path={copy}"]).data
     marks = mark_reading(read, run)  # as a training run's first rank does before it starts
     try:
         assert main(args) == 2
         err = capsys.readouterr().err
-        assert (f"{copy} is read by 1 training run: run {run.resolve()} (process {os.getpid()} on {host}, "
-                "started ") in err, err
-        assert "prepare into another directory (--out NEW) and resume them on it with --set data.path=NEW --set " \
+        assert (
+            f"{copy} is read by 1 training run: run {run.resolve()} (process {os.getpid()} on {host}, "
+            "started "
+        ) in err, err
+        assert (
+            "prepare into another directory (--out NEW) and resume them on it with --set data.path=NEW --set "
             "data.restart=true" in err
-        assert (copy / "manifest.json").read_text() == manifest and not list(tmp_path.glob(".copy.*"))
+        )
+        assert (copy / "manifest.json").read_text() == manifest and not list(
+            tmp_path.glob(".copy.*")
+        )
     finally:
         marks.release()
     assert not list((copy / READERS_DIR).iterdir())
@@ -587,14 +779,20 @@ def test_prepare_data_does_not_replace_a_directory_that_runs_read(copy, inputs, 
     err = capsys.readouterr().err
     started[0].release()
     kept = copy.with_name("copy.new")
-    assert f"The new preparation is complete in {kept}: resume those runs on it with --set data.path={kept}" in err
+    assert (
+        f"The new preparation is complete in {kept}: resume those runs on it with --set data.path={kept}"
+        in err
+    )
     assert (copy / "manifest.json").read_text() == manifest
     assert json.loads((kept / "manifest.json").read_text())["samples_per_shard"] == 60
     monkeypatch.undo()
 
-    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    exited = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     (copy / READERS_DIR / f"{host}-{exited.stdout.strip()}.json").write_text(
-        json.dumps({"run_dir": "exited", "host": host, "pid": int(exited.stdout)}))
+        json.dumps({"run_dir": "exited", "host": host, "pid": int(exited.stdout)})
+    )
     elsewhere = copy / READERS_DIR / "elsewhere-1.json"
     elsewhere.write_text(json.dumps({"run_dir": "stale", "host": "elsewhere", "pid": 1}))
     os.utime(elsewhere, (time.time() - STALE_S - 60,) * 2)
@@ -605,13 +803,18 @@ def test_prepare_data_does_not_replace_a_directory_that_runs_read(copy, inputs, 
 def test_a_reader_whose_data_was_prepared_again_says_so(copy, inputs, tok_dir):
     """Shards replaced under a reader are no bad shards: the error says the manifest changed, in either mode."""
     readers = [_reader(copy), _reader(copy, on_bad_shard="skip")]
-    assert main(_prepare_args(inputs, tok_dir, copy, "--samples-per-shard", "60", "--overwrite")) == 0
+    assert (
+        main(_prepare_args(inputs, tok_dir, copy, "--samples-per-shard", "60", "--overwrite")) == 0
+    )
     for reader in readers:
         with reader, pytest.raises(DataError) as error:
             reader.next_batch(reader.samples_per_epoch)
         message = str(error.value)
-        assert re.match(rf"shard \S+ is not the one this run's manifest lists: {re.escape(str(copy))}/manifest.json "
-                        "changed since the run started reading it, so the data was prepared again", message), message
+        assert re.match(
+            rf"shard \S+ is not the one this run's manifest lists: {re.escape(str(copy))}/manifest.json "
+            "changed since the run started reading it, so the data was prepared again",
+            message,
+        ), message
         assert "--set data.restart=true" in message and "on_bad_shard=skip" not in message
         assert reader.skipped_shards == 0
 
@@ -640,7 +843,11 @@ def test_skip_mode_counts_bad_shards_and_keeps_positions(copy, reference, writte
         stream, skipped = _read_epoch(copy, on_bad_shard="skip")
     assert skipped == 2 and len(stream) == n
     # each bad shard is named (the prefetch thread may already be skipping them again for the next epoch)
-    warned = {m.group(1) for r in caplog.records if (m := re.search(r"skipping shard .*?(train-\d+\.tar)", r.message))}
+    warned = {
+        m.group(1)
+        for r in caplog.records
+        if (m := re.search(r"skipping shard .*?(train-\d+\.tar)", r.message))
+    }
     assert warned == {"train-000001.tar", "train-000002.tar"}
     shard_of = dict(written)
     bad = {"train-000001.tar", "train-000002.tar"}
@@ -656,17 +863,30 @@ def sources(tmp_path_factory, docs, tok_dir):
     document) is the smallest."""
     root = tmp_path_factory.mktemp("mixture")
     found = []
-    for name, part, weight in (("a", [docs[0][:2000]], 0.5), ("b", docs[1:4], 0.3), ("c", docs[4:8], 0.2)):
+    for name, part, weight in (
+        ("a", [docs[0][:2000]], 0.5),
+        ("b", docs[1:4], 0.3),
+        ("c", docs[4:8], 0.2),
+    ):
         (root / f"{name}.txt").write_text("\n\n".join(part) + "\n")
-        prepare([root / f"{name}.txt"], tok_dir, root / name, seq_len=SEQ, samples_per_shard=10, progress=False)
+        prepare(
+            [root / f"{name}.txt"],
+            tok_dir,
+            root / name,
+            seq_len=SEQ,
+            samples_per_shard=10,
+            progress=False,
+        )
         found.append(DataSource(path=str(root / name), weight=weight))
     return found
 
 
 def _mixture_stream(sources, ranks: int, per_rank: int, state=None):
     """Like ``_global_stream``, over a mixture."""
-    readers = [MixtureReader(sources, seed=SEED, dp_rank=r, dp_size=ranks, shuffle_window=WINDOW)
-               for r in range(ranks)]
+    readers = [
+        MixtureReader(sources, seed=SEED, dp_rank=r, dp_size=ranks, shuffle_window=WINDOW)
+        for r in range(ranks)
+    ]
     if state is not None:
         for reader in readers:
             reader.load_state_dict(json.loads(json.dumps(state)))
@@ -683,15 +903,19 @@ def test_every_mixture_block_holds_each_source_at_its_weight():
     for b in range(3):
         source, occurrence = schedule.block(b)
         assert np.bincount(source).tolist() == schedule.counts.tolist()
-        assert all(sorted(occurrence[source == k]) == list(range(c)) for k, c in enumerate(schedule.counts))
-    assert not np.array_equal(schedule.block(0)[0], schedule.block(1)[0])  # each block in its own order
+        assert all(
+            sorted(occurrence[source == k]) == list(range(c)) for k, c in enumerate(schedule.counts)
+        )
+    assert not np.array_equal(
+        schedule.block(0)[0], schedule.block(1)[0]
+    )  # each block in its own order
     assert apportion([1.0, 1e-9], BLOCK).tolist() == [4095, 1]  # every source is read
 
 
 def test_a_mixture_reads_each_source_in_its_own_order(sources):
     stream, _ = _mixture_stream(sources, 1, 300)
     schedule = MixtureSchedule([s.weight for s in sources], seed=SEED)
-    (source, position), = [next(schedule.positions(0, 0, 1))]
+    ((source, position),) = [next(schedule.positions(0, 0, 1))]
     for k, s in enumerate(sources):
         own = _global_stream(s.path, 1, int((source[:300] == k).sum()))[0]
         assert [row for row, kk in zip(stream, source[:300]) if kk == k] == own
@@ -715,11 +939,15 @@ def test_a_mixture_resumes_at_every_sources_next_sample_on_any_dp(sources):
     assert list(consumed) == ["a", "b", "c"]
 
 
-def test_a_mixture_refuses_another_mixture_state_and_names_a_source_of_another_tokenizer(sources, tmp_path,
-                                                                                          tok_dir):
+def test_a_mixture_refuses_another_mixture_state_and_names_a_source_of_another_tokenizer(
+    sources, tmp_path, tok_dir
+):
     _, states = _mixture_stream(sources, 1, 4)
     reweighted = [sources[0].model_copy(update={"weight": 0.9}), *sources[1:]]
-    with MixtureReader(reweighted, seed=SEED) as reader, pytest.raises(DataError, match="data.restart=true"):
+    with (
+        MixtureReader(reweighted, seed=SEED) as reader,
+        pytest.raises(DataError, match="data.restart=true"),
+    ):
         reader.load_state_dict(states[0])
     fingerprint = ShardReader(sources[0].path).manifest["tokenizer_fingerprint"]
     other = train_bpe(list(embedded_corpus())[:20], 300, tmp_path / "bpe")
@@ -733,7 +961,9 @@ def test_a_mixture_refuses_another_mixture_state_and_names_a_source_of_another_t
 def test_a_blend_string_is_read_into_sources():
     cfg = load_config("tiny-h4b16k", overrides=["data.path=0.7 shards/a 0.3 shards/b"])
     assert cfg.data.path is None and [(s.path, s.weight, s.label) for s in cfg.data.sources] == [
-        ("shards/a", 0.7, "a"), ("shards/b", 0.3, "b")]
+        ("shards/a", 0.7, "a"),
+        ("shards/b", 0.3, "b"),
+    ]
     with pytest.raises(ConfigError, match="a blend is pairs of weight and directory"):
         load_config("tiny-h4b16k", overrides=["data.path=0.7 shards/a 0.3"])
     with pytest.raises(ConfigError, match="the same name twice"):
@@ -755,29 +985,50 @@ def in_memory(shards):
 def test_shards_in_object_storage_read_and_resume_as_local_ones(in_memory, shards, reference):
     remote = "memory://bucket/shards"
     assert _global_stream(remote, 2, 60)[0] == reference[:120]
-    _, states = _global_stream(remote, 2, 30)  # read remotely, resumed from local files and back: one stream
+    _, states = _global_stream(
+        remote, 2, 30
+    )  # read remotely, resumed from local files and back: one stream
     local, states = _global_stream(shards, 1, 40, state=states[0])
     assert local == reference[60:100]
     assert _global_stream(remote, 4, 5, state=states[0])[0] == reference[100:120]
 
 
 def test_a_changed_shard_in_object_storage_fails_its_checksum(in_memory, shards):
-    name = json.loads((shards / "manifest.json").read_text())["splits"]["train"]["shards"][0]["name"]
+    name = json.loads((shards / "manifest.json").read_text())["splits"]["train"]["shards"][0][
+        "name"
+    ]
     data = bytearray(in_memory.cat(f"/bucket/shards/{name}"))
     data[-2000] ^= 1
     in_memory.pipe(f"/bucket/shards/{name}", bytes(data))
     with pytest.raises(DataError, match=rf"memory://bucket/shards/{name} fails its SHA-256 check"):
-        _global_stream("memory://bucket/shards", 1, _reader(shards).samples_per_epoch)  # every shard once
+        _global_stream(
+            "memory://bucket/shards", 1, _reader(shards).samples_per_epoch
+        )  # every shard once
 
 
 def test_a_storage_scheme_without_its_package_is_named(monkeypatch):
     import fsspec  # noqa: F401 (loads fsspec.registry, whose name the package's `registry` mapping shadows)
 
     # a scheme fsspec knows whose package is not installed, as s3:// is without s3fs
-    monkeypatch.setitem(sys.modules["fsspec.registry"].known_implementations, "bucketfs",
-                        {"class": "bucketfs_not_installed.BucketFileSystem", "err": "Install bucketfs for bucketfs://"})
-    with pytest.raises(DataError, match=r"bucketfs://shards/manifest.json: reading bucketfs:// needs a package that "
-                                        r"is not installed \(Install bucketfs for bucketfs://\)"):
+    monkeypatch.setitem(
+        sys.modules["fsspec.registry"].known_implementations,
+        "bucketfs",
+        {
+            "class": "bucketfs_not_installed.BucketFileSystem",
+            "err": "Install bucketfs for bucketfs://",
+        },
+    )
+    with pytest.raises(
+        DataError,
+        match=r"bucketfs://shards/manifest.json: reading bucketfs:// needs a package that "
+        r"is not installed \(Install bucketfs for bucketfs://\)",
+    ):
         ShardReader("bucketfs://shards")
-    with pytest.raises(ConfigError, match="is a URL, whose tokenizer/ a run does not load: set tokenizer.path"):
-        check_data_source(load_config("1b-h4b16k", overrides=["data.path=s3://bucket/shards", "tokenizer.path=null"]))
+    with pytest.raises(
+        ConfigError, match="is a URL, whose tokenizer/ a run does not load: set tokenizer.path"
+    ):
+        check_data_source(
+            load_config(
+                "1b-h4b16k", overrides=["data.path=s3://bucket/shards", "tokenizer.path=null"]
+            )
+        )

@@ -16,22 +16,46 @@ STEPS = 3
 
 def health(record: dict) -> dict[str, float]:
     """A record's health metrics (docs/usage.md, "Health metrics"): per family and block, per head."""
-    return {k: v for k, v in record.items() if "/" in k and k.split("/")[0] not in ("head_losses", "val_loss")}
+    return {
+        k: v
+        for k, v in record.items()
+        if "/" in k and k.split("/")[0] not in ("head_losses", "val_loss")
+    }
 
 
 def assert_same_losses(a, b, what):
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
     for ra, rb in zip(a, b):
-        assert abs(ra["loss"] - rb["loss"]) <= 1e-4 * abs(rb["loss"]), (what, ra["step"], ra["loss"], rb["loss"])
+        assert abs(ra["loss"] - rb["loss"]) <= 1e-4 * abs(rb["loss"]), (
+            what,
+            ra["step"],
+            ra["loss"],
+            rb["loss"],
+        )
         for ha, hb in zip(ra["head_losses"], rb["head_losses"]):
-            assert abs(ha - hb) <= 1e-4 * abs(hb), (what, ra["step"], ra["head_losses"], rb["head_losses"])
+            assert abs(ha - hb) <= 1e-4 * abs(hb), (
+                what,
+                ra["step"],
+                ra["head_losses"],
+                rb["head_losses"],
+            )
     # the health metrics of the first step (the same model and batch), each counted once over the layout's ranks
     first, want = health(a[0]), health(b[0])
-    assert set(first) == set(want) and any(k.startswith("grad_norm/") for k in want), (what, set(first) ^ set(want))
+    assert set(first) == set(want) and any(k.startswith("grad_norm/") for k in want), (
+        what,
+        set(first) ^ set(want),
+    )
     for key, value in want.items():
         assert abs(first[key] - value) <= 1e-5 * abs(value) + 1e-7, (what, key, first[key], value)
     va, vb = a[-1], b[-1]
-    for key in ("val_loss", "val_ppl", "val_ppl_calibrated", "val_top1", "val_top5", "val_temperature"):
+    for key in (
+        "val_loss",
+        "val_ppl",
+        "val_ppl_calibrated",
+        "val_top1",
+        "val_top5",
+        "val_temperature",
+    ):
         assert abs(va[key] - vb[key]) <= 1e-4 * abs(vb[key]), (what, key, va[key], vb[key])
     for ha, hb in zip(va["val_head_losses"], vb["val_head_losses"], strict=True):
         assert abs(ha - hb) <= 1e-4 * abs(hb), (what, va["val_head_losses"], vb["val_head_losses"])
@@ -74,21 +98,35 @@ def test_p_inf_loss_term_trains_and_logs_the_same_under_the_pipeline(tmp_path, d
     from either engine."""
     weight = 0.5
     single = train_run(tmp_path, data, "single", 1, f"model.hash.p_inf_loss_weight={weight}")
-    piped = train_run(tmp_path, data, "pp2", 2, "parallel.pp=2", f"model.hash.p_inf_loss_weight={weight}")
+    piped = train_run(
+        tmp_path, data, "pp2", 2, "parallel.pp=2", f"model.hash.p_inf_loss_weight={weight}"
+    )
     assert_same_losses(piped, single, "p_inf_loss_weight pp=2")
     for a, b in zip(piped, single):
         assert abs(a["p_inf_loss"] - b["p_inf_loss"]) <= 1e-4 * b["p_inf_loss"], (a["step"], a, b)
         for r in (a, b):
-            assert abs(r["loss"] - sum(r["head_losses"]) - weight * r["p_inf_loss"]) <= 1e-5 * r["loss"], r
+            assert (
+                abs(r["loss"] - sum(r["head_losses"]) - weight * r["p_inf_loss"])
+                <= 1e-5 * r["loss"]
+            ), r
     assert single[0]["p_inf_loss"] > single[-1]["p_inf_loss"]
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("nproc, overrides", [(1, []), (2, ["parallel.pp=2"])])
-def test_activation_checkpointing_gives_identical_losses(tmp_path, data, reference, nproc, overrides):
-    off = reference if nproc == 1 else train_run(tmp_path, data, "off", nproc, *overrides,
-                                                 "parallel.activation_checkpoint_interval=0")
-    on = train_run(tmp_path, data, "on", nproc, *overrides, "parallel.activation_checkpoint_interval=1")
+def test_activation_checkpointing_gives_identical_losses(
+    tmp_path, data, reference, nproc, overrides
+):
+    off = (
+        reference
+        if nproc == 1
+        else train_run(
+            tmp_path, data, "off", nproc, *overrides, "parallel.activation_checkpoint_interval=0"
+        )
+    )
+    on = train_run(
+        tmp_path, data, "on", nproc, *overrides, "parallel.activation_checkpoint_interval=1"
+    )
     assert [r["loss"] for r in on] == [r["loss"] for r in off]
 
 
@@ -97,14 +135,29 @@ def test_activation_checkpointing_gives_identical_losses(tmp_path, data, referen
     [
         (3, ["parallel.tp=2"], r"world size 3 does not fit parallel.tp=2 × parallel.pp=1"),
         (2, ["parallel.pp=2", "parallel.zero_stage=3"], r"pipeline engine refuses ZeRO-2/3"),
-        (2, ["parallel.pp=2", "parallel.deepspeed_config=zero3_bf16_actckpt", "train.dtype=fp32"],
-         r"ZeRO stage 3 with parallel.pp=2.*pipeline engine refuses"),
-        (2, ["parallel.tp=2", "model.hash.num_buckets=255"], r"num_buckets=255 is not divisible by parallel.tp=2"),
+        (
+            2,
+            ["parallel.pp=2", "parallel.deepspeed_config=zero3_bf16_actckpt", "train.dtype=fp32"],
+            r"ZeRO stage 3 with parallel.pp=2.*pipeline engine refuses",
+        ),
+        (
+            2,
+            ["parallel.tp=2", "model.hash.num_buckets=255"],
+            r"num_buckets=255 is not divisible by parallel.tp=2",
+        ),
         (4, ["parallel.pp=4"], r"parallel.pp=4 is more stages than model.n_layers=2"),
     ],
 )
 def test_invalid_layouts_fail_before_training(tmp_path, nproc, overrides, message):
-    args = ["train", "--preset", "tiny-h4b16k", "--nproc-per-node", str(nproc), "--run-dir", str(tmp_path / "r")]
+    args = [
+        "train",
+        "--preset",
+        "tiny-h4b16k",
+        "--nproc-per-node",
+        str(nproc),
+        "--run-dir",
+        str(tmp_path / "r"),
+    ]
     for o in overrides:
         args += ["--set", o]
     out = run_cli(args, expect_rc=2, timeout=120)
@@ -120,10 +173,29 @@ def test_real_presets_need_their_data_named(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", "--preset", "100m-h4b16k", "--run-dir", str(run)]) == 2
     err = capsys.readouterr().err
-    assert "data.path is not set for preset 100m-h4b16k" in err and "--set data.path=embedded" in err
+    assert (
+        "data.path is not set for preset 100m-h4b16k" in err and "--set data.path=embedded" in err
+    )
     assert not run.exists()  # stopped before anything started
-    assert main(["submit", "--preset", "3b-h4b16k", "--cluster", "a100-80g", "--nodes", "4", "--run-dir", str(run),
-                 "--dry-run"]) == 2
+    assert (
+        main(
+            [
+                "submit",
+                "--preset",
+                "3b-h4b16k",
+                "--cluster",
+                "a100-80g",
+                "--nodes",
+                "4",
+                "--run-dir",
+                str(run),
+                "--dry-run",
+            ]
+        )
+        == 2
+    )
     assert "data.path is not set" in capsys.readouterr().err
-    preflight(load_config("100m-h4b16k", overrides=["data.path=embedded"]), 1, "cpu")  # the demo text, on purpose
+    preflight(
+        load_config("100m-h4b16k", overrides=["data.path=embedded"]), 1, "cpu"
+    )  # the demo text, on purpose
     preflight(load_config("tiny-h4b16k"), 1, "cpu")  # tiny presets default to it

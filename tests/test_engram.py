@@ -47,9 +47,15 @@ def wrap(x: int) -> int:
 def random_compression(vocab: int, num_ids: int, seed: int) -> CompressionTable:
     """A many-to-one table onto all of ``0..num_ids-1``, pad id 0."""
     gen = torch.Generator().manual_seed(seed)
-    old_to_new = torch.cat([torch.arange(num_ids), torch.randint(0, num_ids, (vocab - num_ids,), generator=gen)])
-    return CompressionTable(old_to_new=old_to_new.int(), keys=tuple(map(str, range(num_ids))), pad_id=0,
-                            tokenizer_fingerprint="test")
+    old_to_new = torch.cat(
+        [torch.arange(num_ids), torch.randint(0, num_ids, (vocab - num_ids,), generator=gen)]
+    )
+    return CompressionTable(
+        old_to_new=old_to_new.int(),
+        keys=tuple(map(str, range(num_ids))),
+        pad_id=0,
+        tokenizer_fingerprint="test",
+    )
 
 
 # ---------------------------------------------------------------- tokenizer compression
@@ -59,16 +65,33 @@ def deepseek_normalizer():
     from tokenizers import Regex, normalizers
 
     sentinel = "\ue000"
-    return normalizers.Sequence([
-        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
-        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), sentinel),
-        normalizers.Strip(), normalizers.Replace(sentinel, " "),
-    ])
+    return normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), sentinel),
+            normalizers.Strip(),
+            normalizers.Replace(sentinel, " "),
+        ]
+    )
 
 
 def test_normalization_matches_deepseek():
     reference = deepseek_normalizer()
-    for text in ["Ｃafé", " The", "THE\n\n", "\t \n", " ", "Ǆemal ﬁ", "naïve  résumé ", "İstanbul", "ÅNGSTRÖM\r\n"]:
+    for text in [
+        "Ｃafé",
+        " The",
+        "THE\n\n",
+        "\t \n",
+        " ",
+        "Ǆemal ﬁ",
+        "naïve  résumé ",
+        "İstanbul",
+        "ÅNGSTRÖM\r\n",
+    ]:
         assert normalize(text) == reference.normalize_str(text), text
 
 
@@ -77,15 +100,24 @@ def test_compression_merges_tokens_equal_after_normalization(bpe):
     tokens, reference = bpe.convert_ids_to_tokens(list(range(len(bpe)))), deepseek_normalizer()
     decoded = [bpe.decode([v]) for v in range(len(bpe))]
     # a partial UTF-8 piece keeps its own string; text that normalises to nothing keeps its decoding
-    keys = [tokens[v] if "\ufffd" in text else reference.normalize_str(text) or text for v, text in enumerate(decoded)]
+    keys = [
+        tokens[v] if "\ufffd" in text else reference.normalize_str(text) or text
+        for v, text in enumerate(decoded)
+    ]
     by_key = {}
     for v, key in enumerate(keys):
         by_key.setdefault(key, table.old_to_new[v].item())
         assert table.old_to_new[v].item() == by_key[key], (v, tokens[v], key)
-    assert table.num_ids == len(by_key) < len(bpe)  # shared ids exactly for equal keys; the vocabulary shrinks
+    assert (
+        table.num_ids == len(by_key) < len(bpe)
+    )  # shared ids exactly for equal keys; the vocabulary shrinks
     assert sorted(set(table.old_to_new.tolist())) == list(range(table.num_ids))
-    the = [bpe.convert_tokens_to_ids(t) for t in ("the", "Ġthe", "The", "ĠThe") if t in bpe.get_vocab()]
-    assert len(the) >= 2 and len({table.old_to_new[v].item() for v in the}) == 1  # " the" and "the" merge
+    the = [
+        bpe.convert_tokens_to_ids(t) for t in ("the", "Ġthe", "The", "ĠThe") if t in bpe.get_vocab()
+    ]
+    assert (
+        len(the) >= 2 and len({table.old_to_new[v].item() for v in the}) == 1
+    )  # " the" and "the" merge
     assert table.pad_id == table.old_to_new[bpe.pad_token_id].item()
     assert abs(table.ratio - table.num_ids / len(bpe)) < 1e-12 and "ratio" in table.summary()
 
@@ -95,10 +127,15 @@ def test_compression_is_persisted_and_verified(tmp_path, bpe):
     built = run.ensure_compression(bpe)
     assert (run.engram_dir / "compression.safetensors").is_file()
     loaded = run.ensure_compression(bpe)
-    assert torch.equal(loaded.old_to_new, built.old_to_new) and loaded.content_hash == built.content_hash
+    assert (
+        torch.equal(loaded.old_to_new, built.old_to_new)
+        and loaded.content_hash == built.content_hash
+    )
     other_dir = tmp_path / "other"
     train_bpe(["a small other corpus, with other words"] * 20, 300, other_dir)
-    with pytest.raises(CompressionError, match=r"built for another tokenizer .* delete .*engram to rebuild"):
+    with pytest.raises(
+        CompressionError, match=r"built for another tokenizer .* delete .*engram to rebuild"
+    ):
         run.ensure_compression(load_tokenizer(other_dir))
     meta_path = run.engram_dir / "compression.json"
     meta = json.loads(meta_path.read_text())
@@ -109,7 +146,9 @@ def test_compression_is_persisted_and_verified(tmp_path, bpe):
 
 
 # ---------------------------------------------------------------- N-gram hashes
-def reference_indices(hasher: NgramHash, ids: list[int], compression: CompressionTable, mode: str) -> tuple[list, bool]:
+def reference_indices(
+    hasher: NgramHash, ids: list[int], compression: CompressionTable, mode: str
+) -> tuple[list, bool]:
     """docs/spec.md §8 at each position t of one sequence; also whether some int64 product wrapped around."""
     x = [compression.old_to_new[i].item() for i in ids]
     moduli, vp, pad = hasher.moduli.tolist(), compression.num_ids, compression.pad_id
@@ -122,7 +161,9 @@ def reference_indices(hasher: NgramHash, ids: list[int], compression: Compressio
 
     rows = []
     for t in range(len(x)):
-        back = [x[t - j] if t - j >= 0 else pad for j in range(hasher.max_ngram)]  # x_t, x_{t-1}, ...
+        back = [
+            x[t - j] if t - j >= 0 else pad for j in range(hasher.max_ngram)
+        ]  # x_t, x_{t-1}, ...
         row = []
         for n in range(2, hasher.max_ngram + 1):
             if mode == "keyed":
@@ -145,9 +186,15 @@ def test_hash_indices_match_spec_formulas(mode):
     cfg = EngramConfig(hash=mode, max_ngram=4, heads=3, table_size=5000, seed=7)
     sizes = table_sizes(cfg, [2, 5])
     primes = [m for layer in sizes.values() for order in layer for m in order]
-    assert len(primes) == 2 * 3 * 3 == len(set(primes)) and all(sympy.isprime(m) and m >= 5000 for m in primes)
-    compression = random_compression(50_000, 40_000, seed=0)  # V' large enough that 3- and 4-gram products wrap
-    hasher = NgramHash(cfg, 5, sizes[5], compression.old_to_new, compression.num_ids, compression.pad_id)
+    assert len(primes) == 2 * 3 * 3 == len(set(primes)) and all(
+        sympy.isprime(m) and m >= 5000 for m in primes
+    )
+    compression = random_compression(
+        50_000, 40_000, seed=0
+    )  # V' large enough that 3- and 4-gram products wrap
+    hasher = NgramHash(
+        cfg, 5, sizes[5], compression.old_to_new, compression.num_ids, compression.pad_id
+    )
     ids = torch.randint(0, 50_000, (3, 11), generator=torch.Generator().manual_seed(1))
     got = hasher(ids)
     assert got.shape == (3, 11, 3 * 3) and got.dtype == torch.long
@@ -161,9 +208,13 @@ def test_hash_indices_match_spec_formulas(mode):
         assert ((hasher.keys >= 1) & (hasher.keys < 2**31)).all()
     else:  # DeepSeek's per-layer multipliers: odd, from default_rng(seed + 10007·layer), x·m never overflows
         half = (2**63 - 1) // compression.num_ids // 2
-        expected_m = np.random.default_rng(7 + 10007 * 5).integers(0, half, size=4, dtype=np.int64) * 2 + 1
+        expected_m = (
+            np.random.default_rng(7 + 10007 * 5).integers(0, half, size=4, dtype=np.int64) * 2 + 1
+        )
         assert hasher.multipliers.tolist() == expected_m.tolist()
-    other = NgramHash(cfg, 2, sizes[2], compression.old_to_new, compression.num_ids, compression.pad_id)
+    other = NgramHash(
+        cfg, 2, sizes[2], compression.old_to_new, compression.num_ids, compression.pad_id
+    )
     assert not torch.equal(other(ids), got)  # other layer, other constants and tables
 
 
@@ -190,9 +241,15 @@ def test_softmax_gate_equals_hand_computation():
 
 
 def memory_case(gate: str, mode: str, **extra) -> tuple[EngramMemory, CompressionTable]:
-    cfg = load_config("tiny-standard+engram", overrides=[f"model.engram.gate={gate}", f"model.engram.hash={mode}",
-                                                         "model.engram.table_size=97"]
-                      + [f"model.engram.{k}={v}" for k, v in extra.items()]).model
+    cfg = load_config(
+        "tiny-standard+engram",
+        overrides=[
+            f"model.engram.gate={gate}",
+            f"model.engram.hash={mode}",
+            "model.engram.table_size=97",
+        ]
+        + [f"model.engram.{k}={v}" for k, v in extra.items()],
+    ).model
     compression = random_compression(V, 200, seed=2)
     torch.manual_seed(0)
     model = build_model(cfg, V, compression=compression).double()
@@ -220,27 +277,37 @@ def test_sigmoid_gate_equals_formula():
     ids = torch.randint(0, V, (1, S), generator=torch.Generator().manual_seed(5))
     h = torch.randn(1, S, d, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     got = memory(h, ids)[0]
-    e = memory.tables.weight[torch.arange(8), memory.hash(ids)[0]].reshape(S, -1)  # concatenated head vectors
+    e = memory.tables.weight[torch.arange(8), memory.hash(ids)[0]].reshape(
+        S, -1
+    )  # concatenated head vectors
 
     def rms(x, gain):
         return x / torch.sqrt((x * x).mean() + 1e-6) * gain
 
     v = []
     for t in range(S):
-        g = (rms(gate.key_proj.weight @ e[t], gate.key_norm.weight) * rms(h[0, t], gate.query_norm.weight)).sum()
+        g = (
+            rms(gate.key_proj.weight @ e[t], gate.key_norm.weight)
+            * rms(h[0, t], gate.query_norm.weight)
+        ).sum()
         g = g / math.sqrt(d)
         alpha = torch.sigmoid(torch.sign(g) * torch.sqrt(g.abs()))
         v.append(alpha * (gate.value_proj.weight @ e[t]))
     conv, taps, dilation = gate.short_conv.conv.weight[:, 0], 4, 3
     for t in range(S):  # causal depthwise conv: tap j reads position t - (taps-1-j)·dilation
-        y = sum(conv[:, j] * rms(v[t - (taps - 1 - j) * dilation], gate.short_conv.norm.weight)
-                for j in range(taps) if t - (taps - 1 - j) * dilation >= 0)
+        y = sum(
+            conv[:, j] * rms(v[t - (taps - 1 - j) * dilation], gate.short_conv.norm.weight)
+            for j in range(taps)
+            if t - (taps - 1 - j) * dilation >= 0
+        )
         torch.testing.assert_close(got[t], v[t] + F.silu(y))
 
 
 @pytest.mark.parametrize("gate, mode", [("softmax", "keyed"), ("sigmoid", "engram")])
 def test_memory_is_causal(gate, mode):
-    memory, compression = memory_case(gate, mode, threshold=0.0) if gate == "softmax" else memory_case(gate, mode)
+    memory, compression = (
+        memory_case(gate, mode, threshold=0.0) if gate == "softmax" else memory_case(gate, mode)
+    )
     S = 10
     ids = torch.randint(1, V, (2, S), generator=torch.Generator().manual_seed(7))
     h = torch.randn(2, S, 64, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
@@ -248,15 +315,23 @@ def test_memory_is_causal(gate, mode):
     for t in range(S - 1):
         changed = ids.clone()
         # a token with another compressed id in both sequences, so the N-grams from t+1 on really change
-        changed[:, t + 1] = next(v for v in range(V) if compressed[v] not in compressed[ids[:, t + 1]])
+        changed[:, t + 1] = next(
+            v for v in range(V) if compressed[v] not in compressed[ids[:, t + 1]]
+        )
         new = memory(h, changed)
         assert torch.equal(new[:, : t + 1], out[:, : t + 1]), t
         assert not torch.equal(new[:, t + 1], out[:, t + 1]), t
 
 
 def test_model_hidden_states_are_causal_with_memory():
-    cfg = load_config("tiny-h4b16k+engram", overrides=["model.hash.num_buckets=64", "model.engram.layers=[0,1]",
-                                                       "model.engram.table_size=97"]).model
+    cfg = load_config(
+        "tiny-h4b16k+engram",
+        overrides=[
+            "model.hash.num_buckets=64",
+            "model.engram.layers=[0,1]",
+            "model.engram.table_size=97",
+        ],
+    ).model
     table = SignatureTable.build([f"tok{i}" for i in range(V)], 4, 64, pad_id=0)
     torch.manual_seed(0)
     model = build_model(cfg, V, table.codes, random_compression(V, 200, seed=2)).double()
@@ -270,14 +345,29 @@ def test_model_hidden_states_are_causal_with_memory():
 
 
 # ---------------------------------------------------------------- config, FLOPs
-@pytest.mark.parametrize("overrides, message", [
-    (["model.engram.layers=[1,10]"], r"model.engram.layers=\[1, 10\]: layer 10 is out of range for "
-                                     r"model.n_layers=2; use 0..1"),
-    (["model.engram.gate=softmax", "model.engram.head_dim=8"], r"head_dim=8 with gate=softmax.*d_model=64"),
-    (["model.engram.threshold=0.5"], r"threshold applies to gate=softmax only"),
-    (["parallel.tp=2", "model.engram.pad_rows_to=3"], r"pad_rows_to=3 is not a multiple of parallel.tp=2"),
-    (["model.engram.heads=3"], r"d_model=64 is not divisible by \(max_ngram-1\)·heads = 6; set model.engram.head_dim"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["model.engram.layers=[1,10]"],
+            r"model.engram.layers=\[1, 10\]: layer 10 is out of range for "
+            r"model.n_layers=2; use 0..1",
+        ),
+        (
+            ["model.engram.gate=softmax", "model.engram.head_dim=8"],
+            r"head_dim=8 with gate=softmax.*d_model=64",
+        ),
+        (["model.engram.threshold=0.5"], r"threshold applies to gate=softmax only"),
+        (
+            ["parallel.tp=2", "model.engram.pad_rows_to=3"],
+            r"pad_rows_to=3 is not a multiple of parallel.tp=2",
+        ),
+        (
+            ["model.engram.heads=3"],
+            r"d_model=64 is not divisible by \(max_ngram-1\)·heads = 6; set model.engram.head_dim",
+        ),
+    ],
+)
 def test_engram_config_errors_name_field_and_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny-h4b16k+engram", overrides=overrides)
@@ -288,7 +378,9 @@ def test_presets_and_flops_include_the_memory():
     assert cfg.engram_layers == [1, 10]  # docs/spec.md §8: layers 1 and L/2
     compression = CompressionTable.identity(32768)
     with torch.device("meta"):
-        counts = build_model(cfg, 32768, torch.ones(32768, 4, dtype=torch.long), compression).parameter_counts()
+        counts = build_model(
+            cfg, 32768, torch.ones(32768, 4, dtype=torch.long), compression
+        ).parameter_counts()
     # two memories of (3-1)·4 heads, each 65,537 + 127 padding rows of 2048 / 8 = 256
     assert counts["engram"] == 2 * 8 * 65664 * 256 + 2 * (2 * 2048 * 2048 + 3 * 2048 + 4 * 2048)
     assert load_config("100m-standard+4l+engram").model.n_layers == 16
@@ -305,16 +397,28 @@ def test_presets_and_flops_include_the_memory():
 # ---------------------------------------------------------------- tensor parallel
 TP_CASES = {  # preset, overrides: both gates, both hashes, both model families, a memory on both layers
     "mhf-sigmoid": ("tiny-h4b16k+engram", ["model.hash.num_buckets=64"]),
-    "standard-softmax": ("tiny-standard+engram", ["model.engram.gate=softmax", "model.engram.hash=seed",
-                                                  "model.engram.threshold=0.0"]),
+    "standard-softmax": (
+        "tiny-standard+engram",
+        ["model.engram.gate=softmax", "model.engram.hash=seed", "model.engram.threshold=0.0"],
+    ),
 }
 
 
 def make_tp_case(name: str, tp: int):
     preset, overrides = TP_CASES[name]
-    cfg = load_config(preset, overrides=[*overrides, "model.engram.layers=[0,1]", "model.engram.table_size=61",
-                                         f"parallel.tp={tp}", "model.decoder_chunk_tokens=0"]).model
-    table = SignatureTable.build([f"tok{i}" for i in range(V)], cfg.hash.num_hashes, cfg.hash.num_buckets, pad_id=0)
+    cfg = load_config(
+        preset,
+        overrides=[
+            *overrides,
+            "model.engram.layers=[0,1]",
+            "model.engram.table_size=61",
+            f"parallel.tp={tp}",
+            "model.decoder_chunk_tokens=0",
+        ],
+    ).model
+    table = SignatureTable.build(
+        [f"tok{i}" for i in range(V)], cfg.hash.num_hashes, cfg.hash.num_buckets, pad_id=0
+    )
     torch.manual_seed(0)
     model = build_model(cfg, V, table.codes, random_compression(V, 200, seed=2))
     batch = torch.randint(1, V, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -327,7 +431,9 @@ def engram_tp_worker(rank, world):
     for name in TP_CASES:
         _, model, batch = make_tp_case(name, world)
         apply_tensor_parallel(model, groups.tp_group, groups.tp_rank, groups.tp)
-        assert model.backbone.layers[0].engram.tables.weight.shape[1] == 128 // world  # rows sharded
+        assert (
+            model.backbone.layers[0].engram.tables.weight.shape[1] == 128 // world
+        )  # rows sharded
         results[name] = step(model, batch)
     return results
 
@@ -347,15 +453,25 @@ def test_tensor_parallel_with_memory_equals_single_process():
             assert_tensor_close(grads[key], g, f"{name} grad {key}")
         for layer in (0, 1):  # the memories take part: their tables receive gradient
             assert ref["grads"][f"backbone.layers.{layer}.engram.tables.weight"].abs().sum() > 0
-        assert ranks[0][name]["bytes"] == dict(expected_collective_bytes(cfg, batch[:, 1:].numel(), 2)), name
+        assert ranks[0][name]["bytes"] == dict(
+            expected_collective_bytes(cfg, batch[:, 1:].numel(), 2)
+        ), name
         # checkpoint conversion joins the memory tables' shards along their rows, under either engine's names
         for pipeline in (False, True):
             info = universal_info(list(ref["grads"]), cfg, 2, pipeline)
-            name_in_engine = pipeline_name("backbone.layers.1.engram.tables.weight", cfg.n_layers) if pipeline \
+            name_in_engine = (
+                pipeline_name("backbone.layers.1.engram.tables.weight", cfg.n_layers)
+                if pipeline
                 else "backbone.layers.1.engram.tables.weight"
-            assert any(re.fullmatch(p, name_in_engine) for p in info["parameter_with_row_parallelism_patterns"])
-        assert canonical_name(pipeline_name("backbone.layers.1.engram.gate.key_proj.weight", 2)) == \
-            "backbone.layers.1.engram.gate.key_proj.weight"
+            )
+            assert any(
+                re.fullmatch(p, name_in_engine)
+                for p in info["parameter_with_row_parallelism_patterns"]
+            )
+        assert (
+            canonical_name(pipeline_name("backbone.layers.1.engram.gate.key_proj.weight", 2))
+            == "backbone.layers.1.engram.gate.key_proj.weight"
+        )
 
 
 # ---------------------------------------------------------------- training, pipeline, resharding, profile
@@ -382,14 +498,30 @@ def test_tiny_model_with_memory_trains_on_real_text(single):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("nproc, layout", [(2, ["parallel.pp=2"]), (4, ["parallel.tp=2", "parallel.pp=2"])],
-                         ids=["pp2", "tp2-pp2"])
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [(2, ["parallel.pp=2"]), (4, ["parallel.tp=2", "parallel.pp=2"])],
+    ids=["pp2", "tp2-pp2"],
+)
 def test_pipeline_with_memory_gives_single_process_losses(tmp_path, data, single, nproc, layout):
     # warm-up lasts 10 steps, so the first 3 steps' learning rates do not depend on max_steps
-    piped = train_run(tmp_path, data, "piped", nproc, *layout, "parallel.activation_checkpoint_interval=1",
-                      *ENGRAM, preset="tiny-h4b16k+engram", steps=3)
+    piped = train_run(
+        tmp_path,
+        data,
+        "piped",
+        nproc,
+        *layout,
+        "parallel.activation_checkpoint_interval=1",
+        *ENGRAM,
+        preset="tiny-h4b16k+engram",
+        steps=3,
+    )
     for got, want in zip(piped, single[0][:3], strict=True):
-        assert abs(got["loss"] - want["loss"]) <= 1e-4 * want["loss"], (got["step"], got["loss"], want["loss"])
+        assert abs(got["loss"] - want["loss"]) <= 1e-4 * want["loss"], (
+            got["step"],
+            got["loss"],
+            want["loss"],
+        )
         for a, b in zip(got["head_losses"], want["head_losses"]):
             assert abs(a - b) <= 1e-4 * b
 
@@ -399,22 +531,55 @@ def test_resume_with_memory_under_another_tensor_parallel_layout(tmp_path, data,
     # tp = 2 for two steps, then the universal checkpoint continues at tp = 1: the memory tables are merged
     # along their rows (tp_split_dims), so the losses continue the uninterrupted single-process run's
     args = [*ENGRAM, "train.stop_at_step=2"]
-    run_cli(train_args(tmp_path / "run", data, 2, "parallel.tp=2", *args, preset="tiny-h4b16k+engram",
-                       steps=TRAIN_STEPS))
-    out = run_cli(train_args(tmp_path / "run", data, 1, *ENGRAM, "train.stop_at_step=4", preset="tiny-h4b16k+engram",
-                             steps=TRAIN_STEPS))
+    run_cli(
+        train_args(
+            tmp_path / "run",
+            data,
+            2,
+            "parallel.tp=2",
+            *args,
+            preset="tiny-h4b16k+engram",
+            steps=TRAIN_STEPS,
+        )
+    )
+    out = run_cli(
+        train_args(
+            tmp_path / "run",
+            data,
+            1,
+            *ENGRAM,
+            "train.stop_at_step=4",
+            preset="tiny-h4b16k+engram",
+            steps=TRAIN_STEPS,
+        )
+    )
     assert "converted to this layout" in out
     resumed = metrics(tmp_path / "run")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for got, want in zip(resumed, single[0][:4]):
-        assert abs(got["loss"] - want["loss"]) <= 1e-5 * want["loss"], (got["step"], got["loss"], want["loss"])
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * want["loss"], (
+            got["step"],
+            got["loss"],
+            want["loss"],
+        )
 
 
 @pytest.mark.parametrize("hash_name", ["standard+engram", "h4b16k+engram"])
 def test_profile_accepts_engram_presets(hash_name):
     """`mhf-dist profile --hash h4b16k,h4b16k+engram` builds each preset in its worker: one step in process."""
-    kwargs = dict(size="tiny", tp=1, steps=1, warmup=0, seq_len=16, micro=1, dtype="fp32", device=torch.device("cpu"),
-                  peak_measured=1e12, peak_nominal=None, overrides=[])
+    kwargs = dict(
+        size="tiny",
+        tp=1,
+        steps=1,
+        warmup=0,
+        seq_len=16,
+        micro=1,
+        dtype="fp32",
+        device=torch.device("cpu"),
+        peak_measured=1e12,
+        peak_nominal=None,
+        overrides=[],
+    )
     plain = profile_training(hash_name=hash_name.removesuffix("+engram"), **kwargs)
     memory = profile_training(hash_name=hash_name, **kwargs)
     assert memory.hash == hash_name and memory.params > plain.params

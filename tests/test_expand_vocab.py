@@ -51,16 +51,31 @@ def scores_old_tokens_as_before(old, new, old_vocab: int, text: str, tok) -> Non
     torch.testing.assert_close(after.log_softmax(-1), before, rtol=0, atol=1e-5)
 
 
-def test_mhf_expansion_adds_no_parameters_and_keeps_every_signature(trained, superset, data, tmp_path):
-    out = run_cli(["expand-vocab", "--run-dir", str(trained["mhf"]), "--tokenizer", str(superset),
-                   "--out", str(tmp_path / "expanded"), "--trainable-blocks", "0"])
+def test_mhf_expansion_adds_no_parameters_and_keeps_every_signature(
+    trained, superset, data, tmp_path
+):
+    out = run_cli(
+        [
+            "expand-vocab",
+            "--run-dir",
+            str(trained["mhf"]),
+            "--tokenizer",
+            str(superset),
+            "--out",
+            str(tmp_path / "expanded"),
+            "--trainable-blocks",
+            "0",
+        ]
+    )
     assert "0 parameters added" in out
     old, old_tok, old_table = trained_model(trained["mhf"])
     new, new_tok, new_table = expanded_model(tmp_path / "expanded")
     v = len(old_tok)
     assert len(new_tok) == v + len(NEW_TOKENS)
     assert new.parameter_counts() == old.parameter_counts()
-    assert torch.equal(new_table.codes[:v], old_table.codes) and new_table.is_extension_of(old_table)
+    assert torch.equal(new_table.codes[:v], old_table.codes) and new_table.is_extension_of(
+        old_table
+    )
     registered = new_table.codes[new_table.registered_mask()]
     assert torch.unique(registered, dim=0).shape[0] == registered.shape[0]  # all signatures unique
     for name, p in old.state_dict().items():
@@ -69,8 +84,21 @@ def test_mhf_expansion_adds_no_parameters_and_keeps_every_signature(trained, sup
 
     # Training continues on text with the new tokens (the embedded corpus, re-tokenised into the new run),
     # only the vocabulary side and the final norm trainable (k = 0 blocks).
-    run_cli(["train", "--config", str(tmp_path / "expanded/config.yaml"), "--run-dir", str(tmp_path / "expanded"),
-             "--set", "data.path=embedded", "--set", "train.max_steps=2", "--set", "train.micro_batch_size=4"])
+    run_cli(
+        [
+            "train",
+            "--config",
+            str(tmp_path / "expanded/config.yaml"),
+            "--run-dir",
+            str(tmp_path / "expanded"),
+            "--set",
+            "data.path=embedded",
+            "--set",
+            "train.max_steps=2",
+            "--set",
+            "train.micro_batch_size=4",
+        ]
+    )
     assert len(metrics(tmp_path / "expanded")) == 2
     after = trained_weights(tmp_path / "expanded").state
     for name, p in old.state_dict().items():
@@ -79,8 +107,17 @@ def test_mhf_expansion_adds_no_parameters_and_keeps_every_signature(trained, sup
 
 
 def test_standard_expansion_adds_mean_initialised_rows(trained, superset, tmp_path):
-    out = run_cli(["expand-vocab", "--run-dir", str(trained["standard"]), "--tokenizer", str(superset),
-                   "--out", str(tmp_path / "expanded")])
+    out = run_cli(
+        [
+            "expand-vocab",
+            "--run-dir",
+            str(trained["standard"]),
+            "--tokenizer",
+            str(superset),
+            "--out",
+            str(tmp_path / "expanded"),
+        ]
+    )
     old, old_tok, _ = trained_model(trained["standard"])
     new, new_tok, _ = expanded_model(tmp_path / "expanded")
     v, d = len(old_tok), old.cfg.d_model
@@ -101,26 +138,79 @@ def test_standard_expansion_adds_mean_initialised_rows(trained, superset, tmp_pa
 def test_expansion_needs_a_superset(trained, data, tmp_path):
     """A larger tokenizer trained anew on other text reorders the old tokens: a clear error, nothing written."""
     train_bpe(list(embedded_corpus())[::3], 1100, tmp_path / "other")
-    old, other = vocabulary(load_tokenizer(data["tokenizer"])), vocabulary(load_tokenizer(tmp_path / "other"))
+    old, other = (
+        vocabulary(load_tokenizer(data["tokenizer"])),
+        vocabulary(load_tokenizer(tmp_path / "other")),
+    )
     assert other[: len(old)] != old
-    out = run_cli(["expand-vocab", "--run-dir", str(trained["mhf"]), "--tokenizer", str(tmp_path / "other"),
-                   "--out", str(tmp_path / "x")], expect_rc=2)
+    out = run_cli(
+        [
+            "expand-vocab",
+            "--run-dir",
+            str(trained["mhf"]),
+            "--tokenizer",
+            str(tmp_path / "other"),
+            "--out",
+            str(tmp_path / "x"),
+        ],
+        expect_rc=2,
+    )
     assert "must be a superset of the old one" in out and not (tmp_path / "x").exists()
 
 
-def test_expansion_names_the_commands_that_prepare_its_data_with_the_new_tokenizer(data, superset, tmp_path):
+def test_expansion_names_the_commands_that_prepare_its_data_with_the_new_tokenizer(
+    data, superset, tmp_path
+):
     """The old run's shards carry the old tokenizer: the advice prepares them again with the new one, then trains."""
     train_run(tmp_path, data, "run", 1, steps=1)
-    out = run_cli(["expand-vocab", "--run-dir", str(tmp_path / "run"), "--tokenizer", str(superset),
-                   "--out", str(tmp_path / "expanded")])
+    out = run_cli(
+        [
+            "expand-vocab",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--tokenizer",
+            str(superset),
+            "--out",
+            str(tmp_path / "expanded"),
+        ]
+    )
     assert "continue with" not in out
-    prepare, train = [line.strip() for line in out.splitlines() if line.strip().startswith("mhf-dist ")]
-    new_shards, tokenizer = f"{data['shards']}-vocab{len(load_tokenizer(superset))}", tmp_path / "expanded/tokenizer"
-    assert prepare == shlex.join(["mhf-dist", "prepare-data", "mhf_dist/data/corpus/kjv.txt.gz", "--tokenizer",
-                                  str(tokenizer), "--out", new_shards, "--seq-len", "64", "--samples-per-shard", "32",
-                                  "--val-fraction", "0.05"])
-    assert train == shlex.join(["mhf-dist", "train", "--run-dir", str(tmp_path / "expanded"), "--config",
-                                str(tmp_path / "expanded/config.yaml"), "--set", f"data.path={new_shards}"])
+    prepare, train = [
+        line.strip() for line in out.splitlines() if line.strip().startswith("mhf-dist ")
+    ]
+    new_shards, tokenizer = (
+        f"{data['shards']}-vocab{len(load_tokenizer(superset))}",
+        tmp_path / "expanded/tokenizer",
+    )
+    assert prepare == shlex.join(
+        [
+            "mhf-dist",
+            "prepare-data",
+            "mhf_dist/data/corpus/kjv.txt.gz",
+            "--tokenizer",
+            str(tokenizer),
+            "--out",
+            new_shards,
+            "--seq-len",
+            "64",
+            "--samples-per-shard",
+            "32",
+            "--val-fraction",
+            "0.05",
+        ]
+    )
+    assert train == shlex.join(
+        [
+            "mhf-dist",
+            "train",
+            "--run-dir",
+            str(tmp_path / "expanded"),
+            "--config",
+            str(tmp_path / "expanded/config.yaml"),
+            "--set",
+            f"data.path={new_shards}",
+        ]
+    )
     run_cli([*shlex.split(prepare)[1:], "--workers", "1", "--no-progress"])
     run_cli(shlex.split(train)[1:])
     assert [r["step"] for r in metrics(tmp_path / "expanded") if "loss" in r] == [1]

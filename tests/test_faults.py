@@ -24,24 +24,53 @@ from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.train.metrics import MetricsLogger, read_metrics
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.seed=-1", "train.seed: Input should be greater than or equal to 0"),
-    ("optimizer.betas=[2,-1]", "optimizer.betas[0]=2.0 is outside [0, 1)"),
-    ("optimizer.betas=[0.9,-0.1]", "optimizer.betas[1]=-0.1 is outside [0, 1)"),
-    ("optimizer.eps=-1e-8", "optimizer.eps: Input should be greater than 0"),
-    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay: Input should be greater than or equal to 0"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.seed=-1", "train.seed: Input should be greater than or equal to 0"),
+        ("optimizer.betas=[2,-1]", "optimizer.betas[0]=2.0 is outside [0, 1)"),
+        ("optimizer.betas=[0.9,-0.1]", "optimizer.betas[1]=-0.1 is outside [0, 1)"),
+        ("optimizer.eps=-1e-8", "optimizer.eps: Input should be greater than 0"),
+        (
+            "optimizer.weight_decay=-0.1",
+            "optimizer.weight_decay: Input should be greater than or equal to 0",
+        ),
+    ],
+)
 def test_out_of_range_values_name_the_field(override, message):
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(
+        ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")
+    ):
         load_config("tiny-h4b16k", overrides=[override])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["train", "--preset", "tiny-h4b16k", "--run-dir", "R", "--nproc-per-node", "0"], "must be at least 1, got 0"),
-    (["train", "--preset", "tiny-h4b16k", "--run-dir", "R", "--nproc-per-node", "-2"], "must be at least 1, got -2"),
-    (["submit", "--preset", "tiny-h4b16k", "--cluster", "cpu-local", "--run-dir", "R", "--grace", "-5"],
-     "--grace: must be at least 1, got -5"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["train", "--preset", "tiny-h4b16k", "--run-dir", "R", "--nproc-per-node", "0"],
+            "must be at least 1, got 0",
+        ),
+        (
+            ["train", "--preset", "tiny-h4b16k", "--run-dir", "R", "--nproc-per-node", "-2"],
+            "must be at least 1, got -2",
+        ),
+        (
+            [
+                "submit",
+                "--preset",
+                "tiny-h4b16k",
+                "--cluster",
+                "cpu-local",
+                "--run-dir",
+                "R",
+                "--grace",
+                "-5",
+            ],
+            "--grace: must be at least 1, got -5",
+        ),
+    ],
+)
 def test_out_of_range_options_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
@@ -49,8 +78,21 @@ def test_out_of_range_options_are_usage_errors(argv, message, capsys):
 
 
 def test_missing_data_path_is_named_before_start_up(tmp_path):
-    out = run_cli(["train", "--preset", "tiny-h4b16k", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"),
-                   "--set", "data.path=data/nowhere"], expect_rc=2, timeout=120)
+    out = run_cli(
+        [
+            "train",
+            "--preset",
+            "tiny-h4b16k",
+            "--nproc-per-node",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            "data.path=data/nowhere",
+        ],
+        expect_rc=2,
+        timeout=120,
+    )
     assert "data.path=data/nowhere: no such directory" in out and "Traceback" not in out
     assert not (tmp_path / "run").exists()
 
@@ -63,9 +105,22 @@ def test_a_refused_start_leaves_a_new_run_directory_as_it_found_it(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     for run, buckets in ((tmp_path / "new", 256), (tmp_path / "new", 512), (empty, 256)):
-        out = run_cli(["train", "--preset", "tiny-h4b16k", "--run-dir", str(run), "--set", "data.seq_len=300000",
-                       "--set", "tokenizer.vocab_size=512", "--set", f"model.hash.num_buckets={buckets}"],
-                      expect_rc=2)
+        out = run_cli(
+            [
+                "train",
+                "--preset",
+                "tiny-h4b16k",
+                "--run-dir",
+                str(run),
+                "--set",
+                "data.seq_len=300000",
+                "--set",
+                "tokenizer.vocab_size=512",
+                "--set",
+                f"model.hash.num_buckets={buckets}",
+            ],
+            expect_rc=2,
+        )
         assert message in out and "Traceback" not in out, out[-3000:]
     assert sorted(tmp_path.iterdir()) == [empty] and not list(empty.iterdir())
 
@@ -75,7 +130,9 @@ def test_refused_resume_leaves_the_run_as_it_was(tmp_path, data):
     run = tmp_path / "run"
     train_run(tmp_path, data, "run", 1, "parallel.zero_stage=1", steps=2)
     saved = (run / "config.yaml").read_text()
-    out = run_cli(train_args(run, data, 1, "parallel.zero_stage=1", "model.ffn_dim=128", steps=4), expect_rc=2)
+    out = run_cli(
+        train_args(run, data, 1, "parallel.zero_stage=1", "model.ffn_dim=128", steps=4), expect_rc=2
+    )
     assert "is of another model (model.ffn_dim: checkpoint 192, config 128)" in out
     assert (run / "config.yaml").read_text() == saved  # the refused config was not recorded
 
@@ -98,7 +155,8 @@ def test_optimizer_changes_on_resume_are_applied_and_logged(tmp_path, data):
     cfg = load_config("tiny-h4b16k", overrides=["optimizer.lr=0.01"]).optimizer
     logged = {r["step"]: r["lr"] for r in metrics(run)}
     assert logged[3] == pytest.approx(0.01 * lr_factor(2, cfg, 4)) and logged[4] == pytest.approx(
-        0.01 * lr_factor(3, cfg, 4))
+        0.01 * lr_factor(3, cfg, 4)
+    )
     assert yaml.safe_load((run / "config.yaml").read_text())["optimizer"]["lr"] == 0.01
 
 
@@ -108,9 +166,25 @@ def test_signal_during_start_up_exits_for_requeue_without_a_checkpoint(tmp_path,
     # no data.path: rank 0 trains a tokenizer and prepares the embedded corpus while rank 1 waits, so the signal
     # lands in the middle of start-up
     run = tmp_path / "run"
-    args = ["train", "--preset", "tiny-h4b16k", "--nproc-per-node", "2", "--run-dir", str(run),
-            "--set", "model.hash.num_buckets=256", "--set", "tokenizer.vocab_size=512", "--set", "train.max_steps=3",
-            "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=2"]
+    args = [
+        "train",
+        "--preset",
+        "tiny-h4b16k",
+        "--nproc-per-node",
+        "2",
+        "--run-dir",
+        str(run),
+        "--set",
+        "model.hash.num_buckets=256",
+        "--set",
+        "tokenizer.vocab_size=512",
+        "--set",
+        "train.max_steps=3",
+        "--set",
+        "train.global_batch_size=4",
+        "--set",
+        "train.micro_batch_size=2",
+    ]
     proc = CliProcess(args, tmp_path / "out.log")
     deadline = time.time() + 300
     while not (run / "tokenizer").exists() and time.time() < deadline:
@@ -120,7 +194,10 @@ def test_signal_during_start_up_exits_for_requeue_without_a_checkpoint(tmp_path,
     assert rc == 85, out[-3000:]
     assert "stopped by a signal during start-up; nothing to save" in out
     if sig == signal.SIGINT:  # no step to finish, nothing to save: said so
-        assert "interrupted during start-up: stopping once the model is built, before the first step" in out
+        assert (
+            "interrupted during start-up: stopping once the model is built, before the first step"
+            in out
+        )
         assert "finishing this step" not in out
     assert not list(run.glob("checkpoints/step-*"))
 
@@ -128,8 +205,15 @@ def test_signal_during_start_up_exits_for_requeue_without_a_checkpoint(tmp_path,
 @pytest.mark.multirank
 def test_a_diverged_run_stops_and_saves_no_nonfinite_checkpoint(tmp_path, data):
     run = tmp_path / "run"
-    args = train_args(run, data, 1, "parallel.zero_stage=1", "optimizer.lr=1e12", "train.checkpoint_interval=1",
-                      steps=8)
+    args = train_args(
+        run,
+        data,
+        1,
+        "parallel.zero_stage=1",
+        "optimizer.lr=1e12",
+        "train.checkpoint_interval=1",
+        steps=8,
+    )
     out = run_cli(args, expect_rc=2)
     assert "was not finite for 3 steps in a row (steps 2-4)" in out and "Traceback" not in out
     records = metrics(run)
@@ -139,8 +223,17 @@ def test_a_diverged_run_stops_and_saves_no_nonfinite_checkpoint(tmp_path, data):
     assert saved == ["step-00000001"]  # the only step whose loss and weights were finite
 
     # warn: the run goes on to the end, and still saves nothing that is not finite
-    out = run_cli(train_args(tmp_path / "warn", data, 1, "parallel.zero_stage=1", "optimizer.lr=1e12",
-                             "train.on_nonfinite=warn", steps=4))
+    out = run_cli(
+        train_args(
+            tmp_path / "warn",
+            data,
+            1,
+            "parallel.zero_stage=1",
+            "optimizer.lr=1e12",
+            "train.on_nonfinite=warn",
+            steps=4,
+        )
+    )
     assert "warning: step 2: loss" in out and "warning: not saving step 4 (end)" in out
     assert not list((tmp_path / "warn").glob("checkpoints/step-*"))
 
@@ -150,8 +243,19 @@ def test_a_run_stopping_on_an_error_still_finishes_its_async_save(tmp_path, data
     # step 1 is saved in the background (stalled 10 s before complete.json) while steps 2-4 diverge and stop the run
     monkeypatch.setenv("MHF_DIST_TEST_SAVE_PAUSE", "10")
     run = tmp_path / "run"
-    out = run_cli(train_args(run, data, 1, "parallel.zero_stage=1", "optimizer.lr=1e12", "train.checkpoint_interval=1",
-                             "train.checkpoint_async=true", steps=8), expect_rc=2)
+    out = run_cli(
+        train_args(
+            run,
+            data,
+            1,
+            "parallel.zero_stage=1",
+            "optimizer.lr=1e12",
+            "train.checkpoint_interval=1",
+            "train.checkpoint_async=true",
+            steps=8,
+        ),
+        expect_rc=2,
+    )
     assert "was not finite for 3 steps in a row (steps 2-4)" in out and "Traceback" not in out
     assert (run / "checkpoints/step-00000001/complete.json").is_file()
     assert (run / "checkpoints/latest").read_text() == "step-00000001"
@@ -165,15 +269,25 @@ def test_a_second_job_on_a_run_directory_is_refused(tmp_path, data):
 
     run = tmp_path / "run"
     run.mkdir()
-    live = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": None, "started": "earlier"}
+    live = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "slurm_job_id": None,
+        "started": "earlier",
+    }
     (run / "lock.json").write_text(json.dumps(live))  # this test process stands in for a live job
     out = run_cli(train_args(run, data, 2, steps=2), expect_rc=2)
-    assert f"is in use by process {os.getpid()} on {socket.gethostname()}" in out and "Traceback" not in out
+    assert (
+        f"is in use by process {os.getpid()} on {socket.gethostname()}" in out
+        and "Traceback" not in out
+    )
     assert not (run / "config.yaml").exists() and not (run / "checkpoints").exists()
 
     gone = subprocess.Popen(["true"])
     gone.wait()
-    (run / "lock.json").write_text(json.dumps(live | {"pid": gone.pid}))  # a job that died without releasing it
+    (run / "lock.json").write_text(
+        json.dumps(live | {"pid": gone.pid})
+    )  # a job that died without releasing it
     out = run_cli(train_args(run, data, 2, steps=2))
     assert f"taking over the lock of {run}: process {gone.pid}" in out
     assert not (run / "lock.json").exists()  # released at the end
@@ -187,18 +301,48 @@ def test_unreadable_inputs_are_named_not_traced(tmp_path, capsys):
     (tmp_path / "bad.yaml").write_text("model: [unclosed")
     assert main(["config", "--config", str(tmp_path / "bad.yaml")]) == 2
     assert "cannot read config file" in capsys.readouterr().err
-    assert main(["tokenizer", "train", "--input", str(tmp_path / "missing.txt"), "--vocab-size", "300",
-                 "--out", str(tmp_path / "tok")]) == 2
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                "--input",
+                str(tmp_path / "missing.txt"),
+                "--vocab-size",
+                "300",
+                "--out",
+                str(tmp_path / "tok"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "missing.txt" in err and "--debug shows where" in err
     with pytest.raises(OSError):
-        main(["--debug", "tokenizer", "train", "--input", str(tmp_path / "missing.txt"), "--vocab-size", "300",
-              "--out", str(tmp_path / "tok")])
+        main(
+            [
+                "--debug",
+                "tokenizer",
+                "train",
+                "--input",
+                str(tmp_path / "missing.txt"),
+                "--vocab-size",
+                "300",
+                "--out",
+                str(tmp_path / "tok"),
+            ]
+        )
 
 
-@pytest.mark.parametrize("argv", [["export-hf", "/", "OUT"], ["export", "/", "--out", "OUT"],
-                                  ["generate", "--model", "/", "--prompt", "In the beginning"],
-                                  ["eval", "--model", "/", "--lambada", "OUT/lambada.jsonl"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["export-hf", "/", "OUT"],
+        ["export", "/", "--out", "OUT"],
+        ["generate", "--model", "/", "--prompt", "In the beginning"],
+        ["eval", "--model", "/", "--lambada", "OUT/lambada.jsonl"],
+    ],
+)
 def test_a_path_that_holds_no_model_is_named_before_the_output(argv, tmp_path, capsys):
     """`/` contains every output directory, yet the problem is that it is no model: said first, with what to pass."""
     out = tmp_path / "out"
@@ -214,8 +358,10 @@ def test_a_run_without_a_checkpoint_or_initial_weights_says_to_train_it(tmp_path
     run = RunDir(tmp_path / "run")
     run.save_config(load_config("tiny-h4b16k"))  # as train writes it before the first step
     assert main(["export-hf", str(run.path), str(tmp_path / "out")]) == 2
-    assert (f"{run.path} has no complete checkpoint yet, nor initial weights (train.init_from): train it until it "
-            "saves one") in capsys.readouterr().err
+    assert (
+        f"{run.path} has no complete checkpoint yet, nor initial weights (train.init_from): train it until it "
+        "saves one"
+    ) in capsys.readouterr().err
 
 
 @pytest.mark.multirank
@@ -251,7 +397,8 @@ def test_a_full_disk_while_logging_names_the_file_and_leaves_complete_lines(tmp_
                 logger.log(step, {"loss": 1.0, "note": "x" * 1000})
         assert str(failed.value) == (
             f"could not log step {step} to {run.metrics_path} (No space left on device): free space on its "
-            "filesystem, then rerun to resume (--resume auto); the file keeps its complete records")
+            "filesystem, then rerun to resume (--resume auto); the file keeps its complete records"
+        )
         assert run.metrics_path.read_text().endswith("}\n")
         assert [r["step"] for r in read_metrics(run.path)] == list(range(1, step))
         (run.path / "filler").unlink()
@@ -271,8 +418,10 @@ def test_a_line_cut_short_is_dropped_at_the_next_start(tmp_path, caplog):
     logger.log(1, {"loss": 2.5})
     logger.close()
     assert [(r["step"], r["loss"]) for r in read_metrics(run.path)] == [(1, 2.0), (1, 2.5)]
-    assert f"{run.metrics_path} ended in a line cut short ({len(cut)} bytes: a write that never finished); dropped " \
-           "it" in caplog.text
+    assert (
+        f"{run.metrics_path} ended in a line cut short ({len(cut)} bytes: a write that never finished); dropped "
+        "it" in caplog.text
+    )
 
 
 @pytest.mark.multirank
@@ -280,17 +429,23 @@ def test_commands_that_write_a_directory_never_lose_a_run(tmp_path, data):
     run = tmp_path / "run"
     train_run(tmp_path, data, "run", 1, "parallel.zero_stage=1", steps=2)
     before = sorted(p.relative_to(run) for p in run.rglob("*"))
-    for argv in (["export-hf", str(run), str(run)], ["export-hf", str(run), str(tmp_path), "--overwrite"],
-                 ["export", str(run), "--out", str(run / "checkpoints"), "--overwrite"]):
+    for argv in (
+        ["export-hf", str(run), str(run)],
+        ["export-hf", str(run), str(tmp_path), "--overwrite"],
+        ["export", str(run), "--out", str(run / "checkpoints"), "--overwrite"],
+    ):
         out = run_cli(argv, expect_rc=2)
         assert ("source" in out or "holds a run directory" in out) and "Traceback" not in out, out
-    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # nothing of the run touched
+    assert (
+        sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    )  # nothing of the run touched
 
     target = tmp_path / "exported"
     target.mkdir()
     (target / "notes.txt").write_text("mine")
     assert "is not empty; choose a new directory, or pass --overwrite" in run_cli(
-        ["export", str(run), "--out", str(target)], expect_rc=2)
+        ["export", str(run), "--out", str(target)], expect_rc=2
+    )
     run_cli(["export", str(run), "--out", str(target), "--overwrite"])
     assert (target / "model.safetensors").is_file() and not (target / "notes.txt").exists()
     assert not list(tmp_path.glob(".exported.*"))  # no staging left behind
@@ -302,8 +457,21 @@ def test_a_failed_prepare_data_leaves_nothing_behind(tmp_path, data):
     good.write_text("In the beginning was the word.\n\nAnd the word was short.\n")
     binary.write_bytes(b"\xff\xfe\x00binary\x80")
     out = tmp_path / "shards"
-    args = ["prepare-data", str(good), "--tokenizer", str(data["tokenizer"]), "--out", str(out), "--seq-len", "8",
-            "--samples-per-shard", "1", "--workers", "1", "--no-progress"]
+    args = [
+        "prepare-data",
+        str(good),
+        "--tokenizer",
+        str(data["tokenizer"]),
+        "--out",
+        str(out),
+        "--seq-len",
+        "8",
+        "--samples-per-shard",
+        "1",
+        "--workers",
+        "1",
+        "--no-progress",
+    ]
     assert "not readable UTF-8 text" in run_cli([*args[:2], str(binary), *args[2:]], expect_rc=2)
     assert not out.exists() and not list(tmp_path.glob(".shards.*"))
     run_cli(args)  # the rerun is not refused
@@ -315,8 +483,12 @@ def test_one_rank_killed_mid_save_loses_nothing_saved(tmp_path, data):
     import os
 
     reference = train_run(tmp_path, data, "ref", 2, "parallel.zero_stage=1", steps=6)
-    args = train_args(tmp_path / "run", data, 2, "parallel.zero_stage=1", "train.checkpoint_interval=2", steps=6)
-    env = os.environ | {"MHF_DIST_TEST_SAVE_PAUSE": "3"}  # every save stalls before it is marked complete
+    args = train_args(
+        tmp_path / "run", data, 2, "parallel.zero_stage=1", "train.checkpoint_interval=2", steps=6
+    )
+    env = os.environ | {
+        "MHF_DIST_TEST_SAVE_PAUSE": "3"
+    }  # every save stalls before it is marked complete
     proc = CliProcess(args, tmp_path / "out.log", env)
     ckpts = tmp_path / "run" / "checkpoints"
     deadline = time.time() + 300
@@ -324,7 +496,9 @@ def test_one_rank_killed_mid_save_loses_nothing_saved(tmp_path, data):
         time.sleep(0.05)
     os.kill(proc.rank_pids()[1], signal.SIGKILL)  # rank 1 alone, mid-save of step 4
     rc = proc.wait(timeout=300)
-    assert rc != 0, (tmp_path / "out.log").read_text()[-3000:]  # the launcher stopped rank 0, which waited for rank 1
+    assert rc != 0, (tmp_path / "out.log").read_text()[
+        -3000:
+    ]  # the launcher stopped rank 0, which waited for rank 1
     assert (ckpts / "step-00000002" / "complete.json").is_file()
     assert not (ckpts / "step-00000004" / "complete.json").exists()
     out = run_cli(args)  # the relaunch cleans the interrupted save and continues from step 2

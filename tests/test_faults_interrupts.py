@@ -48,8 +48,12 @@ def test_ctrl_c_saves_and_stops_and_a_second_aborts_without_saving(tmp_path, dat
     job.ctrl_c()
     code, out = job.end()
     assert code == PREEMPTED_EXIT_CODE, out[-3000:]
-    assert "interrupted: finishing this step, then saving (Ctrl-C again aborts without saving)" in out
-    saved = re.search(r"interrupted: saved (step-\d{8}); rerun the same command to resume", out).group(1)
+    assert (
+        "interrupted: finishing this step, then saving (Ctrl-C again aborts without saving)" in out
+    )
+    saved = re.search(
+        r"interrupted: saved (step-\d{8}); rerun the same command to resume", out
+    ).group(1)
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
     assert _complete(run) == [saved] and metrics(run)[-1]["step"] == int(saved[5:])
     _assert_ended(ranks)
@@ -63,7 +67,10 @@ def test_ctrl_c_saves_and_stops_and_a_second_aborts_without_saving(tmp_path, dat
     job.ctrl_c()
     code, out = job.end()
     assert code == ABORTED_EXIT_CODE, out[-3000:]
-    assert f"aborted without saving: the steps since {saved} are lost; rerun the same command to resume from it" in out
+    assert (
+        f"aborted without saving: the steps since {saved} are lost; rerun the same command to resume from it"
+        in out
+    )
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
     assert _complete(run) == [saved]
     _assert_ended(ranks)
@@ -72,22 +79,32 @@ def test_ctrl_c_saves_and_stops_and_a_second_aborts_without_saving(tmp_path, dat
 def test_a_first_ctrl_c_during_start_up_promises_no_step_and_no_save(capfd, monkeypatch):
     """Before the first step there is no step to finish and nothing to save: the note says what happens instead."""
     monkeypatch.delenv("RANK", raising=False)
-    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    before = (
+        signal.getsignal(signal.SIGINT),
+        signal.getsignal(signal.SIGUSR1),
+        signal.getsignal(signal.SIGTERM),
+    )
     try:
         notes = []
         for training in (False, True):
-            stop = StopSignal(lambda: "nothing is lost")  # a new one each time: a second Ctrl-C would abort
+            stop = StopSignal(
+                lambda: "nothing is lost"
+            )  # a new one each time: a second Ctrl-C would abort
             if training:
-                assert stop.start_up_ends(False) is False  # the ranks agreed to go on: the steps begin
+                assert (
+                    stop.start_up_ends(False) is False
+                )  # the ranks agreed to go on: the steps begin
             os.kill(os.getpid(), signal.SIGINT)
             assert stop.received and stop.interrupted
             notes.append(capfd.readouterr().err)
     finally:
         for sig, handler in zip((signal.SIGINT, signal.SIGUSR1, signal.SIGTERM), before):
             signal.signal(sig, handler)
-    assert notes == ["interrupted during start-up: stopping once the model is built, before the first step and "
-                     "without a checkpoint (Ctrl-C again aborts at once)\n",
-                     "interrupted: finishing this step, then saving (Ctrl-C again aborts without saving)\n"]
+    assert notes == [
+        "interrupted during start-up: stopping once the model is built, before the first step and "
+        "without a checkpoint (Ctrl-C again aborts at once)\n",
+        "interrupted: finishing this step, then saving (Ctrl-C again aborts without saving)\n",
+    ]
 
 
 @pytest.mark.multirank
@@ -102,11 +119,17 @@ def test_a_rank_killed_by_a_signal_is_named_and_the_others_stop(tmp_path, data):
     assert code == RANK_LOST_EXIT_CODE, out[-3000:]
     assert f"rank 1 (pid {ranks[1]}) was killed by SIGKILL; stopping the others" in out
     newest = _complete(run)[-1]
-    assert (f"the steps since {newest} are lost; rerun the same command to resume from it "
-            "(train.checkpoint_minutes=60 bounds such a loss to 60 min)") in out
+    assert (
+        f"the steps since {newest} are lost; rerun the same command to resume from it "
+        "(train.checkpoint_minutes=60 bounds such a loss to 60 min)"
+    ) in out
     # rank 0's collective failed when rank 1's connection closed: one line, no traceback
-    assert re.findall(r"^mhf-dist \[rank 0\]: a collective failed, as another rank ended or stopped answering \(.+\); "
-                      r"stopping \(--debug shows the traceback\)$", out, re.M), out[-3000:]
+    assert re.findall(
+        r"^mhf-dist \[rank 0\]: a collective failed, as another rank ended or stopped answering \(.+\); "
+        r"stopping \(--debug shows the traceback\)$",
+        out,
+        re.M,
+    ), out[-3000:]
     assert "Traceback" not in out and "[rank0]" not in out
     _assert_ended(ranks.values())
 

@@ -26,16 +26,34 @@ from mhf_dist.commands.gpu_check import feature_checks, runner, training
 from mhf_dist.commands.gpu_check import report as reporting
 
 ROOT = Path(__file__).resolve().parent.parent
-EXPECTED = ["build", "sdpa", "train-standard", "resume-fp32", "layout-tp2-gloo", "grad-accum", "export-hf",
-            "generate-cli", "generate-mhf", "generate-standard", "generate-ratio", "eval-perplexity",
-            "profile-tiny-standard", "profile-tiny-h4b16k", "profile-tiny-ratio", "profile-tiny-head"]
+EXPECTED = [
+    "build",
+    "sdpa",
+    "train-standard",
+    "resume-fp32",
+    "layout-tp2-gloo",
+    "grad-accum",
+    "export-hf",
+    "generate-cli",
+    "generate-mhf",
+    "generate-standard",
+    "generate-ratio",
+    "eval-perplexity",
+    "profile-tiny-standard",
+    "profile-tiny-h4b16k",
+    "profile-tiny-ratio",
+    "profile-tiny-head",
+]
 
 
 def _run_args(monkeypatch, out: Path) -> argparse.Namespace:
     """``gpu-check --cpu --out OUT``'s arguments, for ``run`` in this process; what it sets in the environment is
     set here first, so that it is undone after the test."""
-    for name, value in (("CUDA_VISIBLE_DEVICES", ""), ("DS_ACCELERATOR", "cpu"),
-                        ("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", "unused"))):
+    for name, value in (
+        ("CUDA_VISIBLE_DEVICES", ""),
+        ("DS_ACCELERATOR", "cpu"),
+        ("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", "unused")),
+    ):
         monkeypatch.setenv(name, value)
     return argparse.Namespace(cpu=True, out=str(out), work=None, nominal_tflops=989.0, skip="")
 
@@ -43,8 +61,13 @@ def _run_args(monkeypatch, out: Path) -> argparse.Namespace:
 @pytest.mark.multirank
 @pytest.mark.longest
 def test_cpu_mode_runs_every_step_and_reports_every_check(tmp_path):
-    proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--cpu", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=1200, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    proc = subprocess.run(
+        ["bash", str(ROOT / "tools" / "gpu_check.sh"), "--cpu", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
 
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -60,20 +83,40 @@ def test_cpu_mode_runs_every_step_and_reports_every_check(tmp_path):
     resume = checks["resume-fp32"]["values"]
     assert resume["max_abs_diff"] == 0 and resume["steps_compared"] == 4
     assert checks["eval-perplexity"]["values"]["rel_diff_nll"] <= 1e-4
-    for name in ("layout-tp2-gloo", "grad-accum"):  # the loss and the gradient norm were both compared
-        assert {"max_rel_diff_loss", "max_rel_diff_grad_norm"} <= checks[name]["values"].keys(), checks[name]
+    for name in (
+        "layout-tp2-gloo",
+        "grad-accum",
+    ):  # the loss and the gradient norm were both compared
+        assert {"max_rel_diff_loss", "max_rel_diff_grad_norm"} <= checks[name]["values"].keys(), (
+            checks[name]
+        )
     assert "CPU build" in checks["build"]["result"] and "fp32 " in checks["sdpa"]["result"]
 
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| check | result | status |" in table and table in proc.stdout  # the table was printed
     for name in EXPECTED:
         assert f"| {name} |" in table
-    for step in ("preflight", "training: resume, layouts, features", "export, generation, evaluation", "throughput"):
+    for step in (
+        "preflight",
+        "training: resume, layouts, features",
+        "export, generation, evaluation",
+        "throughput",
+    ):
         assert f"{step} done in" in proc.stdout
     assert report["complete"] and [s["status"] for s in report["steps"]] == ["done"] * 4
-    assert "estimated" in proc.stdout and "A command is stopped at 600 s" in proc.stdout  # the plan, first
-    commands = {c["command"]: c for c in report["commands"]}  # every command's seconds, printed and in the JSON
-    assert {"train-standard", "train-mhf-fp32-resume", "train-layout-tp2-gloo", "eval", "profile-tiny"} <= set(commands)
+    assert (
+        "estimated" in proc.stdout and "A command is stopped at 600 s" in proc.stdout
+    )  # the plan, first
+    commands = {
+        c["command"]: c for c in report["commands"]
+    }  # every command's seconds, printed and in the JSON
+    assert {
+        "train-standard",
+        "train-mhf-fp32-resume",
+        "train-layout-tp2-gloo",
+        "eval",
+        "profile-tiny",
+    } <= set(commands)
     for name, command in commands.items():
         assert command["status"] == "done" and command["seconds"] > 0, command
         assert f"  {name}: done in " in proc.stdout
@@ -83,7 +126,10 @@ def _fake_runs(ctx, whole_losses, resumed_losses, resume_line):
     for name, losses in (("mhf-fp32", whole_losses), ("mhf-fp32-resumed", resumed_losses)):
         ctx.run(name).mkdir(parents=True)
         (ctx.run(name) / "metrics.jsonl").write_text(
-            "".join(json.dumps({"step": i + 1, "loss": loss}) + "\n" for i, loss in enumerate(losses)))
+            "".join(
+                json.dumps({"step": i + 1, "loss": loss}) + "\n" for i, loss in enumerate(losses)
+            )
+        )
     ctx.logs.mkdir(parents=True)
     (ctx.logs / "train-mhf-fp32-resume.log").write_text(resume_line)
 
@@ -92,7 +138,11 @@ def test_resume_check_fails_on_any_difference_or_a_fresh_start(tmp_path):
     losses = [38.9, 38.7, 38.6, 38.5, 38.3, 38.0, 37.6, 37.2]
     cases = {
         "equal": (losses, "resumed from RUN/checkpoints/step-00000004 at step 4\n", "PASS"),
-        "one ulp": (losses[:-1] + [math.nextafter(losses[-1], 0)], "resumed from X at step 4\n", "FAIL"),
+        "one ulp": (
+            losses[:-1] + [math.nextafter(losses[-1], 0)],
+            "resumed from X at step 4\n",
+            "FAIL",
+        ),
         "started afresh": (losses, "step 1 | loss 38.9\n", "FAIL"),
         "step missing": (losses[:-1], "resumed from X at step 4\n", "FAIL"),
     }
@@ -110,8 +160,19 @@ def _write_run(run, records, preset="tiny-h4b16k"):
 
 
 def _records(steps=4, loss=38.9, grad_norm=100.0, **extra):
-    return [{"step": s, "loss": loss - 0.1 * s, "head_losses": [(loss - 0.1 * s) / 4] * 4, "grad_norm": grad_norm / s,
-             "tokens_per_s": 1000.0, "memory_gb": 1.0, "device_s": 1e-3, **extra} for s in range(1, steps + 1)]
+    return [
+        {
+            "step": s,
+            "loss": loss - 0.1 * s,
+            "head_losses": [(loss - 0.1 * s) / 4] * 4,
+            "grad_norm": grad_norm / s,
+            "tokens_per_s": 1000.0,
+            "memory_gb": 1.0,
+            "device_s": 1e-3,
+            **extra,
+        }
+        for s in range(1, steps + 1)
+    ]
 
 
 def test_layout_and_accumulation_checks_compare_loss_and_gradient_norm(tmp_path):
@@ -120,16 +181,24 @@ def test_layout_and_accumulation_checks_compare_loss_and_gradient_norm(tmp_path)
     cases = {  # run records: expected status
         "equal": (_records(), "PASS"),
         "loss within 1e-4": ([r | {"loss": r["loss"] * (1 + 5e-5)} for r in _records()], "PASS"),
-        "gradient norm off by 1e-3": ([r | {"grad_norm": r["grad_norm"] * (1 + 1e-3)} for r in _records()], "FAIL"),
+        "gradient norm off by 1e-3": (
+            [r | {"grad_norm": r["grad_norm"] * (1 + 1e-3)} for r in _records()],
+            "FAIL",
+        ),
         "step missing": (_records(steps=3), "FAIL"),
         "loss not falling": ([r | {"loss": 38.9} for r in _records()], "FAIL"),
-        "loss not finite": ([r | {"loss": math.nan} if r["step"] == 2 else r for r in _records()], "FAIL"),
+        "loss not finite": (
+            [r | {"loss": math.nan} if r["step"] == 2 else r for r in _records()],
+            "FAIL",
+        ),
     }
     for case, (records, expected) in cases.items():
         _write_run(ctx.run("grad-accum"), records)
         check = feature_checks.grad_accum_check(ctx)
         assert check.status == expected, (case, check)
-    assert "global batch 8 = 4 micro-batches of 2" not in check.result  # the preset's micro-batch is 8
+    assert (
+        "global batch 8 = 4 micro-batches of 2" not in check.result
+    )  # the preset's micro-batch is 8
     assert "global batch 8 = 1 micro-batches of 8" in check.result
 
 
@@ -141,11 +210,17 @@ def test_feature_checks_on_made_up_runs(tmp_path):
     _write_run(ctx.run("engram-offload"), _records(c, memory_gb=0.10))
     check = feature_checks.engram_offload_check(ctx)
     assert check.status == "PASS" and check.values["device_probe_s"] == 1e-3, check
-    _write_run(ctx.run("engram-offload"), _records(c, memory_gb=0.30))  # the tables stayed on the device
+    _write_run(
+        ctx.run("engram-offload"), _records(c, memory_gb=0.30)
+    )  # the tables stayed on the device
     assert feature_checks.engram_offload_check(ctx).status == "FAIL"
-    _write_run(ctx.run("engram-offload"), [{k: v for k, v in r.items() if k != "device_s"}
-                                           for r in _records(c, memory_gb=0.10)])
-    check = feature_checks.engram_offload_check(ctx)  # on a GPU every compared step carries the device probe's time
+    _write_run(
+        ctx.run("engram-offload"),
+        [{k: v for k, v in r.items() if k != "device_s"} for r in _records(c, memory_gb=0.10)],
+    )
+    check = feature_checks.engram_offload_check(
+        ctx
+    )  # on a GPU every compared step carries the device probe's time
     assert check.status == "FAIL" and "the device probe timed no step" in check.result, check
 
     _write_run(ctx.run("mhf-bf16"), _records(30))
@@ -157,8 +232,12 @@ def test_feature_checks_on_made_up_runs(tmp_path):
     good = [r | {"p_inf_loss": 8.0 - 0.1 * r["step"]} for r in _records(c)]
     good = [r | {"loss": sum(r["head_losses"]) + weight * r["p_inf_loss"]} for r in good]
     assert p_inf(good) == "PASS"
-    assert p_inf([r | {"loss": sum(r["head_losses"])} for r in good]) == "FAIL"  # the term is missing
-    assert p_inf([r | {"head_losses": [h * 1.05 for h in r["head_losses"]]} for r in good]) == "FAIL"  # step 1
+    assert (
+        p_inf([r | {"loss": sum(r["head_losses"])} for r in good]) == "FAIL"
+    )  # the term is missing
+    assert (
+        p_inf([r | {"head_losses": [h * 1.05 for h in r["head_losses"]]} for r in good]) == "FAIL"
+    )  # step 1
     flat = [r | {"p_inf_loss": 8.0, "loss": sum(r["head_losses"]) + weight * 8.0} for r in good]
     assert p_inf(flat) == "FAIL"  # the term does not fall
     assert p_inf([{k: v for k, v in r.items() if k != "p_inf_loss"} for r in good]) == "FAIL"
@@ -170,41 +249,67 @@ def test_feature_checks_on_made_up_runs(tmp_path):
 
     out = ctx.work / "profile-tp2-gloo"
     out.mkdir(parents=True)
-    row = {"size": "100m", "hash": "h4b16k", "layout": "tp=2", "dtype": "bf16", "seq_len": 512, "tokens_per_s": 9e3,
-           "step_s": 0.05, "comm_s": 0.01, "comm_bytes_per_step": 2**24, "memory_gb": 3.0}
+    row = {
+        "size": "100m",
+        "hash": "h4b16k",
+        "layout": "tp=2",
+        "dtype": "bf16",
+        "seq_len": 512,
+        "tokens_per_s": 9e3,
+        "step_s": 0.05,
+        "comm_s": 0.01,
+        "comm_bytes_per_step": 2**24,
+        "memory_gb": 3.0,
+    }
     (out / "profile.json").write_text(json.dumps({"training": [row]}))
     assert feature_checks.profile_tp2_check(ctx).status == "measured"
     (out / "profile.json").write_text(json.dumps({"training": [row | {"comm_bytes_per_step": 0}]}))
-    assert feature_checks.profile_tp2_check(ctx).status == "FAIL"  # no tensor-parallel traffic: not tp=2
+    assert (
+        feature_checks.profile_tp2_check(ctx).status == "FAIL"
+    )  # no tensor-parallel traffic: not tp=2
 
     (out / "profile.json").unlink()  # results that cannot be read fail their own row, not the step
-    check = feature_checks.feature_check(ctx, runner.Job("profile-tp2-gloo", [], required=False, ranks=2), None)
-    assert check.status == "FAIL" and "reading its results failed: FileNotFoundError" in check.result
+    check = feature_checks.feature_check(
+        ctx, runner.Job("profile-tp2-gloo", [], required=False, ranks=2), None
+    )
+    assert (
+        check.status == "FAIL" and "reading its results failed: FileNotFoundError" in check.result
+    )
 
 
 GLOO_LOGS = {  # a failed 2-rank run's log: is it a gloo limitation?
     "RuntimeError: ProcessGroupGloo::reduce: unsupported device type cuda": True,
     "RuntimeError: Backend gloo does not support reduce_scatter_tensor_coalesced": True,
-    ('  File "/venv/torch/distributed/distributed_c10d.py", line 2810, in all_reduce\n'
-     "    work = group.allreduce([tensor], opts)\n           ^^^^^^^^^^^^^^^^^^\n"
-     "RuntimeError: Invalid scalar type"): True,
-    ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Write to [127.0.0.1]:41234 "
-     "failed: Bad address"): True,
-    ("Fatal Python error: Segmentation fault\n\nThread 0x00007f (most recent call first):\n"
-     '  File "/venv/torch/distributed/distributed_c10d.py", line 2431 in recv\n'
-     '  File "/venv/deepspeed/runtime/pipe/p2p.py", line 80 in recv\n'): True,
+    (
+        '  File "/venv/torch/distributed/distributed_c10d.py", line 2810, in all_reduce\n'
+        "    work = group.allreduce([tensor], opts)\n           ^^^^^^^^^^^^^^^^^^\n"
+        "RuntimeError: Invalid scalar type"
+    ): True,
+    (
+        "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Write to [127.0.0.1]:41234 "
+        "failed: Bad address"
+    ): True,
+    (
+        "Fatal Python error: Segmentation fault\n\nThread 0x00007f (most recent call first):\n"
+        '  File "/venv/torch/distributed/distributed_c10d.py", line 2431 in recv\n'
+        '  File "/venv/deepspeed/runtime/pipe/p2p.py", line 80 in recv\n'
+    ): True,
     "torch.AcceleratorError: CUDA error: invalid device ordinal": False,
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB": False,
     "RuntimeError: Invalid scalar type": False,  # not from a collective
-    ("Fatal Python error: Segmentation fault\n\nCurrent thread 0x00007f (most recent call first):\n"
-     '  File "/work/mhf_dist/model/engram.py", line 80 in forward\n'): False,
+    (
+        "Fatal Python error: Segmentation fault\n\nCurrent thread 0x00007f (most recent call first):\n"
+        '  File "/work/mhf_dist/model/engram.py", line 80 in forward\n'
+    ): False,
     "gloo: connection closed by peer after rank 1 exited": False,
 }
 
 
 def test_a_gloo_limitation_is_told_from_a_defect_by_the_error_text(tmp_path):
     for text, limitation in GLOO_LOGS.items():
-        assert (feature_checks.gloo_limitation(f"step 1 | loss 38.9\n{text}\n") is not None) == limitation, text
+        assert (
+            feature_checks.gloo_limitation(f"step 1 | loss 38.9\n{text}\n") is not None
+        ) == limitation, text
     log = tmp_path / "train-layout-pp2-gloo.log"
     log.write_text("RuntimeError: ProcessGroupGloo::reduce: unsupported device type cuda\n")
     error = runner.StepFailed("train-layout-pp2-gloo exited 1", log)
@@ -212,11 +317,20 @@ def test_a_gloo_limitation_is_told_from_a_defect_by_the_error_text(tmp_path):
     check = feature_checks.failed_run_check(two_ranks, error)
     assert check.status == runner.NOT_RUNNABLE and "unsupported device type cuda" in check.result
     one_rank = runner.Job("compile", [], required=False)
-    assert feature_checks.failed_run_check(one_rank, error).status == "FAIL"  # one rank uses no gloo collective
+    assert (
+        feature_checks.failed_run_check(one_rank, error).status == "FAIL"
+    )  # one rank uses no gloo collective
     log.write_text("torch.AcceleratorError: CUDA error: invalid device ordinal\n")
     assert feature_checks.failed_run_check(two_ranks, error).status == "FAIL"
-    env = {"date": "d", "commit": "c", "device": "H200", "torch": "2", "build": "CUDA 12", "deepspeed": "0",
-           "transformers": "5"}
+    env = {
+        "date": "d",
+        "commit": "c",
+        "device": "H200",
+        "torch": "2",
+        "build": "CUDA 12",
+        "deepspeed": "0",
+        "transformers": "5",
+    }
     steps = len(gpu_check.STEPS)
     table = reporting.markdown(runner.GPU, env, [check], 1.0, steps, steps)
     assert "all passed (not runnable with gloo: layout-pp2-gloo)" in table
@@ -233,13 +347,25 @@ def test_gpu_mode_commands_parse_and_their_configs_validate(tmp_path):
     ctx = runner.Context(runner.GPU, tmp_path, tmp_path / "work", 989.0)
     jobs = training.training_jobs(ctx, tmp_path, 80)
     names = [job.name for job in jobs if not job.required]
-    assert names == ["compile", "engram-offload", "layout-tp2-gloo", "layout-pp2-gloo", "grad-accum",
-                     "p-inf-tp2-bf16", "profile-tp2-gloo"]
+    assert names == [
+        "compile",
+        "engram-offload",
+        "layout-tp2-gloo",
+        "layout-pp2-gloo",
+        "grad-accum",
+        "p-inf-tp2-bf16",
+        "profile-tp2-gloo",
+    ]
     assert len(jobs) <= ctx.mode.jobs  # all side by side
-    skipped = runner.Context(runner.without(runner.GPU, {"compile", "layout-pp2-gloo"}), tmp_path,
-                                tmp_path / "work", 989.0)
-    assert [job.name for job in training.training_jobs(skipped, tmp_path, 80) if not job.required] == [
-        "engram-offload", "layout-tp2-gloo", "grad-accum", "p-inf-tp2-bf16", "profile-tp2-gloo"]
+    skipped = runner.Context(
+        runner.without(runner.GPU, {"compile", "layout-pp2-gloo"}),
+        tmp_path,
+        tmp_path / "work",
+        989.0,
+    )
+    assert [
+        job.name for job in training.training_jobs(skipped, tmp_path, 80) if not job.required
+    ] == ["engram-offload", "layout-tp2-gloo", "grad-accum", "p-inf-tp2-bf16", "profile-tp2-gloo"]
     with pytest.raises(ValueError, match="--skip resume-fp32: not a layout or feature run"):
         runner.without(runner.GPU, {"resume-fp32"})
     for job in jobs:
@@ -262,7 +388,9 @@ def test_the_check_runs_without_git_and_names_its_commit(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no git, nothing else either
     env = reporting.environment(runner.CPU)
     version = importlib.metadata.version("mhf-dist")
-    assert env["commit"] in ("unknown", f"unknown (mhf-dist {version})") or len(env["commit"]) == 12, env
+    assert (
+        env["commit"] in ("unknown", f"unknown (mhf-dist {version})") or len(env["commit"]) == 12
+    ), env
     assert env["date"] and env["torch"] and env["device"].startswith("CPU")
 
     failing = tmp_path / "failing-git"  # a git that cannot read the tree
@@ -277,8 +405,15 @@ def test_the_check_runs_without_git_and_names_its_commit(tmp_path, monkeypatch):
 
         @staticmethod
         def read_text(name):
-            return json.dumps({"url": "https://example.org/mhf-dist.git",
-                               "vcs_info": {"vcs": "git", "commit_id": "0123456789abcdef0123456789abcdef01234567"}})
+            return json.dumps(
+                {
+                    "url": "https://example.org/mhf-dist.git",
+                    "vcs_info": {
+                        "vcs": "git",
+                        "commit_id": "0123456789abcdef0123456789abcdef01234567",
+                    },
+                }
+            )
 
     monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Installed)
     assert reporting.source_commit() == "0123456789ab"
@@ -292,10 +427,16 @@ def test_the_check_runs_without_git_and_names_its_commit(tmp_path, monkeypatch):
 
 
 def test_with_git_the_commit_is_the_checkouts():
-    if not (runner.ROOT / ".git").exists() or subprocess.run(["git", "--version"], capture_output=True).returncode:
+    if (
+        not (runner.ROOT / ".git").exists()
+        or subprocess.run(["git", "--version"], capture_output=True).returncode
+    ):
         pytest.skip("not a checkout, or no git")
-    head = subprocess.run(["git", "-C", str(runner.ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "-C", str(runner.ROOT), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     assert reporting.source_commit() == head
 
 
@@ -317,11 +458,19 @@ def test_a_check_cut_short_leaves_a_report_of_the_steps_that_ended(tmp_path, mon
         pytest.fail("the signal did not interrupt the step")
 
     monkeypatch.setattr(runner.Context, "start", sleeper)
-    monkeypatch.setattr(gpu_check, "STEPS", (
-        ("first", lambda ctx: [runner.Check("first-check", runner.PASS, "fine", {"x": 1.0})]),
-        ("second", second), ("third", lambda ctx: pytest.fail("ran after the interruption"))))
+    monkeypatch.setattr(
+        gpu_check,
+        "STEPS",
+        (
+            ("first", lambda ctx: [runner.Check("first-check", runner.PASS, "fine", {"x": 1.0})]),
+            ("second", second),
+            ("third", lambda ctx: pytest.fail("ran after the interruption")),
+        ),
+    )
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a handler of the process's own: the check interrupts anyway
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # a handler of the process's own: the check interrupts anyway
     try:
         with pytest.raises(SystemExit if signum == signal.SIGTERM else KeyboardInterrupt):
             gpu_check.run(_run_args(monkeypatch, tmp_path))
@@ -332,13 +481,18 @@ def test_a_check_cut_short_leaves_a_report_of_the_steps_that_ended(tmp_path, mon
 
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert not report["complete"]
-    assert [(s["step"], s["status"]) for s in report["steps"]] == [("first", "done"), ("second", "interrupted")]
+    assert [(s["step"], s["status"]) for s in report["steps"]] == [
+        ("first", "done"),
+        ("second", "interrupted"),
+    ]
     assert [c["name"] for c in report["checks"]] == ["first-check"]
     assert [(c["command"], c["status"]) for c in report["commands"]] == [("sleeper", "interrupted")]
     assert report["commands"][0]["seconds"] >= 0.5
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| first-check |" in table and "in progress: 1 of 3 steps finished" in table
-    assert started[0].wait(timeout=10) == -signal.SIGKILL  # the command under way ended with the check
+    assert (
+        started[0].wait(timeout=10) == -signal.SIGKILL
+    )  # the command under way ended with the check
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -347,14 +501,23 @@ def test_the_report_is_rewritten_after_every_command(tmp_path, monkeypatch):
     Each command gets the OpenMP threads it is given (every core when it runs alone)."""
     ctx = runner.Context(runner.CPU, tmp_path, tmp_path / "work", 989.0)
     ctx.logs.mkdir(parents=True)
-    env = {"date": "d", "commit": "c", "device": "CPU", "torch": "2", "build": "CPU build", "deepspeed": "0",
-           "transformers": "5"}
+    env = {
+        "date": "d",
+        "commit": "c",
+        "device": "CPU",
+        "torch": "2",
+        "build": "CPU build",
+        "deepspeed": "0",
+        "transformers": "5",
+    }
     report = reporting.Report(ctx, env, len(gpu_check.STEPS))
     report.write([], [])
     start = ctx.start
 
     def threads_printed(name, cmd, env):  # the command prints the OMP_NUM_THREADS it was given
-        return start(name, [sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"], env)
+        return start(
+            name, [sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"], env
+        )
 
     monkeypatch.setattr(ctx, "start", threads_printed)
     assert runner.mhf_dist(ctx, "first", ["--version"], threads=3).strip() == "3"
@@ -377,7 +540,9 @@ def test_step_2_takes_no_more_threads_than_there_are_cores(tmp_path, cores):
         assert all(n >= 1 for n in threads.values())
         if mode.jobs >= len(jobs):  # all side by side
             assert sum(job.ranks for job in jobs) == 15
-        for together in itertools.combinations(jobs, min(mode.jobs, len(jobs))):  # any jobs that run at once
+        for together in itertools.combinations(
+            jobs, min(mode.jobs, len(jobs))
+        ):  # any jobs that run at once
             processes = sum(job.ranks for job in together)
             assert sum(job.ranks * threads[job.name] for job in together) <= max(cores, processes)
 
@@ -389,8 +554,14 @@ def test_in_step_2_only_the_compile_run_compiles(tmp_path):
     from mhf_dist.config import load_config
 
     ctx = runner.Context(runner.GPU, tmp_path, tmp_path / "work", 989.0)
-    commands = [(job.name, argv) for job in training.training_jobs(ctx, tmp_path, 80) for _, argv in job.commands]
-    commands.append(("standard", training.train_args(ctx, ctx.run("standard"), "tiny-standard", "fp32")))
+    commands = [
+        (job.name, argv)
+        for job in training.training_jobs(ctx, tmp_path, 80)
+        for _, argv in job.commands
+    ]
+    commands.append(
+        ("standard", training.train_args(ctx, ctx.run("standard"), "tiny-standard", "fp32"))
+    )
     compiling = []
     for job, argv in commands:
         args = build_parser().parse_args(argv)
@@ -400,8 +571,12 @@ def test_in_step_2_only_the_compile_run_compiles(tmp_path):
             compiling.append((job, train.compile, train.fused_head_kernel))
     assert compiling == [("compile", True, "compiled")]
     plan = gpu_check.plan(runner.GPU)  # printed at the start: the estimate and the limits
-    assert "estimated 8.7 min in all" in plan and "stopped at 300 s (a 2-rank run's at 180 s)" in plan
-    assert round(sum(runner.GPU.estimates_s) / 60) == 9  # the docstring's, README's and usage's "9 minutes"
+    assert (
+        "estimated 8.7 min in all" in plan and "stopped at 300 s (a 2-rank run's at 180 s)" in plan
+    )
+    assert (
+        round(sum(runner.GPU.estimates_s) / 60) == 9
+    )  # the docstring's, README's and usage's "9 minutes"
 
 
 def test_a_profile_rows_memory_is_its_steps_own_peak():
@@ -413,11 +588,24 @@ def test_a_profile_rows_memory_is_its_steps_own_peak():
     from mhf_dist.train.throughput import host_peak_bytes, reset_host_peak
 
     if not reset_host_peak():
-        pytest.skip("the kernel refuses to restart the peak resident memory (/proc/self/clear_refs)")
+        pytest.skip(
+            "the kernel refuses to restart the peak resident memory (/proc/self/clear_refs)"
+        )
     probe = torch.ones(2**28)  # 1 GiB, resident
     del probe
     before = host_peak_bytes() / 2**30
-    row = profile_training(size="tiny", hash_name="h4b16k", tp=1, steps=1, warmup=0, seq_len=16, micro=1,
-                           dtype="fp32", device=torch.device("cpu"), peak_measured=1e12, peak_nominal=None,
-                           overrides=[])
+    row = profile_training(
+        size="tiny",
+        hash_name="h4b16k",
+        tp=1,
+        steps=1,
+        warmup=0,
+        seq_len=16,
+        micro=1,
+        dtype="fp32",
+        device=torch.device("cpu"),
+        peak_measured=1e12,
+        peak_nominal=None,
+        overrides=[],
+    )
     assert 0 < row.memory_gb < before - 0.5, (row.memory_gb, before)

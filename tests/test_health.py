@@ -38,10 +38,20 @@ def _measured_step(rank, world, run_dir, data, preset, overrides):
     from mhf_dist.train.loop import TrainingLoop
     from mhf_dist.train.preemption import StopSignal
 
-    cfg = load_config(preset, overrides=[
-        f"tokenizer.path={data['tokenizer']}", f"data.path={data['shards']}", f"data.seq_len={SEQ}",
-        f"model.hash.num_buckets={BUCKETS}", "train.max_steps=4", f"train.global_batch_size={MICRO * ACCUM}",
-        f"train.micro_batch_size={MICRO}", f"optimizer.grad_clip={CLIP}", *overrides])
+    cfg = load_config(
+        preset,
+        overrides=[
+            f"tokenizer.path={data['tokenizer']}",
+            f"data.path={data['shards']}",
+            f"data.seq_len={SEQ}",
+            f"model.hash.num_buckets={BUCKETS}",
+            "train.max_steps=4",
+            f"train.global_batch_size={MICRO * ACCUM}",
+            f"train.micro_batch_size={MICRO}",
+            f"optimizer.grad_clip={CLIP}",
+            *overrides,
+        ],
+    )
     loop = TrainingLoop(cfg, StopSignal())
     assert loop.setup(run_dir, "none")
     torch.manual_seed(1)
@@ -49,7 +59,9 @@ def _measured_step(rank, world, run_dir, data, preset, overrides):
     batch[0, -3:] = -100  # ignored targets count in no statistic
     stats = loop.trainer.train_step(FixedBatches(batch), health=True)
     codes = loop.assets.table.codes if loop.assets.table is not None else None
-    model = build_model(cfg.model, len(loop.assets.tokenizer), codes, loop.assets.compression, seed=cfg.train.seed)
+    model = build_model(
+        cfg.model, len(loop.assets.tokenizer), codes, loop.assets.compression, seed=cfg.train.seed
+    )
     return stats, plain_step(model, cfg, batch)
 
 
@@ -62,7 +74,9 @@ def plain_step(model, cfg, batch: torch.Tensor) -> dict[str, float]:
     vocab, hashed = model.vocab, model.vocab.encoder is not None
     alphas = []
     if hashed:
-        vocab.encoder.scorer.register_forward_hook(lambda m, a, out: alphas.append(out.detach().softmax(-2)))
+        vocab.encoder.scorer.register_forward_hook(
+            lambda m, a, out: alphas.append(out.detach().softmax(-2))
+        )
     entropy = 0
     for part in batch.split(MICRO):
         out = model(part[:, :-1], part[:, 1:], entropy=True)
@@ -91,8 +105,9 @@ def plain_step(model, cfg, batch: torch.Tensor) -> dict[str, float]:
     metrics |= {f"head_entropy/head{i}": entropy[i].item() for i in heads}
     engram = [n for n in named if ".engram." in n and n.endswith("tables.weight")]
     if engram:
-        metrics["engram_rows_touched"] = (sum((grads[n] != 0).sum().item() for n in engram)
-                                          / sum(grads[n].numel() for n in engram))
+        metrics["engram_rows_touched"] = sum((grads[n] != 0).sum().item() for n in engram) / sum(
+            grads[n].numel() for n in engram
+        )
     if hashed:
         alpha = torch.cat([a.reshape(-1, len(heads)) for a in alphas]).mean(0)
         targets = batch[:, 1:].reshape(-1)
@@ -101,16 +116,24 @@ def plain_step(model, cfg, batch: torch.Tensor) -> dict[str, float]:
             counts = torch.bincount(rows[:, i], minlength=vocab.tables.num_rows).double()
             metrics[f"gate_weight/head{i}"] = alpha[i].item()
             metrics[f"buckets_used/head{i}"] = (counts > 0).double().mean().item()
-            metrics[f"bucket_entropy/head{i}"] = torch.special.entr(counts / counts.sum()).sum().item()
+            metrics[f"bucket_entropy/head{i}"] = (
+                torch.special.entr(counts / counts.sum()).sum().item()
+            )
     return metrics
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("preset, overrides", [
-    ("tiny-h4b16k", []),  # ZeRO-3: the fragments are DeepSpeed's local fp32 partitions
-    ("tiny-h4b16k+engram", ["parallel.zero_stage=1", "model.decoder_chunk_tokens=7"]),  # _hp_mapping; fused heads
-    ("tiny-standard", ["parallel.zero_stage=0"]),  # no ZeRO: the parameters themselves
-])
+@pytest.mark.parametrize(
+    "preset, overrides",
+    [
+        ("tiny-h4b16k", []),  # ZeRO-3: the fragments are DeepSpeed's local fp32 partitions
+        (
+            "tiny-h4b16k+engram",
+            ["parallel.zero_stage=1", "model.decoder_chunk_tokens=7"],
+        ),  # _hp_mapping; fused heads
+        ("tiny-standard", ["parallel.zero_stage=0"]),  # no ZeRO: the parameters themselves
+    ],
+)
 def test_a_measured_step_reports_what_plain_torch_computes(tmp_path, data, preset, overrides):
     stats, want = run_ranks(_measured_step, 1, tmp_path / "run", data, preset, overrides)[0]
     if stats.grad_norm is None:  # no ZeRO: DeepSpeed clips without a norm to undo the clipping with
@@ -127,10 +150,19 @@ def _two_steps(rank, world, run_dir, data, health):
     from mhf_dist.train.loop import TrainingLoop
     from mhf_dist.train.preemption import StopSignal
 
-    cfg = load_config("tiny-h4b16k", overrides=[
-        f"tokenizer.path={data['tokenizer']}", f"data.path={data['shards']}", f"data.seq_len={SEQ}",
-        f"model.hash.num_buckets={BUCKETS}", "train.max_steps=4", f"train.global_batch_size={MICRO * ACCUM}",
-        f"train.micro_batch_size={MICRO}", f"train.health_metrics={health}"])
+    cfg = load_config(
+        "tiny-h4b16k",
+        overrides=[
+            f"tokenizer.path={data['tokenizer']}",
+            f"data.path={data['shards']}",
+            f"data.seq_len={SEQ}",
+            f"model.hash.num_buckets={BUCKETS}",
+            "train.max_steps=4",
+            f"train.global_batch_size={MICRO * ACCUM}",
+            f"train.micro_batch_size={MICRO}",
+            f"train.health_metrics={health}",
+        ],
+    )
     loop = TrainingLoop(cfg, StopSignal())
     assert loop.setup(run_dir, "none")
     torch.manual_seed(1)
@@ -143,7 +175,9 @@ def _two_steps(rank, world, run_dir, data, health):
 def test_the_metrics_change_no_number_of_the_training(tmp_path, data):
     measured = run_ranks(_two_steps, 1, tmp_path / "on", data, True)[0]
     plain = run_ranks(_two_steps, 1, tmp_path / "off", data, False)[0]
-    assert [m[:3] for m in measured] == [p[:3] for p in plain]  # bit for bit, the second step's loss included
+    assert [m[:3] for m in measured] == [
+        p[:3] for p in plain
+    ]  # bit for bit, the second step's loss included
     assert [m[3] for m in measured] == [True, True] and [p[3] for p in plain] == [False, False]
 
 
@@ -153,7 +187,9 @@ def _entropies(model, x, y):
 
 @pytest.mark.parametrize("preset", ["tiny-h4b16k", "tiny-standard"])
 def test_the_fused_heads_measure_the_plain_heads_entropy(preset):
-    cfg = load_config(preset, overrides=[f"model.hash.num_buckets={BUCKETS}", "model.init_std=0.1"]).model
+    cfg = load_config(
+        preset, overrides=[f"model.hash.num_buckets={BUCKETS}", "model.init_std=0.1"]
+    ).model
     v = 300
     codes = SignatureTable.build([f"t{i}" for i in range(v)], 4, BUCKETS, pad_id=0).codes
     codes = codes if cfg.variant == "mhf" else None
@@ -169,19 +205,37 @@ def test_the_fused_heads_measure_the_plain_heads_entropy(preset):
         h = plain.hidden(x[:, :-1]).reshape(-1, cfg.d_model)
         log_probs = list(plain.vocab.decoder._heads(h, plain.vocab.tables, normalised=True))
     keep = y.reshape(-1) >= 0
-    direct = torch.stack([-(lp.exp() * lp.clamp_min(-1e30)).sum(-1)[keep].mean() for lp in log_probs])
+    direct = torch.stack(
+        [-(lp.exp() * lp.clamp_min(-1e30)).sum(-1)[keep].mean() for lp in log_probs]
+    )
     assert torch.allclose(want, direct, rtol=1e-5)
 
 
 def test_a_step_the_optimizer_skipped_reports_no_optimizer_metrics():
     """DeepSpeed leaves out a step with an overflow before the torch optimizer runs: nothing was measured there."""
-    layout = HealthLayout(["vocab.tables.weight", "backbone.layers.0.mlp.up_proj.weight",
-                           "backbone.layers.0.engram.tables.weight"], num_heads=2, num_buckets=4)
+    layout = HealthLayout(
+        [
+            "vocab.tables.weight",
+            "backbone.layers.0.mlp.up_proj.weight",
+            "backbone.layers.0.engram.tables.weight",
+        ],
+        num_heads=2,
+        num_buckets=4,
+    )
     total = layout.zeros(torch.device("cpu"))
     layout.part(total, "entropy").fill_(1.5)
     layout.part(total, "gate")[:] = torch.tensor([3.0, 1.0, 4.0])
     layout.part(total, "buckets")[:] = torch.tensor([1.0, 1.0, 0.0, 0.0, 4.0, 0.0, 0.0, 0.0])
     metrics = layout.metrics(layout.summary(total).tolist())
-    assert metrics == pytest.approx({"gate_weight/head0": 0.75, "gate_weight/head1": 0.25, "head_entropy/head0": 1.5,
-                                     "head_entropy/head1": 1.5, "buckets_used/head0": 0.5, "buckets_used/head1": 0.25,
-                                     "bucket_entropy/head0": math.log(2), "bucket_entropy/head1": 0.0})
+    assert metrics == pytest.approx(
+        {
+            "gate_weight/head0": 0.75,
+            "gate_weight/head1": 0.25,
+            "head_entropy/head0": 1.5,
+            "head_entropy/head1": 1.5,
+            "buckets_used/head0": 0.5,
+            "buckets_used/head1": 0.25,
+            "bucket_entropy/head0": math.log(2),
+            "bucket_entropy/head1": 0.0,
+        }
+    )

@@ -53,17 +53,31 @@ def test_export_logits_are_log_p_inf(trained, exported):
     assert torch.isneginf(logits[..., ~table.registered_mask()]).all()
 
     files = {p.name for p in exported["mhf"].iterdir()}
-    assert {"config.json", "model.safetensors", "modeling_multihashformer.py", "configuration_multihashformer.py",
-            "generation_config.json", "tokenizer.json"} <= files
+    assert {
+        "config.json",
+        "model.safetensors",
+        "modeling_multihashformer.py",
+        "configuration_multihashformer.py",
+        "generation_config.json",
+        "tokenizer.json",
+    } <= files
     weights = load_file(str(exported["mhf"] / "model.safetensors"))
     assert torch.equal(weights["model.hash_map"], table.codes.long())
     assert weights["model.embed_tokens.weight"].shape == (4 * 256, 64)
-    assert {"model.combiner.scorer.0.weight", "model.combiner.output_proj.0.weight",
-            "hash_head.cascade_mixer.2.2.bias", "model.layers.1.self_attn.q_norm.weight",
-            "model.norm.weight"} <= set(weights)
+    assert {
+        "model.combiner.scorer.0.weight",
+        "model.combiner.output_proj.0.weight",
+        "hash_head.cascade_mixer.2.2.bias",
+        "model.layers.1.self_attn.q_norm.weight",
+        "model.norm.weight",
+    } <= set(weights)
     config = json.loads((exported["mhf"] / "config.json").read_text())
-    assert (config["num_hashes"], config["num_buckets"], config["bottle_neck_dim"],
-            config["num_lsh"]) == (4, 256, 64, 0)
+    assert (
+        config["num_hashes"],
+        config["num_buckets"],
+        config["bottle_neck_dim"],
+        config["num_lsh"],
+    ) == (4, 256, 64, 0)
     # τ = 1 (the default) leaves log P_inf exactly as it was computed before there was a τ
     assert config["inference_temperature"] == 1.0
     with torch.no_grad():
@@ -73,7 +87,9 @@ def test_export_logits_are_log_p_inf(trained, exported):
 def unscaled_scores(hf, ids: torch.Tensor) -> torch.Tensor:
     """``score(w)`` as the exported model computes it (``-inf`` for unregistered tokens), before any τ."""
     hidden, hash_map = hf.model(ids).last_hidden_state, hf.model.hash_map
-    score = sum(logp[..., hash_map[:, i]] for i, logp in enumerate(hf.hash_head(hidden, hf.lm_head.weight)))
+    score = sum(
+        logp[..., hash_map[:, i]] for i, logp in enumerate(hf.hash_head(hidden, hf.lm_head.weight))
+    )
     return score.masked_fill(~(hash_map != 0).any(dim=1), float("-inf"))
 
 
@@ -83,7 +99,9 @@ def test_inference_temperature_survives_export_import_export(trained, exported, 
     last = metrics(trained["mhf"])[-1]
     tau = last["val_temperature"]
     assert last["val_p_inf_nll_calibrated"] < last["val_p_inf_nll"] and tau != 1.0
-    out = run_cli(["export-hf", str(trained["mhf"]), str(tmp_path / "hf"), "--inference-temperature", "auto"])
+    out = run_cli(
+        ["export-hf", str(trained["mhf"]), str(tmp_path / "hf"), "--inference-temperature", "auto"]
+    )
     assert f"val_temperature of step {last['step']}" in out
     assert json.loads((tmp_path / "hf/config.json").read_text())["inference_temperature"] == tau
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True)
@@ -92,20 +110,49 @@ def test_inference_temperature_survives_export_import_export(trained, exported, 
     with torch.no_grad():
         logits = hf(ids).logits
         assert torch.equal(logits, (tau * unscaled_scores(hf, ids)).log_softmax(-1))
-        torch.testing.assert_close(logits, (tau * raw(ids).logits).log_softmax(-1), rtol=0, atol=1e-5)
-    assert torch.equal(logits.argmax(-1), raw(ids).logits.argmax(-1))  # the ranking does not depend on τ
+        torch.testing.assert_close(
+            logits, (tau * raw(ids).logits).log_softmax(-1), rtol=0, atol=1e-5
+        )
+    assert torch.equal(
+        logits.argmax(-1), raw(ids).logits.argmax(-1)
+    )  # the ranking does not depend on τ
 
     run_cli(["import-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "imported")])
-    assert yaml.safe_load((tmp_path / "imported/config.yaml").read_text())["inference"] == {"temperature": tau}
-    run_cli(["train", "--config", str(tmp_path / "imported/config.yaml"), "--run-dir", str(tmp_path / "imported"),
-             "--set", "train.max_steps=1"])
+    assert yaml.safe_load((tmp_path / "imported/config.yaml").read_text())["inference"] == {
+        "temperature": tau
+    }
+    run_cli(
+        [
+            "train",
+            "--config",
+            str(tmp_path / "imported/config.yaml"),
+            "--run-dir",
+            str(tmp_path / "imported"),
+            "--set",
+            "train.max_steps=1",
+        ]
+    )
     run_cli(["export-hf", str(tmp_path / "imported"), str(tmp_path / "again")])
     assert json.loads((tmp_path / "again/config.json").read_text())["inference_temperature"] == tau
-    assert yaml.safe_load((tmp_path / "again/mhf_dist.yaml").read_text())["inference"] == {"temperature": tau}
+    assert yaml.safe_load((tmp_path / "again/mhf_dist.yaml").read_text())["inference"] == {
+        "temperature": tau
+    }
 
-    out = run_cli(["export-hf", str(trained["standard"]), str(tmp_path / "std"), "--inference-temperature", "0.5"],
-                  expect_rc=2)
-    assert "plain Qwen3ForCausalLM" in out and "sample at temperature 2" in out and not (tmp_path / "std").exists()
+    out = run_cli(
+        [
+            "export-hf",
+            str(trained["standard"]),
+            str(tmp_path / "std"),
+            "--inference-temperature",
+            "0.5",
+        ],
+        expect_rc=2,
+    )
+    assert (
+        "plain Qwen3ForCausalLM" in out
+        and "sample at temperature 2" in out
+        and not (tmp_path / "std").exists()
+    )
 
 
 def test_generate_with_and_without_cache_and_only_registered_tokens(exported):
@@ -120,13 +167,27 @@ def test_generate_with_and_without_cache_and_only_registered_tokens(exported):
 
     registered = (hf.model.hash_map != 0).any(dim=1)
     torch.manual_seed(0)
-    for kw in ({"temperature": 5.0}, {"temperature": 3.0, "top_k": 40}, {"temperature": 3.0, "top_p": 0.95}):
-        out = hf.generate(ids.repeat(4, 1), do_sample=True, max_new_tokens=16, pad_token_id=tokenizer.pad_token_id,
-                          **kw)
-        assert registered[out[:, ids.shape[1]:]].all(), kw
+    for kw in (
+        {"temperature": 5.0},
+        {"temperature": 3.0, "top_k": 40},
+        {"temperature": 3.0, "top_p": 0.95},
+    ):
+        out = hf.generate(
+            ids.repeat(4, 1),
+            do_sample=True,
+            max_new_tokens=16,
+            pad_token_id=tokenizer.pad_token_id,
+            **kw,
+        )
+        assert registered[out[:, ids.shape[1] :]].all(), kw
 
-    bf16 = AutoModelForCausalLM.from_pretrained(exported["mhf"], trust_remote_code=True, dtype=torch.bfloat16)
-    assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16 and bf16.model.hash_map.dtype == torch.long
+    bf16 = AutoModelForCausalLM.from_pretrained(
+        exported["mhf"], trust_remote_code=True, dtype=torch.bfloat16
+    )
+    assert (
+        bf16.model.embed_tokens.weight.dtype == torch.bfloat16
+        and bf16.model.hash_map.dtype == torch.long
+    )
     with torch.no_grad():
         logits16, logits32 = bf16(ids).logits, hf(ids).logits
     assert torch.isfinite(logits16[..., registered]).all()
@@ -153,7 +214,9 @@ def test_standard_exports_as_plain_qwen3(trained, exported):
     ours, tokenizer, _ = trained_model(trained["standard"])
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits.log_softmax(-1), ours.log_p_inf(ids), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            hf(ids).logits.log_softmax(-1), ours.log_p_inf(ids), rtol=0, atol=1e-5
+        )
 
 
 def test_import_of_an_export_restores_the_run(trained, exported, data, tmp_path):
@@ -165,15 +228,26 @@ def test_import_of_an_export_restores_the_run(trained, exported, data, tmp_path)
     for name, tensor in tw.state.items():
         assert torch.equal(init[name], tensor), name
     original = SignatureTable.load(trained["mhf"] / "signatures")
-    assert SignatureTable.load(tmp_path / "imported/signatures").content_hash == original.content_hash
+    assert (
+        SignatureTable.load(tmp_path / "imported/signatures").content_hash == original.content_hash
+    )
     cfg = yaml.safe_load((tmp_path / "imported/config.yaml").read_text())
     assert cfg["model"] == tw.cfg.model_dump(mode="json")["model"]
     assert cfg["data"] == tw.cfg.model_dump(mode="json")["data"]
 
     # The trainer continues from the imported weights: its first step sees the same batch as the original
     # run's first step (same seed and data), at a much lower loss than that fresh start.
-    run_cli(["train", "--config", str(tmp_path / "imported/config.yaml"), "--run-dir", str(tmp_path / "imported"),
-             "--set", "train.max_steps=1"])
+    run_cli(
+        [
+            "train",
+            "--config",
+            str(tmp_path / "imported/config.yaml"),
+            "--run-dir",
+            str(tmp_path / "imported"),
+            "--set",
+            "train.max_steps=1",
+        ]
+    )
     assert metrics(tmp_path / "imported")[0]["loss"] < metrics(trained["mhf"])[0]["loss"] - 1.0
 
 
@@ -190,7 +264,9 @@ def test_import_lists_signature_differences(exported, tmp_path):
     weights = load_file(str(exported["mhf"] / "model.safetensors"))
     hash_map = weights["model.hash_map"].clone()
     hash_map[[5, 9]] = hash_map[[9, 5]]
-    weights["model.hash_map"] = torch.cat([hash_map, torch.zeros(7, 4, dtype=torch.long)])  # rounded-up rows
+    weights["model.hash_map"] = torch.cat(
+        [hash_map, torch.zeros(7, 4, dtype=torch.long)]
+    )  # rounded-up rows
     from safetensors.torch import save_file
 
     save_file(weights, str(src / "model.safetensors"))
@@ -202,7 +278,9 @@ def test_import_lists_signature_differences(exported, tmp_path):
 
     config["num_lsh"] = 2
     (src / "config.json").write_text(json.dumps(config))
-    assert "num_lsh=2" in run_cli(["import-hf", str(src), "--run-dir", str(tmp_path / "lsh")], expect_rc=2)
+    assert "num_lsh=2" in run_cli(
+        ["import-hf", str(src), "--run-dir", str(tmp_path / "lsh")], expect_rc=2
+    )
 
 
 def test_import_refuses_broken_model_directories(exported, tmp_path):
@@ -211,9 +289,14 @@ def test_import_refuses_broken_model_directories(exported, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(exported["mhf"], src)
     good = json.loads((src / "config.json").read_text())
-    cases = [("{", "config.json is not valid JSON"),
-             (json.dumps({k: v for k, v in good.items() if k != "hidden_size"}), "config.json lacks hidden_size"),
-             (json.dumps(good | {"intermediate_size": 128}), "do not fit its config.json")]
+    cases = [
+        ("{", "config.json is not valid JSON"),
+        (
+            json.dumps({k: v for k, v in good.items() if k != "hidden_size"}),
+            "config.json lacks hidden_size",
+        ),
+        (json.dumps(good | {"intermediate_size": 128}), "do not fit its config.json"),
+    ]
     for i, (text, message) in enumerate(cases):
         (src / "config.json").write_text(text)
         out = run_cli(["import-hf", str(src), "--run-dir", str(tmp_path / f"run{i}")], expect_rc=2)
@@ -232,23 +315,45 @@ def test_only_our_own_model_code_runs_without_trust_remote_code(exported, tmp_pa
         f.write(f"\nopen({str(ran)!r}, 'w').close()\n")
     args = ["generate", "--model", str(src), "--prompt", PROMPT, "--max-new-tokens", "2"]
     out = run_cli(args, expect_rc=2)
-    assert "differ from the model code this mhf-dist exports" in out and "--trust-remote-code" in out
+    assert (
+        "differ from the model code this mhf-dist exports" in out and "--trust-remote-code" in out
+    )
     assert not ran.exists()
     run_cli([*args, "--trust-remote-code"])
     assert ran.exists()  # the user vouched for it
-    run_cli(["generate", "--model", str(exported["mhf"]), "--prompt", PROMPT, "--max-new-tokens", "2"])  # ours
+    run_cli(
+        ["generate", "--model", str(exported["mhf"]), "--prompt", PROMPT, "--max-new-tokens", "2"]
+    )  # ours
 
 
 def test_eval_perplexity_and_last_word_under_p_inf(trained, exported, data, tmp_path):
     lambada = REPO / "tools/lm_eval/lambada_local.jsonl"
-    out = run_cli(["eval", "--model", str(exported["mhf"]), "--data", str(data["shards"]), "--max-sequences", "6",
-                   "--batch-size", "4", "--lambada", str(lambada), "--out", str(tmp_path / "eval.json"),
-                   "--calibration-split", "train"])
+    out = run_cli(
+        [
+            "eval",
+            "--model",
+            str(exported["mhf"]),
+            "--data",
+            str(data["shards"]),
+            "--max-sequences",
+            "6",
+            "--batch-size",
+            "4",
+            "--lambada",
+            str(lambada),
+            "--out",
+            str(tmp_path / "eval.json"),
+            "--calibration-split",
+            "train",
+        ]
+    )
     assert "optimistic" not in out
     results = json.loads((tmp_path / "eval.json").read_text())
 
     ours, tokenizer, _ = trained_model(trained["mhf"])
-    with ShardReader(data["shards"], split="val", tokenizer_fingerprint=tokens_fingerprint(vocabulary(tokenizer))) as r:
+    with ShardReader(
+        data["shards"], split="val", tokenizer_fingerprint=tokens_fingerprint(vocabulary(tokenizer))
+    ) as r:
         batch = r.next_batch(6)
     with torch.no_grad():
         nll = ours.evaluation(batch[:, :-1], batch[:, 1:]).p_inf_nll.item()
@@ -273,24 +378,61 @@ def test_eval_perplexity_and_last_word_under_p_inf(trained, exported, data, tmp_
         context, target = split_last_word(text)
         ctx = tokenizer(context, add_special_tokens=False, return_tensors="pt").input_ids
         want = tokenizer(target, add_special_tokens=False, return_tensors="pt").input_ids[0]
-        got = hf.generate(ctx, max_new_tokens=len(want), do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        correct += torch.equal(got[0, ctx.shape[1]:], want)
+        got = hf.generate(
+            ctx, max_new_tokens=len(want), do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+        correct += torch.equal(got[0, ctx.shape[1] :], want)
     assert results["last_word"]["documents"] == len(docs)
     assert results["last_word"]["accuracy"] == correct / len(docs)
 
 
 def test_generate_cli_from_a_run_directory(trained):
-    out = run_cli(["generate", "--model", str(trained["mhf"]), "--prompt", PROMPT, "--max-new-tokens", "5",
-                   "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9"])
+    out = run_cli(
+        [
+            "generate",
+            "--model",
+            str(trained["mhf"]),
+            "--prompt",
+            PROMPT,
+            "--max-new-tokens",
+            "5",
+            "--temperature",
+            "0.8",
+            "--top-k",
+            "20",
+            "--top-p",
+            "0.9",
+        ]
+    )
     assert PROMPT in out
 
 
 def test_lm_eval_harness_on_the_local_task(exported, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-         f"pretrained={exported['mhf']},trust_remote_code=True", "--include_path", str(REPO / "tools/lm_eval"),
-         "--tasks", "mhf_lambada_local", "--device", "cpu", "--batch_size", "8", "--output_path", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env=os.environ | {"HF_DATASETS_OFFLINE": "1"})
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "--model",
+            "hf",
+            "--model_args",
+            f"pretrained={exported['mhf']},trust_remote_code=True",
+            "--include_path",
+            str(REPO / "tools/lm_eval"),
+            "--tasks",
+            "mhf_lambada_local",
+            "--device",
+            "cpu",
+            "--batch_size",
+            "8",
+            "--output_path",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=os.environ | {"HF_DATASETS_OFFLINE": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (result,) = tmp_path.rglob("results_*.json")
     metrics_ = json.loads(result.read_text())["results"]["mhf_lambada_local"]

@@ -52,7 +52,11 @@ class SyncCounter(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        sync = name in READS or name in DATA_DEPENDENT or (name == "tensor" and kwargs.get("device") is not None)
+        sync = (
+            name in READS
+            or name in DATA_DEPENDENT
+            or (name == "tensor" and kwargs.get("device") is not None)
+        )
         if name in ("__getitem__", "__setitem__") and len(args) > 1:
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
             sync = any(torch.is_tensor(i) and i.dtype == torch.bool for i in index)
@@ -65,23 +69,32 @@ def _site() -> str:
     for frame in reversed(traceback.extract_stack()[:-2]):
         for root in (PACKAGE, "site-packages/deepspeed"):
             if root in frame.filename:
-                path = frame.filename[frame.filename.index(root):].removeprefix(PACKAGE + "/")
+                path = frame.filename[frame.filename.index(root) :].removeprefix(PACKAGE + "/")
                 return f"{path.removeprefix('site-packages/')}:{frame.name}"
     return "?"
 
 
-@pytest.mark.parametrize("preset, overrides", [
-    ("tiny-h4b16k", []),
-    ("tiny-h4b16k", ["model.hash.p_inf_loss_weight=0.5"]),
-    ("tiny-h4b16k", ["model.decoder_chunk_tokens=5"]),
-    ("tiny-standard+engram", ["model.engram.table_size=97"]),
-])
+@pytest.mark.parametrize(
+    "preset, overrides",
+    [
+        ("tiny-h4b16k", []),
+        ("tiny-h4b16k", ["model.hash.p_inf_loss_weight=0.5"]),
+        ("tiny-h4b16k", ["model.decoder_chunk_tokens=5"]),
+        ("tiny-standard+engram", ["model.engram.table_size=97"]),
+    ],
+)
 def test_the_training_forward_and_backward_never_wait_for_the_device(preset, overrides):
     """Ignored targets included: the loss weighs them out instead of selecting the rest."""
     cfg = load_config(preset, overrides=["model.hash.num_buckets=64", *overrides]).model
-    codes = SignatureTable.build([f"tok{i}" for i in range(V)], 4, 64, pad_id=0).codes if cfg.variant == "mhf" else None
+    codes = (
+        SignatureTable.build([f"tok{i}" for i in range(V)], 4, 64, pad_id=0).codes
+        if cfg.variant == "mhf"
+        else None
+    )
     torch.manual_seed(0)
-    model = build_model(cfg, V, codes, compression=CompressionTable.identity(V) if cfg.engram else None)
+    model = build_model(
+        cfg, V, codes, compression=CompressionTable.identity(V) if cfg.engram else None
+    )
     x = torch.randint(1, V, (2, 9))
     y = x[:, 1:].clone()
     y[1, -2:] = -100
@@ -90,15 +103,23 @@ def test_the_training_forward_and_backward_never_wait_for_the_device(preset, ove
     assert not counter.calls
 
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "reduce",
-               "all_to_all_single", "barrier")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "all_to_all_single",
+    "barrier",
+)
 
 
 def _collective_site() -> str:
     """The innermost frame in mhf_dist outside the collectives' helpers (parallel/scalars.py), or in DeepSpeed."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         if PACKAGE in frame.filename and not frame.filename.endswith("parallel/scalars.py"):
-            return f"{frame.filename[len(PACKAGE) + 1:]}:{frame.name}"
+            return f"{frame.filename[len(PACKAGE) + 1 :]}:{frame.name}"
         if "site-packages/deepspeed" in frame.filename:
             return "deepspeed"
     return "?"
@@ -113,11 +134,27 @@ def _loop_syncs(rank, world, run_dir, data, overrides):
     from mhf_dist.train.loop import TrainingLoop
     from mhf_dist.train.preemption import StopSignal
 
-    preset = "tiny-h4b16k+engram" if any(o.startswith("model.engram") for o in overrides) else "tiny-h4b16k"
-    cfg = load_config(preset, overrides=[
-        f"tokenizer.path={data['tokenizer']}", f"data.path={data['shards']}", "data.seq_len=64",
-        "model.hash.num_buckets=256", "train.max_steps=4", "train.log_interval=2", "train.eval_interval=0",
-        "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_sequences=8", *overrides])
+    preset = (
+        "tiny-h4b16k+engram"
+        if any(o.startswith("model.engram") for o in overrides)
+        else "tiny-h4b16k"
+    )
+    cfg = load_config(
+        preset,
+        overrides=[
+            f"tokenizer.path={data['tokenizer']}",
+            f"data.path={data['shards']}",
+            "data.seq_len=64",
+            "model.hash.num_buckets=256",
+            "train.max_steps=4",
+            "train.log_interval=2",
+            "train.eval_interval=0",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+            "train.eval_sequences=8",
+            *overrides,
+        ],
+    )
     loop = TrainingLoop(cfg, StopSignal())
     assert loop.setup(run_dir, "none")
     steps, step = [], loop.step
@@ -127,6 +164,7 @@ def _loop_syncs(rank, world, run_dir, data, overrides):
             if steps:
                 steps[-1][1][(name, _collective_site())] += 1
             return call(*args, **kwargs)
+
         return counted
 
     for name in COLLECTIVES:
@@ -143,31 +181,52 @@ def _loop_syncs(rank, world, run_dir, data, overrides):
     return [(dict(syncs), dict(calls)) for syncs, calls in steps]
 
 
-OURS = {("tolist", "parallel/scalars.py:read"): 1}  # losses, gradient norm and stop/save flags, in one transfer
-DEEPSPEED_ZERO3 = {("__bool__", "deepspeed/runtime/utils.py:is_invalid_grad_norm"): 1,
-                   ("tensor", "deepspeed/runtime/zero/stage3.py:get_grad_norm_direct"): 2}
+OURS = {
+    ("tolist", "parallel/scalars.py:read"): 1
+}  # losses, gradient norm and stop/save flags, in one transfer
+DEEPSPEED_ZERO3 = {
+    ("__bool__", "deepspeed/runtime/utils.py:is_invalid_grad_norm"): 1,
+    ("tensor", "deepspeed/runtime/zero/stage3.py:get_grad_norm_direct"): 2,
+}
 HOST_ONLY = {  # host tensors only: token ids and row masks of the host-memory Engram tables
-    ("unique", "model/host_tables.py:gather"): 4 * 2,  # each micro-batch's rows of each of the 2 memories
-    ("nonzero", "train/host_tables.py:before_step"): 2,  # lazy update: the rows read, from each memory's mask
+    ("unique", "model/host_tables.py:gather"): 4
+    * 2,  # each micro-batch's rows of each of the 2 memories
+    (
+        "nonzero",
+        "train/host_tables.py:before_step",
+    ): 2,  # lazy update: the rows read, from each memory's mask
 }
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("overrides", [
-    [],
-    ["model.engram.layers=[0,1]", "model.engram.table_size=1000", "model.engram.offload=true",
-     "model.engram.offload_update=lazy"],
-    ["train.spike_factor=3", "train.grad_spike_factor=10", "train.on_spike=skip"],
-], ids=["device-tables", "offload-lazy", "spike-skip"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        [
+            "model.engram.layers=[0,1]",
+            "model.engram.table_size=1000",
+            "model.engram.offload=true",
+            "model.engram.offload_update=lazy",
+        ],
+        ["train.spike_factor=3", "train.grad_spike_factor=10", "train.on_spike=skip"],
+    ],
+    ids=["device-tables", "offload-lazy", "spike-skip"],
+)
 def test_an_ordinary_training_step_reads_the_device_once(tmp_path, data, overrides):
     """Under train.on_spike=skip too: the verdict stays on the device, read with the step's other numbers. A logged
     step's health metrics (train.health_metrics, on by default) add one all-reduce and no host read."""
     steps = run_ranks(_loop_syncs, 1, tmp_path / "run", data, overrides)[0]
     assert len(steps) == 4
-    expected = OURS | DEEPSPEED_ZERO3 | (HOST_ONLY if "model.engram.offload=true" in overrides else {})
-    (logged, logged_calls), (ordinary, ordinary_calls) = steps[1:3]  # steps 2 (logged) and 3: not the first
+    expected = (
+        OURS | DEEPSPEED_ZERO3 | (HOST_ONLY if "model.engram.offload=true" in overrides else {})
+    )
+    (logged, logged_calls), (ordinary, ordinary_calls) = steps[
+        1:3
+    ]  # steps 2 (logged) and 3: not the first
     # (DeepSpeed's first-step set-up) nor the last (evaluation and save)
     assert ordinary == logged == expected
     assert collections.Counter(logged_calls) - collections.Counter(ordinary_calls) == {
-        ("all_reduce", "backend/deepspeed/health.py:summary"): 1}
+        ("all_reduce", "backend/deepspeed/health.py:summary"): 1
+    }
     assert collections.Counter(ordinary_calls) <= collections.Counter(logged_calls)

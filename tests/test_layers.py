@@ -45,8 +45,11 @@ def imports() -> list[tuple[str, int, str]]:
                 names = [node.module]
             else:
                 continue
-            found += [(str(path.relative_to(PACKAGE.parent)), node.lineno, n) for n in names
-                      if n.startswith("mhf_dist.")]
+            found += [
+                (str(path.relative_to(PACKAGE.parent)), node.lineno, n)
+                for n in names
+                if n.startswith("mhf_dist.")
+            ]
     return found
 
 
@@ -63,33 +66,49 @@ def test_every_package_is_in_the_layer_picture():
 
 def test_imports_point_down_the_layers():
     layer = layers()
-    wrong = [f"{path}:{line} imports {name} ({importer(path)} may not import {unit(name)})"
-             for path, line, name in imports()
-             if importer(path) != unit(name) and layer[unit(name)] >= layer[importer(path)]]
+    wrong = [
+        f"{path}:{line} imports {name} ({importer(path)} may not import {unit(name)})"
+        for path, line, name in imports()
+        if importer(path) != unit(name) and layer[unit(name)] >= layer[importer(path)]
+    ]
     assert not wrong, "\n".join(wrong)
 
 
 def test_scheduler_names_live_behind_the_scheduler_boundary():
     names = re.compile(r"sbatch|srun|scontrol|squeue|SLURM_")
     scheduler = PACKAGE / "cluster" / "scheduler"
-    found = [f"{path.relative_to(PACKAGE.parent)}:{i}: {line.strip()}"
-             for path in sorted(PACKAGE.rglob("*")) if path.is_file() and path.suffix in (".py", ".yaml", ".json")
-             and not path.is_relative_to(scheduler)
-             for i, line in enumerate(path.read_text().splitlines(), 1) if names.search(line)]
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{i}: {line.strip()}"
+        for path in sorted(PACKAGE.rglob("*"))
+        if path.is_file()
+        and path.suffix in (".py", ".yaml", ".json")
+        and not path.is_relative_to(scheduler)
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if names.search(line)
+    ]
     assert not found, "\n".join(found)
 
 
 def test_no_module_is_over_the_size_limit():
-    long = {str(p.relative_to(PACKAGE.parent)): n for p in sorted(PACKAGE.rglob("*.py"))
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(PACKAGE.parent)): n
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
 def test_module_docstrings_say_what_the_module_holds_in_a_few_lines():
     """The reasoning lives in docs/; a module's docstring says what it holds and where to look."""
-    docstrings = {p: ast.get_docstring(ast.parse(p.read_text()), clean=False) or "" for p in PACKAGE.rglob("*.py")}
-    long = {str(p.relative_to(PACKAGE.parent)): n for p, text in sorted(docstrings.items())
-            if (n := len(text.splitlines())) > MAX_DOCSTRING}
+    docstrings = {
+        p: ast.get_docstring(ast.parse(p.read_text()), clean=False) or ""
+        for p in PACKAGE.rglob("*.py")
+    }
+    long = {
+        str(p.relative_to(PACKAGE.parent)): n
+        for p, text in sorted(docstrings.items())
+        if (n := len(text.splitlines())) > MAX_DOCSTRING
+    }
     assert not long, f"module docstrings over {MAX_DOCSTRING} lines: {long}"
 
 
@@ -102,18 +121,31 @@ def test_long_signatures_take_their_parameters_by_keyword():
     found = []
     for p in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(p.read_text())):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name in TORCH_OVERRIDES:
+            if (
+                not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                or node.name in TORCH_OVERRIDES
+            ):
                 continue
-            positional = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
-            if len(positional) + len(node.args.kwonlyargs) >= MIN_KEYWORD_PARAMS and len(positional) > 3:
+            positional = [
+                a.arg
+                for a in node.args.posonlyargs + node.args.args
+                if a.arg not in ("self", "cls")
+            ]
+            if (
+                len(positional) + len(node.args.kwonlyargs) >= MIN_KEYWORD_PARAMS
+                and len(positional) > 3
+            ):
                 where = f"{p.relative_to(PACKAGE.parent)}:{node.lineno}"
                 found.append(f"{where} {node.name} ({len(positional)} positional)")
     assert not found, "\n".join(found)
 
 
 def test_docs_pages_stay_readable_in_one_sitting():
-    long = {p.name: n for p in sorted((PACKAGE.parent / "docs").glob("*.md"))
-            if (n := len(p.read_text().splitlines())) > MAX_PAGE_LINES}
+    long = {
+        p.name: n
+        for p in sorted((PACKAGE.parent / "docs").glob("*.md"))
+        if (n := len(p.read_text().splitlines())) > MAX_PAGE_LINES
+    }
     assert not long, f"docs pages over {MAX_PAGE_LINES} lines: {long}"
 
 
@@ -127,10 +159,16 @@ def test_the_code_layout_names_every_module():
         head, text = line[:21].strip(), line[21:]
         if head:
             depth = (len(line) - len(line.lstrip())) // 2
-            folder = "/".join(folder.split("/")[:depth] + [head.rstrip("/")]) if depth else head.rstrip("/")
+            folder = (
+                "/".join(folder.split("/")[:depth] + [head.rstrip("/")])
+                if depth
+                else head.rstrip("/")
+            )
         named[folder] = named.get(folder, "") + " " + text
     missing = []
-    for path in sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" or p.parent == PACKAGE):
+    for path in sorted(
+        p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" or p.parent == PACKAGE
+    ):
         rel = path.relative_to(PACKAGE.parent)
         text = named.get(str(rel.parent), "")
         if not re.search(rf"(?<![\w/]){re.escape(path.name)}", text):
@@ -144,11 +182,20 @@ def test_no_source_file_is_ignored_by_git():
     root = PACKAGE.parent
     if not (root / ".git").exists() or shutil.which("git") is None:
         pytest.skip("not a git checkout")
-    sources = [str(p.relative_to(root)) for folder in ("mhf_dist", "tests", "tools", "docs")
-               for p in sorted((root / folder).rglob("*"))
-               if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"]
+    sources = [
+        str(p.relative_to(root))
+        for folder in ("mhf_dist", "tests", "tools", "docs")
+        for p in sorted((root / folder).rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+    ]
     assert len(sources) > 100
-    ignored = subprocess.run(["git", "-C", str(root), "check-ignore", "--no-index", "--stdin"],
-                             input="\n".join(sources), capture_output=True, text=True)
+    ignored = subprocess.run(
+        ["git", "-C", str(root), "check-ignore", "--no-index", "--stdin"],
+        input="\n".join(sources),
+        capture_output=True,
+        text=True,
+    )
     assert ignored.returncode in (0, 1), ignored.stderr  # 1: nothing ignored
-    assert not ignored.stdout.split(), f"source files that .gitignore hides from git: {ignored.stdout.split()}"
+    assert not ignored.stdout.split(), (
+        f"source files that .gitignore hides from git: {ignored.stdout.split()}"
+    )

@@ -20,7 +20,9 @@ V = 300
 
 @pytest.fixture
 def table():
-    return SignatureTable.build([f"tok{i}" for i in range(V)], num_hashes=4, num_buckets=64, pad_id=0)
+    return SignatureTable.build(
+        [f"tok{i}" for i in range(V)], num_hashes=4, num_buckets=64, pad_id=0
+    )
 
 
 @pytest.fixture
@@ -36,9 +38,15 @@ def model(tiny_cfg, table):
 def ref_encoder(m, codes_row):
     """e(w) = (Σ_i α_i u_i) W_s + b_s, α = softmax_i(σ(u_i W1 + b1) W2 + b2) — one token at a time."""
     E = m.vocab.tables.weight
-    s0, s2, out = m.vocab.encoder.scorer[0], m.vocab.encoder.scorer[2], m.vocab.encoder.output_proj[0]
+    s0, s2, out = (
+        m.vocab.encoder.scorer[0],
+        m.vocab.encoder.scorer[2],
+        m.vocab.encoder.output_proj[0],
+    )
     u = [E[i, codes_row[i]] for i in range(len(codes_row))]
-    a = torch.stack([F.silu(ui @ s0.weight.T + s0.bias) @ s2.weight.T + s2.bias for ui in u]).squeeze(-1)
+    a = torch.stack(
+        [F.silu(ui @ s0.weight.T + s0.bias) @ s2.weight.T + s2.bias for ui in u]
+    ).squeeze(-1)
     alpha = torch.softmax(a, dim=0)
     return sum(alpha[i] * u[i] for i in range(len(u))) @ out.weight.T + out.bias
 
@@ -55,7 +63,11 @@ def ref_decoder(m, h_t, target_row=None):
             e_bar = E[i].T @ p
             dn, up = m.vocab.decoder.cascade_mixer[i][0], m.vocab.decoder.cascade_mixer[i][2]
             c = c + F.silu(torch.cat([c, e_bar]) @ dn.weight.T + dn.bias) @ up.weight.T + up.bias
-    nll = None if target_row is None else torch.stack([-logps[i][target_row[i]] for i in range(len(logps))])
+    nll = (
+        None
+        if target_row is None
+        else torch.stack([-logps[i][target_row[i]] for i in range(len(logps))])
+    )
     return logps, nll
 
 
@@ -63,7 +75,9 @@ def test_encoder_matches_reference(model, table):
     ids = torch.tensor([[1, 5, 17, 0, 299]])
     got = model.vocab.embed(ids)
     for j, v in enumerate(ids[0].tolist()):
-        torch.testing.assert_close(got[0, j], ref_encoder(model, table.codes[v].long()), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            got[0, j], ref_encoder(model, table.codes[v].long()), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_loss_matches_reference(model, table):
@@ -71,8 +85,13 @@ def test_loss_matches_reference(model, table):
     x = torch.randint(1, V, (2, 9))
     out = model(x[:, :-1], x[:, 1:])
     h = model.hidden(x[:, :-1])
-    nlls = torch.stack([ref_decoder(model, h[b, t], table.codes[x[b, t + 1]].long())[1]
-                        for b in range(2) for t in range(8)])
+    nlls = torch.stack(
+        [
+            ref_decoder(model, h[b, t], table.codes[x[b, t + 1]].long())[1]
+            for b in range(2)
+            for t in range(8)
+        ]
+    )
     torch.testing.assert_close(out.head_losses, nlls.mean(0), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.loss, nlls.mean(0).sum(), rtol=1e-5, atol=1e-5)
 
@@ -95,8 +114,14 @@ def test_p_inf_matches_dense_reference(model, table):
     h = model.hidden(x)[0]
     for t in range(5):
         logps, _ = ref_decoder(model, h[t])
-        scores = torch.stack([sum(logps[i][table.codes[w, i]] for i in range(4)) if w != 0 else torch.tensor(-torch.inf)
-                              for w in range(V)])
+        scores = torch.stack(
+            [
+                sum(logps[i][table.codes[w, i]] for i in range(4))
+                if w != 0
+                else torch.tensor(-torch.inf)
+                for w in range(V)
+            ]
+        )
         ref = scores - torch.logsumexp(scores, 0)
         torch.testing.assert_close(got[t], ref.to(got.dtype), rtol=1e-5, atol=1e-5)
     assert torch.allclose(got.exp().sum(-1), torch.ones(5, dtype=got.dtype))
@@ -122,7 +147,9 @@ class _DetachedLookup(BucketTables):
 
 @pytest.mark.parametrize("variant", [_DetachedRetrieval, _DetachedLookup])
 def test_gradients_reach_tables_through_lookup_and_retrieval(model, variant):
-    model.vocab.decoder.chunk_tokens = 0  # the plain path, whose retrieval the variant cuts (fused == plain below)
+    model.vocab.decoder.chunk_tokens = (
+        0  # the plain path, whose retrieval the variant cuts (fused == plain below)
+    )
     x = torch.randint(1, V, (2, 9))
     model(x[:, :-1], x[:, 1:]).loss.backward()
     full = model.vocab.tables.weight.grad.clone()
@@ -143,8 +170,9 @@ def test_standard_lm_is_tied_softmax_over_real_vocabulary():
     W = m.vocab.tables.weight[0, :V]
     torch.testing.assert_close(m.vocab.embed(x), W[x])
     logits = h @ W.T
-    torch.testing.assert_close(m(x[:, :-1], x[:, 1:]).loss,
-                               F.cross_entropy(logits.reshape(-1, V), x[:, 1:].reshape(-1)))
+    torch.testing.assert_close(
+        m(x[:, :-1], x[:, 1:]).loss, F.cross_entropy(logits.reshape(-1, V), x[:, 1:].reshape(-1))
+    )
     torch.testing.assert_close(m.log_p_inf(x[:, :-1]), logits.log_softmax(-1))
 
 
@@ -163,27 +191,49 @@ def test_target_p_inf_streams_over_the_vocabulary(model):
 
     h = model.hidden(x[:, :-1]).reshape(-1, 64)
     scores = model.vocab.decoder.scores(h, model.vocab.tables)
-    chunked = target_log_p_inf(scores, model.vocab.signature_columns(), model.vocab.registered, model.vocab.tables,
-                               x[:, 1:].reshape(-1), chunk_size=7)
+    chunked = target_log_p_inf(
+        scores,
+        model.vocab.signature_columns(),
+        model.vocab.registered,
+        model.vocab.tables,
+        x[:, 1:].reshape(-1),
+        chunk_size=7,
+    )
     torch.testing.assert_close(chunked, dense.reshape(-1))
 
 
-@pytest.mark.parametrize("preset, buckets", [("tiny-h4b16k", 64), ("tiny-h3b10k", 66), ("tiny-standard", 64)])
+@pytest.mark.parametrize(
+    "preset, buckets", [("tiny-h4b16k", 64), ("tiny-h3b10k", 66), ("tiny-standard", 64)]
+)
 def test_fused_decoder_equals_plain(preset, buckets, kernels="auto"):
     """Loss, every gradient and log P_inf, with a chunk that does not divide the token count; the fused heads'
     passes run as ``kernels`` says (ModelModes.kernels)."""
     results = {}
     for chunk in (0, 5):
-        cfg = load_config(preset, overrides=[f"model.hash.num_buckets={buckets}",
-                                             f"model.decoder_chunk_tokens={chunk}", f"model.init_std={INIT_STD}"]).model
-        table = SignatureTable.build([f"tok{i}" for i in range(V)], cfg.hash.num_hashes, buckets, pad_id=0)
+        cfg = load_config(
+            preset,
+            overrides=[
+                f"model.hash.num_buckets={buckets}",
+                f"model.decoder_chunk_tokens={chunk}",
+                f"model.init_std={INIT_STD}",
+            ],
+        ).model
+        table = SignatureTable.build(
+            [f"tok{i}" for i in range(V)], cfg.hash.num_hashes, buckets, pad_id=0
+        )
         torch.manual_seed(0)
         m = build_model(cfg, V, table.codes, modes=ModelModes(kernels=kernels))
-        x = torch.randint(1, V, (2, 9), generator=torch.Generator().manual_seed(3))  # 16 targets, chunk 5
+        x = torch.randint(
+            1, V, (2, 9), generator=torch.Generator().manual_seed(3)
+        )  # 16 targets, chunk 5
         out = m(x[:, :-1], x[:, 1:])
         out.loss.backward()
-        results[chunk] = (out.loss, out.head_losses, {n: p.grad for n, p in m.named_parameters()},
-                          m.log_p_inf(x[:, :-1]))
+        results[chunk] = (
+            out.loss,
+            out.head_losses,
+            {n: p.grad for n, p in m.named_parameters()},
+            m.log_p_inf(x[:, :-1]),
+        )
     (loss0, heads0, grads0, logp0), (loss5, heads5, grads5, logp5) = results[0], results[5]
     torch.testing.assert_close(loss5, loss0, rtol=1e-5, atol=0)
     torch.testing.assert_close(heads5, heads0, rtol=1e-5, atol=0)
@@ -196,7 +246,9 @@ def test_fused_decoder_equals_plain(preset, buckets, kernels="auto"):
 def test_fused_heads_fill_one_table_gradient(preset, monkeypatch):
     """The fused heads write their tables' gradients into one shared buffer, which becomes the tables'
     gradient as it is (no [T, R, d] stack), and the split still stacks gradients that other uses produce."""
-    cfg = load_config(preset, overrides=["model.hash.num_buckets=64", "model.decoder_chunk_tokens=5"]).model
+    cfg = load_config(
+        preset, overrides=["model.hash.num_buckets=64", "model.decoder_chunk_tokens=5"]
+    ).model
     table = SignatureTable.build([f"tok{i}" for i in range(V)], cfg.hash.num_hashes, 64, pad_id=0)
     vocab = build_model(cfg, V, table.codes).vocab
     buffers = []
@@ -204,12 +256,16 @@ def test_fused_heads_fill_one_table_gradient(preset, monkeypatch):
 
     def recording_slot(self, i, like):
         out = slot(self, i, like)
-        buffers.append(self.buffer.data_ptr())  # (a reference would stop autograd taking the buffer as .grad)
+        buffers.append(
+            self.buffer.data_ptr()
+        )  # (a reference would stop autograd taking the buffer as .grad)
         return out
 
     monkeypatch.setattr(TableGradients, "slot", recording_slot)
     h = torch.randn(16, cfg.d_model)
-    vocab.loss(h, torch.randint(1, V, (16,))).loss.backward()  # the decoder alone: its gradient is the buffer's
+    vocab.loss(
+        h, torch.randint(1, V, (16,))
+    ).loss.backward()  # the decoder alone: its gradient is the buffer's
     assert len(buffers) == vocab.decoder.num_heads and len(set(buffers)) == 1
     assert vocab.tables.weight.grad.data_ptr() == buffers[0]
 
@@ -255,25 +311,44 @@ def test_a_parameter_of_at_most_one_block_is_one_stream_as_before():
 
     w = torch.empty(192, 64)
     init.initial_shard("backbone.layers.0.mlp.gate_proj.weight", w.shape, w, std=0.02, seed=1234)
-    assert torch.equal(w, torch.empty(192, 64).normal_(0.0, 0.02, generator=generator(
-        "1234/backbone.layers.0.mlp.gate_proj.weight")))
-    assert w.view(-1)[[0, 1, 2, 12287]].tolist() == [-0.015405993908643723, -0.013752768747508526,
-                                                      -0.009411449544131756, -0.018609963357448578]
+    assert torch.equal(
+        w,
+        torch.empty(192, 64).normal_(
+            0.0, 0.02, generator=generator("1234/backbone.layers.0.mlp.gate_proj.weight")
+        ),
+    )
+    assert w.view(-1)[[0, 1, 2, 12287]].tolist() == [
+        -0.015405993908643723,
+        -0.013752768747508526,
+        -0.009411449544131756,
+        -0.018609963357448578,
+    ]
     t = torch.empty(4, 16384, 64)  # tiny-h4b16k's bucket tables: one stream per table
     init.initial_shard("vocab.tables.weight", t.shape, t, std=0.02, seed=1234)
-    table = torch.empty(16384, 64).normal_(0.0, 0.02, generator=generator("1234/vocab.tables.weight/2"))
+    table = torch.empty(16384, 64).normal_(
+        0.0, 0.02, generator=generator("1234/vocab.tables.weight/2")
+    )
     assert torch.equal(t[2], table)
-    assert t[2].reshape(-1)[[0, 1, 2**20 - 1]].tolist() == [0.009206878021359444, -0.023869337514042854,
-                                                            0.025392940267920494]
+    assert t[2].reshape(-1)[[0, 1, 2**20 - 1]].tolist() == [
+        0.009206878021359444,
+        -0.023869337514042854,
+        0.025392940267920494,
+    ]
     assert t[0, 0, 0].item() == -0.010589882731437683
-    assert init.BLOCK == 2**20 and t[2].numel() == init.BLOCK  # the tiny presets' largest stream: one block
+    assert (
+        init.BLOCK == 2**20 and t[2].numel() == init.BLOCK
+    )  # the tiny presets' largest stream: one block
     b = torch.empty(init.BLOCK)
     init.initial_shard("x.weight", b.shape, b, std=1.0, seed=5)
     assert b[[0, init.BLOCK - 1]].tolist() == [-0.789883553981781, 0.028049500659108162]
 
 
-INIT_SHAPES = [("a.weight", (24, 40)), ("b.weight", (1000,)), ("c.weight", (6, 5, 7)),
-               ("vocab.tables.weight", (4, 30, 8))]
+INIT_SHAPES = [
+    ("a.weight", (24, 40)),
+    ("b.weight", (1000,)),
+    ("c.weight", (6, 5, 7)),
+    ("vocab.tables.weight", (4, 30, 8)),
+]
 
 
 @pytest.mark.parametrize("name,shape", INIT_SHAPES, ids=[n for n, _ in INIT_SHAPES])
@@ -289,17 +364,25 @@ def test_a_rank_draws_only_the_blocks_of_its_partition(monkeypatch, name, shape)
     monkeypatch.setattr(init, "BLOCK", block)
     drawn = []
     real = init.draw_block
-    monkeypatch.setattr(init, "draw_block", lambda out, *a: (drawn.append(out.numel()), real(out, *a)))
+    monkeypatch.setattr(
+        init, "draw_block", lambda out, *a: (drawn.append(out.numel()), real(out, *a))
+    )
     whole = torch.empty(shape)
     init.initial_shard(name, shape, whole, std=1.0, seed=3)
-    assert not torch.equal(whole.view(-1)[:block], whole.view(-1)[block:2 * block])  # blocks: different streams
+    assert not torch.equal(
+        whole.view(-1)[:block], whole.view(-1)[block : 2 * block]
+    )  # blocks: different streams
     tables = name == "vocab.tables.weight"
     for dim in [None, *range(len(shape))]:
-        for tp in ([1] if dim is None else [2, 3]):
+        for tp in [1] if dim is None else [2, 3]:
             for tp_rank, chunk in enumerate(whole.chunk(tp, dim) if dim is not None else [whole]):
-                per = chunk[0].numel() if tables else chunk.numel()  # a table's chunk, or the whole chunk
-                if dim is not None and dim > (1 if tables else 0):  # strided: runs of `width` in rows of `stride`
-                    inner = math.prod(shape[dim + 1:])
+                per = (
+                    chunk[0].numel() if tables else chunk.numel()
+                )  # a table's chunk, or the whole chunk
+                if dim is not None and dim > (
+                    1 if tables else 0
+                ):  # strided: runs of `width` in rows of `stride`
+                    inner = math.prod(shape[dim + 1 :])
                     stride, width = shape[dim] * inner, chunk.shape[dim] * inner
                 else:
                     stride = width = 1
@@ -311,10 +394,30 @@ def test_a_rank_draws_only_the_blocks_of_its_partition(monkeypatch, name, shape)
                         n = max(0, min(size, chunk.numel() - start))
                         held = torch.full((n,), float("nan"), dtype=torch.bfloat16)
                         drawn.clear()
-                        init.initial_shard(name, shape, held, std=1.0, seed=3, dim=dim, rank=tp_rank, parts=tp,
-                                           buffer=torch.empty(block), start=start)
-                        assert torch.equal(held, chunk[start:start + n].bfloat16()), (dim, tp, dp)
-                        spans = (start + n - 1) // per - start // per + 1 if n else 0  # tables touched
+                        init.initial_shard(
+                            name,
+                            shape,
+                            held,
+                            std=1.0,
+                            seed=3,
+                            dim=dim,
+                            rank=tp_rank,
+                            parts=tp,
+                            buffer=torch.empty(block),
+                            start=start,
+                        )
+                        assert torch.equal(held, chunk[start : start + n].bfloat16()), (dim, tp, dp)
+                        spans = (
+                            (start + n - 1) // per - start // per + 1 if n else 0
+                        )  # tables touched
                         slack = 2 * block + (2 * stride if stride > 1 else 0)
                         bound = -(-n * stride // width) + spans * slack
-                        assert sum(drawn) <= bound, (dim, tp, tp_rank, dp, dp_rank, sum(drawn), bound)
+                        assert sum(drawn) <= bound, (
+                            dim,
+                            tp,
+                            tp_rank,
+                            dp,
+                            dp_rank,
+                            sum(drawn),
+                            bound,
+                        )

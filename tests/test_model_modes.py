@@ -23,12 +23,16 @@ V = 300
 
 @pytest.fixture
 def cfg():
-    return load_config("tiny-h4b16k", overrides=["model.hash.num_buckets=64", "model.decoder_chunk_tokens=5"]).model
+    return load_config(
+        "tiny-h4b16k", overrides=["model.hash.num_buckets=64", "model.decoder_chunk_tokens=5"]
+    ).model
 
 
 @pytest.fixture
 def codes(cfg):
-    return SignatureTable.build([f"tok{i}" for i in range(V)], cfg.hash.num_hashes, 64, pad_id=0).codes
+    return SignatureTable.build(
+        [f"tok{i}" for i in range(V)], cfg.hash.num_hashes, 64, pad_id=0
+    ).codes
 
 
 def test_checkpointing_is_built_in_and_changes_no_number(cfg, codes, monkeypatch):
@@ -59,13 +63,18 @@ def test_each_model_keeps_its_own_kernel_policy(cfg, codes, monkeypatch, caplog)
     def broken_compile(fn, **kwargs):
         def run(*args):
             raise RuntimeError("no working triton")
+
         return run
 
     monkeypatch.setattr(torch, "compile", broken_compile)
     monkeypatch.setattr(fused_head, "_on_gpu", lambda x: True)  # auto compiles on GPUs only
-    failing, other = (build_model(cfg, V, codes, modes=ModelModes(kernels="auto")) for _ in range(2))
+    failing, other = (
+        build_model(cfg, V, codes, modes=ModelModes(kernels="auto")) for _ in range(2)
+    )
     eager = build_model(cfg, V, codes, modes=ModelModes(kernels="eager"))
-    assert eager.vocab.decoder.kernels.mode == "eager" and failing.vocab.decoder.kernels.mode == "auto"
+    assert (
+        eager.vocab.decoder.kernels.mode == "eager" and failing.vocab.decoder.kernels.mode == "auto"
+    )
     x = torch.randint(1, V, (2, 9), generator=torch.Generator().manual_seed(0))
     with caplog.at_level(logging.WARNING, logger=fused_head.__name__):
         loss = failing(x[:, :-1], x[:, 1:]).loss  # falls back to eager
@@ -90,9 +99,16 @@ def _run_modes(rank, world, run_dir, data):
     from mhf_dist.train.loop import TrainingLoop
     from mhf_dist.train.preemption import StopSignal
 
-    cfg = load_config("tiny-h4b16k", overrides=[
-        f"tokenizer.path={data['tokenizer']}", f"data.path={data['shards']}", "data.seq_len=64",
-        "parallel.activation_checkpoint_interval=1", "train.fused_head_kernel=eager"])
+    cfg = load_config(
+        "tiny-h4b16k",
+        overrides=[
+            f"tokenizer.path={data['tokenizer']}",
+            f"data.path={data['shards']}",
+            "data.seq_len=64",
+            "parallel.activation_checkpoint_interval=1",
+            "train.fused_head_kernel=eager",
+        ],
+    )
     loop = TrainingLoop(cfg, StopSignal())
     assert loop.setup(run_dir, "none")
     model = loop.trainer.engine.module
@@ -112,9 +128,13 @@ def _pipeline_interval(rank, world):
 
     join_distributed(rank, world)
     cfg = load_config("tiny-h4b16k", overrides=["model.hash.num_buckets=64"]).model
-    codes = SignatureTable.build([f"tok{i}" for i in range(V)], cfg.hash.num_hashes, 64, pad_id=0).codes
+    codes = SignatureTable.build(
+        [f"tok{i}" for i in range(V)], cfg.hash.num_hashes, 64, pad_id=0
+    ).codes
     model = model_skeleton(cfg, V, codes, compression=None, modes=ModelModes(checkpoint_interval=1))
-    materialise = Materialiser(model, SeededValues(cfg.init_std, 0), torch.device("cpu"), 0, 1, None)
+    materialise = Materialiser(
+        model, SeededValues(cfg.init_std, 0), torch.device("cpu"), 0, 1, None
+    )
     pipe, _ = build_pipeline(model, ParallelGroups.create(1, 2), seq_len=8, materialise=materialise)
     return pipe.activation_checkpoint_interval
 

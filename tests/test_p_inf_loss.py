@@ -19,9 +19,15 @@ CHUNK = 4 * 7  # values per position: 7 tokens per chunk, which does not divide 
 
 
 def make_model(weight: float, chunk_tokens: int = 0):
-    cfg = load_config("tiny-h4b16k", overrides=[
-        "model.hash.num_buckets=64", f"model.init_std={INIT_STD}", f"model.decoder_chunk_tokens={chunk_tokens}",
-        f"model.hash.p_inf_loss_weight={weight}"]).model
+    cfg = load_config(
+        "tiny-h4b16k",
+        overrides=[
+            "model.hash.num_buckets=64",
+            f"model.init_std={INIT_STD}",
+            f"model.decoder_chunk_tokens={chunk_tokens}",
+            f"model.hash.p_inf_loss_weight={weight}",
+        ],
+    ).model
     table = SignatureTable.build([f"tok{i}" for i in range(V)], 4, 64, pad_id=0)
     torch.manual_seed(0)
     model = build_model(cfg, V, table.codes)
@@ -40,7 +46,9 @@ def loss_and_grads(model, loss_fn):
     model.zero_grad(set_to_none=True)
     loss = loss_fn(model)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def reference_loss(model, weight: float) -> torch.Tensor:
@@ -51,8 +59,12 @@ def reference_loss(model, weight: float) -> torch.Tensor:
     h, t = model.hidden(x)[keep], y[keep]
     vocab = model.vocab
     head_loss = vocab.decoder.nll(h, vocab.tables, vocab.codes[t]).mean(0).sum()
-    scores = signature_scores(side_by_side(vocab.decoder.scores(h, vocab.tables)), vocab.signature_columns(),
-                              vocab.registered, vocab.tables)
+    scores = signature_scores(
+        side_by_side(vocab.decoder.scores(h, vocab.tables)),
+        vocab.signature_columns(),
+        vocab.registered,
+        vocab.tables,
+    )
     return head_loss + weight * -scores.log_softmax(-1).gather(1, t[:, None]).mean()
 
 
@@ -71,7 +83,9 @@ def _weight_zero_is_bit_identical(chunk_tokens):
     model = make_model(0.0, chunk_tokens)
     x, y = batch()
 
-    def today(m):  # the training loss as it is without the term: the decoder's head NLLs, nothing else
+    def today(
+        m,
+    ):  # the training loss as it is without the term: the decoder's head NLLs, nothing else
         keep = y >= 0
         h = m.hidden(x)[keep]
         return m.vocab.decoder.nll(h, m.vocab.tables, m.vocab.codes[y[keep]]).mean(0).sum()
@@ -101,7 +115,9 @@ def test_term_matches_brute_force_log_softmax(chunk_tokens):
     with torch.no_grad():
         evaluated = make_model(0.0).evaluation(x, y)
     torch.testing.assert_close(out.p_inf_nll, evaluated.p_inf_nll, rtol=1e-6, atol=0)
-    torch.testing.assert_close(out.loss, out.head_losses.sum() + weight * out.p_inf_nll, rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        out.loss, out.head_losses.sum() + weight * out.p_inf_nll, rtol=1e-6, atol=0
+    )
     # the term's gradient is real: the weight changes the decoder's and backbone's gradients
     _, plain = loss_and_grads(model, lambda m: reference_loss(m, 0.0))
     assert (grads["vocab.tables.weight"] - plain["vocab.tables.weight"]).abs().max() > 1e-3
@@ -128,8 +144,9 @@ def test_log_normaliser_matches_autograd_over_the_full_vocabulary(chunk_size):
     for g, r in zip(got_grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
     # deterministic: a second use gives the same gradients bit for bit
-    again = torch.autograd.grad((log_normaliser(scores, columns, registered, tables, chunk_size) * upstream).sum(),
-                                scores)
+    again = torch.autograd.grad(
+        (log_normaliser(scores, columns, registered, tables, chunk_size) * upstream).sum(), scores
+    )
     assert all(torch.equal(a, b) for a, b in zip(again, got_grads))
 
 

@@ -34,7 +34,9 @@ def shard(t: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
     return t.chunk(TP, dim=dim)[rank].clone()
 
 
-def run(module: nn.Module, x: torch.Tensor, weight_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def run(
+    module: nn.Module, x: torch.Tensor, weight_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(output, input gradient, parameter gradients) of ``(module(x) * weight_out).sum()``."""
     x = x.clone().requires_grad_()
     out = module(x)
@@ -49,7 +51,12 @@ def full_layers() -> dict:
     norm = nn.RMSNorm(D, eps=1e-6).double()
     with torch.no_grad():
         norm.weight.copy_(inputs(1, D))
-    return {"linear": linear, "norm": norm, "x": inputs(2, 4, D), "table": inputs(3, TABLES, ROWS, D)}
+    return {
+        "linear": linear,
+        "norm": norm,
+        "x": inputs(2, 4, D),
+        "table": inputs(3, TABLES, ROWS, D),
+    }
 
 
 def layers_worker(rank: int, world: int) -> dict:
@@ -60,7 +67,9 @@ def layers_worker(rank: int, world: int) -> dict:
     column = ColumnParallelLinear(D, OUT, TP).double()
     with torch.no_grad():
         column.weight.copy_(shard(full["linear"].weight, 0, rank))
-    mark_region(column, group)  # the region copies its input once, so the input gradient sums over the ranks
+    mark_region(
+        column, group
+    )  # the region copies its input once, so the input gradient sums over the ranks
     results["column"] = run(column, x, shard(inputs(4, 4, OUT), 1, rank))
 
     # RowParallelLinear: this rank's input features, partial products all-reduced to the full output
@@ -77,7 +86,9 @@ def layers_worker(rank: int, world: int) -> dict:
     results["norm"] = run(norm, shard(inputs(8, 4, D), 1, rank), shard(inputs(9, 4, D), 1, rank))
 
     # ReplicatedHeadsLinear: the whole projection on every rank, cut to this rank's columns
-    heads = ReplicatedHeadsLinear(D, OUT, slice(rank * OUT // TP, (rank + 1) * OUT // TP), group).double()
+    heads = ReplicatedHeadsLinear(
+        D, OUT, slice(rank * OUT // TP, (rank + 1) * OUT // TP), group
+    ).double()
     with torch.no_grad():
         heads.weight.copy_(full["linear"].weight)
     results["heads"] = run(heads, x, shard(inputs(4, 4, OUT), 1, rank))
@@ -126,7 +137,9 @@ def test_region_rms_norm_sums_its_replicated_weights_gradient(ranks):
     # one process: the same norm applied to each rank's half of the features, one weight for both
     halves = [F.rms_norm(part, (D // TP,), weight, 1e-6) for part in x.chunk(TP, dim=1)]
     leaf = weight.clone().requires_grad_()
-    (torch.cat([F.rms_norm(p, (D // TP,), leaf, 1e-6) for p in x.chunk(TP, dim=1)], dim=1) * g).sum().backward()
+    (
+        torch.cat([F.rms_norm(p, (D // TP,), leaf, 1e-6) for p in x.chunk(TP, dim=1)], dim=1) * g
+    ).sum().backward()
     for rank, r in enumerate(ranks):
         got_out, _, got_grads = r["norm"]
         torch.testing.assert_close(got_out, halves[rank])

@@ -16,16 +16,53 @@ from mhf_dist.config import ConfigError
 from mhf_dist.profiling.layouts import check_layouts, parse_layouts
 from mhf_dist.profiling.scoring import RatioSpread
 
-COLUMNS = {"size", "hash", "layout", "dtype", "seq_len", "micro_batch", "params", "tokens_per_s", "step_s",
-           "forward_s", "backward_s", "optimizer_s", "comm_s", "tflops", "peak_tflops_measured",
-           "peak_tflops_nominal", "mfu", "memory_gb", "comm_bytes_per_step"}
+COLUMNS = {
+    "size",
+    "hash",
+    "layout",
+    "dtype",
+    "seq_len",
+    "micro_batch",
+    "params",
+    "tokens_per_s",
+    "step_s",
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
+    "comm_s",
+    "tflops",
+    "peak_tflops_measured",
+    "peak_tflops_nominal",
+    "mfu",
+    "memory_gb",
+    "comm_bytes_per_step",
+}
 
 
 @pytest.mark.multirank
 def test_profile_sweep_outputs(tmp_path):
     out = tmp_path / "profile"
-    printed = run_cli(["profile", "--size", "tiny", "--hash", "standard,h4b16k", "--layout", "tp=2", "--steps", "2",
-                       "--seq-len", "64", "--cluster", "a100-80g", "--vocab-sizes", "4096,16384", "--out", str(out)])
+    printed = run_cli(
+        [
+            "profile",
+            "--size",
+            "tiny",
+            "--hash",
+            "standard,h4b16k",
+            "--layout",
+            "tp=2",
+            "--steps",
+            "2",
+            "--seq-len",
+            "64",
+            "--cluster",
+            "a100-80g",
+            "--vocab-sizes",
+            "4096,16384",
+            "--out",
+            str(out),
+        ]
+    )
     assert "tiny-h4b16k" in printed and "measured peak" in printed
     rows = list(csv.DictReader((out / "profile.csv").open()))
     assert [r["hash"] for r in rows] == ["standard", "h4b16k"] and set(rows[0]) == COLUMNS
@@ -41,7 +78,11 @@ def test_profile_sweep_outputs(tmp_path):
     for s in data["scoring"]:
         assert s["mhf_s_per_token"] > 0 and s["standard_s_per_token"] > 0
         # the median of the rounds' ratios, within their range
-        assert s["rounds"] == 5 and s["ratio_min"] <= s["ratio"] <= s["ratio_max"] and s["ratio_se"] > 0
+        assert (
+            s["rounds"] == 5
+            and s["ratio_min"] <= s["ratio"] <= s["ratio_max"]
+            and s["ratio_se"] > 0
+        )
         # tiny-h4b16k: 4 logit and 3 retrieval matmuls over 16,384 × 64 tables, 3 mixers (64 wide) against V × 64
         mixers = 3 * 2 * (2 * 64 * 64 + 64 * 64)
         assert s["flop_ratio"] == (2 * 7 * 16384 * 64 + mixers) / (2 * s["vocab_size"] * 64)
@@ -69,7 +110,9 @@ def test_profile_without_matplotlib_writes_its_tables_and_says_why_no_plots(tmp_
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_layout_that_does_not_fit_is_refused_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+def test_a_layout_that_does_not_fit_is_refused_before_any_rank_starts(
+    tmp_path, monkeypatch, capsys
+):
     """tp=3 cannot split tiny's tables: one error naming the layout, the configuration, the problem and the layouts
     that fit; no rank started, no output directory."""
     import mhf_dist.cluster.launch as launch
@@ -79,26 +122,48 @@ def test_a_layout_that_does_not_fit_is_refused_before_any_rank_starts(tmp_path, 
 
     monkeypatch.setattr(launch, "launch_local", no_ranks)
     out = tmp_path / "profile"
-    argv = ["profile", "--size", "tiny", "--hash", "standard,h4b16k", "--steps", "1", "--out", str(out)]
+    argv = [
+        "profile",
+        "--size",
+        "tiny",
+        "--hash",
+        "standard,h4b16k",
+        "--steps",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert main([*argv, "--layout", "tp=1,tp=3"]) == 2
     err = capsys.readouterr().err
     assert err.count("mhf-dist: ") == 1 and "Traceback" not in err, err
-    assert ("--layout tp=3 does not fit tiny-standard (no rank was started):\n  model.pad_vocab_to=128 is not a "
-            "multiple of parallel.tp=3") in err, err  # the first configuration: its vocabulary rows
-    assert "leave tp=3 out of --layout and use layouts that fit every configuration (of tp=1..8: tp=1,tp=2,tp=4)" \
-        in err, err
+    assert (
+        "--layout tp=3 does not fit tiny-standard (no rank was started):\n  model.pad_vocab_to=128 is not a "
+        "multiple of parallel.tp=3"
+    ) in err, err  # the first configuration: its vocabulary rows
+    assert (
+        "leave tp=3 out of --layout and use layouts that fit every configuration (of tp=1..8: tp=1,tp=2,tp=4)"
+        in err
+    ), err
     assert main([*argv, "--layout", "pp=2"]) == 2
-    assert "--layout 'pp=2': profile measures tensor-parallel layouts only" in capsys.readouterr().err
+    assert (
+        "--layout 'pp=2': profile measures tensor-parallel layouts only" in capsys.readouterr().err
+    )
     assert not out.exists()
 
 
 def test_layouts_are_checked_against_tables_heads_stages_and_gpus():
     check_layouts("tiny", ["h4b16k"], [1, 2, 4], [])
     for tps, overrides, gpus, problem in (
-            ([3], [], None, "model.hash.num_buckets=16384 is not divisible by parallel.tp=3"),
-            ([8], ["model.hash.num_buckets=256"], None, "model.n_heads=4 is not divisible by parallel.tp=8"),
-            ([1], ["parallel.pp=2"], None, "profile measures tensor parallelism only"),
-            ([2], [], 1, "2 ranks on 1 visible GPU: NCCL needs a GPU per rank")):
+        ([3], [], None, "model.hash.num_buckets=16384 is not divisible by parallel.tp=3"),
+        (
+            [8],
+            ["model.hash.num_buckets=256"],
+            None,
+            "model.n_heads=4 is not divisible by parallel.tp=8",
+        ),
+        ([1], ["parallel.pp=2"], None, "profile measures tensor parallelism only"),
+        ([2], [], 1, "2 ranks on 1 visible GPU: NCCL needs a GPU per rank"),
+    ):
         with pytest.raises(ConfigError, match=re.escape(problem)):
             check_layouts("tiny", ["h4b16k"], tps, overrides, gpus)
     check_layouts("tiny", ["h4b16k"], [2], ["train.dist_backend=gloo"], 1)  # gloo ranks share a GPU

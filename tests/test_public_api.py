@@ -15,7 +15,7 @@ USAGE = Path(__file__).resolve().parent.parent / "docs" / "models.md"
 
 def documented_names() -> list[str]:
     text = USAGE.read_text()
-    section = text[text.index("\n## Python API\n"):]
+    section = text[text.index("\n## Python API\n") :]
     section = section.split("\n## ")[1]  # up to the next section, or the end of the page
     return re.findall(r"^\| `(\w+)` \|", section, re.M)
 
@@ -39,7 +39,9 @@ def test_the_signature_tables_old_home_still_imports():
 
 
 def test_the_documented_example_runs():
-    example = re.search(r"```python\n(.*?)```", USAGE.read_text().split("\n## Python API\n")[1], re.S)[1]
+    example = re.search(
+        r"```python\n(.*?)```", USAGE.read_text().split("\n## Python API\n")[1], re.S
+    )[1]
     namespace: dict = {}
     exec(example, namespace)
     assert tuple(namespace["table"].codes.shape) == (3, 4)
@@ -47,5 +49,7 @@ def test_the_documented_example_runs():
 
 def test_importing_the_package_loads_no_torch():
     probe = "import sys, mhf_dist; print('torch' in sys.modules, 'transformers' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout
     assert out.split() == ["False", "False"]

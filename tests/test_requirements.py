@@ -13,7 +13,9 @@ from mhf_dist.hf import check_transformers
 def test_transformers_4_stops_the_import_of_the_hf_package(monkeypatch):
     monkeypatch.setattr("transformers.__version__", "4.57.1")  # the module the import will see
     monkeypatch.delitem(sys.modules, "mhf_dist.hf")
-    with pytest.raises(ImportError, match=r"needs transformers>=5\.0, but transformers 4\.57\.1 is installed") as e:
+    with pytest.raises(
+        ImportError, match=r"needs transformers>=5\.0, but transformers 4\.57\.1 is installed"
+    ) as e:
         importlib.import_module("mhf_dist.hf")
     assert "pip install 'transformers>=5.0'" in str(e.value)
 

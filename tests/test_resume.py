@@ -39,8 +39,26 @@ def other_shards(tmp_path_factory, data):
     text = root / "genesis.txt"
     with gzip.open("mhf_dist/data/corpus/kjv.txt.gz", "rt") as f:
         text.write_text(f.read()[:200_000])
-    assert main(["prepare-data", str(text), "--tokenizer", str(data["tokenizer"]), "--out", str(root / "shards"),
-                 "--seq-len", "64", "--samples-per-shard", "32", "--workers", "1", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "prepare-data",
+                str(text),
+                "--tokenizer",
+                str(data["tokenizer"]),
+                "--out",
+                str(root / "shards"),
+                "--seq-len",
+                "64",
+                "--samples-per-shard",
+                "32",
+                "--workers",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return root / "shards"
 
 
@@ -50,7 +68,9 @@ def copy_of(run: Path, tmp_path: Path) -> Path:
 
 def reader_position(checkpoint: Path) -> dict:
     """The data position a checkpoint saved (our client state, inside DeepSpeed's model-states file)."""
-    return torch.load(checkpoint / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["reader"]
+    return torch.load(
+        checkpoint / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
+    )["reader"]
 
 
 @pytest.mark.multirank
@@ -62,14 +82,18 @@ def test_a_raised_max_steps_sets_the_schedule_from_the_first_resumed_step(tmp_pa
     cfg = load_config("tiny-h4b16k", overrides=[WARMUP]).optimizer
     lr = {r["step"]: r["lr"] for r in metrics(run)}
     assert lr[3] == pytest.approx(cfg.lr * lr_factor(2, cfg, 3))
-    assert lr[4] == pytest.approx(cfg.lr * lr_factor(3, cfg, 5)) and lr[4] > 0  # the old schedule ended at 0
+    assert (
+        lr[4] == pytest.approx(cfg.lr * lr_factor(3, cfg, 5)) and lr[4] > 0
+    )  # the old schedule ended at 0
     assert lr[5] == pytest.approx(cfg.lr * lr_factor(4, cfg, 5))
 
 
 @pytest.mark.multirank
 def test_a_run_resumes_with_its_own_config(tmp_path, finished):
     run = copy_of(finished, tmp_path)
-    out = run_cli(["train", "--run-dir", str(run), "--set", "train.max_steps=4"])  # no --preset, no --config
+    out = run_cli(
+        ["train", "--run-dir", str(run), "--set", "train.max_steps=4"]
+    )  # no --preset, no --config
     assert f"resumed from {run / 'checkpoints' / 'step-00000003'} at step 3" in out
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["max_steps"] == 4
@@ -79,52 +103,94 @@ def test_a_run_resumes_with_its_own_config(tmp_path, finished):
 def test_a_resume_from_config_yaml_refuses_fields_the_checkpoint_fixes(tmp_path, finished, capsys):
     run = copy_of(finished, tmp_path)
     saved = (run / "config.yaml").read_text()
-    assert main(["train", "--run-dir", str(run), "--set", "model.ffn_dim=128", "--set", "data.seq_len=32",
-                 "--set", "train.log_interval=2"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--run-dir",
+                str(run),
+                "--set",
+                "model.ffn_dim=128",
+                "--set",
+                "data.seq_len=32",
+                "--set",
+                "train.log_interval=2",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "model.ffn_dim: 128, the checkpoint's is 192 (--set)" in err
-    assert "data.seq_len: 32, the checkpoint's is 64 (--set)" in err and "train.log_interval" not in err
+    assert (
+        "data.seq_len: 32, the checkpoint's is 64 (--set)" in err
+        and "train.log_interval" not in err
+    )
 
     edited = yaml.safe_load(saved)
     edited["tokenizer"]["vocab_size"] = 2048
     (run / "config.yaml").write_text(yaml.safe_dump(edited))
     assert main(["train", "--run-dir", str(run)]) == 2
     err = capsys.readouterr().err
-    assert f"tokenizer.vocab_size: 2048, the checkpoint's is 4096 (edited in {run / 'config.yaml'})" in err
+    assert (
+        f"tokenizer.vocab_size: 2048, the checkpoint's is 4096 (edited in {run / 'config.yaml'})"
+        in err
+    )
     assert yaml.safe_load((run / "config.yaml").read_text()) == edited  # the refusal wrote nothing
 
 
 def test_a_run_directory_without_config_yaml_needs_a_preset_or_config(tmp_path, capsys):
     assert main(["train", "--run-dir", str(tmp_path / "new")]) == 2
-    assert "holds no config.yaml to resume with; pass --preset NAME (e.g. tiny-h4b16k) or --config run.yaml" in (
-        capsys.readouterr().err)
+    assert (
+        "holds no config.yaml to resume with; pass --preset NAME (e.g. tiny-h4b16k) or --config run.yaml"
+        in (capsys.readouterr().err)
+    )
     assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.multirank
-def test_other_data_on_resume_is_read_from_its_beginning_with_data_restart(tmp_path, data, finished, other_shards):
+def test_other_data_on_resume_is_read_from_its_beginning_with_data_restart(
+    tmp_path, data, finished, other_shards
+):
     run, other = copy_of(finished, tmp_path), dict(data, shards=other_shards)
-    refused = run_cli(train_args(run, other, 1, "parallel.zero_stage=1", WARMUP, steps=4), expect_rc=2)
+    refused = run_cli(
+        train_args(run, other, 1, "parallel.zero_stage=1", WARMUP, steps=4), expect_rc=2
+    )
     assert "reader state has dataset=" in refused and "--set data.restart=true" in refused
 
-    out = run_cli(train_args(run, other, 1, "parallel.zero_stage=1", WARMUP, "data.restart=true", steps=4))
-    assert out.count(f"data.restart: from step 4 the data is read from the beginning of {other_shards}") == 1
+    out = run_cli(
+        train_args(run, other, 1, "parallel.zero_stage=1", WARMUP, "data.restart=true", steps=4)
+    )
+    assert (
+        out.count(
+            f"data.restart: from step 4 the data is read from the beginning of {other_shards}"
+        )
+        == 1
+    )
     records = metrics(run)
     assert [r["step"] for r in records] == [1, 2, 3, 3, 4]
     assert records[3]["data_restart"] is True and records[3]["data_path"] == str(other_shards)
     position = reader_position(run / "checkpoints" / "step-00000004")
-    assert (position["epoch"], position["position"]) == (0, 8)  # one step of 8 sequences into the new data
+    assert (position["epoch"], position["position"]) == (
+        0,
+        8,
+    )  # one step of 8 sequences into the new data
     assert position["dataset"] == ShardReader(other_shards).fingerprint
-    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["restart"] is False  # one start's instruction
+    assert (
+        yaml.safe_load((run / "config.yaml").read_text())["data"]["restart"] is False
+    )  # one start's instruction
 
     # a requeued job passes data.restart again: the position is in this data now, so it continues from it
-    out = run_cli(train_args(run, other, 1, "parallel.zero_stage=1", WARMUP, "data.restart=true", steps=5))
+    out = run_cli(
+        train_args(run, other, 1, "parallel.zero_stage=1", WARMUP, "data.restart=true", steps=5)
+    )
     assert "data.restart:" not in out
     assert reader_position(run / "checkpoints" / "step-00000005")["position"] == 16
 
 
 @pytest.mark.multirank
-def test_data_of_another_tokenizer_on_resume_is_named_with_the_command_that_prepares_it_again(tmp_path, data):
+def test_data_of_another_tokenizer_on_resume_is_named_with_the_command_that_prepares_it_again(
+    tmp_path, data
+):
     """A run on the embedded text takes its tokenizer from RUN/tokenizer; a resume on shards that carry another
     tokenizer of the same size is refused for the data (not the signature table), with commands that work."""
     other_tok = train_bpe(list(embedded_corpus())[::3], 1024, tmp_path / "other-tok")
@@ -132,24 +198,92 @@ def test_data_of_another_tokenizer_on_resume_is_named_with_the_command_that_prep
     with gzip.open("mhf_dist/data/corpus/kjv.txt.gz", "rt") as f:
         text.write_text(f.read()[:100_000])
     shards = tmp_path / "shards"
-    assert main(["prepare-data", str(text), "--tokenizer", str(other_tok), "--out", str(shards), "--seq-len", "64",
-                 "--samples-per-shard", "32", "--workers", "1", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "prepare-data",
+                str(text),
+                "--tokenizer",
+                str(other_tok),
+                "--out",
+                str(shards),
+                "--seq-len",
+                "64",
+                "--samples-per-shard",
+                "32",
+                "--workers",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     run = tmp_path / "run"
-    run_cli(train_args(run, data, 1, "tokenizer.path=null", "tokenizer.vocab_size=1024", "data.path=null", steps=1))
+    run_cli(
+        train_args(
+            run,
+            data,
+            1,
+            "tokenizer.path=null",
+            "tokenizer.vocab_size=1024",
+            "data.path=null",
+            steps=1,
+        )
+    )
     assert len(load_tokenizer(run / "tokenizer")) == len(load_tokenizer(other_tok))
 
-    out = run_cli(["train", "--run-dir", str(run), "--set", f"data.path={shards}", "--set", "data.restart=true",
-                   "--set", "train.max_steps=2"], expect_rc=2)
+    out = run_cli(
+        [
+            "train",
+            "--run-dir",
+            str(run),
+            "--set",
+            f"data.path={shards}",
+            "--set",
+            "data.restart=true",
+            "--set",
+            "train.max_steps=2",
+        ],
+        expect_rc=2,
+    )
     assert f"{shards / 'manifest.json'} was tokenized by another tokenizer" in out, out[-3000:]
     assert "signatures was built for another tokenizer" not in out
-    prepare, train = [line.strip() for line in out.splitlines() if line.strip().startswith("mhf-dist ")][-2:]
-    assert prepare == shlex.join(["mhf-dist", "prepare-data", str(text), "--tokenizer", str(run / "tokenizer"),
-                                  "--out", f"{shards}-retokenized", "--seq-len", "64", "--samples-per-shard", "32"])
-    assert train == shlex.join(["mhf-dist", "train", "--run-dir", str(run), "--set",
-                                f"data.path={shards}-retokenized", "--set", "data.restart=true"])
+    prepare, train = [
+        line.strip() for line in out.splitlines() if line.strip().startswith("mhf-dist ")
+    ][-2:]
+    assert prepare == shlex.join(
+        [
+            "mhf-dist",
+            "prepare-data",
+            str(text),
+            "--tokenizer",
+            str(run / "tokenizer"),
+            "--out",
+            f"{shards}-retokenized",
+            "--seq-len",
+            "64",
+            "--samples-per-shard",
+            "32",
+        ]
+    )
+    assert train == shlex.join(
+        [
+            "mhf-dist",
+            "train",
+            "--run-dir",
+            str(run),
+            "--set",
+            f"data.path={shards}-retokenized",
+            "--set",
+            "data.restart=true",
+        ]
+    )
     run_cli(shlex.split(prepare)[1:])
     out = run_cli([*shlex.split(train)[1:], "--set", "train.max_steps=2"])
-    assert f"data.restart: from step 2 the data is read from the beginning of {shards}-retokenized" in out
+    assert (
+        f"data.restart: from step 2 the data is read from the beginning of {shards}-retokenized"
+        in out
+    )
 
 
 @pytest.mark.multirank
@@ -163,12 +297,33 @@ def test_a_checkpoint_of_the_previous_version_resumes_bit_identically(tmp_path, 
     monkeypatch.chdir(golden)  # its config names its tokenizer and shards relative to here
     out = run_cli(["train", "--run-dir", "run", "--set", "train.stop_at_step=null"])
     assert "resumed from run/checkpoints/step-00000002 at step 2" in out, out[-3000:]
-    run_cli(["train", "--config", "run/config.yaml", "--run-dir", "whole", "--set", "train.stop_at_step=null"])
-    resumed, whole = ([(r["step"], r["loss"], r["head_losses"], r["grad_norm"]) for r in metrics(golden / name)
-                       if "loss" in r] for name in ("run", "whole"))
+    run_cli(
+        [
+            "train",
+            "--config",
+            "run/config.yaml",
+            "--run-dir",
+            "whole",
+            "--set",
+            "train.stop_at_step=null",
+        ]
+    )
+    resumed, whole = (
+        [
+            (r["step"], r["loss"], r["head_losses"], r["grad_norm"])
+            for r in metrics(golden / name)
+            if "loss" in r
+        ]
+        for name in ("run", "whole")
+    )
     assert [r[0] for r in whole] == [1, 2, 3, 4] and resumed == whole
-    ends = [consolidate(golden / name / "checkpoints/step-00000004", pipeline=False) for name in ("run", "whole")]
-    assert ends[0].keys() == ends[1].keys() and all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+    ends = [
+        consolidate(golden / name / "checkpoints/step-00000004", pipeline=False)
+        for name in ("run", "whole")
+    ]
+    assert ends[0].keys() == ends[1].keys() and all(
+        torch.equal(ends[0][k], ends[1][k]) for k in ends[0]
+    )
 
 
 class _Part:
@@ -189,7 +344,12 @@ def test_the_client_state_saves_its_parts_keys_in_order_and_loads_each_its_own()
         state.register(part)
     progress.state, watch.state = {"step": 5, "tokens": 40}, {"loss_watch": [1.0]}
     assert list(state.state_dict().items()) == [("step", 5), ("tokens", 40), ("loss_watch", [1.0])]
-    state.load_state_dict({"step": 2, "tokens": 16, "reader": {}})  # saved before the watch kept its window
-    assert (progress.state, watch.state) == ({"step": 2, "tokens": 16}, {"loss_watch": []})  # the watch's start
+    state.load_state_dict(
+        {"step": 2, "tokens": 16, "reader": {}}
+    )  # saved before the watch kept its window
+    assert (progress.state, watch.state) == (
+        {"step": 2, "tokens": 16},
+        {"loss_watch": []},
+    )  # the watch's start
     with pytest.raises(ValueError, match=r"client state keys \['step'\] are registered twice"):
         state.register(_Part(step=1))

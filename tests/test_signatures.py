@@ -53,7 +53,9 @@ def test_collisions_resolved_on_last_coordinate_against_all_signatures():
     assert len({tuple(r) for r in table.codes.tolist()}) == len(tokens)
     # the prefix (first coordinate) is never rehashed; some last coordinates were
     assert [r[0] for r in table.codes.tolist()] == [mmh3.hash128(t, seed=0) % 8 + 1 for t in tokens]
-    rehashed = [r[1] != mmh3.hash128(t, seed=1) % 8 + 1 for t, r in zip(tokens, table.codes.tolist())]
+    rehashed = [
+        r[1] != mmh3.hash128(t, seed=1) % 8 + 1 for t, r in zip(tokens, table.codes.tolist())
+    ]
     assert sum(rehashed) >= 3
 
 
@@ -72,7 +74,9 @@ def test_capacity_error_names_fix():
 def test_saturated_prefix_error_names_token():
     # B=3: each coordinate is 1 or 2. Find 3 tokens sharing a first coordinate among 4 (capacity 4).
     ones = [t for t in (f"w{i}" for i in range(100)) if mmh3.hash128(t, seed=0) % 2 + 1 == 1][:3]
-    with pytest.raises(SignatureError, match=rf"token '{ones[2]}' \(id 2\).*prefix \(1,\).*larger num_buckets"):
+    with pytest.raises(
+        SignatureError, match=rf"token '{ones[2]}' \(id 2\).*prefix \(1,\).*larger num_buckets"
+    ):
         SignatureTable.build(ones, num_hashes=2, num_buckets=3)
 
 
@@ -94,7 +98,10 @@ def test_extend_keeps_rows_and_adds_no_parameters(tiny_cfg):
     with pytest.raises(SignatureError, match="already registered"):
         new.extend(["hello"])
     # extending equals building the whole list at once
-    assert torch.equal(SignatureTable.build(TOKENS + ["new1", "new2", "hello world"], 4, 64, pad_id=0).codes, new.codes)
+    assert torch.equal(
+        SignatureTable.build(TOKENS + ["new1", "new2", "hello world"], 4, 64, pad_id=0).codes,
+        new.codes,
+    )
 
 
 def test_save_load_round_trip(tmp_path):
@@ -103,7 +110,14 @@ def test_save_load_round_trip(tmp_path):
     assert torch.equal(loaded.codes, table.codes) and loaded.tokens == table.tokens
     assert loaded.content_hash == table.content_hash
     meta = json.loads((tmp_path / "sig" / "signatures.json").read_text())
-    assert {"num_hashes", "num_buckets", "seeds", "hash_version", "tokenizer_fingerprint", "content_hash"} <= set(meta)
+    assert {
+        "num_hashes",
+        "num_buckets",
+        "seeds",
+        "hash_version",
+        "tokenizer_fingerprint",
+        "content_hash",
+    } <= set(meta)
 
 
 def test_tampered_or_truncated_table_is_detected(tmp_path):
@@ -125,5 +139,8 @@ def test_tampered_or_truncated_table_is_detected(tmp_path):
 
 def test_param_count_independent_of_vocabulary():
     cfg = load_config("tiny-h4b16k", overrides=["model.hash.num_buckets=128"]).model
-    small, large = SignatureTable.build(TOKENS, 4, 128), SignatureTable.build([f"t{i}" for i in range(3000)], 4, 128)
+    small, large = (
+        SignatureTable.build(TOKENS, 4, 128),
+        SignatureTable.build([f"t{i}" for i in range(3000)], 4, 128),
+    )
     assert parameter_count(cfg, small) == parameter_count(cfg, large)

@@ -18,15 +18,25 @@ from mhf_dist.train.stragglers import StragglerSettings, StragglerWatch
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("slowed", ["rank", "device"], ids=["rank-1-at-half-speed", "pp2-dp2-device-3-at-a-third"])
-def test_a_slow_rank_and_a_slow_device_are_named_and_even_ones_are_not(tmp_path, data, monkeypatch, slowed):
+@pytest.mark.parametrize(
+    "slowed", ["rank", "device"], ids=["rank-1-at-half-speed", "pp2-dp2-device-3-at-a-third"]
+)
+def test_a_slow_rank_and_a_slow_device_are_named_and_even_ones_are_not(
+    tmp_path, data, monkeypatch, slowed
+):
     run = tmp_path / "run"
     # factor 1.5: on the shared 2-core machine even ranks' CPU time per step differs by up to 1.35x (other tests'
     # ranks contend for the caches), above the 1.2 default; half speed is 2x. On CPU the probe is asked for.
-    watch = ["train.straggler_intervals=2", "train.straggler_factor=1.5", "train.log_interval=2",
-             "train.device_probe=true"]
+    watch = [
+        "train.straggler_intervals=2",
+        "train.straggler_factor=1.5",
+        "train.log_interval=2",
+        "train.device_probe=true",
+    ]
     if slowed == "rank":
-        monkeypatch.setenv(SLOW_RANK_ENV, "1:1.0")  # rank 1 at half speed: its steps compute twice as long
+        monkeypatch.setenv(
+            SLOW_RANK_ENV, "1:1.0"
+        )  # rank 1 at half speed: its steps compute twice as long
         args = train_args(run, data, 2, *watch, steps=8)
         slow, key, even, even_record = 1, "slowest_ratio", "has a slow device", "slow_device"
     else:  # the last stage holds the decoder: each rank's compute is compared with its own stage's other rank
@@ -41,7 +51,11 @@ def test_a_slow_rank_and_a_slow_device_are_named_and_even_ones_are_not(tmp_path,
     # the even measure names none
     assert even not in out and not [r for r in records if even_record in r], out[-3000:]
 
-    what = "is a straggler: its compute time per step is " if slowed == "rank" else "has a slow device: the device "
+    what = (
+        "is a straggler: its compute time per step is "
+        if slowed == "rank"
+        else "has a slow device: the device "
+    )
     warning = f"warning: rank {slow} on {node_name()} {what}"
     assert out.count(warning) == 1, out[-3000:]  # said once, when it had lasted 2 intervals
     # from step 4: the first steps are warm-up (ZeRO-3 records its parameter fetch order), uneven across ranks
@@ -73,22 +87,46 @@ def test_each_measure_is_named_once_on_its_own_count_and_its_recovery_is_said(tm
     run = RunDir(tmp_path / "run")
     run.heartbeats_dir.mkdir(parents=True)
     for rank in range(4):
-        write_heartbeat(run, {"rank": rank, "node": f"n{rank // 2 + 1}", "step": 1, "phase": "step"})
+        write_heartbeat(
+            run, {"rank": rank, "node": f"n{rank // 2 + 1}", "step": 1, "phase": "step"}
+        )
     even, slow_2, slow_1 = [1.0] * 4, [1.0, 1.0, 2.0, 1.0], [1.0, 3.0, 1.0, 1.0]
     gathered = _Gathered([(slow_2, even), (slow_2, slow_1), (even, slow_1), (even, slow_1)])
-    watch = StragglerWatch(StragglerSettings(factor=1.5, intervals=2), run=run, rank=0, world=4, stage=0,
-                           scalars=gathered, probe=DeviceProbe(torch.device("cpu"), torch.float32, 0))
+    watch = StragglerWatch(
+        StragglerSettings(factor=1.5, intervals=2),
+        run=run,
+        rank=0,
+        world=4,
+        stage=0,
+        scalars=gathered,
+        probe=DeviceProbe(torch.device("cpu"), torch.float32, 0),
+    )
     said = []
     for _ in range(4):
         watch.probe()
         fields, warnings = watch.interval()
         said.append((fields.get("straggler"), fields.get("slow_device"), warnings))
     assert said[0] == (None, None, [])
-    assert said[1][0] == {"rank": 2, "node": "n2", "ratio": 2.0, "intervals": 2} and said[1][1] is None
-    assert said[1][2] == ["rank 2 on n2 is a straggler: its compute time per step is 2.00x the median of its pipeline "
-                          "stage's other ranks for 2 log intervals (train.straggler_factor=1.5)"]
-    assert said[2][0] is None and said[2][1] == {"rank": 1, "node": "n1", "ratio": 3.0, "intervals": 2}
-    assert said[2][2] == ["rank 2 is no longer a straggler (1.00x)",
-                          "rank 1 on n1 has a slow device: the device probe's fixed matrix products take 3.00x the "
-                          "median of the other ranks' devices for 2 log intervals (train.straggler_factor=1.5)"]
-    assert said[3] == (None, {"rank": 1, "node": "n1", "ratio": 3.0, "intervals": 3}, [])  # said once, still shown
+    assert (
+        said[1][0] == {"rank": 2, "node": "n2", "ratio": 2.0, "intervals": 2} and said[1][1] is None
+    )
+    assert said[1][2] == [
+        "rank 2 on n2 is a straggler: its compute time per step is 2.00x the median of its pipeline "
+        "stage's other ranks for 2 log intervals (train.straggler_factor=1.5)"
+    ]
+    assert said[2][0] is None and said[2][1] == {
+        "rank": 1,
+        "node": "n1",
+        "ratio": 3.0,
+        "intervals": 2,
+    }
+    assert said[2][2] == [
+        "rank 2 is no longer a straggler (1.00x)",
+        "rank 1 on n1 has a slow device: the device probe's fixed matrix products take 3.00x the "
+        "median of the other ranks' devices for 2 log intervals (train.straggler_factor=1.5)",
+    ]
+    assert said[3] == (
+        None,
+        {"rank": 1, "node": "n1", "ratio": 3.0, "intervals": 3},
+        [],
+    )  # said once, still shown

@@ -36,14 +36,23 @@ CHUNKS = (0, 5)  # the plain decoder, and the fused one with chunks that do not 
 
 def case_config(name: str, tp: int, chunk: int = 0):
     preset, buckets, *extra = CASES[name]
-    return load_config(preset, overrides=[f"model.hash.num_buckets={buckets[tp]}", f"parallel.tp={tp}",
-                                          f"model.decoder_chunk_tokens={chunk}", f"model.init_std={INIT_STD}",
-                                          *(extra[0] if extra else [])]).model
+    return load_config(
+        preset,
+        overrides=[
+            f"model.hash.num_buckets={buckets[tp]}",
+            f"parallel.tp={tp}",
+            f"model.decoder_chunk_tokens={chunk}",
+            f"model.init_std={INIT_STD}",
+            *(extra[0] if extra else []),
+        ],
+    ).model
 
 
 def make_case(name: str, tp: int, chunk: int = 0):
     cfg = case_config(name, tp, chunk)
-    table = SignatureTable.build([f"tok{i}" for i in range(V)], cfg.hash.num_hashes, cfg.hash.num_buckets, pad_id=0)
+    table = SignatureTable.build(
+        [f"tok{i}" for i in range(V)], cfg.hash.num_hashes, cfg.hash.num_buckets, pad_id=0
+    )
     torch.manual_seed(0)
     model = build_model(cfg, V, table.codes)
     model.vocab.p_inf_loss_chunk = P_INF_CHUNK
@@ -73,18 +82,29 @@ def test_tensor_parallel_equals_single_process(tp):
         for chunk in CHUNKS:
             for r in ranks:
                 got = r[name, chunk]
-                torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-5, atol=0, msg=f"{name} loss")
+                torch.testing.assert_close(
+                    got["loss"], ref["loss"], rtol=1e-5, atol=0, msg=f"{name} loss"
+                )
                 torch.testing.assert_close(got["heads"], ref["heads"], rtol=1e-5, atol=0)
-                torch.testing.assert_close(got["logp"], ref["logp"], rtol=1e-5, atol=1e-5, msg=f"{name} log P_inf")
-                for sums in got["eval"]:  # P_inf NLL, top-1/top-5 hits, NLL and slope at every τ: as one process
-                    torch.testing.assert_close(sums, ref["eval"][0], rtol=1e-5, atol=1e-5, msg=f"{name} eval sums")
-            grads = merge_state_dicts([r[name, chunk]["grads"] for r in ranks], tp_split_dims(cfg, tp))
+                torch.testing.assert_close(
+                    got["logp"], ref["logp"], rtol=1e-5, atol=1e-5, msg=f"{name} log P_inf"
+                )
+                for sums in got[
+                    "eval"
+                ]:  # P_inf NLL, top-1/top-5 hits, NLL and slope at every τ: as one process
+                    torch.testing.assert_close(
+                        sums, ref["eval"][0], rtol=1e-5, atol=1e-5, msg=f"{name} eval sums"
+                    )
+            grads = merge_state_dicts(
+                [r[name, chunk]["grads"] for r in ranks], tp_split_dims(cfg, tp)
+            )
             assert grads.keys() == ref["grads"].keys()
             for key, g in ref["grads"].items():
                 assert_tensor_close(grads[key], g, f"{name} grad {key}")
             # measured collective payload equals the documented analytic count (of this decoder path)
-            expected = expected_collective_bytes(case_config(name, tp, chunk), batch[:, 1:].numel(), tp,
-                                                 vocab_size=V)
+            expected = expected_collective_bytes(
+                case_config(name, tp, chunk), batch[:, 1:].numel(), tp, vocab_size=V
+            )
             assert ranks[0][name, chunk]["bytes"] == dict(expected), (name, chunk)
 
 
@@ -100,7 +120,22 @@ def test_state_dict_round_trip_is_exact(tp):
     again = [shard_state_dict(merged, dims, r, tp) for r in range(tp)]
     assert all(torch.equal(a[k], b[k]) for a, b in zip(shards, again) for k in a)
     # a checkpoint saved at tp=2 loads at tp=4: merge, then re-shard
-    to4 = [shard_state_dict(merge_state_dicts([shard_state_dict(full, tp_split_dims(cfg, 2), r, 2) for r in range(2)],
-                                              tp_split_dims(cfg, 2)), tp_split_dims(cfg, 4), r, 4) for r in range(4)]
-    assert all(torch.equal(a[k], b[k]) for a, b in zip(to4, [shard_state_dict(full, tp_split_dims(cfg, 4), r, 4)
-                                                              for r in range(4)]) for k in a)
+    to4 = [
+        shard_state_dict(
+            merge_state_dicts(
+                [shard_state_dict(full, tp_split_dims(cfg, 2), r, 2) for r in range(2)],
+                tp_split_dims(cfg, 2),
+            ),
+            tp_split_dims(cfg, 4),
+            r,
+            4,
+        )
+        for r in range(4)
+    ]
+    assert all(
+        torch.equal(a[k], b[k])
+        for a, b in zip(
+            to4, [shard_state_dict(full, tp_split_dims(cfg, 4), r, 4) for r in range(4)]
+        )
+        for k in a
+    )

@@ -20,8 +20,21 @@ def test_trained_bpe_loads_with_auto_tokenizer(bpe):
 def test_tokenizer_train_cli(tmp_path):
     text = tmp_path / "a.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
-    assert main(["tokenizer", "train", "--input", str(text), "--vocab-size", "300",
-                 "--out", str(tmp_path / "tok")]) == 0
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                "--input",
+                str(text),
+                "--vocab-size",
+                "300",
+                "--out",
+                str(tmp_path / "tok"),
+            ]
+        )
+        == 0
+    )
     assert load_tokenizer(tmp_path / "tok")("the lazy dog")["input_ids"]
 
 

@@ -28,13 +28,19 @@ PRESETS = {"mhf": "tiny-h4b16k", "standard": "tiny-standard"}
 def test_every_configured_variant_has_a_record():
     assert sorted(VARIANTS) == sorted(RULES) == sorted(PRESETS)
     for name, rules in RULES.items():
-        assert variant(name) is VARIANTS[name] and VARIANTS[name].name == name and VARIANTS[name].rules is rules
+        assert (
+            variant(name) is VARIANTS[name]
+            and VARIANTS[name].name == name
+            and VARIANTS[name].rules is rules
+        )
 
 
 def test_lookup_by_config_and_an_unknown_name_refused():
     cfg = load_config("tiny-standard")
     assert variant(cfg) is variant(cfg.model) is VARIANTS["standard"]
-    with pytest.raises(ConfigError, match=r"unknown model variant 'mhf2': the known variants are mhf, standard"):
+    with pytest.raises(
+        ConfigError, match=r"unknown model variant 'mhf2': the known variants are mhf, standard"
+    ):
         variant("mhf2")
 
 
@@ -45,7 +51,11 @@ def test_heads_and_rows_are_the_built_tables(name):
     with torch.device("meta"):
         model = build_model(cfg, vocab, torch.ones(vocab, cfg.hash.num_hashes, dtype=torch.long))
     spec = variant(cfg)
-    assert tuple(model.vocab.tables.weight.shape) == (spec.heads(cfg), spec.vocab_rows(cfg, vocab), cfg.d_model)
+    assert tuple(model.vocab.tables.weight.shape) == (
+        spec.heads(cfg),
+        spec.vocab_rows(cfg, vocab),
+        cfg.d_model,
+    )
     assert spec.vocab_parameters(cfg, vocab)[0] == model.vocab.tables.weight.numel()
 
 
@@ -53,21 +63,38 @@ def test_hf_names_are_the_exported_classes():
     from mhf_dist.hf.exporter import HF_CLASSES
 
     for spec in VARIANTS.values():
-        config_class, model_class = HF_CLASSES[spec.hf.config_class], HF_CLASSES[spec.hf.architecture]
-        assert config_class.model_type == spec.hf.model_type and model_class.config_class.model_type == "qwen3"
+        config_class, model_class = (
+            HF_CLASSES[spec.hf.config_class],
+            HF_CLASSES[spec.hf.architecture],
+        )
+        assert (
+            config_class.model_type == spec.hf.model_type
+            and model_class.config_class.model_type == "qwen3"
+        )
 
 
 def test_the_record_module_imports_no_torch_and_no_upper_layer():
-    layers = ("torch", "transformers", "mhf_dist.hf", "mhf_dist.train", "mhf_dist.commands", "mhf_dist.parallel")
-    code = (f"import sys, mhf_dist.model.variants; print(sorted(m for m in sys.modules if m.startswith({layers!r})))")
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    layers = (
+        "torch",
+        "transformers",
+        "mhf_dist.hf",
+        "mhf_dist.train",
+        "mhf_dist.commands",
+        "mhf_dist.parallel",
+    )
+    code = f"import sys, mhf_dist.model.variants; print(sorted(m for m in sys.modules if m.startswith({layers!r})))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert loaded.strip() == "[]"
 
 
 COMPARISONS = [
     re.compile(r"\bvariant\s*(==|!=)"),  # cfg.variant == "mhf"
     re.compile(r"\bvariant\s+(not\s+)?in\b"),  # m.variant in ("mhf", ...)
-    re.compile(r"""(==|!=|\bin)\s*[(\[{]?\s*["']mhf["']|["']mhf["']\s*(==|!=|in\b)"""),  # "mhf" == name
+    re.compile(
+        r"""(==|!=|\bin)\s*[(\[{]?\s*["']mhf["']|["']mhf["']\s*(==|!=|in\b)"""
+    ),  # "mhf" == name
     re.compile(r"\bmatch\s+[\w.]*variant\b"),  # match cfg.variant:
     re.compile(r"\bis_(mhf|standard)\b"),
 ]
@@ -81,7 +108,9 @@ def test_only_the_variants_module_compares_the_variant():
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if any(p.search(line) for p in COMPARISONS):
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{i}: {line.strip()}")
-    assert not found, "compare the variant through its record (mhf_dist/model/variants.py):\n" + "\n".join(found)
+    assert not found, (
+        "compare the variant through its record (mhf_dist/model/variants.py):\n" + "\n".join(found)
+    )
 
 
 @pytest.fixture
@@ -97,7 +126,9 @@ TOY_CONFIG = ["model.variant=toy"]
 def test_a_variant_is_one_registration_the_config_follows(toy):
     cfg = load_config("tiny-standard", overrides=TOY_CONFIG)
     assert variant(cfg) is toy and cfg.model.tp_rows_error(1) is None
-    with pytest.raises(ConfigError, match="model.variant=toy keeps its table whole: parallel.tp=2 cannot split it"):
+    with pytest.raises(
+        ConfigError, match="model.variant=toy keeps its table whole: parallel.tp=2 cannot split it"
+    ):
         load_config("tiny-standard", overrides=[*TOY_CONFIG, "parallel.tp=2"])
     with pytest.raises(ConfigError, match="model.variant=toy has no log P_inf term"):
         load_config("tiny-standard", overrides=[*TOY_CONFIG, "model.hash.p_inf_loss_weight=0.5"])
@@ -110,23 +141,46 @@ def test_import_hf_reads_a_config_json_as_the_one_variant_whose_record_claims_it
     from mhf_dist.hf.importer import model_config_from_hf
     from mhf_dist.hf.names import HFImportError
 
-    qwen3 = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
-    assert model_config_from_hf(qwen3)["variant"] == "standard" and "hash" not in model_config_from_hf(qwen3)
-    hashed = model_config_from_hf(qwen3 | {"num_hashes": 4, "num_buckets": 256, "bottle_neck_dim": 32,
-                                           "signature_rule": {"seeds": [0, 0, 0, 0]}})
+    qwen3 = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+    }
+    assert model_config_from_hf(qwen3)[
+        "variant"
+    ] == "standard" and "hash" not in model_config_from_hf(qwen3)
+    hashed = model_config_from_hf(
+        qwen3
+        | {
+            "num_hashes": 4,
+            "num_buckets": 256,
+            "bottle_neck_dim": 32,
+            "signature_rule": {"seeds": [0, 0, 0, 0]},
+        }
+    )
     assert hashed["variant"] == "mhf"
-    assert hashed["hash"] == dict(num_hashes=4, num_buckets=256, gate_dim=32, mixer_dim=32, single_id=True)
+    assert hashed["hash"] == dict(
+        num_hashes=4, num_buckets=256, gate_dim=32, mixer_dim=32, single_id=True
+    )
     with pytest.raises(HFImportError, match="num_lsh=2: LSH coordinates are not supported"):
         model_config_from_hf(qwen3 | {"num_hashes": 4, "num_buckets": 256, "num_lsh": 2})
-    greedy = dataclasses.replace(TOY, rules=dataclasses.replace(TOY.rules, name="greedy"),
-                                 hf=dataclasses.replace(TOY.hf, model_section=lambda config: {}))
+    greedy = dataclasses.replace(
+        TOY,
+        rules=dataclasses.replace(TOY.rules, name="greedy"),
+        hf=dataclasses.replace(TOY.hf, model_section=lambda config: {}),
+    )
     register_variant(greedy)  # claims every config.json, as Standard does
-    with pytest.raises(HFImportError, match=r"read as 2 model variants \(standard, greedy\), not one"):
+    with pytest.raises(
+        HFImportError, match=r"read as 2 model variants \(standard, greedy\), not one"
+    ):
         model_config_from_hf(qwen3)
 
 
 def test_an_unregistered_variant_is_refused_by_the_config():
-    with pytest.raises(ConfigError, match=r"unknown model variant 'toy': the known variants are mhf, standard"):
+    with pytest.raises(
+        ConfigError, match=r"unknown model variant 'toy': the known variants are mhf, standard"
+    ):
         load_config("tiny-standard", overrides=TOY_CONFIG)
 
 
@@ -135,8 +189,16 @@ def test_the_toy_variant_builds_and_trains_a_step(toy):
     vocab = 300
     model = build_model(cfg, vocab)
     assert isinstance(model, ToyLM)
-    assert tuple(model.vocab.tables.weight.shape) == (toy.heads(cfg), toy.vocab_rows(cfg, vocab), cfg.d_model)
-    assert toy.vocab_parameters(cfg, vocab)[0] == model.vocab.tables.weight.numel() == vocab * cfg.d_model
+    assert tuple(model.vocab.tables.weight.shape) == (
+        toy.heads(cfg),
+        toy.vocab_rows(cfg, vocab),
+        cfg.d_model,
+    )
+    assert (
+        toy.vocab_parameters(cfg, vocab)[0]
+        == model.vocab.tables.weight.numel()
+        == vocab * cfg.d_model
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch = torch.randint(0, vocab, (2, 17), generator=torch.Generator().manual_seed(0))
     before = model(batch[:, :-1], batch[:, 1:]).loss
@@ -162,12 +224,23 @@ def _toy_engine_step(rank, world, run_dir, data):
     from mhf_dist.train.loop import TrainingLoop
     from mhf_dist.train.preemption import StopSignal
 
-    cfg = load_config("tiny-standard", overrides=[
-        *TOY_CONFIG, f"tokenizer.path={data['tokenizer']}", f"data.path={data['shards']}", "data.seq_len=64",
-        "train.max_steps=2", "train.global_batch_size=2", "train.micro_batch_size=2"])
+    cfg = load_config(
+        "tiny-standard",
+        overrides=[
+            *TOY_CONFIG,
+            f"tokenizer.path={data['tokenizer']}",
+            f"data.path={data['shards']}",
+            "data.seq_len=64",
+            "train.max_steps=2",
+            "train.global_batch_size=2",
+            "train.micro_batch_size=2",
+        ],
+    )
     loop = TrainingLoop(cfg, StopSignal())
     assert loop.setup(run_dir, "none")
-    batch = torch.randint(0, len(loop.assets.tokenizer), (2, 65), generator=torch.Generator().manual_seed(0))
+    batch = torch.randint(
+        0, len(loop.assets.tokenizer), (2, 65), generator=torch.Generator().manual_seed(0)
+    )
     stats = loop.trainer.train_step(OneBatch(batch))
     model = build_model(cfg.model, len(loop.assets.tokenizer), seed=cfg.train.seed)
     return stats, model(batch[:, :-1], batch[:, 1:]).loss.item()
@@ -177,4 +250,6 @@ def _toy_engine_step(rank, world, run_dir, data):
 def test_the_toy_variant_trains_a_step_on_the_engine(toy, tmp_path, data):
     stats, plain = run_ranks(_toy_engine_step, 1, tmp_path / "run", data)[0]
     assert not stats.skipped and stats.grad_norm > 0 and len(stats.head_losses) == 1
-    assert stats.loss == pytest.approx(plain, rel=1e-5)  # the engine's model is the one the variant builds
+    assert stats.loss == pytest.approx(
+        plain, rel=1e-5
+    )  # the engine's model is the one the variant builds

@@ -27,41 +27,72 @@ import torch
 from tqdm.auto import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
-SAVED = re.compile(r"^saved (\S+) \((\w+), ([\d.]+) s(?: stall, ([\d.]+) s in the background)?\)$", re.M)
+SAVED = re.compile(
+    r"^saved (\S+) \((\w+), ([\d.]+) s(?: stall, ([\d.]+) s in the background)?\)$", re.M
+)
 MODES = ("sync", "async")
 
 
 def run_mode(run: Path, asynchronous: bool, args) -> tuple[list[float], list[float], int]:
     """(stall seconds per save, background seconds per save, bytes of the last checkpoint) of one training run."""
-    overrides = ["data.path=embedded", f"data.seq_len={args.seq_len}", f"train.max_steps={args.saves * args.interval}",
-                 f"train.global_batch_size={args.micro * args.nproc}", f"train.micro_batch_size={args.micro}",
-                 "train.log_interval=1000", f"train.eval_sequences={args.micro * args.nproc}", "train.eval_interval=0",
-                 f"train.checkpoint_interval={args.interval}", "train.keep_checkpoints=2",
-                 f"train.checkpoint_async={str(asynchronous).lower()}"]
+    overrides = [
+        "data.path=embedded",
+        f"data.seq_len={args.seq_len}",
+        f"train.max_steps={args.saves * args.interval}",
+        f"train.global_batch_size={args.micro * args.nproc}",
+        f"train.micro_batch_size={args.micro}",
+        "train.log_interval=1000",
+        f"train.eval_sequences={args.micro * args.nproc}",
+        "train.eval_interval=0",
+        f"train.checkpoint_interval={args.interval}",
+        "train.keep_checkpoints=2",
+        f"train.checkpoint_async={str(asynchronous).lower()}",
+    ]
     if not torch.cuda.is_available():
         overrides.append("train.dtype=fp32")
-    argv = [sys.executable, "-m", "mhf_dist", "train", "--preset", args.preset, "--run-dir", str(run),
-            "--nproc-per-node", str(args.nproc)]
+    argv = [
+        sys.executable,
+        "-m",
+        "mhf_dist",
+        "train",
+        "--preset",
+        args.preset,
+        "--run-dir",
+        str(run),
+        "--nproc-per-node",
+        str(args.nproc),
+    ]
     for o in overrides:
         argv += ["--set", o]
-    out = subprocess.run(argv, check=True, capture_output=True, text=True,
-                         env=os.environ | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}).stdout
+    out = subprocess.run(
+        argv,
+        check=True,
+        capture_output=True,
+        text=True,
+        env=os.environ | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
+    ).stdout
     saves = SAVED.findall(out)
     if len(saves) != args.saves:
-        raise SystemExit(f"expected {args.saves} saves in the {'async' if asynchronous else 'sync'} run's log, "
-                         f"found {len(saves)}:\n{out[-3000:]}")
+        raise SystemExit(
+            f"expected {args.saves} saves in the {'async' if asynchronous else 'sync'} run's log, "
+            f"found {len(saves)}:\n{out[-3000:]}"
+        )
     last = Path(saves[-1][0])
     size = sum(f.stat().st_size for f in last.rglob("*") if f.is_file())
     return [float(s[2]) for s in saves], [float(s[3]) for s in saves if s[3]], size
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", default="100m-h4b16k")
     parser.add_argument("--saves", type=int, default=3, help="saves per run (the last at its end)")
     parser.add_argument("--interval", type=int, default=5, help="steps between saves")
     parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--micro", type=int, default=1, help="sequences per step and rank (one micro-batch)")
+    parser.add_argument(
+        "--micro", type=int, default=1, help="sequences per step and rank (one micro-batch)"
+    )
     parser.add_argument("--nproc", type=int, default=1, help="ranks")
     parser.add_argument("--rounds", type=int, default=1, help="runs per mode, alternating")
     args = parser.parse_args()
@@ -75,12 +106,18 @@ def main() -> None:
             background += bg
             sizes.append(size)
     median = {m: statistics.median(s) for m, s in stalls.items()}
-    print(f"{args.preset}, {args.nproc} rank(s), {statistics.median(sizes) / 1e9:.2f} GB per save, "
-          f"{len(stalls['sync'])} saves per mode")
+    print(
+        f"{args.preset}, {args.nproc} rank(s), {statistics.median(sizes) / 1e9:.2f} GB per save, "
+        f"{len(stalls['sync'])} saves per mode"
+    )
     print(f"{'mode':<8}{'stall s (median)':>18}{'stalls s':>32}{'background s (median)':>24}")
-    print(f"{'sync':<8}{median['sync']:>18.2f}{' '.join(f'{s:.1f}' for s in stalls['sync']):>32}{'-':>24}")
-    print(f"{'async':<8}{median['async']:>18.2f}{' '.join(f'{s:.1f}' for s in stalls['async']):>32}"
-          f"{statistics.median(background):>24.2f}")
+    print(
+        f"{'sync':<8}{median['sync']:>18.2f}{' '.join(f'{s:.1f}' for s in stalls['sync']):>32}{'-':>24}"
+    )
+    print(
+        f"{'async':<8}{median['async']:>18.2f}{' '.join(f'{s:.1f}' for s in stalls['async']):>32}"
+        f"{statistics.median(background):>24.2f}"
+    )
     print(f"async / sync stall: {median['async'] / median['sync']:.2f}")
 
 

@@ -32,15 +32,20 @@ def median_seconds(argv: list[str], repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
         run.mkdir()
-        (run / "config.yaml").write_text(yaml.safe_dump(load_config("tiny-h4b16k").model_dump(mode="json")))
-        (run / "metrics.jsonl").write_text('{"step": 1, "loss": 8.3, "head_losses": [8.3], "tokens_per_s": 1000.0, '
-                                           '"mfu": 0.01}\n')
+        (run / "config.yaml").write_text(
+            yaml.safe_dump(load_config("tiny-h4b16k").model_dump(mode="json"))
+        )
+        (run / "metrics.jsonl").write_text(
+            '{"step": 1, "loss": 8.3, "head_losses": [8.3], "tokens_per_s": 1000.0, "mfu": 0.01}\n'
+        )
         cli = [sys.executable, "-m", "mhf_dist"]
         cases = {
             "python -c pass": [sys.executable, "-c", "pass"],
@@ -51,11 +56,31 @@ def main() -> None:
             "mhf-dist presets": [*cli, "presets"],
             "mhf-dist config --preset tiny-h4b16k": [*cli, "config", "--preset", "tiny-h4b16k"],
             "mhf-dist status RUN": [*cli, "status", str(run)],
-            "mhf-dist submit ... --dry-run": [*cli, "submit", "--preset", "3b-h4b16k", "--set", "data.path=/d",
-                                              "--cluster", "a100-80g", "--nodes", "4", "--run-dir", str(run / "job"),
-                                              "--dry-run"],
-            "mhf-dist plan --preset 3b-h4b16k": [*cli, "plan", "--preset", "3b-h4b16k", "--cluster", "a100-80g",
-                                                 "--nodes", "4"],
+            "mhf-dist submit ... --dry-run": [
+                *cli,
+                "submit",
+                "--preset",
+                "3b-h4b16k",
+                "--set",
+                "data.path=/d",
+                "--cluster",
+                "a100-80g",
+                "--nodes",
+                "4",
+                "--run-dir",
+                str(run / "job"),
+                "--dry-run",
+            ],
+            "mhf-dist plan --preset 3b-h4b16k": [
+                *cli,
+                "plan",
+                "--preset",
+                "3b-h4b16k",
+                "--cluster",
+                "a100-80g",
+                "--nodes",
+                "4",
+            ],
         }
         print(f"{'command':<40} {'median s':>9} {'/ 0.5 s goal':>13}")
         for name, argv in cases.items():

@@ -36,9 +36,17 @@ from tqdm.auto import tqdm
 from mhf_dist.config import load_config
 
 WAYS = ("off", "ordinary", "logged")
-DEFAULTS = ["data.path=embedded", "tokenizer.path=null", "tokenizer.vocab_size=4096", "data.seq_len=128",
-            "train.micro_batch_size=1", "train.global_batch_size=2", "train.dtype=fp32", "train.max_steps=1000",
-            "train.eval_interval=0"]
+DEFAULTS = [
+    "data.path=embedded",
+    "tokenizer.path=null",
+    "tokenizer.vocab_size=4096",
+    "data.seq_len=128",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=2",
+    "train.dtype=fp32",
+    "train.max_steps=1000",
+    "train.eval_interval=0",
+]
 
 
 def timed_step(trainer, reader, way: str) -> tuple[float, float]:
@@ -58,12 +66,19 @@ def summary(times: dict[str, list[float]]) -> dict:
     """Medians, ratios to ``off`` (the median of the rounds' ratios, and their range), and the cost per step at log
     intervals 1 and 10."""
     median = {way: statistics.median(t) for way, t in times.items()}
-    ratios = {way: sorted(t / o for t, o in zip(times[way], times["off"])) for way in ("ordinary", "logged")}
-    found = {"median_s": median, "ratio_to_off": {w: statistics.median(r) for w, r in ratios.items()},
-             "ratio_range": {w: [r[0], r[-1]] for w, r in ratios.items()}}
+    ratios = {
+        way: sorted(t / o for t, o in zip(times[way], times["off"]))
+        for way in ("ordinary", "logged")
+    }
+    found = {
+        "median_s": median,
+        "ratio_to_off": {w: statistics.median(r) for w, r in ratios.items()},
+        "ratio_range": {w: [r[0], r[-1]] for w, r in ratios.items()},
+    }
     for interval in (1, 10):
         found[f"cost_at_log_interval_{interval}"] = (
-            ((interval - 1) * median["ordinary"] + median["logged"]) / (interval * median["off"]) - 1)
+            (interval - 1) * median["ordinary"] + median["logged"]
+        ) / (interval * median["off"]) - 1
     return found
 
 
@@ -72,8 +87,11 @@ def main() -> None:
     parser.add_argument("--preset", default="100m-h4b16k")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2, help="steps of each way before the rounds")
-    parser.add_argument("--run-dir", type=Path, help="where the run's tokenizer and shards go (default: a temporary "
-                        "directory)")
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        help="where the run's tokenizer and shards go (default: a temporary directory)",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = parser.parse_args()
@@ -84,7 +102,9 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
-        cfg = load_config(args.preset, overrides=DEFAULTS + args.set + ["train.health_metrics=true"])
+        cfg = load_config(
+            args.preset, overrides=DEFAULTS + args.set + ["train.health_metrics=true"]
+        )
         loop = TrainingLoop(cfg, StopSignal())
         assert loop.setup(args.run_dir or Path(tmp) / "run", "none")
         trainer, reader = loop.trainer, loop.data
@@ -93,15 +113,20 @@ def main() -> None:
             for way in WAYS:
                 timed_step(trainer, reader, way)
         for r in tqdm(range(args.rounds), desc="rounds"):
-            for way in WAYS[r % 3:] + WAYS[:r % 3]:
+            for way in WAYS[r % 3 :] + WAYS[: r % 3]:
                 seconds, cpu_seconds = timed_step(trainer, reader, way)
                 wall[way].append(seconds)
                 cpu[way].append(cpu_seconds)
         reader.close()
 
     # CPU seconds: the work of the step, which other tenants of a shared machine slow less than its wall time
-    result = {"preset": args.preset, "settings": DEFAULTS + args.set, "rounds": args.rounds,
-              "wall": summary(wall), "cpu": summary(cpu)}
+    result = {
+        "preset": args.preset,
+        "settings": DEFAULTS + args.set,
+        "rounds": args.rounds,
+        "wall": summary(wall),
+        "cpu": summary(cpu),
+    }
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

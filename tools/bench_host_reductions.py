@@ -56,8 +56,10 @@ def grad_union_rows(s, mask, grad, chunk):
     return grad
 
 
-CASES = {"row mask": (("fp32 mean", mask_fp32_mean), ("uint8 max", mask_uint8_max)),
-         "gradient": (("whole table", grad_whole), ("union's rows", grad_union_rows))}
+CASES = {
+    "row mask": (("fp32 mean", mask_fp32_mean), ("uint8 max", mask_uint8_max)),
+    "gradient": (("whole table", grad_whole), ("union's rows", grad_union_rows)),
+}
 
 
 def worker(rank, world, init, args, out):
@@ -67,7 +69,9 @@ def worker(rank, world, init, args, out):
     for share in args.read:
         gen = torch.Generator().manual_seed(rank)
         marks = torch.rand(args.rows, generator=gen) < share
-        grads = torch.randn(args.rows, args.dim, generator=gen) * marks[:, None]  # rows not read: no gradient
+        grads = (
+            torch.randn(args.rows, args.dim, generator=gen) * marks[:, None]
+        )  # rows not read: no gradient
         for case, ways in CASES.items():
             results = []
             for name, reduce in ways:
@@ -89,23 +93,40 @@ def worker(rank, world, init, args, out):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=8 * 65_664)
     parser.add_argument("--dim", type=int, default=96)
-    parser.add_argument("--read", type=float, nargs="+", default=[0.01, 0.2], help="share of the rows each rank reads")
+    parser.add_argument(
+        "--read",
+        type=float,
+        nargs="+",
+        default=[0.01, 0.2],
+        help="share of the rows each rank reads",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.pt")
-        mp.spawn(worker, args=(args.ranks, os.path.join(tmp, "init"), args, out), nprocs=args.ranks, join=True)
+        mp.spawn(
+            worker,
+            args=(args.ranks, os.path.join(tmp, "init"), args, out),
+            nprocs=args.ranks,
+            join=True,
+        )
         times = torch.load(out)
-    print(f"{args.rows:,} rows × {args.dim}, {args.ranks} gloo ranks; median ms of the slowest rank")
+    print(
+        f"{args.rows:,} rows × {args.dim}, {args.ranks} gloo ranks; median ms of the slowest rank"
+    )
     print(f"{'read':>6}  {'reduction':<10}{'before':>26}{'now':>26}{'speed-up':>10}")
     for share in args.read:
         for case, ((before, _), (now, _)) in CASES.items():
             b, n = times[(share, case, before)], times[(share, case, now)]
-            print(f"{share:>6.0%}  {case:<10}{f'{before} {b * 1e3:.1f}':>26}{f'{now} {n * 1e3:.1f}':>26}{b / n:>10.2f}")
+            print(
+                f"{share:>6.0%}  {case:<10}{f'{before} {b * 1e3:.1f}':>26}{f'{now} {n * 1e3:.1f}':>26}{b / n:>10.2f}"
+            )
 
 
 if __name__ == "__main__":

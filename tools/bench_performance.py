@@ -49,11 +49,15 @@ def decoder_activation_bytes(chunk_tokens: int, seq_len: int) -> int:
     h = torch.randn(seq_len, cfg.d_model, requires_grad=True)
     targets = torch.randint(0, VOCAB, (seq_len,))
     saved: dict[int, int] = {}
-    not_activations = {p.untyped_storage().data_ptr() for p in vocab.parameters()} | {h.untyped_storage().data_ptr()}
+    not_activations = {p.untyped_storage().data_ptr() for p in vocab.parameters()} | {
+        h.untyped_storage().data_ptr()
+    }
 
     def pack(t: torch.Tensor):
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in not_activations:  # parameters (and views of them) and the input are not activations
+        if (
+            ptr not in not_activations
+        ):  # parameters (and views of them) and the input are not activations
             saved[ptr] = t.untyped_storage().nbytes()
         return t
 
@@ -63,31 +67,66 @@ def decoder_activation_bytes(chunk_tokens: int, seq_len: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=9, help="measured rounds (after one warm-up round)")
+    parser.add_argument(
+        "--rounds", type=int, default=9, help="measured rounds (after one warm-up round)"
+    )
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--scoring-tokens", type=int, default=1,
-                        help="positions scored at once by the inference-head timing (1: one generation step)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override for every trained model, e.g. model.decoder_chunk_tokens=4096")
+    parser.add_argument(
+        "--scoring-tokens",
+        type=int,
+        default=1,
+        help="positions scored at once by the inference-head timing (1: one generation step)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every trained model, e.g. model.decoder_chunk_tokens=4096",
+    )
     parser.add_argument("--out", default=None, help="also write the results as JSON")
     args = parser.parse_args()
     if args.rounds < 2:
-        parser.error(f"--rounds {args.rounds}: give at least 2, as each ratio's standard error needs two rounds")
+        parser.error(
+            f"--rounds {args.rounds}: give at least 2, as each ratio's standard error needs two rounds"
+        )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    names = {("h4b16k", "false"): "100m-h4b16k", ("standard", "false"): "100m-standard",
-             ("h4b16k", "true"): "h4b16k+compile", ("standard", "true"): "standard+compile"}
-    probes = {key: TrainingProbe("100m", key[0], 1, seq_len=args.seq_len, micro=args.micro_batch, dtype=args.dtype,
-                                 device=device, overrides=[*args.set, f"train.compile={key[1]}"],
-                                 max_steps=args.rounds + 1) for key in names}
+    names = {
+        ("h4b16k", "false"): "100m-h4b16k",
+        ("standard", "false"): "100m-standard",
+        ("h4b16k", "true"): "h4b16k+compile",
+        ("standard", "true"): "standard+compile",
+    }
+    probes = {
+        key: TrainingProbe(
+            "100m",
+            key[0],
+            1,
+            seq_len=args.seq_len,
+            micro=args.micro_batch,
+            dtype=args.dtype,
+            device=device,
+            overrides=[*args.set, f"train.compile={key[1]}"],
+            max_steps=args.rounds + 1,
+        )
+        for key in names
+    }
     for probe in probes.values():  # warm-up (and compilation)
         probe.step()
     cfg = load_config("100m-h4b16k").model
-    heads = {(label, v): InferenceHeads(v, cfg, device, args.dtype, args.scoring_tokens, label == "compiled")
-             for label in ("eager", "compiled") for v in (32768, 131072)}
+    heads = {
+        (label, v): InferenceHeads(
+            v, cfg, device, args.dtype, args.scoring_tokens, label == "compiled"
+        )
+        for label in ("eager", "compiled")
+        for v in (32768, 131072)
+    }
     peaks, steps, head_times = [], {key: [] for key in probes}, {key: [] for key in heads}
     for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
         peaks.append(measured_peak_flops(device, dtype))
@@ -103,44 +142,84 @@ def main() -> None:
         pairs = zip(steps["h4b16k", compiled], steps["standard", compiled])
         return RatioSpread.of([step_seconds(m) / step_seconds(s) for m, s in pairs])._asdict()
 
-    flop_ratio = (forward_flops(cfg, args.seq_len).train
-                  / forward_flops(load_config("100m-standard").model, args.seq_len, vocab_rows=VOCAB).train)
-    scoring = {label: [pair.row(head_times[key]) for key, pair in heads.items() if key[0] == label]
-               for label in ("eager", "compiled")}
-    plain, fused = decoder_activation_bytes(0, 2048), decoder_activation_bytes(cfg.decoder_chunk_tokens, 2048)
+    flop_ratio = (
+        forward_flops(cfg, args.seq_len).train
+        / forward_flops(load_config("100m-standard").model, args.seq_len, vocab_rows=VOCAB).train
+    )
+    scoring = {
+        label: [pair.row(head_times[key]) for key, pair in heads.items() if key[0] == label]
+        for label in ("eager", "compiled")
+    }
+    plain, fused = (
+        decoder_activation_bytes(0, 2048),
+        decoder_activation_bytes(cfg.decoder_chunk_tokens, 2048),
+    )
 
     def summary(row) -> dict:
-        return {"tokens_per_s": row.tokens_per_s, "mfu": row.mfu, "step_s": row.step_s, "forward_s": row.forward_s,
-                "backward_s": row.backward_s, "optimizer_s": row.optimizer_s}
+        return {
+            "tokens_per_s": row.tokens_per_s,
+            "mfu": row.mfu,
+            "step_s": row.step_s,
+            "forward_s": row.forward_s,
+            "backward_s": row.backward_s,
+            "optimizer_s": row.optimizer_s,
+        }
 
     result = {
-        "device": str(device), "dtype": args.dtype, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-        "rounds": args.rounds, "overrides": args.set, "peak_tflops": peak / 1e12,
+        "device": str(device),
+        "dtype": args.dtype,
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "rounds": args.rounds,
+        "overrides": args.set,
+        "peak_tflops": peak / 1e12,
         "peak_tflops_range": [min(peaks) / 1e12, max(peaks) / 1e12],
-        "mhf": summary(rows["h4b16k", "false"]), "standard": summary(rows["standard", "false"]),
-        "step_time_ratio": step_ratio("false"), "flop_ratio": flop_ratio,
-        "compiled": {"mhf": summary(rows["h4b16k", "true"]), "standard": summary(rows["standard", "true"]),
-                     "step_time_ratio": step_ratio("true")},
+        "mhf": summary(rows["h4b16k", "false"]),
+        "standard": summary(rows["standard", "false"]),
+        "step_time_ratio": step_ratio("false"),
+        "flop_ratio": flop_ratio,
+        "compiled": {
+            "mhf": summary(rows["h4b16k", "true"]),
+            "standard": summary(rows["standard", "true"]),
+            "step_time_ratio": step_ratio("true"),
+        },
         "scoring": scoring,
-        "decoder_activation_mb": {"plain": plain / 2**20, "fused": fused / 2**20, "ratio": fused / plain},
+        "decoder_activation_mb": {
+            "plain": plain / 2**20,
+            "fused": fused / 2**20,
+            "ratio": fused / plain,
+        },
     }
-    print(f"{device} {args.dtype}, seq {args.seq_len} x micro-batch {args.micro_batch}, {args.rounds} rounds; "
-          f"measured torch.mm peak {peak / 1e12:.3f} TFLOP/s (range {min(peaks) / 1e12:.3f}-{max(peaks) / 1e12:.3f})")
+    print(
+        f"{device} {args.dtype}, seq {args.seq_len} x micro-batch {args.micro_batch}, {args.rounds} rounds; "
+        f"measured torch.mm peak {peak / 1e12:.3f} TFLOP/s (range {min(peaks) / 1e12:.3f}-{max(peaks) / 1e12:.3f})"
+    )
     for key, name in names.items():
         r = rows[key]
-        print(f"  {name:<16} {r.tokens_per_s:9.1f} tokens/s  step {r.step_s:7.3f} s (fwd {r.forward_s:.3f}, "
-              f"bwd {r.backward_s:.3f}, opt {r.optimizer_s:.3f})  MFU {r.mfu:6.1%}")
-    for label, ratio in (("eager", result["step_time_ratio"]), ("compiled", result["compiled"]["step_time_ratio"])):
-        print(f"  step-time ratio MHF/Standard, {label}: {ratio['median']:.2f} (s.e. {ratio['se']:.2f}; rounds "
-              f"{ratio['min']:.2f}-{ratio['max']:.2f}) vs analytic FLOP ratio {flop_ratio:.2f}")
+        print(
+            f"  {name:<16} {r.tokens_per_s:9.1f} tokens/s  step {r.step_s:7.3f} s (fwd {r.forward_s:.3f}, "
+            f"bwd {r.backward_s:.3f}, opt {r.optimizer_s:.3f})  MFU {r.mfu:6.1%}"
+        )
+    for label, ratio in (
+        ("eager", result["step_time_ratio"]),
+        ("compiled", result["compiled"]["step_time_ratio"]),
+    ):
+        print(
+            f"  step-time ratio MHF/Standard, {label}: {ratio['median']:.2f} (s.e. {ratio['se']:.2f}; rounds "
+            f"{ratio['min']:.2f}-{ratio['max']:.2f}) vs analytic FLOP ratio {flop_ratio:.2f}"
+        )
     for label, per_vocab in scoring.items():
         for s in per_vocab:
-            print(f"  inference head, {label}, V={s['vocab_size']:>7,}, {s['tokens']} token(s) at once: MHF "
-                  f"{s['mhf_s_per_token'] * 1e3:.3f} ms/token, Standard {s['standard_s_per_token'] * 1e3:.3f} "
-                  f"ms/token, ratio {s['ratio']:.2f} (s.e. {s['ratio_se']:.2f}; rounds {s['ratio_min']:.2f}-"
-                  f"{s['ratio_max']:.2f}; FLOP and bytes ratio {s['flop_ratio']:.2f})")
-    print(f"  decoder activations at seq 2048: plain {plain / 2**20:.0f} MB, fused {fused / 2**20:.0f} MB "
-          f"({fused / plain:.1%} of plain)")
+            print(
+                f"  inference head, {label}, V={s['vocab_size']:>7,}, {s['tokens']} token(s) at once: MHF "
+                f"{s['mhf_s_per_token'] * 1e3:.3f} ms/token, Standard {s['standard_s_per_token'] * 1e3:.3f} "
+                f"ms/token, ratio {s['ratio']:.2f} (s.e. {s['ratio_se']:.2f}; rounds {s['ratio_min']:.2f}-"
+                f"{s['ratio_max']:.2f}; FLOP and bytes ratio {s['flop_ratio']:.2f})"
+            )
+    print(
+        f"  decoder activations at seq 2048: plain {plain / 2**20:.0f} MB, fused {fused / 2**20:.0f} MB "
+        f"({fused / plain:.1%} of plain)"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -52,8 +52,11 @@ def write_inputs(docs: list[str], directory: Path) -> dict[str, Path]:
     """``docs`` in every format of ``FORMATS`` that can be written here (``.zst`` and ``.parquet`` need the
     ``data`` extra)."""
     lines = "".join(json.dumps({"text": d}) + "\n" for d in docs)
-    files = {"txt": directory / "corpus.txt", "jsonl": directory / "corpus.jsonl",
-             "jsonl.gz": directory / "corpus.jsonl.gz"}
+    files = {
+        "txt": directory / "corpus.txt",
+        "jsonl": directory / "corpus.jsonl",
+        "jsonl.gz": directory / "corpus.jsonl.gz",
+    }
     files["txt"].write_text("\n\n".join(docs) + "\n")
     files["jsonl"].write_text(lines)
     with gzip.open(files["jsonl.gz"], "wt") as f:
@@ -78,8 +81,12 @@ def tokenizers(docs: list[str], directory: Path) -> dict[str, str]:
     try:
         load_tokenizer(MISTRAL_V03)
         found["mistral-v0.3"] = MISTRAL_V03
-    except Exception as e:  # the mistral extra missing (or its file unreadable): measured without it
-        print(f"note: Mistral v0.3 left out ({str(e).splitlines()[0]}): pip install 'mhf-dist[mistral]'")
+    except (
+        Exception
+    ) as e:  # the mistral extra missing (or its file unreadable): measured without it
+        print(
+            f"note: Mistral v0.3 left out ({str(e).splitlines()[0]}): pip install 'mhf-dist[mistral]'"
+        )
     return found
 
 
@@ -88,8 +95,15 @@ def rate(path: Path, tokenizer: str, out: Path, seq_len: int, repeats: int) -> t
     best = float("inf")
     for k in range(repeats):
         start = time.perf_counter()
-        manifest = prepare([path], tokenizer, out / str(k), seq_len=seq_len, samples_per_shard=1024, workers=1,
-                           progress=False)
+        manifest = prepare(
+            [path],
+            tokenizer,
+            out / str(k),
+            seq_len=seq_len,
+            samples_per_shard=1024,
+            workers=1,
+            progress=False,
+        )
         best = min(best, time.perf_counter() - start)
     return manifest["splits"]["train"]["input_tokens"], best
 
@@ -101,41 +115,65 @@ def duration(seconds: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--mb", type=float, default=4.0, help="MB of text per format")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per format and tokenizer (the best counts)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per format and tokenizer (the best counts)"
+    )
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--target-tokens", type=float, default=100e9, help="tokens of the corpus to project")
-    parser.add_argument("--node-workers", type=int, default=64, help="workers (cores) of one node, for the projection")
+    parser.add_argument(
+        "--target-tokens", type=float, default=100e9, help="tokens of the corpus to project"
+    )
+    parser.add_argument(
+        "--node-workers",
+        type=int,
+        default=64,
+        help="workers (cores) of one node, for the projection",
+    )
     parser.add_argument("--array-tasks", default="16,64", help="array tasks (nodes) to project for")
     args = parser.parse_args()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {args.mb:g} MB per format")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {args.mb:g} MB per format"
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         docs = corpus(args.mb)
         files = write_inputs(docs, Path(tmp))
-        print(f"{'tokenizer':<14}{'format':<11}{'MB':>8}{'tokens':>12}{'seconds':>9}{'tokens/s':>12}")
+        print(
+            f"{'tokenizer':<14}{'format':<11}{'MB':>8}{'tokens':>12}{'seconds':>9}{'tokens/s':>12}"
+        )
         slowest: dict[str, float] = {}
         for name, tokenizer in tokenizers(docs, Path(tmp)).items():
             for fmt, path in files.items():
                 try:
-                    tokens, seconds = rate(path, tokenizer, Path(tmp) / f"out-{name}-{fmt}", args.seq_len,
-                                           args.repeats)
+                    tokens, seconds = rate(
+                        path, tokenizer, Path(tmp) / f"out-{name}-{fmt}", args.seq_len, args.repeats
+                    )
                 except DataError as e:
                     print(f"{name:<14}{fmt:<11} skipped: {e}")
                     continue
                 slowest[name] = min(slowest.get(name, float("inf")), tokens / seconds)
-                print(f"{name:<14}{fmt:<11}{path.stat().st_size / 1e6:>8.1f}{tokens:>12,}{seconds:>9.1f}"
-                      f"{tokens / seconds:>12,.0f}")
+                print(
+                    f"{name:<14}{fmt:<11}{path.stat().st_size / 1e6:>8.1f}{tokens:>12,}{seconds:>9.1f}"
+                    f"{tokens / seconds:>12,.0f}"
+                )
 
-    print(f"\n{args.target_tokens:.3g} tokens at each tokenizer's slowest measured format (arithmetic, assuming "
-          "workers scale linearly):")
+    print(
+        f"\n{args.target_tokens:.3g} tokens at each tokenizer's slowest measured format (arithmetic, assuming "
+        "workers scale linearly):"
+    )
     for name, per_worker in slowest.items():
         node = per_worker * args.node_workers
-        times = [f"one worker {duration(args.target_tokens / per_worker)}",
-                 f"one node of {args.node_workers} workers {duration(args.target_tokens / node)}"]
-        times += [f"{n} array tasks {duration(args.target_tokens / (node * int(n)))}"
-                  for n in args.array_tasks.split(",")]
+        times = [
+            f"one worker {duration(args.target_tokens / per_worker)}",
+            f"one node of {args.node_workers} workers {duration(args.target_tokens / node)}",
+        ]
+        times += [
+            f"{n} array tasks {duration(args.target_tokens / (node * int(n)))}"
+            for n in args.array_tasks.split(",")
+        ]
         print(f"  {name}: " + "; ".join(times))
 
 

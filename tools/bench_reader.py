@@ -46,8 +46,12 @@ def consumer_rate(model_seq: int, repeats: int) -> float:
     """Tokens per second of fp32 forward + backward of 100m-h4b16k on one sequence (best of ``repeats``)."""
     cfg = load_config("100m-h4b16k").model
     vocab = 32768
-    codes = torch.randint(1, cfg.hash.num_buckets, (vocab, cfg.hash.num_hashes),
-                          generator=torch.Generator().manual_seed(0))
+    codes = torch.randint(
+        1,
+        cfg.hash.num_buckets,
+        (vocab, cfg.hash.num_hashes),
+        generator=torch.Generator().manual_seed(0),
+    )
     model = build_model(cfg, vocab, codes)
     ids = torch.randint(vocab, (1, model_seq + 1), generator=torch.Generator().manual_seed(1))
     best = float("inf")
@@ -60,13 +64,21 @@ def consumer_rate(model_seq: int, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--samples-per-shard", type=int, default=32)
-    parser.add_argument("--model-seq", type=int, default=512, help="sequence length of the timed training step")
-    parser.add_argument("--dp-sizes", default="1,8", help="data-parallel sizes to read as rank 0 of")
+    parser.add_argument(
+        "--model-seq", type=int, default=512, help="sequence length of the timed training step"
+    )
+    parser.add_argument(
+        "--dp-sizes", default="1,8", help="data-parallel sizes to read as rank 0 of"
+    )
     parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=2, help="timed training steps (the best counts)")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="timed training steps (the best counts)"
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,19 +87,32 @@ def main() -> None:
         text.write_text("\n\n".join(d.strip() for d in docs) + "\n")
         tok = train_bpe(docs[:300], 4096, Path(tmp) / "tok")
         start = time.perf_counter()
-        manifest = prepare([text], tok, Path(tmp) / "shards", seq_len=args.seq_len,
-                           samples_per_shard=args.samples_per_shard, workers=2, progress=False)
+        manifest = prepare(
+            [text],
+            tok,
+            Path(tmp) / "shards",
+            seq_len=args.seq_len,
+            samples_per_shard=args.samples_per_shard,
+            workers=2,
+            progress=False,
+        )
         split = manifest["splits"]["train"]
         rate = split["input_tokens"] / (time.perf_counter() - start)
-        print(f"prepare: {rate:,.0f} tokens/s with 2 workers, their start-up included "
-              f"({split['samples']} samples of {args.seq_len + 1} tokens in {len(split['shards'])} shards)")
+        print(
+            f"prepare: {rate:,.0f} tokens/s with 2 workers, their start-up included "
+            f"({split['samples']} samples of {args.seq_len + 1} tokens in {len(split['shards'])} shards)"
+        )
         rates = {}
         for dp in map(int, args.dp_sizes.split(",")):
             rates[dp] = reader_rate(Path(tmp) / "shards", dp, args.epochs, args.seq_len)
-            print(f"reader: {rates[dp]:,.0f} tokens/s to rank 0 of {dp} (SHA-256 verified, prefetch thread)")
+            print(
+                f"reader: {rates[dp]:,.0f} tokens/s to rank 0 of {dp} (SHA-256 verified, prefetch thread)"
+            )
 
     consumed = consumer_rate(args.model_seq, args.repeats)
-    print(f"training step, 100m-h4b16k fp32 fwd+bwd on this CPU at seq {args.model_seq}: {consumed:,.0f} tokens/s")
+    print(
+        f"training step, 100m-h4b16k fp32 fwd+bwd on this CPU at seq {args.model_seq}: {consumed:,.0f} tokens/s"
+    )
     for dp, rate in rates.items():
         print(f"ratio reader / consumer at dp={dp}: {rate / consumed:,.0f}x")
 

@@ -16,7 +16,9 @@ from mhf_dist.vocab.tokenizers import MISTRAL_V03, load_tokenizer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokenizer", default=MISTRAL_V03)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
@@ -28,8 +30,10 @@ def main() -> None:
             start = time.perf_counter()
             table = SignatureTable.build(tokens, h, b, single_id=name == "H1B16K")
             times.append(time.perf_counter() - start)
-        print(f"{name}: median {statistics.median(times) * 1000:.0f} ms over {args.repeats} builds "
-              f"({table.num_registered} registered, unique={table.unique})")
+        print(
+            f"{name}: median {statistics.median(times) * 1000:.0f} ms over {args.repeats} builds "
+            f"({table.num_registered} registered, unique={table.unique})"
+        )
 
 
 if __name__ == "__main__":

@@ -36,15 +36,27 @@ from mhf_dist.data.prepare import prepare
 from mhf_dist.train.metrics import read_metrics
 from mhf_dist.vocab.tokenizers import embedded_corpus, train_bpe
 
-DEFAULT_RUNS = ["tiny-standard", "tiny-standard+6l", "tiny-h4b2k", "tiny-h4b16k",
-                "tiny-h4b2k:model.hash.p_inf_loss_weight=0.5"]
-COLUMNS = [  # (metrics.jsonl field, table header, format)
-    ("val_p_inf_nll", "val NLL (P_inf)", "{:.3f}"), ("val_ppl", "ppl (P_inf)", "{:,.0f}"),
-    ("val_ppl_calibrated", "ppl (calibrated)", "{:,.1f}"), ("val_temperature", "τ", "{:.3f}"),
-    ("val_top1", "top-1", "{:.1%}"), ("val_top5", "top-5", "{:.1%}"),
+DEFAULT_RUNS = [
+    "tiny-standard",
+    "tiny-standard+6l",
+    "tiny-h4b2k",
+    "tiny-h4b16k",
+    "tiny-h4b2k:model.hash.p_inf_loss_weight=0.5",
 ]
-PLOTS = [("val_ppl", "perplexity under P_inf", True), ("val_ppl_calibrated", "calibrated perplexity", True),
-         ("val_top1", "top-1 next-token accuracy", False), ("val_p_inf_nll", "validation NLL under P_inf", False)]
+COLUMNS = [  # (metrics.jsonl field, table header, format)
+    ("val_p_inf_nll", "val NLL (P_inf)", "{:.3f}"),
+    ("val_ppl", "ppl (P_inf)", "{:,.0f}"),
+    ("val_ppl_calibrated", "ppl (calibrated)", "{:,.1f}"),
+    ("val_temperature", "τ", "{:.3f}"),
+    ("val_top1", "top-1", "{:.1%}"),
+    ("val_top5", "top-5", "{:.1%}"),
+]
+PLOTS = [
+    ("val_ppl", "perplexity under P_inf", True),
+    ("val_ppl_calibrated", "calibrated perplexity", True),
+    ("val_top1", "top-1 next-token accuracy", False),
+    ("val_p_inf_nll", "validation NLL under P_inf", False),
+]
 
 
 def parse_run(spec: str) -> tuple[str, list[str]]:
@@ -61,9 +73,18 @@ def prepare_data(out: Path, seq_len: int, vocab_size: int) -> Path:
     data = out / "data"
     if not (data / "manifest.json").is_file():
         tokenizer = train_bpe(embedded_corpus(), vocab_size, out / "tokenizer")
-        with resources.as_file(resources.files("mhf_dist.data").joinpath("corpus/kjv.txt.gz")) as corpus:
-            prepare([corpus], tokenizer, data, seq_len=seq_len, samples_per_shard=128, val_fraction=0.05,
-                    progress=False)
+        with resources.as_file(
+            resources.files("mhf_dist.data").joinpath("corpus/kjv.txt.gz")
+        ) as corpus:
+            prepare(
+                [corpus],
+                tokenizer,
+                data,
+                seq_len=seq_len,
+                samples_per_shard=128,
+                val_fraction=0.05,
+                progress=False,
+            )
     return data
 
 
@@ -72,12 +93,30 @@ def train(spec: str, run_dir: Path, data: Path, args: argparse.Namespace) -> Non
     records = read_metrics(run_dir)
     if records and records[-1]["step"] == args.steps and "val_ppl" in records[-1]:
         return  # finished earlier
-    settings = [f"data.path={data}", f"data.seq_len={args.seq_len}", f"train.max_steps={args.steps}",
-                f"train.eval_interval={args.eval_interval}", f"train.eval_sequences={args.eval_sequences}",
-                f"train.global_batch_size={args.global_batch}", f"train.micro_batch_size={args.micro_batch}",
-                f"train.log_interval={args.eval_interval}", *overrides]
-    command = [sys.executable, "-m", "mhf_dist", "train", "--preset", preset, "--run-dir", str(run_dir),
-               "--nproc-per-node", str(args.nproc_per_node), *[a for s in settings for a in ("--set", s)]]
+    settings = [
+        f"data.path={data}",
+        f"data.seq_len={args.seq_len}",
+        f"train.max_steps={args.steps}",
+        f"train.eval_interval={args.eval_interval}",
+        f"train.eval_sequences={args.eval_sequences}",
+        f"train.global_batch_size={args.global_batch}",
+        f"train.micro_batch_size={args.micro_batch}",
+        f"train.log_interval={args.eval_interval}",
+        *overrides,
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "mhf_dist",
+        "train",
+        "--preset",
+        preset,
+        "--run-dir",
+        str(run_dir),
+        "--nproc-per-node",
+        str(args.nproc_per_node),
+        *[a for s in settings for a in ("--set", s)],
+    ]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with (run_dir.parent / f"{run_dir.name}.log").open("w") as log:
         env = os.environ | {"PYTHONUNBUFFERED": "1"}
@@ -90,10 +129,17 @@ def summarise(spec: str, run_dir: Path, vocab_size: int) -> dict:
     records = read_metrics(run_dir)
     evals = [r for r in records if "val_ppl" in r]
     model = meta_model(load_config(preset, overrides=overrides).model, vocab_size)
-    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]  # the first step includes warm-up
-    return {"run": spec, "parameters": sum(p.numel() for p in model.parameters()),
-            "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
-            "evaluations": [{k: v for k, v in r.items() if k == "step" or k.startswith("val_")} for r in evals]}
+    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][
+        1:
+    ]  # the first step includes warm-up
+    return {
+        "run": spec,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+        "evaluations": [
+            {k: v for k, v in r.items() if k == "step" or k.startswith("val_")} for r in evals
+        ],
+    }
 
 
 def cell(value, fmt: str) -> str:
@@ -105,9 +151,18 @@ def table(rows: list[dict], command: str) -> str:
     lines = [f"`{command}`", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         last = row["evaluations"][-1] if row["evaluations"] else {}
-        lines.append("| " + " | ".join([f"`{row['run']}`", f"{row['parameters'] / 1e6:.2f}M",
-                                         cell(row["tokens_per_s"], "{:,.0f}"),
-                                         *[cell(last.get(k), f) for k, _, f in COLUMNS]]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"`{row['run']}`",
+                    f"{row['parameters'] / 1e6:.2f}M",
+                    cell(row["tokens_per_s"], "{:,.0f}"),
+                    *[cell(last.get(k), f) for k, _, f in COLUMNS],
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -120,7 +175,11 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for ax, (key, title, log_scale) in zip(axes.flat, PLOTS):
         for row in rows:
-            points = [(e["step"], e[key]) for e in row["evaluations"] if isinstance(e.get(key), (int, float))]
+            points = [
+                (e["step"], e[key])
+                for e in row["evaluations"]
+                if isinstance(e.get(key), (int, float))
+            ]
             if points:
                 ax.plot(*zip(*points), marker="o", label=row["run"])
         ax.set_title(title)
@@ -135,9 +194,13 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--run", action="append", dest="runs", help="PRESET[:KEY=VALUE,...] (repeatable)")
+    parser.add_argument(
+        "--run", action="append", dest="runs", help="PRESET[:KEY=VALUE,...] (repeatable)"
+    )
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--eval-interval", type=int, default=100)
     parser.add_argument("--eval-sequences", type=int, default=48)
@@ -155,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = args.out / "runs" / slug(spec)
         train(spec, run_dir, data, args)
         rows.append(summarise(spec, run_dir, args.vocab_size))
-    command = "python tools/quality_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python tools/quality_study.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     (args.out / "study.md").write_text(table(rows, command))
     (args.out / "study.json").write_text(json.dumps({"command": command, "runs": rows}, indent=1))
     plot(rows, args.out / "study.png")

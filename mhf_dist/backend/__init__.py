@@ -35,19 +35,46 @@ if TYPE_CHECKING:
     from mhf_dist.parallel.groups import ParallelGroups
     from mhf_dist.parallel.layout import Layout
 
-__all__ = ["checkpoint_interval", "engine_config", "fp32_accumulation", "grad_accum_dtype", "zero_stage",
-           "engine_buffer_bytes", "hostfile_template", "versions", "RANK_MODULES", "StepStats", "BatchSource",
-           "HostTableStep", "OptimizerFactory", "SpikeLimits", "HostTableFactory", "LossWrapper", "FileWriter",
-           "Trainer", "accelerator_env", "init_distributed", "build_trainer", "partitions_parameters",
-           "parameter_partitioner", "consolidate", "convert_for_layout", "universal_info"]
+__all__ = [
+    "checkpoint_interval",
+    "engine_config",
+    "fp32_accumulation",
+    "grad_accum_dtype",
+    "zero_stage",
+    "engine_buffer_bytes",
+    "hostfile_template",
+    "versions",
+    "RANK_MODULES",
+    "StepStats",
+    "BatchSource",
+    "HostTableStep",
+    "OptimizerFactory",
+    "SpikeLimits",
+    "HostTableFactory",
+    "LossWrapper",
+    "FileWriter",
+    "Trainer",
+    "accelerator_env",
+    "init_distributed",
+    "build_trainer",
+    "partitions_parameters",
+    "parameter_partitioner",
+    "consolidate",
+    "convert_for_layout",
+    "universal_info",
+]
 
 TrainingFlags = Callable[[], Sequence[bool]]  # the loop's flags, asked for at the end of a step
 
 # What a training rank imports besides the loop, some of it only when first used (the engine; torch's compiler,
 # which the optimizer and DeepSpeed's ZeRO optimizers load when they first run): a launcher that forks its ranks
 # imports these once, before it forks (mhf_dist.cluster.launch).
-RANK_MODULES = ("mhf_dist.backend.deepspeed.trainer", "deepspeed.runtime.zero.muon.muon_optimizer", "torch._dynamo",
-                "torch.utils.tensorboard")
+RANK_MODULES = (
+    "mhf_dist.backend.deepspeed.trainer",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "torch._dynamo",
+    "torch.utils.tensorboard",
+)
 
 
 @dataclass
@@ -55,10 +82,16 @@ class StepStats:
     loss: float  # mean over the global batch
     head_losses: list[float]
     grad_norm: float | None  # DeepSpeed reports none without ZeRO
-    p_inf_loss: float | None = None  # mean -log P_inf(target) of the loss's term (model.hash.p_inf_loss_weight > 0)
-    flags: list[bool] | None = None  # train_step's ``flags``, each raised on any rank (None when not asked)
+    p_inf_loss: float | None = (
+        None  # mean -log P_inf(target) of the loss's term (model.hash.p_inf_loss_weight > 0)
+    )
+    flags: list[bool] | None = (
+        None  # train_step's ``flags``, each raised on any rank (None when not asked)
+    )
     skipped: bool = False  # past train_step's ``limits``: the step applied no update
-    health: dict[str, float] | None = None  # the health metrics, when train_step measured them (``health``)
+    health: dict[str, float] | None = (
+        None  # the health metrics, when train_step measured them (``health``)
+    )
 
 
 @dataclass(frozen=True)
@@ -100,8 +133,10 @@ class HostTableStep(Protocol):
         """After the engine's step: clip with ``global_norm`` and update the host tables."""
 
 
-OptimizerFactory = Callable[["list[tuple[str, nn.Parameter]]", Callable[["nn.Parameter"], int]],
-                            "tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]"]
+OptimizerFactory = Callable[
+    ["list[tuple[str, nn.Parameter]]", Callable[["nn.Parameter"], int]],
+    "tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]",
+]
 """``(named, ndim) -> (optimizer, scheduler)`` for the trainable parameters of ``named`` (``(name, parameter)``, the
 name in ``LanguageModel``'s naming whatever the engine's module calls it); ``ndim`` gives a
 parameter's dimensions (the backend's, where it has replaced parameters by flat partitions). The optimizer leaves a
@@ -130,9 +165,13 @@ class FileWriter(Protocol):
 class Trainer(Protocol):
     """One rank's engine, as the training loop, the checkpointer and the host tables use it."""
 
-    host_tables: HostTableStep | None  # model.engram.offload: the Engram tables in host memory, stepped beside
+    host_tables: (
+        HostTableStep | None
+    )  # model.engram.offload: the Engram tables in host memory, stepped beside
     device: torch.device  # where this rank computes
-    optimizer: torch.optim.Optimizer  # the torch optimizer under the backend's (its groups hold the hyperparameters)
+    optimizer: (
+        torch.optim.Optimizer
+    )  # the torch optimizer under the backend's (its groups hold the hyperparameters)
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
 
     @property
@@ -143,14 +182,21 @@ class Trainer(Protocol):
     def skipped_steps(self) -> int:
         """Optimizer steps skipped so far for a gradient overflow (those past ``SpikeLimits`` are the loop's)."""
 
-    def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None, limits: SpikeLimits | None = None,
-                   health: bool = False) -> StepStats:
+    def train_step(
+        self,
+        reader: BatchSource,
+        flags: TrainingFlags | None = None,
+        limits: SpikeLimits | None = None,
+        health: bool = False,
+    ) -> StepStats:
         """One optimizer step on the global batch; ``flags`` come back agreed over all ranks; past ``limits`` the
         step applies no update (``StepStats.skipped``). ``health``: measure the health metrics
         (``mhf_dist.model.health``; with ``train.health_metrics``), read with the step's numbers after one more
         all-reduce, into ``StepStats.health``."""
 
-    def evaluate(self, reader: BatchSource, batches: int, progress: Callable[[], None] = lambda: None) -> dict:
+    def evaluate(
+        self, reader: BatchSource, batches: int, progress: Callable[[], None] = lambda: None
+    ) -> dict:
         """The ``val_*`` metrics over ``batches`` micro-batches on each data-parallel rank; ``progress`` is called
         as the work goes on (the hang watchdog's sign of life)."""
 
@@ -177,13 +223,21 @@ class Trainer(Protocol):
 
 # The run's engine config and what is read from it, from the modules that define them when first asked for:
 # torch-free, for plan and submit on a login node.
-_CONFIG_READERS = {"engine_config": "config", "zero_stage": "config", "grad_accum_dtype": "config",
-                   "fp32_accumulation": "config", "checkpoint_interval": "config", "engine_buffer_bytes": "memory"}
+_CONFIG_READERS = {
+    "engine_config": "config",
+    "zero_stage": "config",
+    "grad_accum_dtype": "config",
+    "fp32_accumulation": "config",
+    "checkpoint_interval": "config",
+    "engine_buffer_bytes": "memory",
+}
 
 
 def __getattr__(name: str):
     if name in _CONFIG_READERS:
-        return getattr(importlib.import_module(f"mhf_dist.backend.deepspeed.{_CONFIG_READERS[name]}"), name)
+        return getattr(
+            importlib.import_module(f"mhf_dist.backend.deepspeed.{_CONFIG_READERS[name]}"), name
+        )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -221,18 +275,37 @@ def init_distributed(backend: str, timeout: timedelta, device: torch.device) -> 
     join(backend, timeout, device)
 
 
-def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, *, config: dict, layout: Layout,
-                  optimizer: OptimizerFactory, materialise: Callable[[nn.Module], nn.Module] | None = None,
-                  load_universal: bool = False, host_tables: HostTableFactory | None = None,
-                  wrap_loss: LossWrapper | None = None) -> Trainer:
+def build_trainer(
+    cfg: RunConfig,
+    model: LanguageModel,
+    groups: ParallelGroups,
+    *,
+    config: dict,
+    layout: Layout,
+    optimizer: OptimizerFactory,
+    materialise: Callable[[nn.Module], nn.Module] | None = None,
+    load_universal: bool = False,
+    host_tables: HostTableFactory | None = None,
+    wrap_loss: LossWrapper | None = None,
+) -> Trainer:
     """This rank's trainer of ``model`` (a skeleton that ``materialise`` makes real, part by part) under the
     engine ``config``, with the optimizer ``optimizer`` makes and, for host-memory tables, the step ``host_tables``
     makes; ``load_universal``: its checkpoint will be loaded from a ``convert_for_layout`` copy; ``wrap_loss``:
     what each training micro-batch's loss becomes (``LossWrapper``)."""
     from mhf_dist.backend.deepspeed.trainer import build_trainer as build
 
-    return build(cfg, model, groups, ds_config=config, layout=layout, make_optimizer=optimizer, materialise=materialise,
-                 load_universal=load_universal, host_tables=host_tables, wrap_loss=wrap_loss)
+    return build(
+        cfg,
+        model,
+        groups,
+        ds_config=config,
+        layout=layout,
+        make_optimizer=optimizer,
+        materialise=materialise,
+        load_universal=load_universal,
+        host_tables=host_tables,
+        wrap_loss=wrap_loss,
+    )
 
 
 def partitions_parameters(config: dict, layout: Layout) -> bool:
@@ -242,7 +315,9 @@ def partitions_parameters(config: dict, layout: Layout) -> bool:
     return layout.pp == 1 and zero_stage(config) == 3
 
 
-def parameter_partitioner(config: dict, layout: Layout, groups: ParallelGroups) -> Partitioner | None:
+def parameter_partitioner(
+    config: dict, layout: Layout, groups: ParallelGroups
+) -> Partitioner | None:
     """What partitions each leaf as construction makes it (``partitions_parameters``); None otherwise."""
     if not partitions_parameters(config, layout):
         return None
@@ -258,8 +333,14 @@ def consolidate(checkpoint: Path, pipeline: bool) -> dict[str, torch.Tensor]:
     return read(checkpoint, pipeline)
 
 
-def convert_for_layout(checkpoint: Path, out: Path, source_pipeline: bool, target_pipeline: bool,
-                       cfg: ModelConfig, zero3_tp: int = 1) -> Path:
+def convert_for_layout(
+    checkpoint: Path,
+    out: Path,
+    source_pipeline: bool,
+    target_pipeline: bool,
+    cfg: ModelConfig,
+    zero3_tp: int = 1,
+) -> Path:
     """A copy of ``checkpoint`` in ``out`` that an engine of another tp/pp/dp layout loads (``load_universal``);
     ``zero3_tp``: that engine's tensor-parallel size when it partitions parameters (ZeRO-3)."""
     from mhf_dist.backend.deepspeed.universal import convert_for_layout as convert

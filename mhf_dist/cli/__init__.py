@@ -45,8 +45,12 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        unset = action.default is None or action.default == [] or action.default == argparse.SUPPRESS
-        if "default" in text or unset or not action.option_strings or action.nargs == 0:  # a switch says what it does
+        unset = (
+            action.default is None or action.default == [] or action.default == argparse.SUPPRESS
+        )
+        if (
+            "default" in text or unset or not action.option_strings or action.nargs == 0
+        ):  # a switch says what it does
             return action.help
         return f"{text} (default: %(default)s)"
 
@@ -63,12 +67,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mhf-dist", description=DESCRIPTION, epilog=EXAMPLES)
     parser.add_argument("--version", action="version", version=f"mhf-dist {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")  # commands without help= are unlisted
-    for add in (train.train_parser, data.prepare_data_parser, planning.plan_parser, models.export_parser,
-                models.export_hf_parser, models.import_hf_parser, models.generate_parser, models.eval_parser,
-                models.expand_vocab_parser, jobs.submit_parser, jobs.submit_data_parser, jobs.status_parser,
-                jobs.elastic_plan_parser, jobs.requeue_parser, planning.profile_parser, planning.profile_worker_parser,
-                planning.gpu_check_parser, planning.config_parser, planning.presets_parser, data.tokenizer_parser):
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND"
+    )  # commands without help= are unlisted
+    for add in (
+        train.train_parser,
+        data.prepare_data_parser,
+        planning.plan_parser,
+        models.export_parser,
+        models.export_hf_parser,
+        models.import_hf_parser,
+        models.generate_parser,
+        models.eval_parser,
+        models.expand_vocab_parser,
+        jobs.submit_parser,
+        jobs.submit_data_parser,
+        jobs.status_parser,
+        jobs.elastic_plan_parser,
+        jobs.requeue_parser,
+        planning.profile_parser,
+        planning.profile_worker_parser,
+        planning.gpu_check_parser,
+        planning.config_parser,
+        planning.presets_parser,
+        data.tokenizer_parser,
+    ):
         add(sub)
     return parser
 
@@ -84,7 +107,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"mhf-dist{rank_label()}: {e}", file=sys.stderr)
         return ERROR_EXIT_CODE
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError, yaml.YAMLError) as e:  # unreadable or malformed files
+    except (
+        OSError,
+        json.JSONDecodeError,
+        UnicodeDecodeError,
+        yaml.YAMLError,
+    ) as e:  # unreadable or malformed files
         if isinstance(e, BrokenPipeError) and _stdout_closed():
             return _quiet_after_closed_stdout()
         if args.debug:
@@ -119,5 +147,7 @@ def _quiet_after_closed_stdout() -> int:
 
 def _describe(e: Exception) -> str:
     if isinstance(e, OSError) and e.filename:
-        return f"{e.strerror or type(e).__name__}: {e.filename}" + (f" -> {e.filename2}" if e.filename2 else "")
+        return f"{e.strerror or type(e).__name__}: {e.filename}" + (
+            f" -> {e.filename2}" if e.filename2 else ""
+        )
     return f"{type(e).__name__}: {e}"

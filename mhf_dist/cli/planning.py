@@ -27,14 +27,32 @@ def cmd_plan(args) -> int:
 
 
 def plan_parser(sub) -> None:
-    p = sub.add_parser("plan", help="the resolved model; ZeRO model states, activations and "
-                       "host memory at construction per rank; does it fit? time per step at an assumed MFU")
+    p = sub.add_parser(
+        "plan",
+        help="the resolved model; ZeRO model states, activations and "
+        "host memory at construction per rank; does it fit? time per step at an assumed MFU",
+    )
     add_run_options(p)
-    p.add_argument("--cluster", required=True, help="cluster profile: a100-80g, mi300x, cpu-local or a .yaml path")
-    p.add_argument("--nodes", type=positive_int, default=1, help="nodes of the cluster profile's kind")
-    p.add_argument("--vocab-size", type=positive_int, default=32768, help="registered tokens (default: Mistral v0.3's)")
-    p.add_argument("--mfu", type=float, default=0.40,
-                   help="assumed model FLOPs utilisation for the time per step, a fraction in (0, 1] (default 0.40)")
+    p.add_argument(
+        "--cluster",
+        required=True,
+        help="cluster profile: a100-80g, mi300x, cpu-local or a .yaml path",
+    )
+    p.add_argument(
+        "--nodes", type=positive_int, default=1, help="nodes of the cluster profile's kind"
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        default=32768,
+        help="registered tokens (default: Mistral v0.3's)",
+    )
+    p.add_argument(
+        "--mfu",
+        type=float,
+        default=0.40,
+        help="assumed model FLOPs utilisation for the time per step, a fraction in (0, 1] (default 0.40)",
+    )
     p.set_defaults(func=cmd_plan)
 
 
@@ -47,7 +65,9 @@ def cmd_profile(args) -> int:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
-    check_layouts(args.size, hashes, tps, args.overrides, gpus)  # before any rank starts or any output is made
+    check_layouts(
+        args.size, hashes, tps, args.overrides, gpus
+    )  # before any rank starts or any output is made
     from mhf_dist.profiling.report import table, write_outputs
     from mhf_dist.profiling.scoring import profile_scoring
     from mhf_dist.profiling.sweep import run_sweep
@@ -55,12 +75,25 @@ def cmd_profile(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = run_sweep(args.size, hashes, tps, steps=args.steps, warmup=args.warmup, seq_len=args.seq_len,
-                     micro=args.micro_batch, dtype=args.dtype, out=out, peak_nominal=nominal,
-                     overrides=args.overrides, trace=args.trace)
+    rows = run_sweep(
+        args.size,
+        hashes,
+        tps,
+        steps=args.steps,
+        warmup=args.warmup,
+        seq_len=args.seq_len,
+        micro=args.micro_batch,
+        dtype=args.dtype,
+        out=out,
+        peak_nominal=nominal,
+        overrides=args.overrides,
+        trace=args.trace,
+    )
     cfg = load_config(f"{args.size}-h4b16k").model
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    scoring = profile_scoring([int(v) for v in args.vocab_sizes.split(",")], cfg, device, dtype=args.dtype)
+    scoring = profile_scoring(
+        [int(v) for v in args.vocab_sizes.split(",")], cfg, device, dtype=args.dtype
+    )
     no_plots = write_outputs(rows, scoring, out, hardware_name(device))
     print(table(rows, scoring))
     pngs = "" if no_plots else "throughput.png, memory.png, scoring.png, "
@@ -70,21 +103,49 @@ def cmd_profile(args) -> int:
 
 
 def profile_parser(sub) -> None:
-    p = sub.add_parser("profile", help="tokens/s, MFU, memory and communication per hash configuration and layout")
+    p = sub.add_parser(
+        "profile", help="tokens/s, MFU, memory and communication per hash configuration and layout"
+    )
     p.add_argument("--size", default="100m", help=", ".join(SIZES))
-    p.add_argument("--hash", default="standard,h1b16k,h3b10k,h4b16k",
-                   help="comma-separated preset variants; +engram adds the Engram memory, e.g. h4b16k,h4b16k+engram")
-    p.add_argument("--layout", default="tp=1", help="comma-separated tensor-parallel layouts, e.g. tp=1,tp=2 (each "
-                   "checked against every configuration before any rank starts)")
-    p.add_argument("--steps", type=positive_int, default=3, help="measured training steps per configuration")
-    p.add_argument("--warmup", type=non_negative_int, default=1, help="unmeasured steps before the measured ones")
+    p.add_argument(
+        "--hash",
+        default="standard,h1b16k,h3b10k,h4b16k",
+        help="comma-separated preset variants; +engram adds the Engram memory, e.g. h4b16k,h4b16k+engram",
+    )
+    p.add_argument(
+        "--layout",
+        default="tp=1",
+        help="comma-separated tensor-parallel layouts, e.g. tp=1,tp=2 (each "
+        "checked against every configuration before any rank starts)",
+    )
+    p.add_argument(
+        "--steps", type=positive_int, default=3, help="measured training steps per configuration"
+    )
+    p.add_argument(
+        "--warmup",
+        type=non_negative_int,
+        default=1,
+        help="unmeasured steps before the measured ones",
+    )
     p.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per sequence")
-    p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per step per rank")
+    p.add_argument(
+        "--micro-batch", type=positive_int, default=1, help="sequences per step per rank"
+    )
     add_dtype(p)
-    p.add_argument("--cluster", help="profile whose nominal peak is reported next to the measured one")
-    p.add_argument("--vocab-sizes", default="32768,131072,1048576", help="registered tokens for the scoring benchmark")
+    p.add_argument(
+        "--cluster", help="profile whose nominal peak is reported next to the measured one"
+    )
+    p.add_argument(
+        "--vocab-sizes",
+        default="32768,131072,1048576",
+        help="registered tokens for the scoring benchmark",
+    )
     p.add_argument("--out", default="profile", help="output directory")
-    p.add_argument("--trace", action="store_true", help="write a PyTorch profiler trace of the first configuration")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="write a PyTorch profiler trace of the first configuration",
+    )
     add_overrides(p, "config overrides applied to every configuration")
     p.set_defaults(func=cmd_profile)
 
@@ -96,7 +157,9 @@ def cmd_profile_worker(args) -> int:
 
 
 def profile_worker_parser(sub) -> None:
-    p = sub.add_parser("profile-worker")  # the ranks of one tensor-parallel layout, started by `profile`
+    p = sub.add_parser(
+        "profile-worker"
+    )  # the ranks of one tensor-parallel layout, started by `profile`
     p.add_argument("--rows", required=True, help="where rank 0 writes its measurements (JSON)")
     p.add_argument("--spec", required=True, help="JSON of profile_training's arguments")
     p.set_defaults(func=cmd_profile_worker)
@@ -105,8 +168,11 @@ def profile_worker_parser(sub) -> None:
 def gpu_check_parser(sub) -> None:
     from mhf_dist.commands import gpu_check  # the standard library only, until it runs
 
-    p = sub.add_parser("gpu-check", help="the main job end to end on one GPU (or tiny, on CPU: --cpu), as one dated "
-                       "table", description=gpu_check.__doc__)
+    p = sub.add_parser(
+        "gpu-check",
+        help="the main job end to end on one GPU (or tiny, on CPU: --cpu), as one dated table",
+        description=gpu_check.__doc__,
+    )
     gpu_check.add_arguments(p)
     p.set_defaults(func=gpu_check.run)
 
@@ -121,7 +187,9 @@ def cmd_config(args) -> int:
     if cfg.train.wandb is None:  # off; its fields would otherwise stay hidden behind `wandb: null`
         from mhf_dist.config import WandbConfig
 
-        print("# train.wandb is off (null); --set train.wandb.project=NAME turns it on, with these fields:")
+        print(
+            "# train.wandb is off (null); --set train.wandb.project=NAME turns it on, with these fields:"
+        )
         for name, field in WandbConfig.model_fields.items():
             print(f"#   train.wandb.{name}: {field.default}  ({field.description})")
     return 0

@@ -11,12 +11,17 @@ from mhf_dist.cli.options import add_run_options, load_run_config, positive_int,
 from mhf_dist.config import ConfigError, RunConfig
 from mhf_dist.errors import PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
 
-RANK_PRELOAD = ("mhf_dist.train.loop", *RANK_MODULES)  # what a training rank imports (a forked one, once for all)
+RANK_PRELOAD = (
+    "mhf_dist.train.loop",
+    *RANK_MODULES,
+)  # what a training rank imports (a forked one, once for all)
 
 
 def cmd_train(args) -> int:
     if Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
-        raise ConfigError(f"--run-dir {args.run_dir} is a file; name a directory (it is created if missing)")
+        raise ConfigError(
+            f"--run-dir {args.run_dir} is a file; name a directory (it is created if missing)"
+        )
     cfg = _load_train(args)  # validate before starting any rank
     from mhf_dist.cluster.launch import launch_local, supervise_task
     from mhf_dist.cluster.scheduler import task_env
@@ -38,19 +43,30 @@ def cmd_train(args) -> int:
         from mhf_dist.cli import main
 
         fork = device == "cpu"  # CPU ranks are forked from this process
-        return launch_local(args.nproc_per_node, _without_option(sys.argv[1:], "--nproc-per-node"), lost,
-                            main if fork else None, RANK_PRELOAD if fork else ())
-    if "RANK" not in os.environ and (rank_env := task_env()):  # a job step's task: its rank runs watched, so its
-        return supervise_task(sys.argv[1:], lost, rank_env)       # death is named
+        return launch_local(
+            args.nproc_per_node,
+            _without_option(sys.argv[1:], "--nproc-per-node"),
+            lost,
+            main if fork else None,
+            RANK_PRELOAD if fork else (),
+        )
+    if "RANK" not in os.environ and (
+        rank_env := task_env()
+    ):  # a job step's task: its rank runs watched, so its
+        return supervise_task(sys.argv[1:], lost, rank_env)  # death is named
 
-    stop = StopSignal(lost)  # before the training stack loads: from now on a signal is noted, not fatal
+    stop = StopSignal(
+        lost
+    )  # before the training stack loads: from now on a signal is noted, not fatal
     # each line out as it is written, also into a job log or a pipe (which Python would otherwise fill in blocks)
     sys.stdout.reconfigure(line_buffering=True)
     from mhf_dist.storage.reading_marks import mark_reading
     from mhf_dist.train.loop import train
     from mhf_dist.train.process_group import collective_failure, leave_process_group
 
-    reading = mark_reading(cfg.data, args.run_dir)  # prepare-data leaves the data alone while this node reads it
+    reading = mark_reading(
+        cfg.data, args.run_dir
+    )  # prepare-data leaves the data alone while this node reads it
     try:
         result = train(cfg, args.run_dir, args.resume, stop, args.verbose)
     except Exception as e:
@@ -59,7 +75,10 @@ def cmd_train(args) -> int:
         stop.ignore()  # nothing is left to save, and the job's end (its tasks stopped) must not cut this exit
         if args.debug:
             raise
-        print(f"mhf-dist{rank_label()}: {failure}; stopping (--debug shows the traceback)", file=sys.stderr)
+        print(
+            f"mhf-dist{rank_label()}: {failure}; stopping (--debug shows the traceback)",
+            file=sys.stderr,
+        )
         return RANK_LOST_EXIT_CODE
     finally:  # also after an error: a process group left to interpreter shutdown can abort the process
         leave_process_group()
@@ -74,9 +93,11 @@ def _outcome(result, stop, run_dir: Path) -> str:
     if stop.interrupted and result.saved is not None:
         return f"interrupted: saved {result.saved.name}; rerun the same command to resume"
     last = result.records[-1]
-    return (f"{'preempted' if result.preempted else 'done'}: step {last['step']}, loss {last['loss']:.4f}, "
-            f"{last['tokens_per_s']:.0f} tokens/s, MFU {last['mfu']:.1%}; run directory {run_dir.resolve()} "
-            f"(tensorboard --logdir {run_dir.resolve() / 'tensorboard'})")
+    return (
+        f"{'preempted' if result.preempted else 'done'}: step {last['step']}, loss {last['loss']:.4f}, "
+        f"{last['tokens_per_s']:.0f} tokens/s, MFU {last['mfu']:.1%}; run directory {run_dir.resolve()} "
+        f"(tensorboard --logdir {run_dir.resolve() / 'tensorboard'})"
+    )
 
 
 def _load_train(args) -> RunConfig:
@@ -104,13 +125,29 @@ def _without_option(argv: list[str], option: str) -> list[str]:
 
 # ---------------------------------------------------------------- the parser: one function per command
 def train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a model (run under torchrun for many ranks, or use --nproc-per-node)")
+    p = sub.add_parser(
+        "train", help="train a model (run under torchrun for many ranks, or use --nproc-per-node)"
+    )
     add_run_options(p)
-    p.add_argument("--run-dir", required=True, help="run directory (created if missing); without --preset and "
-                   "--config, the run resumes with its own config.yaml (--set may change what a resume can)")
-    p.add_argument("--nproc-per-node", type=positive_int, help="start this many local ranks on this machine")
-    p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint, if any), none, or a "
-                   f"checkpoint directory; a run stopped by a signal exits with {PREEMPTED_EXIT_CODE}")
-    p.add_argument("--verbose", action="store_true", help="also show DeepSpeed's start-up lines (op builds, "
-                   "pipeline topology), which are held back otherwise")
+    p.add_argument(
+        "--run-dir",
+        required=True,
+        help="run directory (created if missing); without --preset and "
+        "--config, the run resumes with its own config.yaml (--set may change what a resume can)",
+    )
+    p.add_argument(
+        "--nproc-per-node", type=positive_int, help="start this many local ranks on this machine"
+    )
+    p.add_argument(
+        "--resume",
+        default="auto",
+        help="auto (newest complete checkpoint, if any), none, or a "
+        f"checkpoint directory; a run stopped by a signal exits with {PREEMPTED_EXIT_CODE}",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show DeepSpeed's start-up lines (op builds, "
+        "pipeline topology), which are held back otherwise",
+    )
     p.set_defaults(func=cmd_train)

@@ -15,5 +15,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 def no_control_characters(what: str, value: str) -> str:
     """``value``, refused when it holds a newline or another control character (it would break a job script)."""
     if _CONTROL.search(value):
-        raise ConfigError(f"{what}={value!r} contains a control character (newline, tab, ...); remove it")
+        raise ConfigError(
+            f"{what}={value!r} contains a control character (newline, tab, ...); remove it"
+        )
     return value

@@ -21,7 +21,9 @@ from mhf_dist.parallel.layout import resolve_layout
 from mhf_dist.train.preemption import grace_seconds
 
 DEFAULT_MFU = 0.40
-PLANNING_VOCAB_SIZE = 32768  # the tokenizer size estimates assume (only Standard's tables depend on it)
+PLANNING_VOCAB_SIZE = (
+    32768  # the tokenizer size estimates assume (only Standard's tables depend on it)
+)
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,13 @@ def step_seconds(tokens: int, flops_per_token: float, mfu: float, peak_flops: fl
     return tokens * flops_per_token / (mfu * peak_flops)
 
 
-def step_estimate(cfg: RunConfig, profile: ClusterProfile, nodes: int, mfu: float = DEFAULT_MFU,
-                  vocab_size: int = PLANNING_VOCAB_SIZE) -> StepEstimate | None:
+def step_estimate(
+    cfg: RunConfig,
+    profile: ClusterProfile,
+    nodes: int,
+    mfu: float = DEFAULT_MFU,
+    vocab_size: int = PLANNING_VOCAB_SIZE,
+) -> StepEstimate | None:
     """Time and throughput of one optimizer step at an assumed ``mfu``; None when the profile gives no nominal
     peak (``peak_bf16_tflops``)."""
     if not 0 < mfu <= 1:
@@ -72,8 +79,14 @@ def step_estimate(cfg: RunConfig, profile: ClusterProfile, nodes: int, mfu: floa
     recompute = sum(flops.layer(i) for i in range(m.n_layers) if k and i % k == 0)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     peak = profile.peak_bf16_tflops * 1e12 * world
-    return StepEstimate(mfu=mfu, peak_flops=peak, tokens_per_step=tokens, flops_per_token=flops.train,
-                        recompute_per_token=recompute, seconds=step_seconds(tokens, flops.train, mfu, peak))
+    return StepEstimate(
+        mfu=mfu,
+        peak_flops=peak,
+        tokens_per_step=tokens,
+        flops_per_token=flops.train,
+        recompute_per_token=recompute,
+        seconds=step_seconds(tokens, flops.train, mfu, peak),
+    )
 
 
 def checkpoint_bytes(cfg: RunConfig, pp: int, vocab_size: int = PLANNING_VOCAB_SIZE) -> int:
@@ -108,14 +121,19 @@ class SaveEstimate:
         return grace_seconds(self.step_seconds or 0.0, self.seconds)
 
 
-def save_estimate(cfg: RunConfig, profile: ClusterProfile, nodes: int,
-                  vocab_size: int = PLANNING_VOCAB_SIZE) -> SaveEstimate:
+def save_estimate(
+    cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size: int = PLANNING_VOCAB_SIZE
+) -> SaveEstimate:
     """The checkpoints of ``cfg`` on ``nodes`` nodes of ``profile`` (step time at ``DEFAULT_MFU``)."""
     layout = resolve_layout(cfg, nodes * profile.gpus_per_node)
     size = checkpoint_bytes(cfg, layout.pp, vocab_size)
     step = step_estimate(cfg, profile, nodes, vocab_size=vocab_size)
-    return SaveEstimate(bytes=size, seconds=save_seconds(size, nodes, profile.storage_gb_per_s),
-                        step_seconds=step.seconds if step else None, storage_gb_per_s=profile.storage_gb_per_s)
+    return SaveEstimate(
+        bytes=size,
+        seconds=save_seconds(size, nodes, profile.storage_gb_per_s),
+        step_seconds=step.seconds if step else None,
+        storage_gb_per_s=profile.storage_gb_per_s,
+    )
 
 
 _TIME_LIMIT = re.compile(r"(?:(?P<days>\d+)-)?(?P<a>\d+)(?::(?P<b>\d+))?(?::(?P<c>\d+))?")
@@ -128,7 +146,9 @@ def time_limit_seconds(limit: str) -> int | None:
         return None
     m = _TIME_LIMIT.fullmatch(limit.strip())
     if m is None:
-        raise ConfigError(f"--time={limit!r} is not a SLURM time limit (e.g. 30, 24:00:00 or 2-00:00:00)")
+        raise ConfigError(
+            f"--time={limit!r} is not a SLURM time limit (e.g. 30, 24:00:00 or 2-00:00:00)"
+        )
     days, parts = int(m["days"] or 0), [int(p) for p in (m["a"], m["b"], m["c"]) if p is not None]
     if m["days"]:  # D-HH[:MM[:SS]]
         hours, minutes, seconds = (parts + [0, 0])[:3]

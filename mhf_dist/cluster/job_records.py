@@ -27,4 +27,7 @@ def read_jobs(run: RunDir) -> list[dict]:
 def record_job(run: RunDir, job: str, **fields: object) -> None:
     """Add job ``job`` (submitted now) to the run's submissions, with ``fields`` (cluster, nodes, script, ...)."""
     with run.jobs_file.open("a") as f:
-        f.write(json.dumps({"job_id": job, "submitted": time.strftime("%Y-%m-%d %H:%M:%S"), **fields}) + "\n")
+        f.write(
+            json.dumps({"job_id": job, "submitted": time.strftime("%Y-%m-%d %H:%M:%S"), **fields})
+            + "\n"
+        )

@@ -30,9 +30,15 @@ from mhf_dist.parallel.rendezvous import free_port
 # torch's CPU allocator backs large tensors with transparent huge pages: the step's fresh gradient and
 # activation buffers then fault in 2 MB pages instead of 4 KB ones (CPU ranks step 10-15% faster here).
 CPU_HUGE_PAGES = ("THP_MEM_ALLOC_ENABLE", "1")
-STOP_GRACE_S = 5  # after a rank failed: time for the others to report their own error before they are killed
+STOP_GRACE_S = (
+    5  # after a rank failed: time for the others to report their own error before they are killed
+)
 POLL_S = 0.2
-HANDLED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)  # passed on to the ranks (in a job step: sat out)
+HANDLED = (
+    signal.SIGUSR1,
+    signal.SIGTERM,
+    signal.SIGINT,
+)  # passed on to the ranks (in a job step: sat out)
 PR_SET_PDEATHSIG = 1  # prctl(2)
 PR_SET_NAME = 15
 RANK_NAME = "mhf-dist r{rank}"  # a forked rank's process name (ps -o comm, top), at most 15 bytes
@@ -40,20 +46,31 @@ RANK_NAME = "mhf-dist r{rank}"  # a forked rank's process name (ps -o comm, top)
 Entry = Callable[[list[str]], int]  # the command line's entry point: argv -> exit code
 
 
-def launch_local(nproc: int, argv: list[str], lost_work: Callable[[], str], main: Entry | None = None,
-                 preload: Sequence[str] = ()) -> int:
+def launch_local(
+    nproc: int,
+    argv: list[str],
+    lost_work: Callable[[], str],
+    main: Entry | None = None,
+    preload: Sequence[str] = (),
+) -> int:
     """Run ``mhf-dist <argv>`` as ``nproc`` ranks; returns their common exit code (see the module's docstring).
     ``lost_work``: what stopping without a save loses, said when a rank dies or a second Ctrl-C aborts.
     ``main``: the command line's entry point, which ranks forked from this process run once it has imported
     ``preload`` (CPU ranks only, and only from a process that has not used torch's thread pool); None: fresh
     interpreters."""
-    base = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
-                         "LOCAL_WORLD_SIZE": str(nproc)}
+    base = os.environ | {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+    }
     base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     base.setdefault(*CPU_HUGE_PAGES)
     envs = [base | {"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)]
     if main is not None:
-        os.environ.setdefault(*CPU_HUGE_PAGES)  # torch reads it at its first large allocation, in the ranks
+        os.environ.setdefault(
+            *CPU_HUGE_PAGES
+        )  # torch reads it at its first large allocation, in the ranks
         for module in preload:
             importlib.import_module(module)
     return RankSupervisor(argv, lost_work, forward=True, fork=main).run(envs)
@@ -113,7 +130,9 @@ class ForkedRank:
     non-daemon threads finished and its exit handlers run before it exits); to the supervisor, what it uses of a
     ``subprocess.Popen``."""
 
-    def __init__(self, main: Entry, argv: list[str], env: dict[str, str], new_session: bool, handlers: dict):
+    def __init__(
+        self, main: Entry, argv: list[str], env: dict[str, str], new_session: bool, handlers: dict
+    ):
         sys.stdout.flush()  # nothing buffered before the fork is written twice
         sys.stderr.flush()
         self.returncode: int | None = None
@@ -126,7 +145,9 @@ class ForkedRank:
                 os._exit(code)
 
     @staticmethod
-    def _rank(main: Entry, argv: list[str], env: dict[str, str], new_session: bool, handlers: dict) -> int:
+    def _rank(
+        main: Entry, argv: list[str], env: dict[str, str], new_session: bool, handlers: dict
+    ) -> int:
         """The child, before it runs the command: its own session (when asked), its death with the launcher's, its
         name (the launcher's command line is every forked rank's) and the launcher's signal handlers from before it
         watched its ranks."""
@@ -169,18 +190,33 @@ def exit_description(rank: int, proc: subprocess.Popen | ForkedRank) -> str:
 class RankSupervisor:
     """Ranks started as child processes and watched until every one has ended (see the module's docstring)."""
 
-    def __init__(self, argv: list[str], lost_work: Callable[[], str], forward: bool, fork: Entry | None = None):
-        self.argv, self.lost_work, self.forward, self.fork = argv, lost_work, forward, fork  # fork: forked ranks' entry
+    def __init__(
+        self,
+        argv: list[str],
+        lost_work: Callable[[], str],
+        forward: bool,
+        fork: Entry | None = None,
+    ):
+        self.argv, self.lost_work, self.forward, self.fork = (
+            argv,
+            lost_work,
+            forward,
+            fork,
+        )  # fork: forked ranks' entry
         self.procs: dict[int, subprocess.Popen | ForkedRank] = {}  # rank -> process
         self.world = 1
         self.interrupts = 0
-        self.received: set[int] = set()  # signals this supervisor got: a rank they ended did not fail
+        self.received: set[int] = (
+            set()
+        )  # signals this supervisor got: a rank they ended did not fail
         self.killed: set[int] = set()  # ranks this supervisor killed (not failures either)
 
     def run(self, envs: list[dict[str, str]]) -> int:
         """Start a rank per environment and watch them; returns the exit code of the whole."""
         self.world = int(envs[0]["WORLD_SIZE"])
-        previous = {s: signal.signal(s, self._on_signal) for s in HANDLED}  # before the first rank starts
+        previous = {
+            s: signal.signal(s, self._on_signal) for s in HANDLED
+        }  # before the first rank starts
         try:
             for env in envs:
                 self.procs[int(env["RANK"])] = self._start(env, previous)
@@ -193,8 +229,12 @@ class RankSupervisor:
     def _start(self, env: dict[str, str], handlers: dict) -> subprocess.Popen | ForkedRank:
         if self.fork is not None:
             return ForkedRank(self.fork, self.argv, env, self.forward, handlers)
-        return subprocess.Popen([sys.executable, "-m", "mhf_dist", *self.argv], env=env,
-                                start_new_session=self.forward, preexec_fn=_die_with_parent)
+        return subprocess.Popen(
+            [sys.executable, "-m", "mhf_dist", *self.argv],
+            env=env,
+            start_new_session=self.forward,
+            preexec_fn=_die_with_parent,
+        )
 
     def _on_signal(self, signum, _frame):
         self.received.add(signum)
@@ -232,13 +272,21 @@ class RankSupervisor:
     def _common_code(self) -> int:
         """The ranks' code when none failed: 85 when they saved on a signal (all of them did, or none), else 0, or
         128 + N for a rank that signal N (sent to the launcher too) ended, as a shell reports it."""
-        codes = [code if code >= 0 else 128 - code for code in (p.returncode for p in self.procs.values())]
+        codes = [
+            code if code >= 0 else 128 - code
+            for code in (p.returncode for p in self.procs.values())
+        ]
         return PREEMPTED_EXIT_CODE if PREEMPTED_EXIT_CODE in codes else max(codes)
 
     def _first_failure(self) -> int | None:
         """A rank that ended with an error (one killed by a signal first), None while there is none."""
-        failed = [rank for rank, proc in self.procs.items() if proc.returncode not in (None, 0, PREEMPTED_EXIT_CODE)
-                  and rank not in self.killed and -proc.returncode not in self.received]
+        failed = [
+            rank
+            for rank, proc in self.procs.items()
+            if proc.returncode not in (None, 0, PREEMPTED_EXIT_CODE)
+            and rank not in self.killed
+            and -proc.returncode not in self.received
+        ]
         return min(failed, key=lambda rank: (self.procs[rank].returncode >= 0, rank), default=None)
 
     def _report(self, rank: int) -> None:

@@ -31,8 +31,15 @@ def read_ranks(run: RunDir, now: float, records: list[dict]) -> Ranks | None:
     nodes = list(dict.fromkeys(str(b.get("node")) for b in beats))
     # the newest record that measured the ranks: a warning stays in every record while it holds
     newest = next((r for r in reversed(records) if "compute_s" in r), {})
-    return Ranks(health.world, nodes, health.step, health.hung, health.describe(now) if health.hung else [],
-                 newest.get("straggler"), newest.get("slow_device"))
+    return Ranks(
+        health.world,
+        nodes,
+        health.step,
+        health.hung,
+        health.describe(now) if health.hung else [],
+        newest.get("straggler"),
+        newest.get("slow_device"),
+    )
 
 
 def rank_lines(ranks: Ranks | None, label) -> list[str]:
@@ -40,12 +47,24 @@ def rank_lines(ranks: Ranks | None, label) -> list[str]:
     if ranks is None:
         return []
     where = f"{ranks.world} rank{'s' if ranks.world != 1 else ''} on {', '.join(ranks.nodes)}"
-    lines = [label("ranks", f"HUNG ({where}): " + "; ".join(ranks.findings) if ranks.hung else where)]
+    lines = [
+        label("ranks", f"HUNG ({where}): " + "; ".join(ranks.findings) if ranks.hung else where)
+    ]
     if s := ranks.straggler:
-        lines.append(label("straggler", f"rank {s['rank']} on {s['node']}: {s['ratio']:.2f}x the median compute "
-                                        f"time per step of its stage's other ranks for {s['intervals']} log intervals"))
+        lines.append(
+            label(
+                "straggler",
+                f"rank {s['rank']} on {s['node']}: {s['ratio']:.2f}x the median compute "
+                f"time per step of its stage's other ranks for {s['intervals']} log intervals",
+            )
+        )
     if s := ranks.slow_device:
-        lines.append(label("device", f"rank {s['rank']} on {s['node']} is slow: {s['ratio']:.2f}x the median time "
-                                     f"of the other ranks' devices at the device probe for {s['intervals']} log "
-                                     "intervals"))
+        lines.append(
+            label(
+                "device",
+                f"rank {s['rank']} on {s['node']} is slow: {s['ratio']:.2f}x the median time "
+                f"of the other ranks' devices at the device probe for {s['intervals']} log "
+                "intervals",
+            )
+        )
     return lines

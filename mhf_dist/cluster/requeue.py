@@ -29,11 +29,22 @@ def requeue_without(run: RunDir, job: str, script: Path, lost: list[str]) -> str
     try:
         new, excluded = SLURM.submit_after(script, job, leave_out)
     except ConfigError as e:
-        raise ConfigError(f"{e}; nothing was queued without {', '.join(leave_out)}: the job stops; submit it again "
-                          "to resume from the newest checkpoint") from None
+        raise ConfigError(
+            f"{e}; nothing was queued without {', '.join(leave_out)}: the job stops; submit it again "
+            "to resume from the newest checkpoint"
+        ) from None
     kept = run.jobs_dir / SLURM.script_name
-    record_job(run, new, cluster=current.get("cluster"), nodes=current.get("nodes"),
-               script=str(kept if kept.exists() else script), scheduler=SLURM.name, requeue_of=job,
-               excluded=excluded)
-    return (f"queued again as job {new} without {', '.join(excluded)}, to start when job {job} ends; kept: "
-            f"{newest_checkpoint(run)}")
+    record_job(
+        run,
+        new,
+        cluster=current.get("cluster"),
+        nodes=current.get("nodes"),
+        script=str(kept if kept.exists() else script),
+        scheduler=SLURM.name,
+        requeue_of=job,
+        excluded=excluded,
+    )
+    return (
+        f"queued again as job {new} without {', '.join(excluded)}, to start when job {job} ends; kept: "
+        f"{newest_checkpoint(run)}"
+    )

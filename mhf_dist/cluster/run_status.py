@@ -25,7 +25,13 @@ from mhf_dist.config import ConfigError, load_config
 from mhf_dist.config.loader import read_config_file
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.storage.run_lock import STALE_S, RunLock, holder_gone
-from mhf_dist.train.checkpoint.index import MARKER, CheckpointError, damage, read_marker, step_directories
+from mhf_dist.train.checkpoint.index import (
+    MARKER,
+    CheckpointError,
+    damage,
+    read_marker,
+    step_directories,
+)
 from mhf_dist.train.metrics import read_metrics
 from mhf_dist.train.rollback import read_rollbacks
 
@@ -107,7 +113,9 @@ class RunStatus:
     skipped_steps: int | None = None
     loss_spikes: int | None = None
     grad_spikes: int | None = None
-    grad_norms: dict | None = None  # the last logged step's gradient norm per parameter family (the health metrics)
+    grad_norms: dict | None = (
+        None  # the last logged step's gradient norm per parameter family (the health metrics)
+    )
     rollbacks: list[dict] = field(default_factory=list)
     job: Job | None = None
     lock: Lock | None = None
@@ -115,6 +123,7 @@ class RunStatus:
 
 
 # ---------------------------------------------------------------- reading a run directory
+
 
 def check_run_dir(path: Path) -> RunDir:
     """The run directory at ``path`` if it looks like one; else a ``ConfigError`` naming the fix."""
@@ -126,8 +135,13 @@ def check_run_dir(path: Path) -> RunDir:
         raise ConfigError(f"{path} is not a directory: {hint}")
     markers = (run.config_path, run.metrics_path, run.checkpoints_dir, run.jobs_file, run.lock_path)
     if not any(p.exists() for p in markers):
-        named = [str(p.relative_to(path)) + ("/" if p == run.checkpoints_dir else "") for p in markers[:4]]
-        raise ConfigError(f"{path} is not a run directory (no {', '.join(named[:3])} or {named[3]}): {hint}")
+        named = [
+            str(p.relative_to(path)) + ("/" if p == run.checkpoints_dir else "")
+            for p in markers[:4]
+        ]
+        raise ConfigError(
+            f"{path} is not a run directory (no {', '.join(named[:3])} or {named[3]}): {hint}"
+        )
     return run
 
 
@@ -150,8 +164,9 @@ def _int(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def newest_checkpoint(run: RunDir, now: float, digests: bool = False) -> tuple[Checkpoint | None, str,
-                                                                             list[DamagedCheckpoint]]:
+def newest_checkpoint(
+    run: RunDir, now: float, digests: bool = False
+) -> tuple[Checkpoint | None, str, list[DamagedCheckpoint]]:
     """(the newest complete checkpoint whose files have their saved sizes — with ``digests``, their saved content
     too — or None; what was checked of it, ``sizes`` or ``digests``; the newer complete ones that fail that check,
     newest first)."""
@@ -160,14 +175,29 @@ def newest_checkpoint(run: RunDir, now: float, digests: bool = False) -> tuple[C
         try:
             marker, written = read_marker(path), (path / MARKER).stat().st_mtime
             problem = damage(path, digests)
-        except (CheckpointError, OSError):  # incomplete (perhaps being saved right now), or removed since listed
+        except (
+            CheckpointError,
+            OSError,
+        ):  # incomplete (perhaps being saved right now), or removed since listed
             continue
         if problem is not None:
             damaged.append(DamagedCheckpoint(path.name, str(path), marker["step"], problem))
             continue
-        checked = "digests" if digests and "digests" in marker else "sizes"  # older checkpoints have no digests
-        return Checkpoint(path.name, str(path), marker["step"], marker["tokens"], marker["reason"],
-                          max(0.0, now - written)), checked, damaged
+        checked = (
+            "digests" if digests and "digests" in marker else "sizes"
+        )  # older checkpoints have no digests
+        return (
+            Checkpoint(
+                path.name,
+                str(path),
+                marker["step"],
+                marker["tokens"],
+                marker["reason"],
+                max(0.0, now - written),
+            ),
+            checked,
+            damaged,
+        )
     return None, "digests" if digests else "sizes", damaged
 
 
@@ -190,11 +220,20 @@ def read_lock(run: RunDir, now: float) -> Lock | None:
         holder = {}
     holder = holder if isinstance(holder, dict) else {}
     job = holder.get("slurm_job_id")
-    return Lock(holder.get("host"), _int(holder.get("pid")), str(job) if job else None, holder.get("started"), age,
-                age > STALE_S, holder_gone(holder, age), RunLock(run).stale_reason(holder, age) is not None)
+    return Lock(
+        holder.get("host"),
+        _int(holder.get("pid")),
+        str(job) if job else None,
+        holder.get("started"),
+        age,
+        age > STALE_S,
+        holder_gone(holder, age),
+        RunLock(run).stale_reason(holder, age) is not None,
+    )
 
 
 # ---------------------------------------------------------------- the scheduler
+
 
 def current_job(run: RunDir, lock: Lock | None) -> Job | None:
     jobs = read_jobs(run)
@@ -203,13 +242,24 @@ def current_job(run: RunDir, lock: Lock | None) -> Job | None:
     if not job_id:
         return None
     name = current.get("scheduler", SLURM.name)  # submissions recorded before the name was
-    found = s.query(str(job_id)) if (s := schedulers().get(name)) else None  # None: not registered in this process
+    found = (
+        s.query(str(job_id)) if (s := schedulers().get(name)) else None
+    )  # None: not registered in this process
     state, restarts, source = found if found is not None else (None, None, None)
-    return Job(str(job_id), state, restarts, source, current.get("submitted"), current.get("cluster"),
-               _int(current.get("nodes")), len(jobs))
+    return Job(
+        str(job_id),
+        state,
+        restarts,
+        source,
+        current.get("submitted"),
+        current.get("cluster"),
+        _int(current.get("nodes")),
+        len(jobs),
+    )
 
 
 # ---------------------------------------------------------------- the report
+
 
 def _from_records(st: RunStatus, records: list[dict], tokens_per_step: int | None) -> list[dict]:
     """The step, tokens, loss, throughput, validation and counters from ``metrics.jsonl``'s records."""
@@ -224,20 +274,39 @@ def _from_records(st: RunStatus, records: list[dict], tokens_per_step: int | Non
     st.mfu = _mean([r.get("mfu") for r in recent])
     if st.step is not None and tokens_per_step:
         st.tokens = st.step * tokens_per_step
-    st.source_tokens = next((r["source_tokens"] for r in reversed(records) if "source_tokens" in r), None)
+    st.source_tokens = next(
+        (r["source_tokens"] for r in reversed(records) if "source_tokens" in r), None
+    )
     if st.step is not None and st.max_steps:
         st.progress, st.finished = st.step / st.max_steps, st.step >= st.max_steps
     st.validation = latest_validation(records)
-    st.grad_norms = next((norms for r in reversed(training) if (norms := {
-        k.removeprefix("grad_norm/"): v for k, v in r.items() if k.startswith("grad_norm/") and "/block" not in k})),
-        None)
+    st.grad_norms = next(
+        (
+            norms
+            for r in reversed(training)
+            if (
+                norms := {
+                    k.removeprefix("grad_norm/"): v
+                    for k, v in r.items()
+                    if k.startswith("grad_norm/") and "/block" not in k
+                }
+            )
+        ),
+        None,
+    )
     for key in COUNTERS:
         setattr(st, key, next((r[key] for r in reversed(records) if key in r), None))
     return recent
 
 
-def _timing(st: RunStatus, recent: list[dict], tokens_per_step: int | None, log_interval, written: float,
-            stale_minutes: float | None) -> None:
+def _timing(
+    st: RunStatus,
+    recent: list[dict],
+    tokens_per_step: int | None,
+    log_interval,
+    written: float,
+    stale_minutes: float | None,
+) -> None:
     """Seconds per step, ETA, and whether the run is stale (``written``: when ``metrics.jsonl`` was written)."""
     if tokens_per_step and st.tokens_per_s:
         st.seconds_per_step = tokens_per_step / st.tokens_per_s
@@ -253,7 +322,9 @@ def _timing(st: RunStatus, recent: list[dict], tokens_per_step: int | None, log_
     st.stale = not st.finished and st.last_step_age_s > st.stale_after_s
 
 
-def gather(run_dir: str | Path, stale_minutes: float | None = None, verify: bool = False) -> RunStatus:
+def gather(
+    run_dir: str | Path, stale_minutes: float | None = None, verify: bool = False
+) -> RunStatus:
     """Everything ``status`` reports about ``run_dir`` (``verify``: check the checkpoints' digests, not only their
     sizes); raises ``ConfigError`` if it is not a run directory."""
     run = check_run_dir(Path(run_dir))
@@ -262,8 +333,12 @@ def gather(run_dir: str | Path, stale_minutes: float | None = None, verify: bool
     train, data = cfg.get("train") or {}, cfg.get("data") or {}
     batch, seq_len = _int(train.get("global_batch_size")), _int(data.get("seq_len"))
     tokens_per_step = batch * seq_len if batch and seq_len else None
-    st = RunStatus(run_dir=str(run.path.resolve()), preset=cfg.get("preset"), checked_at=now,
-                   max_steps=_int(train.get("max_steps")))
+    st = RunStatus(
+        run_dir=str(run.path.resolve()),
+        preset=cfg.get("preset"),
+        checked_at=now,
+        max_steps=_int(train.get("max_steps")),
+    )
     if stale_minutes is not None:
         st.stale_after_s = stale_minutes * 60
     st.ranks = read_ranks(run, now, records := read_metrics(run.path))

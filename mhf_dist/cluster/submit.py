@@ -35,10 +35,15 @@ def _absolute_paths(cfg: RunConfig, overrides: list[str]) -> list[str]:
     single = None if cfg.data.sources else cfg.data.shard_dir
     for key, value in (("data.path", single), ("tokenizer.path", cfg.tokenizer.path)):
         if value and value != "mistral-v0.3" and _relative(value):
-            out = [o for o in out if not o.startswith(f"{key}=")] + [f"{key}={Path(value).resolve()}"]
+            out = [o for o in out if not o.startswith(f"{key}=")] + [
+                f"{key}={Path(value).resolve()}"
+            ]
     if cfg.data.sources and any(_relative(s.path) for s in cfg.data.sources):
-        sources = [s.model_dump(exclude_none=True) | {"path": str(Path(s.path).resolve()) if _relative(s.path)
-                                                      else s.path} for s in cfg.data.sources]
+        sources = [
+            s.model_dump(exclude_none=True)
+            | {"path": str(Path(s.path).resolve()) if _relative(s.path) else s.path}
+            for s in cfg.data.sources
+        ]
         out = [o for o in out if not o.startswith(("data.path=", "data.sources="))]
         out.append(f"data.sources={json.dumps(sources)}")
     return out
@@ -65,8 +70,10 @@ def _python_check(python: str, container: bool) -> str:
     if container:
         return ""  # the container brings its own
     # the quoted path stands outside the message's double quotes, where the shell would expand it
-    return (f"[ -x {python} ] || {{ echo \"mhf-dist: \"{python}\" is not on $(hostname): install mhf-dist on "
-            "storage every node sees, or set python/launcher in the cluster profile\" >&2; exit 2; }")
+    return (
+        f'[ -x {python} ] || {{ echo "mhf-dist: "{python}" is not on $(hostname): install mhf-dist on '
+        'storage every node sees, or set python/launcher in the cluster profile" >&2; exit 2; }'
+    )
 
 
 def _stop_on_failure(line: str, profile: str) -> str:
@@ -80,17 +87,32 @@ def _shell_values(profile: ClusterProfile, python: str | None, container: bool) 
     ``mhf_dist`` command."""
     python = no_control_characters("python", python or profile.python or sys.executable)
     return dict(
-        setup="\n".join(_stop_on_failure(line, profile.name) for line in profile.setup),  # the site's own lines
+        setup="\n".join(
+            _stop_on_failure(line, profile.name) for line in profile.setup
+        ),  # the site's own lines
         exports="\n".join(f"export {k}={shlex.quote(v)}" for k, v in profile.env.items()),
-        python=shlex.quote(python), python_check=_python_check(shlex.quote(python), container),
+        python=shlex.quote(python),
+        python_check=_python_check(shlex.quote(python), container),
         command=shlex.join([*profile.launcher, python, "-m", "mhf_dist"]),
     )
 
 
-def render(scheduler: Scheduler, cfg: RunConfig, profile: ClusterProfile, *, nodes: int, run_dir: Path,
-           preset: str | None = None, config: str | None = None, overrides: list[str] = (), grace: int | None = None,
-           depends_on: str | None = None, hostfile: str | None = None, python: str | None = None,
-           min_nodes: int | None = None) -> str:
+def render(
+    scheduler: Scheduler,
+    cfg: RunConfig,
+    profile: ClusterProfile,
+    *,
+    nodes: int,
+    run_dir: Path,
+    preset: str | None = None,
+    config: str | None = None,
+    overrides: list[str] = (),
+    grace: int | None = None,
+    depends_on: str | None = None,
+    hostfile: str | None = None,
+    python: str | None = None,
+    min_nodes: int | None = None,
+) -> str:
     """The training job script for ``scheduler``; the layout is checked against the nodes first. ``preset``,
     ``config`` and ``overrides`` are what the ranks load the run's config from, as ``train`` takes them.
     ``min_nodes``: an elastic job of ``min_nodes`` to ``nodes`` nodes, which continues on the nodes left when one is
@@ -99,44 +121,90 @@ def render(scheduler: Scheduler, cfg: RunConfig, profile: ClusterProfile, *, nod
     if nodes < 1:
         raise ConfigError(f"--nodes={nodes}: need at least one node")
     if min_nodes is not None and not 1 <= min_nodes < nodes:
-        raise ConfigError(f"--nodes {min_nodes}-{nodes}: the minimum must be at least 1 and below the maximum")
-    preflight(cfg, nodes * profile.gpus_per_node, "cpu" if profile.backend == "gloo" else "cuda", data_here=False)
+        raise ConfigError(
+            f"--nodes {min_nodes}-{nodes}: the minimum must be at least 1 and below the maximum"
+        )
+    preflight(
+        cfg,
+        nodes * profile.gpus_per_node,
+        "cpu" if profile.backend == "gloo" else "cuda",
+        data_here=False,
+    )
     if min_nodes is not None:
         check_range(cfg, min_nodes, nodes, profile.gpus_per_node)
     run_dir = Path(no_control_characters("--run-dir", str(run_dir))).resolve()
     values = dict(
-        profile=profile.name, nodes=nodes, tasks_per_node=profile.gpus_per_node, cpus_per_task=profile.cpus_per_task,
-        job_name=re.sub(r"[^A-Za-z0-9_.-]", "_", f"mhf-{run_dir.name}"), log_dir=RunDir(run_dir).jobs_dir,
-        run_dir=shlex.quote(str(run_dir)), master_port=29500,
+        profile=profile.name,
+        nodes=nodes,
+        tasks_per_node=profile.gpus_per_node,
+        cpus_per_task=profile.cpus_per_task,
+        job_name=re.sub(r"[^A-Za-z0-9_.-]", "_", f"mhf-{run_dir.name}"),
+        log_dir=RunDir(run_dir).jobs_dir,
+        run_dir=shlex.quote(str(run_dir)),
+        master_port=29500,
         **_shell_values(profile, python, scheduler.in_container(profile)),
         train_args=_train_args(run_dir, preset, config, _absolute_paths(cfg, overrides)),
-        preempted_exit_code=PREEMPTED_EXIT_CODE, hung_exit_code=HUNG_EXIT_CODE,
+        preempted_exit_code=PREEMPTED_EXIT_CODE,
+        hung_exit_code=HUNG_EXIT_CODE,
         node_lost_exit_code=NODE_LOST_EXIT_CODE,
-        lost_record=shlex.quote(str(RunDir(run_dir).lost_record)), grace_env=GRACE_ENV,
+        lost_record=shlex.quote(str(RunDir(run_dir).lost_record)),
+        grace_env=GRACE_ENV,
     )
-    values |= scheduler.job_values(cfg, profile, nodes=nodes, run_dir=run_dir, grace=grace, depends_on=depends_on,
-                                   hostfile=hostfile, min_nodes=min_nodes)
+    values |= scheduler.job_values(
+        cfg,
+        profile,
+        nodes=nodes,
+        run_dir=run_dir,
+        grace=grace,
+        depends_on=depends_on,
+        hostfile=hostfile,
+        min_nodes=min_nodes,
+    )
     values["launch"] = Template(scheduler.launch_template(min_nodes is not None)).substitute(values)
     return Template(scheduler.template()).substitute(values)
 
 
-def render_data(profile: ClusterProfile, inputs: list[str], *, tokenizer: str, out: Path, parts: int,
-                options: list[str], workers: int | None = None, python: str | None = None) -> tuple[str, str]:
+def render_data(
+    profile: ClusterProfile,
+    inputs: list[str],
+    *,
+    tokenizer: str,
+    out: Path,
+    parts: int,
+    options: list[str],
+    workers: int | None = None,
+    python: str | None = None,
+) -> tuple[str, str]:
     """``submit-data``'s two jobs (a scheduler's array job preparing part I of ``parts`` of ``inputs`` into ``out``
     on one node each, and the job merging the parts); ``options`` are more ``prepare-data`` options. Paths are made
     absolute."""
-    from mhf_dist.data.parts import part_dirs_pattern  # the data stack, which training's submit does without
+    from mhf_dist.data.parts import (
+        part_dirs_pattern,
+    )  # the data stack, which training's submit does without
 
     out = Path(no_control_characters("--out", str(out))).resolve()
     if tokenizer != "mistral-v0.3":
         tokenizer = str(Path(no_control_characters("--tokenizer", tokenizer)).resolve())
-    inputs = [str(Path(no_control_characters("inputs", pattern)).absolute()) for pattern in inputs]  # globs kept
-    merge_args = (shlex.join(["--merge", str(out), *[o for o in options if o == "--overwrite"]])
-                  + f" {shlex.quote(str(out))}/{part_dirs_pattern(parts)}")  # the glob outside the quotes
+    inputs = [
+        str(Path(no_control_characters("inputs", pattern)).absolute()) for pattern in inputs
+    ]  # globs kept
+    merge_args = (
+        shlex.join(["--merge", str(out), *[o for o in options if o == "--overwrite"]])
+        + f" {shlex.quote(str(out))}/{part_dirs_pattern(parts)}"
+    )  # the glob outside the quotes
     shell = _shell_values(profile, python, SLURM.in_container(profile))
-    return SLURM.render_data(profile, shell, parts=parts, out=out, log_dir=RunDir(out).jobs_dir, inputs=inputs,
-                             tokenizer=tokenizer, options=options, cpus=workers or profile.cores_per_node,
-                             merge_args=merge_args)
+    return SLURM.render_data(
+        profile,
+        shell,
+        parts=parts,
+        out=out,
+        log_dir=RunDir(out).jobs_dir,
+        inputs=inputs,
+        tokenizer=tokenizer,
+        options=options,
+        cpus=workers or profile.cores_per_node,
+        merge_args=merge_args,
+    )
 
 
 def write_script(script: str, path: Path, run_dir: Path) -> Path:
@@ -163,6 +231,8 @@ def submit(scheduler: Scheduler, script: str, run_dir: Path, cluster: str, nodes
 def submit_data(prepare: str, merge: str, out: Path) -> tuple[str, str]:
     """Submit ``submit-data``'s array job, then its merge job to start after every part succeeded (the scripts kept in
     ``OUT/jobs``); the two job ids."""
-    paths = [write_script(script, RunDir(out.resolve()).jobs_dir / name, out) for script, name in
-             zip((prepare, merge), DATA_SCRIPTS)]
+    paths = [
+        write_script(script, RunDir(out.resolve()).jobs_dir / name, out)
+        for script, name in zip((prepare, merge), DATA_SCRIPTS)
+    ]
     return SLURM.submit_data(*paths)

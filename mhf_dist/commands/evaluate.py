@@ -22,35 +22,67 @@ from mhf_dist.model.calibration import Calibration, evaluate_at, fit_temperature
 
 
 def _summary(passes: SplitPasses, fit: Calibration) -> dict:
-    return {"split": passes.split, "sequences": passes.sequences, "seq_len": passes.seq_len, "tokens": fit.tokens,
-            "p_inf_nll": fit.p_inf_nll, "perplexity": fit.perplexity}
+    return {
+        "split": passes.split,
+        "sequences": passes.sequences,
+        "seq_len": passes.seq_len,
+        "tokens": fit.tokens,
+        "p_inf_nll": fit.p_inf_nll,
+        "perplexity": fit.perplexity,
+    }
 
 
 @torch.no_grad()
-def perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, shards: str | Path, *, split: str = "val",
-               max_sequences: int | None = None, batch_size: int = 8, calibrate: bool = False,
-               calibration_split: str | None = None) -> dict:
+def perplexity(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    shards: str | Path,
+    *,
+    split: str = "val",
+    max_sequences: int | None = None,
+    batch_size: int = 8,
+    calibrate: bool = False,
+    calibration_split: str | None = None,
+) -> dict:
     """Perplexity, top-1/top-5 and calibrated perplexity of ``split`` (module docstring); ``calibrate``: ``τ``
     fitted on ``calibration_split`` (default: ``split`` itself, which is optimistic)."""
     passes = SplitPasses(model, tokenizer, shards, split, max_sequences, batch_size)
-    print(f"note: evaluating {split} at {passes.seq_len} tokens a sequence (the shards' seq_len; the model has "
-          f"{model.config.max_position_embeddings} positions): perplexity depends on the length, so compare models "
-          "at one length", file=sys.stderr)
+    print(
+        f"note: evaluating {split} at {passes.seq_len} tokens a sequence (the shards' seq_len; the model has "
+        f"{model.config.max_position_embeddings} positions): perplexity depends on the length, so compare models "
+        "at one length",
+        file=sys.stderr,
+    )
     calibration = None
     if not calibrate:
-        fit, source = evaluate_at(passes, model_temperature(model)), "the model's inference_temperature"
+        fit, source = (
+            evaluate_at(passes, model_temperature(model)),
+            "the model's inference_temperature",
+        )
     elif (calibration_split or split) == split:
-        fit, source = fit_temperature(passes), f"fitted on {split}, the evaluated split itself (optimistic)"
+        fit, source = (
+            fit_temperature(passes),
+            f"fitted on {split}, the evaluated split itself (optimistic)",
+        )
     else:
-        fitting = SplitPasses(model, tokenizer, shards, calibration_split, max_sequences, batch_size)
+        fitting = SplitPasses(
+            model, tokenizer, shards, calibration_split, max_sequences, batch_size
+        )
         fitted = fit_temperature(fitting)
-        calibration = _summary(fitting, fitted) | {"temperature": fitted.temperature,
-                                                   "p_inf_nll_calibrated": fitted.p_inf_nll_calibrated,
-                                                   "perplexity_calibrated": fitted.perplexity_calibrated}
+        calibration = _summary(fitting, fitted) | {
+            "temperature": fitted.temperature,
+            "p_inf_nll_calibrated": fitted.p_inf_nll_calibrated,
+            "perplexity_calibrated": fitted.perplexity_calibrated,
+        }
         fit, source = evaluate_at(passes, fitted.temperature), f"fitted on {calibration_split}"
     results = _summary(passes, fit) | {
-        "top1": fit.top1, "top5": fit.top5, "temperature": fit.temperature, "temperature_source": source,
-        "p_inf_nll_calibrated": fit.p_inf_nll_calibrated, "perplexity_calibrated": fit.perplexity_calibrated}
+        "top1": fit.top1,
+        "top5": fit.top5,
+        "temperature": fit.temperature,
+        "temperature_source": source,
+        "p_inf_nll_calibrated": fit.p_inf_nll_calibrated,
+        "perplexity_calibrated": fit.perplexity_calibrated,
+    }
     return results | ({"calibration": calibration} if calibration else {})
 
 
@@ -63,7 +95,9 @@ def split_last_word(text: str) -> tuple[str, str]:
 
 
 @torch.no_grad()
-def last_word_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, jsonl: str | Path) -> dict:
+def last_word_accuracy(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, jsonl: str | Path
+) -> dict:
     lines = [line for line in Path(jsonl).read_text().splitlines() if line.strip()]
     correct, target_nll, tau = 0, 0.0, model_temperature(model)
     for line in tqdm(lines, desc="last word", unit="doc", disable=None):
@@ -71,8 +105,14 @@ def last_word_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
         ctx = tokenizer(context, add_special_tokens=False).input_ids
         tgt = tokenizer(target, add_special_tokens=False).input_ids
         ids = torch.tensor([ctx + tgt], device=model.device)
-        logp = (model(ids[:, :-1]).logits[0, len(ctx) - 1:].float() / tau).log_softmax(-1)  # log P_inf
-        wanted = ids[0, len(ctx):]
+        logp = (model(ids[:, :-1]).logits[0, len(ctx) - 1 :].float() / tau).log_softmax(
+            -1
+        )  # log P_inf
+        wanted = ids[0, len(ctx) :]
         correct += bool((logp.argmax(-1) == wanted).all())
         target_nll -= logp.gather(-1, wanted[:, None]).sum().item()
-    return {"documents": len(lines), "accuracy": correct / len(lines), "target_p_inf_nll": target_nll / len(lines)}
+    return {
+        "documents": len(lines),
+        "accuracy": correct / len(lines),
+        "target_p_inf_nll": target_nll / len(lines),
+    }

@@ -23,17 +23,23 @@ from mhf_dist.storage.output_dir import check_target, staged
 from mhf_dist.train.trained_weights import check_source, trained_weights
 
 
-def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", overwrite: bool = False) -> Path:
+def export(
+    checkpoint: str | Path, out: str | Path, dtype: str = "fp32", overwrite: bool = False
+) -> Path:
     check_source(checkpoint)  # first: a path that holds no model is named as such
     out = check_target(out, [checkpoint], overwrite)
     trained = trained_weights(checkpoint)
     run, cfg = trained.run, trained.cfg
     with staged(out) as tmp:
-        save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in trained.state.items()},
-                  str(tmp / "model.safetensors"),
-                  metadata={"step": str(trained.step), "source": str(trained.checkpoint)})
+        save_file(
+            {k: v.to(DTYPES[dtype]).contiguous() for k, v in trained.state.items()},
+            str(tmp / "model.safetensors"),
+            metadata={"step": str(trained.step), "source": str(trained.checkpoint)},
+        )
         sort_metadata(tmp / "model.safetensors")
-        (tmp / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        (tmp / "config.yaml").write_text(
+            yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+        )
         for source in (run.signatures_dir, run.engram_dir):
             if source.is_dir():
                 shutil.copytree(source, tmp / source.name)
@@ -51,6 +57,8 @@ def sort_metadata(path: Path) -> None:
         header = json.loads(f.read(size))
         header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
         text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-        if len(text) <= size:  # the same content in the same compact form: the same length, padded as before
+        if (
+            len(text) <= size
+        ):  # the same content in the same compact form: the same length, padded as before
             f.seek(8)
             f.write(text.ljust(size))

@@ -17,7 +17,13 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    TextStreamer,
+)
 
 from mhf_dist.config import ConfigError
 from mhf_dist.model.dtypes import DTYPES
@@ -35,8 +41,9 @@ def remote_code_is_ours(path: Path) -> bool:
     return True
 
 
-def load_for_inference(path: str | Path, dtype: str = "fp32", device: str = "auto",
-                       trust_remote_code: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_for_inference(
+    path: str | Path, dtype: str = "fp32", device: str = "auto", trust_remote_code: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A model directory's model and tokenizer; its Python files run only when they are this package's own
     exported code or ``trust_remote_code`` says so; ``device="auto"`` is the GPU when there is one."""
     path = Path(path)
@@ -49,11 +56,14 @@ def load_for_inference(path: str | Path, dtype: str = "fp32", device: str = "aut
         with tempfile.TemporaryDirectory(prefix="mhf-export-") as tmp:
             return load_for_inference(export_hf(path, Path(tmp) / "model"), dtype, device)
     if not (trust_remote_code or remote_code_is_ours(path)):
-        raise ConfigError(f"{path} holds Python files that differ from the model code this mhf-dist exports; "
-                          "loading them would run them. Pass --trust-remote-code if you trust their source, or "
-                          "export the model again (mhf-dist export-hf)")
-    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=DTYPES[dtype],
-                                                 local_files_only=True)
+        raise ConfigError(
+            f"{path} holds Python files that differ from the model code this mhf-dist exports; "
+            "loading them would run them. Pass --trust-remote-code if you trust their source, or "
+            "export the model again (mhf-dist export-hf)"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        path, trust_remote_code=True, dtype=DTYPES[dtype], local_files_only=True
+    )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model.to(device).eval(), tokenizer
 
@@ -77,7 +87,9 @@ class TextPieces(TextStreamer):
     """A ``generate()`` streamer handing ``on_text`` the prompt once generation starts, then each piece of the
     generated text as soon as it is decoded (a piece ends where later tokens can no longer change it)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt: str, on_text: Callable[[str], None]):
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prompt: str, on_text: Callable[[str], None]
+    ):
         super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
         self.prompt, self.on_text = prompt, on_text
 
@@ -91,7 +103,9 @@ class TextPieces(TextStreamer):
             self.on_text(text)
 
 
-def new_token_budget(model: PreTrainedModel, prompt: str, prompt_tokens: int, max_new_tokens: int) -> int:
+def new_token_budget(
+    model: PreTrainedModel, prompt: str, prompt_tokens: int, max_new_tokens: int
+) -> int:
     """``max_new_tokens``, capped (with a note) where the prompt and the new tokens would pass the model's positions;
     an error for a prompt with no tokens or with no room after it."""
     positions = model.config.max_position_embeddings
@@ -99,18 +113,34 @@ def new_token_budget(model: PreTrainedModel, prompt: str, prompt_tokens: int, ma
         raise ConfigError(f"--prompt {prompt!r} has no tokens: give some text to continue")
     room = positions - prompt_tokens
     if room < 1:
-        raise ConfigError(f"the prompt's {prompt_tokens} tokens fill the model's {positions} positions "
-                          "(max_position_embeddings), leaving none to generate: shorten the prompt")
+        raise ConfigError(
+            f"the prompt's {prompt_tokens} tokens fill the model's {positions} positions "
+            "(max_position_embeddings), leaving none to generate: shorten the prompt"
+        )
     if max_new_tokens > room:
-        print(f"note: --max-new-tokens {max_new_tokens} capped at {room}: the prompt's {prompt_tokens} tokens and the "
-              f"new ones fill the model's {positions} positions (max_position_embeddings)", file=sys.stderr)
+        print(
+            f"note: --max-new-tokens {max_new_tokens} capped at {room}: the prompt's {prompt_tokens} tokens and the "
+            f"new ones fill the model's {positions} positions (max_position_embeddings)",
+            file=sys.stderr,
+        )
     return min(max_new_tokens, room)
 
 
 @torch.no_grad()
-def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str, *, max_new_tokens: int = 50,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, num_beams: int = 1,
-             seed: int = 0, compile: bool = False, on_text: Callable[[str], None] | None = None) -> torch.Tensor:
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str,
+    *,
+    max_new_tokens: int = 50,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    num_beams: int = 1,
+    seed: int = 0,
+    compile: bool = False,
+    on_text: Callable[[str], None] | None = None,
+) -> torch.Tensor:
     """Generated ids (prompt excluded) ``[num_new]``; ``temperature == 0`` is greedy (or beam search);
     ``compile``: ``compiled_decoding``; ``max_new_tokens`` is capped at the model's positions
     (``new_token_budget``). ``on_text`` receives the prompt, then the generated text in pieces as it is decoded
@@ -120,10 +150,20 @@ def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt:
     budget = new_token_budget(model, prompt, ids.shape[1], max_new_tokens)
     sample = temperature > 0
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget, do_sample=sample, num_beams=num_beams,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=budget,
+        do_sample=sample,
+        num_beams=num_beams,
+        pad_token_id=tokenizer.pad_token_id
+        if tokenizer.pad_token_id is not None
+        else tokenizer.eos_token_id,
         streamer=TextPieces(tokenizer, prompt, on_text) if on_text is not None else None,
-        **({"temperature": temperature, "top_k": top_k or 0, "top_p": top_p or 1.0} if sample else {}),
+        **(
+            {"temperature": temperature, "top_k": top_k or 0, "top_p": top_p or 1.0}
+            if sample
+            else {}
+        ),
         **(compiled_decoding() if compile else {}),
     )
-    return out[0, ids.shape[1]:]
+    return out[0, ids.shape[1] :]

@@ -59,10 +59,14 @@ class StagePlan:
     activations_gb: float
     activations_checkpointed_gb: float
     fits: bool  # the training peak within HEADROOM of device memory
-    decoder_gb: float = 0.0  # the decoder's buffers (last stage), included in both activation columns
+    decoder_gb: float = (
+        0.0  # the decoder's buffers (last stage), included in both activation columns
+    )
     buffers_gb: float = 0.0  # DeepSpeed's buffers and the largest parameter's whole gradient
     runtime_gb: float = 0.0  # Python, torch and DeepSpeed (CPU ranks; CPU_RUNTIME_BYTES)
-    step_peak_gb: float = 0.0  # model states + activations (checkpointed if the run does) + buffers + runtime
+    step_peak_gb: float = (
+        0.0  # model states + activations (checkpointed if the run does) + buffers + runtime
+    )
     construction_gb: float = 0.0  # host memory of one rank while it builds the model
     model_params: int = 0  # every parameter of the whole model
 
@@ -71,11 +75,22 @@ def meta_model(cfg: ModelConfig, vocab_size: int) -> LanguageModel:
     """The model for ``vocab_size`` tokens on the meta device: every shape, no memory, no tokenizer."""
     compression = CompressionTable.identity(vocab_size)
     with torch.device("meta"):
-        return build_model(cfg, vocab_size, torch.ones(vocab_size, cfg.hash.num_hashes, dtype=torch.long), compression)
+        return build_model(
+            cfg,
+            vocab_size,
+            torch.ones(vocab_size, cfg.hash.num_hashes, dtype=torch.long),
+            compression,
+        )
 
 
-def model_state_bytes(zero: int, params: int, largest: int, dp: int, dtype: str = "bf16",
-                      fp32_accumulation: bool = False) -> float:
+def model_state_bytes(
+    zero: int,
+    params: int,
+    largest: int,
+    dp: int,
+    dtype: str = "bf16",
+    fp32_accumulation: bool = False,
+) -> float:
     """Weights, gradients and Adam states per rank under ZeRO stage ``zero`` in ``dtype``, bf16 gradients
     accumulated in fp32 or not (docs/configuration.md, "How ``plan`` counts")."""
     weights, grads, partitioned = (2, 2, 18) if dtype == "bf16" else (4, 4, 20)
@@ -84,8 +99,14 @@ def model_state_bytes(zero: int, params: int, largest: int, dp: int, dtype: str 
     if dtype == "bf16" and fp32_accumulation and zero == 1:  # DeepSpeed's bf16 optimizer
         return (2 + 4) * params + 12 * params / dp
     if zero == 3:
-        return 4 * largest + (partitioned if dtype == "bf16" else weights + partitioned) * params / dp
-    return weights * params + partitioned * params / dp + (grads * params * (1 - 1 / dp) if zero <= 1 else 0)
+        return (
+            4 * largest + (partitioned if dtype == "bf16" else weights + partitioned) * params / dp
+        )
+    return (
+        weights * params
+        + partitioned * params / dp
+        + (grads * params * (1 - 1 / dp) if zero <= 1 else 0)
+    )
 
 
 def decoder_bytes(m: ModelConfig, e: int, tokens: int, rows: int, tp: int) -> float:
@@ -99,8 +120,11 @@ def decoder_bytes(m: ModelConfig, e: int, tokens: int, rows: int, tp: int) -> fl
         return tokens * heads * local * (e + 12)
     if m.decoder_chunk_tokens:
         accumulator = local * m.d_model * (4 + e) if e < 4 else 0
-        return (tokens * heads * (2 * e * m.d_model + 8) + 2 * min(m.decoder_chunk_tokens, tokens) * local * (e + 4)
-                + accumulator)
+        return (
+            tokens * heads * (2 * e * m.d_model + 8)
+            + 2 * min(m.decoder_chunk_tokens, tokens) * local * (e + 4)
+            + accumulator
+        )
     return tokens * heads * local * (e + 4)
 
 
@@ -120,10 +144,15 @@ def host_fits(profile: ClusterProfile, per_rank: float) -> bool | None:
     profile does not give the node's memory."""
     if profile.memory_gb_per_node is None:
         return None
-    return host_bytes_per_node(per_rank, profile.gpus_per_node) / GB <= HEADROOM * profile.memory_gb_per_node
+    return (
+        host_bytes_per_node(per_rank, profile.gpus_per_node) / GB
+        <= HEADROOM * profile.memory_gb_per_node
+    )
 
 
-def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size: int = 32768) -> list[StagePlan]:
+def memory_plan(
+    cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size: int = 32768
+) -> list[StagePlan]:
     """One ``StagePlan`` per pipeline stage of ``cfg`` on ``nodes`` nodes of ``profile``."""
     world = nodes * profile.gpus_per_node
     layout = resolve_layout(cfg, world)
@@ -144,7 +173,11 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
     e = 2 if cfg.train.dtype == "bf16" else 4
     d, hd = m.d_model, m.resolved_head_dim
     act_layer = e * (4 * d + (2 * m.n_heads * hd + 2 * m.n_kv_heads * hd) / tp + 4 * m.ffn_dim / tp)
-    act_engram = e * ((m.engram.max_ngram - 1) * m.engram.heads * m.engram_head_dim + 8 * d) if m.engram else 0
+    act_engram = (
+        e * ((m.engram.max_ngram - 1) * m.engram.heads * m.engram_head_dim + 8 * d)
+        if m.engram
+        else 0
+    )
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
     decoder = decoder_bytes(m, e, tokens, model.vocab.tables.num_rows, tp)
 
@@ -152,27 +185,42 @@ def memory_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size:
     for s in range(pp):
         layers = range(parts[s], parts[s + 1])
         blocks = sum(1 for i in layers if 1 <= i <= m.n_layers)
-        names = [n for n in per_rank if n.startswith(stage_prefixes(layers, m.n_layers, len(costs) - 1))]
+        names = [
+            n for n in per_rank if n.startswith(stage_prefixes(layers, m.n_layers, len(costs) - 1))
+        ]
         total = sum(per_rank[n] for n in names)
         largest = max(per_rank[n] for n in names)
-        states = model_state_bytes(zero, total, max(per_rank.values()), dp, cfg.train.dtype,
-                                   fp32_accumulation(ds_config))
+        states = model_state_bytes(
+            zero, total, max(per_rank.values()), dp, cfg.train.dtype, fp32_accumulation(ds_config)
+        )
         buffers = engine_buffer_bytes(ds_config, total, largest, e, device)
         host = construction_bytes(total / dp if zero == 3 else total, max(full[n] for n in names))
         in_flight = min(pp - s, layout.accum)
         memories = sum(1 for i in layers if i - 1 in m.engram_layers)
         last = decoder if len(costs) - 1 in layers else 0
         kept = in_flight * tokens * (act_layer * blocks + act_engram * memories) + last
-        recompute = act_layer + (act_engram if memories else 0)  # one block's full set, memory included
+        recompute = act_layer + (
+            act_engram if memories else 0
+        )  # one block's full set, memory included
         ckpt = in_flight * tokens * e * d * blocks + tokens * recompute * min(blocks, 1) + last
         peak = states + (ckpt if checkpointed else kept) + buffers + runtime
-        plans.append(StagePlan(
-            stage=s, blocks=blocks, params_per_rank=int(total), model_states_gb=states / GB,
-            activations_gb=kept / GB, activations_checkpointed_gb=ckpt / GB,
-            fits=peak / GB <= HEADROOM * profile.device_memory_gb,
-            decoder_gb=last / GB, buffers_gb=buffers / GB, runtime_gb=runtime / GB, step_peak_gb=peak / GB,
-            construction_gb=host / GB, model_params=model_params,
-        ))
+        plans.append(
+            StagePlan(
+                stage=s,
+                blocks=blocks,
+                params_per_rank=int(total),
+                model_states_gb=states / GB,
+                activations_gb=kept / GB,
+                activations_checkpointed_gb=ckpt / GB,
+                fits=peak / GB <= HEADROOM * profile.device_memory_gb,
+                decoder_gb=last / GB,
+                buffers_gb=buffers / GB,
+                runtime_gb=runtime / GB,
+                step_peak_gb=peak / GB,
+                construction_gb=host / GB,
+                model_params=model_params,
+            )
+        )
     return plans
 
 
@@ -197,8 +245,10 @@ def describe_model(cfg: RunConfig, params: int) -> str:
     vocab = variant(m).describe(m)
     head_dim = f" of {m.head_dim}" if m.head_dim else ""
     engram = f", Engram memory on layers {m.engram_layers}" if m.engram else ""
-    return (f"model: {m.n_layers} layers, d={m.d_model}, {m.n_heads}/{m.n_kv_heads} heads{head_dim}, "
-            f"ffn {m.ffn_dim}, {vocab}{engram}, {count(params)} parameters ({origin(cfg)})")
+    return (
+        f"model: {m.n_layers} layers, d={m.d_model}, {m.n_heads}/{m.n_kv_heads} heads{head_dim}, "
+        f"ffn {m.ffn_dim}, {vocab}{engram}, {count(params)} parameters ({origin(cfg)})"
+    )
 
 
 def origin(cfg: RunConfig) -> str:
@@ -216,13 +266,21 @@ def format_time(seconds: float) -> str:
     return f"{seconds / 3600:.1f} hours" if seconds < 2 * 86400 else f"{seconds / 86400:.1f} days"
 
 
-def format_estimate(cfg: RunConfig, profile: ClusterProfile, world: int, est: StepEstimate | None) -> list[str]:
+def format_estimate(
+    cfg: RunConfig, profile: ClusterProfile, world: int, est: StepEstimate | None
+) -> list[str]:
     """The time-per-step lines (or why there is none)."""
     if est is None:
-        return [f"time per step: not estimated (profile {profile.name} gives no nominal peak_bf16_tflops)"]
+        return [
+            f"time per step: not estimated (profile {profile.name} gives no nominal peak_bf16_tflops)"
+        ]
     steps = cfg.train.max_steps
-    recompute = (f"; activation checkpointing recomputes {est.recompute_per_token / (est.flops_per_token / 3):.2f}× "
-                 f"forward more (HFU ≈ {est.hfu:.2f})" if est.recompute_per_token else "")
+    recompute = (
+        f"; activation checkpointing recomputes {est.recompute_per_token / (est.flops_per_token / 3):.2f}× "
+        f"forward more (HFU ≈ {est.hfu:.2f})"
+        if est.recompute_per_token
+        else ""
+    )
     return [
         f"time per step: {est.seconds:.3g} s, {est.tokens_per_s:,.0f} tokens/s for the job; "
         f"train.max_steps={steps:,}: {format_time(steps * est.seconds)}",
@@ -233,16 +291,27 @@ def format_estimate(cfg: RunConfig, profile: ClusterProfile, world: int, est: St
 
 def format_save(profile: ClusterProfile, est: SaveEstimate) -> list[str]:
     """The checkpoint lines: size, time to write, and the grace period ``submit`` asks SLURM for."""
-    rate = "profile storage_gb_per_s" if "storage_gb_per_s" in profile.model_fields_set else \
-        "the default storage_gb_per_s; set your storage's in a site profile"
+    rate = (
+        "profile storage_gb_per_s"
+        if "storage_gb_per_s" in profile.model_fields_set
+        else "the default storage_gb_per_s; set your storage's in a site profile"
+    )
     step = "" if est.step_seconds is None else f"a step of {format_time(est.step_seconds)} and "
-    return [f"checkpoints: {est.bytes / 1e9:.3g} GB each, written in about {format_time(est.seconds)} at "
-            f"{est.storage_gb_per_s:g} GB/s per node ({rate}); a save on SLURM's warning signal needs {step}the save: "
-            f"submit asks for the signal {est.grace} s before the time limit (--grace)"]
+    return [
+        f"checkpoints: {est.bytes / 1e9:.3g} GB each, written in about {format_time(est.seconds)} at "
+        f"{est.storage_gb_per_s:g} GB/s per node ({rate}); a save on SLURM's warning signal needs {step}the save: "
+        f"submit asks for the signal {est.grace} s before the time limit (--grace)"
+    ]
 
 
-def format_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, plans: list[StagePlan],
-                mfu: float = DEFAULT_MFU, vocab_size: int = PLANNING_VOCAB_SIZE) -> str:
+def format_plan(
+    cfg: RunConfig,
+    profile: ClusterProfile,
+    nodes: int,
+    plans: list[StagePlan],
+    mfu: float = DEFAULT_MFU,
+    vocab_size: int = PLANNING_VOCAB_SIZE,
+) -> str:
     """The printed plan: model, layout, one row per stage, host memory, time per step and the verdicts."""
     world = nodes * profile.gpus_per_node
     layout = resolve_layout(cfg, world)
@@ -261,25 +330,40 @@ def format_plan(cfg: RunConfig, profile: ClusterProfile, nodes: int, plans: list
     ]
     for p in plans:
         decoder = f"{p.decoder_gb:>6.1f}GB" if p.decoder_gb else f"{'-':>8}"
-        lines.append(f"{p.stage:>5} {p.blocks:>6} {p.params_per_rank / 1e6:>11.1f}M {p.model_states_gb:>11.1f}GB "
-                     f"{p.activations_gb:>10.1f}GB {p.activations_checkpointed_gb:>8.1f}GB {decoder} "
-                     f"{p.buffers_gb:>6.1f}GB {p.step_peak_gb:>8.1f}GB {p.construction_gb:>8.1f}GB "
-                     f"{'yes' if p.fits else 'NO':>5}")
-    lines.append(f"host memory at construction: up to {host_rank:.1f} GB per rank (its share in fp32 plus the "
-                 f"largest parameter drawn whole; the whole model would be {4 * plans[0].model_params / GB:.1f} GB); "
-                 f"{profile.gpus_per_node} ranks per node need {host_node:.1f} GB of {node_memory}")
-    lines += format_estimate(cfg, profile, world, step_estimate(cfg, profile, nodes, mfu, vocab_size))
+        lines.append(
+            f"{p.stage:>5} {p.blocks:>6} {p.params_per_rank / 1e6:>11.1f}M {p.model_states_gb:>11.1f}GB "
+            f"{p.activations_gb:>10.1f}GB {p.activations_checkpointed_gb:>8.1f}GB {decoder} "
+            f"{p.buffers_gb:>6.1f}GB {p.step_peak_gb:>8.1f}GB {p.construction_gb:>8.1f}GB "
+            f"{'yes' if p.fits else 'NO':>5}"
+        )
+    lines.append(
+        f"host memory at construction: up to {host_rank:.1f} GB per rank (its share in fp32 plus the "
+        f"largest parameter drawn whole; the whole model would be {4 * plans[0].model_params / GB:.1f} GB); "
+        f"{profile.gpus_per_node} ranks per node need {host_node:.1f} GB of {node_memory}"
+    )
+    lines += format_estimate(
+        cfg, profile, world, step_estimate(cfg, profile, nodes, mfu, vocab_size)
+    )
     lines += format_save(profile, save_estimate(cfg, profile, nodes, vocab_size))
     device = "fits" if all(p.fits for p in plans) else "does not fit"
     advice = "" if device == "fits" else ": raise tp/pp, lower the micro-batch, or add nodes"
     checkpointed = "checkpointed " if checkpoint_interval(cfg, ds_config) else ""
     runtime = " + runtime" if plans[0].runtime_gb else ""
-    lines.append(f"device memory: the run {device} (step peak: model states + {checkpointed}activations + DeepSpeed's "
-                 f"buffers{runtime}; limit: {HEADROOM:.0%} of device memory){advice}")
+    lines.append(
+        f"device memory: the run {device} (step peak: model states + {checkpointed}activations + DeepSpeed's "
+        f"buffers{runtime}; limit: {HEADROOM:.0%} of device memory){advice}"
+    )
     host = host_fits(profile, host_rank * GB)
-    lines.append("host memory: " + (
-        "unknown (the profile does not set memory_gb_per_node)" if host is None else
-        f"fits (limit: {HEADROOM:.0%} of node memory)" if host else
-        f"does not fit (limit: {HEADROOM:.0%} of node memory) while the ranks build the model; use nodes with more "
-        "memory, fewer ranks per node, or more ranks to share it (dp under ZeRO-3, tp, pp)"))
+    lines.append(
+        "host memory: "
+        + (
+            "unknown (the profile does not set memory_gb_per_node)"
+            if host is None
+            else f"fits (limit: {HEADROOM:.0%} of node memory)"
+            if host
+            else f"does not fit (limit: {HEADROOM:.0%} of node memory) while the ranks build the "
+            "model; use nodes with more memory, fewer ranks per node, or more ranks to share it (dp "
+            "under ZeRO-3, tp, pp)"
+        )
+    )
     return "\n".join(lines)

@@ -16,10 +16,14 @@ from mhf_dist.storage.reading_marks import refuse_if_read
 
 def _print_summary(manifest: dict, where: Path) -> None:
     for name, split in manifest["splits"].items():
-        print(f"{name}: {split['documents']} documents, {split['samples']} samples of {manifest['sample_tokens']} "
-              f"tokens in {len(split['shards'])} shards ({split['dropped_tokens']} trailing tokens dropped)")
+        print(
+            f"{name}: {split['documents']} documents, {split['samples']} samples of {manifest['sample_tokens']} "
+            f"tokens in {len(split['shards'])} shards ({split['dropped_tokens']} trailing tokens dropped)"
+        )
     if manifest["skipped_documents"]:
-        print(f"skipped {manifest['skipped_documents']} documents that were not strings (--on-bad-document skip)")
+        print(
+            f"skipped {manifest['skipped_documents']} documents that were not strings (--on-bad-document skip)"
+        )
     print(f"wrote {where / MANIFEST}")
 
 
@@ -35,28 +39,57 @@ def run(args: argparse.Namespace) -> int:
         _print_summary(manifest, Path(args.merge))
         return 0
     out = Path(args.out) / part_dir_name(*args.part) if args.part else Path(args.out)
-    sources = [*expand_inputs(args.inputs), *([args.tokenizer] if Path(args.tokenizer).exists() else [])]
+    sources = [
+        *expand_inputs(args.inputs),
+        *([args.tokenizer] if Path(args.tokenizer).exists() else []),
+    ]
     out = check_target(out, sources, args.overwrite)
-    merged = [Path(args.out)] if args.part else []  # runs read a part's shards through the merged manifest
-    refuse_if_read(out, read_through=merged)  # and again once it is prepared: a run may have started meanwhile
+    merged = (
+        [Path(args.out)] if args.part else []
+    )  # runs read a part's shards through the merged manifest
+    refuse_if_read(
+        out, read_through=merged
+    )  # and again once it is prepared: a run may have started meanwhile
     with staged(out, before_replace=lambda tmp: refuse_if_read(out, tmp, merged)) as tmp:
         manifest = prepare(
-            args.inputs, args.tokenizer, tmp, seq_len=args.seq_len, samples_per_shard=args.samples_per_shard,
-            prefix=args.prefix, text_field=args.text_field, val_fraction=args.val_fraction, workers=args.workers,
-            progress=args.progress, on_bad_document=args.on_bad_document, part=args.part,
+            args.inputs,
+            args.tokenizer,
+            tmp,
+            seq_len=args.seq_len,
+            samples_per_shard=args.samples_per_shard,
+            prefix=args.prefix,
+            text_field=args.text_field,
+            val_fraction=args.val_fraction,
+            workers=args.workers,
+            progress=args.progress,
+            on_bad_document=args.on_bad_document,
+            part=args.part,
         )
     _print_summary(manifest, out)
     if args.part:
-        print(f"when all {args.part[1]} parts are done: mhf-dist prepare-data --merge {args.out} "
-              f"{Path(args.out) / part_dirs_pattern(args.part[1])}")
+        print(
+            f"when all {args.part[1]} parts are done: mhf-dist prepare-data --merge {args.out} "
+            f"{Path(args.out) / part_dirs_pattern(args.part[1])}"
+        )
     return 0
 
 
 def _check_mode(args: argparse.Namespace) -> None:
     """``--merge`` takes part directories only; preparing needs a tokenizer, an output and a sequence length."""
-    preparing = {"--tokenizer": args.tokenizer, "--out": args.out, "--seq-len": args.seq_len, "--part": args.part}
+    preparing = {
+        "--tokenizer": args.tokenizer,
+        "--out": args.out,
+        "--seq-len": args.seq_len,
+        "--part": args.part,
+    }
     if args.merge and (given := [flag for flag, value in preparing.items() if value is not None]):
-        raise DataError(f"--merge OUT PART_DIRS... takes the part directories only; {', '.join(given)} belong to "
-                        "preparing the parts: leave them out")
-    if not args.merge and (missing := [flag for flag, value in list(preparing.items())[:3] if value is None]):
-        raise DataError(f"prepare-data needs {', '.join(missing)} (or --merge OUT PART_DIRS... to merge parts)")
+        raise DataError(
+            f"--merge OUT PART_DIRS... takes the part directories only; {', '.join(given)} belong to "
+            "preparing the parts: leave them out"
+        )
+    if not args.merge and (
+        missing := [flag for flag, value in list(preparing.items())[:3] if value is None]
+    ):
+        raise DataError(
+            f"prepare-data needs {', '.join(missing)} (or --merge OUT PART_DIRS... to merge parts)"
+        )

@@ -18,7 +18,9 @@ from mhf_dist.errors import ConfigError
 def deep_merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for k, v in extra.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = (
+            deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
     return out
 
 
@@ -26,7 +28,9 @@ def apply_override(raw: dict, assignment: str) -> dict:
     """Apply one ``a.b.c=value`` (value parsed as YAML) to a raw config dict."""
     key, sep, text = assignment.partition("=")
     if not sep or not key:
-        raise ConfigError(f"--set {assignment!r}: expected key=value, e.g. --set model.hash.num_buckets=4096")
+        raise ConfigError(
+            f"--set {assignment!r}: expected key=value, e.g. --set model.hash.num_buckets=4096"
+        )
     value = yaml.safe_load(text) if text else None
     return deep_merge(raw, _nest(key.strip().split("."), value))
 
@@ -66,8 +70,10 @@ def read_config_file(path: str | Path) -> dict:
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"cannot read config file {path}: it is not UTF-8 text (byte 0x{e.object[e.start]:02x} at "
-                          f"offset {e.start}); fix or replace the file") from None
+        raise ConfigError(
+            f"cannot read config file {path}: it is not UTF-8 text (byte 0x{e.object[e.start]:02x} at "
+            f"offset {e.start}); fix or replace the file"
+        ) from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -78,11 +84,15 @@ def read_config_file(path: str | Path) -> dict:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level, not a {type(raw).__name__}")
+        raise ConfigError(
+            f"config file {path} must hold a mapping at the top level, not a {type(raw).__name__}"
+        )
     return raw
 
 
-def load_config(preset_name: str | None = None, path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+def load_config(
+    preset_name: str | None = None, path: str | Path | None = None, overrides: list[str] = ()
+) -> RunConfig:
     """Preset, then YAML file, then ``--set`` overrides; validated once at the end."""
     raw: dict[str, Any] = {}
     named = False  # whether a config file or --set names train.micro_batch_size
@@ -90,11 +100,17 @@ def load_config(preset_name: str | None = None, path: str | Path | None = None, 
         from_file = read_config_file(path)
         preset_name = preset_name or from_file.get("preset")
         raw = from_file
-        named = isinstance(from_file.get("train"), dict) and "micro_batch_size" in from_file["train"]
+        named = (
+            isinstance(from_file.get("train"), dict) and "micro_batch_size" in from_file["train"]
+        )
     if preset_name:
-        raw = deep_merge(preset(preset_name), raw) | {"preset": preset_name}  # the preset whose values it holds
+        raw = deep_merge(preset(preset_name), raw) | {
+            "preset": preset_name
+        }  # the preset whose values it holds
     if not raw:
-        raise ConfigError("no configuration: pass --preset NAME (e.g. tiny-h4b16k) or --config run.yaml")
+        raise ConfigError(
+            "no configuration: pass --preset NAME (e.g. tiny-h4b16k) or --config run.yaml"
+        )
     raw = _data_replaced(raw, overrides)
     for assignment in overrides:
         raw = apply_override(raw, assignment)

@@ -16,16 +16,25 @@ class HashConfig(Strict):
     """Signatures and the hash encoder/decoder (docs/spec.md §1, §2, §4)."""
 
     num_hashes: int = Field(4, ge=1, description="H: hash coordinates per token")
-    num_buckets: int = Field(16384, ge=2, description="B: rows per bucket table; bucket 0 is padding")
-    single_id: bool = Field(False, description="H1 ablation: one hash copied into all H coordinates (non-unique)")
+    num_buckets: int = Field(
+        16384, ge=2, description="B: rows per bucket table; bucket 0 is padding"
+    )
+    single_id: bool = Field(
+        False, description="H1 ablation: one hash copied into all H coordinates (non-unique)"
+    )
     gate_dim: int = Field(64, ge=1, description="d_z of the encoder's gate MLP (docs/spec.md §2)")
-    mixer_dim: int = Field(64, ge=1, description="r of the decoder's cascade mixers (docs/spec.md §4)")
+    mixer_dim: int = Field(
+        64, ge=1, description="r of the decoder's cascade mixers (docs/spec.md §4)"
+    )
     p_inf_loss_weight: float = Field(
-        0.0, ge=0, allow_inf_nan=False,
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
         description="λ: adds λ × mean(−log P_inf(target)) to the training loss, the NLL of the distribution "
         "inference uses (exact renormalisation over the registered vocabulary, in chunks; MultiHashFormer only). "
         "λ > 0 runs the decoder unfused (decoder_chunk_tokens unused): the term needs every head's scores, so "
-        "activation memory grows from O(chunk × B) to O(N × H × B / tp) for N tokens per micro-batch; 0: off")
+        "activation memory grows from O(chunk × B) to O(N × H × B / tp) for N tokens per micro-batch; 0: off",
+    )
 
 
 class EngramConfig(Strict):
@@ -38,34 +47,57 @@ class EngramConfig(Strict):
     the softmax gate, whose scores are ``h · E_k[idx_k]``.
     """
 
-    layers: list[int] | None = Field(None, description="backbone layers (0-based) with a memory; None: 1 and L/2")
+    layers: list[int] | None = Field(
+        None, description="backbone layers (0-based) with a memory; None: 1 and L/2"
+    )
     max_ngram: int = Field(3, ge=2, description="N: N-grams of orders 2..N")
     heads: int = Field(4, ge=1, description="K: hash heads (tables) per order")
-    table_size: int = Field(65536, ge=2, description="rows per head table: the next unused prime >= this")
+    table_size: int = Field(
+        65536, ge=2, description="rows per head table: the next unused prime >= this"
+    )
     head_dim: int | None = Field(
-        None, ge=1, description="width of a table row; None: d_model for the softmax gate, "
-        "d_model / ((N-1)·K) for the sigmoid gate")
+        None,
+        ge=1,
+        description="width of a table row; None: d_model for the softmax gate, "
+        "d_model / ((N-1)·K) for the sigmoid gate",
+    )
     hash: Literal["engram", "keyed"] = Field(
-        "engram", description="engram: XOR of per-token odd multipliers (DeepSeek); keyed: the packed N-gram "
-        "times a per-head key, XOR the key (docs/spec.md §8); 'seed' is read as keyed")
+        "engram",
+        description="engram: XOR of per-token odd multipliers (DeepSeek); keyed: the packed N-gram "
+        "times a per-head key, XOR the key (docs/spec.md §8); 'seed' is read as keyed",
+    )
     gate: Literal["sigmoid", "softmax"] = Field(
-        "sigmoid", description="sigmoid: scalar gate on a projected value + short causal conv (DeepSeek); "
-        "softmax: weights over the heads from h · E_k (docs/spec.md §8)")
+        "sigmoid",
+        description="sigmoid: scalar gate on a projected value + short causal conv (DeepSeek); "
+        "softmax: weights over the heads from h · E_k (docs/spec.md §8)",
+    )
     threshold: float | None = Field(
-        None, description="softmax gate: heads scoring below this are masked (None: no mask)")
-    kernel_size: int = Field(4, ge=1, description="sigmoid gate: taps of the causal depthwise convolution")
-    seed: int = Field(0, description="RNG seed of the hash multipliers/keys (per layer: seed + 10007·layer)")
+        None, description="softmax gate: heads scoring below this are masked (None: no mask)"
+    )
+    kernel_size: int = Field(
+        4, ge=1, description="sigmoid gate: taps of the causal depthwise convolution"
+    )
+    seed: int = Field(
+        0, description="RNG seed of the hash multipliers/keys (per layer: seed + 10007·layer)"
+    )
     pad_rows_to: int = Field(
-        128, ge=1, description="tables are padded to a multiple of this many rows (a multiple of parallel.tp)")
+        128,
+        ge=1,
+        description="tables are padded to a multiple of this many rows (a multiple of parallel.tp)",
+    )
     offload: bool = Field(
-        False, description="keep the tables in (pinned) host memory outside DeepSpeed: each micro-batch's rows "
+        False,
+        description="keep the tables in (pinned) host memory outside DeepSpeed: each micro-batch's rows "
         "are gathered to the device ahead of use, their gradients added back on the host, and the tables step "
-        "with a host AdamW of the same hyperparameters (pp = tp = 1, ZeRO 1-3)")
+        "with a host AdamW of the same hyperparameters (pp = tp = 1, ZeRO 1-3)",
+    )
     offload_update: Literal["dense", "lazy"] = Field(
-        "dense", description="the host AdamW with offload: dense: every row each step, equal to the tables on the "
+        "dense",
+        description="the host AdamW with offload: dense: every row each step, equal to the tables on the "
         "device; lazy: only the rows read in the step (by any micro-batch on any data-parallel rank): their "
         "moments, weight decay and update, bias-corrected by the global step count; the other rows and their "
-        "moments stay as they are (LazyAdam, SparseAdam)")
+        "moments stay as they are (LazyAdam, SparseAdam)",
+    )
 
     @field_validator("hash", mode="before")
     @classmethod
@@ -75,11 +107,15 @@ class EngramConfig(Strict):
     @model_validator(mode="after")
     def _gate(self):
         if self.threshold is not None and self.gate != "softmax":
-            raise ValueError(f"model.engram.threshold applies to gate=softmax only (gate is {self.gate!r}); "
-                             "unset the threshold or set model.engram.gate=softmax")
+            raise ValueError(
+                f"model.engram.threshold applies to gate=softmax only (gate is {self.gate!r}); "
+                "unset the threshold or set model.engram.gate=softmax"
+            )
         if self.offload_update != "dense" and not self.offload:
-            raise ValueError(f"model.engram.offload_update={self.offload_update} applies to host-memory tables only; "
-                             "set model.engram.offload=true or unset model.engram.offload_update")
+            raise ValueError(
+                f"model.engram.offload_update={self.offload_update} applies to host-memory tables only; "
+                "set model.engram.offload=true or unset model.engram.offload_update"
+            )
         return self
 
 
@@ -87,7 +123,8 @@ class ModelConfig(Strict):
     """Backbone shape (docs/spec.md §3) and which input/output the model uses."""
 
     variant: str = Field(  # a registered variant (mhf_dist/config/variants.py)
-        "mhf", description="MultiHashFormer or the tied-embedding baseline")
+        "mhf", description="MultiHashFormer or the tied-embedding baseline"
+    )
     d_model: int = Field(ge=1)
     n_layers: int = Field(ge=1)
     n_heads: int = Field(ge=1)
@@ -97,13 +134,20 @@ class ModelConfig(Strict):
     rope_theta: float = 1_000_000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
-    pad_vocab_to: int = Field(128, ge=1, description="Standard: embedding rows rounded up to this multiple")
+    pad_vocab_to: int = Field(
+        128, ge=1, description="Standard: embedding rows rounded up to this multiple"
+    )
     decoder_chunk_tokens: int = Field(
-        8192, ge=0, description="training loss: decoder fused over chunks of this many tokens (activation memory "
+        8192,
+        ge=0,
+        description="training loss: decoder fused over chunks of this many tokens (activation memory "
         "O(chunk × B): a chunk's logits live only inside one head's forward or backward); 0: the plain path, which "
-        "keeps every head's logits (reference)")
+        "keeps every head's logits (reference)",
+    )
     hash: HashConfig = HashConfig()
-    engram: EngramConfig | None = Field(None, description="Engram N-gram memory (docs/spec.md §8); None: no memory")
+    engram: EngramConfig | None = Field(
+        None, description="Engram N-gram memory (docs/spec.md §8); None: no memory"
+    )
 
     @property
     def resolved_head_dim(self) -> int:
@@ -139,7 +183,9 @@ class ModelConfig(Strict):
         e = self.engram
         if e.head_dim is not None:
             return e.head_dim
-        return self.d_model if e.gate == "softmax" else self.d_model // ((e.max_ngram - 1) * e.heads)
+        return (
+            self.d_model if e.gate == "softmax" else self.d_model // ((e.max_ngram - 1) * e.heads)
+        )
 
     @field_validator("variant")
     @classmethod
@@ -168,20 +214,29 @@ class ModelConfig(Strict):
     def _check_engram(self) -> None:
         e, layers = self.engram, self.engram_layers
         if e.layers is not None and len(set(e.layers)) != len(e.layers):
-            raise ValueError(f"model.engram.layers={e.layers} names a layer twice; list each layer once")
+            raise ValueError(
+                f"model.engram.layers={e.layers} names a layer twice; list each layer once"
+            )
         outside = [i for i in layers if not 0 <= i < self.n_layers]
         if outside:
             raise ValueError(
                 f"model.engram.layers={layers}: layer {outside[0]} is out of range for model.n_layers="
-                f"{self.n_layers}; use 0..{self.n_layers - 1}")
+                f"{self.n_layers}; use 0..{self.n_layers - 1}"
+            )
         if e.gate == "softmax" and self.engram_head_dim != self.d_model:
             raise ValueError(
                 f"model.engram.head_dim={e.head_dim} with gate=softmax: its scores h · E_k[idx] need rows of "
-                f"model.d_model={self.d_model}; unset model.engram.head_dim")
-        if e.head_dim is None and e.gate == "sigmoid" and self.d_model % ((e.max_ngram - 1) * e.heads):
+                f"model.d_model={self.d_model}; unset model.engram.head_dim"
+            )
+        if (
+            e.head_dim is None
+            and e.gate == "sigmoid"
+            and self.d_model % ((e.max_ngram - 1) * e.heads)
+        ):
             raise ValueError(
                 f"model.d_model={self.d_model} is not divisible by (max_ngram-1)·heads = "
-                f"{(e.max_ngram - 1) * e.heads}; set model.engram.head_dim")
+                f"{(e.max_ngram - 1) * e.heads}; set model.engram.head_dim"
+            )
 
     def tp_rows_error(self, tp: int) -> str | None:
         """Why ``parallel.tp`` cannot split this model's vocabulary tables along their rows, or None."""

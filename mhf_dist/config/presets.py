@@ -31,17 +31,25 @@ _TRAINING = {
         tokenizer={"path": "mistral-v0.3"},
         data={"seq_len": 2048},
         optimizer={"lr": 3e-4, "warmup_steps": 2000},
-        train={"global_batch_size": 256, "micro_batch_size": 4, "dtype": "bf16", "checkpoint_minutes": 30},
+        train={
+            "global_batch_size": 256,
+            "micro_batch_size": 4,
+            "dtype": "bf16",
+            "checkpoint_minutes": 30,
+        },
     ),
 }
 # 256 x 2048 tokens per step: 10B tokens at 100M, 100B tokens otherwise (docs/spec.md §6).
-_MAX_STEPS = {"100m": 10_000_000_000 // (256 * 2048),
-              **{size: 100_000_000_000 // (256 * 2048) for size in ("1b", "3b", "7b", "13b")}}
+_MAX_STEPS = {
+    "100m": 10_000_000_000 // (256 * 2048),
+    **{size: 100_000_000_000 // (256 * 2048) for size in ("1b", "3b", "7b", "13b")},
+}
 
 # H3B10K keeps the public code's B = 10,624 (docs/spec.md §6); other hNbMk read B = M * 1024.
 _SPECIAL_BUCKETS = {("3", "10"): 10_624}
 _VARIANT = re.compile(
-    r"^(?:(?P<std>standard)(?:\+(?P<extra>\d+)l)?|h(?P<h>\d+)b(?P<b>\d+)k)(?P<engram>\+engram)?$")
+    r"^(?:(?P<std>standard)(?:\+(?P<extra>\d+)l)?|h(?P<h>\d+)b(?P<b>\d+)k)(?P<engram>\+engram)?$"
+)
 
 
 def preset_names() -> list[str]:
@@ -70,8 +78,11 @@ def preset(name: str) -> dict[str, Any]:
         h, b = match["h"], match["b"]
         buckets = _SPECIAL_BUCKETS.get((h, b), int(b) * 1024)
         # H1 ablation: one hash copied into four coordinates to match parameters (docs/spec.md §6).
-        hash_cfg = {"num_hashes": 4, "num_buckets": buckets, "single_id": True} if h == "1" else {
-            "num_hashes": int(h), "num_buckets": buckets}
+        hash_cfg = (
+            {"num_hashes": 4, "num_buckets": buckets, "single_id": True}
+            if h == "1"
+            else {"num_hashes": int(h), "num_buckets": buckets}
+        )
         model |= {"variant": "mhf", "hash": hash_cfg}
     if match["engram"]:
         model["engram"] = {}

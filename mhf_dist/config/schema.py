@@ -25,7 +25,9 @@ class TokenizerConfig(Strict):
         description="a local tokenizer directory, or 'mistral-v0.3' (from mistral-common); None: the tokenizer "
         "saved with data.path's shards, or (no data.path) a byte-level BPE trained on the embedded corpus",
     )
-    vocab_size: int = Field(4096, ge=256, description="vocabulary of the BPE trained when path is None")
+    vocab_size: int = Field(
+        4096, ge=256, description="vocabulary of the BPE trained when path is None"
+    )
 
 
 EMBEDDED_CORPUS = "embedded"
@@ -35,9 +37,14 @@ class DataSource(Strict):
     """One dataset of a weighted mixture (``data.sources``): a directory of shards prepared with one tokenizer."""
 
     path: str = Field(description="directory of token shards with a manifest")
-    weight: float = Field(gt=0, description="its share of the samples, relative to the other sources' weights")
-    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$",
-                             description="the name in logs and metrics; None: the directory's name")
+    weight: float = Field(
+        gt=0, description="its share of the samples, relative to the other sources' weights"
+    )
+    name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="the name in logs and metrics; None: the directory's name",
+    )
 
     @property
     def label(self) -> str:
@@ -48,46 +55,74 @@ def parse_blend(text: str) -> list[DataSource]:
     """Megatron's blend string, ``"0.7 shards/a 0.3 shards/b"``: weight, path, weight, path, ..."""
     words = text.split()
     if len(words) % 2:
-        raise ValueError(f"data.path={text!r}: a blend is pairs of weight and directory, e.g. '0.7 shards/a 0.3 "
-                         "shards/b'")
+        raise ValueError(
+            f"data.path={text!r}: a blend is pairs of weight and directory, e.g. '0.7 shards/a 0.3 "
+            "shards/b'"
+        )
     try:
-        return [DataSource(path=path, weight=float(weight)) for weight, path in zip(words[::2], words[1::2])]
+        return [
+            DataSource(path=path, weight=float(weight))
+            for weight, path in zip(words[::2], words[1::2])
+        ]
     except ValueError as e:
-        raise ValueError(f"data.path={text!r}: a blend is pairs of a positive weight and a directory ({e})") from None
+        raise ValueError(
+            f"data.path={text!r}: a blend is pairs of a positive weight and a directory ({e})"
+        ) from None
 
 
 class DataConfig(Strict):
     path: str | None = Field(
-        None, description="directory of token shards with a manifest, 'embedded' for the bundled demo text "
+        None,
+        description="directory of token shards with a manifest, 'embedded' for the bundled demo text "
         "(1 MB of English), or a blend of weighted directories ('0.7 shards/a 0.3 shards/b', read into "
-        "data.sources); None: the embedded text for tiny presets, an error before launch for every other run")
+        "data.sources); None: the embedded text for tiny presets, an error before launch for every other run",
+    )
     sources: list[DataSource] | None = Field(
-        None, description="a weighted mixture of shard directories, [{path, weight, name}, ...], all of one "
-        "tokenizer and seq_len; each source's samples come in its share of every 4,096 (data/mixture.py)")
+        None,
+        description="a weighted mixture of shard directories, [{path, weight, name}, ...], all of one "
+        "tokenizer and seq_len; each source's samples come in its share of every 4,096 (data/mixture.py)",
+    )
     seq_len: int = Field(128, ge=2)
     shuffle_seed: int | None = Field(
-        None, ge=0, description="seed of the global sample order over shards (docs/spec.md §7); None: train.seed"
+        None,
+        ge=0,
+        description="seed of the global sample order over shards (docs/spec.md §7); None: train.seed",
     )
-    shuffle_window: int = Field(16, ge=1, description="shards whose samples are interleaved and shuffled together")
+    shuffle_window: int = Field(
+        16, ge=1, description="shards whose samples are interleaved and shuffled together"
+    )
     on_bad_shard: Literal["error", "skip"] = Field(
-        "error", description="a missing, truncated or corrupt shard: stop with an error, or skip it with a warning"
+        "error",
+        description="a missing, truncated or corrupt shard: stop with an error, or skip it with a warning",
     )
-    verify_checksums: bool = Field(True, description="check every shard's SHA-256 against the manifest while reading")
-    allow_pipe: bool = Field(False, description="accept pipe: shard URLs (each runs a shell command)")
+    verify_checksums: bool = Field(
+        True, description="check every shard's SHA-256 against the manifest while reading"
+    )
+    allow_pipe: bool = Field(
+        False, description="accept pipe: shard URLs (each runs a shell command)"
+    )
     restart: bool = Field(
-        False, description="on resume, when the checkpoint's data position is in other data (another data.path's "
+        False,
+        description="on resume, when the checkpoint's data position is in other data (another data.path's "
         "shards, data.shuffle_seed, data.shuffle_window or data seed), start this data's order from its beginning "
         "instead of refusing; weights, optimizer and learning-rate schedule continue. A position in this same data "
         "is continued, so a requeued job does not restart twice. Applies to the start it is given to (config.yaml "
-        "keeps false); without a checkpoint it does nothing")
+        "keeps false); without a checkpoint it does nothing",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _blend(cls, data):
         """A blend in ``path`` is read into ``sources`` (so a saved config names them one way)."""
-        if isinstance(data, dict) and isinstance(data.get("path"), str) and len(data["path"].split()) > 1:
+        if (
+            isinstance(data, dict)
+            and isinstance(data.get("path"), str)
+            and len(data["path"].split()) > 1
+        ):
             if data.get("sources"):
-                raise ValueError("data.path holds a blend and data.sources is set too: give the mixture once")
+                raise ValueError(
+                    "data.path holds a blend and data.sources is set too: give the mixture once"
+                )
             data = data | {"path": None, "sources": parse_blend(data["path"])}
         return data
 
@@ -95,13 +130,17 @@ class DataConfig(Strict):
     def _one_kind_of_data(self):
         if self.sources is not None:
             if self.path is not None:
-                raise ValueError(f"data.path={self.path!r} and data.sources are both set: give one directory in "
-                                 "data.path, or every directory as a source")
+                raise ValueError(
+                    f"data.path={self.path!r} and data.sources are both set: give one directory in "
+                    "data.path, or every directory as a source"
+                )
             if not self.sources:
                 raise ValueError("data.sources is empty: list at least one {path, weight}")
             labels = [s.label for s in self.sources]
             if len(set(labels)) < len(labels):
-                raise ValueError(f"data.sources have the same name twice ({', '.join(labels)}): give each a name")
+                raise ValueError(
+                    f"data.sources have the same name twice ({', '.join(labels)}): give each a name"
+                )
         return self
 
     @property
@@ -134,7 +173,9 @@ class OptimizerConfig(Strict):
     lr: float = Field(3e-4, gt=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     warmup_steps: int = Field(100, ge=0)
-    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam's moment decays, each in [0, 1)")
+    betas: tuple[float, float] = Field(
+        (0.9, 0.95), description="Adam's moment decays, each in [0, 1)"
+    )
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
@@ -142,15 +183,17 @@ class OptimizerConfig(Strict):
         default_factory=list,
         description="rules applied in order, each setting lr_scale and/or weight_decay for a family's parameters; "
         "before them every parameter has lr_scale 1 and weight_decay on matrices and tables, none on biases and norm "
-        "gains (the empty default)")
-
+        "gains (the empty default)",
+    )
 
     @model_validator(mode="after")
     def _betas(self):
         for i, beta in enumerate(self.betas):
             if not 0 <= beta < 1:
-                raise ValueError(f"optimizer.betas[{i}]={beta} is outside [0, 1): Adam's moment decays are "
-                                 "fractions, e.g. --set optimizer.betas=[0.9,0.95]")
+                raise ValueError(
+                    f"optimizer.betas[{i}]={beta} is outside [0, 1): Adam's moment decays are "
+                    "fractions, e.g. --set optimizer.betas=[0.9,0.95]"
+                )
         return self
 
 
@@ -161,11 +204,16 @@ class ParallelConfig(Strict):
     tp: int = Field(1, ge=1, description="tensor-parallel ranks (bucket tables split along B)")
     pp: int = Field(1, ge=1, description="pipeline stages")
     zero_stage: int | None = Field(
-        None, ge=0, le=3, description="None: the DeepSpeed file's stage, else 3 when pp == 1 and 1 when pp > 1"
+        None,
+        ge=0,
+        le=3,
+        description="None: the DeepSpeed file's stage, else 3 when pp == 1 and 1 when pp > 1",
     )
     activation_checkpoint_interval: int | None = Field(
-        None, ge=0, description="recompute every k-th block's activations in backward; 0 disables; "
-        "None: 1 when the DeepSpeed file has an activation_checkpointing section, else 0"
+        None,
+        ge=0,
+        description="recompute every k-th block's activations in backward; 0 disables; "
+        "None: 1 when the DeepSpeed file has an activation_checkpointing section, else 0",
     )
     deepspeed_config: str = Field(
         "auto",
@@ -173,7 +221,8 @@ class ParallelConfig(Strict):
         "zero3_bf16_actckpt (pp = 1) or zero1_pp_bf16 (pp > 1) on GPUs",
     )
     deepspeed: dict[str, Any] = Field(
-        default_factory=dict, description="DeepSpeed keys that override everything else (nested dicts merge)"
+        default_factory=dict,
+        description="DeepSpeed keys that override everything else (nested dicts merge)",
     )
 
 
@@ -181,10 +230,14 @@ class InferenceConfig(Strict):
     """How the exported model infers (``mhf-dist export-hf``, restored by ``import-hf``)."""
 
     temperature: float = Field(
-        1.0, gt=0, allow_inf_nan=False, description="τ: an exported MultiHashFormer's logits are "
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="τ: an exported MultiHashFormer's logits are "
         "log_softmax(τ · log P_inf) over the vocabulary (calibration; training's evaluations fit it as "
         "val_temperature); 1: P_inf itself. export-hf --inference-temperature sets it; a Standard model exports "
-        "only with 1")
+        "only with 1",
+    )
 
 
 class RunConfig(Strict):
@@ -203,10 +256,14 @@ class RunConfig(Strict):
         if rows_error := m.tp_rows_error(tp):  # the vocabulary tables' rows are split over tp
             raise ValueError(rows_error)
         if m.n_heads % tp:
-            raise ValueError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}; choose tp dividing it")
+            raise ValueError(
+                f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}; choose tp dividing it"
+            )
         m.kv_heads_split(tp)
         if m.ffn_dim % tp:
-            raise ValueError(f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}; choose tp dividing it")
+            raise ValueError(
+                f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}; choose tp dividing it"
+            )
         if m.engram is not None and m.engram.pad_rows_to % tp:
             raise ValueError(
                 f"model.engram.pad_rows_to={m.engram.pad_rows_to} is not a multiple of parallel.tp={tp}: memory "
@@ -215,12 +272,17 @@ class RunConfig(Strict):
         if m.engram is not None and m.engram.offload and (tp > 1 or self.parallel.pp > 1):
             raise ValueError(
                 f"model.engram.offload with parallel.tp={tp}, parallel.pp={self.parallel.pp}: host-memory tables "
-                "support tp = pp = 1 only (dp may be any); unset model.engram.offload or use tp = pp = 1")
+                "support tp = pp = 1 only (dp may be any); unset model.engram.offload or use tp = pp = 1"
+            )
         if self.train.on_spike == "rollback" and self.data.sources:
-            raise ValueError("train.on_spike=rollback with data.sources: a rollback skips a range of one reader's "
-                             "global order, which a mixture does not have; use train.on_spike=skip with a mixture")
+            raise ValueError(
+                "train.on_spike=rollback with data.sources: a rollback skips a range of one reader's "
+                "global order, which a mixture does not have; use train.on_spike=skip with a mixture"
+            )
         if self.parallel.zero_stage is not None:
-            self.check_zero_stage(self.parallel.zero_stage, f"parallel.zero_stage={self.parallel.zero_stage}")
+            self.check_zero_stage(
+                self.parallel.zero_stage, f"parallel.zero_stage={self.parallel.zero_stage}"
+            )
         if self.parallel.pp > m.n_layers:
             raise ValueError(
                 f"parallel.pp={self.parallel.pp} is more stages than model.n_layers={m.n_layers}; lower pp"
@@ -233,11 +295,13 @@ class RunConfig(Strict):
         if self.model.engram is not None and self.model.engram.offload and stage == 0:
             raise ConfigError(
                 f"model.engram.offload with {source}: the host tables' gradient norm joins the clipping norm of "
-                "DeepSpeed's ZeRO optimizer; use parallel.zero_stage 1, 2 or 3")
+                "DeepSpeed's ZeRO optimizer; use parallel.zero_stage 1, 2 or 3"
+            )
         if stage == 0 and self.train.on_spike != "warn":
             raise ConfigError(
                 f"train.on_spike={self.train.on_spike} with {source}: a step is left out inside DeepSpeed's ZeRO "
-                "optimizer, once it has the step's gradient norm; use parallel.zero_stage 1, 2 or 3")
+                "optimizer, once it has the step's gradient norm; use parallel.zero_stage 1, 2 or 3"
+            )
         if self.parallel.pp > 1 and stage >= 2:
             raise ConfigError(
                 f"{source} with parallel.pp={self.parallel.pp}: DeepSpeed's pipeline engine refuses ZeRO-2/3; "
@@ -248,11 +312,16 @@ class RunConfig(Strict):
 def check_data_source(cfg: RunConfig, on_this_machine: bool = True) -> None:
     """Only tiny presets may train on the embedded demo text without saying so; a real run names its shards, which
     must exist when the run starts here (a job script's data lives on the cluster: ``on_this_machine=False``)."""
-    if cfg.data.path is None and cfg.data.sources is None and not (cfg.preset or "").startswith("tiny-"):
+    if (
+        cfg.data.path is None
+        and cfg.data.sources is None
+        and not (cfg.preset or "").startswith("tiny-")
+    ):
         raise ConfigError(
             f"data.path is not set for {'preset ' + cfg.preset if cfg.preset else 'this run'}: point it at a "
             "directory of shards (--set data.path=DIR; `mhf-dist prepare-data` makes them), or pass "
-            f"--set data.path={EMBEDDED_CORPUS} to train on the 1 MB demo text on purpose")
+            f"--set data.path={EMBEDDED_CORPUS} to train on the 1 MB demo text on purpose"
+        )
     if cfg.data.sources:
         named = [(f"data.sources[{i}].path", s.path) for i, s in enumerate(cfg.data.sources)]
     else:
@@ -260,8 +329,12 @@ def check_data_source(cfg: RunConfig, on_this_machine: bool = True) -> None:
     for key, shards in named:
         if "://" in shards:  # object storage, read through fsspec (data/reader.py)
             if cfg.tokenizer.path is None:
-                raise ConfigError(f"{key}={shards} is a URL, whose tokenizer/ a run does not load: set tokenizer.path "
-                                  "to the tokenizer the shards were prepared with, copied to local or shared storage")
+                raise ConfigError(
+                    f"{key}={shards} is a URL, whose tokenizer/ a run does not load: set tokenizer.path "
+                    "to the tokenizer the shards were prepared with, copied to local or shared storage"
+                )
             continue
         if on_this_machine and not Path(shards).is_dir():
-            raise ConfigError(f"{key}={shards}: no such directory; point it at the --out of `mhf-dist prepare-data`")
+            raise ConfigError(
+                f"{key}={shards}: no such directory; point it at the --out of `mhf-dist prepare-data`"
+            )

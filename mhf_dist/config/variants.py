@@ -22,8 +22,12 @@ class VariantRules:
     """What the config checks of one ``model.variant``; the callables return the error message, or None."""
 
     name: str  # model.variant
-    config_error: Callable[[ModelConfig], str | None]  # why a model config is not one of this variant's
-    tp_rows_error: Callable[[ModelConfig, int], str | None]  # why parallel.tp cannot split its tables' rows
+    config_error: Callable[
+        [ModelConfig], str | None
+    ]  # why a model config is not one of this variant's
+    tp_rows_error: Callable[
+        [ModelConfig, int], str | None
+    ]  # why parallel.tp cannot split its tables' rows
 
 
 RULES: dict[str, VariantRules] = {}
@@ -41,31 +45,44 @@ def variant_rules(name: str) -> VariantRules:
     try:
         return RULES[name]
     except KeyError:
-        raise ValueError(f"unknown model variant {name!r}: the known variants are {', '.join(sorted(RULES))} "
-                         "(mhf_dist/model/variants.py)") from None
+        raise ValueError(
+            f"unknown model variant {name!r}: the known variants are {', '.join(sorted(RULES))} "
+            "(mhf_dist/model/variants.py)"
+        ) from None
 
 
 def _bucket_rows_error(m: ModelConfig, tp: int) -> str | None:
     if m.hash.num_buckets % tp:
-        return (f"model.hash.num_buckets={m.hash.num_buckets} is not divisible by parallel.tp={tp}: bucket tables are "
-                "split along B; choose B as a multiple of tp")
+        return (
+            f"model.hash.num_buckets={m.hash.num_buckets} is not divisible by parallel.tp={tp}: bucket tables are "
+            "split along B; choose B as a multiple of tp"
+        )
     return None
 
 
 def _vocabulary_rows_error(m: ModelConfig, tp: int) -> str | None:
     if m.pad_vocab_to % tp:
-        return (f"model.pad_vocab_to={m.pad_vocab_to} is not a multiple of parallel.tp={tp}: the vocabulary rows are "
-                "split over tp; set pad_vocab_to to a multiple of tp")
+        return (
+            f"model.pad_vocab_to={m.pad_vocab_to} is not a multiple of parallel.tp={tp}: the vocabulary rows are "
+            "split over tp; set pad_vocab_to to a multiple of tp"
+        )
     return None
 
 
 def _standard_config_error(m: ModelConfig) -> str | None:
     if m.hash.p_inf_loss_weight:
-        return (f"model.hash.p_inf_loss_weight={m.hash.p_inf_loss_weight} with model.variant=standard: a Standard "
-                "model's P_inf is its head's softmax, so the term would repeat its training loss; unset it")
+        return (
+            f"model.hash.p_inf_loss_weight={m.hash.p_inf_loss_weight} with model.variant=standard: a Standard "
+            "model's P_inf is its head's softmax, so the term would repeat its training loss; unset it"
+        )
     return None
 
 
-MHF_RULES = register_rules(VariantRules("mhf", config_error=lambda m: None, tp_rows_error=_bucket_rows_error))
-STANDARD_RULES = register_rules(VariantRules("standard", config_error=_standard_config_error,
-                                             tp_rows_error=_vocabulary_rows_error))
+MHF_RULES = register_rules(
+    VariantRules("mhf", config_error=lambda m: None, tp_rows_error=_bucket_rows_error)
+)
+STANDARD_RULES = register_rules(
+    VariantRules(
+        "standard", config_error=_standard_config_error, tp_rows_error=_vocabulary_rows_error
+    )
+)

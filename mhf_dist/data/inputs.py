@@ -33,7 +33,9 @@ def expand_inputs(patterns: Sequence[str | os.PathLike]) -> list[Path]:
     files: list[Path] = []
     for pattern in map(str, patterns):
         if glob.has_magic(pattern):
-            matches = [m for m in map(Path, sorted(glob.glob(pattern, recursive=True))) if not m.is_dir()]
+            matches = [
+                m for m in map(Path, sorted(glob.glob(pattern, recursive=True))) if not m.is_dir()
+            ]
             if not matches:
                 raise DataError(f"input {pattern}: the pattern matches no file; check it")
         elif Path(pattern).is_dir():
@@ -44,8 +46,10 @@ def expand_inputs(patterns: Sequence[str | os.PathLike]) -> list[Path]:
             if not match.is_file():
                 raise DataError(f"input {match}: no such file; check the path")
             if not _readable_kind(match):
-                raise DataError(f"input {match}: unsupported file type; use .txt or .jsonl (optionally compressed: "
-                                ".gz, .zst) or .parquet")
+                raise DataError(
+                    f"input {match}: unsupported file type; use .txt or .jsonl (optionally compressed: "
+                    ".gz, .zst) or .parquet"
+                )
             files.append(match)
     return files
 
@@ -63,9 +67,11 @@ def directory_inputs(directory: Path) -> list[Path]:
     files and subdirectories are not read."""
     files = sorted(p for p in directory.iterdir() if p.is_file() and _readable_kind(p))
     if not files:
-        raise DataError(f"input {directory}: a directory without .txt, .jsonl (optionally compressed) or .parquet "
-                        f"files directly in it; name the files, or a glob such as '{directory / '**' / '*.txt'}' "
-                        "for subdirectories")
+        raise DataError(
+            f"input {directory}: a directory without .txt, .jsonl (optionally compressed) or .parquet "
+            f"files directly in it; name the files, or a glob such as '{directory / '**' / '*.txt'}' "
+            "for subdirectories"
+        )
     return files
 
 
@@ -81,7 +87,9 @@ class BadDocuments:
     def found(self, where: str, problem: str, fix: str) -> None:
         """A bad document at ``where``: raised, or counted when skipping."""
         if self.action == "error":
-            raise DataError(f"{where}: {problem}; {fix}, or leave such documents out with --on-bad-document skip")
+            raise DataError(
+                f"{where}: {problem}; {fix}, or leave such documents out with --on-bad-document skip"
+            )
         self.skipped += 1
         self.first = self.first or f"{where}: {problem}; {fix}"
 
@@ -89,8 +97,10 @@ class BadDocuments:
         """Refuse inputs whose every document was skipped, with the first one's reason (else the error would be
         about too few tokens)."""
         if kept == 0 and self.skipped:
-            raise DataError(f"every document was skipped (--on-bad-document skip): {self.skipped} not text and none "
-                            f"kept; the first, {self.first}")
+            raise DataError(
+                f"every document was skipped (--on-bad-document skip): {self.skipped} not text and none "
+                f"kept; the first, {self.first}"
+            )
 
 
 def _open_text(path: Path):
@@ -106,10 +116,14 @@ def _optional(module: str, path: Path):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise DataError(f"input {path} needs {module}, which is not installed: {DATA_EXTRA}") from None
+        raise DataError(
+            f"input {path} needs {module}, which is not installed: {DATA_EXTRA}"
+        ) from None
 
 
-def documents(files: Sequence[Path], text_field: str = "text", bad: BadDocuments | None = None) -> Iterator[str]:
+def documents(
+    files: Sequence[Path], text_field: str = "text", bad: BadDocuments | None = None
+) -> Iterator[str]:
     """Documents of the input files, in order (blank-line separated in .txt, one per line in .jsonl, one per row in
     .parquet); ``bad`` decides about documents that are not strings (default: stop)."""
     bad = bad or BadDocuments()
@@ -125,11 +139,14 @@ def documents(files: Sequence[Path], text_field: str = "text", bad: BadDocuments
                     yield from _paragraphs(f)
         except (UnicodeDecodeError, OSError) as e:  # OSError includes a bad gzip stream
             raise DataError(
-                f"input {path} is not readable UTF-8 text ({e}); convert or repair it, or leave it out") from None
+                f"input {path} is not readable UTF-8 text ({e}); convert or repair it, or leave it out"
+            ) from None
         except Exception as e:  # zstandard's ZstdError, which is no OSError, for a damaged .zst
             if path.suffix != ".zst" or isinstance(e, DataError):
                 raise
-            raise DataError(f"input {path} is not a readable zstd stream ({e}); repair it, or leave it out") from None
+            raise DataError(
+                f"input {path} is not a readable zstd stream ({e}); repair it, or leave it out"
+            ) from None
 
 
 def _jsonl_documents(lines, path: Path, text_field: str, bad: BadDocuments) -> Iterator[str]:
@@ -139,12 +156,18 @@ def _jsonl_documents(lines, path: Path, text_field: str, bad: BadDocuments) -> I
         try:
             text = json.loads(line)[text_field]
         except (json.JSONDecodeError, TypeError, KeyError) as e:
-            bad.found(f"{path}:{number}", f"not a JSON object with a string field {text_field!r} ({e!r})",
-                      "fix the line or name the right field with --text-field")
+            bad.found(
+                f"{path}:{number}",
+                f"not a JSON object with a string field {text_field!r} ({e!r})",
+                "fix the line or name the right field with --text-field",
+            )
             continue
         if not isinstance(text, str):
-            bad.found(f"{path}:{number}", f"field {text_field!r} is not a string",
-                      "name the text field with --text-field")
+            bad.found(
+                f"{path}:{number}",
+                f"field {text_field!r} is not a string",
+                "name the text field with --text-field",
+            )
         elif text.strip():
             yield text
 
@@ -154,22 +177,34 @@ def _parquet_documents(path: Path, text_field: str, bad: BadDocuments) -> Iterat
     parquet = _optional("pyarrow.parquet", path)
     try:
         table = parquet.ParquetFile(path)
-    except Exception as e:  # pyarrow's ArrowInvalid and OSError for a file that is not Parquet, or is truncated
-        raise DataError(f"input {path} is not a readable Parquet file ({e}); repair it, or leave it out") from None
+    except (
+        Exception
+    ) as e:  # pyarrow's ArrowInvalid and OSError for a file that is not Parquet, or is truncated
+        raise DataError(
+            f"input {path} is not a readable Parquet file ({e}); repair it, or leave it out"
+        ) from None
     columns = table.schema_arrow.names
     if text_field not in columns:
-        raise DataError(f"input {path} has no column {text_field!r} (it has {', '.join(columns)}); name the text "
-                        "column with --text-field")
+        raise DataError(
+            f"input {path} has no column {text_field!r} (it has {', '.join(columns)}); name the text "
+            "column with --text-field"
+        )
     kind = str(table.schema_arrow.field(text_field).type)
     # a column of another type (numbers, say) is the wrong column, not a few bad rows
-    wrong = "" if kind in ("string", "large_string", "string_view") else (
-        f" (the column holds {kind}, not strings; the file's columns: {', '.join(columns)})")
+    wrong = (
+        ""
+        if kind in ("string", "large_string", "string_view")
+        else (f" (the column holds {kind}, not strings; the file's columns: {', '.join(columns)})")
+    )
     row = 0
     for group in range(table.num_row_groups):
         for text in table.read_row_group(group, columns=[text_field]).column(0).to_pylist():
             if not isinstance(text, str):
-                bad.found(f"{path}: row {row}", f"column {text_field!r} holds {text!r}, not a string{wrong}",
-                          "fix the row or name the text column with --text-field")
+                bad.found(
+                    f"{path}: row {row}",
+                    f"column {text_field!r} holds {text!r}, not a string{wrong}",
+                    "fix the row or name the text column with --text-field",
+                )
             elif text.strip():
                 yield text
             row += 1

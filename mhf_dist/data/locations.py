@@ -25,8 +25,10 @@ def open_url(url: str):
     try:
         return fsspec.open(url, "rb").open()
     except ImportError as e:
-        raise DataError(f"{url}: reading {scheme}:// needs a package that is not installed ({e}); install it on "
-                        "every node, or copy the shards to a local or shared directory") from None
+        raise DataError(
+            f"{url}: reading {scheme}:// needs a package that is not installed ({e}); install it on "
+            "every node, or copy the shards to a local or shared directory"
+        ) from None
 
 
 def is_url(source) -> bool:
@@ -42,14 +44,20 @@ def read_json(location: str) -> dict:
     except DataError:
         raise
     except FileNotFoundError:
-        raise DataError(f"manifest {location} does not exist: prepare shards with mhf-dist prepare-data "
-                        "(it writes manifest.json next to them) or point data.path at their directory") from None
+        raise DataError(
+            f"manifest {location} does not exist: prepare shards with mhf-dist prepare-data "
+            "(it writes manifest.json next to them) or point data.path at their directory"
+        ) from None
     except Exception as e:
-        raise DataError(f"manifest {location} cannot be read ({e!r}); re-copy it or prepare the shards again") from None
+        raise DataError(
+            f"manifest {location} cannot be read ({e!r}); re-copy it or prepare the shards again"
+        ) from None
 
 
 def refuse_pipe(url: str, allow_pipe: bool) -> None:
     """A ``pipe:`` URL runs a shell command: refused unless ``data.allow_pipe`` (``allow_pipe``)."""
     if url.startswith("pipe:") and not allow_pipe:
-        raise DataError(f"{url!r} is a pipe: URL, which runs a shell command; set data.allow_pipe=true if you wrote "
-                        "it, or give a directory of shards")
+        raise DataError(
+            f"{url!r} is a pipe: URL, which runs a shell command; set data.allow_pipe=true if you wrote "
+            "it, or give a directory of shards"
+        )

@@ -36,7 +36,9 @@ class MixtureSchedule:
     def __init__(self, weights: list[float], seed: int):
         self.seed = seed
         self.counts = apportion(weights, BLOCK)
-        self.block = lru_cache(maxsize=16)(self._block)  # the sources' readers and the consumer walk the same blocks
+        self.block = lru_cache(maxsize=16)(
+            self._block
+        )  # the sources' readers and the consumer walk the same blocks
 
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(source of each position of block ``b``, that position's index among the block's positions of its
@@ -48,7 +50,9 @@ class MixtureSchedule:
             occurrence[source == k] = np.arange(self.counts[k])
         return source, occurrence
 
-    def positions(self, start: int, rank: int, ranks: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def positions(
+        self, start: int, rank: int, ranks: int
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Block by block, the sources and source positions of mixture positions ``start + rank + i·ranks``."""
         first, b = start + rank, (start + rank) // BLOCK
         while True:
@@ -68,11 +72,15 @@ class MixtureSchedule:
 def apportion(weights: list[float], total: int) -> np.ndarray:
     """``total`` split in proportion to ``weights`` (largest remainders), each share at least 1."""
     if len(weights) > total:
-        raise DataError(f"{len(weights)} data sources are more than a mixture block of {total} positions holds")
+        raise DataError(
+            f"{len(weights)} data sources are more than a mixture block of {total} positions holds"
+        )
     exact = np.asarray(weights, dtype=np.float64) / sum(weights) * total
     counts = np.floor(exact).astype(np.int64)
-    counts[np.argsort(-(exact - counts), kind="stable")[:total - counts.sum()]] += 1
-    for k in np.flatnonzero(counts == 0):  # a tiny weight still reads its source, at the largest one's expense
+    counts[np.argsort(-(exact - counts), kind="stable")[: total - counts.sum()]] += 1
+    for k in np.flatnonzero(
+        counts == 0
+    ):  # a tiny weight still reads its source, at the largest one's expense
         counts[k], counts[np.argmax(counts)] = 1, counts.max() - 1
     return counts
 
@@ -91,11 +99,22 @@ class _SourceReader(ShardReader):
 class MixtureReader(TrainingData):
     """Batches for one data-parallel rank from a weighted mixture of shard directories (module docstring)."""
 
-    def __init__(self, sources: list[DataSource], *, seed: int = 0, dp_rank: int = 0, dp_size: int = 1,
-                 split: str = "train", skipped: Ranges = (), **reader_args):
+    def __init__(
+        self,
+        sources: list[DataSource],
+        *,
+        seed: int = 0,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        split: str = "train",
+        skipped: Ranges = (),
+        **reader_args,
+    ):
         self.sources = sources
-        self.readers = [_SourceReader(s.path, split=split, seed=seed, skipped=skipped, **reader_args)
-                        for s in sources]
+        self.readers = [
+            _SourceReader(s.path, split=split, seed=seed, skipped=skipped, **reader_args)
+            for s in sources
+        ]
         self.manifest = self.readers[0].manifest
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.reader_args = reader_args  # the sources' settings, for their validation splits
@@ -110,11 +129,16 @@ class MixtureReader(TrainingData):
     def _start(self, position: int) -> None:
         """Read from mixture position ``position`` on: each source follows this rank's share of the schedule."""
         self._base, self._consumed = position, 0
-        plans = [self.schedule.positions(position, self.dp_rank, self.dp_size) for _ in self.readers]
+        plans = [
+            self.schedule.positions(position, self.dp_rank, self.dp_size) for _ in self.readers
+        ]
         for k, reader in enumerate(self.readers):
             reader.follow(source_positions(plans[k], k))
-        self._order = (k for block, _ in self.schedule.positions(position, self.dp_rank, self.dp_size)
-                       for k in block.tolist())
+        self._order = (
+            k
+            for block, _ in self.schedule.positions(position, self.dp_rank, self.dp_size)
+            for k in block.tolist()
+        )
 
     def next_batch(self, micro_batch: int, pin: bool = False) -> torch.Tensor:
         rows = [self.readers[next(self._order)].next_rows(1)[0] for _ in range(micro_batch)]
@@ -128,21 +152,41 @@ class MixtureReader(TrainingData):
 
     def consumed(self) -> dict[str, int]:
         """Samples read so far from each source, by its label, over all ranks."""
-        return dict(zip((s.label for s in self.sources), self.schedule.consumed(self.position).tolist()))
+        return dict(
+            zip((s.label for s in self.sources), self.schedule.consumed(self.position).tolist())
+        )
 
     def validation(self) -> list[Validation]:
         """Each source's validation split, where it has one, read by this rank as a single directory's is."""
-        return [Validation(s.label, s.weight, ShardReader(s.path, split="val", seed=self.seed, dp_rank=self.dp_rank,
-                                                          dp_size=self.dp_size, **self.reader_args))
-                for s, r in zip(self.sources, self.readers) if "val" in r.manifest["splits"]]
+        return [
+            Validation(
+                s.label,
+                s.weight,
+                ShardReader(
+                    s.path,
+                    split="val",
+                    seed=self.seed,
+                    dp_rank=self.dp_rank,
+                    dp_size=self.dp_size,
+                    **self.reader_args,
+                ),
+            )
+            for s, r in zip(self.sources, self.readers)
+            if "val" in r.manifest["splits"]
+        ]
 
     def describe(self, samples: int, tokens: int) -> list[str]:
         return describe(self.sources, self.readers, samples, tokens)
 
     def state_dict(self) -> dict:
-        return {"mixture_position": self.position, "seed": self.seed,
-                "sources": [{"label": s.label, "weight": s.weight, "dataset": r.fingerprint}
-                            for s, r in zip(self.sources, self.readers)]}
+        return {
+            "mixture_position": self.position,
+            "seed": self.seed,
+            "sources": [
+                {"label": s.label, "weight": s.weight, "dataset": r.fingerprint}
+                for s, r in zip(self.sources, self.readers)
+            ],
+        }
 
     def state_mismatch(self, state: dict) -> str | None:
         """Why ``state`` is a position in another stream (other sources, weights or seed), or None when it is one
@@ -150,14 +194,18 @@ class MixtureReader(TrainingData):
         ours = self.state_dict()
         for key in ("seed", "sources"):
             if state.get(key) != ours[key]:
-                return f"reader state has {key}={state.get(key)!r} but this mixture has {ours[key]!r}"
+                return (
+                    f"reader state has {key}={state.get(key)!r} but this mixture has {ours[key]!r}"
+                )
         return None
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at ``state``'s mixture position; the rank count may differ from the saving run's."""
         if (mismatch := self.state_mismatch(state)) is not None:
-            raise DataError(f"{mismatch}: resume with the sources, weights and data seed of the saved run, or "
-                            f"{RESTART_ADVICE}")
+            raise DataError(
+                f"{mismatch}: resume with the sources, weights and data seed of the saved run, or "
+                f"{RESTART_ADVICE}"
+            )
         self.close()
         self._start(state["mixture_position"])
 
@@ -165,7 +213,9 @@ class MixtureReader(TrainingData):
         """Stop the sources' prefetch threads; ``next_batch`` goes on where the stream stands."""
         for reader in self.readers:
             reader.close()
-        self._start(self.position)  # the sources' threads read ahead of the consumer: plan again from here
+        self._start(
+            self.position
+        )  # the sources' threads read ahead of the consumer: plan again from here
 
     def __enter__(self) -> "MixtureReader":
         return self
@@ -188,11 +238,21 @@ def source_positions(plan: Iterator[tuple[np.ndarray, np.ndarray]], k: int) -> I
             yield mine
 
 
-def describe(sources: list[DataSource], readers: list[ShardReader], samples: int, tokens: int) -> list[str]:
+def describe(
+    sources: list[DataSource], readers: list[ShardReader], samples: int, tokens: int
+) -> list[str]:
     """One line per source at start: its share of the mix and the epochs it gets over a run of ``samples``
     samples (``tokens`` tokens)."""
     shares = apportion([s.weight for s in sources], BLOCK) / BLOCK
-    total = f"{tokens / 1e9:.3g}B" if tokens >= 1e9 else f"{tokens / 1e6:.3g}M" if tokens >= 1e6 else f"{tokens:,}"
-    return [f"source {s.label}: {share:.2f} of the mix, {samples * share / r.samples_per_epoch:.2g} epochs over "
-            f"{total} tokens ({r.samples_per_epoch:,} samples per epoch)" for s, share, r in
-            zip(sources, shares, readers)]
+    total = (
+        f"{tokens / 1e9:.3g}B"
+        if tokens >= 1e9
+        else f"{tokens / 1e6:.3g}M"
+        if tokens >= 1e6
+        else f"{tokens:,}"
+    )
+    return [
+        f"source {s.label}: {share:.2f} of the mix, {samples * share / r.samples_per_epoch:.2g} epochs over "
+        f"{total} tokens ({r.samples_per_epoch:,} samples per epoch)"
+        for s, share, r in zip(sources, shares, readers)
+    ]

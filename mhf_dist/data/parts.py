@@ -22,11 +22,13 @@ def part_files(files: Sequence[Path], index: int, count: int) -> list[Path]:
     if not 1 <= index <= count:
         raise DataError(f"part {index}/{count}: the part number must be in 1..{count}")
     if count > len(files):
-        raise DataError(f"part {index}/{count}: the inputs are {len(files)} files, fewer than {count} parts "
-                        f"(a part holds whole files); use at most {len(files)} parts")
+        raise DataError(
+            f"part {index}/{count}: the inputs are {len(files)} files, fewer than {count} parts "
+            f"(a part holds whole files); use at most {len(files)} parts"
+        )
     size, extra = divmod(len(files), count)
     start = (index - 1) * size + min(index - 1, extra)
-    return list(files[start:start + size + (index <= extra)])
+    return list(files[start : start + size + (index <= extra)])
 
 
 def part_dir_name(index: int, count: int) -> str:
@@ -44,30 +46,49 @@ def inputs_digest(files: Sequence[Path]) -> str:
 
 
 # what parts of one dataset share (the part entry's count and input list too)
-_SHARED = ("format", "seq_len", "sample_tokens", "dtype", "vocab_size", "eos_id", "tokenizer_fingerprint",
-           "sample_member", "samples_per_shard", "val_fraction", "text_field")
+_SHARED = (
+    "format",
+    "seq_len",
+    "sample_tokens",
+    "dtype",
+    "vocab_size",
+    "eos_id",
+    "tokenizer_fingerprint",
+    "sample_member",
+    "samples_per_shard",
+    "val_fraction",
+    "text_field",
+)
 
 
 def _read_part(out: Path, part_dir: Path) -> dict:
     """A part's manifest, after checking that it is a finished part inside ``out``."""
     if not part_dir.resolve().is_relative_to(out.resolve()) or part_dir.resolve() == out.resolve():
-        raise DataError(f"part directory {part_dir} is not inside {out}: the merged manifest names the parts' shards "
-                        f"by their paths under {out}, so that it can be copied or moved whole; move the part there "
-                        f"(prepare-data --part I/N --out {out} writes part I into {out}/part-I-of-N)")
+        raise DataError(
+            f"part directory {part_dir} is not inside {out}: the merged manifest names the parts' shards "
+            f"by their paths under {out}, so that it can be copied or moved whole; move the part there "
+            f"(prepare-data --part I/N --out {out} writes part I into {out}/part-I-of-N)"
+        )
     try:
         manifest = json.loads((part_dir / MANIFEST).read_text())
     except FileNotFoundError:
-        raise DataError(f"part directory {part_dir} has no {MANIFEST}: its preparation did not finish; run its "
-                        "prepare-data --part I/N again") from None
+        raise DataError(
+            f"part directory {part_dir} has no {MANIFEST}: its preparation did not finish; run its "
+            "prepare-data --part I/N again"
+        ) from None
     if manifest.get("format") != FORMAT or "part" not in manifest:
-        raise DataError(f"{part_dir / MANIFEST} is not the manifest of a part (prepared with --part I/N); merge only "
-                        "the parts of one preparation")
+        raise DataError(
+            f"{part_dir / MANIFEST} is not the manifest of a part (prepared with --part I/N); merge only "
+            "the parts of one preparation"
+        )
     return manifest
 
 
 def _part_settings(manifest: dict) -> dict:
     return {key: manifest[key] for key in _SHARED} | {
-        "part count": manifest["part"]["count"], "input list": manifest["part"]["inputs_sha256"]}
+        "part count": manifest["part"]["count"],
+        "input list": manifest["part"]["inputs_sha256"],
+    }
 
 
 def _check_alike(parts: list[tuple[Path, dict]]) -> None:
@@ -77,9 +98,11 @@ def _check_alike(parts: list[tuple[Path, dict]]) -> None:
         common, _ = Counter(json.dumps(s[key]) for _, s in settings).most_common(1)[0]
         odd = [(d, s[key]) for d, s in settings if json.dumps(s[key]) != common]
         if odd:
-            raise DataError(f"part {odd[0][0]} has {key} {odd[0][1]!r}, the other parts "
-                            f"{json.loads(common)!r}: parts of one dataset come from one input list, tokenizer and "
-                            "settings; prepare it again with the others' (prepare-data --part I/N)")
+            raise DataError(
+                f"part {odd[0][0]} has {key} {odd[0][1]!r}, the other parts "
+                f"{json.loads(common)!r}: parts of one dataset come from one input list, tokenizer and "
+                "settings; prepare it again with the others' (prepare-data --part I/N)"
+            )
 
 
 def _in_order(parts: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
@@ -89,12 +112,16 @@ def _in_order(parts: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
     for part_dir, manifest in parts:
         index = manifest["part"]["index"]
         if index in by_index:
-            raise DataError(f"{by_index[index][0]} and {part_dir} are both part {index}/{count}: pass each part once")
+            raise DataError(
+                f"{by_index[index][0]} and {part_dir} are both part {index}/{count}: pass each part once"
+            )
         by_index[index] = part_dir, manifest
     missing = [str(i) for i in range(1, count + 1) if i not in by_index]
     if missing:
-        raise DataError(f"part {', '.join(missing)} of {count} is missing: prepare it (prepare-data --part I/{count}) "
-                        "and pass its directory too")
+        raise DataError(
+            f"part {', '.join(missing)} of {count} is missing: prepare it (prepare-data --part I/{count}) "
+            "and pass its directory too"
+        )
     return [by_index[i] for i in range(1, count + 1)]
 
 
@@ -104,11 +131,15 @@ def _check_shard_files(part_dir: Path, manifest: dict) -> None:
         for entry in split["shards"]:
             path = part_dir / entry["name"]
             if not path.is_file() or path.stat().st_size != entry["bytes"]:
-                raise DataError(f"shard {path} is missing or not {entry['bytes']} bytes as {part_dir / MANIFEST} "
-                                "says; prepare that part again")
+                raise DataError(
+                    f"shard {path} is missing or not {entry['bytes']} bytes as {part_dir / MANIFEST} "
+                    "says; prepare that part again"
+                )
 
 
-def merge(out: str | os.PathLike, part_dirs: Sequence[str | os.PathLike], overwrite: bool = False) -> dict:
+def merge(
+    out: str | os.PathLike, part_dirs: Sequence[str | os.PathLike], overwrite: bool = False
+) -> dict:
     """One ``manifest.json`` (and ``tokenizer/``) in ``out`` over the parts in ``part_dirs`` (directories inside
     ``out``), shards left in place; returns the manifest. ``out``'s manifest and tokenizer are replaced only with
     ``overwrite``; the parts are never changed."""
@@ -121,14 +152,18 @@ def merge(out: str | os.PathLike, part_dirs: Sequence[str | os.PathLike], overwr
     for part_dir, manifest in parts:
         _check_shard_files(part_dir, manifest)
     if not overwrite and any((out / name).exists() for name in (MANIFEST, TOKENIZER_DIR)):
-        raise DataError(f"{out} already holds a {MANIFEST} or {TOKENIZER_DIR}/; pass --overwrite to replace them "
-                        "(the parts stay as they are)")
+        raise DataError(
+            f"{out} already holds a {MANIFEST} or {TOKENIZER_DIR}/; pass --overwrite to replace them "
+            "(the parts stay as they are)"
+        )
     merged = dict(parts[0][1])  # the shared settings, in a one-process manifest's key order
     del merged["part"]
     merged["inputs"] = [f for _, m in parts for f in m["inputs"]]
     merged["skipped_documents"] = sum(m["skipped_documents"] for _, m in parts)
-    merged["splits"] = {name: _merged_split(out, [(d, m["splits"][name]) for d, m in parts])
-                        for name in merged["splits"]}
+    merged["splits"] = {
+        name: _merged_split(out, [(d, m["splits"][name]) for d, m in parts])
+        for name in merged["splits"]
+    }
     merged["parts"] = [_under(out, d) for d, _ in parts]
     check_samples(merged["splits"], merged["inputs"], merged["seq_len"])
     _replace_tokenizer(parts[0][0] / merged["tokenizer"], out / TOKENIZER_DIR)
@@ -138,10 +173,15 @@ def merge(out: str | os.PathLike, part_dirs: Sequence[str | os.PathLike], overwr
 
 def _merged_split(out: Path, splits: list[tuple[Path, dict]]) -> dict:
     """The parts' splits as one: counts summed, shard entries in part order, named by their path under ``out``."""
-    shards = [entry | {"name": f"{_under(out, d)}/{entry['name']}"}
-              for d, split in splits for entry in split["shards"]]
-    sums = {key: sum(split[key] for _, split in splits)
-            for key in ("documents", "input_tokens", "samples", "tokens", "dropped_tokens")}
+    shards = [
+        entry | {"name": f"{_under(out, d)}/{entry['name']}"}
+        for d, split in splits
+        for entry in split["shards"]
+    ]
+    sums = {
+        key: sum(split[key] for _, split in splits)
+        for key in ("documents", "input_tokens", "samples", "tokens", "dropped_tokens")
+    }
     return sums | {"shards": shards}
 
 

@@ -53,12 +53,15 @@ def prepare(
     prepares only part I of N of the inputs (``parts.py``).
     """
     if seq_len < 1 or samples_per_shard < 1 or workers < 1:
-        raise DataError(f"seq_len={seq_len}, samples_per_shard={samples_per_shard} and workers={workers} must be >= 1")
+        raise DataError(
+            f"seq_len={seq_len}, samples_per_shard={samples_per_shard} and workers={workers} must be >= 1"
+        )
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
     if prefix == VAL_SPLIT or not prefix or "/" in prefix:
         raise DataError(
-            f"prefix {prefix!r}: pick a plain name other than {VAL_SPLIT!r} (used by the validation shards)")
+            f"prefix {prefix!r}: pick a plain name other than {VAL_SPLIT!r} (used by the validation shards)"
+        )
     all_files = expand_inputs(inputs)
     files = part_files(all_files, *part) if part else all_files
     bad = BadDocuments(on_bad_document)
@@ -69,7 +72,9 @@ def prepare(
 
     tok = load_tokenizer(tokenizer)
     if tok.eos_token_id is None:
-        raise DataError(f"tokenizer {tokenizer} has no EOS token; documents are separated by EOS, use one that has it")
+        raise DataError(
+            f"tokenizer {tokenizer} has no EOS token; documents are separated by EOS, use one that has it"
+        )
     vocab_size = len(tok)
     dtype = np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
     writers = [SplitWriter(out, prefix, seq_len + 1, dtype, samples_per_shard)]
@@ -95,7 +100,9 @@ def prepare(
         bad.check_kept(kept)
         check_samples(splits, files, seq_len)
 
-    tok.save_pretrained(str(out / TOKENIZER_DIR))  # shards carry their tokenizer: a run on them needs no other
+    tok.save_pretrained(
+        str(out / TOKENIZER_DIR)
+    )  # shards carry their tokenizer: a run on them needs no other
     manifest = {
         "format": FORMAT,
         "tokenizer": TOKENIZER_DIR,
@@ -114,6 +121,10 @@ def prepare(
         "splits": splits,
     }
     if part:
-        manifest["part"] = {"index": part[0], "count": part[1], "inputs_sha256": inputs_digest(all_files)}
+        manifest["part"] = {
+            "index": part[0],
+            "count": part[1],
+            "inputs_sha256": inputs_digest(all_files),
+        }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

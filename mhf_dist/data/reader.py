@@ -39,8 +39,10 @@ from mhf_dist.data.training_data import TrainingData, Validation
 
 log = logging.getLogger(__name__)
 
-RESTART_ADVICE = ("start this data's order from its beginning with --set data.restart=true (weights, optimizer and "
-                  "learning-rate schedule continue)")  # the fix for a resume whose data position is in other data
+RESTART_ADVICE = (
+    "start this data's order from its beginning with --set data.restart=true (weights, optimizer and "
+    "learning-rate schedule continue)"
+)  # the fix for a resume whose data position is in other data
 _POSITION_BLOCK = 4096  # a rank's positions are planned this many at a time
 _REPAIR = "re-copy or re-create it (mhf-dist prepare-data)"
 _FIX = _REPAIR + ", or set data.on_bad_shard=skip to train without it"
@@ -103,26 +105,50 @@ class ShardReader(TrainingData):
             raise ValueError(f"seed={seed} must be >= 0 and shuffle_window={shuffle_window} >= 1")
         if on_bad_shard not in ("error", "skip"):
             raise ValueError(f"on_bad_shard={on_bad_shard!r}: use 'error' or 'skip'")
-        self.manifest, self.manifest_location, self.shards = resolve(source, manifest, split, allow_pipe)
-        self.name = self.manifest_location.removesuffix(f"/{MANIFEST}")  # a local directory: its absolute path
-        self._reopen = partial(ShardReader, source, manifest=manifest, seq_len=seq_len, seed=seed, dp_rank=dp_rank,
-                               dp_size=dp_size, tokenizer_fingerprint=tokenizer_fingerprint, allow_pipe=allow_pipe,
-                               shuffle_window=shuffle_window, on_bad_shard=on_bad_shard,
-                               verify_checksums=verify_checksums)  # another split of this source (validation)
-        self._manifest_digest = manifest_digest(self.manifest)  # a failing shard may mean the data was re-prepared
+        self.manifest, self.manifest_location, self.shards = resolve(
+            source, manifest, split, allow_pipe
+        )
+        self.name = self.manifest_location.removesuffix(
+            f"/{MANIFEST}"
+        )  # a local directory: its absolute path
+        self._reopen = partial(
+            ShardReader,
+            source,
+            manifest=manifest,
+            seq_len=seq_len,
+            seed=seed,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            tokenizer_fingerprint=tokenizer_fingerprint,
+            allow_pipe=allow_pipe,
+            shuffle_window=shuffle_window,
+            on_bad_shard=on_bad_shard,
+            verify_checksums=verify_checksums,
+        )  # another split of this source (validation)
+        self._manifest_digest = manifest_digest(
+            self.manifest
+        )  # a failing shard may mean the data was re-prepared
         check_expectations(self.manifest, self.manifest_location, seq_len, tokenizer_fingerprint)
         self.seq_len = self.manifest["seq_len"]
         self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
         self.member = self.manifest["sample_member"]
-        self.seed, self.dp_rank, self.dp_size, self.shuffle_window = seed, dp_rank, dp_size, shuffle_window
+        self.seed, self.dp_rank, self.dp_size, self.shuffle_window = (
+            seed,
+            dp_rank,
+            dp_size,
+            shuffle_window,
+        )
         self.on_bad_shard, self.verify_checksums = on_bad_shard, verify_checksums
         self.counts = np.array([s.samples for s in self.shards])
         self.samples_per_epoch = int(self.counts.sum())
         self.fingerprint = hashlib.sha256(
-            json.dumps([[s.name, s.samples, s.sha256] for s in self.shards]).encode()).hexdigest()
+            json.dumps([[s.name, s.samples, s.sha256] for s in self.shards]).encode()
+        ).hexdigest()
         self.skipped_shards = 0
         self.skipped = merged(skipped)
-        self._base = past_skipped(0, self.skipped)  # global position where this reader's stream starts (all ranks)
+        self._base = past_skipped(
+            0, self.skipped
+        )  # global position where this reader's stream starts (all ranks)
         self._consumed = 0  # samples returned by this rank since _base
         self._epoch_cache: tuple[int, np.ndarray, list[np.ndarray]] | None = None
         self._thread: threading.Thread | None = None
@@ -142,8 +168,12 @@ class ShardReader(TrainingData):
         if self._error is not None:
             raise self._error
         if self._thread is None:
-            self._thread = threading.Thread(target=self._produce, args=(self._rank_positions(),), daemon=True,
-                                            name="ShardReader")
+            self._thread = threading.Thread(
+                target=self._produce,
+                args=(self._rank_positions(),),
+                daemon=True,
+                name="ShardReader",
+            )
             self._thread.start()
         rows = []
         while len(rows) < count:
@@ -160,23 +190,36 @@ class ShardReader(TrainingData):
     def state_dict(self) -> dict:
         """The next unread global position (the same on every rank once all took equal batches); JSON-serialisable."""
         epoch, position = divmod(self.global_position(), self.samples_per_epoch)
-        return {"epoch": epoch, "position": position, "seed": self.seed, "shuffle_window": self.shuffle_window,
-                "dataset": self.fingerprint}
+        return {
+            "epoch": epoch,
+            "position": position,
+            "seed": self.seed,
+            "shuffle_window": self.shuffle_window,
+            "dataset": self.fingerprint,
+        }
 
     def state_mismatch(self, state: dict) -> str | None:
         """Why ``state`` is a position in another stream (other shards, seed or shuffle window), or None when it
         is one of this reader's."""
-        for key, ours in (("dataset", self.fingerprint), ("seed", self.seed), ("shuffle_window", self.shuffle_window)):
+        for key, ours in (
+            ("dataset", self.fingerprint),
+            ("seed", self.seed),
+            ("shuffle_window", self.shuffle_window),
+        ):
             if state.get(key) != ours:
-                return (f"reader state has {key}={state.get(key)!r} but this reader uses {ours!r} "
-                        f"({self.manifest_location})")
+                return (
+                    f"reader state has {key}={state.get(key)!r} but this reader uses {ours!r} "
+                    f"({self.manifest_location})"
+                )
         return None
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at ``state``'s global position; the rank count may differ from the saving run's."""
         if (mismatch := self.state_mismatch(state)) is not None:
-            raise DataError(f"{mismatch}: resume with the shards, data seed and shuffle window of the saved run, or "
-                            f"{RESTART_ADVICE}")
+            raise DataError(
+                f"{mismatch}: resume with the shards, data seed and shuffle window of the saved run, or "
+                f"{RESTART_ADVICE}"
+            )
         self.close()
         self._base = past_skipped(self.global_position(state), self.skipped)
         self._consumed = 0
@@ -184,7 +227,11 @@ class ShardReader(TrainingData):
 
     def validation(self) -> list[Validation]:
         """A reader of this source's validation split, with this reader's settings (none without one)."""
-        return [Validation(None, 1.0, self._reopen(split="val"))] if "val" in self.manifest["splits"] else []
+        return (
+            [Validation(None, 1.0, self._reopen(split="val"))]
+            if "val" in self.manifest["splits"]
+            else []
+        )
 
     def skip(self, start: int, stop: int) -> None:
         """Never read global positions ``[start, stop)`` (a rollback's, whose stream already stands past them)."""
@@ -200,7 +247,9 @@ class ShardReader(TrainingData):
             return state["epoch"] * self.samples_per_epoch + state["position"]
         if not self._consumed:
             return self._base
-        last = int(place(self._base, np.array([self._consumed * self.dp_size - 1]), self.skipped)[0])
+        last = int(
+            place(self._base, np.array([self._consumed * self.dp_size - 1]), self.skipped)[0]
+        )
         return past_skipped(last + 1, self.skipped)
 
     def close(self) -> None:
@@ -254,7 +303,10 @@ class ShardReader(TrainingData):
         """Start positions of ``epoch``'s windows (and the epoch's end) and each window's shards."""
         if self._epoch_cache is None or self._epoch_cache[0] != epoch:
             order = _rng(self.seed, 0, epoch).permutation(len(self.shards))
-            groups = [order[i:i + self.shuffle_window] for i in range(0, len(order), self.shuffle_window)]
+            groups = [
+                order[i : i + self.shuffle_window]
+                for i in range(0, len(order), self.shuffle_window)
+            ]
             starts = np.concatenate([[0], np.cumsum([self.counts[g].sum() for g in groups])])
             self._epoch_cache = (epoch, starts, groups)
         return self._epoch_cache[1], self._epoch_cache[2]
@@ -263,8 +315,12 @@ class ShardReader(TrainingData):
         """Shard and in-shard index of every position of one window (round-robin over shuffled shards)."""
         slot = np.concatenate([np.full(self.counts[s], k) for k, s in enumerate(group)])
         turn = np.concatenate([np.arange(self.counts[s]) for s in group])
-        index = np.concatenate([_rng(self.seed, 1, epoch, self.shards[s].index).permutation(self.counts[s])
-                                for s in group])
+        index = np.concatenate(
+            [
+                _rng(self.seed, 1, epoch, self.shards[s].index).permutation(self.counts[s])
+                for s in group
+            ]
+        )
         order = np.lexsort((slot, turn))
         return group[slot[order]], index[order]
 
@@ -284,7 +340,9 @@ class ShardReader(TrainingData):
                 return [got[key] for key in wanted]
             for s, indices in missing.items():
                 try:
-                    got.update(((s, i), a) for i, a in self._read_shard(self.shards[s], indices).items())
+                    got.update(
+                        ((s, i), a) for i, a in self._read_shard(self.shards[s], indices).items()
+                    )
                 except DataError as e:
                     if (replaced := self._replaced(self.shards[s])) is not None:
                         raise replaced from None  # no bad shard: skipping it would not help
@@ -304,17 +362,21 @@ class ShardReader(TrainingData):
         if now == self._manifest_digest:
             return None
         change = "is gone" if now is None else "changed"
-        return DataError(f"shard {shard.url} is not the one this run's manifest lists: {self.manifest_location} "
-                         f"{change} since the run started reading it, so the data was prepared again (or removed) "
-                         "under the run, which no data.on_bad_shard setting mends. To train on the new preparation, "
-                         f"resume and {RESTART_ADVICE}; to go on with the old data, put it back and resume")
+        return DataError(
+            f"shard {shard.url} is not the one this run's manifest lists: {self.manifest_location} "
+            f"{change} since the run started reading it, so the data was prepared again (or removed) "
+            "under the run, which no data.on_bad_shard setting mends. To train on the new preparation, "
+            f"resume and {RESTART_ADVICE}; to go on with the old data, put it back and resume"
+        )
 
     def _read_shard(self, shard: Shard, wanted: set[int]) -> dict[int, np.ndarray]:
         """Stream one shard from start to end; the samples at ``wanted`` indices, after every check."""
         try:
             stream = open_url(shard.url)
         except FileNotFoundError:
-            raise DataError(f"shard {shard.url} is missing (listed in {self.manifest_location}); {_FIX}") from None
+            raise DataError(
+                f"shard {shard.url} is missing (listed in {self.manifest_location}); {_FIX}"
+            ) from None
         except DataError:
             raise
         except Exception as e:
@@ -333,25 +395,35 @@ class ShardReader(TrainingData):
         except DataError:
             raise
         except Exception as e:  # tarfile, OS and subprocess errors alike mean an unreadable shard
-            raise DataError(f"shard {shard.url} is unreadable: truncated, corrupt or missing "
-                            f"({type(e).__name__}: {e.args[0] if e.args else ''}); {_FIX}") from None
+            raise DataError(
+                f"shard {shard.url} is unreadable: truncated, corrupt or missing "
+                f"({type(e).__name__}: {e.args[0] if e.args else ''}); {_FIX}"
+            ) from None
         if count != shard.samples:
-            raise DataError(f"shard {shard.url} has {count} samples but {self.manifest_location} lists "
-                            f"{shard.samples}: it is truncated or from another preparation; {_FIX}")
+            raise DataError(
+                f"shard {shard.url} has {count} samples but {self.manifest_location} lists "
+                f"{shard.samples}: it is truncated or from another preparation; {_FIX}"
+            )
         if self.verify_checksums and reader.sha256.hexdigest() != shard.sha256:
-            raise DataError(f"shard {shard.url} fails its SHA-256 check against {self.manifest_location}: "
-                            f"the file is corrupt or was changed; {_FIX}")
+            raise DataError(
+                f"shard {shard.url} fails its SHA-256 check against {self.manifest_location}: "
+                f"the file is corrupt or was changed; {_FIX}"
+            )
         return found
 
     def _decode(self, sample: dict, shard: Shard, index: int) -> np.ndarray:
         try:
             tokens = np.load(io.BytesIO(sample[self.member]), allow_pickle=False)
         except (KeyError, ValueError, OSError) as e:
-            raise DataError(f"shard {shard.url}, sample {index} ({sample.get('__key__')}): no readable "
-                            f"{self.member} member ({e!r}); {_FIX}") from None
+            raise DataError(
+                f"shard {shard.url}, sample {index} ({sample.get('__key__')}): no readable "
+                f"{self.member} member ({e!r}); {_FIX}"
+            ) from None
         if tokens.dtype != self.dtype or tokens.shape != (self.seq_len + 1,):
-            raise DataError(f"shard {shard.url}, sample {index}: {tokens.dtype} array of shape {tokens.shape}, "
-                            f"expected {self.dtype} of ({self.seq_len + 1},) as {self.manifest_location} says; {_FIX}")
+            raise DataError(
+                f"shard {shard.url}, sample {index}: {tokens.dtype} array of shape {tokens.shape}, "
+                f"expected {self.dtype} of ({self.seq_len + 1},) as {self.manifest_location} says; {_FIX}"
+            )
         return tokens
 
 
@@ -373,11 +445,15 @@ def _put(out: queue.Queue, item, stop: threading.Event) -> None:
             continue
 
 
-def _substitutes(local: np.ndarray, shard_of: np.ndarray, bad: set[int], names: list[str]) -> np.ndarray:
+def _substitutes(
+    local: np.ndarray, shard_of: np.ndarray, bad: set[int], names: list[str]
+) -> np.ndarray:
     """Each window position, or (if its shard is bad) the next position, cyclically, in a readable shard."""
     if not bad:
         return local
     readable = np.flatnonzero(~np.isin(shard_of, list(bad)))
     if len(readable) == 0:
-        raise DataError(f"every shard of a shuffle window is unreadable ({', '.join(names)}): {_REPAIR}")
+        raise DataError(
+            f"every shard of a shuffle window is unreadable ({', '.join(names)}): {_REPAIR}"
+        )
     return readable[np.searchsorted(readable, local) % len(readable)]

@@ -28,8 +28,17 @@ def prepare_command(shard_dir: str, tokenizer: str | os.PathLike, out: str) -> s
         meta = read_json(f"{shard_dir.rstrip('/')}/{MANIFEST}")
     except DataError:
         meta = {}
-    args = ["mhf-dist", "prepare-data", *_inputs(meta.get("inputs")), "--tokenizer", str(tokenizer), "--out", out,
-            "--seq-len", str(meta.get("seq_len", "SEQ_LEN"))]
+    args = [
+        "mhf-dist",
+        "prepare-data",
+        *_inputs(meta.get("inputs")),
+        "--tokenizer",
+        str(tokenizer),
+        "--out",
+        out,
+        "--seq-len",
+        str(meta.get("seq_len", "SEQ_LEN")),
+    ]
     if "samples_per_shard" in meta:
         args += ["--samples-per-shard", str(meta["samples_per_shard"])]
     shards = meta.get("splits", {}).get(TRAIN_SPLIT, {}).get("shards", [])

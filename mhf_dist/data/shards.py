@@ -18,9 +18,20 @@ from mhf_dist.data.formats import SAMPLE_MEMBER, SHARD_SUFFIX
 class SplitWriter:
     """Packs one split's token stream into ``seq_len + 1`` samples and writes them into shards."""
 
-    def __init__(self, out_dir: Path, prefix: str, sample_tokens: int, dtype: np.dtype, samples_per_shard: int):
+    def __init__(
+        self,
+        out_dir: Path,
+        prefix: str,
+        sample_tokens: int,
+        dtype: np.dtype,
+        samples_per_shard: int,
+    ):
         self.out_dir, self.prefix = out_dir, prefix
-        self.sample_tokens, self.dtype, self.samples_per_shard = sample_tokens, dtype, samples_per_shard
+        self.sample_tokens, self.dtype, self.samples_per_shard = (
+            sample_tokens,
+            dtype,
+            samples_per_shard,
+        )
         self.rest = np.zeros(0, dtype=np.uint32)
         self.documents = self.input_tokens = self.samples = 0
         self.shards: list[dict] = []
@@ -45,7 +56,9 @@ class SplitWriter:
     def _write(self, sample: np.ndarray) -> None:
         if self.tar is None:
             self.file = open(self.out_dir / self._name(len(self.shards)), "wb")
-            self.tar = wds.TarWriter(self.file, encoder=False, mtime=0, user="mhf-dist", group="mhf-dist")
+            self.tar = wds.TarWriter(
+                self.file, encoder=False, mtime=0, user="mhf-dist", group="mhf-dist"
+            )
         buf = io.BytesIO()
         np.save(buf, sample.astype(self.dtype), allow_pickle=False)
         self.tar.write({"__key__": f"{self.samples:010d}", SAMPLE_MEMBER: buf.getvalue()})
@@ -62,13 +75,25 @@ class SplitWriter:
         self.file.close()
         path = self.out_dir / self._name(len(self.shards))
         data = path.read_bytes()
-        self.shards.append({"name": path.name, "samples": self.in_shard, "bytes": len(data),
-                            "sha256": hashlib.sha256(data).hexdigest()})
+        self.shards.append(
+            {
+                "name": path.name,
+                "samples": self.in_shard,
+                "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        )
         self.file = self.tar = None
         self.in_shard = 0
 
     def finish(self) -> dict:
         self.end_file()
         tokens = self.samples * self.sample_tokens
-        return {"documents": self.documents, "input_tokens": self.input_tokens, "samples": self.samples,
-                "tokens": tokens, "dropped_tokens": self.input_tokens - tokens, "shards": self.shards}
+        return {
+            "documents": self.documents,
+            "input_tokens": self.input_tokens,
+            "samples": self.samples,
+            "tokens": tokens,
+            "dropped_tokens": self.input_tokens - tokens,
+            "shards": self.shards,
+        }

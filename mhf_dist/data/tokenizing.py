@@ -34,7 +34,9 @@ def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
         yield chunk
 
 
-def file_chunks(files: Sequence[Path], text_field: str, bad: BadDocuments) -> Iterator[tuple[list[str], bool]]:
+def file_chunks(
+    files: Sequence[Path], text_field: str, bad: BadDocuments
+) -> Iterator[tuple[list[str], bool]]:
     """Chunks of documents that never span two files, each with whether it is the last of its file."""
     for path in files:
         chunks = _chunks(documents([path], text_field, bad))
@@ -60,15 +62,21 @@ class ChunkTokenizer:
         self.val_fraction = val_fraction
 
     def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray, int, int]:
-        ids = self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        ids = self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)[
+            "input_ids"
+        ]
         held_out = [is_validation(text, self.val_fraction) for text in texts]
         streams: tuple[list[int], list[int]] = ([], [])
         for val, doc in zip(held_out, ids):
             streams[val].extend(doc)
             streams[val].append(self.eos)
         n_val = sum(held_out)
-        return (np.asarray(streams[0], dtype=np.uint32), np.asarray(streams[1], dtype=np.uint32),
-                len(texts) - n_val, n_val)
+        return (
+            np.asarray(streams[0], dtype=np.uint32),
+            np.asarray(streams[1], dtype=np.uint32),
+            len(texts) - n_val,
+            n_val,
+        )
 
 
 _worker: ChunkTokenizer | None = None
@@ -84,8 +92,12 @@ def _tokenize_in_worker(texts: list[str]):
     return _worker(texts)
 
 
-def tokenized(chunks: Iterator[tuple[list[str], bool]], tokenize: ChunkTokenizer, tokenizer_path: str,
-               workers: int):
+def tokenized(
+    chunks: Iterator[tuple[list[str], bool]],
+    tokenize: ChunkTokenizer,
+    tokenizer_path: str,
+    workers: int,
+):
     """(chunk size, last of its file, result) in input order; at most ``2 * workers`` chunks in flight."""
     if workers <= 1:
         for chunk, ends_file in chunks:

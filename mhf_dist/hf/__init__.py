@@ -20,9 +20,11 @@ def check_transformers(version: str) -> None:
     major = re.match(r"\d+", version)
     if major is None or int(major.group()) < TRANSFORMERS_MAJOR:
         need = f"transformers>={TRANSFORMERS_MAJOR}.0"
-        raise ImportError(f"mhf_dist.hf needs {need}, but transformers {version} is installed (older versions "
-                          "ignore the rope_parameters of exported models and use the default RoPE base); "
-                          f"upgrade: pip install '{need}'")
+        raise ImportError(
+            f"mhf_dist.hf needs {need}, but transformers {version} is installed (older versions "
+            "ignore the rope_parameters of exported models and use the default RoPE base); "
+            f"upgrade: pip install '{need}'"
+        )
 
 
 check_transformers(transformers.__version__)

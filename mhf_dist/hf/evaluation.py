@@ -28,18 +28,29 @@ class SplitPasses:
     """Passes over ``max_sequences`` sequences of a split (each pass reads them again, in the same order), giving
     ``scoring.calibration_sums`` of the model's ``log P_inf``."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, shards: str | Path, split: str,
-                 max_sequences: int | None, batch_size: int):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        shards: str | Path,
+        split: str,
+        max_sequences: int | None,
+        batch_size: int,
+    ):
         self.model, self.shards, self.split, self.batch_size = model, shards, split, batch_size
         self.fingerprint = tokens_fingerprint(vocabulary(tokenizer))
         with self._reader() as reader:
-            self.sequences = min(max_sequences or reader.samples_per_epoch, reader.samples_per_epoch)
+            self.sequences = min(
+                max_sequences or reader.samples_per_epoch, reader.samples_per_epoch
+            )
             self.seq_len = reader.seq_len
         positions = model.config.max_position_embeddings
         if self.seq_len > positions:
-            raise ConfigError(f"{shards} holds sequences of {self.seq_len} tokens, more than the model's {positions} "
-                              f"positions (max_position_embeddings): evaluate on shards prepared with --seq-len "
-                              f"{positions} or less")
+            raise ConfigError(
+                f"{shards} holds sequences of {self.seq_len} tokens, more than the model's {positions} "
+                f"positions (max_position_embeddings): evaluate on shards prepared with --seq-len "
+                f"{positions} or less"
+            )
 
     def _reader(self) -> ShardReader:
         return ShardReader(self.shards, split=self.split, tokenizer_fingerprint=self.fingerprint)
@@ -48,11 +59,19 @@ class SplitPasses:
         tau = model_temperature(self.model)
         sums = 0
         with self._reader() as reader:
-            for start in tqdm(range(0, self.sequences, self.batch_size), desc=f"evaluate ({self.split})",
-                              unit="batch", disable=None):
-                batch = reader.next_batch(min(self.batch_size, self.sequences - start)).to(self.model.device)
+            for start in tqdm(
+                range(0, self.sequences, self.batch_size),
+                desc=f"evaluate ({self.split})",
+                unit="batch",
+                disable=None,
+            ):
+                batch = reader.next_batch(min(self.batch_size, self.sequences - start)).to(
+                    self.model.device
+                )
                 scores = self.model(batch[:, :-1]).logits.float()
-                scores = scores.flatten(0, 1) / tau if tau != 1 else scores.flatten(0, 1)  # log P_inf + const
+                scores = (
+                    scores.flatten(0, 1) / tau if tau != 1 else scores.flatten(0, 1)
+                )  # log P_inf + const
                 targets = batch[:, 1:].flatten()
                 for rows, wanted in zip(scores.split(ROWS), targets.split(ROWS)):
                     chunks = rows.split(max(1, CHUNK_VALUES // rows.shape[0]), dim=1)

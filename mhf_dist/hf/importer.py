@@ -47,7 +47,9 @@ def read_weights(src: Path) -> dict[str, torch.Tensor]:
     elif (src / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise HFImportError(f"{src} has no model.safetensors (or index): export the weights as safetensors")
+        raise HFImportError(
+            f"{src} has no model.safetensors (or index): export the weights as safetensors"
+        )
     state = {}
     for name in files:
         if not (src / name).is_file():
@@ -67,15 +69,22 @@ def read_config(path: Path) -> dict:
     try:
         config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HFImportError(f"{path} is not valid JSON ({e}); copy or export the model again") from None
+        raise HFImportError(
+            f"{path} is not valid JSON ({e}); copy or export the model again"
+        ) from None
     missing = [k for k in REQUIRED_KEYS if not isinstance(config, dict) or k not in config]
     if missing:
-        raise HFImportError(f"{path} lacks {', '.join(missing)}: it is not a complete Qwen3 / qwen3_hashformer "
-                            "config; copy or export the model again")
+        raise HFImportError(
+            f"{path} lacks {', '.join(missing)}: it is not a complete Qwen3 / qwen3_hashformer "
+            "config; copy or export the model again"
+        )
     unknown = sorted(set(config) - set(MultiHashFormerConfig().to_dict()) - set(LOADER_KEYS))
     if unknown:  # a misspelt key leaves its field at the default, which may only show as weights that do not fit
-        print(f"warning: {path} has keys that neither transformers' Qwen3 config nor mhf-dist reads, ignored: "
-              f"{', '.join(unknown)}", file=sys.stderr)
+        print(
+            f"warning: {path} has keys that neither transformers' Qwen3 config nor mhf-dist reads, ignored: "
+            f"{', '.join(unknown)}",
+            file=sys.stderr,
+        )
     check_fields(config, path)
     return config
 
@@ -86,23 +95,37 @@ def check_fields(config: dict, path: Path) -> None:
     try:
         MultiHashFormerConfig(**config)
     except (StrictDataclassError, TypeError, ValueError) as e:
-        raise HFImportError(f"{path}: {' '.join(str(e).split())}; correct that field (transformers' Qwen3Config "
-                            "documents each), or copy or export the model again") from None
+        raise HFImportError(
+            f"{path}: {' '.join(str(e).split())}; correct that field (transformers' Qwen3Config "
+            "documents each), or copy or export the model again"
+        ) from None
 
 
-def check_shapes(cfg: RunConfig, vocab_size: int, codes: torch.Tensor | None, state: dict[str, torch.Tensor],
-                 src: Path) -> None:
+def check_shapes(
+    cfg: RunConfig,
+    vocab_size: int,
+    codes: torch.Tensor | None,
+    state: dict[str, torch.Tensor],
+    src: Path,
+) -> None:
     """The weights must be exactly the parameters of the model ``config.json`` describes."""
     with torch.device("meta"):  # shapes only: no memory for a multi-billion-parameter model
-        expected = {k: v.shape for k, v in build_model(cfg.model, vocab_size, codes).state_dict().items()}
-    problems = [f"{k}: weights {tuple(state[k].shape)}, config {tuple(shape)}" for k, shape in expected.items()
-                if k in state and state[k].shape != shape]
+        expected = {
+            k: v.shape for k, v in build_model(cfg.model, vocab_size, codes).state_dict().items()
+        }
+    problems = [
+        f"{k}: weights {tuple(state[k].shape)}, config {tuple(shape)}"
+        for k, shape in expected.items()
+        if k in state and state[k].shape != shape
+    ]
     problems += [f"{k}: missing from the weights" for k in expected if k not in state]
     problems += [f"{k}: not a parameter of this model" for k in state if k not in expected]
     if problems:
-        raise HFImportError(f"the weights in {src} do not fit its config.json ({'; '.join(problems[:5])}"
-                            f"{'; ...' if len(problems) > 5 else ''}): the files come from different models; copy "
-                            "or export the model again")
+        raise HFImportError(
+            f"the weights in {src} do not fit its config.json ({'; '.join(problems[:5])}"
+            f"{'; ...' if len(problems) > 5 else ''}): the files come from different models; copy "
+            "or export the model again"
+        )
 
 
 def model_config_from_hf(config: dict) -> dict:
@@ -112,19 +135,28 @@ def model_config_from_hf(config: dict) -> dict:
     if head_dim == config["hidden_size"] // config["num_attention_heads"]:
         head_dim = None  # our default
     model = dict(
-        d_model=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
+        d_model=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=config["num_attention_heads"],
         n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-        head_dim=head_dim, ffn_dim=config["intermediate_size"],
+        head_dim=head_dim,
+        ffn_dim=config["intermediate_size"],
         rope_theta=rope.get("rope_theta", config.get("rope_theta", 1_000_000.0)),
         norm_eps=config.get("rms_norm_eps", 1e-6),
     )
     try:  # the variant whose record reads this config.json (its HFNames.model_section)
-        found = [(spec.name, keys) for spec in VARIANTS.values() if (keys := spec.hf.model_section(config)) is not None]
+        found = [
+            (spec.name, keys)
+            for spec in VARIANTS.values()
+            if (keys := spec.hf.model_section(config)) is not None
+        ]
     except ValueError as e:
         raise HFImportError(str(e)) from None
     if len(found) != 1:
-        raise HFImportError(f"config.json is read as {len(found)} model variants ({', '.join(n for n, _ in found)}), "
-                            "not one: check the variants' HFNames.model_section (mhf_dist/model/variants.py)")
+        raise HFImportError(
+            f"config.json is read as {len(found)} model variants ({', '.join(n for n, _ in found)}), "
+            "not one: check the variants' HFNames.model_section (mhf_dist/model/variants.py)"
+        )
     name, keys = found[0]
     return model | {"variant": name} | keys
 
@@ -134,21 +166,30 @@ class ImportReport:
     run_dir: Path
     variant: str
     vocab_size: int
-    differing: list[dict] = field(default_factory=list)  # tokens whose signature differs from a fresh build
-    shared: list[list[int]] = field(default_factory=list)  # groups of token ids sharing one signature
+    differing: list[dict] = field(
+        default_factory=list
+    )  # tokens whose signature differs from a fresh build
+    shared: list[list[int]] = field(
+        default_factory=list
+    )  # groups of token ids sharing one signature
 
     def summary(self) -> str:
         lines = [f"imported a {self.variant} model ({self.vocab_size} tokens) into {self.run_dir}"]
         if variant(self.variant).needs_signatures:
-            lines.append(f"signatures: {len(self.differing)} differ from a fresh docs/spec.md §1 build, "
-                         f"{len(self.shared)} shared by several tokens (details: {self.run_dir / REPORT})")
-            lines += [f"  id {d['id']} {d['token']!r}: imported {d['imported']}, fresh {d['fresh']}"
-                      for d in self.differing[:10]]
+            lines.append(
+                f"signatures: {len(self.differing)} differ from a fresh docs/spec.md §1 build, "
+                f"{len(self.shared)} shared by several tokens (details: {self.run_dir / REPORT})"
+            )
+            lines += [
+                f"  id {d['id']} {d['token']!r}: imported {d['imported']}, fresh {d['fresh']}"
+                for d in self.differing[:10]
+            ]
         return "\n".join(lines)
 
 
-def imported_table(codes: torch.Tensor, tokens: list[str], num_buckets: int, rule: dict | None,
-                   pad_id: int | None) -> tuple[SignatureTable, list[dict], list[list[int]]]:
+def imported_table(
+    codes: torch.Tensor, tokens: list[str], num_buckets: int, rule: dict | None, pad_id: int | None
+) -> tuple[SignatureTable, list[dict], list[list[int]]]:
     """(the table as imported, differences from a fresh build, shared signatures)."""
     groups = defaultdict(list)
     for i, row in enumerate(codes.tolist()):
@@ -156,19 +197,40 @@ def imported_table(codes: torch.Tensor, tokens: list[str], num_buckets: int, rul
             groups[tuple(row)].append(i)
     shared = [ids for ids in groups.values() if len(ids) > 1]
     h = codes.shape[1]
-    rule = rule or {"seeds": list(range(h)), "unique": not shared, "pad_id": pad_id, "hash_version": HASH_VERSION}
-    table = SignatureTable(codes=codes.to(torch.int32), num_buckets=num_buckets, seeds=tuple(rule["seeds"]),
-                           tokens=tuple(tokens), unique=rule["unique"] and not shared, pad_id=rule["pad_id"],
-                           hash_version=rule["hash_version"])
+    rule = rule or {
+        "seeds": list(range(h)),
+        "unique": not shared,
+        "pad_id": pad_id,
+        "hash_version": HASH_VERSION,
+    }
+    table = SignatureTable(
+        codes=codes.to(torch.int32),
+        num_buckets=num_buckets,
+        seeds=tuple(rule["seeds"]),
+        tokens=tuple(tokens),
+        unique=rule["unique"] and not shared,
+        pad_id=rule["pad_id"],
+        hash_version=rule["hash_version"],
+    )
     single_id = h > 1 and not any(table.seeds)
-    fresh = SignatureTable.build(tokens, h, num_buckets, pad_id=table.pad_id, unique=table.unique,
-                                 single_id=single_id)
-    differing = [{"id": i, "token": tokens[i], "imported": table.codes[i].tolist(), "fresh": fresh.codes[i].tolist()}
-                 for i in torch.nonzero((table.codes != fresh.codes).any(dim=1)).flatten().tolist()]
+    fresh = SignatureTable.build(
+        tokens, h, num_buckets, pad_id=table.pad_id, unique=table.unique, single_id=single_id
+    )
+    differing = [
+        {
+            "id": i,
+            "token": tokens[i],
+            "imported": table.codes[i].tolist(),
+            "fresh": fresh.codes[i].tolist(),
+        }
+        for i in torch.nonzero((table.codes != fresh.codes).any(dim=1)).flatten().tolist()
+    ]
     return table, differing, shared
 
 
-def import_hf(src: str | Path, run_dir: str | Path, overrides: list[str] = (), overwrite: bool = False) -> ImportReport:
+def import_hf(
+    src: str | Path, run_dir: str | Path, overrides: list[str] = (), overwrite: bool = False
+) -> ImportReport:
     src = Path(src)
     if not (src / "config.json").is_file():
         raise HFImportError(f"{src} has no config.json: pass a Hugging Face model directory")
@@ -179,9 +241,15 @@ def import_hf(src: str | Path, run_dir: str | Path, overrides: list[str] = (), o
 
     raw = yaml.safe_load((src / RUN_CONFIG).read_text()) if (src / RUN_CONFIG).is_file() else {}
     raw.pop("exported_step", None)
-    raw = deep_merge(raw, {"model": model_config_from_hf(config), "preset": None,
-                           "tokenizer": {"path": str(final.tokenizer_dir.resolve())},
-                           "train": {"init_from": INIT_WEIGHTS}})
+    raw = deep_merge(
+        raw,
+        {
+            "model": model_config_from_hf(config),
+            "preset": None,
+            "tokenizer": {"path": str(final.tokenizer_dir.resolve())},
+            "train": {"init_from": INIT_WEIGHTS},
+        },
+    )
     if "inference_temperature" in config:  # what the model's logits apply
         raw = deep_merge(raw, {"inference": {"temperature": config["inference_temperature"]}})
     for assignment in overrides:
@@ -196,37 +264,70 @@ def import_hf(src: str | Path, run_dir: str | Path, overrides: list[str] = (), o
     report = ImportReport(final.path, cfg.model.variant, vocab_size)
     if spec.needs_signatures:
         if codes is None:
-            raise HFImportError(f"{src} has no model.hash_map: the signature table must be saved with the weights")
+            raise HFImportError(
+                f"{src} has no model.hash_map: the signature table must be saved with the weights"
+            )
         if codes.shape[0] < vocab_size or codes[vocab_size:].any():
-            raise HFImportError(f"model.hash_map has {codes.shape[0]} rows but the tokenizer {vocab_size} tokens "
-                               "(rows past the tokenizer must be all zero): use the tokenizer saved with the model")
+            raise HFImportError(
+                f"model.hash_map has {codes.shape[0]} rows but the tokenizer {vocab_size} tokens "
+                "(rows past the tokenizer must be all zero): use the tokenizer saved with the model"
+            )
         table, report.differing, report.shared = imported_table(
-            codes[:vocab_size], tokens, cfg.model.hash.num_buckets, config.get("signature_rule"),
-            tokenizer.pad_token_id)
+            codes[:vocab_size],
+            tokens,
+            cfg.model.hash.num_buckets,
+            config.get("signature_rule"),
+            tokenizer.pad_token_id,
+        )
     else:  # Standard: pad the table back to pad_vocab_to rows (the padding is never predicted)
         table, weight = None, state["vocab.tables.weight"]
         rows = cfg.model.padded_vocab_rows(vocab_size)
-        state["vocab.tables.weight"] = torch.cat([weight, weight.new_zeros(1, rows - weight.shape[1], weight.shape[2])],
-                                                 dim=1)
+        state["vocab.tables.weight"] = torch.cat(
+            [weight, weight.new_zeros(1, rows - weight.shape[1], weight.shape[2])], dim=1
+        )
 
     check_shapes(cfg, vocab_size, table.codes if table is not None else None, state, src)
     with staged(final.path) as tmp:
         run = RunDir(tmp)
-        save_initialised_run(run, cfg, tokenizer, table, {k: v.float() for k, v in state.items()},
-                             {"source": str(src.resolve())})
-        (run.path / REPORT).write_text(json.dumps(
-            {"source": str(src.resolve()), "differing": report.differing, "shared": report.shared}, indent=1,
-            ensure_ascii=False))
+        save_initialised_run(
+            run,
+            cfg,
+            tokenizer,
+            table,
+            {k: v.float() for k, v in state.items()},
+            {"source": str(src.resolve())},
+        )
+        (run.path / REPORT).write_text(
+            json.dumps(
+                {
+                    "source": str(src.resolve()),
+                    "differing": report.differing,
+                    "shared": report.shared,
+                },
+                indent=1,
+                ensure_ascii=False,
+            )
+        )
     return report
 
 
-def save_initialised_run(run: RunDir, cfg: RunConfig, tokenizer, table: SignatureTable | None,
-                         state: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+def save_initialised_run(
+    run: RunDir,
+    cfg: RunConfig,
+    tokenizer,
+    table: SignatureTable | None,
+    state: dict[str, torch.Tensor],
+    metadata: dict[str, str],
+) -> None:
     """Write a run directory that starts from ``state`` (``train.init_from`` = ``INIT_WEIGHTS``, saved with
     ``metadata``): its tokenizer, its signature table (MHF), the weights and ``cfg``."""
     tokenizer.save_pretrained(run.tokenizer_dir)
     if table is not None:
         table.save(run.signatures_dir)
     (run.path / INIT_WEIGHTS).parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(run.path / INIT_WEIGHTS), metadata=metadata)
+    save_file(
+        {k: v.contiguous() for k, v in state.items()},
+        str(run.path / INIT_WEIGHTS),
+        metadata=metadata,
+    )
     run.save_config(cfg)

@@ -31,8 +31,11 @@ class ContextualGatingCombiner(nn.Module):
     def __init__(self, config: MultiHashFormerConfig):
         super().__init__()
         d = config.hidden_size
-        self.scorer = nn.Sequential(nn.Linear(d, config.bottle_neck_dim), ACT2FN[config.hidden_act],
-                                    nn.Linear(config.bottle_neck_dim, 1))
+        self.scorer = nn.Sequential(
+            nn.Linear(d, config.bottle_neck_dim),
+            ACT2FN[config.hidden_act],
+            nn.Linear(config.bottle_neck_dim, 1),
+        )
         self.output_proj = nn.Sequential(nn.Linear(d, d))
 
     def forward(self, bucket_vectors: torch.Tensor) -> torch.Tensor:
@@ -57,7 +60,7 @@ class CascadeMixer(nn.Module):
         """``c [..., d]``, ``tables [H·B, d]`` -> per head ``log p_i [..., B]`` in fp32."""
         log_probs = []
         for i in range(self.num_hashes):
-            table = tables[i * self.num_buckets:(i + 1) * self.num_buckets]
+            table = tables[i * self.num_buckets : (i + 1) * self.num_buckets]
             logp = F.log_softmax((c @ table.t()).float(), dim=-1)
             log_probs.append(logp)
             if i < self.num_hashes - 1:
@@ -75,14 +78,23 @@ class MultiHashFormerModel(Qwen3Model):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.num_hashes * config.num_buckets, config.hidden_size)
         self.combiner = ContextualGatingCombiner(config)
-        self.register_buffer("hash_map", torch.zeros(config.vocab_size, config.num_hashes, dtype=torch.long))
+        self.register_buffer(
+            "hash_map", torch.zeros(config.vocab_size, config.num_hashes, dtype=torch.long)
+        )
         self.post_init()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        offsets = torch.arange(self.config.num_hashes, device=input_ids.device) * self.config.num_buckets
+        offsets = (
+            torch.arange(self.config.num_hashes, device=input_ids.device) * self.config.num_buckets
+        )
         return self.combiner(self.embed_tokens(self.hash_map[input_ids] + offsets))
 
-    def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None, **kwargs):
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ):
         if inputs_embeds is None and input_ids is not None:
             inputs_embeds = self.embed(input_ids)
         return super().forward(inputs_embeds=inputs_embeds, **kwargs)
@@ -95,7 +107,9 @@ class MultiHashFormerForCausalLM(Qwen3PreTrainedModel, GenerationMixin):
     def __init__(self, config: MultiHashFormerConfig):
         super().__init__(config)
         self.model = MultiHashFormerModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.num_hashes * config.num_buckets, bias=False)
+        self.lm_head = nn.Linear(
+            config.hidden_size, config.num_hashes * config.num_buckets, bias=False
+        )
         self.hash_head = CascadeMixer(config)
         self.post_init()
 
@@ -114,13 +128,17 @@ class MultiHashFormerForCausalLM(Qwen3PreTrainedModel, GenerationMixin):
             score = score * temperature
         return F.log_softmax(score, dim=-1)
 
-    def forward(self, input_ids=None, labels=None, logits_to_keep: int | torch.Tensor = 0, **kwargs):
+    def forward(
+        self, input_ids=None, labels=None, logits_to_keep: int | torch.Tensor = 0, **kwargs
+    ):
         outputs = self.model(input_ids=input_ids, **kwargs)
         hidden = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.log_p_inf(hidden[:, keep])
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs
+            )
         extra = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
         return CausalLMOutputWithPast(loss=loss, logits=logits, **extra)

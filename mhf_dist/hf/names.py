@@ -33,14 +33,17 @@ def _rename(name: str, direction: int) -> str:
     for ours, theirs in _PREFIXES:
         src, dst = (ours, theirs) if direction > 0 else (theirs, ours)
         if name.startswith(src):
-            return dst + name[len(src):]
+            return dst + name[len(src) :]
     if direction > 0:
         raise KeyError(f"no exported name for parameter {name!r}")
     raise HFImportError(
-        f"unexpected key {name!r} in the weights: not the authors' qwen3_hashformer layout (docs/spec.md §9)")
+        f"unexpected key {name!r} in the weights: not the authors' qwen3_hashformer layout (docs/spec.md §9)"
+    )
 
 
-def to_export(state: dict[str, torch.Tensor], codes: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def to_export(
+    state: dict[str, torch.Tensor], codes: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Our state dict (+ signature ``codes`` for MHF) -> the authors' names and shapes."""
     out = {}
     for name, tensor in state.items():
@@ -54,7 +57,9 @@ def to_export(state: dict[str, torch.Tensor], codes: torch.Tensor | None = None)
     return out
 
 
-def from_export(state: dict[str, torch.Tensor], num_tables: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+def from_export(
+    state: dict[str, torch.Tensor], num_tables: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """The authors' layout -> (our state dict, signature codes or None). ``lm_head`` must equal the table if present."""
     out, codes = {}, None
     for name, tensor in state.items():
@@ -62,7 +67,9 @@ def from_export(state: dict[str, torch.Tensor], num_tables: int) -> tuple[dict[s
             out[TABLES] = tensor.reshape(num_tables, -1, tensor.shape[-1])
         elif name == LM_HEAD:
             if EMBED in state and not torch.equal(tensor, state[EMBED]):
-                raise HFImportError("lm_head.weight differs from model.embed_tokens.weight: the tables must be tied")
+                raise HFImportError(
+                    "lm_head.weight differs from model.embed_tokens.weight: the tables must be tied"
+                )
         elif name == HASH_MAP:
             codes = tensor.to(torch.int32)
         else:

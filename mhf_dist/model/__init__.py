@@ -8,8 +8,14 @@ login nodes that may not have it.
 
 from importlib import import_module
 
-_EXPORTS = {"LanguageModel": "lm", "MultiHashFormer": "lm", "StandardLM": "lm", "build_model": "lm",
-            "TrainingLoss": "vocabulary", "Evaluation": "vocabulary"}
+_EXPORTS = {
+    "LanguageModel": "lm",
+    "MultiHashFormer": "lm",
+    "StandardLM": "lm",
+    "build_model": "lm",
+    "TrainingLoss": "vocabulary",
+    "Evaluation": "vocabulary",
+}
 
 __all__ = sorted(_EXPORTS)
 

@@ -25,9 +25,13 @@ if TYPE_CHECKING:
     from mhf_dist.vocab.engram_compression import CompressionTable
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin [S, head_dim]`` for rotate-half RoPE (Qwen3/Llama convention)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+    )
     angles = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([angles, angles], dim=-1)
     return emb.cos(), emb.sin()
@@ -37,7 +41,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate ``x [B, heads, S, hd]`` by position."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype))
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -59,7 +63,9 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(b, s, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -85,8 +91,13 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if self.engram is not None:
             x = x + self.engram(x, input_ids)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -101,16 +112,24 @@ class Backbone(nn.Module):
     ``compression`` (the tokenizer's, docs/spec.md §8) is needed only with ``cfg.engram``.
     """
 
-    def __init__(self, cfg: ModelConfig, compression: CompressionTable | None = None, checkpoint_interval: int = 0):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        compression: CompressionTable | None = None,
+        checkpoint_interval: int = 0,
+    ):
         super().__init__()
         self.head_dim, self.rope_theta = cfg.resolved_head_dim, cfg.rope_theta
         sizes = table_sizes(cfg.engram, cfg.engram_layers) if cfg.engram else {}
         if sizes and compression is None:
-            raise ValueError("model.engram needs the tokenizer's compression table (CompressionTable.build, or "
-                             ".identity for a synthetic vocabulary)")
+            raise ValueError(
+                "model.engram needs the tokenizer's compression table (CompressionTable.build, or "
+                ".identity for a synthetic vocabulary)"
+            )
         self.layers = nn.ModuleList(
             Block(cfg, EngramMemory(cfg, i, sizes[i], compression) if i in sizes else None)
-            for i in range(cfg.n_layers))
+            for i in range(cfg.n_layers)
+        )
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.checkpoint_interval = checkpoint_interval
 
@@ -120,7 +139,9 @@ class Backbone(nn.Module):
             layer.compile()
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        cos, sin = rope_cos_sin(torch.arange(x.shape[1], device=x.device), self.head_dim, self.rope_theta)
+        cos, sin = rope_cos_sin(
+            torch.arange(x.shape[1], device=x.device), self.head_dim, self.rope_theta
+        )
         k = self.checkpoint_interval
         for i, layer in enumerate(self.layers):
             if k and i % k == 0 and torch.is_grad_enabled():

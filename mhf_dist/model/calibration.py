@@ -32,7 +32,9 @@ def as_temperatures(values) -> torch.Tensor:
 
 
 def coarse_temperatures() -> torch.Tensor:
-    return as_temperatures(torch.logspace(math.log10(TAU_MIN), math.log10(TAU_MAX), COARSE, dtype=torch.float64))
+    return as_temperatures(
+        torch.logspace(math.log10(TAU_MIN), math.log10(TAU_MAX), COARSE, dtype=torch.float64)
+    )
 
 
 def fine_temperatures(centre: float) -> torch.Tensor:
@@ -56,7 +58,7 @@ def _hermite_minimum(a: float, b: float, fa: float, fb: float, ga: float, gb: fl
     else:
         roots = [-c1 / (2 * c2)] if c2 else []
     candidates = [0.0, 1.0] + [x for x in roots if 0 < x < 1]
-    x = min(candidates, key=lambda x: fa + c1 * x + c2 * x * x + c3 * x ** 3)
+    x = min(candidates, key=lambda x: fa + c1 * x + c2 * x * x + c3 * x**3)
     return a + x * h
 
 
@@ -95,7 +97,9 @@ class Calibration:
         return safe_exp(self.p_inf_nll_calibrated)
 
 
-def fit_temperature(evaluate: Callable[[torch.Tensor], Sequence[float] | torch.Tensor]) -> Calibration:
+def fit_temperature(
+    evaluate: Callable[[torch.Tensor], Sequence[float] | torch.Tensor],
+) -> Calibration:
     """Fit ``τ`` by the module docstring's two passes (coarse, then fine). ``evaluate(temperatures [K])`` runs one
     pass over the evaluation tokens and returns the ``scoring.calibration_sums`` summed over all of them (and over
     every data-parallel rank)."""
@@ -106,12 +110,24 @@ def fit_temperature(evaluate: Callable[[torch.Tensor], Sequence[float] | torch.T
     taus = torch.cat([coarse_taus, fine_taus, torch.ones(1, dtype=torch.float64)])
     nll = torch.cat([coarse.nll, fine.nll, torch.tensor([coarse.p_inf_nll], dtype=torch.float64)])
     # τ = 1 (the last) when nothing is finite (a diverged model, or a target that is not registered: P_inf = 0)
-    best = int(torch.nan_to_num(nll, nan=math.inf).argmin()) if torch.isfinite(nll).any() else len(nll) - 1
-    return Calibration(coarse.tokens, coarse.p_inf_nll, coarse.top1, coarse.top5, taus[best].item(),
-                       nll[best].item())
+    best = (
+        int(torch.nan_to_num(nll, nan=math.inf).argmin())
+        if torch.isfinite(nll).any()
+        else len(nll) - 1
+    )
+    return Calibration(
+        coarse.tokens,
+        coarse.p_inf_nll,
+        coarse.top1,
+        coarse.top5,
+        taus[best].item(),
+        nll[best].item(),
+    )
 
 
-def evaluate_at(evaluate: Callable[[torch.Tensor], Sequence[float] | torch.Tensor], temperature: float) -> Calibration:
+def evaluate_at(
+    evaluate: Callable[[torch.Tensor], Sequence[float] | torch.Tensor], temperature: float
+) -> Calibration:
     """The metrics at a given ``τ`` (one pass): for a ``τ`` fitted on other data."""
     taus = as_temperatures([temperature])
     sums = EvalSums.from_sums(taus, evaluate(taus))
@@ -121,7 +137,14 @@ def evaluate_at(evaluate: Callable[[torch.Tensor], Sequence[float] | torch.Tenso
 
 def validation_metrics(loss: float, head_losses: list[float], fit: Calibration) -> dict:
     """The ``val_*`` fields of ``metrics.jsonl`` from the training loss and a fit on the validation tokens."""
-    return {"val_loss": loss, "val_p_inf_nll": fit.p_inf_nll, "val_ppl": fit.perplexity,
-            "val_ppl_calibrated": fit.perplexity_calibrated, "val_temperature": fit.temperature,
-            "val_p_inf_nll_calibrated": fit.p_inf_nll_calibrated, "val_top1": fit.top1, "val_top5": fit.top5,
-            "val_head_losses": list(head_losses)}
+    return {
+        "val_loss": loss,
+        "val_p_inf_nll": fit.p_inf_nll,
+        "val_ppl": fit.perplexity,
+        "val_ppl_calibrated": fit.perplexity_calibrated,
+        "val_temperature": fit.temperature,
+        "val_p_inf_nll_calibrated": fit.p_inf_nll_calibrated,
+        "val_top1": fit.top1,
+        "val_top5": fit.top5,
+        "val_head_losses": list(head_losses),
+    }

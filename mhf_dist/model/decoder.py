@@ -24,10 +24,21 @@ class CascadedDecoder(nn.Module):
     activation memory ``O(chunk × B)``, its elementwise passes run as ``kernels`` says: ``KernelPolicy``); 0
     keeps the plain path, which materialises every head's logits."""
 
-    def __init__(self, dim: int, num_heads: int, mixer_dim: int, num_valid_rows: int | None = None,
-                 chunk_tokens: int = 0, kernels: str = "auto"):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mixer_dim: int,
+        num_valid_rows: int | None = None,
+        chunk_tokens: int = 0,
+        kernels: str = "auto",
+    ):
         super().__init__()
-        self.num_heads, self.num_valid_rows, self.chunk_tokens = num_heads, num_valid_rows, chunk_tokens
+        self.num_heads, self.num_valid_rows, self.chunk_tokens = (
+            num_heads,
+            num_valid_rows,
+            chunk_tokens,
+        )
         self.kernels = KernelPolicy(kernels)
         # Names match the authors' `hash_head.cascade_mixer.{k}.{0,2}` (docs/spec.md §9).
         self.cascade_mixer = nn.ModuleList(
@@ -35,7 +46,9 @@ class CascadedDecoder(nn.Module):
             for _ in range(num_heads - 1)
         )
 
-    def _heads(self, h: torch.Tensor, tables: BucketTables, normalised: bool) -> Iterator[torch.Tensor]:
+    def _heads(
+        self, h: torch.Tensor, tables: BucketTables, normalised: bool
+    ) -> Iterator[torch.Tensor]:
         """Yield each head's ``log p_i [..., R_local]`` down the cascade, or (``normalised=False``) its logits
         ``o_i = log p_i + log Z_i``, which need no normaliser of their own."""
         c = h
@@ -54,37 +67,53 @@ class CascadedDecoder(nn.Module):
         """``-log p_i[target_i]`` per head: ``h [N, d]``, ``targets [N, H]`` -> ``[N, H]``."""
         return self._nll(h, tables, targets, entropy=False)[0]
 
-    def nll_and_entropy(self, h: torch.Tensor, tables: BucketTables,
-                        targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def nll_and_entropy(
+        self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``nll`` and each head's entropy ``-Σ_b p_i,b log p_i,b`` over the rows held here ``[N, H]``
         (detached; summed over the bucket shards it is the head's entropy), for the health metrics."""
         return self._nll(h, tables, targets, entropy=True)
 
-    def _nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor,
-             entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _nll(
+        self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.chunk_tokens:
             return self._fused_nll(h, tables, targets, entropy)
         log_probs = list(self._heads(h, tables, normalised=True))
-        nll = torch.stack([-tables.pick(log_p, targets[..., i]) for i, log_p in enumerate(log_probs)], dim=-1)
+        nll = torch.stack(
+            [-tables.pick(log_p, targets[..., i]) for i, log_p in enumerate(log_probs)], dim=-1
+        )
         return nll, head_entropies(log_probs) if entropy else None
 
-    def nll_and_log_probs(self, h: torch.Tensor, tables: BucketTables,
-                          targets: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def nll_and_log_probs(
+        self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The plain path's ``-log p_i[target_i]`` ``[N, H]`` and every head's ``log p_i [N, R_local]``, from one
         pass down the cascade; the log-probabilities are also ``scores`` for ``log P_inf`` (each head's
         normaliser cancels there), which is how the training loss's ``log P_inf`` term gets them."""
         log_probs = list(self._heads(h, tables, normalised=True))
-        nll = torch.stack([-tables.pick(log_p, targets[..., i]) for i, log_p in enumerate(log_probs)], dim=-1)
+        nll = torch.stack(
+            [-tables.pick(log_p, targets[..., i]) for i, log_p in enumerate(log_probs)], dim=-1
+        )
         return nll, log_probs
 
-    def _fused_nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor,
-                   entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _fused_nll(
+        self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         c, nll, entropies, split = h, [], [], tables.per_table()
         for i in range(self.num_heads):
             more = i < self.num_heads - 1
-            log_z, target, soft, ent = tables.fused_head(c, split, i, targets=targets[:, i], retrieve=more,
-                                                         chunk=self.chunk_tokens, kernels=self.kernels,
-                                                         num_valid_rows=self.num_valid_rows, entropy=entropy)
+            log_z, target, soft, ent = tables.fused_head(
+                c,
+                split,
+                i,
+                targets=targets[:, i],
+                retrieve=more,
+                chunk=self.chunk_tokens,
+                kernels=self.kernels,
+                num_valid_rows=self.num_valid_rows,
+                entropy=entropy,
+            )
             nll.append(log_z - target)
             entropies.append(ent)
             if more:
@@ -102,6 +131,7 @@ class CascadedDecoder(nn.Module):
 def head_entropies(log_probs: list[torch.Tensor]) -> torch.Tensor:
     """``[N, H]``: each head's ``-Σ_b p_b log p_b`` over the rows of its ``log p [N, R_local]`` (detached; a masked
     row's ``log p = -inf`` counts as 0)."""
+
     def entropy(log_p: torch.Tensor) -> torch.Tensor:
         log_p = log_p.detach()
         return -torch.einsum("nb,nb->n", log_p.exp(), log_p.clamp_min(torch.finfo(log_p.dtype).min))

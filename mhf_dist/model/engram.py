@@ -42,7 +42,9 @@ class SoftmaxGate(nn.Module):
             return torch.softmax(scores, dim=-1)
         keep = scores >= self.threshold
         # the lowest finite score rather than -inf: an all-masked position gets weights 0, not NaN
-        return torch.softmax(scores.masked_fill(~keep, torch.finfo(scores.dtype).min), dim=-1) * keep
+        return (
+            torch.softmax(scores.masked_fill(~keep, torch.finfo(scores.dtype).min), dim=-1) * keep
+        )
 
     def forward(self, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return self.out_proj((self.weights(h, u).unsqueeze(-1) * u).sum(dim=-2))
@@ -88,23 +90,37 @@ class EngramMemory(nn.Module):
     (``table_sizes``).
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, sizes: list[list[int]], compression: "CompressionTable"):
+    def __init__(
+        self, cfg: ModelConfig, layer: int, sizes: list[list[int]], compression: "CompressionTable"
+    ):
         super().__init__()
         e = cfg.engram
-        self.hash = NgramHash(e, layer, sizes, compression.old_to_new, compression.num_ids, compression.pad_id)
+        self.hash = NgramHash(
+            e, layer, sizes, compression.old_to_new, compression.num_ids, compression.pad_id
+        )
         rows = -(-max(max(order) for order in sizes) // e.pad_rows_to) * e.pad_rows_to
         if e.offload:
             self.tables = HostTables(self.hash.num_heads, rows, cfg.engram_head_dim)
             # a host copy of the hash for prefetching, not a submodule: model.to(device) leaves it on the host
-            object.__setattr__(self, "host_hash", NgramHash(e, layer, sizes, compression.old_to_new,
-                                                            compression.num_ids, compression.pad_id))
+            object.__setattr__(
+                self,
+                "host_hash",
+                NgramHash(
+                    e, layer, sizes, compression.old_to_new, compression.num_ids, compression.pad_id
+                ),
+            )
         else:
             self.tables = BucketTables(self.hash.num_heads, rows, cfg.engram_head_dim)
         if e.gate == "softmax":
             self.gate = SoftmaxGate(cfg.d_model, e.threshold)
         else:
-            self.gate = SigmoidGate(self.hash.num_heads * cfg.engram_head_dim, cfg.d_model, e.kernel_size,
-                                    e.max_ngram, cfg.norm_eps)
+            self.gate = SigmoidGate(
+                self.hash.num_heads * cfg.engram_head_dim,
+                cfg.d_model,
+                e.kernel_size,
+                e.max_ngram,
+                cfg.norm_eps,
+            )
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         return self.gate(h, self.tables.lookup(self.hash(input_ids)).to(h.dtype))

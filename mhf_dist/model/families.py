@@ -15,13 +15,22 @@ from mhf_dist.config import Family
 
 FAMILIES: tuple[str, ...] = get_args(Family)
 
-_PREFIXES = {"vocab.tables.": "tables", "vocab.encoder.": "gate", "vocab.decoder.": "decoder", "backbone.": "backbone"}
+_PREFIXES = {
+    "vocab.tables.": "tables",
+    "vocab.encoder.": "gate",
+    "vocab.decoder.": "decoder",
+    "backbone.": "backbone",
+}
 
 
 def families(name: str) -> frozenset[str]:
     """The families of the parameter called ``name``."""
     parts = name.split(".")
-    primary = "engram" if "engram" in parts else next((f for p, f in _PREFIXES.items() if name.startswith(p)), None)
+    primary = (
+        "engram"
+        if "engram" in parts
+        else next((f for p, f in _PREFIXES.items() if name.startswith(p)), None)
+    )
     if primary is None:
         raise ValueError(f"parameter {name} belongs to no family of {', '.join(FAMILIES)}")
     return frozenset({primary, *(["norms"] if any(p.endswith("norm") for p in parts[:-1]) else [])})

@@ -46,8 +46,12 @@ def forward_flops(cfg: ModelConfig, seq_len: int, vocab_rows: int | None = None)
     d, hd, h = cfg.d_model, cfg.resolved_head_dim, cfg.n_heads
     block_params = d * (h * hd) * 2 + d * (cfg.n_kv_heads * hd) * 2 + 3 * d * cfg.ffn_dim
     block = 2 * block_params + 4 * h * hd * seq_len
-    layers = dict(block=block, layers=cfg.n_layers, engram=engram_flops(cfg),
-                  engram_layers=tuple(cfg.engram_layers))
+    layers = dict(
+        block=block,
+        layers=cfg.n_layers,
+        engram=engram_flops(cfg),
+        engram_layers=tuple(cfg.engram_layers),
+    )
     vocab_in, vocab_out = variant(cfg).vocab_flops(cfg, vocab_rows)
     return ForwardFlops(vocab_in=vocab_in, vocab_out=vocab_out, **layers)
 
@@ -61,4 +65,3 @@ def engram_flops(cfg: ModelConfig) -> int:
     if e.gate == "softmax":
         return 2 * 2 * width + 2 * d * d
     return 2 * 2 * width * d + 2 * d + 2 * e.kernel_size * d
-

@@ -39,7 +39,9 @@ class KernelPolicy:
         if mode not in ("auto", "compiled", "eager"):
             raise ValueError(f"fused head kernels: {mode!r} is not auto, compiled or eager")
         self.mode, self.failed = mode, False
-        self.compiled: dict[Callable, Callable] = {}  # each pass's compiled form, made on its first compiled call
+        self.compiled: dict[
+            Callable, Callable
+        ] = {}  # each pass's compiled form, made on its first compiled call
 
     def compiles(self, x: torch.Tensor) -> bool:
         if self.mode == "auto":
@@ -49,9 +51,12 @@ class KernelPolicy:
     def fall_back(self, error: Exception) -> None:
         self.failed = True
         first_line = (str(error).strip().splitlines() or [""])[0][:300]
-        log.warning("the fused decoder head runs eagerly: compiling its kernels failed (%s: %s); set "
-                    "train.fused_head_kernel=eager to skip the attempt, or =compiled to stop on it",
-                    type(error).__name__, first_line)
+        log.warning(
+            "the fused decoder head runs eagerly: compiling its kernels failed (%s: %s); set "
+            "train.fused_head_kernel=eager to skip the attempt, or =compiled to stop on it",
+            type(error).__name__,
+            first_line,
+        )
 
     def __call__(self, fn: Callable, *args):
         """``fn(*args)``, compiled or not as the policy says."""
@@ -63,7 +68,9 @@ class KernelPolicy:
             return compiled(*args)
         try:
             return compiled(*args)
-        except Exception as e:  # Inductor reports a missing Triton or a failed lowering in several exception types
+        except (
+            Exception
+        ) as e:  # Inductor reports a missing Triton or a failed lowering in several exception types
             self.fall_back(e)
             return fn(*args)
 
@@ -94,8 +101,13 @@ def _normalised(e: torch.Tensor, total: torch.Tensor, dtype: torch.dtype) -> tor
     return e.div_(total[:, None]).to(dtype)
 
 
-def _logit_grads_(products: torch.Tensor, valid: torch.Tensor | None, log_z: torch.Tensor, coeff: torch.Tensor,
-                  retrieve: bool) -> None:
+def _logit_grads_(
+    products: torch.Tensor,
+    valid: torch.Tensor | None,
+    log_z: torch.Tensor,
+    coeff: torch.Tensor,
+    retrieve: bool,
+) -> None:
     """In place: the bottom rows (recomputed logits) become ``p``; with retrieval the top rows (``E_b·g_ē``)
     become ``∂L/∂o = p (E_b·g_ē + coeff)``, else the bottom rows become ``∂L/∂o = p · coeff``."""
     n = log_z.shape[0]
@@ -111,8 +123,21 @@ def _logit_grads_(products: torch.Tensor, valid: torch.Tensor | None, log_z: tor
 
 class FusedHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, c, weight, rows, owned, valid, retrieve, chunk, tables, gradients, table, kernels,
-                entropy=False):
+    def forward(
+        ctx,
+        c,
+        weight,
+        rows,
+        owned,
+        valid,
+        retrieve,
+        chunk,
+        tables,
+        gradients,
+        table,
+        kernels,
+        entropy=False,
+    ):
         """``rows`` local target rows (clamped), ``owned`` whether held here, ``valid [R]`` real rows or None;
         ``weight``'s gradient goes to slot ``table`` of ``gradients`` (a ``TableGradients``); ``kernels`` runs the
         elementwise passes (a ``KernelPolicy``); ``entropy``: also
@@ -124,19 +149,25 @@ class FusedHead(torch.autograd.Function):
         e_bar = c.new_empty(n, c.shape[1]) if retrieve else None
         ent = c.new_empty(n, dtype=stats) if entropy else None
         for s in range(0, n, chunk):
-            logits = c[s:s + chunk] @ weight.t()
-            picked = logits.gather(-1, rows[s:s + chunk, None]).squeeze(-1).to(stats)
-            target[s:s + chunk] = tables.reduce_sum(torch.where(owned[s:s + chunk], picked, 0.0))
+            logits = c[s : s + chunk] @ weight.t()
+            picked = logits.gather(-1, rows[s : s + chunk, None]).squeeze(-1).to(stats)
+            target[s : s + chunk] = tables.reduce_sum(
+                torch.where(owned[s : s + chunk], picked, 0.0)
+            )
             peak = tables.reduce_max(kernels(_row_max, logits, valid))
-            kept = logits.clone() if entropy else None  # (the exponentials replace the logits in place)
+            kept = (
+                logits.clone() if entropy else None
+            )  # (the exponentials replace the logits in place)
             e, local = kernels(_shifted_exp, logits, valid, peak)
             total = tables.reduce_sum(local)
-            log_z[s:s + chunk] = peak + total.log()
+            log_z[s : s + chunk] = peak + total.log()
             if entropy:  # masked rows have e = 0 beside a finite logit
                 products = torch.einsum("nb,nb->n", e, kept.to(e.dtype))  # Σ_b e_b o_b
-                ent[s:s + chunk] = (local * log_z[s:s + chunk] - products) / total
+                ent[s : s + chunk] = (local * log_z[s : s + chunk] - products) / total
             if retrieve:
-                e_bar[s:s + chunk] = tables.reduce_sum(kernels(_normalised, e, total, weight.dtype) @ weight)
+                e_bar[s : s + chunk] = tables.reduce_sum(
+                    kernels(_normalised, e, total, weight.dtype) @ weight
+                )
         ctx.save_for_backward(c, weight, rows, owned, valid, log_z, e_bar)
         ctx.chunk, ctx.gradients, ctx.table, ctx.kernels = chunk, gradients, table, kernels
         if entropy:

@@ -41,8 +41,15 @@ class HealthLayout:
         self.heads, self.buckets = num_heads, num_buckets
         self.engram = any(is_engram_table(n) for n in names)
         n, hashed = len(self.slots), num_buckets is not None
-        sizes = {"grad": n, "param": n, "update": n, "engram": 2 * self.engram, "gate": (num_heads + 1) * hashed,
-                 "entropy": num_heads, "buckets": num_heads * (num_buckets or 0) * hashed}
+        sizes = {
+            "grad": n,
+            "param": n,
+            "update": n,
+            "engram": 2 * self.engram,
+            "gate": (num_heads + 1) * hashed,
+            "entropy": num_heads,
+            "buckets": num_heads * (num_buckets or 0) * hashed,
+        }
         self.parts, start = {}, 0
         for part, size in sizes.items():
             self.parts[part] = slice(start, start + size)
@@ -88,7 +95,11 @@ class HealthLayout:
         """``summary``'s values by metric name (``grad_norm/tables``, ``bucket_entropy/head0``, ...); without
         ``grad_norms`` (the gradients were clipped by an unknown factor) those are left out, and the optimizer's part
         all of it when the optimizer did not run (DeepSpeed skipped the step for an overflow)."""
-        names = [f"{kind}/{slot}" for kind in ("grad_norm", "param_norm", "update_ratio") for slot in self.slots]
+        names = [
+            f"{kind}/{slot}"
+            for kind in ("grad_norm", "param_norm", "update_ratio")
+            for slot in self.slots
+        ]
         names += ["engram_rows_touched"] if self.engram else []
         heads = [f"head{i}" for i in range(self.heads)]
         names += [f"gate_weight/{h}" for h in heads] if self.buckets is not None else []
@@ -97,7 +108,9 @@ class HealthLayout:
             names += [f"{kind}/{h}" for kind in ("buckets_used", "bucket_entropy") for h in heads]
         found = dict(zip(names, values, strict=True))
         left_out = () if grad_norms else ("grad_norm/",)
-        if not any(found[f"param_norm/{slot}"] for slot in self.slots):  # the optimizer did not run (an overflow)
+        if not any(
+            found[f"param_norm/{slot}"] for slot in self.slots
+        ):  # the optimizer did not run (an overflow)
             left_out = ("grad_norm/", "param_norm/", "update_ratio/", "engram_rows_touched")
         return {k: v for k, v in found.items() if not k.startswith(left_out)} if left_out else found
 
@@ -111,8 +124,14 @@ class ForwardHealth:
     loss runs); ``gate``: this rank counts the gate (one rank per batch, where the vocabulary embeds). ``vocab`` is
     None on a pipeline stage without it."""
 
-    def __init__(self, vocab: nn.Module | None, layout: HealthLayout, device: torch.device, counts: bool,
-                 gate: bool):
+    def __init__(
+        self,
+        vocab: nn.Module | None,
+        layout: HealthLayout,
+        device: torch.device,
+        counts: bool,
+        gate: bool,
+    ):
         self.vocab, self.layout, self.counts, self.gate = vocab, layout, counts, gate
         self.sums = layout.zeros(device)
         self._hook = None
@@ -137,7 +156,9 @@ class ForwardHealth:
             self._hook = encoder.scorer.register_forward_hook(self._gate_weights)
 
     def _gate_weights(self, module: nn.Module, args, scores: torch.Tensor) -> None:
-        alpha = torch.softmax(scores.detach().double(), dim=-2).reshape(-1, self.layout.heads)  # a_i -> α_i
+        alpha = torch.softmax(scores.detach().double(), dim=-2).reshape(
+            -1, self.layout.heads
+        )  # a_i -> α_i
         gate = self.layout.part(self.sums, "gate")
         gate[:-1] += alpha.sum(0)
         gate[-1] += alpha.shape[0]
@@ -146,7 +167,9 @@ class ForwardHealth:
         """Add a micro-batch's head entropies (``TrainingLoss.head_entropy``) with ``weight`` (its share of
         the global batch)."""
         if head_entropy is not None:
-            self.layout.part(self.sums, "entropy").add_(head_entropy.detach().double(), alpha=weight)
+            self.layout.part(self.sums, "entropy").add_(
+                head_entropy.detach().double(), alpha=weight
+            )
 
     def take(self) -> torch.Tensor:
         """The sums gathered since the last take, and stop measuring."""

@@ -44,12 +44,16 @@ class HostTables(nn.Module):
     def __init__(self, num_tables: int, num_rows: int, dim: int):
         super().__init__()
         self.num_rows = num_rows
-        self.weight = torch.empty(num_tables, num_rows, dim, device="cpu")  # host memory, whatever the default device
+        self.weight = torch.empty(
+            num_tables, num_rows, dim, device="cpu"
+        )  # host memory, whatever the default device
         # fp32 host gradient, allocated by the trainer; on a CUDA device complete only after accumulate()
         self.grad: torch.Tensor | None = None
         # bool [T·R]: the flat rows given a gradient, when the trainer keeps it (lazy update, or dp > 1)
         self.touched: torch.Tensor | None = None
-        self.device = torch.device("cpu")  # where the gathered rows go (the trainer sets the engine's device)
+        self.device = torch.device(
+            "cpu"
+        )  # where the gathered rows go (the trainer sets the engine's device)
         self.transfer_dtype = torch.float32  # the model's compute dtype
         self._next: GatheredRows | None = None
         self._current: GatheredRows | None = None
@@ -83,7 +87,9 @@ class HostTables(nn.Module):
             selected = weight.index_select(0, index).to(self.transfer_dtype)
             return GatheredRows(index, inverse.to(self.device), selected.to(self.device), None)
         # selected (and converted to the compute dtype) straight into pinned memory, then copied on the side stream
-        selected = torch.empty((index.numel(), weight.shape[1]), dtype=self.transfer_dtype, pin_memory=True)
+        selected = torch.empty(
+            (index.numel(), weight.shape[1]), dtype=self.transfer_dtype, pin_memory=True
+        )
         if self.transfer_dtype == weight.dtype:
             torch.index_select(weight, 0, index, out=selected)
         else:
@@ -159,9 +165,11 @@ class HostTables(nn.Module):
             self._index_add(pending.index, pending.values)
 
     # ------------------------------------------------------------------ state dict
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         if (weight := state_dict.pop(prefix + "weight", None)) is not None:
             self.weight.copy_(weight)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )

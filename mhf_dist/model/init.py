@@ -26,18 +26,23 @@ from mhf_dist.model.host_tables import HostTables
 # drawn from one stream as it always was; changing it changes the initial weights of every larger one.
 BLOCK = 2**20
 
-RULES: list[tuple[re.Pattern, str]] = [(re.compile(p), rule) for p, rule in (
-    (r"(.*\.)?tables\.weight", "tables"),
-    (r"(.*\.)?\w*norm\.weight", "ones"),
-    (r".*\.bias", "zeros"),
-    (r".*\.weight", "normal"),
-)]
+RULES: list[tuple[re.Pattern, str]] = [
+    (re.compile(p), rule)
+    for p, rule in (
+        (r"(.*\.)?tables\.weight", "tables"),
+        (r"(.*\.)?\w*norm\.weight", "ones"),
+        (r".*\.bias", "zeros"),
+        (r".*\.weight", "normal"),
+    )
+]
 
 
 def rule_for(name: str) -> str:
     rule = next((r for pattern, r in RULES if pattern.fullmatch(name)), None)
     if rule is None:
-        raise ValueError(f"no initialisation rule for parameter {name}; add one to mhf_dist.model.init.RULES")
+        raise ValueError(
+            f"no initialisation rule for parameter {name}; add one to mhf_dist.model.init.RULES"
+        )
     return rule
 
 
@@ -49,7 +54,9 @@ def stream(seed: int, name: str, index: int | None = None, block: int = 0) -> to
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
 
-def draw_block(out: torch.Tensor, std: float, seed: int, name: str, index: int | None, block: int) -> None:
+def draw_block(
+    out: torch.Tensor, std: float, seed: int, name: str, index: int | None, block: int
+) -> None:
     """``out`` (contiguous fp32 on the CPU, the block's full length) <- block ``block`` of the stream's value."""
     out.normal_(0.0, std, generator=stream(seed, name, index, block))
 
@@ -73,7 +80,7 @@ class _Chunk:
             self.stride = self.width = max(self.numel, 1)
             self.offset = 0
             return
-        inner = math.prod(shape[dim + 1:])
+        inner = math.prod(shape[dim + 1 :])
         size = -(-shape[dim] // parts)
         self.stride = shape[dim] * inner
         self.offset = min(rank * size, shape[dim]) * inner
@@ -101,16 +108,30 @@ class _Chunk:
             at = row * self.stride + self.offset + col - base
             if col or hi - lo < self.width:
                 m = min(self.width - col, hi - lo)
-                dst[k:k + m].copy_(src[at:at + m])
+                dst[k : k + m].copy_(src[at : at + m])
             else:
                 rows = (hi - lo) // self.width
                 m = rows * self.width
-                dst[k:k + m].view(rows, self.width).copy_(src[at:].as_strided((rows, self.width), (self.stride, 1)))
+                dst[k : k + m].view(rows, self.width).copy_(
+                    src[at:].as_strided((rows, self.width), (self.stride, 1))
+                )
             k, lo = k + m, lo + m
 
 
-def _draw_range(out: torch.Tensor, shape: tuple[int, ...], dim: int | None, *, rank: int, parts: int, start: int,
-                std: float, seed: int, name: str, index: int | None, buffer: torch.Tensor | None) -> None:
+def _draw_range(
+    out: torch.Tensor,
+    shape: tuple[int, ...],
+    dim: int | None,
+    *,
+    rank: int,
+    parts: int,
+    start: int,
+    std: float,
+    seed: int,
+    name: str,
+    index: int | None,
+    buffer: torch.Tensor | None,
+) -> None:
     """``out`` (flat, contiguous) <- elements ``start .. start + out.numel()`` of chunk ``rank`` of ``parts`` along
     ``dim`` of the flattened value of ``shape`` drawn from the streams of ``(seed, name, index)``: each block that holds
     some of them is drawn whole, into ``out`` when all of it lands there (fp32 on the CPU), else into ``buffer``."""
@@ -126,19 +147,33 @@ def _draw_range(out: torch.Tensor, shape: tuple[int, ...], dim: int | None, *, r
         lo, hi = max(start, chunk.count(first)), min(end, chunk.count(first + length))
         if lo >= hi:  # the block falls between two runs of the chunk
             continue
-        dst = out[lo - start:hi - start]
+        dst = out[lo - start : hi - start]
         if direct and hi - lo == length:  # the whole block, contiguous in the chunk
             draw_block(dst, std, seed, name, index, block)
             continue
-        src = buffer[:length] if buffer is not None and buffer.numel() >= length else torch.empty(length)
+        src = (
+            buffer[:length]
+            if buffer is not None and buffer.numel() >= length
+            else torch.empty(length)
+        )
         draw_block(src, std, seed, name, index, block)
         chunk.gather(dst, src, first, lo)
 
 
 @torch.no_grad()
-def initial_shard(name: str, full_shape: torch.Size | tuple[int, ...], out: torch.Tensor, *, std: float, seed: int,
-                  dim: int | None = None, rank: int = 0, parts: int = 1, buffer: torch.Tensor | None = None,
-                  start: int = 0) -> None:
+def initial_shard(
+    name: str,
+    full_shape: torch.Size | tuple[int, ...],
+    out: torch.Tensor,
+    *,
+    std: float,
+    seed: int,
+    dim: int | None = None,
+    rank: int = 0,
+    parts: int = 1,
+    buffer: torch.Tensor | None = None,
+    start: int = 0,
+) -> None:
     """Write into ``out`` chunk ``rank`` of ``parts`` along ``dim`` (the whole parameter when ``dim`` is None) of
     parameter ``name``'s initial value, whose full shape is ``full_shape`` — or, from ``start``, only elements
     ``start .. start + out.numel()`` of that chunk flattened (``out`` in row-major order: a ZeRO-3 partition). Only
@@ -149,9 +184,15 @@ def initial_shard(name: str, full_shape: torch.Size | tuple[int, ...], out: torc
         out.fill_(1.0 if rule == "ones" else 0.0)
         return
     full_shape = tuple(full_shape)
-    flat = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=out.device)
+    flat = (
+        out.view(-1)
+        if out.is_contiguous()
+        else torch.empty(out.numel(), dtype=out.dtype, device=out.device)
+    )
     n = flat.numel()
-    if rule == "tables":  # [T, R, d]: each table E_i a value of its own, from the streams (seed, name, i)
+    if (
+        rule == "tables"
+    ):  # [T, R, d]: each table E_i a value of its own, from the streams (seed, name, i)
         tables = list(range(full_shape[0]))
         if dim == 0:
             tables = [int(i) for i in torch.arange(full_shape[0]).chunk(parts)[rank]]
@@ -159,11 +200,33 @@ def initial_shard(name: str, full_shape: torch.Size | tuple[int, ...], out: torc
         per = _Chunk(full_shape[1:], inner, rank, parts).size  # elements of each table's chunk
         for t in range(start // per, (start + n - 1) // per + 1 if n and per else 0):
             lo, hi = max(start, t * per), min(start + n, (t + 1) * per)
-            _draw_range(flat[lo - start:hi - start], full_shape[1:], inner, rank=rank, parts=parts,
-                        start=lo - t * per, std=std, seed=seed, name=name, index=tables[t], buffer=buffer)
+            _draw_range(
+                flat[lo - start : hi - start],
+                full_shape[1:],
+                inner,
+                rank=rank,
+                parts=parts,
+                start=lo - t * per,
+                std=std,
+                seed=seed,
+                name=name,
+                index=tables[t],
+                buffer=buffer,
+            )
     else:
-        _draw_range(flat, full_shape, dim, rank=rank, parts=parts, start=start, std=std, seed=seed, name=name,
-                    index=None, buffer=buffer)
+        _draw_range(
+            flat,
+            full_shape,
+            dim,
+            rank=rank,
+            parts=parts,
+            start=start,
+            std=std,
+            seed=seed,
+            name=name,
+            index=None,
+            buffer=buffer,
+        )
     if not out.is_contiguous():
         out.copy_(flat.view(out.shape))
 
@@ -171,8 +234,11 @@ def initial_shard(name: str, full_shape: torch.Size | tuple[int, ...], out: torc
 def host_tables(model: nn.Module) -> dict[str, torch.Tensor]:
     """``{name: weight}`` of the Engram tables kept in host memory (``model.engram.offload``): tensors, not
     parameters, initialised by the same rule as the device tables they replace."""
-    return {f"{prefix}.weight": module.weight for prefix, module in model.named_modules()
-            if isinstance(module, HostTables)}
+    return {
+        f"{prefix}.weight": module.weight
+        for prefix, module in model.named_modules()
+        if isinstance(module, HostTables)
+    }
 
 
 def initialise(model: nn.Module, std: float, seed: int) -> None:

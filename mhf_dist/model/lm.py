@@ -23,15 +23,26 @@ from mhf_dist.model.init import initialise
 from mhf_dist.model.modes import ModelModes
 from mhf_dist.model.scoring import LOG_P_INF_CHUNK
 from mhf_dist.model.variants import variant
-from mhf_dist.model.vocabulary import Evaluation, HashVocabulary, TiedVocabulary, TokenVocabulary, TrainingLoss
+from mhf_dist.model.vocabulary import (
+    Evaluation,
+    HashVocabulary,
+    TiedVocabulary,
+    TokenVocabulary,
+    TrainingLoss,
+)
 
 if TYPE_CHECKING:
     from mhf_dist.vocab.engram_compression import CompressionTable
 
 
 class LanguageModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab: TiedVocabulary, compression: CompressionTable | None = None,
-                 modes: ModelModes = ModelModes()):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        vocab: TiedVocabulary,
+        compression: CompressionTable | None = None,
+        modes: ModelModes = ModelModes(),
+    ):
         super().__init__()
         self.cfg = cfg
         self.vocab = vocab
@@ -45,18 +56,25 @@ class LanguageModel(nn.Module):
         """Final-norm output ``h [B, S, d]``."""
         return self.backbone(self.vocab.embed(input_ids), input_ids)
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, entropy: bool = False) -> TrainingLoss:
+    def forward(
+        self, input_ids: torch.Tensor, targets: torch.Tensor, entropy: bool = False
+    ) -> TrainingLoss:
         """The training loss of ``input_ids [B, S]`` predicting ``targets [B, S]`` (``< 0``: ignored); ``entropy``:
         with each head's entropy (``TrainingLoss.head_entropy``)."""
         return self.vocab.loss(self.hidden(input_ids), targets, entropy)
 
-    def evaluation(self, input_ids: torch.Tensor, targets: torch.Tensor,
-                   temperatures: torch.Tensor | None = None) -> Evaluation:
+    def evaluation(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        temperatures: torch.Tensor | None = None,
+    ) -> Evaluation:
         """The training loss with the evaluation sums at ``temperatures`` (``TiedVocabulary.evaluation``)."""
         return self.vocab.evaluation(self.hidden(input_ids), targets, temperatures)
 
-    def log_p_inf(self, input_ids: torch.Tensor, last_only: bool = False,
-                  chunk_size: int = LOG_P_INF_CHUNK) -> torch.Tensor:
+    def log_p_inf(
+        self, input_ids: torch.Tensor, last_only: bool = False, chunk_size: int = LOG_P_INF_CHUNK
+    ) -> torch.Tensor:
         """``log P_inf [B, S, V]`` (``[B, V]`` with ``last_only``, as generation needs)."""
         h = self.hidden(input_ids)
         return self.vocab.log_p_inf(h[:, -1] if last_only else h, chunk_size)
@@ -72,52 +90,100 @@ class LanguageModel(nn.Module):
     def parameter_counts(self) -> dict[str, int]:
         """``embedding`` (tables, encoder, decoder), ``backbone`` (without memories) and ``engram`` (the memories)
         parameter counts."""
-        host = sum(m.weight.numel() for m in self.modules() if isinstance(m, HostTables))  # model.engram.offload
-        engram = sum(p.numel() for n, p in self.backbone.named_parameters() if ".engram." in n) + host
+        host = sum(
+            m.weight.numel() for m in self.modules() if isinstance(m, HostTables)
+        )  # model.engram.offload
+        engram = (
+            sum(p.numel() for n, p in self.backbone.named_parameters() if ".engram." in n) + host
+        )
         backbone = sum(p.numel() for p in self.backbone.parameters()) + host - engram
         total = sum(p.numel() for p in self.parameters()) + host
-        return {"embedding": total - backbone - engram, "backbone": backbone, "engram": engram, "total": total}
+        return {
+            "embedding": total - backbone - engram,
+            "backbone": backbone,
+            "engram": engram,
+            "total": total,
+        }
 
 
 class MultiHashFormer(LanguageModel):
     """Hash-signature input and cascaded-decoder output; ``codes [V, H]`` from a SignatureTable."""
 
-    def __init__(self, cfg: ModelConfig, codes: torch.Tensor, compression: CompressionTable | None = None,
-                 modes: ModelModes = ModelModes()):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        codes: torch.Tensor,
+        compression: CompressionTable | None = None,
+        modes: ModelModes = ModelModes(),
+    ):
         h = cfg.hash
         if codes.shape[1] != h.num_hashes:
-            raise ValueError(f"signature table has H={codes.shape[1]} but model.hash.num_hashes={h.num_hashes}")
-        super().__init__(cfg, HashVocabulary(codes, h.num_buckets, cfg.d_model, gate_dim=h.gate_dim,
-                                             mixer_dim=h.mixer_dim, chunk_tokens=cfg.decoder_chunk_tokens,
-                                             p_inf_loss_weight=h.p_inf_loss_weight, kernels=modes.kernels),
-                         compression, modes)
+            raise ValueError(
+                f"signature table has H={codes.shape[1]} but model.hash.num_hashes={h.num_hashes}"
+            )
+        super().__init__(
+            cfg,
+            HashVocabulary(
+                codes,
+                h.num_buckets,
+                cfg.d_model,
+                gate_dim=h.gate_dim,
+                mixer_dim=h.mixer_dim,
+                chunk_tokens=cfg.decoder_chunk_tokens,
+                p_inf_loss_weight=h.p_inf_loss_weight,
+                kernels=modes.kernels,
+            ),
+            compression,
+            modes,
+        )
 
 
 class StandardLM(LanguageModel):
     """Tied token embedding / LM head over ``vocab_size`` rows, padded to ``cfg.pad_vocab_to``."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, compression: CompressionTable | None = None,
-                 modes: ModelModes = ModelModes()):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        vocab_size: int,
+        compression: CompressionTable | None = None,
+        modes: ModelModes = ModelModes(),
+    ):
         rows = cfg.padded_vocab_rows(vocab_size)
-        super().__init__(cfg, TokenVocabulary(vocab_size, rows, cfg.d_model, cfg.decoder_chunk_tokens, modes.kernels),
-                         compression, modes)
+        super().__init__(
+            cfg,
+            TokenVocabulary(vocab_size, rows, cfg.d_model, cfg.decoder_chunk_tokens, modes.kernels),
+            compression,
+            modes,
+        )
 
 
-def model_structure(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None = None,
-                    compression: CompressionTable | None = None, modes: ModelModes = ModelModes()) -> LanguageModel:
+def model_structure(
+    cfg: ModelConfig,
+    vocab_size: int,
+    codes: torch.Tensor | None = None,
+    compression: CompressionTable | None = None,
+    modes: ModelModes = ModelModes(),
+) -> LanguageModel:
     """The modules of the model ``cfg.variant`` names (its record's builder, ``variants``) in
     ``modes``, their weights not yet initialised (see ``build_model``)."""
     if compression is not None and cfg.engram and compression.vocab_size != vocab_size:
-        raise ValueError(f"the compression table has {compression.vocab_size} rows, the vocabulary {vocab_size}")
+        raise ValueError(
+            f"the compression table has {compression.vocab_size} rows, the vocabulary {vocab_size}"
+        )
     spec = variant(cfg)
     if spec.needs_signatures and (codes is None or codes.shape[0] != vocab_size):
         raise ValueError(f"{spec.title} needs a signature table with {vocab_size} rows")
     return spec.builder(cfg, vocab_size, codes, compression, modes)
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None = None,
-                compression: CompressionTable | None = None, seed: int = 0,
-                modes: ModelModes = ModelModes()) -> LanguageModel:
+def build_model(
+    cfg: ModelConfig,
+    vocab_size: int,
+    codes: torch.Tensor | None = None,
+    compression: CompressionTable | None = None,
+    seed: int = 0,
+    modes: ModelModes = ModelModes(),
+) -> LanguageModel:
     """The model ``cfg.variant`` names, in ``modes``, initialised from ``seed`` (``init``);
     MultiHashFormer needs its signature table's ``codes [V, H]``, a model with ``cfg.engram`` the tokenizer's
     compression table (docs/spec.md §8; ignored without ``cfg.engram``). Parameters on the meta device stay

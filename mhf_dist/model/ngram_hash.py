@@ -28,18 +28,34 @@ class NgramHash(nn.Module):
     ``pad_id`` the compressed id read before the sequence start.
     """
 
-    def __init__(self, cfg: EngramConfig, layer: int, sizes: list[list[int]], old_to_new: torch.Tensor, num_ids: int,
-                 pad_id: int):
+    def __init__(
+        self,
+        cfg: EngramConfig,
+        layer: int,
+        sizes: list[list[int]],
+        old_to_new: torch.Tensor,
+        num_ids: int,
+        pad_id: int,
+    ):
         super().__init__()
-        self.mode, self.max_ngram, self.num_ids, self.pad_id = cfg.hash, cfg.max_ngram, num_ids, pad_id
+        self.mode, self.max_ngram, self.num_ids, self.pad_id = (
+            cfg.hash,
+            cfg.max_ngram,
+            num_ids,
+            pad_id,
+        )
         rng = np.random.default_rng(cfg.seed + LAYER_SEED_STRIDE * layer)
         self.register_buffer("old_to_new", old_to_new.long(), persistent=False)
         # [N-1, K]; data, like the other buffers: real on a meta skeleton too
-        self.register_buffer("moduli", torch.tensor(sizes, dtype=torch.long, device="cpu"), persistent=False)
+        self.register_buffer(
+            "moduli", torch.tensor(sizes, dtype=torch.long, device="cpu"), persistent=False
+        )
         if self.mode == "engram":
             half_bound = max(1, INT64_MAX // num_ids // 2)
             multipliers = rng.integers(0, half_bound, size=cfg.max_ngram, dtype=np.int64) * 2 + 1
-            self.register_buffer("multipliers", torch.from_numpy(multipliers), persistent=False)  # [N]
+            self.register_buffer(
+                "multipliers", torch.from_numpy(multipliers), persistent=False
+            )  # [N]
         else:
             keys = rng.integers(1, 2**31, size=(cfg.max_ngram - 1, cfg.heads), dtype=np.int64)
             self.register_buffer("keys", torch.from_numpy(keys), persistent=False)  # [N-1, K]
@@ -52,7 +68,9 @@ class NgramHash(nn.Module):
         """Compressed ids ``x_{t-j}`` for ``j = 0..N-1`` (each ``[B, S]``), the pad id before the start."""
         x = self.old_to_new[input_ids]
         pad = torch.full_like(x, self.pad_id)
-        return [torch.cat([pad[:, :j], x[:, : x.shape[1] - j]], dim=1) for j in range(self.max_ngram)]
+        return [
+            torch.cat([pad[:, :j], x[:, : x.shape[1] - j]], dim=1) for j in range(self.max_ngram)
+        ]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         back = self.shifted(input_ids)
@@ -66,7 +84,9 @@ class NgramHash(nn.Module):
                 rows.append(mix.unsqueeze(-1) % moduli)
             else:
                 v = back[n - 1]
-                for j in range(n - 2, -1, -1):  # Horner: the oldest token is the most significant digit
+                for j in range(
+                    n - 2, -1, -1
+                ):  # Horner: the oldest token is the most significant digit
                     v = v * self.num_ids + back[j]
                 keys = self.keys[n - 2]
                 rows.append(((v.unsqueeze(-1) * keys) ^ keys) % moduli)

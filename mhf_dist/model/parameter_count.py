@@ -24,7 +24,9 @@ class ParameterCount:
     vocab_other: int  # the gate MLP, W_s and the cascade's mixers
     backbone: int  # every layer (Engram gates included) and the final norm
     engram_tables: int  # the Engram memories' tables that DeepSpeed trains
-    host_tables: int  # the Engram tables kept in host memory outside DeepSpeed (model.engram.offload)
+    host_tables: (
+        int  # the Engram tables kept in host memory outside DeepSpeed (model.engram.offload)
+    )
 
     @property
     def trained_by_engine(self) -> int:
@@ -58,10 +60,20 @@ def parameter_count(cfg: ModelConfig, vocab_size: int) -> ParameterCount:
     engram_tables = 0
     if cfg.engram is not None:
         heads = (cfg.engram.max_ngram - 1) * cfg.engram.heads
-        engram_tables = sum(heads * engram_table_rows(cfg, i) * cfg.engram_head_dim for i in cfg.engram_layers)
-    backbone = cfg.n_layers * layer + d + len(cfg.engram_layers) * (engram_gate_parameters(cfg) if cfg.engram else 0)
+        engram_tables = sum(
+            heads * engram_table_rows(cfg, i) * cfg.engram_head_dim for i in cfg.engram_layers
+        )
+    backbone = (
+        cfg.n_layers * layer
+        + d
+        + len(cfg.engram_layers) * (engram_gate_parameters(cfg) if cfg.engram else 0)
+    )
     tables, other = variant(cfg).vocab_parameters(cfg, vocab_size)
     offloaded = cfg.engram is not None and cfg.engram.offload
-    return ParameterCount(vocab_tables=tables, vocab_other=other, backbone=backbone,
-                          engram_tables=0 if offloaded else engram_tables,
-                          host_tables=engram_tables if offloaded else 0)
+    return ParameterCount(
+        vocab_tables=tables,
+        vocab_other=other,
+        backbone=backbone,
+        engram_tables=0 if offloaded else engram_tables,
+        host_tables=engram_tables if offloaded else 0,
+    )

@@ -27,7 +27,9 @@ TARGET_CHUNK = 2**16  # ... and of target_log_p_inf
 def signature_columns(codes: torch.Tensor, tables: BucketTables) -> torch.Tensor:
     """``codes [V, H]`` -> ``[H, V]``: each coordinate's column in ``side_by_side``'s layout on this rank."""
     local, owned = tables.local_index(codes.t())
-    head_offset = torch.arange(codes.shape[1], device=codes.device).unsqueeze(-1) * tables.local_rows
+    head_offset = (
+        torch.arange(codes.shape[1], device=codes.device).unsqueeze(-1) * tables.local_rows
+    )
     return torch.where(owned, local + head_offset, codes.shape[1] * tables.local_rows).contiguous()
 
 
@@ -36,8 +38,9 @@ def side_by_side(head_scores: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([*head_scores, head_scores[0].new_zeros(head_scores[0].shape[0], 1)], dim=-1)
 
 
-def signature_scores(side: torch.Tensor, columns: torch.Tensor, registered: torch.Tensor,
-                     tables: BucketTables) -> torch.Tensor:
+def signature_scores(
+    side: torch.Tensor, columns: torch.Tensor, registered: torch.Tensor, tables: BucketTables
+) -> torch.Tensor:
     """``score [N, V]`` from ``side_by_side`` head scores, ``columns [H, V]`` (``signature_columns``) and
     ``registered [V]``."""
     return torch.where(registered, tables.reduce_sum(_partial_scores(side, columns)), float("-inf"))
@@ -51,24 +54,42 @@ def _partial_scores(side: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     return scores
 
 
-def score_chunks(side: torch.Tensor, columns: torch.Tensor, registered: torch.Tensor, tables: BucketTables,
-                 chunk_size: int) -> Iterator[torch.Tensor]:
+def score_chunks(
+    side: torch.Tensor,
+    columns: torch.Tensor,
+    registered: torch.Tensor,
+    tables: BucketTables,
+    chunk_size: int,
+) -> Iterator[torch.Tensor]:
     """``signature_scores`` over consecutive vocabulary chunks, each gathering ``chunk_size`` values per
     token (``chunk_size / H`` tokens)."""
     step = max(1, chunk_size // columns.shape[0])
     for start in range(0, columns.shape[1], step):
-        yield signature_scores(side, columns[:, start:start + step], registered[start:start + step], tables)
+        yield signature_scores(
+            side, columns[:, start : start + step], registered[start : start + step], tables
+        )
 
 
-def log_p_inf(head_scores: list[torch.Tensor], columns: torch.Tensor, registered: torch.Tensor,
-              tables: BucketTables, chunk_size: int = LOG_P_INF_CHUNK) -> torch.Tensor:
+def log_p_inf(
+    head_scores: list[torch.Tensor],
+    columns: torch.Tensor,
+    registered: torch.Tensor,
+    tables: BucketTables,
+    chunk_size: int = LOG_P_INF_CHUNK,
+) -> torch.Tensor:
     """``log P_inf [N, V]``: signature scores renormalised over the registered vocabulary."""
     chunks = list(score_chunks(side_by_side(head_scores), columns, registered, tables, chunk_size))
     return (chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-1)).log_softmax(dim=-1)
 
 
-def target_log_p_inf(head_scores: list[torch.Tensor], columns: torch.Tensor, registered: torch.Tensor,
-                     tables: BucketTables, targets: torch.Tensor, chunk_size: int = TARGET_CHUNK) -> torch.Tensor:
+def target_log_p_inf(
+    head_scores: list[torch.Tensor],
+    columns: torch.Tensor,
+    registered: torch.Tensor,
+    tables: BucketTables,
+    targets: torch.Tensor,
+    chunk_size: int = TARGET_CHUNK,
+) -> torch.Tensor:
     """``log P_inf(target) [N]`` without materialising ``[N, V]``: a running logsumexp over vocabulary chunks."""
     side = side_by_side(head_scores)
     log_z = side.new_full((targets.shape[0],), float("-inf"))
@@ -101,10 +122,15 @@ class _LogNormaliser(torch.autograd.Function):
         shift, weight = log_z[:, None], grad.to(log_z.dtype)[:, None]
         step = max(1, ctx.chunk_size // columns.shape[0])
         for start in range(0, columns.shape[1], step):
-            chunk = columns[:, start:start + step]
+            chunk = columns[:, start : start + step]
             scores = ctx.tables.recompute_sum(_partial_scores(side, chunk))
             # ∂L/∂score(w) = g · P_inf(w); tokens that are not registered have neither
-            d_scores = scores.sub_(shift).exp_().mul_(weight).masked_fill_(~registered[start:start + step], 0.0)
+            d_scores = (
+                scores.sub_(shift)
+                .exp_()
+                .mul_(weight)
+                .masked_fill_(~registered[start : start + step], 0.0)
+            )
             for head_columns in chunk:
                 grad_side.index_add_(1, head_columns, d_scores)
         # the last column stands for coordinates held elsewhere: its gradient is theirs
@@ -113,8 +139,13 @@ class _LogNormaliser(torch.autograd.Function):
         return (None, None, None, None, *grads)
 
 
-def log_normaliser(head_scores: list[torch.Tensor], columns: torch.Tensor, registered: torch.Tensor,
-                   tables: BucketTables, chunk_size: int = TARGET_CHUNK) -> torch.Tensor:
+def log_normaliser(
+    head_scores: list[torch.Tensor],
+    columns: torch.Tensor,
+    registered: torch.Tensor,
+    tables: BucketTables,
+    chunk_size: int = TARGET_CHUNK,
+) -> torch.Tensor:
     """``log Z = logsumexp_{w ∈ V} score(w)`` ``[N]`` (fp32 or wider) over the registered vocabulary, so that
     ``log P_inf(w) = score(w) − log Z``: differentiable in ``head_scores`` without materialising ``[N, V]``,
     forward or backward (docs/design-model.md, "Training on ``P_inf``")."""
@@ -148,19 +179,35 @@ class EvalSums:
         return cls.PER_TEMPERATURE + 2 * temperatures
 
     @classmethod
-    def from_sums(cls, temperatures: torch.Tensor, sums: Sequence[float] | torch.Tensor) -> EvalSums:
-        sums, k = torch.as_tensor(sums, dtype=torch.float64).cpu().reshape(-1), temperatures.shape[0]
+    def from_sums(
+        cls, temperatures: torch.Tensor, sums: Sequence[float] | torch.Tensor
+    ) -> EvalSums:
+        sums, k = (
+            torch.as_tensor(sums, dtype=torch.float64).cpu().reshape(-1),
+            temperatures.shape[0],
+        )
         if sums.shape[0] <= 1 or sums[cls.TOKENS] <= 0:  # (a pass over nothing sums to 0)
             raise ValueError("no evaluation tokens: the split holds no sequences")
         if sums.shape[0] != cls.length(k):
-            raise ValueError(f"{sums.shape[0]} sums for {k} temperatures (expected {cls.length(k)})")
+            raise ValueError(
+                f"{sums.shape[0]} sums for {k} temperatures (expected {cls.length(k)})"
+            )
         n, first = sums[cls.TOKENS].item(), cls.PER_TEMPERATURE
-        return cls(temperatures, int(n), sums[cls.P_INF_NLL].item() / n, sums[cls.TOP1].item() / n,
-                   sums[cls.TOP5].item() / n, sums[first:first + k] / n, sums[first + k:] / n)
+        return cls(
+            temperatures,
+            int(n),
+            sums[cls.P_INF_NLL].item() / n,
+            sums[cls.TOP1].item() / n,
+            sums[cls.TOP5].item() / n,
+            sums[first : first + k] / n,
+            sums[first + k :] / n,
+        )
 
 
 @torch.no_grad()
-def calibration_sums(chunks: Iterable[torch.Tensor], targets: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+def calibration_sums(
+    chunks: Iterable[torch.Tensor], targets: torch.Tensor, temperatures: torch.Tensor
+) -> torch.Tensor:
     """Evaluation sums over tokens for ``P_inf`` and its temperature-scaled form, streamed over vocabulary chunks.
 
     ``chunks``: consecutive column blocks ``[N, c]`` of ``score(w)`` over the whole vocabulary (``-inf`` for
@@ -185,7 +232,11 @@ def calibration_sums(chunks: Iterable[torch.Tensor], targets: torch.Tensor, temp
     """
     chunks = iter(chunks)
     first = next(chunks)
-    n, device, dtype = targets.shape[0], targets.device, torch.promote_types(first.dtype, torch.float32)
+    n, device, dtype = (
+        targets.shape[0],
+        targets.device,
+        torch.promote_types(first.dtype, torch.float32),
+    )
     taus = temperatures.to(device, dtype)
     k = taus.shape[0]
     peak = torch.full((n,), float("-inf"), device=device, dtype=dtype)  # running max score M
@@ -202,13 +253,22 @@ def calibration_sums(chunks: Iterable[torch.Tensor], targets: torch.Tensor, temp
         inside = (index >= 0) & (index < width)
         picked = scores.gather(1, index.clamp(0, width - 1).unsqueeze(1)).squeeze(1)
         target = torch.where(inside, picked, target)
-        best = torch.cat([best, scores.topk(min(TOP_K + 1, width), dim=-1).values], dim=-1).topk(TOP_K + 1).values
+        best = (
+            torch.cat([best, scores.topk(min(TOP_K + 1, width), dim=-1).values], dim=-1)
+            .topk(TOP_K + 1)
+            .values
+        )
         new_peak = torch.maximum(peak, scores.amax(dim=-1))
         safe_peak = torch.where(torch.isfinite(new_peak), new_peak, 0.0)
-        shift = torch.where(torch.isfinite(peak), peak - safe_peak, 0.0).double()  # <= 0; 0 while nothing seen
+        shift = torch.where(
+            torch.isfinite(peak), peak - safe_peak, 0.0
+        ).double()  # <= 0; 0 while nothing seen
         centred = scores - safe_peak.unsqueeze(1)  # <= 0, -inf for unregistered tokens
         finite = torch.where(torch.isfinite(centred), centred, 0.0)
-        weights, product = torch.empty_like(centred), torch.empty_like(centred)  # reused: 1.7× faster on a CPU
+        weights, product = (
+            torch.empty_like(centred),
+            torch.empty_like(centred),
+        )  # reused: 1.7× faster on a CPU
         for i in range(k):
             factor = (taus[i].double() * shift).exp()
             moment[i] = factor * (moment[i] + shift * mass[i])
@@ -220,17 +280,34 @@ def calibration_sums(chunks: Iterable[torch.Tensor], targets: torch.Tensor, temp
     relative = (target - peak).double()  # the target's score minus M
     nll = mass.log() - taus.double().unsqueeze(1) * relative
     slope = moment / mass - relative
-    ahead = (best >= target.unsqueeze(1)).sum(dim=-1)  # the target itself included, at most TOP_K + 1
-    head = torch.stack([torch.tensor(float(n), dtype=torch.float64, device=device),
-                        (log_z - target).double().sum(), (ahead <= 1).double().sum(), (ahead <= TOP_K).double().sum()])
+    ahead = (best >= target.unsqueeze(1)).sum(
+        dim=-1
+    )  # the target itself included, at most TOP_K + 1
+    head = torch.stack(
+        [
+            torch.tensor(float(n), dtype=torch.float64, device=device),
+            (log_z - target).double().sum(),
+            (ahead <= 1).double().sum(),
+            (ahead <= TOP_K).double().sum(),
+        ]
+    )
     return torch.cat([head, nll.sum(dim=-1), slope.sum(dim=-1)])
 
 
 @torch.no_grad()
-def target_calibration_sums(head_scores: list[torch.Tensor], columns: torch.Tensor, registered: torch.Tensor, *,
-                            tables: BucketTables, targets: torch.Tensor, temperatures: torch.Tensor,
-                            chunk_size: int = TARGET_CHUNK) -> torch.Tensor:
+def target_calibration_sums(
+    head_scores: list[torch.Tensor],
+    columns: torch.Tensor,
+    registered: torch.Tensor,
+    *,
+    tables: BucketTables,
+    targets: torch.Tensor,
+    temperatures: torch.Tensor,
+    chunk_size: int = TARGET_CHUNK,
+) -> torch.Tensor:
     """``calibration_sums`` of the signature scores (in fp32 or wider), streamed over vocabulary chunks as
     ``target_log_p_inf`` streams them: ``[N, V]`` is never held."""
     side = side_by_side(head_scores).to(torch.promote_types(head_scores[0].dtype, torch.float32))
-    return calibration_sums(score_chunks(side, columns, registered, tables, chunk_size), targets, temperatures)
+    return calibration_sums(
+        score_chunks(side, columns, registered, tables, chunk_size), targets, temperatures
+    )

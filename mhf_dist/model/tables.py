@@ -51,8 +51,10 @@ class _TableViews(torch.autograd.Function):
         # released here, so autograd may add the lookup's gradient into it in place
         buffer, ctx.gradients.buffer = ctx.gradients.buffer, None
         # (autograd hands unused views' gradients in as zeros, so every table has one)
-        if buffer is not None and all(g.data_ptr() == buffer[i].data_ptr() and g.stride() == buffer[i].stride()
-                                      for i, g in enumerate(grads)):
+        if buffer is not None and all(
+            g.data_ptr() == buffer[i].data_ptr() and g.stride() == buffer[i].stride()
+            for i, g in enumerate(grads)
+        ):
             return buffer, None
         return torch.stack(grads), None
 
@@ -122,8 +124,19 @@ class BucketTables(nn.Module):
         gradients = TableGradients()
         return SplitTables(self(self._per_table, gradients), gradients)
 
-    def fused_head(self, c: torch.Tensor, split: SplitTables, table: int, *, targets: torch.Tensor, retrieve: bool,
-                   chunk: int, kernels: KernelPolicy, num_valid_rows: int | None = None, entropy: bool = False):
+    def fused_head(
+        self,
+        c: torch.Tensor,
+        split: SplitTables,
+        table: int,
+        *,
+        targets: torch.Tensor,
+        retrieve: bool,
+        chunk: int,
+        kernels: KernelPolicy,
+        num_valid_rows: int | None = None,
+        entropy: bool = False,
+    ):
         """``(log Z, target logit, ē or None, entropy or None)`` of one head for ``c [N, d]``, ``targets [N]``
         (global rows) and table ``table`` of ``split`` (``per_table``), chunked over tokens
         (``FusedHead``, its elementwise passes run by ``kernels``); rows ``>= num_valid_rows`` are never
@@ -131,9 +144,23 @@ class BucketTables(nn.Module):
         rows, owned = self.local_index(targets)
         valid = None
         if num_valid_rows is not None:
-            valid = torch.arange(self.local_rows, device=c.device) + self.row_offset < num_valid_rows
-        return FusedHead.apply(self.replicated_input(c), split.tables[table], rows, owned, valid, retrieve, chunk,
-                               self, split.gradients, table, kernels, entropy)
+            valid = (
+                torch.arange(self.local_rows, device=c.device) + self.row_offset < num_valid_rows
+            )
+        return FusedHead.apply(
+            self.replicated_input(c),
+            split.tables[table],
+            rows,
+            owned,
+            valid,
+            retrieve,
+            chunk,
+            self,
+            split.gradients,
+            table,
+            kernels,
+            entropy,
+        )
 
     def _lookup(self, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         t, r, d = weight.shape
@@ -153,7 +180,9 @@ class BucketTables(nn.Module):
         """``log p = logits - logsumexp(logits)`` over all rows (one kernel here; the sharded tables reduce the
         normaliser across shards), computed in fp32 (or wider) and rounded once: PyTorch's bf16 kernel rounds the
         normaliser to bf16 on its own, off by up to half its spacing in every log-probability."""
-        return logits.log_softmax(dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32)).to(logits.dtype)
+        return logits.log_softmax(
+            dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32)
+        ).to(logits.dtype)
 
     def softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """``p = softmax(logits)`` over all rows (the sharded tables normalise across shards)."""

@@ -35,7 +35,9 @@ class HFNames:
     model_type: str  # config.json's model_type
     architecture: str  # the model class: config.json's architectures
     config_class: str  # the config class the exporter writes
-    remote_code: bool  # exported with our modeling code (auto_map; trust_remote_code), which applies τ
+    remote_code: (
+        bool  # exported with our modeling code (auto_map; trust_remote_code), which applies τ
+    )
     # import-hf: the variant's own keys of the model section from a config.json (the backbone's are common), None
     # when the config.json is another variant's; ValueError for one of its own that cannot be imported
     model_section: Callable[[dict], dict | None]
@@ -47,11 +49,17 @@ class Variant:
 
     rules: VariantRules  # its name and what the config checks of it
     title: str  # its name in messages
-    builder: Callable[[ModelConfig, int, torch.Tensor | None, CompressionTable | None, ModelModes], LanguageModel]
+    builder: Callable[
+        [ModelConfig, int, torch.Tensor | None, CompressionTable | None, ModelModes], LanguageModel
+    ]
     needs_signatures: bool  # tokens map to bucket codes of a signature table (docs/spec.md §1)
     heads: Callable[[ModelConfig], int]  # output heads = tables: H, or 1
-    vocab_rows: Callable[[ModelConfig, int], int]  # rows per table for a vocabulary of that many tokens
-    vocab_flops: Callable[[ModelConfig, int | None], tuple[int, int]]  # forward FLOPs per token: (input, output)
+    vocab_rows: Callable[
+        [ModelConfig, int], int
+    ]  # rows per table for a vocabulary of that many tokens
+    vocab_flops: Callable[
+        [ModelConfig, int | None], tuple[int, int]
+    ]  # forward FLOPs per token: (input, output)
     vocab_parameters: Callable[[ModelConfig, int], tuple[int, int]]  # (tables, encoder + decoder)
     describe: Callable[[ModelConfig], str]  # the vocabulary side in one word (plan)
     hf: HFNames
@@ -77,8 +85,14 @@ def register_variant(record: Variant) -> Variant:
 
 # MultiHashFormer (docs/spec.md §1–§4): H bucket tables of B rows, the gated encoder and the cascaded decoder.
 
-def _build_mhf(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None, compression: CompressionTable | None,
-               modes: ModelModes) -> LanguageModel:
+
+def _build_mhf(
+    cfg: ModelConfig,
+    vocab_size: int,
+    codes: torch.Tensor | None,
+    compression: CompressionTable | None,
+    modes: ModelModes,
+) -> LanguageModel:
     from mhf_dist.model.lm import MultiHashFormer
 
     return MultiHashFormer(cfg, codes, compression, modes)
@@ -98,13 +112,18 @@ def _mhf_vocab_parameters(cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:
     """H tables of ``B × d``; the gate MLP, ``W_s`` and H−1 mixers (``parameter_count``)."""
     d, h = cfg.d_model, cfg.hash
     tables = h.num_hashes * h.num_buckets * d
-    other = (d * h.gate_dim + 2 * h.gate_dim + 1) + (d * d + d) + (h.num_hashes - 1) * (
-        2 * d * h.mixer_dim + h.mixer_dim + h.mixer_dim * d + d)
+    other = (
+        (d * h.gate_dim + 2 * h.gate_dim + 1)
+        + (d * d + d)
+        + (h.num_hashes - 1) * (2 * d * h.mixer_dim + h.mixer_dim + h.mixer_dim * d + d)
+    )
     return tables, other
 
 
 def _mhf_describe(cfg: ModelConfig) -> str:
-    return f"H{cfg.hash.num_hashes}×B{cfg.hash.num_buckets}" + (" single-ID" if cfg.hash.single_id else "")
+    return f"H{cfg.hash.num_hashes}×B{cfg.hash.num_buckets}" + (
+        " single-ID" if cfg.hash.single_id else ""
+    )
 
 
 def _mhf_model_section(config: dict) -> dict | None:
@@ -113,27 +132,55 @@ def _mhf_model_section(config: dict) -> dict | None:
     if "num_hashes" not in config:
         return None
     if config.get("num_lsh", 0) or config.get("lsh_only_embed"):
-        raise ValueError(f"num_lsh={config.get('num_lsh')}: LSH coordinates are not supported; only checkpoints "
-                         "whose coordinates are all random hashes (num_lsh = 0, docs/spec.md §9) import")
+        raise ValueError(
+            f"num_lsh={config.get('num_lsh')}: LSH coordinates are not supported; only checkpoints "
+            "whose coordinates are all random hashes (num_lsh = 0, docs/spec.md §9) import"
+        )
     gate = config.get("bottle_neck_dim", 64)
     seeds = (config.get("signature_rule") or {}).get("seeds", [])
-    return {"hash": dict(num_hashes=config["num_hashes"], num_buckets=config["num_buckets"], gate_dim=gate,
-                         mixer_dim=config.get("mixer_dim") or gate, single_id=len(seeds) > 1 and not any(seeds))}
+    return {
+        "hash": dict(
+            num_hashes=config["num_hashes"],
+            num_buckets=config["num_buckets"],
+            gate_dim=gate,
+            mixer_dim=config.get("mixer_dim") or gate,
+            single_id=len(seeds) > 1 and not any(seeds),
+        )
+    }
 
 
-MHF = register_variant(Variant(
-    rules=MHF_RULES, title="MultiHashFormer", builder=_build_mhf, needs_signatures=True,
-    heads=lambda cfg: cfg.hash.num_hashes, vocab_rows=lambda cfg, vocab_size: cfg.hash.num_buckets,
-    vocab_flops=_mhf_vocab_flops, vocab_parameters=_mhf_vocab_parameters, describe=_mhf_describe,
-    hf=HFNames(model_type="qwen3", architecture="MultiHashFormerForCausalLM", config_class="MultiHashFormerConfig",
-               remote_code=True, model_section=_mhf_model_section),
-))
+MHF = register_variant(
+    Variant(
+        rules=MHF_RULES,
+        title="MultiHashFormer",
+        builder=_build_mhf,
+        needs_signatures=True,
+        heads=lambda cfg: cfg.hash.num_hashes,
+        vocab_rows=lambda cfg, vocab_size: cfg.hash.num_buckets,
+        vocab_flops=_mhf_vocab_flops,
+        vocab_parameters=_mhf_vocab_parameters,
+        describe=_mhf_describe,
+        hf=HFNames(
+            model_type="qwen3",
+            architecture="MultiHashFormerForCausalLM",
+            config_class="MultiHashFormerConfig",
+            remote_code=True,
+            model_section=_mhf_model_section,
+        ),
+    )
+)
 
 
 # Standard (the baseline): one table of the vocabulary's rows, padded to pad_vocab_to, tied to a plain LM head.
 
-def _build_standard(cfg: ModelConfig, vocab_size: int, codes: torch.Tensor | None,
-                    compression: CompressionTable | None, modes: ModelModes) -> LanguageModel:
+
+def _build_standard(
+    cfg: ModelConfig,
+    vocab_size: int,
+    codes: torch.Tensor | None,
+    compression: CompressionTable | None,
+    modes: ModelModes,
+) -> LanguageModel:
     from mhf_dist.model.lm import StandardLM
 
     return StandardLM(cfg, vocab_size, compression, modes)
@@ -146,15 +193,29 @@ def _standard_vocab_flops(cfg: ModelConfig, vocab_rows: int | None) -> tuple[int
     return 0, 2 * vocab_rows * cfg.d_model
 
 
-STANDARD = register_variant(Variant(
-    rules=STANDARD_RULES, title="Standard", builder=_build_standard, needs_signatures=False,
-    heads=lambda cfg: 1, vocab_rows=lambda cfg, vocab_size: cfg.padded_vocab_rows(vocab_size),
-    vocab_flops=_standard_vocab_flops,
-    vocab_parameters=lambda cfg, vocab_size: (cfg.padded_vocab_rows(vocab_size) * cfg.d_model, 0),
-    describe=lambda cfg: "standard",
-    hf=HFNames(model_type="qwen3", architecture="Qwen3ForCausalLM", config_class="Qwen3Config", remote_code=False,
-               model_section=lambda config: None if "num_hashes" in config else {}),  # a plain Qwen3 config
-))
+STANDARD = register_variant(
+    Variant(
+        rules=STANDARD_RULES,
+        title="Standard",
+        builder=_build_standard,
+        needs_signatures=False,
+        heads=lambda cfg: 1,
+        vocab_rows=lambda cfg, vocab_size: cfg.padded_vocab_rows(vocab_size),
+        vocab_flops=_standard_vocab_flops,
+        vocab_parameters=lambda cfg, vocab_size: (
+            cfg.padded_vocab_rows(vocab_size) * cfg.d_model,
+            0,
+        ),
+        describe=lambda cfg: "standard",
+        hf=HFNames(
+            model_type="qwen3",
+            architecture="Qwen3ForCausalLM",
+            config_class="Qwen3Config",
+            remote_code=False,
+            model_section=lambda config: None if "num_hashes" in config else {},
+        ),  # a plain Qwen3 config
+    )
+)
 
 
 def variant(cfg_or_name: Any) -> Variant:
@@ -169,5 +230,7 @@ def variant(cfg_or_name: Any) -> Variant:
     try:
         return VARIANTS[name]
     except (KeyError, TypeError):
-        raise ConfigError(f"unknown model variant {name!r}: the known variants are {', '.join(sorted(VARIANTS))} "
-                          "(mhf_dist/model/variants.py)") from None
+        raise ConfigError(
+            f"unknown model variant {name!r}: the known variants are {', '.join(sorted(VARIANTS))} "
+            "(mhf_dist/model/variants.py)"
+        ) from None

@@ -57,8 +57,9 @@ class Evaluation(NamedTuple):
     @property
     def p_inf_nll(self) -> torch.Tensor:
         """The mean ``-log P_inf(target)`` over the micro-batch's tokens (perplexity comparable across models)."""
-        return (self.sums[EvalSums.P_INF_NLL] / self.sums[EvalSums.TOKENS]).to(torch.promote_types(self.loss.dtype,
-                                                                                         torch.float32))
+        return (self.sums[EvalSums.P_INF_NLL] / self.sums[EvalSums.TOKENS]).to(
+            torch.promote_types(self.loss.dtype, torch.float32)
+        )
 
 
 def _kept_mean(values: torch.Tensor, keep: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -66,15 +67,26 @@ def _kept_mean(values: torch.Tensor, keep: torch.Tensor, count: torch.Tensor) ->
     a sum: the others count as exactly 0, in value and in gradient, whatever they hold (``torch.where``, not a
     product, so an infinite term there cannot turn into NaN). Summed in fp32 at least and rounded once, as ``mean``."""
     keep = keep.view(-1, *([1] * (values.dim() - 1)))
-    total = torch.where(keep, values, 0).sum(dim=0, dtype=torch.promote_types(values.dtype, torch.float32))
+    total = torch.where(keep, values, 0).sum(
+        dim=0, dtype=torch.promote_types(values.dtype, torch.float32)
+    )
     return (total / count).to(values.dtype)
 
 
 class TiedVocabulary(nn.Module):
-    p_inf_loss_chunk = TARGET_CHUNK  # values gathered per position in one chunk of the log P_inf term's log Z
+    p_inf_loss_chunk = (
+        TARGET_CHUNK  # values gathered per position in one chunk of the log P_inf term's log Z
+    )
 
-    def __init__(self, tables: BucketTables, encoder: nn.Module | None, decoder: CascadedDecoder,
-                 codes: torch.Tensor, registered: torch.Tensor, p_inf_loss_weight: float = 0.0):
+    def __init__(
+        self,
+        tables: BucketTables,
+        encoder: nn.Module | None,
+        decoder: CascadedDecoder,
+        codes: torch.Tensor,
+        registered: torch.Tensor,
+        p_inf_loss_weight: float = 0.0,
+    ):
         super().__init__()
         self.tables, self.encoder, self.decoder = tables, encoder, decoder
         self.p_inf_loss_weight = p_inf_loss_weight  # λ of the training loss's log P_inf term
@@ -113,24 +125,43 @@ class TiedVocabulary(nn.Module):
             else:
                 nll, entropies = self.decoder.nll(h, self.tables, self.codes[safe]), None
             head_losses = _kept_mean(nll, keep, count)
-            return TrainingLoss(loss=head_losses.sum(), head_losses=head_losses,
-                                head_entropy=None if entropies is None else _kept_mean(entropies, keep, count))
-        head_losses, p_inf_nll, entropies = self._head_and_p_inf_losses(h, safe, keep, count, entropy)
-        return TrainingLoss(loss=head_losses.sum() + self.p_inf_loss_weight * p_inf_nll, head_losses=head_losses,
-                            p_inf_nll=p_inf_nll.detach(), head_entropy=entropies)
+            return TrainingLoss(
+                loss=head_losses.sum(),
+                head_losses=head_losses,
+                head_entropy=None if entropies is None else _kept_mean(entropies, keep, count),
+            )
+        head_losses, p_inf_nll, entropies = self._head_and_p_inf_losses(
+            h, safe, keep, count, entropy
+        )
+        return TrainingLoss(
+            loss=head_losses.sum() + self.p_inf_loss_weight * p_inf_nll,
+            head_losses=head_losses,
+            p_inf_nll=p_inf_nll.detach(),
+            head_entropy=entropies,
+        )
 
-    def evaluation(self, h: torch.Tensor, targets: torch.Tensor,
-                   temperatures: torch.Tensor | None = None) -> Evaluation:
+    def evaluation(
+        self, h: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor | None = None
+    ) -> Evaluation:
         """``loss`` with the evaluation sums of ``calibration_sums`` at ``temperatures``, which count
         tokens, so they take the kept positions only (targets ``>= 0``)."""
         training = self.loss(h, targets)
         h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
         keep = targets >= 0
-        return Evaluation(loss=training.loss, head_losses=training.head_losses,
-                          sums=self.calibration_sums(h[keep], targets[keep], temperatures))
+        return Evaluation(
+            loss=training.loss,
+            head_losses=training.head_losses,
+            sums=self.calibration_sums(h[keep], targets[keep], temperatures),
+        )
 
-    def _head_and_p_inf_losses(self, h: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor, count: torch.Tensor,
-                               entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _head_and_p_inf_losses(
+        self,
+        h: torch.Tensor,
+        targets: torch.Tensor,
+        keep: torch.Tensor,
+        count: torch.Tensor,
+        entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(head losses [H], mean -log P_inf(target), head entropies [H] or None)``, the first two with gradients,
         over the positions ``keep`` (``count`` of them), from one plain pass down the cascade
         (``CascadedDecoder.nll_and_log_probs``): ``-log P_inf(w) = log Z - Σ_i log p_i[H_i(w)] = log Z +
@@ -138,39 +169,68 @@ class TiedVocabulary(nn.Module):
         is not used: this term needs every head's scores ``[N, R_local]`` anyway, and the plain path's are them.
         A target that is not registered (the pad token) has ``P_inf = 0``: its term is ``+inf``, as in evaluation."""
         nll, log_probs = self.decoder.nll_and_log_probs(h, self.tables, self.codes[targets])
-        log_z = log_normaliser(log_probs, self.signature_columns(), self.registered, self.tables,
-                               self.p_inf_loss_chunk)
+        log_z = log_normaliser(
+            log_probs, self.signature_columns(), self.registered, self.tables, self.p_inf_loss_chunk
+        )
         p_inf_nll = torch.where(self.registered[targets], log_z + nll.sum(dim=-1), float("inf"))
         entropies = _kept_mean(head_entropies(log_probs), keep, count) if entropy else None
         return _kept_mean(nll, keep, count), _kept_mean(p_inf_nll, keep, count), entropies
 
-    def calibration_sums(self, h: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor | None = None,
-                         chunk_size: int = TARGET_CHUNK) -> torch.Tensor:
+    def calibration_sums(
+        self,
+        h: torch.Tensor,
+        targets: torch.Tensor,
+        temperatures: torch.Tensor | None = None,
+        chunk_size: int = TARGET_CHUNK,
+    ) -> torch.Tensor:
         """``h [N, d]``, ``targets [N]`` -> ``scoring.calibration_sums`` (``P_inf`` NLL, top-1/5
         hits, and the NLL of ``P_τ`` with its slope at each of ``temperatures``, default
         ``coarse_temperatures``), streamed over the vocabulary."""
         if temperatures is None:
             temperatures = coarse_temperatures()
-        return target_calibration_sums(self.decoder.scores(h, self.tables), self.signature_columns(), self.registered,
-                                       tables=self.tables, targets=targets, temperatures=temperatures,
-                                       chunk_size=chunk_size)
+        return target_calibration_sums(
+            self.decoder.scores(h, self.tables),
+            self.signature_columns(),
+            self.registered,
+            tables=self.tables,
+            targets=targets,
+            temperatures=temperatures,
+            chunk_size=chunk_size,
+        )
 
     def log_p_inf(self, h: torch.Tensor, chunk_size: int = LOG_P_INF_CHUNK) -> torch.Tensor:
         """``h [..., d]`` -> ``log P_inf [..., V]``."""
         flat = h.reshape(-1, h.shape[-1])
-        logp = log_p_inf(self.decoder.scores(flat, self.tables), self.signature_columns(), self.registered,
-                         self.tables, chunk_size)
+        logp = log_p_inf(
+            self.decoder.scores(flat, self.tables),
+            self.signature_columns(),
+            self.registered,
+            self.tables,
+            chunk_size,
+        )
         return logp.view(*h.shape[:-1], -1)
 
 
 class HashVocabulary(TiedVocabulary):
-    def __init__(self, codes: torch.Tensor, num_buckets: int, dim: int, *, gate_dim: int, mixer_dim: int,
-                 chunk_tokens: int = 0, p_inf_loss_weight: float = 0.0, kernels: str = "auto"):
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        num_buckets: int,
+        dim: int,
+        *,
+        gate_dim: int,
+        mixer_dim: int,
+        chunk_tokens: int = 0,
+        p_inf_loss_weight: float = 0.0,
+        kernels: str = "auto",
+    ):
         num_hashes = codes.shape[1]
         super().__init__(
             tables=BucketTables(num_hashes, num_buckets, dim),
             encoder=HashEncoder(dim, gate_dim),
-            decoder=CascadedDecoder(dim, num_hashes, mixer_dim, chunk_tokens=chunk_tokens, kernels=kernels),
+            decoder=CascadedDecoder(
+                dim, num_hashes, mixer_dim, chunk_tokens=chunk_tokens, kernels=kernels
+            ),
             codes=codes,
             registered=(codes != 0).any(dim=1),
             p_inf_loss_weight=p_inf_loss_weight,
@@ -181,13 +241,28 @@ class HashVocabulary(TiedVocabulary):
 
 
 class TokenVocabulary(TiedVocabulary):
-    def __init__(self, vocab_size: int, padded_rows: int, dim: int, chunk_tokens: int = 0, kernels: str = "auto"):
-        ids = torch.arange(vocab_size, device="cpu")  # data, as a signature table is: real on a meta skeleton too
+    def __init__(
+        self,
+        vocab_size: int,
+        padded_rows: int,
+        dim: int,
+        chunk_tokens: int = 0,
+        kernels: str = "auto",
+    ):
+        ids = torch.arange(
+            vocab_size, device="cpu"
+        )  # data, as a signature table is: real on a meta skeleton too
         super().__init__(
             tables=BucketTables(1, padded_rows, dim),
             encoder=None,
-            decoder=CascadedDecoder(dim, 1, mixer_dim=1, num_valid_rows=vocab_size, chunk_tokens=chunk_tokens,
-                                    kernels=kernels),
+            decoder=CascadedDecoder(
+                dim,
+                1,
+                mixer_dim=1,
+                num_valid_rows=vocab_size,
+                chunk_tokens=chunk_tokens,
+                kernels=kernels,
+            ),
             codes=ids[:, None],
             registered=torch.ones_like(ids, dtype=torch.bool),
         )

@@ -47,7 +47,9 @@ def count_collectives():
         _active.remove(log)
 
 
-def _all_reduce(tensor: torch.Tensor, group, op: str, phase: str, reduce_op=dist.ReduceOp.SUM) -> torch.Tensor:
+def _all_reduce(
+    tensor: torch.Tensor, group, op: str, phase: str, reduce_op=dist.ReduceOp.SUM
+) -> torch.Tensor:
     for log in _active:
         log.record(op, phase, tensor)
     tensor = tensor.contiguous()

@@ -42,8 +42,17 @@ class Partitioner(Protocol):
         partition's values (a flat tensor, padding left out), which the rank may write in place."""
 
 
-def model_skeleton(cfg, vocab_size: int, codes: torch.Tensor | None, *, compression, tp_group=None, tp_rank: int = 0,
-                   tp: int = 1, modes: ModelModes = ModelModes()) -> LanguageModel:
+def model_skeleton(
+    cfg,
+    vocab_size: int,
+    codes: torch.Tensor | None,
+    *,
+    compression,
+    tp_group=None,
+    tp_rank: int = 0,
+    tp: int = 1,
+    modes: ModelModes = ModelModes(),
+) -> LanguageModel:
     """The model in ``modes`` with this rank's tensor-parallel modules, every parameter on the meta device
     (docs/design-model.md, "Model construction"); ``Materialiser`` makes them real."""
     with torch.device("meta"):
@@ -68,12 +77,31 @@ class SeededValues:
     def release(self) -> None:
         self.buffer = None
 
-    def shard(self, name: str, full_shape: tuple[int, ...], out: torch.Tensor, *, dim: int | None, rank: int,
-              parts: int, start: int = 0) -> None:
+    def shard(
+        self,
+        name: str,
+        full_shape: tuple[int, ...],
+        out: torch.Tensor,
+        *,
+        dim: int | None,
+        rank: int,
+        parts: int,
+        start: int = 0,
+    ) -> None:
         """``out`` <- chunk ``rank`` of ``parts`` along ``dim`` of parameter ``name``, or from ``start`` the next
         ``out.numel()`` elements of that chunk flattened (``initial_shard``)."""
-        initial_shard(name, full_shape, out, std=self.std, seed=self.seed, dim=dim, rank=rank, parts=parts,
-                      buffer=self.buffer, start=start)
+        initial_shard(
+            name,
+            full_shape,
+            out,
+            std=self.std,
+            seed=self.seed,
+            dim=dim,
+            rank=rank,
+            parts=parts,
+            buffer=self.buffer,
+            start=start,
+        )
 
 
 class FileValues:
@@ -95,14 +123,26 @@ class FileValues:
         held = {name: tuple(self.file.get_slice(name).get_shape()) for name in self.file.keys()}
         problems = [f"missing {n}" for n in shapes if n not in held]
         problems += [f"unexpected {n}" for n in held if n not in shapes]
-        problems += [f"{n} is {list(held[n])}, the model's {list(s)}" for n, s in shapes.items()
-                     if n in held and held[n] != s]
+        problems += [
+            f"{n} is {list(held[n])}, the model's {list(s)}"
+            for n, s in shapes.items()
+            if n in held and held[n] != s
+        ]
         if problems:
             more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
             raise ValueError("; ".join(problems[:5]) + more)
 
-    def shard(self, name: str, full_shape: tuple[int, ...], out: torch.Tensor, *, dim: int | None, rank: int,
-              parts: int, start: int = 0) -> None:
+    def shard(
+        self,
+        name: str,
+        full_shape: tuple[int, ...],
+        out: torch.Tensor,
+        *,
+        dim: int | None,
+        rank: int,
+        parts: int,
+        start: int = 0,
+    ) -> None:
         """As ``SeededValues.shard``: only the rows (along the first dimension) that hold the elements are read."""
         index, shape = [slice(None)] * len(full_shape), list(full_shape)
         if dim is not None:
@@ -118,7 +158,7 @@ class FileValues:
         first, last = start // row, (start + n - 1) // row + 1
         offset = index[0].start if dim == 0 else 0
         index[0] = slice(offset + first, offset + last)
-        values = self.file.get_slice(name)[tuple(index)].reshape(-1)[start - first * row:][:n]
+        values = self.file.get_slice(name)[tuple(index)].reshape(-1)[start - first * row :][:n]
         out.copy_(values.view(out.shape))
 
 
@@ -131,7 +171,9 @@ def full_shapes(model: LanguageModel, tp: int) -> dict[str, tuple[int, ...]]:
         if dim is not None:
             shape[dim] *= tp
         out[name] = tuple(shape)
-    return out | {name: tuple(weight.shape) for name, weight in host_tables(model).items()}  # tp = 1 only
+    return out | {
+        name: tuple(weight.shape) for name, weight in host_tables(model).items()
+    }  # tp = 1 only
 
 
 class Materialiser:
@@ -141,8 +183,15 @@ class Materialiser:
     partitions are then written in place (the leaf filled in full first where the partitioner cannot have them
     written afterwards). Buffers move to ``device``. Returns ``module``."""
 
-    def __init__(self, model: LanguageModel, values, device: torch.device, tp_rank: int = 0, tp: int = 1,
-                 partition: Partitioner | None = None):
+    def __init__(
+        self,
+        model: LanguageModel,
+        values,
+        device: torch.device,
+        tp_rank: int = 0,
+        tp: int = 1,
+        partition: Partitioner | None = None,
+    ):
         self.prefixes = {id(m): prefix for prefix, m in model.named_modules()}
         self.shapes = full_shapes(model, tp)
         self.dims = tp_split_dims(model.cfg, tp) if tp > 1 else []
@@ -153,8 +202,17 @@ class Materialiser:
     def __call__(self, module: nn.Module) -> nn.Module:
         base = self.prefixes[id(module)]
         # [(leaf, [(attribute, full parameter name, meta parameter)])] for the leaves with meta parameters
-        leaves = [(leaf, [(n, f"{prefix}.{n}" if prefix else n, p) for n, p in leaf.named_parameters(recurse=False)
-                          if p.is_meta]) for prefix, leaf in module.named_modules(prefix=base)]
+        leaves = [
+            (
+                leaf,
+                [
+                    (n, f"{prefix}.{n}" if prefix else n, p)
+                    for n, p in leaf.named_parameters(recurse=False)
+                    if p.is_meta
+                ],
+            )
+            for prefix, leaf in module.named_modules(prefix=base)
+        ]
         leaves = [(leaf, params) for leaf, params in leaves if params]
         names = [name for _, params in leaves for _, name, _ in params]
         self.values.reserve({name: self.shapes[name] for name in names})  # one block's draw buffer
@@ -163,8 +221,11 @@ class Materialiser:
             # Each leaf is made in one buffer, reused leaf after leaf: ZeRO-3 keeps a copy of its slice and lets
             # the leaf's tensors go, so the only other allocations are the slices, which stay packed (a fresh
             # full-size tensor per leaf would leave the allocator holes that later, larger leaves cannot reuse).
-            scratch = torch.empty(max(sum(meta.numel() for *_, meta in params) for _, params in leaves),
-                                  dtype=self.dtype, device=self.device)
+            scratch = torch.empty(
+                max(sum(meta.numel() for *_, meta in params) for _, params in leaves),
+                dtype=self.dtype,
+                device=self.device,
+            )
         # Under ZeRO-3, a rank writes only its partitions, once partitioned (the leaf's own values are not read)
         after = self.partition is not None and self.partition.writes_held
         for leaf, params in leaves:
@@ -172,7 +233,7 @@ class Materialiser:
             for n, name, meta in params:
                 out = None
                 if scratch is not None:
-                    out = scratch[offset:offset + meta.numel()].view(meta.shape)
+                    out = scratch[offset : offset + meta.numel()].view(meta.shape)
                     offset += meta.numel()
                 setattr(leaf, n, self._real(name, meta, out, fill=not after))
             if scratch is not None:
@@ -180,25 +241,47 @@ class Materialiser:
             if after:
                 for n, name, _ in params:
                     start, held = self.partition.held(getattr(leaf, n))
-                    self.values.shard(name, self.shapes[name], held, dim=split_dim(name, self.dims),
-                                      rank=self.tp_rank, parts=self.tp, start=start)
+                    self.values.shard(
+                        name,
+                        self.shapes[name],
+                        held,
+                        dim=split_dim(name, self.dims),
+                        rank=self.tp_rank,
+                        parts=self.tp,
+                        start=start,
+                    )
         self.values.release()
-        for name, weight in host_tables(module).items():  # model.engram.offload: whole, in host memory
-            self.values.shard(self.prefixes[id(module)] + ("." if self.prefixes[id(module)] else "") + name,
-                              tuple(weight.shape), weight, dim=None, rank=0, parts=1)
+        for name, weight in host_tables(
+            module
+        ).items():  # model.engram.offload: whole, in host memory
+            self.values.shard(
+                self.prefixes[id(module)] + ("." if self.prefixes[id(module)] else "") + name,
+                tuple(weight.shape),
+                weight,
+                dim=None,
+                rank=0,
+                parts=1,
+            )
         for owner in module.modules():
             for n, buffer in list(owner.named_buffers(recurse=False)):
                 setattr(owner, n, buffer.to(self.device))
         return module
 
-    def _real(self, name: str, meta: nn.Parameter, out: torch.Tensor | None = None, fill: bool = True
-              ) -> nn.Parameter:
+    def _real(
+        self, name: str, meta: nn.Parameter, out: torch.Tensor | None = None, fill: bool = True
+    ) -> nn.Parameter:
         """The parameter ``name`` on this rank in ``out`` (or a new tensor), its values written there with ``fill``."""
         if out is None:
             out = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
         if fill:
-            self.values.shard(name, self.shapes[name], out, dim=split_dim(name, self.dims), rank=self.tp_rank,
-                              parts=self.tp)
+            self.values.shard(
+                name,
+                self.shapes[name],
+                out,
+                dim=split_dim(name, self.dims),
+                rank=self.tp_rank,
+                parts=self.tp,
+            )
         param = nn.Parameter(out, requires_grad=meta.requires_grad)
         param.__dict__.update(meta.__dict__)  # tensor_model_parallel and the like
         return param

@@ -21,8 +21,10 @@ def device_index(local_rank: int, visible: int) -> int:
     """The visible GPU that the rank with node-local index ``local_rank`` drives, among ``visible`` GPUs: its own
     when the task sees the whole node, the only one when the task is bound to one, round-robin in between."""
     if visible < 1:
-        raise MhfError("no GPU is visible to this rank (CUDA_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES, or the "
-                       "job's GPU binding); ask for GPUs in the job, or train on CPUs with train.device=cpu")
+        raise MhfError(
+            "no GPU is visible to this rank (CUDA_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES, or the "
+            "job's GPU binding); ask for GPUs in the job, or train on CPUs with train.device=cpu"
+        )
     return local_rank % visible
 
 

@@ -58,8 +58,15 @@ class ParallelGroups:
                     mine[axis] = group
         coord = grid_coordinates(rank, pp, dp, tp)
         return cls(
-            tp=tp, pp=pp, dp=dp, tp_rank=coord["model"], pp_rank=coord["pipe"], dp_rank=coord["data"],
-            tp_group=mine["model"], pp_group=mine["pipe"], dp_group=mine["data"],
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            tp_rank=coord["model"],
+            pp_rank=coord["pipe"],
+            dp_rank=coord["data"],
+            tp_group=mine["model"],
+            pp_group=mine["pipe"],
+            dp_group=mine["data"],
         )
 
     # The `mpu` interface DeepSpeed's engine and ZeRO read (Megatron's names).

@@ -33,7 +33,9 @@ class BucketParallelEmbedding(BucketTables):
 
     def __init__(self, num_tables: int, num_rows: int, dim: int, group, rank: int, size: int):
         if num_rows % size:
-            raise ValueError(f"{num_rows} table rows cannot be split over tp={size}; use a multiple of tp")
+            raise ValueError(
+                f"{num_rows} table rows cannot be split over tp={size}; use a multiple of tp"
+            )
         super().__init__(num_tables, num_rows // size, dim)
         self.num_rows, self.group, self.rank = num_rows, group, rank
         self.weight.tensor_model_parallel = True

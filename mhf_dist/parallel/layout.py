@@ -32,7 +32,9 @@ def resolve_layout(cfg: RunConfig, world_size: int) -> Layout:
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     dp = data_parallel_size(world_size, tp, pp)
     fit_micro_batch(cfg.train, dp)
-    return Layout(tp=tp, pp=pp, dp=dp, accum=cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp))
+    return Layout(
+        tp=tp, pp=pp, dp=dp, accum=cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    )
 
 
 def fit_micro_batch(train: TrainConfig, dp: int) -> None:
@@ -46,12 +48,21 @@ def fit_micro_batch(train: TrainConfig, dp: int) -> None:
     if fitting and train.micro_batch_from_preset:
         train.micro_batch_size = fitting[0]
         return
-    step = dp if train.micro_batch_from_preset else micro * dp  # what the global batch must be a multiple of
-    near = " or ".join(f"train.global_batch_size={g}" for g in (total // step * step, (total // step + 1) * step) if g)
-    other_micro = f"train.micro_batch_size={' or '.join(map(str, fitting[:3]))}, or " if fitting else ""
+    step = (
+        dp if train.micro_batch_from_preset else micro * dp
+    )  # what the global batch must be a multiple of
+    near = " or ".join(
+        f"train.global_batch_size={g}"
+        for g in (total // step * step, (total // step + 1) * step)
+        if g
+    )
+    other_micro = (
+        f"train.micro_batch_size={' or '.join(map(str, fitting[:3]))}, or " if fitting else ""
+    )
     raise ConfigError(
         f"train.global_batch_size={total} is not a multiple of train.micro_batch_size × dp = {micro} × {dp}; "
-        f"set {other_micro}{near}")
+        f"set {other_micro}{near}"
+    )
 
 
 def backend_name(setting: str, device_type: str) -> str:
@@ -60,5 +71,7 @@ def backend_name(setting: str, device_type: str) -> str:
     if setting == "auto":
         return "gloo" if device_type == "cpu" else "nccl"
     if setting == "nccl" and device_type == "cpu":
-        raise ConfigError("train.dist_backend=nccl needs GPUs; this run is on CPUs (use auto or gloo)")
+        raise ConfigError(
+            "train.dist_backend=nccl needs GPUs; this run is on CPUs (use auto or gloo)"
+        )
     return setting

@@ -28,14 +28,21 @@ def _outcome_file(where: Path, name: str, token: int) -> Path:
     return where / f".{name}-{token:012x}.done"
 
 
-def on_rank0(work: Callable[[], None], where: Path, name: str, scalars: ScalarCollectives,
-             error: type[MhfError] = MhfError) -> None:
+def on_rank0(
+    work: Callable[[], None],
+    where: Path,
+    name: str,
+    scalars: ScalarCollectives,
+    error: type[MhfError] = MhfError,
+) -> None:
     """Rank 0 runs ``work()``; every other rank waits until it ended. A failure raises on rank 0 as it was and on
     the others as ``error`` with rank 0's message. ``where``: a directory every rank sees (rank 0 may create it
     in ``work``); ``name``: what the work is, for the outcome file's name."""
     rank = dist.get_rank()
     # a fresh name for this start's outcome file, so that no rank mistakes an earlier start's for it
-    token = int(scalars.from_rank0(float(random.SystemRandom().getrandbits(48)) if rank == 0 else 0.0))
+    token = int(
+        scalars.from_rank0(float(random.SystemRandom().getrandbits(48)) if rank == 0 else 0.0)
+    )
     done = _outcome_file(where, name, token)
     if rank == 0:
         for stale in where.glob(f".{name}-*.done"):  # left by a start whose work failed
@@ -43,7 +50,9 @@ def on_rank0(work: Callable[[], None], where: Path, name: str, scalars: ScalarCo
         try:
             work()
         except BaseException as e:
-            _write_outcome(done, f"{type(e).__name__}: {e}" if not isinstance(e, MhfError) else str(e))
+            _write_outcome(
+                done, f"{type(e).__name__}: {e}" if not isinstance(e, MhfError) else str(e)
+            )
             raise
         _write_outcome(done, None)
     else:

@@ -74,7 +74,9 @@ class ScalarCollectives:
     def read(self, *parts: torch.Tensor) -> list[float]:
         """The elements of ``parts`` (tensors anywhere, e.g. the results above and device scalars), in order, as
         Python numbers: one transfer to the host, so one wait for the device."""
-        return torch.cat([p.detach().reshape(-1).to(self.device, torch.float64) for p in parts]).tolist()
+        return torch.cat(
+            [p.detach().reshape(-1).to(self.device, torch.float64) for p in parts]
+        ).tolist()
 
     # ------------------------------------------------------------------ reductions read at once
     def any(self, *flags: bool) -> list[bool]:
@@ -104,15 +106,19 @@ class ScalarCollectives:
     def max_into(self, tensor: torch.Tensor, group=None, chunk: int = 1 << 24) -> None:
         """``tensor`` (a contiguous host buffer; bool or uint8 for a mask: one byte an element on the wire) <- its
         element-wise maximum over the ranks of ``group``, ``chunk`` elements at a time."""
-        if tensor.dtype == torch.bool:  # no collective reduces bool: the same bytes as uint8 (0 or 1)
+        if (
+            tensor.dtype == torch.bool
+        ):  # no collective reduces bool: the same bytes as uint8 (0 or 1)
             tensor = tensor.view(torch.uint8)
         self._reduce_into(tensor, group, chunk, dist.ReduceOp.MAX, 1)
 
     def _reduce_into(self, tensor: torch.Tensor, group, chunk: int, op, divisor: int) -> None:
         flat = tensor.view(-1)
-        if self.device.type != "cuda":  # gloo: the host tensor is the communication buffer's source and target
+        if (
+            self.device.type != "cuda"
+        ):  # gloo: the host tensor is the communication buffer's source and target
             for start in range(0, flat.numel(), chunk):
-                part = flat[start:start + chunk]
+                part = flat[start : start + chunk]
                 buf = part.to(self.device, copy=True)
                 dist.all_reduce(buf, op=op, group=group)
                 part.copy_(buf)
@@ -132,14 +138,14 @@ class ScalarCollectives:
             if waiting[slot] is not None:
                 part, done = waiting[slot]
                 done.synchronize()
-                part.copy_(staging[slot][:part.numel()])
+                part.copy_(staging[slot][: part.numel()])
                 waiting[slot] = None
 
         for k, start in enumerate(range(0, flat.numel(), chunk)):
             slot = k % 2
             take(slot)
-            part = flat[start:start + chunk]
-            host, buf = staging[slot][:part.numel()], on_device[slot][:part.numel()]
+            part = flat[start : start + chunk]
+            host, buf = staging[slot][: part.numel()], on_device[slot][: part.numel()]
             host.copy_(part)
             buf.copy_(host, non_blocking=True)
             dist.all_reduce(buf, op=op, group=group)

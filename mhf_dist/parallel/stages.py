@@ -17,7 +17,11 @@ from mhf_dist.model.flops import forward_flops
 def layer_costs(cfg: ModelConfig, seq_len: int, vocab_rows: int) -> list[int]:
     """One cost per pipeline layer: vocabulary in, each block, final norm, vocabulary out."""
     flops = forward_flops(cfg, seq_len, vocab_rows=vocab_rows)
-    return [flops.vocab_in + 1] + [flops.layer(i) for i in range(cfg.n_layers)] + [1, flops.vocab_out + 1]
+    return (
+        [flops.vocab_in + 1]
+        + [flops.layer(i) for i in range(cfg.n_layers)]
+        + [1, flops.vocab_out + 1]
+    )
 
 
 def stage_bounds(costs: list[int], stages: int) -> list[int]:

@@ -17,7 +17,9 @@ def split_dim(name: str, dims: list[tuple[re.Pattern, int]]) -> int | None:
     return next((d for pattern, d in dims if pattern.fullmatch(name)), None)
 
 
-def shard_state_dict(full: dict[str, torch.Tensor], dims, rank: int, tp: int) -> dict[str, torch.Tensor]:
+def shard_state_dict(
+    full: dict[str, torch.Tensor], dims, rank: int, tp: int
+) -> dict[str, torch.Tensor]:
     """This rank's shard of a full state dict."""
     out = {}
     for name, tensor in full.items():
@@ -33,7 +35,9 @@ def merge_state_dicts(shards: list[dict[str, torch.Tensor]], dims) -> dict[str, 
         d = split_dim(name, dims)
         if d is None:
             if not all(torch.equal(s[name], shards[0][name]) for s in shards[1:]):
-                raise ValueError(f"replicated parameter {name} differs between tensor-parallel ranks")
+                raise ValueError(
+                    f"replicated parameter {name} differs between tensor-parallel ranks"
+                )
             out[name] = shards[0][name]
         else:
             out[name] = torch.cat([s[name] for s in shards], dim=d)

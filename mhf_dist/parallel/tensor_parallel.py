@@ -60,10 +60,14 @@ def _replicated_heads(linear: nn.Linear, shard: Shard) -> ReplicatedHeadsLinear:
     hd = cfg.resolved_head_dim
     # With fewer kv heads than ranks, this rank's query heads all share kv head `kv`.
     kv = shard.rank * (cfg.n_heads // shard.size) // (cfg.n_heads // cfg.n_kv_heads)
-    return ReplicatedHeadsLinear(linear.in_features, linear.out_features, slice(kv * hd, (kv + 1) * hd), shard.group)
+    return ReplicatedHeadsLinear(
+        linear.in_features, linear.out_features, slice(kv * hd, (kv + 1) * hd), shard.group
+    )
 
 
-BUCKET_ROWS = Style(1, lambda t, s: BucketParallelEmbedding(*t.weight.shape, s.group, s.rank, s.size))
+BUCKET_ROWS = Style(
+    1, lambda t, s: BucketParallelEmbedding(*t.weight.shape, s.group, s.rank, s.size)
+)
 COLUMN = Style(0, lambda m, s: ColumnParallelLinear(m.in_features, m.out_features, s.size))
 ROW = Style(1, lambda m, s: RowParallelLinear(m.in_features, m.out_features, s.group, s.size))
 REPLICATED_HEADS = Style(None, _replicated_heads)
@@ -93,8 +97,11 @@ def tp_plan(cfg: ModelConfig, tp: int) -> dict[str, Style]:
 def tp_split_dims(cfg: ModelConfig, tp: int) -> list[tuple[re.Pattern, int]]:
     """(parameter-name pattern, split dim) of every split weight in ``tp_plan``; other parameters are
     replicated."""
-    return [(re.compile(pattern + r"\.weight"), style.dim) for pattern, style in tp_plan(cfg, tp).items()
-            if style.dim is not None]
+    return [
+        (re.compile(pattern + r"\.weight"), style.dim)
+        for pattern, style in tp_plan(cfg, tp).items()
+        if style.dim is not None
+    ]
 
 
 def shard_modules(model: LanguageModel, group, rank: int, size: int) -> LanguageModel:

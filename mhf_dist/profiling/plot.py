@@ -10,8 +10,10 @@ if TYPE_CHECKING:
     from mhf_dist.profiling.training import TrainRow
 
 
-PLOTS_MISSING = ("no plots: they need matplotlib (pip install 'mhf-dist[plots]'); profile.json, profile.csv and "
-                 "scoring.csv hold every number")
+PLOTS_MISSING = (
+    "no plots: they need matplotlib (pip install 'mhf-dist[plots]'); profile.json, profile.csv and "
+    "scoring.csv hold every number"
+)
 
 
 def plots(rows: list[TrainRow], scoring: list[dict], out: Path, hardware: str) -> str | None:

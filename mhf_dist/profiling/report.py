@@ -15,12 +15,16 @@ if TYPE_CHECKING:
     from mhf_dist.profiling.training import TrainRow
 
 
-def write_outputs(rows: list[TrainRow], scoring: list[dict], out: Path, hardware: str) -> str | None:
+def write_outputs(
+    rows: list[TrainRow], scoring: list[dict], out: Path, hardware: str
+) -> str | None:
     """The training ``rows`` and ``scoring`` rows as JSON, CSV, TensorBoard scalars and plots in ``out``; returns
     why there are no plots, if there are none."""
     out.mkdir(parents=True, exist_ok=True)
     records = [asdict(r) for r in rows]
-    (out / "profile.json").write_text(json.dumps({"training": records, "scoring": scoring}, indent=1))
+    (out / "profile.json").write_text(
+        json.dumps({"training": records, "scoring": scoring}, indent=1)
+    )
     for name, table in (("profile.csv", records), ("scoring.csv", scoring)):
         with (out / name).open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(table[0]))
@@ -30,26 +34,43 @@ def write_outputs(rows: list[TrainRow], scoring: list[dict], out: Path, hardware
 
     with SummaryWriter(str(out / "tensorboard")) as tb:
         for r in rows:
-            for key in ("tokens_per_s", "mfu", "tflops", "memory_gb", "step_s", "comm_bytes_per_step"):
+            for key in (
+                "tokens_per_s",
+                "mfu",
+                "tflops",
+                "memory_gb",
+                "step_s",
+                "comm_bytes_per_step",
+            ):
                 tb.add_scalar(f"{r.layout}/{r.hash}/{key}", getattr(r, key), 0)
         for s in scoring:
             tb.add_scalar("scoring/mhf_s_per_token", s["mhf_s_per_token"], s["vocab_size"])
-            tb.add_scalar("scoring/standard_s_per_token", s["standard_s_per_token"], s["vocab_size"])
+            tb.add_scalar(
+                "scoring/standard_s_per_token", s["standard_s_per_token"], s["vocab_size"]
+            )
     return plots(rows, scoring, out, hardware)
 
 
 def table(rows: list[TrainRow], scoring: list[dict]) -> str:
     """The rows as a text table, with the measured peak and the scoring times."""
-    lines = [f"{'config':<25} {'layout':<6} {'tokens/s':>10} {'step s':>8} {'fwd':>6} {'bwd':>6} {'opt':>6} "
-             f"{'comm':>6} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'comm MB':>8}"]
+    lines = [
+        f"{'config':<25} {'layout':<6} {'tokens/s':>10} {'step s':>8} {'fwd':>6} {'bwd':>6} {'opt':>6} "
+        f"{'comm':>6} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'comm MB':>8}"
+    ]
     for r in rows:
-        lines.append(f"{r.size + '-' + r.hash:<25} {r.layout:<6} {r.tokens_per_s:>10.1f} {r.step_s:>8.3f} "
-                     f"{r.forward_s:>6.2f} {r.backward_s:>6.2f} {r.optimizer_s:>6.2f} {r.comm_s:>6.2f} "
-                     f"{r.tflops:>8.3f} {r.mfu:>6.1%} {r.memory_gb:>7.2f} {r.comm_bytes_per_step / 2**20:>8.1f}")
-    lines.append(f"measured peak {rows[0].peak_tflops_measured:.3f} TFLOP/s ({rows[0].dtype} matmul)"
-                 + (f", nominal {rows[0].peak_tflops_nominal:g}" if rows[0].peak_tflops_nominal else ""))
+        lines.append(
+            f"{r.size + '-' + r.hash:<25} {r.layout:<6} {r.tokens_per_s:>10.1f} {r.step_s:>8.3f} "
+            f"{r.forward_s:>6.2f} {r.backward_s:>6.2f} {r.optimizer_s:>6.2f} {r.comm_s:>6.2f} "
+            f"{r.tflops:>8.3f} {r.mfu:>6.1%} {r.memory_gb:>7.2f} {r.comm_bytes_per_step / 2**20:>8.1f}"
+        )
+    lines.append(
+        f"measured peak {rows[0].peak_tflops_measured:.3f} TFLOP/s ({rows[0].dtype} matmul)"
+        + (f", nominal {rows[0].peak_tflops_nominal:g}" if rows[0].peak_tflops_nominal else "")
+    )
     for s in scoring:
-        lines.append(f"scoring V={s['vocab_size']:>8,}: MHF {s['mhf_s_per_token'] * 1e3:8.3f} ms/token, Standard "
-                     f"{s['standard_s_per_token'] * 1e3:8.3f} ms/token, ratio {s['ratio']:.2f} (FLOP ratio "
-                     f"{s['flop_ratio']:.2f})")
+        lines.append(
+            f"scoring V={s['vocab_size']:>8,}: MHF {s['mhf_s_per_token'] * 1e3:8.3f} ms/token, Standard "
+            f"{s['standard_s_per_token'] * 1e3:8.3f} ms/token, ratio {s['ratio']:.2f} (FLOP ratio "
+            f"{s['flop_ratio']:.2f})"
+        )
     return "\n".join(lines)

@@ -27,7 +27,11 @@ class RatioSpread(NamedTuple):
 
     @classmethod
     def of(cls, ratios: list[float]) -> RatioSpread:
-        se = math.sqrt(math.pi / 2) * statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1 else None
+        se = (
+            math.sqrt(math.pi / 2) * statistics.stdev(ratios) / math.sqrt(len(ratios))
+            if len(ratios) > 1
+            else None
+        )
         return cls(statistics.median(ratios), min(ratios), max(ratios), se)
 
 
@@ -47,15 +51,26 @@ class InferenceHeads:
     decoding). ``compiled``: both heads ``torch.compile``d whole (fullgraph), as ``generate --compile`` runs the
     decode step."""
 
-    def __init__(self, vocab_size: int, cfg: ModelConfig, device: torch.device, dtype: str, tokens: int = 1,
-                 compiled: bool = False):
+    def __init__(
+        self,
+        vocab_size: int,
+        cfg: ModelConfig,
+        device: torch.device,
+        dtype: str,
+        tokens: int = 1,
+        compiled: bool = False,
+    ):
         gen = torch.Generator().manual_seed(0)
         hc = cfg.hash
         codes = torch.randint(1, hc.num_buckets, (vocab_size, hc.num_hashes), generator=gen)
-        vocab = HashVocabulary(codes, hc.num_buckets, cfg.d_model, gate_dim=hc.gate_dim, mixer_dim=hc.mixer_dim)
+        vocab = HashVocabulary(
+            codes, hc.num_buckets, cfg.d_model, gate_dim=hc.gate_dim, mixer_dim=hc.mixer_dim
+        )
         torch.nn.init.normal_(vocab.tables.weight, std=0.02)
         vocab.to(device, torch_dtype(dtype))
-        embedding = torch.randn(vocab_size, cfg.d_model, generator=gen).to(device, torch_dtype(dtype))
+        embedding = torch.randn(vocab_size, cfg.d_model, generator=gen).to(
+            device, torch_dtype(dtype)
+        )
         h = torch.randn(tokens, cfg.d_model, generator=gen).to(device, torch_dtype(dtype))
 
         def mhf():
@@ -66,11 +81,18 @@ class InferenceHeads:
 
         self.heads = {"mhf": mhf, "standard": standard}
         if compiled:
-            self.heads = {name: torch.compile(fn, fullgraph=True) for name, fn in self.heads.items()}
+            self.heads = {
+                name: torch.compile(fn, fullgraph=True) for name, fn in self.heads.items()
+            }
         with torch.no_grad():
             for fn in self.heads.values():  # compilation, first-use allocations
                 fn()
-        self.device, self.vocab_size, self.tokens, self.compiled = device, vocab_size, tokens, compiled
+        self.device, self.vocab_size, self.tokens, self.compiled = (
+            device,
+            vocab_size,
+            tokens,
+            compiled,
+        )
         # the decoder's matmuls over the LM head's 2·V·d: for one token also the ratio of the weight bytes read
         self.flop_ratio = forward_flops(cfg, 1).vocab_out / (2 * vocab_size * cfg.d_model)
 
@@ -90,15 +112,32 @@ class InferenceHeads:
         """Median per-token times over ``timings`` (from ``time``, one per round) and the MHF/Standard ratio's
         ``RatioSpread`` over the rounds, next to the analytic FLOP ratio."""
         ratio = RatioSpread.of([t["mhf"] / t["standard"] for t in timings])
-        return {"vocab_size": self.vocab_size, "tokens": self.tokens, "compiled": self.compiled,
-                "mhf_s_per_token": statistics.median(t["mhf"] for t in timings) / self.tokens,
-                "standard_s_per_token": statistics.median(t["standard"] for t in timings) / self.tokens,
-                "ratio": ratio.median, "ratio_min": ratio.min, "ratio_max": ratio.max, "ratio_se": ratio.se,
-                "rounds": len(timings), "flop_ratio": self.flop_ratio}
+        return {
+            "vocab_size": self.vocab_size,
+            "tokens": self.tokens,
+            "compiled": self.compiled,
+            "mhf_s_per_token": statistics.median(t["mhf"] for t in timings) / self.tokens,
+            "standard_s_per_token": statistics.median(t["standard"] for t in timings) / self.tokens,
+            "ratio": ratio.median,
+            "ratio_min": ratio.min,
+            "ratio_max": ratio.max,
+            "ratio_se": ratio.se,
+            "rounds": len(timings),
+            "flop_ratio": self.flop_ratio,
+        }
 
 
-def profile_scoring(vocab_sizes: list[int], cfg: ModelConfig, device: torch.device, *, dtype: str, repeats: int = 5,
-                    tokens: int = 1, compiled: bool = False, rounds: int = 5) -> list[dict]:
+def profile_scoring(
+    vocab_sizes: list[int],
+    cfg: ModelConfig,
+    device: torch.device,
+    *,
+    dtype: str,
+    repeats: int = 5,
+    tokens: int = 1,
+    compiled: bool = False,
+    rounds: int = 5,
+) -> list[dict]:
     """``InferenceHeads`` rows per vocabulary size: ``rounds`` rounds, each timing every size in turn (the best
     of ``repeats`` calls), so that a machine whose speed drifts moves every size alike; medians over the rounds.
     Every size's heads are held at once (a 1M-token Standard head at d = 768 is 3 GB in fp32)."""

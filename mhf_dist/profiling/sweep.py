@@ -46,8 +46,21 @@ def profile_lost_work() -> str:
     return "profile saves nothing mid-configuration: rerun the command to measure it again"
 
 
-def run_sweep(size: str, hashes: list[str], tps: list[int], *, steps: int, warmup: int, seq_len: int, micro: int,
-              dtype: str, out: Path, peak_nominal: float | None, overrides: list[str], trace: bool) -> list[TrainRow]:
+def run_sweep(
+    size: str,
+    hashes: list[str],
+    tps: list[int],
+    *,
+    steps: int,
+    warmup: int,
+    seq_len: int,
+    micro: int,
+    dtype: str,
+    out: Path,
+    peak_nominal: float | None,
+    overrides: list[str],
+    trace: bool,
+) -> list[TrainRow]:
     """Every (tp, hash configuration) in ``tps`` × ``hashes``, each in fresh processes; their rows in that order."""
     from tqdm.auto import tqdm
 
@@ -59,14 +72,36 @@ def run_sweep(size: str, hashes: list[str], tps: list[int], *, steps: int, warmu
     combos = [(tp, h) for tp in tps for h in hashes]
     for i, (tp, hash_name) in enumerate(tqdm(combos, desc="profile", unit="config")):
         # every configuration in fresh processes, so peak memory is its own
-        spec = dict(size=size, hash_name=hash_name, tp=tp, steps=steps, warmup=warmup, seq_len=seq_len, micro=micro,
-                    dtype=dtype, peak_measured=peak, peak_nominal=peak_nominal, overrides=overrides,
-                    trace_dir=str(out / "trace") if trace and i == 0 else None)
+        spec = dict(
+            size=size,
+            hash_name=hash_name,
+            tp=tp,
+            steps=steps,
+            warmup=warmup,
+            seq_len=seq_len,
+            micro=micro,
+            dtype=dtype,
+            peak_measured=peak,
+            peak_nominal=peak_nominal,
+            overrides=overrides,
+            trace_dir=str(out / "trace") if trace and i == 0 else None,
+        )
         rows_file = out / f"rows-tp{tp}-{hash_name}.json"
-        rc = launch_local(tp, ["profile-worker", "--rows", str(rows_file), "--spec",
-                               json.dumps(spec | {"device": device.type})], profile_lost_work)
+        rc = launch_local(
+            tp,
+            [
+                "profile-worker",
+                "--rows",
+                str(rows_file),
+                "--spec",
+                json.dumps(spec | {"device": device.type}),
+            ],
+            profile_lost_work,
+        )
         if rc:
-            raise MhfError(f"profiling {size}-{hash_name} at tp={tp} failed (exit {rc}): its ranks' errors are above")
+            raise MhfError(
+                f"profiling {size}-{hash_name} at tp={tp} failed (exit {rc}): its ranks' errors are above"
+            )
         rows.append(TrainRow(**json.loads(rows_file.read_text())))
         rows_file.unlink()
     return rows

@@ -17,7 +17,10 @@ class Timer:
 
     def __enter__(self):
         if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start, self.end = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
             self.start.record()
         else:
             self.t0 = time.perf_counter()

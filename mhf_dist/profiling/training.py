@@ -54,17 +54,28 @@ def step_seconds(step: dict[str, float]) -> float:
     return step["forward"] + step["backward"] + step["optimizer"]
 
 
-def probe_model(cfg: ModelConfig, tp: int, device: torch.device, dtype: torch.dtype,
-                modes: ModelModes = ModelModes()) -> tuple[LanguageModel, int]:
+def probe_model(
+    cfg: ModelConfig,
+    tp: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    modes: ModelModes = ModelModes(),
+) -> tuple[LanguageModel, int]:
     """(this rank's model, the whole model's parameter count): built on the host at full size with random
     signatures, cut to this rank's tensor-parallel shard (the parallel modules are new, on the host and in fp32),
     then moved to ``device`` and ``dtype`` in one go, so no module is left behind on either."""
-    codes = torch.randint(1, cfg.hash.num_buckets, (VOCAB, cfg.hash.num_hashes),
-                          generator=torch.Generator().manual_seed(0))
+    codes = torch.randint(
+        1,
+        cfg.hash.num_buckets,
+        (VOCAB, cfg.hash.num_hashes),
+        generator=torch.Generator().manual_seed(0),
+    )
     torch.manual_seed(0)
     model = build_model(cfg, VOCAB, codes, CompressionTable.identity(VOCAB), modes=modes)
     params = sum(p.numel() for p in model.parameters())
-    apply_tensor_parallel(model, dist.group.WORLD if tp > 1 else None, dist.get_rank() if tp > 1 else 0, tp)
+    apply_tensor_parallel(
+        model, dist.group.WORLD if tp > 1 else None, dist.get_rank() if tp > 1 else 0, tp
+    )
     return model.to(device=device, dtype=dtype), params
 
 
@@ -73,20 +84,43 @@ class TrainingProbe:
     ``{size}-{hash_name}``, AdamW and one synthetic batch. ``step`` times one step; ``row`` summarises
     the steps it is given, so several probes can be stepped in turn (side by side, as the benchmark does)."""
 
-    def __init__(self, size: str, hash_name: str, tp: int, *, seq_len: int, micro: int, dtype: str,
-                 device: torch.device, overrides: list[str], max_steps: int):
+    def __init__(
+        self,
+        size: str,
+        hash_name: str,
+        tp: int,
+        *,
+        seq_len: int,
+        micro: int,
+        dtype: str,
+        device: torch.device,
+        overrides: list[str],
+        max_steps: int,
+    ):
         run_cfg = load_config(f"{size}-{hash_name}", overrides=[f"parallel.tp={tp}", *overrides])
         cfg = run_cfg.model
-        model, self.params = probe_model(cfg, tp, device, torch_dtype(dtype),
-                                         ModelModes(kernels=run_cfg.train.fused_head_kernel))
+        model, self.params = probe_model(
+            cfg, tp, device, torch_dtype(dtype), ModelModes(kernels=run_cfg.train.fused_head_kernel)
+        )
         if run_cfg.train.compile:
             model.backbone.compile_blocks()
         self.model, self.device = model, device
-        self.optimizer, _ = build_optimizer(model.named_parameters(), run_cfg.optimizer, max_steps=max_steps)
+        self.optimizer, _ = build_optimizer(
+            model.named_parameters(), run_cfg.optimizer, max_steps=max_steps
+        )
         gen = torch.Generator().manual_seed(1)
         self.batch = torch.randint(0, VOCAB, (micro, seq_len + 1), generator=gen).to(device)
-        self.size, self.hash, self.tp, self.dtype, self.seq_len, self.micro = size, hash_name, tp, dtype, seq_len, micro
-        self.flops_per_token = forward_flops(cfg, seq_len, vocab_rows=model.vocab.tables.num_rows).train
+        self.size, self.hash, self.tp, self.dtype, self.seq_len, self.micro = (
+            size,
+            hash_name,
+            tp,
+            dtype,
+            seq_len,
+            micro,
+        )
+        self.flops_per_token = forward_flops(
+            cfg, seq_len, vocab_rows=model.vocab.tables.num_rows
+        ).train
         self.comm_bytes = 0
 
     def step(self) -> dict[str, float]:
@@ -100,9 +134,16 @@ class TrainingProbe:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.comm_bytes = log.total_bytes
-        return {"forward": fwd.seconds, "backward": bwd.seconds, "optimizer": opt.seconds, "comm": log.seconds}
+        return {
+            "forward": fwd.seconds,
+            "backward": bwd.seconds,
+            "optimizer": opt.seconds,
+            "comm": log.seconds,
+        }
 
-    def row(self, steps: list[dict[str, float]], peak_measured: float, peak_nominal: float | None) -> TrainRow:
+    def row(
+        self, steps: list[dict[str, float]], peak_measured: float, peak_nominal: float | None
+    ) -> TrainRow:
         """Median times of ``steps`` (from ``step``) as a row; MFU against ``peak_measured``."""
         split = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
         step_s = step_seconds(split)
@@ -111,31 +152,72 @@ class TrainingProbe:
         # a replica spans tp GPUs; CPU ranks share one machine, whose peak was measured
         peak = peak_measured * (self.tp if self.device.type == "cuda" else 1)
         return TrainRow(
-            size=self.size, hash=self.hash, layout=f"tp={self.tp}", dtype=self.dtype, seq_len=self.seq_len,
-            micro_batch=self.micro, params=self.params, tokens_per_s=tokens_per_s, step_s=step_s,
-            forward_s=split["forward"], backward_s=split["backward"], optimizer_s=split["optimizer"],
-            comm_s=split["comm"], tflops=flops / 1e12, peak_tflops_measured=peak_measured / 1e12,
-            peak_tflops_nominal=peak_nominal, mfu=flops / peak, memory_gb=memory_gb(self.device),
+            size=self.size,
+            hash=self.hash,
+            layout=f"tp={self.tp}",
+            dtype=self.dtype,
+            seq_len=self.seq_len,
+            micro_batch=self.micro,
+            params=self.params,
+            tokens_per_s=tokens_per_s,
+            step_s=step_s,
+            forward_s=split["forward"],
+            backward_s=split["backward"],
+            optimizer_s=split["optimizer"],
+            comm_s=split["comm"],
+            tflops=flops / 1e12,
+            peak_tflops_measured=peak_measured / 1e12,
+            peak_tflops_nominal=peak_nominal,
+            mfu=flops / peak,
+            memory_gb=memory_gb(self.device),
             comm_bytes_per_step=self.comm_bytes,
         )
 
 
-def profile_training(size: str, hash_name: str, tp: int, *, steps: int, warmup: int, seq_len: int, micro: int,
-                     dtype: str, device: torch.device, peak_measured: float, peak_nominal: float | None,
-                     overrides: list[str], trace_dir: Path | None = None) -> TrainRow:
+def profile_training(
+    size: str,
+    hash_name: str,
+    tp: int,
+    *,
+    steps: int,
+    warmup: int,
+    seq_len: int,
+    micro: int,
+    dtype: str,
+    device: torch.device,
+    peak_measured: float,
+    peak_nominal: float | None,
+    overrides: list[str],
+    trace_dir: Path | None = None,
+) -> TrainRow:
     """One configuration on this rank (tp ranks run this together): ``warmup`` steps, then ``steps`` measured. Its
     row's memory is the steps' own peak: what the process did before them (building the model on the host at full
     size, a peak-FLOPs matmul measured in the same process) is not in it."""
-    probe = TrainingProbe(size, hash_name, tp, seq_len=seq_len, micro=micro, dtype=dtype, device=device,
-                          overrides=overrides, max_steps=steps + warmup)
+    probe = TrainingProbe(
+        size,
+        hash_name,
+        tp,
+        seq_len=seq_len,
+        micro=micro,
+        dtype=dtype,
+        device=device,
+        overrides=overrides,
+        max_steps=steps + warmup,
+    )
     restart_peak_memory(device)  # from what is held now (the model), which the steps hold too
     profiler = None
     if trace_dir is not None:
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        profiler = profile(activities=activities, schedule=schedule(wait=0, warmup=warmup, active=steps),
-                           on_trace_ready=tensorboard_trace_handler(str(trace_dir)), record_shapes=True)
+        activities = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if device.type == "cuda" else []
+        )
+        profiler = profile(
+            activities=activities,
+            schedule=schedule(wait=0, warmup=warmup, active=steps),
+            on_trace_ready=tensorboard_trace_handler(str(trace_dir)),
+            record_shapes=True,
+        )
         profiler.start()
     times = []
     for _ in range(warmup + steps):

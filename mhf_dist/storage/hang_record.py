@@ -21,7 +21,9 @@ class HangRecord:
     phase: str  # as in the heartbeats: step, eval, save, rollback, end
     stuck_s: float  # seconds without progress when the job was ended
     budget_s: float  # what that phase was allowed
-    setting: str  # the setting that gave the budget: train.hang_timeout_s or train.first_step_timeout_s
+    setting: (
+        str  # the setting that gave the budget: train.hang_timeout_s or train.first_step_timeout_s
+    )
     retried: bool  # the budget was already twice that of an earlier start ended at the same place
 
     @property
@@ -46,5 +48,7 @@ def read_hang_record(folder: Path) -> HangRecord | None:
 
 def newest_hang_record(run: RunDir) -> HangRecord | None:
     """The record of the run's newest hang (the folders are named by time), or None."""
-    folders = sorted(p for p in run.hangs_dir.glob("*") if p.is_dir()) if run.hangs_dir.is_dir() else []
+    folders = (
+        sorted(p for p in run.hangs_dir.glob("*") if p.is_dir()) if run.hangs_dir.is_dir() else []
+    )
     return read_hang_record(folders[-1]) if folders else None

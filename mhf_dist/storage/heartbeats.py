@@ -43,7 +43,9 @@ def record_lost(run: RunDir, nodes: list[str], ranks: list[int], step: int, when
     """Record the nodes (and their ranks) this job lost, ``RUN/heartbeats/lost.json``, unless a rank already did:
     whether this call recorded it. What the job script acts on (an elastic job's next round leaves them out; a requeue
     excludes them). The first rank to see the loss records it: the others may be ended by its exit before they do."""
-    return create_whole(run.lost_record, json.dumps({"nodes": nodes, "ranks": ranks, "time": when, "step": step}))
+    return create_whole(
+        run.lost_record, json.dumps({"nodes": nodes, "ranks": ranks, "time": when, "step": step})
+    )
 
 
 def read_lost(run: RunDir) -> dict:
@@ -78,7 +80,10 @@ def read_heartbeats(run: RunDir) -> list[dict]:
 
 def answers(beat: dict, now: float) -> bool:
     """Whether the rank's heartbeat thread still writes (a finished rank counts as answering)."""
-    return beat.get("phase") == "finished" or now - beat.get("beat", 0) <= MISSED_BEATS * beat.get("beat_s", 1) + 1
+    return (
+        beat.get("phase") == "finished"
+        or now - beat.get("beat", 0) <= MISSED_BEATS * beat.get("beat_s", 1) + 1
+    )
 
 
 @dataclass
@@ -95,30 +100,51 @@ class RankHealth:
     @property
     def hung(self) -> bool:
         """Ranks disagree (some answer, some do not), or a rank that answers is stuck."""
-        return bool(self.stalled) or (bool(self.not_answering) and len(self.not_answering) < self.world)
+        return bool(self.stalled) or (
+            bool(self.not_answering) and len(self.not_answering) < self.world
+        )
 
     def describe(self, now: float) -> list[str]:
         """A line per finding, each naming ranks with their node."""
         lines = []
         if self.not_answering:
-            lines.append("not answering: " + "; ".join(
-                f"rank {b['rank']} ({b.get('node')}, pid {b.get('pid')}, last heartbeat {now - b['beat']:.0f} s ago, "
-                f"{doing(b)})" for b in self.not_answering))
+            lines.append(
+                "not answering: "
+                + "; ".join(
+                    f"rank {b['rank']} ({b.get('node')}, pid {b.get('pid')}, last heartbeat "
+                    f"{now - b['beat']:.0f} s ago, {doing(b)})"
+                    for b in self.not_answering
+                )
+            )
         if self.behind:
-            lines.append(f"did not reach step {self.step}: " + ", ".join(
-                f"rank {b['rank']} ({b.get('node')}, {doing(b)})" for b in self.behind))
+            lines.append(
+                f"did not reach step {self.step}: "
+                + ", ".join(f"rank {b['rank']} ({b.get('node')}, {doing(b)})" for b in self.behind)
+            )
         if self.stalled:
-            lines.append("no progress: " + ", ".join(
-                f"rank {b['rank']} ({b.get('node')}, {now - b['since']:.0f} s {doing(b)})" for b in self.stalled))
+            lines.append(
+                "no progress: "
+                + ", ".join(
+                    f"rank {b['rank']} ({b.get('node')}, {now - b['since']:.0f} s {doing(b)})"
+                    for b in self.stalled
+                )
+            )
         return lines
 
 
 def doing(beat: dict) -> str:
     """What a heartbeat says its rank was doing: ``in step 4``, ``in the evaluation at step 4``, ..."""
-    return {"step": "in step {}", "eval": "in the evaluation at step {}", "save": "in the save of step {}",
-            "rollback": "in the rollback at step {}",
-            "end": "in the end of training at step {}", "start": "starting", "finished": "finished at step {}"}.get(
-        beat.get("phase"), "in {} of step {{}}".format(beat.get("phase"))).format(beat.get("step"))
+    return {
+        "step": "in step {}",
+        "eval": "in the evaluation at step {}",
+        "save": "in the save of step {}",
+        "rollback": "in the rollback at step {}",
+        "end": "in the end of training at step {}",
+        "start": "starting",
+        "finished": "finished at step {}",
+    }.get(beat.get("phase"), "in {} of step {{}}".format(beat.get("phase"))).format(
+        beat.get("step")
+    )
 
 
 def rank_health(beats: list[dict], now: float) -> RankHealth | None:
@@ -128,8 +154,15 @@ def rank_health(beats: list[dict], now: float) -> RankHealth | None:
     top = max(b.get("step", 0) for b in beats)
     active = [b for b in beats if b.get("phase") not in IDLE_PHASES]
     return RankHealth(
-        world=len(beats), step=top,
+        world=len(beats),
+        step=top,
         not_answering=[b for b in beats if not answers(b, now)],
         behind=[b for b in active if b.get("step", 0) < top],
-        stalled=[b for b in active if answers(b, now) and b.get("hang_timeout_s")
-                 and now - b.get("since", now) > b["hang_timeout_s"]])
+        stalled=[
+            b
+            for b in active
+            if answers(b, now)
+            and b.get("hang_timeout_s")
+            and now - b.get("since", now) > b["hang_timeout_s"]
+        ],
+    )

@@ -36,15 +36,21 @@ def check_target(out: str | Path, sources: Sequence[str | Path], overwrite: bool
     for source in sources:
         src = Path(source).resolve()
         if _inside(src, target) or _inside(target, src):
-            raise ConfigError(f"{out} is, holds or lies inside the source {source}; write somewhere else")
+            raise ConfigError(
+                f"{out} is, holds or lies inside the source {source}; write somewhere else"
+            )
     if not out.exists():
         return out
     if not out.is_dir():
         raise ConfigError(f"{out} is a file; name a directory to write (it is created)")
     if _is_run_dir(out) or any(_is_run_dir(p.parent) for m in RUN_MARKERS for p in out.rglob(m)):
-        raise ConfigError(f"{out} is or holds a run directory; write somewhere else (--overwrite never replaces runs)")
+        raise ConfigError(
+            f"{out} is or holds a run directory; write somewhere else (--overwrite never replaces runs)"
+        )
     if any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"{out} is not empty; choose a new directory, or pass --overwrite to replace it")
+        raise ConfigError(
+            f"{out} is not empty; choose a new directory, or pass --overwrite to replace it"
+        )
     return out
 
 

@@ -50,7 +50,9 @@ class ReadingMarks:
     def release(self) -> None:
         """Remove the marks (idempotent)."""
         self._stop.set()
-        for path in self.files:  # .readers/ itself stays: another run may be writing its mark into it
+        for (
+            path
+        ) in self.files:  # .readers/ itself stays: another run may be writing its mark into it
             path.unlink(missing_ok=True)
         self.files = []
         atexit.unregister(self.release)
@@ -61,9 +63,19 @@ def mark_reading(data: DataConfig, run_dir: str | os.PathLike) -> ReadingMarks:
     in ``run_dir``: on the node's first rank only, see the module docstring."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return ReadingMarks([])
-    paths = [s.path for s in data.sources] if data.sources else [data.shard_dir] if data.shard_dir else []
-    mark = {"run_dir": str(Path(run_dir).resolve()), "host": socket.gethostname(), "pid": os.getpid(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    paths = (
+        [s.path for s in data.sources]
+        if data.sources
+        else [data.shard_dir]
+        if data.shard_dir
+        else []
+    )
+    mark = {
+        "run_dir": str(Path(run_dir).resolve()),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     files = []
     for directory in {Path(p).resolve() for p in paths if not is_url(str(p)) and Path(p).is_dir()}:
         path = directory / READERS_DIR / f"{mark['host']}-{mark['pid']}.json"
@@ -90,8 +102,9 @@ def live_readers(directory: str | os.PathLike) -> list[dict]:
     return found
 
 
-def refuse_if_read(directory: str | os.PathLike, prepared: Path | None = None,
-                   read_through: Sequence[Path] = ()) -> None:
+def refuse_if_read(
+    directory: str | os.PathLike, prepared: Path | None = None, read_through: Sequence[Path] = ()
+) -> None:
     """Refuse to replace ``directory`` while runs read it (or a directory in ``read_through``, whose manifest lists
     its shards: a merge of parts), naming them and what to do. ``prepared``: the complete new preparation meant to
     replace it, which is then kept beside it and named."""
@@ -99,19 +112,28 @@ def refuse_if_read(directory: str | os.PathLike, prepared: Path | None = None,
     readers = [r for d in (directory, *read_through) if Path(d).is_dir() for r in live_readers(d)]
     if not readers:
         return
-    runs = "; ".join(f"run {r.get('run_dir')} (process {r.get('pid')} on {r.get('host')}, started {r.get('started')}, "
-                     f"heartbeat {r['age_s']:.0f} s ago)" for r in readers)
+    runs = "; ".join(
+        f"run {r.get('run_dir')} (process {r.get('pid')} on {r.get('host')}, started {r.get('started')}, "
+        f"heartbeat {r['age_s']:.0f} s ago)"
+        for r in readers
+    )
     what = f"{directory} is read by {len(readers)} training run{'s' * (len(readers) > 1)}: {runs}"
-    gone = (f"a mark in {READERS_DIR}/ stops counting when its process has exited, or {STALE_S // 60} minutes "
-            "after its last heartbeat")
+    gone = (
+        f"a mark in {READERS_DIR}/ stops counting when its process has exited, or {STALE_S // 60} minutes "
+        "after its last heartbeat"
+    )
     if prepared is None:
-        raise DataError(f"{what}. Replacing its shards would fail them mid-run, so prepare-data does not: wait for "
-                        "them to end (or stop them) and rerun; or prepare into another directory (--out NEW) and "
-                        f"resume them on it with --set data.path=NEW --set data.restart=true ({gone})")
+        raise DataError(
+            f"{what}. Replacing its shards would fail them mid-run, so prepare-data does not: wait for "
+            "them to end (or stop them) and rerun; or prepare into another directory (--out NEW) and "
+            f"resume them on it with --set data.path=NEW --set data.restart=true ({gone})"
+        )
     kept = directory.with_name(f"{directory.name}.new")
     if kept.exists():
         kept = directory.with_name(f"{directory.name}.new-{os.getpid()}")
     prepared.rename(kept)
-    raise DataError(f"{what}, which started while the new preparation was written, so {directory} was left as it was. "
-                    f"The new preparation is complete in {kept}: resume those runs on it with --set data.path={kept} "
-                    f"--set data.restart=true, or once they end replace {directory} with it ({gone})")
+    raise DataError(
+        f"{what}, which started while the new preparation was written, so {directory} was left as it was. "
+        f"The new preparation is complete in {kept}: resume those runs on it with --set data.path={kept} "
+        f"--set data.restart=true, or once they end replace {directory} with it ({gone})"
+    )

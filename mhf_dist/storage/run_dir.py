@@ -54,7 +54,9 @@ class RunDir:
         self.metrics_path = self.path / METRICS_FILE
         self.tensorboard_dir = self.path / TENSORBOARD_DIR
         self.heartbeats_dir = self.path / "heartbeats"
-        self.lost_record = self.heartbeats_dir / "lost.json"  # the nodes the ranks lost (storage.heartbeats)
+        self.lost_record = (
+            self.heartbeats_dir / "lost.json"
+        )  # the nodes the ranks lost (storage.heartbeats)
         self.hangs_dir = self.path / "hangs"
         self.rollbacks_path = self.path / "rollbacks.json"
 
@@ -76,7 +78,9 @@ class RunDir:
         jobs, old = self.jobs_dir, self.path / OLD_JOBS_DIR
         jobs.mkdir(parents=True, exist_ok=True)
         if jobs.name == JOBS_DIR and not old.is_symlink() and not old.exists():
-            with contextlib.suppress(OSError):  # a filesystem without links: only the new name is there
+            with contextlib.suppress(
+                OSError
+            ):  # a filesystem without links: only the new name is there
                 old.symlink_to(JOBS_DIR)
         return jobs
 
@@ -93,7 +97,10 @@ class RunDir:
         from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe
 
         source = self.tokenizer_source(cfg)
-        if source == str(self.tokenizer_dir) and not (self.tokenizer_dir / "tokenizer.json").is_file():
+        if (
+            source == str(self.tokenizer_dir)
+            and not (self.tokenizer_dir / "tokenizer.json").is_file()
+        ):
             train_bpe(embedded_corpus(), cfg.tokenizer.vocab_size, self.tokenizer_dir)
         tokenizer = load_tokenizer(source)
         if cfg.tokenizer.path is None and source != str(self.tokenizer_dir):
@@ -115,15 +122,33 @@ class RunDir:
             f"{Path(shard_dir) / MANIFEST} was tokenized by another tokenizer (fingerprint {found[:12]}..., the "
             f"run's is {built_for[:12]}...): the run keeps the tokenizer it started with; prepare the data with the "
             "run's tokenizer"
-            + ("" if own else f" (RUN_TOKENIZER: the one the run started with, fingerprint {built_for[:12]}...)")
+            + (
+                ""
+                if own
+                else f" (RUN_TOKENIZER: the one the run started with, fingerprint {built_for[:12]}...)"
+            )
             + f" and train on it from its beginning:\n  {prepare_command(shard_dir, own or 'RUN_TOKENIZER', out)}\n"
-            + "  " + shlex.join(["mhf-dist", "train", "--run-dir", str(self.path), "--set", f"data.path={out}",
-                                 "--set", "data.restart=true"]))
+            + "  "
+            + shlex.join(
+                [
+                    "mhf-dist",
+                    "train",
+                    "--run-dir",
+                    str(self.path),
+                    "--set",
+                    f"data.path={out}",
+                    "--set",
+                    "data.restart=true",
+                ]
+            )
+        )
 
     def _tables_fingerprint(self) -> str | None:
         """The fingerprint of the tokenizer the run's signature or Engram table was built for; None before either."""
         for meta in (self.signatures_dir / "signatures.json", self.engram_dir / "compression.json"):
-            with contextlib.suppress(OSError, ValueError, KeyError):  # unreadable: the table's own load says so
+            with contextlib.suppress(
+                OSError, ValueError, KeyError
+            ):  # unreadable: the table's own load says so
                 return json.loads(meta.read_text())["tokenizer_fingerprint"]
         return None
 
@@ -143,7 +168,9 @@ class RunDir:
                     return str(candidate)
         return None
 
-    def ensure_signatures(self, hash_cfg: HashConfig, tokenizer: PreTrainedTokenizerBase) -> SignatureTable:
+    def ensure_signatures(
+        self, hash_cfg: HashConfig, tokenizer: PreTrainedTokenizerBase
+    ) -> SignatureTable:
         """Build the table on first start; afterwards load it and check it matches tokenizer and config."""
         from mhf_dist.vocab.signatures import SignatureError, SignatureTable
         from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
@@ -151,7 +178,10 @@ class RunDir:
         tokens = vocabulary(tokenizer)
         if not self.signatures_dir.exists():
             table = SignatureTable.build(
-                tokens, hash_cfg.num_hashes, hash_cfg.num_buckets, pad_id=tokenizer.pad_token_id,
+                tokens,
+                hash_cfg.num_hashes,
+                hash_cfg.num_buckets,
+                pad_id=tokenizer.pad_token_id,
                 single_id=hash_cfg.single_id,
             )
             table.save(self.signatures_dir)
@@ -172,7 +202,11 @@ class RunDir:
 
     def ensure_compression(self, tokenizer: PreTrainedTokenizerBase) -> CompressionTable:
         """The Engram compression table: built on first start; afterwards loaded and checked against the tokenizer."""
-        from mhf_dist.vocab.engram_compression import NORMALIZATION_VERSION, CompressionError, CompressionTable
+        from mhf_dist.vocab.engram_compression import (
+            NORMALIZATION_VERSION,
+            CompressionError,
+            CompressionTable,
+        )
         from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
 
         if not self.engram_dir.exists():
@@ -185,12 +219,14 @@ class RunDir:
             raise CompressionError(
                 f"{self.engram_dir} was built for another tokenizer (fingerprint {table.tokenizer_fingerprint[:12]} "
                 f"vs {fingerprint[:12]}); use the run's tokenizer, or delete {self.engram_dir} to rebuild the table "
-                "for this one (a checkpoint trained with the old table then no longer fits)")
+                "for this one (a checkpoint trained with the old table then no longer fits)"
+            )
         if table.normalization != NORMALIZATION_VERSION:
             raise CompressionError(
                 f"{self.engram_dir} was built with normalisation {table.normalization!r}, this code applies "
                 f"{NORMALIZATION_VERSION!r}; use the code version that built it, or delete {self.engram_dir} to "
-                "rebuild the table")
+                "rebuild the table"
+            )
         return table
 
     def tokenizer_source(self, cfg: RunConfig) -> str:
@@ -209,9 +245,18 @@ class RunDir:
 
             staging = self.data_dir.with_name("data.partial")
             shutil.rmtree(staging, ignore_errors=True)
-            with resources.as_file(resources.files("mhf_dist.data").joinpath("corpus/kjv.txt.gz")) as corpus:
-                prepare([corpus], self.tokenizer_source(cfg), staging, seq_len=cfg.data.seq_len,
-                        samples_per_shard=128, val_fraction=0.05, progress=False)
+            with resources.as_file(
+                resources.files("mhf_dist.data").joinpath("corpus/kjv.txt.gz")
+            ) as corpus:
+                prepare(
+                    [corpus],
+                    self.tokenizer_source(cfg),
+                    staging,
+                    seq_len=cfg.data.seq_len,
+                    samples_per_shard=128,
+                    val_fraction=0.05,
+                    progress=False,
+                )
             staging.rename(self.data_dir)
         return self.data_dir
 
@@ -237,5 +282,7 @@ class RunDirAsFound:
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
             else:
-                with contextlib.suppress(OSError):  # best effort: the refusal itself is what the user must see
+                with contextlib.suppress(
+                    OSError
+                ):  # best effort: the refusal itself is what the user must see
                     entry.unlink()

@@ -22,7 +22,9 @@ from mhf_dist.atomic import write_atomic
 from mhf_dist.errors import MhfError
 from mhf_dist.storage.run_dir import RunDir
 
-JOB_ID_ENV = "MHF_DIST_JOB_ID"  # the scheduler's job id, set in the environment of each task of a job's step
+JOB_ID_ENV = (
+    "MHF_DIST_JOB_ID"  # the scheduler's job id, set in the environment of each task of a job's step
+)
 HEARTBEAT_S = 30
 STALE_S = 300  # a heartbeat this old lets another job take the lock over (a busy filesystem may delay a few)
 MISSED_BEATS = 3  # a heartbeat this many intervals old tells status the holder is gone
@@ -68,8 +70,12 @@ def holder_gone(holder: dict, age_s: float) -> str | None:
 
 
 def _owner() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get(JOB_ID_ENV),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "slurm_job_id": os.environ.get(JOB_ID_ENV),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 class RunLock:
@@ -107,10 +113,13 @@ class RunLock:
                 raise RunDirLocked(
                     f"{self.path.parent} is in use by process {holder.get('pid')} on {holder.get('host')}{job} "
                     f"(started {holder.get('started')}, alive {age:.0f} s ago): wait for that job, stop it, or use "
-                    f"another --run-dir (a lock counts as stale {STALE_S // 60} minutes after its last heartbeat)")
+                    f"another --run-dir (a lock counts as stale {STALE_S // 60} minutes after its last heartbeat)"
+                )
             warning = f"taking over the lock of {self.path.parent}: {reason}"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if holder is None:  # exclusive create: of two jobs starting at once, one gets it, the other judges it
+        if (
+            holder is None
+        ):  # exclusive create: of two jobs starting at once, one gets it, the other judges it
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:

@@ -62,7 +62,9 @@ class Callback:
     """The hooks, each doing nothing here; a callback overrides those it needs. A callback with state of its own
     returns it from ``state_dict``, under keys of its own, and the checkpoints keep it (``client_state``)."""
 
-    wrap_loss: LossWrapper | None = None  # a change to each training micro-batch's loss, given to the trainer
+    wrap_loss: LossWrapper | None = (
+        None  # a change to each training micro-batch's loss, given to the trainer
+    )
     save_reason = "callback"  # what a save this callback asked for (wants_save) is recorded as
 
     def state_dict(self) -> dict:
@@ -149,6 +151,7 @@ class Callbacks:
             for wrap in wrappers:
                 loss = wrap(loss)
             return loss
+
         return wrapped
 
     def on_start(self, run: RunContext) -> None:
@@ -193,7 +196,9 @@ class Callbacks:
             c.on_log(step, record)
 
     def wants_rollback(self, step: int) -> bool:
-        return any([c.wants_rollback(step) for c in self])  # every callback asked: one may stop the run instead
+        return any(
+            [c.wants_rollback(step) for c in self]
+        )  # every callback asked: one may stop the run instead
 
     def on_rollback(self, step: int) -> None:
         for c in self:
@@ -204,7 +209,9 @@ class Callbacks:
             c.after_rollback(step)
 
     def allows_save(self, step: int, stepped: Stepped, reason: str) -> bool:
-        return all(c.allows_save(step, stepped, reason) for c in self)  # the first refusal ends the asking
+        return all(
+            c.allows_save(step, stepped, reason) for c in self
+        )  # the first refusal ends the asking
 
     def before_save(self, step: int) -> None:
         for c in self:
@@ -232,10 +239,14 @@ def installed(paths: list[str]) -> list[Callback]:
         try:
             kind = getattr(importlib.import_module(module), name) if name else None
         except (ImportError, AttributeError) as e:
-            raise ConfigError(f"train.callbacks: {path!r} cannot be imported ({e}); name a Callback class as "
-                              "module:Class, its module installed or on PYTHONPATH") from e
+            raise ConfigError(
+                f"train.callbacks: {path!r} cannot be imported ({e}); name a Callback class as "
+                "module:Class, its module installed or on PYTHONPATH"
+            ) from e
         if not (isinstance(kind, type) and issubclass(kind, Callback)):
-            raise ConfigError(f"train.callbacks: {path!r} is not a Callback class (mhf_dist.train.callbacks."
-                              "Callback); name one as module:Class")
+            raise ConfigError(
+                f"train.callbacks: {path!r} is not a Callback class (mhf_dist.train.callbacks."
+                "Callback); name one as module:Class"
+            )
         found.append(kind())
     return found

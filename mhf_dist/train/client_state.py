@@ -40,4 +40,6 @@ class ClientState:
     def load_state_dict(self, client: dict) -> None:
         for part, initial in self.parts:
             if initial:
-                part.load_state_dict({key: client.get(key, value) for key, value in initial.items()})
+                part.load_state_dict(
+                    {key: client.get(key, value) for key, value in initial.items()}
+                )

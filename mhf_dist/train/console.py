@@ -44,13 +44,23 @@ _FIELDS = (
 
 def step_line(step: int, total: int, record: dict, seconds_left: float | None) -> str:
     """``record`` (a logged step's metrics) as one console line; ``seconds_left``: the ETA, when known."""
-    parts = [f"step {step}/{total}"] + [show(record[key]) for key, show in _FIELDS if record.get(key) is not None]
-    if record.get("skipped_steps"):  # steps that applied no update (a spike left out, or an overflow)
+    parts = [f"step {step}/{total}"] + [
+        show(record[key]) for key, show in _FIELDS if record.get(key) is not None
+    ]
+    if record.get(
+        "skipped_steps"
+    ):  # steps that applied no update (a spike left out, or an overflow)
         parts.append(f"skipped {record['skipped_steps']}")
-    if record.get("slowest_ratio") is not None:  # ranks' own compute time: the slowest against the others
+    if (
+        record.get("slowest_ratio") is not None
+    ):  # ranks' own compute time: the slowest against the others
         parts.append(f"slowest r{record['slowest_rank']} {record['slowest_ratio']:.2f}x")
-    if record.get("slowest_device_ratio") is not None:  # the device probe's: the slowest device against the others
-        parts.append(f"device r{record['slowest_device_rank']} {record['slowest_device_ratio']:.2f}x")
+    if (
+        record.get("slowest_device_ratio") is not None
+    ):  # the device probe's: the slowest device against the others
+        parts.append(
+            f"device r{record['slowest_device_rank']} {record['slowest_device_ratio']:.2f}x"
+        )
     if seconds_left is not None:
         parts.append(f"eta {duration(seconds_left)}")
     return " | ".join(parts)

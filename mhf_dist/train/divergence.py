@@ -48,8 +48,15 @@ class DivergenceSettings:
 
     @classmethod
     def of(cls, train: TrainConfig) -> DivergenceSettings:
-        return cls(train.on_nonfinite, train.max_nonfinite_steps, train.spike_factor, train.grad_spike_factor,
-                   train.on_spike, train.spike_patience, train.max_rollbacks)
+        return cls(
+            train.on_nonfinite,
+            train.max_nonfinite_steps,
+            train.spike_factor,
+            train.grad_spike_factor,
+            train.on_spike,
+            train.spike_patience,
+            train.max_rollbacks,
+        )
 
 
 class LossWatch:
@@ -69,32 +76,46 @@ class LossWatch:
 
     @staticmethod
     def _limit(factor: float | None, window: deque[float]) -> float:
-        return factor * statistics.median(window) if factor is not None and len(window) >= MIN_WINDOW else math.inf
+        return (
+            factor * statistics.median(window)
+            if factor is not None and len(window) >= MIN_WINDOW
+            else math.inf
+        )
 
     def limits(self) -> SpikeLimits:
         """The loss and gradient norm the next step may reach without being a spike."""
-        return SpikeLimits(self._limit(self.cfg.spike_factor, self.recent),
-                           self._limit(self.cfg.grad_spike_factor, self.recent_norms))
+        return SpikeLimits(
+            self._limit(self.cfg.spike_factor, self.recent),
+            self._limit(self.cfg.grad_spike_factor, self.recent_norms),
+        )
 
-    def observe(self, step: int, loss: float, grad_norm: float | None, skipped: bool = False) -> list[str]:
+    def observe(
+        self, step: int, loss: float, grad_norm: float | None, skipped: bool = False
+    ) -> list[str]:
         """Record ``step``'s loss and norm (``skipped``: the trainer left the step out); returns warnings to log."""
         left_out = "; the step applied no update (train.on_spike=skip)" if skipped else ""
         self.skipped += skipped
         if not self.finite(loss, grad_norm):
             self.nonfinite_steps += 1
             self.streak.append(step)
-            return [f"step {step}: loss {loss:.4g}, gradient norm {grad_norm} (not finite){left_out}"]
+            return [
+                f"step {step}: loss {loss:.4g}, gradient norm {grad_norm} (not finite){left_out}"
+            ]
         self.streak = []
         limits, warnings = self.limits(), []
         if loss > limits.loss:
             self.loss_spikes += 1
-            warnings.append(f"step {step}: loss spike {loss:.4g} > {self.cfg.spike_factor:g} x median of the last "
-                            f"{len(self.recent)} ({statistics.median(self.recent):.4g}){left_out}")
+            warnings.append(
+                f"step {step}: loss spike {loss:.4g} > {self.cfg.spike_factor:g} x median of the last "
+                f"{len(self.recent)} ({statistics.median(self.recent):.4g}){left_out}"
+            )
         if grad_norm is not None and grad_norm > limits.grad_norm:
             self.grad_spikes += 1
-            warnings.append(f"step {step}: gradient spike {grad_norm:.4g} > {self.cfg.grad_spike_factor:g} x median "
-                            f"of the last {len(self.recent_norms)} ({statistics.median(self.recent_norms):.4g})"
-                            f"{left_out}")
+            warnings.append(
+                f"step {step}: gradient spike {grad_norm:.4g} > {self.cfg.grad_spike_factor:g} x median "
+                f"of the last {len(self.recent_norms)} ({statistics.median(self.recent_norms):.4g})"
+                f"{left_out}"
+            )
         if warnings:
             self.spike_steps.append(step)
         else:
@@ -109,10 +130,16 @@ class LossWatch:
 
     def state_dict(self) -> dict:
         """The window and counts, for a checkpoint."""
-        return {"recent": list(self.recent), "recent_norms": list(self.recent_norms), "streak": self.streak,
-                "spike_steps": list(self.spike_steps),
-                "nonfinite_steps": self.nonfinite_steps, "loss_spikes": self.loss_spikes,
-                "grad_spikes": self.grad_spikes, "skipped": self.skipped}
+        return {
+            "recent": list(self.recent),
+            "recent_norms": list(self.recent_norms),
+            "streak": self.streak,
+            "spike_steps": list(self.spike_steps),
+            "nonfinite_steps": self.nonfinite_steps,
+            "loss_spikes": self.loss_spikes,
+            "grad_spikes": self.grad_spikes,
+            "skipped": self.skipped,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.recent.extend(state["recent"])
@@ -129,4 +156,5 @@ class LossWatch:
                 f"the loss or gradient norm was not finite for {len(self.streak)} steps in a row (steps "
                 f"{self.streak[0]}-{self.streak[-1]}); stopped without saving them. Resume from the newest checkpoint "
                 "(saved while the loss was finite) with a lower optimizer.lr, a longer optimizer.warmup_steps or a "
-                "tighter optimizer.grad_clip (changes apply on resume), or set train.on_nonfinite=warn")
+                "tighter optimizer.grad_clip (changes apply on resume), or set train.on_nonfinite=warn"
+            )

@@ -42,10 +42,14 @@ class DivergenceWatch(Callback):
 
     def record(self, step: int, stepped: Stepped) -> dict:
         watch = self.watch
-        return {"nonfinite_steps": watch.nonfinite_steps,
-                "skipped_steps": self.run.trainer.skipped_steps + watch.skipped} | (
-            {"loss_spikes": watch.loss_spikes} if self.cfg.spike_factor is not None else {}) | (
-            {"grad_spikes": watch.grad_spikes} if self.cfg.grad_spike_factor is not None else {})
+        return (
+            {
+                "nonfinite_steps": watch.nonfinite_steps,
+                "skipped_steps": self.run.trainer.skipped_steps + watch.skipped,
+            }
+            | ({"loss_spikes": watch.loss_spikes} if self.cfg.spike_factor is not None else {})
+            | ({"grad_spikes": watch.grad_spikes} if self.cfg.grad_spike_factor is not None else {})
+        )
 
     def wants_rollback(self, step: int) -> bool:
         self.watch.stop_if_diverged()
@@ -54,5 +58,10 @@ class DivergenceWatch(Callback):
 
     def on_rollback(self, step: int) -> None:
         if self.rolling_back:
-            self.rollbacks.go_back(step, self.watch.spikes_within(step), self.run.checkpointer, self.run.data,
-                                   self.run.load)
+            self.rollbacks.go_back(
+                step,
+                self.watch.spikes_within(step),
+                self.run.checkpointer,
+                self.run.data,
+                self.run.load,
+            )

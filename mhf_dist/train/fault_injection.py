@@ -74,7 +74,9 @@ def free_bytes(directory: Path) -> int:
     """Free space on ``directory``'s filesystem; under ``DISK_BYTES_ENV``, what that capacity leaves beside the
     files in ``directory``."""
     if DISK_BYTES_ENV in os.environ:
-        return int(os.environ[DISK_BYTES_ENV]) - sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+        return int(os.environ[DISK_BYTES_ENV]) - sum(
+            f.stat().st_size for f in directory.rglob("*") if f.is_file()
+        )
     return shutil.disk_usage(directory).free
 
 
@@ -130,15 +132,21 @@ class LossSpikes(Callback):
 
     def __init__(self, batch: int):
         self.batch, self.factor = batch, 1.0
-        self.spikes = [(int(sample), float(factor)) for sample, factor in
-                       (item.split(":") for item in os.environ[LOSS_SPIKE_ENV].split(","))]
+        self.spikes = [
+            (int(sample), float(factor))
+            for sample, factor in (
+                item.split(":") for item in os.environ[LOSS_SPIKE_ENV].split(",")
+            )
+        ]
 
     def on_start(self, run: RunContext) -> None:
         self.data = run.data
 
     def before_step(self, step: int) -> None:
         first = self.data.global_position()
-        self.factor = next((factor for sample, factor in self.spikes if first <= sample < first + self.batch), 1.0)
+        self.factor = next(
+            (factor for sample, factor in self.spikes if first <= sample < first + self.batch), 1.0
+        )
 
     def wrap_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.factor == 1.0 else loss * self.factor
@@ -146,5 +154,9 @@ class LossSpikes(Callback):
 
 def injected_faults(batch: int) -> list[Callback]:
     """The callbacks of the step faults the environment asks for, in a run of global batches of ``batch``."""
-    wanted = ((SLOW_RANK_ENV, SlowRank), (SLOW_WORK_ENV, SlowWork), (LOSS_SPIKE_ENV, lambda: LossSpikes(batch)))
+    wanted = (
+        (SLOW_RANK_ENV, SlowRank),
+        (SLOW_WORK_ENV, SlowWork),
+        (LOSS_SPIKE_ENV, lambda: LossSpikes(batch)),
+    )
     return [make() for variable, make in wanted if os.environ.get(variable)]

@@ -26,9 +26,13 @@ class FiniteWeights(Callback):
 
     def allows_save(self, step: int, stepped: Stepped, reason: str) -> bool:
         run, stats = self.run, stepped.stats
-        if LossWatch.finite(stats.loss, stats.grad_norm) and weights_finite(run.trainer, run.job.scalars):
+        if LossWatch.finite(stats.loss, stats.grad_norm) and weights_finite(
+            run.trainer, run.job.scalars
+        ):
             return True
         if run.job.rank == 0:
-            tqdm.write(f"warning: not saving step {step} ({reason}): its loss or weights are not finite; the newest "
-                       f"checkpoint, {run.checkpointer.latest()}, stays the one to resume from")
+            tqdm.write(
+                f"warning: not saving step {step} ({reason}): its loss or weights are not finite; the newest "
+                f"checkpoint, {run.checkpointer.latest()}, stays the one to resume from"
+            )
         return False

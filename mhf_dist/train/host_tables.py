@@ -39,15 +39,23 @@ def host_table_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     path = checkpoint / HOST_TABLES_FILE
     if not path.is_file():
         return {}
-    return {f"backbone.{name.removesuffix('.weight')}.engram.tables.weight": tensor
-            for name, tensor in load_file(str(path)).items() if name.endswith(".weight")}
+    return {
+        f"backbone.{name.removesuffix('.weight')}.engram.tables.weight": tensor
+        for name, tensor in load_file(str(path)).items()
+        if name.endswith(".weight")
+    }
+
+
 ALL_REDUCE_ROWS = 1 << 16  # rows per all-reduce of the dense host gradient (bounds the device copy)
 
 
 def host_tables(model: nn.Module) -> dict[int, HostTables]:
     """``{layer: HostTables}`` of the model's offloaded memories."""
-    return {i: block.engram.tables for i, block in enumerate(model.backbone.layers)
-            if block.engram is not None and isinstance(block.engram.tables, HostTables)}
+    return {
+        i: block.engram.tables
+        for i, block in enumerate(model.backbone.layers)
+        if block.engram is not None and isinstance(block.engram.tables, HostTables)
+    }
 
 
 def host_tables_factory(cfg: RunConfig, groups: ParallelGroups) -> HostTableFactory | None:
@@ -56,41 +64,76 @@ def host_tables_factory(cfg: RunConfig, groups: ParallelGroups) -> HostTableFact
     engram = cfg.model.engram
     if engram is None or not engram.offload:
         return None
-    dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32  # what crosses to the device
+    dtype = (
+        torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
+    )  # what crosses to the device
     # the Engram tables' optimizer.groups settings (every layer's alike)
-    settings = group_settings(group_key("backbone.layers.0.engram.tables.weight", 3, cfg.optimizer), cfg.optimizer)
-    return lambda model, trainer: HostTablesStep(model, trainer, compute_dtype=dtype, dp_group=groups.dp_group,
-                                                 dp=groups.dp, update=engram.offload_update, settings=settings)
+    settings = group_settings(
+        group_key("backbone.layers.0.engram.tables.weight", 3, cfg.optimizer), cfg.optimizer
+    )
+    return lambda model, trainer: HostTablesStep(
+        model,
+        trainer,
+        compute_dtype=dtype,
+        dp_group=groups.dp_group,
+        dp=groups.dp,
+        update=engram.offload_update,
+        settings=settings,
+    )
 
 
 class HostTablesStep:
-    def __init__(self, model: nn.Module, trainer: Trainer, *, compute_dtype: torch.dtype, dp_group, dp: int,
-                 update: str, settings: tuple[float, float]):
-        self.memories = [block.engram for block in model.backbone.layers
-                         if block.engram is not None and isinstance(block.engram.tables, HostTables)]
+    def __init__(
+        self,
+        model: nn.Module,
+        trainer: Trainer,
+        *,
+        compute_dtype: torch.dtype,
+        dp_group,
+        dp: int,
+        update: str,
+        settings: tuple[float, float],
+    ):
+        self.memories = [
+            block.engram
+            for block in model.backbone.layers
+            if block.engram is not None and isinstance(block.engram.tables, HostTables)
+        ]
         self.tables = host_tables(model)
         self.trainer, self.dp_group, self.dp = trainer, dp_group, dp
         self.lazy = update == "lazy"
-        self.lr_scale, self.weight_decay = settings  # the tables' optimizer group's (optimizer.groups)
+        self.lr_scale, self.weight_decay = (
+            settings  # the tables' optimizer group's (optimizer.groups)
+        )
         for t in self.tables.values():
             t.device, t.transfer_dtype = trainer.device, compute_dtype
             t.grad = torch.zeros_like(t.weight)
-            if self.lazy or dp > 1:  # the rows read: the lazy update's, and the only ones a dp all-reduce needs
+            if (
+                self.lazy or dp > 1
+            ):  # the rows read: the lazy update's, and the only ones a dp all-reduce needs
                 t.touched = torch.zeros(t.weight.shape[0] * t.weight.shape[1], dtype=torch.bool)
         # parameters sharing the tables' storage: the optimizer updates the tables in place
         self.params = {i: nn.Parameter(t.weight) for i, t in self.tables.items()}
         self.optimizer = torch.optim.AdamW(list(self.params.values()), **self._hyper(), fused=True)
-        self.pin = trainer.device.type == "cuda"  # host values that go to the device are staged in pinned memory
+        self.pin = (
+            trainer.device.type == "cuda"
+        )  # host values that go to the device are staged in pinned memory
         self.host_norm = torch.zeros(())
-        self.grads: dict[int, torch.Tensor] = {}  # this step's gradients: each table's, or its touched rows' (lazy)
+        self.grads: dict[
+            int, torch.Tensor
+        ] = {}  # this step's gradients: each table's, or its touched rows' (lazy)
         self.rows: dict[int, torch.Tensor] = {}  # lazy: this step's touched flat rows of each table
 
     def _hyper(self) -> dict:
         """This step's AdamW settings: the schedule's learning rate (the trainer's first group has lr_scale 1) times
         the tables' scale, and their weight decay."""
         group = self.trainer.optimizer.param_groups[0]
-        return {"lr": group["lr"] * self.lr_scale, "betas": group["betas"], "eps": group["eps"],
-                "weight_decay": self.weight_decay}
+        return {
+            "lr": group["lr"] * self.lr_scale,
+            "betas": group["betas"],
+            "eps": group["eps"],
+            "weight_decay": self.weight_decay,
+        }
 
     # ------------------------------------------------------------------ gathering
     def prefetch(self, input_ids: torch.Tensor) -> None:
@@ -110,18 +153,30 @@ class HostTablesStep:
     def before_step(self) -> None:
         """At the accumulation boundary, before DeepSpeed's step: dp-average the host gradients, take their norm
         and this step's hyperparameters."""
-        collectives = ScalarCollectives(communication_device(dist.get_backend(self.dp_group))) if self.dp > 1 else None
+        collectives = (
+            ScalarCollectives(communication_device(dist.get_backend(self.dp_group)))
+            if self.dp > 1
+            else None
+        )
         for i, t in self.tables.items():
             t.accumulate()
             grad = t.grad.view(-1, t.grad.shape[-1])
-            if t.touched is not None:  # lazy, or dp > 1: only the rows read on some rank have a gradient
+            if (
+                t.touched is not None
+            ):  # lazy, or dp > 1: only the rows read on some rank have a gradient
                 if collectives:  # the union of the ranks' rows, one byte a row
-                    collectives.max_into(t.touched, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1])
+                    collectives.max_into(
+                        t.touched, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1]
+                    )
                 rows = t.touched.nonzero().squeeze(1)
                 t.touched.zero_()
-                selected = grad.index_select(0, rows)  # the other rows' gradients are zero on every rank
+                selected = grad.index_select(
+                    0, rows
+                )  # the other rows' gradients are zero on every rank
                 if collectives:
-                    collectives.mean_into(selected, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1])
+                    collectives.mean_into(
+                        selected, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1]
+                    )
                 if self.lazy:
                     self.rows[i], grad = rows, selected
                 else:  # dense: the averaged rows back into the whole gradient
@@ -129,7 +184,9 @@ class HostTablesStep:
             self.grads[i] = grad
         norms = [torch.linalg.vector_norm(g) for g in self.grads.values()]
         norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-        self.host_norm = norm.pin_memory() if self.pin else norm  # copied to the device inside DeepSpeed's step
+        self.host_norm = (
+            norm.pin_memory() if self.pin else norm
+        )  # copied to the device inside DeepSpeed's step
         self.hyper = self._hyper()
 
     @torch.no_grad()
@@ -138,7 +195,9 @@ class HostTablesStep:
         read from the trainer here), then AdamW on the host tables."""
         if not self.trainer.step_skipped():
             clip = self.trainer.gradient_clipping()
-            if clip > 0:  # DeepSpeed's coefficient, from the global norm it stashed (the host tables' included)
+            if (
+                clip > 0
+            ):  # DeepSpeed's coefficient, from the global norm it stashed (the host tables' included)
                 if global_norm is None:  # not read by the caller: read here (a host sync on a GPU)
                     global_norm = self.trainer.global_grad_norm()
                 total = torch.tensor(global_norm, dtype=torch.float32)
@@ -166,13 +225,31 @@ class HostTablesStep:
         for i, p in self.params.items():
             state = self.optimizer.state[p]
             if not state:  # as torch.optim.AdamW(fused=True) initialises it
-                state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
-                             exp_avg_sq=torch.zeros_like(p))
+                state.update(
+                    step=torch.zeros((), dtype=torch.float32),
+                    exp_avg=torch.zeros_like(p),
+                    exp_avg_sq=torch.zeros_like(p),
+                )
             rows, full = self.rows[i], (p, state["exp_avg"], state["exp_avg_sq"])
-            weight, exp_avg, exp_avg_sq = (x.view(-1, p.shape[-1]).index_select(0, rows) for x in full)
-            adamw([weight], [self.grads[i]], [exp_avg], [exp_avg_sq], [], [state["step"]], fused=True,
-                  amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"],
-                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            weight, exp_avg, exp_avg_sq = (
+                x.view(-1, p.shape[-1]).index_select(0, rows) for x in full
+            )
+            adamw(
+                [weight],
+                [self.grads[i]],
+                [exp_avg],
+                [exp_avg_sq],
+                [],
+                [state["step"]],
+                fused=True,
+                amsgrad=False,
+                beta1=group["betas"][0],
+                beta2=group["betas"][1],
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+            )
             for x, part in zip(full, (weight, exp_avg, exp_avg_sq), strict=True):
                 x.view(-1, p.shape[-1]).index_copy_(0, rows, part)
 
@@ -189,7 +266,10 @@ class HostTablesStep:
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         for i, p in self.params.items():
             self.tables[i].weight.copy_(tensors[f"layers.{i}.weight"])
-            state = {k.removeprefix(f"layers.{i}."): v for k, v in tensors.items()
-                     if k.startswith(f"layers.{i}.") and not k.endswith(".weight")}
+            state = {
+                k.removeprefix(f"layers.{i}."): v
+                for k, v in tensors.items()
+                if k.startswith(f"layers.{i}.") and not k.endswith(".weight")
+            }
             if state:
                 self.optimizer.state[p] = state

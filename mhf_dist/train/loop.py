@@ -23,7 +23,13 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from mhf_dist.backend import Trainer, build_trainer, checkpoint_interval, parameter_partitioner, partitions_parameters
+from mhf_dist.backend import (
+    Trainer,
+    build_trainer,
+    checkpoint_interval,
+    parameter_partitioner,
+    partitions_parameters,
+)
 from mhf_dist.config import RunConfig
 from mhf_dist.data.mixture import open_data
 from mhf_dist.data.training_data import DataPosition, TrainingData
@@ -36,12 +42,22 @@ from mhf_dist.train.checkpoint.index import read_marker
 from mhf_dist.train.client_state import ClientState
 from mhf_dist.train.host_tables import host_tables_factory
 from mhf_dist.train.monitors import run_callbacks
-from mhf_dist.train.optim import apply_optimizer_changes, check_resumed_groups, describe_groups, optimizer_factory
+from mhf_dist.train.optim import (
+    apply_optimizer_changes,
+    check_resumed_groups,
+    describe_groups,
+    optimizer_factory,
+)
 from mhf_dist.train.preemption import StopSignal
 from mhf_dist.train.process_group import Job, backend_prints, join_job
 from mhf_dist.train.progress import Progress
 from mhf_dist.train.run_assets import RunAssets, prepare_assets, take_lock
-from mhf_dist.train.starting_point import ResumePoint, checkpoint_layout, init_weights_file, resume_path
+from mhf_dist.train.starting_point import (
+    ResumePoint,
+    checkpoint_layout,
+    init_weights_file,
+    resume_path,
+)
 from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
 
 
@@ -67,11 +83,15 @@ class TrainingLoop:
     verbose: bool  # the backend's start-up lines too
     callbacks: Callbacks
     progress: Progress  # the step reached (client state: step, tokens), this start's first and last
-    state: ClientState  # what checkpoints hold beside the engine's files: each registered part's state
+    state: (
+        ClientState  # what checkpoints hold beside the engine's files: each registered part's state
+    )
     result: TrainResult
     job: Job  # this rank's place in the job: rank, layout, device, groups, collectives
     run_dir: RunDir
-    assets: RunAssets  # tokenizer, signature table, Engram compression table, shards, skipped ranges
+    assets: (
+        RunAssets  # tokenizer, signature table, Engram compression table, shards, skipped ranges
+    )
     checkpointer: Checkpointer
     trainer: Trainer
     data: TrainingData
@@ -79,7 +99,9 @@ class TrainingLoop:
 
     def __init__(self, cfg: RunConfig, stop: StopSignal, verbose: bool = False):
         self.cfg, self.stop, self.verbose = cfg, stop, verbose
-        self.callbacks = Callbacks(run_callbacks(cfg))  # a train.callbacks path that names none stops here, first
+        self.callbacks = Callbacks(
+            run_callbacks(cfg)
+        )  # a train.callbacks path that names none stops here, first
         self.progress = Progress(cfg.train, cfg.data.seq_len)
         self.state, self.result = ClientState(), TrainResult()
 
@@ -89,7 +111,9 @@ class TrainingLoop:
         nothing to save). A refused start leaves a new run directory as it found it (``RunDirAsFound``)."""
         self.job = join_job(self.cfg, self.verbose)
         self.run_dir = RunDir(run_dir)
-        found = RunDirAsFound(self.run_dir.path) if self.job.rank == 0 else None  # before the lock is written there
+        found = (
+            RunDirAsFound(self.run_dir.path) if self.job.rank == 0 else None
+        )  # before the lock is written there
         take_lock(self.run_dir, self.job.rank, self.job.scalars)
         try:
             return self._start(resume)
@@ -107,14 +131,32 @@ class TrainingLoop:
                 tqdm.write("stopped by a signal during start-up; nothing to save")
             return False
         self._open_data()
-        for part in (self.progress, self.position, self.checkpointer, *self.callbacks):  # checkpoints' key order
+        for part in (
+            self.progress,
+            self.position,
+            self.checkpointer,
+            *self.callbacks,
+        ):  # checkpoints' key order
             self.state.register(part)
         self._resume(resuming)
-        if self.job.rank == 0:  # only now: a config that a checkpoint refused never reaches config.yaml
+        if (
+            self.job.rank == 0
+        ):  # only now: a config that a checkpoint refused never reaches config.yaml
             self.run_dir.save_config(self.cfg)
-        self.callbacks.on_start(RunContext(
-            self.cfg, self.run_dir, self.job, self.assets, self.trainer, self.data, self.checkpointer, self.progress,
-            self.position.dropped, self.load))
+        self.callbacks.on_start(
+            RunContext(
+                self.cfg,
+                self.run_dir,
+                self.job,
+                self.assets,
+                self.trainer,
+                self.data,
+                self.checkpointer,
+                self.progress,
+                self.position.dropped,
+                self.load,
+            )
+        )
         return True
 
     def _build(self, resume: str) -> ResumePoint | None:
@@ -123,51 +165,94 @@ class TrainingLoop:
         cfg, job, groups, table = self.cfg, self.job, self.job.groups, self.assets.table
         seed_everything(cfg.train.seed)
         modes = ModelModes(checkpoint_interval(cfg, job.ds_config), cfg.train.fused_head_kernel)
-        model = model_skeleton(cfg.model, len(self.assets.tokenizer), table.codes if table else None,
-                               compression=self.assets.compression, tp_group=groups.tp_group, tp_rank=groups.tp_rank,
-                               tp=groups.tp, modes=modes)
-        self.checkpointer = Checkpointer(self.run_dir, cfg, table.content_hash if table else None,
-                                         checkpoint_layout(cfg, job.layout, model.vocab.tables.num_rows),
-                                         [n for n, _ in model.named_parameters()])
+        model = model_skeleton(
+            cfg.model,
+            len(self.assets.tokenizer),
+            table.codes if table else None,
+            compression=self.assets.compression,
+            tp_group=groups.tp_group,
+            tp_rank=groups.tp_rank,
+            tp=groups.tp,
+            modes=modes,
+        )
+        self.checkpointer = Checkpointer(
+            self.run_dir,
+            cfg,
+            table.content_hash if table else None,
+            checkpoint_layout(cfg, job.layout, model.vocab.tables.num_rows),
+            [n for n, _ in model.named_parameters()],
+        )
         if cfg.train.trainable_blocks is not None:
             model.train_only_vocabulary_and_ends(cfg.train.trainable_blocks)
-        line = describe_groups(model.named_parameters(), cfg.optimizer)  # a rule that matches nothing: refused here
+        line = describe_groups(
+            model.named_parameters(), cfg.optimizer
+        )  # a rule that matches nothing: refused here
         if job.rank == 0 and cfg.optimizer.groups:  # the default two groups go unsaid
-            tqdm.write(line + (f" (per tensor-parallel rank of {groups.tp})" if groups.tp > 1 else ""))
+            tqdm.write(
+                line + (f" (per tensor-parallel rank of {groups.tp})" if groups.tp > 1 else "")
+            )
         resuming, zero3 = None, partitions_parameters(job.ds_config, job.layout)
         if (path := resume_path(resume, self.checkpointer)) is not None:
             resuming = ResumePoint(path, *self.checkpointer.for_this_layout(path, zero3))
-            check_resumed_groups(read_marker(path).get("config", {}).get("optimizer", {}), cfg.optimizer)
-            self.checkpointer.continue_from(path)  # newer checkpoints (an abandoned line) are set aside
+            check_resumed_groups(
+                read_marker(path).get("config", {}).get("optimizer", {}), cfg.optimizer
+            )
+            self.checkpointer.continue_from(
+                path
+            )  # newer checkpoints (an abandoned line) are set aside
 
         values = SeededValues(cfg.model.init_std, cfg.train.seed)
-        if cfg.train.init_from:  # also when resuming: a checkpoint need not hold the frozen parameters
+        if (
+            cfg.train.init_from
+        ):  # also when resuming: a checkpoint need not hold the frozen parameters
             values = init_weights_file(self.run_dir.path / cfg.train.init_from, model, groups.tp)
         if cfg.train.compile:
             model.backbone.compile_blocks()
             if zero3 and job.rank == 0:
-                tqdm.write("note: train.compile under ZeRO-3 measured no faster than eager (DeepSpeed's hooks break "
-                           "each block's graph at every submodule) and slows the first step; see docs/benchmarks.md")
-        materialise = Materialiser(model, values, job.device, groups.tp_rank, groups.tp,
-                                   parameter_partitioner(job.ds_config, job.layout, groups))
+                tqdm.write(
+                    "note: train.compile under ZeRO-3 measured no faster than eager (DeepSpeed's hooks break "
+                    "each block's graph at every submodule) and slows the first step; see docs/benchmarks.md"
+                )
+        materialise = Materialiser(
+            model,
+            values,
+            job.device,
+            groups.tp_rank,
+            groups.tp,
+            parameter_partitioner(job.ds_config, job.layout, groups),
+        )
         with backend_prints(self.verbose):
-            self.trainer = build_trainer(cfg, model, groups, config=job.ds_config, layout=job.layout,
-                                         optimizer=optimizer_factory(cfg), materialise=materialise,
-                                         load_universal=resuming is not None and resuming.universal,
-                                         host_tables=host_tables_factory(cfg, groups),
-                                         wrap_loss=self.callbacks.loss_wrapper())
+            self.trainer = build_trainer(
+                cfg,
+                model,
+                groups,
+                config=job.ds_config,
+                layout=job.layout,
+                optimizer=optimizer_factory(cfg),
+                materialise=materialise,
+                load_universal=resuming is not None and resuming.universal,
+                host_tables=host_tables_factory(cfg, groups),
+                wrap_loss=self.callbacks.loss_wrapper(),
+            )
         return resuming
 
     def _open_data(self) -> None:
         """This data-parallel rank's reader of the training split, past the data the run's rollbacks skipped."""
         cfg, groups = self.cfg, self.job.groups
         self.data = open_data(
-            cfg.data, self.assets.shards, seq_len=cfg.data.seq_len,
+            cfg.data,
+            self.assets.shards,
+            seq_len=cfg.data.seq_len,
             tokenizer_fingerprint=tokens_fingerprint(vocabulary(self.assets.tokenizer)),
             seed=cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else cfg.train.seed,
-            dp_rank=groups.dp_rank, dp_size=groups.dp, shuffle_window=cfg.data.shuffle_window,
-            on_bad_shard=cfg.data.on_bad_shard, verify_checksums=cfg.data.verify_checksums,
-            allow_pipe=cfg.data.allow_pipe, skipped=self.assets.skipped)
+            dp_rank=groups.dp_rank,
+            dp_size=groups.dp,
+            shuffle_window=cfg.data.shuffle_window,
+            on_bad_shard=cfg.data.on_bad_shard,
+            verify_checksums=cfg.data.verify_checksums,
+            allow_pipe=cfg.data.allow_pipe,
+            skipped=self.assets.skipped,
+        )
         self.position = DataPosition(self.data, cfg.data.restart)
 
     def load(self, path: Path) -> dict:
@@ -181,17 +266,26 @@ class TrainingLoop:
             return
         saved = self.load(resuming.load)["config"]
         self.progress.start = start = self.progress.step
-        for change in apply_optimizer_changes(self.trainer, saved["optimizer"], self.cfg.optimizer,
-                                              self.cfg.train.max_steps, saved["train"]["max_steps"]):
+        for change in apply_optimizer_changes(
+            self.trainer,
+            saved["optimizer"],
+            self.cfg.optimizer,
+            self.cfg.train.max_steps,
+            saved["train"]["max_steps"],
+        ):
             if self.job.rank == 0:
                 tqdm.write(f"changed on resume, from step {start + 1}: {change}")
         if self.job.rank != 0:
             return
         if self.position.dropped is not None:
-            tqdm.write(f"data.restart: from step {start + 1} the data is read from the beginning of "
-                       f"{self.data.name} (the checkpoint's position is in other data: {self.position.dropped})")
-        tqdm.write(f"resumed from {resuming.asked} at step {start}"
-                   + (" (converted to this layout)" if resuming.universal else ""))
+            tqdm.write(
+                f"data.restart: from step {start + 1} the data is read from the beginning of "
+                f"{self.data.name} (the checkpoint's position is in other data: {self.position.dropped})"
+            )
+        tqdm.write(
+            f"resumed from {resuming.asked} at step {start}"
+            + (" (converted to this layout)" if resuming.universal else "")
+        )
 
     # ------------------------------------------------------------------ the steps
     def run(self) -> TrainResult:
@@ -211,7 +305,9 @@ class TrainingLoop:
             self.callbacks.on_end(self.progress.end)
             dist.barrier()
             self.checkpointer.wait()  # the last save, when asynchronous (a preempted job's included)
-            if not self.result.preempted:  # a preempted job leaves the rest to the next start: its grace is short
+            if (
+                not self.result.preempted
+            ):  # a preempted job leaves the rest to the next start: its grace is short
                 self.checkpointer.close()
             finished = True
         finally:
@@ -224,8 +320,12 @@ class TrainingLoop:
         their spike limits; at its end the ranks agree on a stop signal and on the saves the callbacks ask for."""
         self.callbacks.before_step(step)
         lr, began = self.trainer.lr, time.perf_counter()
-        stats = self.trainer.train_step(self.data, lambda: [self.stop.received, *self.callbacks.wants_save()],
-                                        self.callbacks.spike_limits(), health=self.progress.logged(step))
+        stats = self.trainer.train_step(
+            self.data,
+            lambda: [self.stop.received, *self.callbacks.wants_save()],
+            self.callbacks.spike_limits(),
+            health=self.progress.logged(step),
+        )
         stepped = Stepped(stats, lr, time.perf_counter() - began)
         self.progress.stepped(step, stepped.seconds)
         self.callbacks.after_step(step, stepped)
@@ -237,13 +337,20 @@ class TrainingLoop:
         if not self.progress.logged(step):
             return {}
         stats = stepped.stats
-        record = {"loss": stats.loss, "head_losses": stats.head_losses, "lr": stepped.lr, "step_s": stepped.seconds}
+        record = {
+            "loss": stats.loss,
+            "head_losses": stats.head_losses,
+            "lr": stepped.lr,
+            "step_s": stepped.seconds,
+        }
         if stats.grad_norm is not None:
             record["grad_norm"] = stats.grad_norm
         if stats.p_inf_loss is not None:
             record["p_inf_loss"] = stats.p_inf_loss
         if consumed := self.data.consumed():  # a mixture's sources
-            record["source_tokens"] = {name: n * self.cfg.data.seq_len for name, n in consumed.items()}
+            record["source_tokens"] = {
+                name: n * self.cfg.data.seq_len for name, n in consumed.items()
+            }
         return record | self.callbacks.record(step, stepped)
 
     def evaluate(self, step: int) -> dict:
@@ -259,13 +366,20 @@ class TrainingLoop:
         found = []
         for split in splits:
             with split.reader as reader:
-                found.append((split, self.trainer.evaluate(reader, batches, self.callbacks.eval_progress)))
+                found.append(
+                    (split, self.trainer.evaluate(reader, batches, self.callbacks.eval_progress))
+                )
         if splits[0].label is None:  # one directory
             return found[0][1]
         # a mixture: every metric per source (val_loss/<source>), and val_loss weighted as the sources are mixed
         total = sum(split.weight for split in splits)
-        return {f"{key}/{split.label}": value for split, metrics in found for key, value in metrics.items()} | {
-            "val_loss": sum(metrics["val_loss"] * split.weight for split, metrics in found) / total}
+        return {
+            f"{key}/{split.label}": value
+            for split, metrics in found
+            for key, value in metrics.items()
+        } | {
+            "val_loss": sum(metrics["val_loss"] * split.weight for split, metrics in found) / total
+        }
 
     def log(self, step: int, record: dict) -> None:
         """A non-empty record goes to the callbacks (rank 0's reporter logs and shows it); rank 0 keeps it."""
@@ -289,20 +403,33 @@ class TrainingLoop:
         ``train.checkpoint_minutes`` clock); never a step a callback refuses (its loss or weights not finite)."""
         t = self.cfg.train
         self.result.preempted, *wanted = stepped.stats.flags
-        reason = ("signal" if self.result.preempted else "end" if step == self.progress.end else
-                  "interval" if t.checkpoint_interval and step % t.checkpoint_interval == 0 else
-                  self.callbacks.save_reason(wanted))
+        reason = (
+            "signal"
+            if self.result.preempted
+            else "end"
+            if step == self.progress.end
+            else "interval"
+            if t.checkpoint_interval and step % t.checkpoint_interval == 0
+            else self.callbacks.save_reason(wanted)
+        )
         if reason is None or not self.callbacks.allows_save(step, stepped, reason):
             return
         self.callbacks.before_save(step)
-        saved = self.checkpointer.save(self.trainer, self.state, reason, self.progress.step_seconds())
+        saved = self.checkpointer.save(
+            self.trainer, self.state, reason, self.progress.step_seconds()
+        )
         self.callbacks.after_save(step, saved)
         if self.result.preempted:
             self.result.saved = saved
 
 
-def train(cfg: RunConfig, run_dir: str | Path, resume: str = "auto", stop: StopSignal | None = None,
-          verbose: bool = False) -> TrainResult:
+def train(
+    cfg: RunConfig,
+    run_dir: str | Path,
+    resume: str = "auto",
+    stop: StopSignal | None = None,
+    verbose: bool = False,
+) -> TrainResult:
     """Train ``cfg`` in ``run_dir`` on this rank (``resume``: auto, none, or a checkpoint directory; ``stop``: the
     handler the caller installed first thing, else one installed now; ``verbose``: DeepSpeed's start-up lines
     too)."""

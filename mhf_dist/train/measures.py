@@ -21,12 +21,18 @@ class StepMeasures(Callback):
         self.flops_per_token = forward_flops(cfg.model, cfg.data.seq_len, rows).train
         self.tokens_per_step, self.device = run.progress.tokens_per_step, job.device
         dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
-        self.peak = job.scalars.from_rank0(total_peak_flops(cfg.train.peak_tflops, job.device, dtype, job.world)
-                                           if job.rank == 0 else 0.0)
+        self.peak = job.scalars.from_rank0(
+            total_peak_flops(cfg.train.peak_tflops, job.device, dtype, job.world)
+            if job.rank == 0
+            else 0.0
+        )
         restart_peak_memory(job.device)  # the logged peak is the steps' own, not construction's
 
     def record(self, step: int, stepped: Stepped) -> dict:
         tokens_per_s = self.tokens_per_step / stepped.seconds
-        return {"tokens_per_s": tokens_per_s, "tflops": tokens_per_s * self.flops_per_token / 1e12,
-                "mfu": tokens_per_s * self.flops_per_token / self.peak,
-                "memory_gb": memory_gb(self.device)} | (stepped.stats.health or {})
+        return {
+            "tokens_per_s": tokens_per_s,
+            "tflops": tokens_per_s * self.flops_per_token / 1e12,
+            "mfu": tokens_per_s * self.flops_per_token / self.peak,
+            "memory_gb": memory_gb(self.device),
+        } | (stepped.stats.health or {})

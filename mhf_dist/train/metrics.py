@@ -35,9 +35,13 @@ log = logging.getLogger(__name__)
 
 WANDB_DIR = "wandb"  # W&B's own files (wandb.init(dir=RUN) writes RUN/wandb/)
 WANDB_RUN_ID = "run_id"  # in WANDB_DIR: the W&B run every start of this run directory logs to
-FIXES = {errno.ENOSPC: "free space on its filesystem", errno.EDQUOT: "free space within your disk quota",
-         errno.EFBIG: "raise the file size limit (ulimit -f)", errno.EROFS: "make it writable",
-         errno.EACCES: "make it writable"}
+FIXES = {
+    errno.ENOSPC: "free space on its filesystem",
+    errno.EDQUOT: "free space within your disk quota",
+    errno.EFBIG: "raise the file size limit (ulimit -f)",
+    errno.EROFS: "make it writable",
+    errno.EACCES: "make it writable",
+}
 
 
 class MetricsWriteError(MhfError, OSError):
@@ -49,7 +53,9 @@ class MetricsLogger:
     ``cfg.train.wandb`` set, the same scalars also go to W&B."""
 
     def __init__(self, run: RunDir, resume_step: int = 0, cfg: RunConfig | None = None):
-        self.wandb = start_wandb(run.path, cfg) if cfg is not None else None  # first: a missing wandb fails early
+        self.wandb = (
+            start_wandb(run.path, cfg) if cfg is not None else None
+        )  # first: a missing wandb fails early
         self.wandb_from = self.wandb.step if self.wandb is not None else 0
         self.path, self.tensorboard_dir = run.metrics_path, run.tensorboard_dir
         self.writer, self.last_step = None, 0
@@ -57,24 +63,40 @@ class MetricsLogger:
 
     def rewind(self, step: int) -> None:
         """Drop what was logged after ``step`` (a resume's or a rollback's checkpoint); the next record follows it."""
-        from torch.utils.tensorboard import SummaryWriter  # here: reading a run's metrics (`status`) needs no torch
+        from torch.utils.tensorboard import (
+            SummaryWriter,
+        )  # here: reading a run's metrics (`status`) needs no torch
 
         if self.path.exists():
-            self._written(f"could not drop the cut last line of {self.path}", lambda: _drop_cut_line(self.path))
+            self._written(
+                f"could not drop the cut last line of {self.path}",
+                lambda: _drop_cut_line(self.path),
+            )
         if step and self.path.exists():
             kept = "".join(json.dumps(r) + "\n" for r in _records(self.path) if r["step"] <= step)
             # whole or not at all: a full disk leaves the file as it was
-            self._written(f"could not rewrite {self.path}", lambda: write_atomic(self.path, kept, durable=False))
+            self._written(
+                f"could not rewrite {self.path}",
+                lambda: write_atomic(self.path, kept, durable=False),
+            )
         if self.writer is not None:
             self.writer.close()
         self.wandb_from = max(self.wandb_from, self.last_step + 1)  # W&B keeps what it was sent
-        self.writer = SummaryWriter(str(self.tensorboard_dir), purge_step=step + 1 if step else None)
+        self.writer = SummaryWriter(
+            str(self.tensorboard_dir), purge_step=step + 1 if step else None
+        )
 
     def log(self, step: int, values: dict) -> None:
-        record = {"step": step, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), **values}
+        record = {
+            "step": step,
+            "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            **values,
+        }
         self.last_step = max(self.last_step, step)
         line = (json.dumps(record) + "\n").encode()
-        self._written(f"could not log step {step} to {self.path}", lambda: _append_whole(self.path, line))
+        self._written(
+            f"could not log step {step} to {self.path}", lambda: _append_whole(self.path, line)
+        )
         scalars = dict(_scalars(values))
         for key, value in scalars.items():
             self.writer.add_scalar(key, value, step)
@@ -89,14 +111,18 @@ class MetricsLogger:
             write()
         except OSError as e:
             fix = FIXES.get(e.errno, "see the cause")
-            raise MetricsWriteError(f"{doing} ({e.strerror or e}): {fix}, then rerun to resume (--resume auto); "
-                                    "the file keeps its complete records") from e
+            raise MetricsWriteError(
+                f"{doing} ({e.strerror or e}): {fix}, then rerun to resume (--resume auto); "
+                "the file keeps its complete records"
+            ) from e
 
     def close(self) -> None:
         try:
             self.writer.close()
         except OSError as e:  # a full disk: not to hide the error that ends the run, or its outcome
-            log.warning("TensorBoard could not write its events to %s (%s)", self.tensorboard_dir, e)
+            log.warning(
+                "TensorBoard could not write its events to %s (%s)", self.tensorboard_dir, e
+            )
         if self.wandb is not None:
             try:  # a run that ends on an exception is marked failed; W&B trouble never hides the training outcome
                 self.wandb.finish(exit_code=1 if sys.exc_info()[0] is not None else 0)
@@ -124,18 +150,29 @@ def start_wandb(run_dir: str | Path, cfg: RunConfig):
     if wb is None or wb.mode == "disabled":
         return None
     if importlib.util.find_spec("wandb") is None:
-        raise ConfigError("train.wandb is set but the wandb package is not installed: pip install 'mhf-dist[wandb]' "
-                          "(or unset train.wandb)")
+        raise ConfigError(
+            "train.wandb is set but the wandb package is not installed: pip install 'mhf-dist[wandb]' "
+            "(or unset train.wandb)"
+        )
     import wandb  # here: slow to import, and only needed when enabled
 
     run_dir = Path(run_dir).resolve()
     try:
-        return wandb.init(project=wb.project, entity=wb.entity, name=wb.name or run_dir.name, mode=wb.mode,
-                          id=wandb_run_id(run_dir), resume="allow", dir=str(run_dir),
-                          config=cfg.model_dump(mode="json"))
+        return wandb.init(
+            project=wb.project,
+            entity=wb.entity,
+            name=wb.name or run_dir.name,
+            mode=wb.mode,
+            id=wandb_run_id(run_dir),
+            resume="allow",
+            dir=str(run_dir),
+            config=cfg.model_dump(mode="json"),
+        )
     except wandb.errors.Error as e:
-        raise ConfigError(f"train.wandb: W&B could not start the run: {e} (without network: "
-                          "--set train.wandb.mode=offline, then `wandb sync`)") from e
+        raise ConfigError(
+            f"train.wandb: W&B could not start the run: {e} (without network: "
+            "--set train.wandb.mode=offline, then `wandb sync`)"
+        ) from e
 
 
 def wandb_run_id(run_dir: Path) -> str:
@@ -180,7 +217,11 @@ def _drop_cut_line(path: Path) -> None:
         if end == size:
             return
         f.truncate(end)
-    log.warning("%s ended in a line cut short (%d bytes: a write that never finished); dropped it", path, size - end)
+    log.warning(
+        "%s ended in a line cut short (%d bytes: a write that never finished); dropped it",
+        path,
+        size - end,
+    )
 
 
 def _records(path: Path) -> list[dict]:
@@ -191,7 +232,9 @@ def _records(path: Path) -> list[dict]:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             if line.strip():
-                log.warning("%s line %d is incomplete (a write cut short); leaving it out", path, number)
+                log.warning(
+                    "%s line %d is incomplete (a write cut short); leaving it out", path, number
+                )
     return records
 
 

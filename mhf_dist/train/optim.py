@@ -74,12 +74,16 @@ def describe_groups(named: Iterable[tuple[str, torch.nn.Parameter]], cfg: Optimi
             sizes[key] = sizes.get(key, 0) + p.numel()
     for i, rule in enumerate(cfg.groups):
         if rule.match not in present:
-            raise ConfigError(f"optimizer.groups[{i}].match={rule.match} matches no trainable parameter of this model; "
-                              f"its families: {', '.join(f for f in FAMILIES if f in present)}")
+            raise ConfigError(
+                f"optimizer.groups[{i}].match={rule.match} matches no trainable parameter of this model; "
+                f"its families: {', '.join(f for f in FAMILIES if f in present)}"
+            )
     parts = []
     for key in sorted(sizes, key=_order):
         scale, decay = group_settings(key, cfg)
-        parts.append(f"{group_name(key, cfg)} {sizes[key] / 1e6:.2f}M (lr x{scale:g}, weight decay {decay:g})")
+        parts.append(
+            f"{group_name(key, cfg)} {sizes[key] / 1e6:.2f}M (lr x{scale:g}, weight decay {decay:g})"
+        )
     return "optimizer groups: " + "; ".join(parts)
 
 
@@ -97,14 +101,20 @@ def skippable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     optimizer.skip_if = None
 
     def before_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
-        opt.found_inf = None if opt.skip_if is None else opt.skip_if().float()  # the kernel takes float32
+        opt.found_inf = (
+            None if opt.skip_if is None else opt.skip_if().float()
+        )  # the kernel takes float32
 
     optimizer.register_step_pre_hook(before_step)
     return optimizer
 
 
-def build_optimizer(named: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimizerConfig, max_steps: int,
-                    ndim: Callable[[torch.nn.Parameter], int] = torch.Tensor.dim):
+def build_optimizer(
+    named: Iterable[tuple[str, torch.nn.Parameter]],
+    cfg: OptimizerConfig,
+    max_steps: int,
+    ndim: Callable[[torch.nn.Parameter], int] = torch.Tensor.dim,
+):
     """``(AdamW, LambdaLR)`` for the trainable parameters of ``named`` (``(name in LanguageModel naming,
     parameter)``); ``ndim`` gives a parameter's dimensions (the backend's, where it has replaced parameters by flat
     partitions). The optimizer's ``group_keys`` name each param group's ``GroupKey``; it is ``skippable``."""
@@ -118,9 +128,13 @@ def build_optimizer(named: Iterable[tuple[str, torch.nn.Parameter]], cfg: Optimi
         scale, decay = group_settings(key, cfg)
         groups.append({"params": members[key], "lr": cfg.lr * scale, "weight_decay": decay})
     # the fused kernel (one pass over each parameter on CPU and GPU) steps 100m 4-5x faster on CPU than foreach
-    optimizer = skippable(torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True))
+    optimizer = skippable(
+        torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
+    )
     optimizer.group_keys = keys
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, max_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, cfg, max_steps)
+    )
     return optimizer, scheduler
 
 
@@ -135,23 +149,30 @@ def check_resumed_groups(saved: dict, cfg: OptimizerConfig) -> None:
     was = [rule["match"] for rule in saved.get("groups") or []]
     now = [rule.match for rule in cfg.groups]
     if was != now:
-        raise ConfigError(f"optimizer.groups matches [{', '.join(was)}] in the checkpoint and [{', '.join(now)}] "
-                          "now: a resume keeps which rules form the groups (their Adam state is kept per group); "
-                          "keep the checkpoint's rules, in its order, and change their lr_scale and weight_decay")
+        raise ConfigError(
+            f"optimizer.groups matches [{', '.join(was)}] in the checkpoint and [{', '.join(now)}] "
+            "now: a resume keeps which rules form the groups (their Adam state is kept per group); "
+            "keep the checkpoint's rules, in its order, and change their lr_scale and weight_decay"
+        )
 
 
-def apply_optimizer_changes(trainer: Trainer, saved: dict, cfg: OptimizerConfig, max_steps: int,
-                            saved_max_steps: int) -> list[str]:
+def apply_optimizer_changes(
+    trainer: Trainer, saved: dict, cfg: OptimizerConfig, max_steps: int, saved_max_steps: int
+) -> list[str]:
     """After a resume, the config's optimizer settings and ``train.max_steps`` where they differ from the
     checkpoint's (``saved``, its ``optimizer`` section, and ``saved_max_steps``): the LR schedule is a function of
     the step and the new settings, the new ``max_steps`` included, from the first resumed step on (the restored
     optimizer holds the old schedule's value otherwise); Adam's betas, eps and weight decay apply from the next step
     (``grad_clip`` is DeepSpeed's, set from the config at start). Returns one line per change, for the log."""
     ours = cfg.model_dump(mode="json")
-    changed = [f"optimizer.{k}: {saved.get(k)!r} -> {v!r}" for k, v in ours.items() if saved.get(k) != v]
+    changed = [
+        f"optimizer.{k}: {saved.get(k)!r} -> {v!r}" for k, v in ours.items() if saved.get(k) != v
+    ]
     if max_steps != saved_max_steps:
-        changed.append(f"train.max_steps: {saved_max_steps} -> {max_steps} (the learning-rate schedule now ends at "
-                       f"step {max_steps})")
+        changed.append(
+            f"train.max_steps: {saved_max_steps} -> {max_steps} (the learning-rate schedule now ends at "
+            f"step {max_steps})"
+        )
     if not changed:
         return []
     scheduler = trainer.lr_scheduler
@@ -159,7 +180,11 @@ def apply_optimizer_changes(trainer: Trainer, saved: dict, cfg: OptimizerConfig,
     settings = [group_settings(key, cfg) for key in trainer.optimizer.group_keys]
     scheduler.base_lrs = [cfg.lr * scale for scale, _ in settings]
     for i, (scale, decay) in enumerate(settings):
-        for group in {id(g): g for g in (trainer.optimizer.param_groups[i], scheduler.optimizer.param_groups[i])
-                      }.values():
-            group.update(lr=cfg.lr * scale * factor, betas=cfg.betas, eps=cfg.eps, weight_decay=decay)
+        for group in {
+            id(g): g
+            for g in (trainer.optimizer.param_groups[i], scheduler.optimizer.param_groups[i])
+        }.values():
+            group.update(
+                lr=cfg.lr * scale * factor, betas=cfg.betas, eps=cfg.eps, weight_decay=decay
+            )
     return changed

@@ -26,11 +26,15 @@ MIN_GRACE_SECONDS = 120
 GRACE_SAFETY = 1.5  # slow storage days
 EXIT_SECONDS = 30
 GRACE_ENV = "MHF_DIST_GRACE_SECONDS"  # set by the job script: seconds between the scheduler's warning and its limit
-INTERRUPT_NOTE = "interrupted: finishing this step, then saving (Ctrl-C again aborts without saving)"
+INTERRUPT_NOTE = (
+    "interrupted: finishing this step, then saving (Ctrl-C again aborts without saving)"
+)
 # before the first step there is no step to finish and nothing trained to save: set-up ends at the check after the
 # model build, and the ranks exit for a requeue
-START_UP_INTERRUPT_NOTE = ("interrupted during start-up: stopping once the model is built, before the first step and "
-                           "without a checkpoint (Ctrl-C again aborts at once)")
+START_UP_INTERRUPT_NOTE = (
+    "interrupted during start-up: stopping once the model is built, before the first step and "
+    "without a checkpoint (Ctrl-C again aborts at once)"
+)
 
 
 def grace_seconds(step_s: float, save_s: float) -> int:
@@ -44,7 +48,9 @@ def lost_work(run: RunDir, checkpoint_minutes: float | None) -> str:
     """What stopping now without a save loses, and where the next start (``--resume auto``) continues from."""
     saved = [p for p in step_directories(run.checkpoints_dir) if marker_problem(p) is None]
     if saved:
-        note = f"the steps since {saved[-1].name} are lost; rerun the same command to resume from it"
+        note = (
+            f"the steps since {saved[-1].name} are lost; rerun the same command to resume from it"
+        )
     else:
         note = "no checkpoint was saved yet; rerunning the same command starts again from step 0"
     if checkpoint_minutes:
@@ -68,11 +74,15 @@ class StopSignal:
     def __init__(self, lost_work: Callable[[], str] | None = None):
         self.received = False
         self.interrupted = False
-        self.training = False  # set by ``start_up_ends``: a first Ctrl-C finishes a step and saves from then on
+        self.training = (
+            False  # set by ``start_up_ends``: a first Ctrl-C finishes a step and saves from then on
+        )
         self._lost_work = lost_work
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._handle)
-        if lost_work is not None:  # otherwise (an embedding program, a test process) Ctrl-C stays its own
+        if (
+            lost_work is not None
+        ):  # otherwise (an embedding program, a test process) Ctrl-C stays its own
             signal.signal(signal.SIGINT, self._interrupt)
 
     def start_up_ends(self, stopping: bool) -> bool:
@@ -93,7 +103,9 @@ class StopSignal:
     def _interrupt(self, signum, frame):
         if self.interrupted:
             say_on_rank0(f"aborted without saving: {self._lost_work()}")
-            os._exit(ABORTED_EXIT_CODE)  # now: no collective, no save, no interpreter shutdown to wait for
+            os._exit(
+                ABORTED_EXIT_CODE
+            )  # now: no collective, no save, no interpreter shutdown to wait for
         self.interrupted = True
         self._handle(signum, frame)
         say_on_rank0(INTERRUPT_NOTE if self.training else START_UP_INTERRUPT_NOTE)

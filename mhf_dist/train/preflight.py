@@ -8,7 +8,9 @@ from mhf_dist.config import RunConfig, check_data_source
 from mhf_dist.parallel.layout import Layout, backend_name, resolve_layout
 
 
-def preflight(cfg: RunConfig, world_size: int, device: str, data_here: bool = True) -> tuple[Layout, dict]:
+def preflight(
+    cfg: RunConfig, world_size: int, device: str, data_here: bool = True
+) -> tuple[Layout, dict]:
     """Every check before a launch on ``device`` ranks (cpu, cuda): the data source (on this machine unless
     ``data_here`` is False), the layout for ``world_size`` and the engine config; before any rank starts."""
     check_data_source(cfg, data_here)

@@ -47,8 +47,15 @@ def join_job(cfg: RunConfig, verbose: bool = False) -> Job:
     device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
     with backend_prints(verbose):
         init_distributed(cfg, device)
-    return Job(rank, world, layout, ds_config, device, ParallelGroups.create(layout.tp, layout.pp),
-               ScalarCollectives())
+    return Job(
+        rank,
+        world,
+        layout,
+        ds_config,
+        device,
+        ParallelGroups.create(layout.tp, layout.pp),
+        ScalarCollectives(),
+    )
 
 
 def leave_process_group() -> None:
@@ -63,7 +70,9 @@ def collective_failure(e: BaseException) -> str | None:
     gloo = isinstance(e, RuntimeError) and "/gloo/" in str(e)
     if not (gloo or isinstance(e, dist.DistError)):
         return None
-    text = str(e).split("] ", 1)[-1] if gloo else str(e)  # gloo's message starts with its source location
+    text = (
+        str(e).split("] ", 1)[-1] if gloo else str(e)
+    )  # gloo's message starts with its source location
     return f"a collective failed, as another rank ended or stopped answering ({text.split('. ', 1)[0].strip()})"
 
 
@@ -79,13 +88,25 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> None:
     # The pipeline engine broadcasts the tied bucket tables between the first and last stage; torch warns that the
     # broadcast has no autograd kernel. The tables' gradients are summed over the tie by DeepSpeed itself, and the
     # pipeline tests show them equal to one process's, so the warning is known not to apply.
-    warnings.filterwarnings("ignore", message=r"c10d::broadcast_: an autograd kernel was not registered")
+    warnings.filterwarnings(
+        "ignore", message=r"c10d::broadcast_: an autograd kernel was not registered"
+    )
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
-    os.environ.update(accelerator_env(device.type))  # a rank not started by mhf-dist train, before the backend loads
-    init_backend_distributed(backend_name(cfg.train.dist_backend, device.type),
-                             timedelta(minutes=cfg.train.dist_timeout_minutes), device)
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
+    os.environ.update(
+        accelerator_env(device.type)
+    )  # a rank not started by mhf-dist train, before the backend loads
+    init_backend_distributed(
+        backend_name(cfg.train.dist_backend, device.type),
+        timedelta(minutes=cfg.train.dist_timeout_minutes),
+        device,
+    )
 
 
 @contextlib.contextmanager

@@ -23,14 +23,22 @@ class Reporter(Callback):
         cfg, t, progress = self.cfg, self.cfg.train, run.progress
         self.progress, rank0 = progress, run.job.rank == 0
         self.logger = MetricsLogger(run.run, resume_step=progress.start, cfg=cfg) if rank0 else None
-        if self.logger and run.data_restarted:  # the record at the resumed step says where the data changed
+        if (
+            self.logger and run.data_restarted
+        ):  # the record at the resumed step says where the data changed
             self.logger.log(progress.start, {"data_restart": True, "data_path": run.data.name})
         if rank0:  # a mixture: each source's share and how often the run goes over it
             samples = t.max_steps * t.global_batch_size
             for line in run.data.describe(samples, samples * cfg.data.seq_len):
                 tqdm.write(line)
-        self.bar = tqdm(desc="train", unit="step", dynamic_ncols=True, initial=progress.start, total=t.max_steps,
-                        disable=None if rank0 else True)
+        self.bar = tqdm(
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            initial=progress.start,
+            total=t.max_steps,
+            disable=None if rank0 else True,
+        )
 
     def after_step(self, step: int, stepped: Stepped) -> None:
         self.bar.update()

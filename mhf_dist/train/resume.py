@@ -23,16 +23,48 @@ from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.train.checkpoint.index import complete_checkpoints, read_marker
 
 CHANGEABLE_ON_RESUME = (
-    "optimizer", "parallel", "inference", "model.engram.offload_update",
-    "data.restart", "data.path", "data.sources", "data.shuffle_seed", "data.shuffle_window", "data.on_bad_shard",
-    "data.verify_checksums", "data.allow_pipe",
-    "train.max_steps", "train.stop_at_step", "train.micro_batch_size", "train.log_interval", "train.eval_interval",
-    "train.eval_sequences", "train.checkpoint_interval", "train.checkpoint_minutes", "train.keep_checkpoints",
-    "train.on_nonfinite", "train.max_nonfinite_steps", "train.spike_factor", "train.grad_spike_factor",
-    "train.on_spike", "train.spike_patience", "train.max_rollbacks", "train.peak_tflops", "train.compile",
-    "train.fused_head_kernel", "train.dist_backend", "train.dist_timeout_minutes", "train.wandb",
-    "train.hang_timeout_s", "train.first_step_timeout_s", "train.peer_timeout_s", "train.straggler_factor",
-    "train.straggler_intervals", "train.device_probe", "train.health_metrics", "train.callbacks",
+    "optimizer",
+    "parallel",
+    "inference",
+    "model.engram.offload_update",
+    "data.restart",
+    "data.path",
+    "data.sources",
+    "data.shuffle_seed",
+    "data.shuffle_window",
+    "data.on_bad_shard",
+    "data.verify_checksums",
+    "data.allow_pipe",
+    "train.max_steps",
+    "train.stop_at_step",
+    "train.micro_batch_size",
+    "train.log_interval",
+    "train.eval_interval",
+    "train.eval_sequences",
+    "train.checkpoint_interval",
+    "train.checkpoint_minutes",
+    "train.keep_checkpoints",
+    "train.on_nonfinite",
+    "train.max_nonfinite_steps",
+    "train.spike_factor",
+    "train.grad_spike_factor",
+    "train.on_spike",
+    "train.spike_patience",
+    "train.max_rollbacks",
+    "train.peak_tflops",
+    "train.compile",
+    "train.fused_head_kernel",
+    "train.dist_backend",
+    "train.dist_timeout_minutes",
+    "train.wandb",
+    "train.hang_timeout_s",
+    "train.first_step_timeout_s",
+    "train.peer_timeout_s",
+    "train.straggler_factor",
+    "train.straggler_intervals",
+    "train.device_probe",
+    "train.health_metrics",
+    "train.callbacks",
 )
 
 
@@ -61,12 +93,16 @@ def resume_config(run_dir: str | Path, overrides: list[str], resume: str) -> Run
     complete one)."""
     path = RunDir(run_dir).config_path
     if not path.is_file():
-        raise ConfigError(f"no configuration: {run_dir} holds no {CONFIG_FILE} to resume with; pass --preset NAME "
-                          "(e.g. tiny-h4b16k) or --config run.yaml")
+        raise ConfigError(
+            f"no configuration: {run_dir} holds no {CONFIG_FILE} to resume with; pass --preset NAME "
+            "(e.g. tiny-h4b16k) or --config run.yaml"
+        )
     written, cfg = load_config(path=path), load_config(path=path, overrides=overrides)
     checkpoint = _resumed_checkpoint(Path(run_dir), resume)
     if checkpoint is not None:
-        _check_fixed_fields(checkpoint, written.model_dump(mode="json"), cfg.model_dump(mode="json"), path)
+        _check_fixed_fields(
+            checkpoint, written.model_dump(mode="json"), cfg.model_dump(mode="json"), path
+        )
     return cfg
 
 
@@ -89,13 +125,24 @@ def _check_fixed_fields(checkpoint: Path, written: dict, resolved: dict, path: P
         return
     set_here = differences(written, resolved)
     sources = {field: "--set" if field in set_here else f"edited in {path}" for field in fixed}
-    lines = [f"{field}: {new!r}, the checkpoint's is {old!r} ({sources[field]})" for field, (old, new) in fixed.items()]
-    undo = [fix for fix, needed in (("drop those --set", "--set" in sources.values()),
-                                    (f"set them back in {path}", f"edited in {path}" in sources.values())) if needed]
+    lines = [
+        f"{field}: {new!r}, the checkpoint's is {old!r} ({sources[field]})"
+        for field, (old, new) in fixed.items()
+    ]
+    undo = [
+        fix
+        for fix, needed in (
+            ("drop those --set", "--set" in sources.values()),
+            (f"set them back in {path}", f"edited in {path}" in sources.values()),
+        )
+        if needed
+    ]
     raise ConfigError(
-        f"{checkpoint} was trained with other values of fields a resume cannot change:\n  " + "\n  ".join(lines)
+        f"{checkpoint} was trained with other values of fields a resume cannot change:\n  "
+        + "\n  ".join(lines)
         + f"\nresume with the checkpoint's values ({' and '.join(undo)}), or train a new run directory (--run-dir) "
-        "for the new ones. A resume may change: " + _changeable_summary())
+        "for the new ones. A resume may change: " + _changeable_summary()
+    )
 
 
 def _checkpoint_config(checkpoint: Path) -> dict:
@@ -119,5 +166,11 @@ def _changeable_summary() -> str:
     for name in CHANGEABLE_ON_RESUME:
         section, _, rest = name.partition(".")
         groups.setdefault(section, []).append(rest)
-    return ", ".join(f"{s}.*" if fields == [""] else f"{s}.{fields[0]}" if len(fields) == 1
-                     else f"{s}.{{{', '.join(fields)}}}" for s, fields in groups.items())
+    return ", ".join(
+        f"{s}.*"
+        if fields == [""]
+        else f"{s}.{fields[0]}"
+        if len(fields) == 1
+        else f"{s}.{{{', '.join(fields)}}}"
+        for s, fields in groups.items()
+    )

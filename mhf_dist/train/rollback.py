@@ -39,8 +39,10 @@ def read_rollbacks(run: RunDir) -> list[dict]:
     except FileNotFoundError:
         return []
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{run.rollbacks_path} cannot be read ({e}): it lists the data ranges this run skipped; "
-                          "restore it from a backup, or delete it to read that data again") from e
+        raise ConfigError(
+            f"{run.rollbacks_path} cannot be read ({e}): it lists the data ranges this run skipped; "
+            "restore it from a backup, or delete it to read that data again"
+        ) from e
 
 
 def skipped_ranges(run: RunDir) -> list[tuple[int, int]]:
@@ -48,11 +50,18 @@ def skipped_ranges(run: RunDir) -> list[tuple[int, int]]:
     return [(r["skipped"][0], r["skipped"][1]) for r in read_rollbacks(run)]
 
 
-def rollback_entry(step: int, spikes: list[int], checkpoint: str, checkpoint_step: int,
-                   skipped: tuple[int, int]) -> dict:
+def rollback_entry(
+    step: int, spikes: list[int], checkpoint: str, checkpoint_step: int, skipped: tuple[int, int]
+) -> dict:
     """One rollback's record: at ``step``, for the ``spikes``, back to ``checkpoint``, ``skipped`` never read."""
-    return {"step": step, "spikes": spikes, "checkpoint": checkpoint, "checkpoint_step": checkpoint_step,
-            "skipped": list(skipped), "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "step": step,
+        "spikes": spikes,
+        "checkpoint": checkpoint,
+        "checkpoint_step": checkpoint_step,
+        "skipped": list(skipped),
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def write_rollbacks(run: RunDir, rollbacks: list[dict]) -> None:
@@ -71,8 +80,14 @@ class Rollbacks:
         """Whether ``spikes`` (the steps of the spikes within the last ``SPIKE_WINDOW`` steps) roll the run back."""
         return self.cfg.on_spike == "rollback" and len(spikes) >= self.cfg.spike_patience
 
-    def go_back(self, step: int, spikes: list[int], checkpointer: Checkpointer, reader: ShardReader,
-                load: Callable[[Path], dict]) -> None:
+    def go_back(
+        self,
+        step: int,
+        spikes: list[int],
+        checkpointer: Checkpointer,
+        reader: ShardReader,
+        load: Callable[[Path], dict],
+    ) -> None:
         """At ``step``: ``load`` the newest checkpoint saved before ``spikes[0]`` as a resume loads it (the
         checkpoints since are set aside) and have ``reader`` pass over the data from that checkpoint's position to
         where it stood, recorded. Every rank calls this alike (the spikes are judged on global numbers). Past
@@ -80,24 +95,34 @@ class Rollbacks:
         checkpointer.wait()  # an asynchronous save in flight joins the line first
         target = checkpointer.newest_before(spikes[0])
         plural = "s" if len(spikes) > 1 else ""
-        said = (f"{len(spikes)} spike{plural} within the last {SPIKE_WINDOW} steps (step{plural} "
-                f"{', '.join(map(str, spikes))})")
+        said = (
+            f"{len(spikes)} spike{plural} within the last {SPIKE_WINDOW} steps (step{plural} "
+            f"{', '.join(map(str, spikes))})"
+        )
         if target is None or len(self.done) >= self.cfg.max_rollbacks:
-            why = (f"no checkpoint was saved before step {spikes[0]} to roll back to" if target is None else
-                   f"the run made its {self.cfg.max_rollbacks} rollback(s) (train.max_rollbacks; "
-                   f"{self.run.rollbacks_path})")
+            why = (
+                f"no checkpoint was saved before step {spikes[0]} to roll back to"
+                if target is None
+                else f"the run made its {self.cfg.max_rollbacks} rollback(s) (train.max_rollbacks; "
+                f"{self.run.rollbacks_path})"
+            )
             raise TrainingDiverged(
                 f"{said}, and {why}; stopped without saving step {step}. Resume from "
                 f"{target or checkpointer.latest()} with a lower optimizer.lr or a longer optimizer.warmup_steps "
-                "(changes apply on resume), or raise train.max_rollbacks")
+                "(changes apply on resume), or raise train.max_rollbacks"
+            )
         position = reader.global_position()
         checkpointer.continue_from(target)
-        client = load(target)  # the reader too, at the checkpoint's position: from there it passes over the data
+        client = load(
+            target
+        )  # the reader too, at the checkpoint's position: from there it passes over the data
         skipped = (reader.global_position(client["reader"]), position)
         reader.skip(*skipped)
         self.done.append(rollback_entry(step, spikes, target.name, client["step"], skipped))
         if self.rank == 0:
             write_rollbacks(self.run, self.done)
-            tqdm.write(f"rollback {len(self.done)}/{self.cfg.max_rollbacks}: {said}; back to {target} (step "
-                       f"{client['step']}); the data read since it (global samples {skipped[0]}-{skipped[1] - 1}) "
-                       f"is skipped, recorded in {self.run.rollbacks_path}")
+            tqdm.write(
+                f"rollback {len(self.done)}/{self.cfg.max_rollbacks}: {said}; back to {target} (step "
+                f"{client['step']}); the data read since it (global samples {skipped[0]}-{skipped[1] - 1}) "
+                f"is skipped, recorded in {self.run.rollbacks_path}"
+            )

@@ -54,7 +54,9 @@ def take_lock(run: RunDir, rank: int, scalars: ScalarCollectives) -> None:
 def run_assets(run: RunDir, cfg: RunConfig) -> RunAssets:
     """The run's assets, each created on first use."""
     tokenizer = run.ensure_tokenizer(cfg)
-    table = run.ensure_signatures(cfg.model.hash, tokenizer) if variant(cfg).needs_signatures else None
+    table = (
+        run.ensure_signatures(cfg.model.hash, tokenizer) if variant(cfg).needs_signatures else None
+    )
     compression = run.ensure_compression(tokenizer) if cfg.model.engram is not None else None
     return RunAssets(tokenizer, table, compression, run.ensure_shards(cfg), skipped_ranges(run))
 
@@ -62,6 +64,7 @@ def run_assets(run: RunDir, cfg: RunConfig) -> RunAssets:
 def prepare_assets(run: RunDir, cfg: RunConfig, rank: int, scalars: ScalarCollectives) -> RunAssets:
     """Rank 0 creates what is missing (a tokenizer, shards: as long as the corpus takes) while the others wait
     outside any collective; then every rank loads the assets."""
+
     def create() -> None:
         run.path.mkdir(parents=True, exist_ok=True)
         clear_heartbeats(run)  # an earlier job's; this job's ranks write theirs once set up

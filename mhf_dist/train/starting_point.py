@@ -20,7 +20,9 @@ def checkpoint_layout(cfg: RunConfig, layout: Layout, vocab_rows: int) -> dict:
     cut holds other layers' optimizer state in each stage's files, so it loads through a conversion."""
     recorded = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
     if layout.pp > 1:
-        recorded["stages"] = pipeline_bounds(layer_costs(cfg.model, cfg.data.seq_len, vocab_rows), layout.pp)
+        recorded["stages"] = pipeline_bounds(
+            layer_costs(cfg.model, cfg.data.seq_len, vocab_rows), layout.pp
+        )
     return recorded
 
 
@@ -31,7 +33,9 @@ def resume_path(resume: str, checkpointer: Checkpointer) -> Path | None:
         return checkpointer.resumable()
     if resume == "none":
         if checkpointer.latest() is not None:
-            raise CheckpointError(f"{checkpointer.dir} holds checkpoints; resume (--resume auto) or use a new run dir")
+            raise CheckpointError(
+                f"{checkpointer.dir} holds checkpoints; resume (--resume auto) or use a new run dir"
+            )
         return None
     return Path(resume)
 
@@ -39,13 +43,17 @@ def resume_path(resume: str, checkpointer: Checkpointer) -> Path | None:
 def init_weights_file(path: Path, model: LanguageModel, tp: int) -> FileValues:
     """``train.init_from``: every parameter from a full state dict (our names), each rank reading its shards."""
     if not path.is_file():
-        raise CheckpointError(f"train.init_from: {path} does not exist; point it at a model.safetensors "
-                              "(mhf-dist export, import-hf or expand-vocab write one)")
+        raise CheckpointError(
+            f"train.init_from: {path} does not exist; point it at a model.safetensors "
+            "(mhf-dist export, import-hf or expand-vocab write one)"
+        )
     try:
         return FileValues(path, full_shapes(model, tp))
     except Exception as e:  # truncated file, or weights of another architecture
-        raise CheckpointError(f"train.init_from: {path} cannot initialise this model ({e}); "
-                              "use weights exported from a run with the same model config") from e
+        raise CheckpointError(
+            f"train.init_from: {path} cannot initialise this model ({e}); "
+            "use weights exported from a run with the same model config"
+        ) from e
 
 
 class ResumePoint(NamedTuple):

@@ -41,14 +41,22 @@ class Measure:
     recovered: str  # "is no longer a straggler" with {rank}
 
 
-COMPUTE = Measure("slowest_rank", "slowest_ratio", "straggler",
-                  "is a straggler: its compute time per step is {ratio:.2f}x the median of its pipeline stage's "
-                  "other ranks for {count} log intervals",
-                  "rank {rank} is no longer a straggler")
-DEVICE = Measure("slowest_device_rank", "slowest_device_ratio", "slow_device",
-                 "has a slow device: the device probe's fixed matrix products take {ratio:.2f}x the median of the "
-                 "other ranks' devices for {count} log intervals",
-                 "rank {rank}'s device is no longer slow")
+COMPUTE = Measure(
+    "slowest_rank",
+    "slowest_ratio",
+    "straggler",
+    "is a straggler: its compute time per step is {ratio:.2f}x the median of its pipeline stage's "
+    "other ranks for {count} log intervals",
+    "rank {rank} is no longer a straggler",
+)
+DEVICE = Measure(
+    "slowest_device_rank",
+    "slowest_device_ratio",
+    "slow_device",
+    "has a slow device: the device probe's fixed matrix products take {ratio:.2f}x the median of the "
+    "other ranks' devices for {count} log intervals",
+    "rank {rank}'s device is no longer slow",
+)
 
 
 @dataclass(frozen=True)
@@ -69,15 +77,29 @@ class StragglerWatch:
     """Rank ``rank`` of ``world``'s compute times (and its device probe's, when ``probe`` is given), gathered and
     judged every log interval (the heartbeats in ``run`` name a slow rank's node)."""
 
-    def __init__(self, settings: StragglerSettings, *, run: RunDir, rank: int, world: int, stage: int,
-                 scalars: ScalarCollectives, probe: DeviceProbe | None = None):
+    def __init__(
+        self,
+        settings: StragglerSettings,
+        *,
+        run: RunDir,
+        rank: int,
+        world: int,
+        stage: int,
+        scalars: ScalarCollectives,
+        probe: DeviceProbe | None = None,
+    ):
         self.run, self.rank, self.world = run, rank, world
         self.factor, self.intervals = settings.factor, settings.intervals
-        self.stage = stage  # the rank's pipeline stage: ranks are compared with the others of theirs
+        self.stage = (
+            stage  # the rank's pipeline stage: ranks are compared with the others of theirs
+        )
         self.scalars, self.device_probe = scalars, probe
         self._seconds, self._steps = 0.0, 0
         self._device_s = 0.0  # the probe's seconds at the interval's logged step
-        self._slow: dict[Measure, tuple[int, int] | None] = {COMPUTE: None, DEVICE: None}  # (rank, intervals)
+        self._slow: dict[Measure, tuple[int, int] | None] = {
+            COMPUTE: None,
+            DEVICE: None,
+        }  # (rank, intervals)
 
     def clock(self) -> float:
         """The rank's compute clock (the calling thread's CPU seconds)."""
@@ -97,22 +119,28 @@ class StragglerWatch:
         """Every rank, at each logged step: gather the interval's means (one collective); on rank 0, the record's
         fields and the warnings about ranks that stayed slow or recovered; elsewhere ``({}, [])``."""
         w, probed = self.world, self.device_probe is not None
-        mine = [0.0] * (3 * w)  # each rank's compute seconds, then its stage, then its device probe's seconds
+        mine = [0.0] * (
+            3 * w
+        )  # each rank's compute seconds, then its stage, then its device probe's seconds
         mine[self.rank], mine[w + self.rank] = self._seconds / max(1, self._steps), self.stage
         mine[2 * w + self.rank] = self._device_s
         self._seconds, self._steps = 0.0, 0
         gathered = mine if w == 1 else self.scalars.read(self.scalars.sum_tensor(mine))
         if self.rank != 0:
             return {}, []
-        times, stages, device = gathered[:w], gathered[w:2 * w], gathered[2 * w:]
-        fields = {"compute_s": statistics.median(times)} | ({"device_s": statistics.median(device)} if probed else {})
+        times, stages, device = gathered[:w], gathered[w : 2 * w], gathered[2 * w :]
+        fields = {"compute_s": statistics.median(times)} | (
+            {"device_s": statistics.median(device)} if probed else {}
+        )
         warnings: list[str] = []
         self._judge(COMPUTE, ratios(times, stages), fields, warnings)
         if probed:
             self._judge(DEVICE, ratios(device, [0] * w), fields, warnings)
         return fields, warnings
 
-    def _judge(self, measure: Measure, by_rank: dict[int, float], fields: dict, warnings: list[str]) -> None:
+    def _judge(
+        self, measure: Measure, by_rank: dict[int, float], fields: dict, warnings: list[str]
+    ) -> None:
         """The slowest rank of ``by_rank`` into ``fields``; a warning when it has stayed above the factor for the
         intervals (said once) or a rank that had is below it again."""
         if not by_rank:  # no two ranks to compare
@@ -129,11 +157,22 @@ class StragglerWatch:
         self._slow[measure] = (slowest, count)
         if count < self.intervals:
             return
-        node = next((b.get("node") for b in read_heartbeats(self.run) if b["rank"] == slowest), "its node unknown")
-        fields[measure.record_key] = {"rank": slowest, "node": node, "ratio": ratio, "intervals": count}
+        node = next(
+            (b.get("node") for b in read_heartbeats(self.run) if b["rank"] == slowest),
+            "its node unknown",
+        )
+        fields[measure.record_key] = {
+            "rank": slowest,
+            "node": node,
+            "ratio": ratio,
+            "intervals": count,
+        }
         if count == self.intervals:  # said once; the records and status keep showing it
-            warnings.append(f"rank {slowest} on {node} " + measure.slow.format(ratio=ratio, count=count)
-                            + f" (train.straggler_factor={self.factor:g})")
+            warnings.append(
+                f"rank {slowest} on {node} "
+                + measure.slow.format(ratio=ratio, count=count)
+                + f" (train.straggler_factor={self.factor:g})"
+            )
 
 
 def ratios(times: list[float], groups: list[float]) -> dict[int, float]:
@@ -155,12 +194,23 @@ class Stragglers(Callback):
 
     def on_start(self, run: RunContext) -> None:
         job, settings = run.job, self.settings
-        probed = settings.device_probe if settings.device_probe is not None else job.device.type == "cuda"
+        probed = (
+            settings.device_probe
+            if settings.device_probe is not None
+            else job.device.type == "cuda"
+        )
         dtype = torch.bfloat16 if run.cfg.train.dtype == "bf16" else torch.float32
         self.progress = run.progress
         probe = DeviceProbe(job.device, dtype, job.rank) if probed else None
-        self.watch = StragglerWatch(settings, run=run.run, rank=job.rank, world=job.world, stage=job.groups.pp_rank,
-                                    scalars=job.scalars, probe=probe)
+        self.watch = StragglerWatch(
+            settings,
+            run=run.run,
+            rank=job.rank,
+            world=job.world,
+            stage=job.groups.pp_rank,
+            scalars=job.scalars,
+            probe=probe,
+        )
 
     def before_step(self, step: int) -> None:
         if self.progress.logged(step):

@@ -16,7 +16,9 @@ import time
 import torch
 
 
-def measured_peak_flops(device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 5) -> float:
+def measured_peak_flops(
+    device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 5
+) -> float:
     """FLOP/s of the best of ``repeats`` timed ``n×n`` matmuls on this rank (``n`` = 2048 on CPU; 8192 on a GPU,
     where a smaller product is too short to reach the matrix units' rate)."""
     n = n or (8192 if device.type == "cuda" else 2048)
@@ -34,7 +36,9 @@ def measured_peak_flops(device: torch.device, dtype: torch.dtype, n: int | None 
     return 2 * n**3 / best
 
 
-def total_peak_flops(per_device_tflops: float | None, device: torch.device, dtype: torch.dtype, world: int) -> float:
+def total_peak_flops(
+    per_device_tflops: float | None, device: torch.device, dtype: torch.dtype, world: int
+) -> float:
     """The peak FLOP/s of all ranks together (see module docstring)."""
     if per_device_tflops is not None:
         return per_device_tflops * 1e12 * world

@@ -15,10 +15,17 @@ from safetensors.torch import load_file
 from mhf_dist.backend import consolidate
 from mhf_dist.config import RunConfig
 from mhf_dist.storage.run_dir import RunDir
-from mhf_dist.train.checkpoint.index import MARKER, CheckpointError, complete_checkpoints, verify_files
+from mhf_dist.train.checkpoint.index import (
+    MARKER,
+    CheckpointError,
+    complete_checkpoints,
+    verify_files,
+)
 from mhf_dist.train.host_tables import host_table_weights
 
-MODEL_SOURCES = "a run directory (the --run-dir of train or import-hf) or a checkpoint (RUN/checkpoints/step-N)"
+MODEL_SOURCES = (
+    "a run directory (the --run-dir of train or import-hf) or a checkpoint (RUN/checkpoints/step-N)"
+)
 
 
 def holds_weights(path: Path) -> bool:
@@ -31,7 +38,9 @@ def check_source(path: str | Path, accepted: str = MODEL_SOURCES) -> Path:
     this first, so a path that holds no model is named as such rather than as a problem of their output."""
     path = Path(path)
     if not holds_weights(path):
-        what = f"holds no model (no {MARKER}, no config.yaml)" if path.exists() else "does not exist"
+        what = (
+            f"holds no model (no {MARKER}, no config.yaml)" if path.exists() else "does not exist"
+        )
         raise CheckpointError(f"{path} {what}: pass {accepted}")
     return path
 
@@ -46,10 +55,14 @@ def resolve_weights(path: str | Path) -> Path:
     found = complete_checkpoints(RunDir(path).checkpoints_dir)
     if found:
         return found[-1]
-    init_from = (yaml.safe_load(RunDir(path).config_path.read_text()).get("train") or {}).get("init_from")
+    init_from = (yaml.safe_load(RunDir(path).config_path.read_text()).get("train") or {}).get(
+        "init_from"
+    )
     if init_from is None or not (path / init_from).is_file():
-        raise CheckpointError(f"{path} has no complete checkpoint yet, nor initial weights (train.init_from): train "
-                              "it until it saves one (at the end, or every train.checkpoint_interval steps)")
+        raise CheckpointError(
+            f"{path} has no complete checkpoint yet, nor initial weights (train.init_from): train "
+            "it until it saves one (at the end, or every train.checkpoint_interval steps)"
+        )
     return path / init_from
 
 
@@ -71,7 +84,9 @@ def trained_weights(checkpoint: str | Path) -> TrainedWeights:
     marker = verify_files(ckpt)  # every file's size and digest, before DeepSpeed's loader reads any
     run = RunDir(ckpt.parent.parent)
     raw = yaml.safe_load(run.config_path.read_text())
-    cfg = RunConfig.model_validate(raw | {"model": marker["model"]})  # the shapes the weights were saved with
+    cfg = RunConfig.model_validate(
+        raw | {"model": marker["model"]}
+    )  # the shapes the weights were saved with
     state = consolidate(ckpt, pipeline=marker["layout"]["pp"] > 1) | host_table_weights(ckpt)
     if cfg.train.init_from:  # frozen parameters (train.trainable_blocks) are not in the checkpoint
         state = load_file(str(run.path / cfg.train.init_from)) | state
@@ -81,7 +96,9 @@ def trained_weights(checkpoint: str | Path) -> TrainedWeights:
 def initial_weights(run: RunDir, weights: Path) -> TrainedWeights:
     """A run's initial weights (``train.init_from``) as its model, at step 0; said on stderr, as it is not a
     trained checkpoint."""
-    print(f"note: {run.path} has no checkpoint yet; its initial weights {weights} (train.init_from) are the model",
-          file=sys.stderr)
+    print(
+        f"note: {run.path} has no checkpoint yet; its initial weights {weights} (train.init_from) are the model",
+        file=sys.stderr,
+    )
     cfg = RunConfig.model_validate(yaml.safe_load(run.config_path.read_text()))
     return TrainedWeights(weights, 0, run, cfg, load_file(str(weights)))

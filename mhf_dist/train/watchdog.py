@@ -44,10 +44,17 @@ from mhf_dist.train.callbacks import Callback, RunContext
 
 MAX_BEAT_S = 10.0
 MIN_BEAT_S = 0.5
-LINGER_BEATS = 3  # heartbeats to wait, after writing the stacks, for the other live ranks to write theirs
+LINGER_BEATS = (
+    3  # heartbeats to wait, after writing the stacks, for the other live ranks to write theirs
+)
 WAITING_BEATS = 3  # heartbeats without progress before a rank reads its peers' heartbeats
-WARMING_PHASES = ("step", "eval")  # their first run in a start compiles and allocates: the first-step budget
-LOADING_PHASES = ("rollback",)  # a checkpoint's load, as long as a start's: the first-step budget every time
+WARMING_PHASES = (
+    "step",
+    "eval",
+)  # their first run in a start compiles and allocates: the first-step budget
+LOADING_PHASES = (
+    "rollback",
+)  # a checkpoint's load, as long as a start's: the first-step budget every time
 HANG_SETTING, FIRST_SETTING = "train.hang_timeout_s", "train.first_step_timeout_s"
 
 
@@ -100,14 +107,21 @@ class Watchdog:
 
     def __init__(self, run: RunDir, rank: int, settings: HangSettings, resumed_at: int = 0):
         self.run, self.rank, self.timeout_s = run, rank, settings.hang_timeout_s
-        self.peer_timeout_s, self.first_timeout_s = settings.peer_timeout_s, settings.first_step_timeout_s
+        self.peer_timeout_s, self.first_timeout_s = (
+            settings.peer_timeout_s,
+            settings.first_step_timeout_s,
+        )
         self.beat_s = beat_interval(self.timeout_s, self.peer_timeout_s)
         self.started = time.time()
         record = newest_hang_record(run) if self.timeout_s is not None else None
-        self.previous = record if record is not None and record.step > resumed_at else None  # still ahead
+        self.previous = (
+            record if record is not None and record.step > resumed_at else None
+        )  # still ahead
         self._phase = Phase(resumed_at, "start", self.started)
         self._begun: set[str] = set()  # phases that ran in this start
-        self._lock = threading.Lock()  # the training thread marks, the watchdog thread records progress
+        self._lock = (
+            threading.Lock()
+        )  # the training thread marks, the watchdog thread records progress
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
 
@@ -115,10 +129,14 @@ class Watchdog:
         self.run.heartbeats_dir.mkdir(parents=True, exist_ok=True)
         if self.previous is not None and self.rank == 0:
             budget, _, _ = self._budget(self.previous.step, self.previous.phase, first=False)
-            print(f"note: the previous start was ended by the hang watchdog after {self.previous.stuck_s:.0f} s "
-                  f"without progress {doing({'phase': self.previous.phase, 'step': self.previous.step})} "
-                  f"({self.previous.setting}={self.previous.budget_s:g}); this start allows it {budget:g} s, and stops "
-                  f"without requeueing if it ends there again", file=sys.stderr, flush=True)
+            print(
+                f"note: the previous start was ended by the hang watchdog after {self.previous.stuck_s:.0f} s "
+                f"without progress {doing({'phase': self.previous.phase, 'step': self.previous.step})} "
+                f"({self.previous.setting}={self.previous.budget_s:g}); this start allows it {budget:g} s, and stops "
+                f"without requeueing if it ends there again",
+                file=sys.stderr,
+                flush=True,
+            )
         self._beat()
         self._thread.start()
         return self
@@ -161,26 +179,49 @@ class Watchdog:
     # ------------------------------------------------------------------ the thread
     def _beat(self) -> None:
         p = self._phase
-        write_heartbeat(self.run, {"rank": self.rank, "node": node_name(), "pid": os.getpid(), "step": p.step,
-                                   "phase": p.name, "since": p.since, "beat": time.time(), "beat_s": self.beat_s,
-                                   "hang_timeout_s": p.budget_s, "started": self.started})
+        write_heartbeat(
+            self.run,
+            {
+                "rank": self.rank,
+                "node": node_name(),
+                "pid": os.getpid(),
+                "step": p.step,
+                "phase": p.name,
+                "since": p.since,
+                "beat": time.time(),
+                "beat_s": self.beat_s,
+                "hang_timeout_s": p.budget_s,
+                "started": self.started,
+            },
+        )
 
     def _watch(self) -> None:
         while not self._stop.wait(self.beat_s):
             try:
                 self._beat()
             except OSError as e:  # a filesystem hiccup must not end the rank; the next beat retries
-                print(f"warning: rank {self.rank}'s heartbeat was not written: {e}", file=sys.stderr)
+                print(
+                    f"warning: rank {self.rank}'s heartbeat was not written: {e}", file=sys.stderr
+                )
             phase = self._phase
             idle = time.time() - phase.since
-            if phase.name not in IDLE_PHASES and idle > WAITING_BEATS * self.beat_s and self.peer_timeout_s \
-                    is not None and (lost := self._lost_peers()):
+            if (
+                phase.name not in IDLE_PHASES
+                and idle > WAITING_BEATS * self.beat_s
+                and self.peer_timeout_s is not None
+                and (lost := self._lost_peers())
+            ):
                 self._lose(lost)
             if self.timeout_s is None:
                 continue
             declared = self._declared_hang()
-            if declared is None and phase.budget_s is not None and idle > phase.budget_s \
-                    and not self._progressed(phase) and (current := self._phase).name == phase.name:
+            if (
+                declared is None
+                and phase.budget_s is not None
+                and idle > phase.budget_s
+                and not self._progressed(phase)
+                and (current := self._phase).name == phase.name
+            ):
                 declared = self._declare(current, time.time() - current.since)
             if declared is not None and not self._stop.is_set():
                 self._end(declared)
@@ -200,17 +241,26 @@ class Watchdog:
     def _lost_peers(self) -> list[dict]:
         """The other ranks whose heartbeat is ``peer_timeout_s`` old (finished ones are not lost)."""
         now = time.time()
-        return [b for b in read_heartbeats(self.run) if b["rank"] != self.rank and b.get("phase") != "finished"
-                and now - b.get("beat", now) > self.peer_timeout_s]
+        return [
+            b
+            for b in read_heartbeats(self.run)
+            if b["rank"] != self.rank
+            and b.get("phase") != "finished"
+            and now - b.get("beat", now) > self.peer_timeout_s
+        ]
 
     def _lose(self, lost: list[dict]) -> None:
         """Peers were lost with their node: the first rank to see it records and names them; every rank exits."""
         nodes = sorted({str(b.get("node")) for b in lost})
         if record_lost(self.run, nodes, [b["rank"] for b in lost], self._phase.step, time.time()):
-            print(f"lost node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}: rank{'s' if len(lost) > 1 else ''} "
-                  f"{', '.join(str(b['rank']) for b in lost)} sent no heartbeat for over {self.peer_timeout_s:g} s "
-                  f"(train.peer_timeout_s), {doing(lost[0])}; stopping without a save (exit {NODE_LOST_EXIT_CODE}); "
-                  "the next start resumes from the newest checkpoint", file=sys.stderr, flush=True)
+            print(
+                f"lost node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}: rank{'s' if len(lost) > 1 else ''} "
+                f"{', '.join(str(b['rank']) for b in lost)} sent no heartbeat for over {self.peer_timeout_s:g} s "
+                f"(train.peer_timeout_s), {doing(lost[0])}; stopping without a save (exit {NODE_LOST_EXIT_CODE}); "
+                "the next start resumes from the newest checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
         sys.stdout.flush()
         os._exit(NODE_LOST_EXIT_CODE)
 
@@ -218,19 +268,32 @@ class Watchdog:
         """The folder of a hang another rank of this job declared (made since this rank's watchdog started)."""
         if not self.run.hangs_dir.is_dir():
             return None
-        found = [p for p in self.run.hangs_dir.iterdir() if p.is_dir() and p.stat().st_mtime >= self.started - 1]
+        found = [
+            p
+            for p in self.run.hangs_dir.iterdir()
+            if p.is_dir() and p.stat().st_mtime >= self.started - 1
+        ]
         return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
     def _declare(self, phase: Phase, stuck_s: float) -> Path:
         """This rank saw no progress for its phase's budget: the hang's folder, with what it ended on."""
         folder = self.run.hangs_dir / time.strftime("%Y-%m-%dT%H-%M-%SZ", time.gmtime())
         folder.mkdir(parents=True, exist_ok=True)  # ranks declaring in the same second share it
-        record = HangRecord(phase.step, phase.name, round(stuck_s, 1), phase.budget_s, phase.setting, phase.retried)
+        record = HangRecord(
+            phase.step, phase.name, round(stuck_s, 1), phase.budget_s, phase.setting, phase.retried
+        )
         record.write(folder)
-        allowed = (f"{phase.budget_s:g} s, twice what the previous start allowed it" if phase.retried else
-                   f"{phase.setting}={phase.budget_s:g}")
-        print(f"rank {self.rank}: no progress for {stuck_s:.0f} s {doing({'phase': phase.name, 'step': phase.step})} "
-              f"({allowed}): a hang", file=sys.stderr, flush=True)
+        allowed = (
+            f"{phase.budget_s:g} s, twice what the previous start allowed it"
+            if phase.retried
+            else f"{phase.setting}={phase.budget_s:g}"
+        )
+        print(
+            f"rank {self.rank}: no progress for {stuck_s:.0f} s {doing({'phase': phase.name, 'step': phase.step})} "
+            f"({allowed}): a hang",
+            file=sys.stderr,
+            flush=True,
+        )
         return folder
 
     def _end(self, folder: Path) -> None:
@@ -238,8 +301,10 @@ class Watchdog:
         phase = self._phase
         path = folder / f"rank-{self.rank}.txt"
         with open(path.with_suffix(".tmp"), "w") as f:
-            f.write(f"rank {self.rank} on {node_name()}, pid {os.getpid()}: {time.time() - phase.since:.0f} s "
-                    f"without progress {doing({'phase': phase.name, 'step': phase.step})}\n\n")
+            f.write(
+                f"rank {self.rank} on {node_name()}, pid {os.getpid()}: {time.time() - phase.since:.0f} s "
+                f"without progress {doing({'phase': phase.name, 'step': phase.step})}\n\n"
+            )
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         os.replace(path.with_suffix(".tmp"), path)
@@ -251,12 +316,18 @@ class Watchdog:
         live = [b["rank"] for b in beats if answers(b, now)]
         if live and self.rank == min(live):
             health = rank_health(beats, now)
-            then = "" if code == ERROR_EXIT_CODE else "; its next start resumes from the newest checkpoint"
-            lines = [f"hang at step {health.step if health else phase.step}: the job stops (exit {code}, nothing "
-                     f"saved{then})",
-                     *(health.describe(now) if health else []),
-                     f"stacks of ranks {', '.join(map(str, stacks_in(folder)))} in {folder}",
-                     *(advice(record) if record is not None else [])]
+            then = (
+                ""
+                if code == ERROR_EXIT_CODE
+                else "; its next start resumes from the newest checkpoint"
+            )
+            lines = [
+                f"hang at step {health.step if health else phase.step}: the job stops (exit {code}, nothing "
+                f"saved{then})",
+                *(health.describe(now) if health else []),
+                f"stacks of ranks {', '.join(map(str, stacks_in(folder)))} in {folder}",
+                *(advice(record) if record is not None else []),
+            ]
             (folder / "summary.txt").write_text("\n".join(lines) + "\n")
             print("\n".join(lines), file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -306,9 +377,13 @@ def advice(record: HangRecord) -> list[str]:
     where = doing({"phase": record.phase, "step": record.step})
     keep = f"--set {record.setting}={math.ceil(4 * record.budget_s)}"
     if record.retried:
-        return [f"the previous start was ended {where} too, with half this budget: not requeued, as it would end "
-                f"there again; if that phase is healthy work that takes longer, resubmit with {keep} or more; if it "
-                "is not, the stacks show where it waits"]
-    return [f"if {where} is healthy work that takes longer than {record.budget_s:g} s, the next start allows it "
-            f"{record.retry_budget_s:g} s once (ended there again, the job stops without requeueing); to allow "
-            f"it for good: {keep}"]
+        return [
+            f"the previous start was ended {where} too, with half this budget: not requeued, as it would end "
+            f"there again; if that phase is healthy work that takes longer, resubmit with {keep} or more; if it "
+            "is not, the stacks show where it waits"
+        ]
+    return [
+        f"if {where} is healthy work that takes longer than {record.budget_s:g} s, the next start allows it "
+        f"{record.retry_budget_s:g} s once (ended there again, the job stops without requeueing); to allow "
+        f"it for good: {keep}"
+    ]

@@ -35,9 +35,14 @@ class CompressionError(MhfError, ValueError):
     """A compression table cannot be built, loaded or matched to its tokenizer."""
 
 
-STORAGE = StoredTable(what="compression table", array_file="compression.safetensors",
-                      meta_file="compression.json", key="old_to_new", error=CompressionError,
-                      fix="delete the directory to rebuild it from the run's tokenizer")
+STORAGE = StoredTable(
+    what="compression table",
+    array_file="compression.safetensors",
+    meta_file="compression.json",
+    key="old_to_new",
+    error=CompressionError,
+    fix="delete the directory to rebuild it from the run's tokenizer",
+)
 
 
 def normalize(text: str) -> str:
@@ -70,21 +75,38 @@ class CompressionTable(ContentHashed):
     @classmethod
     def build(cls, tokenizer: PreTrainedTokenizerBase) -> "CompressionTable":
         tokens = vocabulary(tokenizer)
-        decoded = tokenizer.batch_decode([[v] for v in range(len(tokens))], skip_special_tokens=False)
+        decoded = tokenizer.batch_decode(
+            [[v] for v in range(len(tokens))], skip_special_tokens=False
+        )
         new_id: dict[str, int] = {}
-        old_to_new = [new_id.setdefault(compression_key(text, tok), len(new_id)) for text, tok in zip(decoded, tokens)]
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        old_to_new = [
+            new_id.setdefault(compression_key(text, tok), len(new_id))
+            for text, tok in zip(decoded, tokens)
+        ]
+        pad = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
         if pad is None:
-            raise CompressionError("the tokenizer has neither a pad nor an EOS token: the Engram memory needs one "
-                                   "to hash positions before a sequence's start; add a pad token to the tokenizer")
-        return cls(old_to_new=torch.tensor(old_to_new, dtype=torch.int32), keys=tuple(new_id),
-                   pad_id=old_to_new[pad], tokenizer_fingerprint=tokens_fingerprint(tokens))
+            raise CompressionError(
+                "the tokenizer has neither a pad nor an EOS token: the Engram memory needs one "
+                "to hash positions before a sequence's start; add a pad token to the tokenizer"
+            )
+        return cls(
+            old_to_new=torch.tensor(old_to_new, dtype=torch.int32),
+            keys=tuple(new_id),
+            pad_id=old_to_new[pad],
+            tokenizer_fingerprint=tokens_fingerprint(tokens),
+        )
 
     @classmethod
     def identity(cls, vocab_size: int, pad_id: int = 0) -> "CompressionTable":
         """No merging (``old_to_new[v] = v``): for synthetic vocabularies (profiling, memory planning)."""
-        return cls(old_to_new=torch.arange(vocab_size, dtype=torch.int32), keys=tuple(map(str, range(vocab_size))),
-                   pad_id=pad_id, tokenizer_fingerprint="identity")
+        return cls(
+            old_to_new=torch.arange(vocab_size, dtype=torch.int32),
+            keys=tuple(map(str, range(vocab_size))),
+            pad_id=pad_id,
+            tokenizer_fingerprint="identity",
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -101,14 +123,21 @@ class CompressionTable(ContentHashed):
         return self.num_ids / self.vocab_size
 
     def summary(self) -> str:
-        return (f"Engram tokenizer compression: {self.vocab_size:,} -> {self.num_ids:,} ids "
-                f"(ratio {self.ratio:.3f}, {1 - self.ratio:.1%} fewer)")
+        return (
+            f"Engram tokenizer compression: {self.vocab_size:,} -> {self.num_ids:,} ids "
+            f"(ratio {self.ratio:.3f}, {1 - self.ratio:.1%} fewer)"
+        )
 
     # ------------------------------------------------------------ save/load
     def metadata(self) -> dict:
-        return {"vocab_size": self.vocab_size, "num_ids": self.num_ids, "pad_id": self.pad_id,
-                "normalization": self.normalization, "tokenizer_fingerprint": self.tokenizer_fingerprint,
-                "keys": list(self.keys)}
+        return {
+            "vocab_size": self.vocab_size,
+            "num_ids": self.num_ids,
+            "pad_id": self.pad_id,
+            "normalization": self.normalization,
+            "tokenizer_fingerprint": self.tokenizer_fingerprint,
+            "keys": list(self.keys),
+        }
 
     def _compute_hash(self) -> str:
         return content_hash(self.metadata(), self.old_to_new)
@@ -120,7 +149,12 @@ class CompressionTable(ContentHashed):
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "CompressionTable":
         def build(old_to_new: torch.Tensor, meta: dict) -> CompressionTable:
-            return cls(old_to_new=old_to_new, keys=tuple(meta["keys"]), pad_id=meta["pad_id"],
-                       tokenizer_fingerprint=meta["tokenizer_fingerprint"], normalization=meta["normalization"])
+            return cls(
+                old_to_new=old_to_new,
+                keys=tuple(meta["keys"]),
+                pad_id=meta["pad_id"],
+                tokenizer_fingerprint=meta["tokenizer_fingerprint"],
+                normalization=meta["normalization"],
+            )
 
         return STORAGE.load(directory, build)

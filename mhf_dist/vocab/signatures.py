@@ -31,9 +31,14 @@ class SignatureError(MhfError, ValueError):
     """A signature table cannot be built, loaded or matched."""
 
 
-STORAGE = StoredTable(what="signature table", array_file="signatures.safetensors", meta_file="signatures.json",
-                      key="codes", error=SignatureError,
-                      fix="rebuild the table (SignatureTable.build) and save it")
+STORAGE = StoredTable(
+    what="signature table",
+    array_file="signatures.safetensors",
+    meta_file="signatures.json",
+    key="codes",
+    error=SignatureError,
+    fix="rebuild the table (SignatureTable.build) and save it",
+)
 
 
 def bucket_of(token: str, seed: int, num_buckets: int) -> int:
@@ -76,7 +81,9 @@ class SignatureTable(ContentHashed):
         ``num_hashes`` coordinates; it implies ``unique=False``.
         """
         if num_hashes < 1 or num_buckets < 2:
-            raise SignatureError(f"need num_hashes >= 1 and num_buckets >= 2, got H={num_hashes}, B={num_buckets}")
+            raise SignatureError(
+                f"need num_hashes >= 1 and num_buckets >= 2, got H={num_hashes}, B={num_buckets}"
+            )
         seeds = (0,) * num_hashes if single_id else tuple(range(num_hashes))
         empty = cls(
             codes=torch.zeros(0, num_hashes, dtype=torch.int32),
@@ -94,11 +101,16 @@ class SignatureTable(ContentHashed):
         seen = set(self.tokens)
         for tok in new_tokens:
             if tok in seen:
-                raise SignatureError(f"token {tok!r} is already registered; extend() takes only new tokens")
+                raise SignatureError(
+                    f"token {tok!r} is already registered; extend() takes only new tokens"
+                )
             seen.add(tok)
         H, B = self.num_hashes, self.num_buckets
         base = len(self.tokens)
-        n_real = sum(1 for v in range(base, base + len(new_tokens)) if v != self.pad_id) + self.num_registered
+        n_real = (
+            sum(1 for v in range(base, base + len(new_tokens)) if v != self.pad_id)
+            + self.num_registered
+        )
         if self.unique and n_real > (B - 1) ** H:
             raise SignatureError(
                 f"{n_real} tokens cannot have unique signatures: capacity is (B-1)^H = {(B - 1) ** H} "
@@ -203,8 +215,14 @@ class SignatureTable(ContentHashed):
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "SignatureTable":
         def build(codes: torch.Tensor, meta: dict) -> SignatureTable:
-            return cls(codes=codes, num_buckets=meta["num_buckets"], seeds=tuple(meta["seeds"]),
-                       tokens=tuple(meta["tokens"]), unique=meta["unique"], pad_id=meta["pad_id"],
-                       hash_version=meta["hash_version"])
+            return cls(
+                codes=codes,
+                num_buckets=meta["num_buckets"],
+                seeds=tuple(meta["seeds"]),
+                tokens=tuple(meta["tokens"]),
+                unique=meta["unique"],
+                pad_id=meta["pad_id"],
+                hash_version=meta["hash_version"],
+            )
 
         return STORAGE.load(directory, build)

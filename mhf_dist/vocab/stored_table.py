@@ -49,11 +49,16 @@ class StoredTable:
     error: type[ValueError]
     fix: str  # how to recover, appended to every load error
 
-    def save(self, directory: str | os.PathLike, array: torch.Tensor, meta: dict, digest: str) -> Path:
+    def save(
+        self, directory: str | os.PathLike, array: torch.Tensor, meta: dict, digest: str
+    ) -> Path:
         """Write ``array`` and ``meta`` (with ``content_hash = digest``) into ``directory``, each file atomically."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tmp_array, tmp_meta = directory / (self.array_file + ".tmp"), directory / (self.meta_file + ".tmp")
+        tmp_array, tmp_meta = (
+            directory / (self.array_file + ".tmp"),
+            directory / (self.meta_file + ".tmp"),
+        )
         save_file({self.key: array.numpy()}, str(tmp_array))
         tmp_meta.write_text(json.dumps(meta | {"content_hash": digest}, ensure_ascii=False))
         os.replace(tmp_array, directory / self.array_file)
@@ -69,12 +74,15 @@ class StoredTable:
                 raise self.error(f"{self.what} file {p} is missing; {self.fix}")
         try:
             meta = json.loads((directory / self.meta_file).read_text())
-            array = torch.from_numpy(load_file(str(directory / self.array_file))[self.key].astype(np.int32))
+            array = torch.from_numpy(
+                load_file(str(directory / self.array_file))[self.key].astype(np.int32)
+            )
             table = build(array, meta)
         except Exception as e:  # truncated or garbled files
             raise self.error(f"{self.what} in {directory} is unreadable ({e}); {self.fix}") from e
         if table.content_hash != meta.get("content_hash"):
             raise self.error(
                 f"{self.what} in {directory} fails its content check (stored {meta.get('content_hash')}, "
-                f"computed {table.content_hash}): a file was modified or truncated; {self.fix}")
+                f"computed {table.content_hash}): a file was modified or truncated; {self.fix}"
+            )
         return table

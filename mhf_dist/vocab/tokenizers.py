@@ -41,8 +41,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike)
     from tokenizers import ByteLevelBPETokenizer
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[PAD, EOS],
-                            show_progress=False)
+    bpe.train_from_iterator(
+        texts,
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[PAD, EOS],
+        show_progress=False,
+    )
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOS, pad_token=PAD)
     out = Path(out_dir)
     tok.save_pretrained(str(out))
@@ -73,7 +78,9 @@ def write_mistral_v03(out_dir: str | os.PathLike) -> Path:
     return out
 
 
-def load_tokenizer(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    path: str | os.PathLike, cache_dir: str | os.PathLike | None = None
+) -> PreTrainedTokenizerBase:
     """A local tokenizer directory, or ``mistral-v0.3`` (written into ``cache_dir`` first)."""
     if str(path) == MISTRAL_V03:
         cache = Path(cache_dir or Path.home() / ".cache" / "mhf_dist") / "tokenizers" / MISTRAL_V03

@@ -11,10 +11,15 @@ from mhf_dist.parallel.comm import count_collectives
 # ~1e-8, and a wrong reduction of them hides under the tolerance.
 INIT_STD = 0.1
 
-EVAL_CHUNKS = (TARGET_CHUNK, 21)  # evaluation sums over the vocabulary in one chunk, and in chunks that split it
+EVAL_CHUNKS = (
+    TARGET_CHUNK,
+    21,
+)  # evaluation sums over the vocabulary in one chunk, and in chunks that split it
 
 
-def assert_tensor_close(got: torch.Tensor, ref: torch.Tensor, what: str, rel: float = 1e-5, floor: float = 1e-6):
+def assert_tensor_close(
+    got: torch.Tensor, ref: torch.Tensor, what: str, rel: float = 1e-5, floor: float = 1e-6
+):
     """Max elementwise error within ``rel`` of the tensor's largest entry: fp32 sums run in another order, so
     single small entries differ in the 5th digit. The floor covers gradients that are zero in exact arithmetic
     (the gate's last bias: softmax over heads ignores a shared shift) and hold only rounding noise; at
@@ -32,7 +37,16 @@ def step(model, batch):
     with torch.no_grad():
         logp = model.log_p_inf(batch[:, :-1])
         h = model.hidden(batch[:, :-1]).flatten(0, 1)
-        sums = [model.vocab.calibration_sums(h, batch[:, 1:].flatten(), chunk_size=c) for c in EVAL_CHUNKS]
+        sums = [
+            model.vocab.calibration_sums(h, batch[:, 1:].flatten(), chunk_size=c)
+            for c in EVAL_CHUNKS
+        ]
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return {"loss": out.loss.detach(), "heads": out.head_losses.detach(), "grads": grads, "logp": logp,
-            "bytes": dict(log.bytes), "eval": sums}
+    return {
+        "loss": out.loss.detach(),
+        "heads": out.head_losses.detach(),
+        "grads": grads,
+        "logp": logp,
+        "bytes": dict(log.bytes),
+        "eval": sums,
+    }

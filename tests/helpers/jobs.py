@@ -14,7 +14,9 @@ from helpers.runs import CliProcess
 class Job:
     def __init__(self, args: list[str], log: Path, **env: str):
         self.log = log
-        self.proc = CliProcess(args, log, os.environ | {"PYTHONUNBUFFERED": "1"} | env, new_session=True)
+        self.proc = CliProcess(
+            args, log, os.environ | {"PYTHONUNBUFFERED": "1"} | env, new_session=True
+        )
 
     @property
     def output(self) -> str:
@@ -24,7 +26,9 @@ class Job:
         """Until ``text`` is in the output; fails if the command ends first."""
         deadline = time.time() + timeout
         while text not in self.output:
-            assert self.proc.poll() is None, f"ended ({self.proc.returncode}) before {text!r}:\n{self.output[-3000:]}"
+            assert self.proc.poll() is None, (
+                f"ended ({self.proc.returncode}) before {text!r}:\n{self.output[-3000:]}"
+            )
             assert time.time() < deadline, f"no {text!r} after {timeout} s:\n{self.output[-3000:]}"
             time.sleep(0.05)
 

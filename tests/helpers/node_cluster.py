@@ -71,9 +71,17 @@ class NodeCluster(LocalSlurm):
     def slurmd_command(self, node: str) -> list[str]:
         # its own host name too (srun and the ranks resolve it to the node's address), then slurmd in the foreground
         ns = self.namespace(node)
-        return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--uts", "sh", "-c",
-                f"mount --bind {NETNS_ETC / ns / 'hosts'} /etc/hosts && hostname {node} && "
-                f"exec slurmd -D -N {node} -f {self.conf}"]
+        return [
+            "nsenter",
+            f"--net=/run/netns/{ns}",
+            "unshare",
+            "--mount",
+            "--uts",
+            "sh",
+            "-c",
+            f"mount --bind {NETNS_ETC / ns / 'hosts'} /etc/hosts && hostname {node} && "
+            f"exec slurmd -D -N {node} -f {self.conf}",
+        ]
 
     def start(self) -> NodeCluster:
         self.remove_network()  # what an earlier run that was killed left
@@ -88,8 +96,11 @@ class NodeCluster(LocalSlurm):
         _ip("link", "add", BRIDGE, "type", "bridge")
         _ip("addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
         _ip("link", "set", BRIDGE, "up")
-        hosts = "127.0.0.1 localhost\n" + f"{SUBNET}.1 mhfctl\n" + "".join(
-            f"{addr} {name}\n" for name, addr in self.nodes().items())
+        hosts = (
+            "127.0.0.1 localhost\n"
+            + f"{SUBNET}.1 mhfctl\n"
+            + "".join(f"{addr} {name}\n" for name, addr in self.nodes().items())
+        )
         for i, node in enumerate(self.names, 1):
             ns, link = self.namespace(node), f"mhfv{i}"
             _ip("netns", "add", ns)
@@ -108,8 +119,9 @@ class NodeCluster(LocalSlurm):
 
     def kill_node(self, node: str) -> None:
         """Node ``node`` dies: every process in its namespace (its slurmd and the tasks it runs) is killed."""
-        pids = subprocess.run(["ip", "netns", "pids", self.namespace(node)], capture_output=True,
-                              text=True).stdout.split()
+        pids = subprocess.run(
+            ["ip", "netns", "pids", self.namespace(node)], capture_output=True, text=True
+        ).stdout.split()
         for pid in pids:
             try:
                 os.kill(int(pid), signal.SIGKILL)
@@ -119,16 +131,24 @@ class NodeCluster(LocalSlurm):
     def revive(self) -> None:
         """Start again the ``slurmd`` of every node a test killed, and wait until every node is back in service."""
         for node in self.names:
-            if not subprocess.run(["ip", "netns", "pids", self.namespace(node)], capture_output=True,
-                                  text=True).stdout.split():
-                self.procs.append(subprocess.Popen(self.slurmd_command(node), env=self.env,
-                                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            if not subprocess.run(
+                ["ip", "netns", "pids", self.namespace(node)], capture_output=True, text=True
+            ).stdout.split():
+                self.procs.append(
+                    subprocess.Popen(
+                        self.slurmd_command(node),
+                        env=self.env,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
         self.wait_until_up(120)
 
     def stop_ranks(self, node: str) -> None:
         """The ranks on node ``node`` stop (SIGSTOP: a wedged GPU, a dead data network) while its ``slurmd`` answers."""
-        for pid in subprocess.run(["ip", "netns", "pids", self.namespace(node)], capture_output=True,
-                                  text=True).stdout.split():
+        for pid in subprocess.run(
+            ["ip", "netns", "pids", self.namespace(node)], capture_output=True, text=True
+        ).stdout.split():
             try:
                 if b"mhf_dist\x00train" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     os.kill(int(pid), signal.SIGSTOP)
@@ -143,9 +163,13 @@ class NodeCluster(LocalSlurm):
 
     @staticmethod
     def remove_network() -> None:
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+        listed = subprocess.run(
+            ["ip", "netns", "list"], capture_output=True, text=True
+        ).stdout.split("\n")
         for ns in [line.split()[0] for line in listed if line.startswith(PREFIX)]:
-            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+            for pid in subprocess.run(
+                ["ip", "netns", "pids", ns], capture_output=True, text=True
+            ).stdout.split():
                 try:  # a slurmd or task an earlier run left in it
                     os.kill(int(pid), signal.SIGKILL)
                 except ProcessLookupError:
@@ -153,6 +177,8 @@ class NodeCluster(LocalSlurm):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
             shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
         links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-        for link in sorted(set(re.findall(r"^\d+: (mhfv\d+)@", links, re.M))):  # host ends outliving a namespace
+        for link in sorted(
+            set(re.findall(r"^\d+: (mhfv\d+)@", links, re.M))
+        ):  # host ends outliving a namespace
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)

@@ -29,6 +29,13 @@ def run_ranks(fn, world: int, *args) -> list:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks; returns the results in rank order."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.start_processes(_worker, args=(world, init_file, tmp, fn, args), nprocs=world, join=True,
-                           start_method="fork")
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+        mp.start_processes(
+            _worker,
+            args=(world, init_file, tmp, fn, args),
+            nprocs=world,
+            join=True,
+            start_method="fork",
+        )
+        return [
+            torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)
+        ]

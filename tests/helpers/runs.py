@@ -18,10 +18,16 @@ from pathlib import Path
 
 from mhf_dist.cluster.launch import RANK_NAME
 
-RUN_CACHE: Path | None = None  # where train_run keeps this test run's finished fresh runs (tests/conftest.py sets it)
+RUN_CACHE: Path | None = (
+    None  # where train_run keeps this test run's finished fresh runs (tests/conftest.py sets it)
+)
 
 
-MIXTURE_WEIGHTS = {"psalms": 0.5, "law": 0.3, "gospels": 0.2}  # the sources fixture's shard directories
+MIXTURE_WEIGHTS = {
+    "psalms": 0.5,
+    "law": 0.3,
+    "gospels": 0.2,
+}  # the sources fixture's shard directories
 
 
 def _forkserver():
@@ -38,11 +44,19 @@ def _forkserver():
 
 
 _CONTEXT = None
-STARTED: list[CliProcess] = []  # every CliProcess of the running test (tests/conftest.py stops them after it)
+STARTED: list[
+    CliProcess
+] = []  # every CliProcess of the running test (tests/conftest.py stops them after it)
 
 
-def _command(args: list[str], env: dict[str, str], cwd: str, output: str, new_session: bool,
-             file_size_limit: int | None) -> None:
+def _command(
+    args: list[str],
+    env: dict[str, str],
+    cwd: str,
+    output: str,
+    new_session: bool,
+    file_size_limit: int | None,
+) -> None:
     """In the forked child: ``mhf-dist ARGS`` to its end (see ``CliProcess``)."""
     from mhf_dist.cli import main
     from mhf_dist.cluster.launch import run_forked
@@ -51,9 +65,16 @@ def _command(args: list[str], env: dict[str, str], cwd: str, output: str, new_se
     try:
         if new_session:
             os.setsid()
-        if file_size_limit is not None:  # files larger than that cannot be written, as on a full disk
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails instead of killing
-            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        if (
+            file_size_limit is not None
+        ):  # files larger than that cannot be written, as on a full disk
+            signal.signal(
+                signal.SIGXFSZ, signal.SIG_IGN
+            )  # a write past the limit then fails instead of killing
+            resource.setrlimit(
+                resource.RLIMIT_FSIZE,
+                (file_size_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]),
+            )
         os.chdir(cwd)
         fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(fd, 1)
@@ -78,12 +99,27 @@ class CliProcess:
     /dev/null, a session of its own when ``new_session`` (a terminal's job: ``os.killpg(proc.pid, ...)`` reaches it),
     files up to ``file_size_limit`` bytes."""
 
-    def __init__(self, args: list[str], output: Path, env: dict[str, str] | None = None,
-                 new_session: bool = False, file_size_limit: int | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        output: Path,
+        env: dict[str, str] | None = None,
+        new_session: bool = False,
+        file_size_limit: int | None = None,
+    ):
         self.args, self.new_session = args, new_session
         output.touch()  # there to read from the start
-        self.process = _forkserver().Process(target=_command, args=(
-            args, dict(os.environ if env is None else env), os.getcwd(), str(output), new_session, file_size_limit))
+        self.process = _forkserver().Process(
+            target=_command,
+            args=(
+                args,
+                dict(os.environ if env is None else env),
+                os.getcwd(),
+                str(output),
+                new_session,
+                file_size_limit,
+            ),
+        )
         self.process.start()
         self.pid = self.process.pid
         STARTED.append(self)
@@ -117,7 +153,9 @@ class CliProcess:
         """Killed with its process group if still running (a test that failed before its end left it)."""
         if self.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, signal.SIGKILL) if self.new_session else os.kill(self.pid, signal.SIGKILL)
+                os.killpg(self.pid, signal.SIGKILL) if self.new_session else os.kill(
+                    self.pid, signal.SIGKILL
+                )
             self.process.join()
 
     def rank_pids(self) -> dict[int, int]:
@@ -129,7 +167,9 @@ class CliProcess:
                 name = (stat.parent / "comm").read_text().strip()
             except (OSError, IndexError):
                 continue
-            if parent == self.pid and (match := re.fullmatch(RANK_NAME.format(rank=r"(\d+)"), name)):
+            if parent == self.pid and (
+                match := re.fullmatch(RANK_NAME.format(rank=r"(\d+)"), name)
+            ):
                 found[int(match[1])] = int(stat.parent.name)
         return found
 
@@ -144,13 +184,23 @@ def run_cli(args: list[str], expect_rc: int = 0, timeout: int = 600) -> str:
     return out
 
 
-def train_args(run: Path, data: dict, nproc: int, *overrides: str, preset: str = "tiny-h4b16k",
-               steps: int = 3) -> list[str]:
+def train_args(
+    run: Path, data: dict, nproc: int, *overrides: str, preset: str = "tiny-h4b16k", steps: int = 3
+) -> list[str]:
     """`mhf-dist train` arguments for a tiny run on the shared test shards (fp32, 8 sequences of 64 per step)."""
     args = ["train", "--preset", preset, "--nproc-per-node", str(nproc), "--run-dir", str(run)]
-    for o in (f"tokenizer.path={data['tokenizer']}", f"data.path={data['shards']}", "data.seq_len=64",
-              "model.hash.num_buckets=256", f"train.max_steps={steps}", "train.log_interval=1",
-              "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_sequences=8", *overrides):
+    for o in (
+        f"tokenizer.path={data['tokenizer']}",
+        f"data.path={data['shards']}",
+        "data.seq_len=64",
+        "model.hash.num_buckets=256",
+        f"train.max_steps={steps}",
+        "train.log_interval=1",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "train.eval_sequences=8",
+        *overrides,
+    ):
         args += ["--set", o]
     return args
 
@@ -159,8 +209,15 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def train_run(tmp_path: Path, data: dict, name: str, nproc: int, *overrides: str, preset: str = "tiny-h4b16k",
-              steps: int = 3) -> list[dict]:
+def train_run(
+    tmp_path: Path,
+    data: dict,
+    name: str,
+    nproc: int,
+    *overrides: str,
+    preset: str = "tiny-h4b16k",
+    steps: int = 3,
+) -> list[dict]:
     """Train to the end (or stop_at_step) in ``tmp_path/name``; returns its metrics records.
 
     A fresh run (``tmp_path/name`` does not exist yet) that this test run has already trained with the same arguments
@@ -172,7 +229,9 @@ def train_run(tmp_path: Path, data: dict, name: str, nproc: int, *overrides: str
     if run.exists() or RUN_CACHE is None:
         run_cli(args)
         return metrics(run)
-    injected = sorted((k, v) for k, v in os.environ.items() if k.startswith(("MHF_DIST_", "SLURM_")))
+    injected = sorted(
+        (k, v) for k, v in os.environ.items() if k.startswith(("MHF_DIST_", "SLURM_"))
+    )
     key = json.dumps([[a for a in args if a != str(run)], injected])
     cached = RUN_CACHE / hashlib.sha256(key.encode()).hexdigest()[:20]
     if cached.exists():

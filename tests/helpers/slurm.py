@@ -55,11 +55,20 @@ class LocalSlurm:
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o400)
         munge_socket = r / "munge/socket/munge.socket"
-        self._run(["munged", "--force", f"--key-file={key}", f"--socket={munge_socket}",
-                   f"--pid-file={r / 'munge/munged.pid'}", f"--log-file={r / 'log/munged.log'}",
-                   f"--seed-file={r / 'munge/seed'}"])
+        self._run(
+            [
+                "munged",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={munge_socket}",
+                f"--pid-file={r / 'munge/munged.pid'}",
+                f"--log-file={r / 'log/munged.log'}",
+                f"--seed-file={r / 'munge/seed'}",
+            ]
+        )
         # ports of its own: a cluster still shutting down (or another test's) never holds the next one's
-        self.conf.write_text(f"""ClusterName=mhftest
+        self.conf.write_text(
+            f"""ClusterName=mhftest
 SlurmctldHost={self.controller}
 SlurmUser=root
 AuthType=auth/munge
@@ -70,12 +79,12 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
-StateSaveLocation={r / 'state'}
-SlurmdSpoolDir={r / 'spool'}/%n
-SlurmctldPidFile={r / 'slurmctld.pid'}
-SlurmdPidFile={r / 'slurmd-%n.pid'}
-SlurmctldLogFile={r / 'log/slurmctld.log'}
-SlurmdLogFile={r / 'log/slurmd-%n.log'}
+StateSaveLocation={r / "state"}
+SlurmdSpoolDir={r / "spool"}/%n
+SlurmctldPidFile={r / "slurmctld.pid"}
+SlurmdPidFile={r / "slurmd-%n.pid"}
+SlurmctldLogFile={r / "log/slurmctld.log"}
+SlurmdLogFile={r / "log/slurmd-%n.log"}
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
 SlurmdTimeout={self.slurmd_timeout_s}
@@ -84,14 +93,30 @@ MinJobAge=3600
 SchedulerType=sched/builtin
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
-""" + "".join(f"NodeName={name} NodeAddr={addr} CPUs={self.cpus} State=UNKNOWN\n"
-              for name, addr in self.nodes().items())
-            + f"PartitionName=debug Nodes={','.join(self.nodes())} Default=YES MaxTime=INFINITE State=UP\n")
-        self.procs.append(subprocess.Popen(["slurmctld", "-D", "-f", str(self.conf)], env=self.env,
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+"""
+            + "".join(
+                f"NodeName={name} NodeAddr={addr} CPUs={self.cpus} State=UNKNOWN\n"
+                for name, addr in self.nodes().items()
+            )
+            + f"PartitionName=debug Nodes={','.join(self.nodes())} Default=YES MaxTime=INFINITE State=UP\n"
+        )
+        self.procs.append(
+            subprocess.Popen(
+                ["slurmctld", "-D", "-f", str(self.conf)],
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         for node in self.nodes():
-            self.procs.append(subprocess.Popen(self.slurmd_command(node), env=self.env,
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self.procs.append(
+                subprocess.Popen(
+                    self.slurmd_command(node),
+                    env=self.env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         self.wait_until_up()
         return self
 
@@ -99,8 +124,12 @@ JobAcctGatherType=jobacct_gather/none
         """Until every node is in service (RuntimeError with the daemons' logs after ``timeout`` seconds)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
-            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=self.env, capture_output=True, text=True).stdout
-            if out.split() and all(state in ("idle", "mixed", "allocated") for state in out.split()):
+            out = subprocess.run(
+                ["sinfo", "-h", "-N", "-o", "%T"], env=self.env, capture_output=True, text=True
+            ).stdout
+            if out.split() and all(
+                state in ("idle", "mixed", "allocated") for state in out.split()
+            ):
                 return
             time.sleep(0.5)
         raise RuntimeError(f"SLURM did not come up: {self.log_tail()}")
@@ -109,7 +138,9 @@ JobAcctGatherType=jobacct_gather/none
         subprocess.run(cmd, env=self.env, check=True, capture_output=True)
 
     def scontrol(self, *args: str) -> str:
-        return subprocess.run(["scontrol", *args], env=self.env, capture_output=True, text=True, check=True).stdout
+        return subprocess.run(
+            ["scontrol", *args], env=self.env, capture_output=True, text=True, check=True
+        ).stdout
 
     def job_state(self, job: str) -> dict:
         out = self.scontrol("show", "job", job)
@@ -117,26 +148,43 @@ JobAcctGatherType=jobacct_gather/none
 
     def log_tail(self) -> str:
         logs = ["slurmctld.log", *(f"slurmd-{node}.log" for node in self.nodes())]
-        return "\n".join((self.root / "log" / f).read_text()[-2000:] for f in logs if (self.root / "log" / f).exists())
+        return "\n".join(
+            (self.root / "log" / f).read_text()[-2000:]
+            for f in logs
+            if (self.root / "log" / f).exists()
+        )
 
     def story(self, job: str, run: Path) -> str:
         """SLURM's view of ``job``, its log in ``run``, the processes of SLURM and the ranks, and the daemons' log
         tails: why a job did not get somewhere."""
         log = job_log(run)
-        ps = subprocess.run(["ps", "-eo", "pid,stat,etime,time,args"], capture_output=True, text=True).stdout
+        ps = subprocess.run(
+            ["ps", "-eo", "pid,stat,etime,time,args"], capture_output=True, text=True
+        ).stdout
         squeue = subprocess.run(["squeue"], env=self.env, capture_output=True, text=True).stdout
-        return (f"job {job}: {self.scontrol('show', 'job', job)}\njob log:\n{log[-4000:]}\nsqueue: {squeue}\n"
-                "processes:\n" + "\n".join(line for line in ps.splitlines() if "mhf" in line or "slurm" in line)
-                + f"\ndaemons:\n{self.log_tail()}")
+        return (
+            f"job {job}: {self.scontrol('show', 'job', job)}\njob log:\n{log[-4000:]}\nsqueue: {squeue}\n"
+            "processes:\n"
+            + "\n".join(line for line in ps.splitlines() if "mhf" in line or "slurm" in line)
+            + f"\ndaemons:\n{self.log_tail()}"
+        )
 
     def stop(self) -> None:
         # end every job first: ranks of a job left running (a failed test's) would take the cores of the next tests
-        jobs = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True).stdout.split()
+        jobs = subprocess.run(
+            ["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True
+        ).stdout.split()
         if jobs:
-            subprocess.run(["scancel", "--full", "--signal=KILL", *jobs], env=self.env, capture_output=True)
+            subprocess.run(
+                ["scancel", "--full", "--signal=KILL", *jobs], env=self.env, capture_output=True
+            )
             deadline = time.time() + 30
-            while time.time() < deadline and subprocess.run(["squeue", "-h"], env=self.env, capture_output=True,
-                                                            text=True).stdout.strip():
+            while (
+                time.time() < deadline
+                and subprocess.run(
+                    ["squeue", "-h"], env=self.env, capture_output=True, text=True
+                ).stdout.strip()
+            ):
                 time.sleep(0.5)
         for p in self.procs:
             p.terminate()
@@ -170,8 +218,26 @@ def wait_for(predicate, timeout: float, what: str, explain=None):
 def submit_job(cluster: LocalSlurm, train: list[str], nodes: str) -> str:
     """``mhf-dist submit`` on ``cluster`` (the cpu-local profile) of a ``train`` command's arguments (its
     ``--nproc-per-node`` left out: the profile places the ranks), on ``nodes`` (``N`` or ``MIN-MAX``); the job id."""
-    flags = [a for i, a in enumerate(train[1:], 1) if a != "--nproc-per-node" and train[i - 1] != "--nproc-per-node"]
-    proc = subprocess.run([sys.executable, "-m", "mhf_dist", "submit", "--cluster", "cpu-local", "--nodes", nodes,
-                           *flags], env=cluster.env, capture_output=True, text=True)
+    flags = [
+        a
+        for i, a in enumerate(train[1:], 1)
+        if a != "--nproc-per-node" and train[i - 1] != "--nproc-per-node"
+    ]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mhf_dist",
+            "submit",
+            "--cluster",
+            "cpu-local",
+            "--nodes",
+            nodes,
+            *flags,
+        ],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return re.search(r"submitted job (\d+)", proc.stdout).group(1)

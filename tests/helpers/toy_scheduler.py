@@ -42,7 +42,9 @@ class Toy:
     def template(self) -> str:
         return TEMPLATE
 
-    def job_values(self, cfg, profile, *, nodes, run_dir, grace, depends_on, hostfile, min_nodes) -> dict[str, object]:
+    def job_values(
+        self, cfg, profile, *, nodes, run_dir, grace, depends_on, hostfile, min_nodes
+    ) -> dict[str, object]:
         if min_nodes is not None:
             raise ConfigError("the toy scheduler runs jobs of a fixed size only")
         return {"queue": shlex.quote(profile.options_of(self).queue)}
@@ -76,4 +78,6 @@ class Toy:
     def with_arguments(self, profile, args: argparse.Namespace):
         if args.toy_queue is None:
             return profile
-        return profile.with_options(self, profile.options_of(self).model_copy(update={"queue": args.toy_queue}))
+        return profile.with_options(
+            self, profile.options_of(self).model_copy(update={"queue": args.toy_queue})
+        )

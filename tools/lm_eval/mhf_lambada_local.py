@@ -8,4 +8,6 @@ import datasets
 
 def load(**_kwargs) -> datasets.DatasetDict:
     lines = (Path(__file__).with_name("lambada_local.jsonl")).read_text().splitlines()
-    return datasets.DatasetDict({"test": datasets.Dataset.from_list([json.loads(line) for line in lines if line])})
+    return datasets.DatasetDict(
+        {"test": datasets.Dataset.from_list([json.loads(line) for line in lines if line])}
+    )

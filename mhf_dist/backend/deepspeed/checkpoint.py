@@ -19,7 +19,10 @@ import torch
 
 from mhf_dist.backend import FileWriter
 
-RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies (tests/test_deepspeed_contract.py)
+RECOVERY_SCRIPTS = (
+    "zero_to_fp32.py",
+    "zero_to_torch.py",
+)  # what DeepSpeed copies (tests/test_deepspeed_contract.py)
 
 
 class WriterHook:
@@ -48,7 +51,9 @@ def save_checkpoint(engine, path: Path, client: dict, writer: FileWriter) -> Non
     # the engine copies its recovery scripts with shutil, whose failure would end the save on this rank alone
     engine._copy_recovery_script = lambda save_dir: copy_recovery_scripts(Path(save_dir), writer)
     try:
-        engine.save_checkpoint(str(path.parent), tag=path.name, client_state=client, save_latest=False)
+        engine.save_checkpoint(
+            str(path.parent), tag=path.name, client_state=client, save_latest=False
+        )
     finally:
         engine.checkpoint_engine = real
         del engine._copy_recovery_script
@@ -74,7 +79,9 @@ def _write_script(data: bytes, path: Path) -> None:
         raise
 
 
-def load_checkpoint(engine, optimizer: torch.optim.Optimizer, path: Path, universal: bool) -> dict | None:
+def load_checkpoint(
+    engine, optimizer: torch.optim.Optimizer, path: Path, universal: bool
+) -> dict | None:
     """The engine's model, optimizer and scheduler from checkpoint directory ``path``; its client state, None when
     DeepSpeed could not load it. ``universal``: DeepSpeed's universal loading leaves AdamW's bias-correction step
     count unset for ZeRO-3 sources; every parameter took every optimizer step, so it is the client's global step."""
@@ -88,4 +95,6 @@ def set_adam_steps(optimizer: torch.optim.Optimizer, step: int) -> None:
     """Every parameter's AdamW step count set to ``step``."""
     for state in optimizer.state.values():
         if "step" in state:
-            state["step"] = torch.full_like(state["step"], step) if torch.is_tensor(state["step"]) else step
+            state["step"] = (
+                torch.full_like(state["step"], step) if torch.is_tensor(state["step"]) else step
+            )

@@ -19,15 +19,20 @@ from mhf_dist.config import ConfigError, RunConfig, deep_merge
 if TYPE_CHECKING:
     from mhf_dist.parallel.layout import Layout
 
-CONFIG_DIR = resources.files("mhf_dist") / "deepspeed_configs"  # the named configs, shipped in the package
+CONFIG_DIR = (
+    resources.files("mhf_dist") / "deepspeed_configs"
+)  # the named configs, shipped in the package
 # What a bf16 run's DeepSpeed config says unless its file or parallel.deepspeed says otherwise: gradients accumulated
 # (ZeRO-3: its gradient partitions; ZeRO-1: the bf16 optimizer's whole fp32 gradients) and reduced over dp in fp32.
 # The bf16 optimizer adds each parameter's gradient into fp32 as soon as backward has made it (immediate_grad_update).
 # Otherwise it keeps the bf16 gradients to the step and clears them between micro-batches only in a hook DeepSpeed
 # attaches to the forward's output tensors; where that hook does not run, every micro-batch's gradient is added again
 # with each later one (seen under ZeRO-1, pp = 1 and pp = 2). immediate_grad_update depends on no such hook.
-BF16_GRADIENTS = {"bf16": {"immediate_grad_update": True}, "data_types": {"grad_accum_dtype": "fp32"},
-                  "communication_data_type": "fp32"}
+BF16_GRADIENTS = {
+    "bf16": {"immediate_grad_update": True},
+    "data_types": {"grad_accum_dtype": "fp32"},
+    "communication_data_type": "fp32",
+}
 
 
 def engine_config(cfg: RunConfig, layout: Layout, device_type: str) -> dict:
@@ -35,20 +40,33 @@ def engine_config(cfg: RunConfig, layout: Layout, device_type: str) -> dict:
     precedence)."""
     name = cfg.parallel.deepspeed_config
     if name == "auto":
-        name = "cpu_fp32" if device_type == "cpu" else ("zero3_bf16_actckpt" if layout.pp == 1 else "zero1_pp_bf16")
+        name = (
+            "cpu_fp32"
+            if device_type == "cpu"
+            else ("zero3_bf16_actckpt" if layout.pp == 1 else "zero1_pp_bf16")
+        )
     path = Path(name) if name.endswith(".json") else CONFIG_DIR / f"{name}.json"
     bf16 = cfg.train.dtype == "bf16"
     try:
         base = deep_merge(BF16_GRADIENTS if bf16 else {}, json.loads(path.read_text()))
     except (OSError, json.JSONDecodeError) as e:
-        available = ", ".join(sorted(p.name.removesuffix(".json") for p in CONFIG_DIR.iterdir()
-                                     if p.name.endswith(".json")))
-        raise ConfigError(f"parallel.deepspeed_config={name!r}: cannot read {path} ({e}); use one of {available} "
-                          "or a path to a .json file") from e
+        available = ", ".join(
+            sorted(
+                p.name.removesuffix(".json")
+                for p in CONFIG_DIR.iterdir()
+                if p.name.endswith(".json")
+            )
+        )
+        raise ConfigError(
+            f"parallel.deepspeed_config={name!r}: cannot read {path} ({e}); use one of {available} "
+            "or a path to a .json file"
+        ) from e
     stage = cfg.parallel.zero_stage
     if stage is None:
         stage = base.get("zero_optimization", {}).get("stage", 3 if layout.pp == 1 else 1)
-        cfg.check_zero_stage(stage, f"ZeRO stage {stage}")  # the DeepSpeed file's stage, or its default
+        cfg.check_zero_stage(
+            stage, f"ZeRO stage {stage}"
+        )  # the DeepSpeed file's stage, or its default
     derived = {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": layout.accum,
@@ -59,11 +77,12 @@ def engine_config(cfg: RunConfig, layout: Layout, device_type: str) -> dict:
     }
     resolved = deep_merge(deep_merge(base, derived), cfg.parallel.deepspeed)
     if bf16 and zero_stage(resolved) == 0 and grad_accum_dtype(resolved) == "fp32":
-        raise ConfigError("train.dtype=bf16 with ZeRO stage 0: DeepSpeed accumulates gradients in fp32 only under "
-                          "ZeRO; use parallel.zero_stage 1, 2 or 3 (or accept bf16 accumulation: --set "
-                          "parallel.deepspeed.data_types.grad_accum_dtype=bf16)")
+        raise ConfigError(
+            "train.dtype=bf16 with ZeRO stage 0: DeepSpeed accumulates gradients in fp32 only under "
+            "ZeRO; use parallel.zero_stage 1, 2 or 3 (or accept bf16 accumulation: --set "
+            "parallel.deepspeed.data_types.grad_accum_dtype=bf16)"
+        )
     return resolved
-
 
 
 def zero_stage(ds_config: dict) -> int:

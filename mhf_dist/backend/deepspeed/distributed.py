@@ -27,9 +27,11 @@ def init_distributed(backend: str, timeout: timedelta, device: torch.device) -> 
 
     deepspeed.utils.logger.setLevel(logging.WARNING)  # DeepSpeed's per-step info lines
     if (chosen := get_accelerator().device_name()) != device.type:
-        raise MhfError(f"DeepSpeed computes on {chosen} but this rank trains on {device.type} (train.device): "
-                       f"DeepSpeed was loaded before the device was chosen; start the run with "
-                       f"DS_ACCELERATOR={device.type}, or let mhf-dist train start its ranks")
+        raise MhfError(
+            f"DeepSpeed computes on {chosen} but this rank trains on {device.type} (train.device): "
+            f"DeepSpeed was loaded before the device was chosen; start the run with "
+            f"DS_ACCELERATOR={device.type}, or let mhf-dist train start its ranks"
+        )
     if not dist.is_initialized():
         bind = "nccl" in backend and int(os.environ.get("WORLD_SIZE", 1)) > 1
         dist.init_process_group(backend, timeout=timeout, device_id=device if bind else None)

@@ -37,25 +37,46 @@ class SpikeVerdict:
     step's global mean loss, on the device) and that norm, agreed over all ranks (a MAX), on the device: 1.0 to
     leave the step out. An overflow that DeepSpeed skips itself never asks (``value`` stays None)."""
 
-    def __init__(self, limits: SpikeLimits, loss: Callable[[], torch.Tensor], zero_optimizer,
-                 scalars: ScalarCollectives):
-        self.limits, self.loss, self.zero_optimizer, self.scalars = limits, loss, zero_optimizer, scalars
+    def __init__(
+        self,
+        limits: SpikeLimits,
+        loss: Callable[[], torch.Tensor],
+        zero_optimizer,
+        scalars: ScalarCollectives,
+    ):
+        self.limits, self.loss, self.zero_optimizer, self.scalars = (
+            limits,
+            loss,
+            zero_optimizer,
+            scalars,
+        )
         self.value: torch.Tensor | None = None
 
     def __call__(self) -> torch.Tensor:
         if self.value is None:
             loss = self.loss().double()
             over = ~(loss <= self.limits.loss)  # NaN is past any limit
-            norm = self.zero_optimizer._global_grad_norm  # the step's, set before the torch optimizer's step
+            norm = (
+                self.zero_optimizer._global_grad_norm
+            )  # the step's, set before the torch optimizer's step
             if norm is not None:  # compared in float64, as the host compares the norm it reads
-                over |= ~(torch.as_tensor(norm, device=loss.device).double() <= self.limits.grad_norm)
-            self.value = self.scalars.max_tensor(over.double()).reshape(())  # a scalar, as the kernel takes it
+                over |= ~(
+                    torch.as_tensor(norm, device=loss.device).double() <= self.limits.grad_norm
+                )
+            self.value = self.scalars.max_tensor(over.double()).reshape(
+                ()
+            )  # a scalar, as the kernel takes it
         return self.value
 
 
-def read_step(scalars: ScalarCollectives, stats: torch.Tensor, engine, flags: TrainingFlags | None,
-              verdict: SpikeVerdict | None = None, extra: torch.Tensor | None = None
-              ) -> tuple[list[float], float | None, list[bool] | None, bool, list[float]]:
+def read_step(
+    scalars: ScalarCollectives,
+    stats: torch.Tensor,
+    engine,
+    flags: TrainingFlags | None,
+    verdict: SpikeVerdict | None = None,
+    extra: torch.Tensor | None = None,
+) -> tuple[list[float], float | None, list[bool] | None, bool, list[float]]:
     """``(stats, grad norm, flags agreed over all ranks, left out, extra)`` in one host transfer: ``stats`` (already
     reduced, on the device), the engine's global gradient norm (a device scalar under ZeRO; a Python number after an
     overflow), ``flags()`` (all-reduced with MAX on the device), the step's ``verdict`` where it was asked and the
@@ -70,10 +91,10 @@ def read_step(scalars: ScalarCollectives, stats: torch.Tensor, engine, flags: Tr
         parts.append(verdict.value)
     values = scalars.read(*parts, *tail)
     if extra is not None:
-        values, extra_values = values[:-extra.numel()], values[-extra.numel():]
+        values, extra_values = values[: -extra.numel()], values[-extra.numel() :]
     n = stats.numel()
     grad_norm = values[n] if torch.is_tensor(norm) else None if norm is None else float(norm)
-    rest = values[n + torch.is_tensor(norm):]
+    rest = values[n + torch.is_tensor(norm) :]
     skipped = decided and bool(rest.pop())
     agreed = [bool(v) for v in rest] if flags is not None else None
     return values[:n], grad_norm, agreed, skipped, extra_values if extra is not None else []
@@ -85,25 +106,39 @@ class EngineTrainer:
 
     engine: deepspeed.DeepSpeedEngine
     host_tables: HostTableStep | None = None
-    wrap_loss: LossWrapper | None = None  # what each training micro-batch's loss becomes (LossWrapper)
+    wrap_loss: LossWrapper | None = (
+        None  # what each training micro-batch's loss becomes (LossWrapper)
+    )
     left_out = False  # the last step was past its spike limits
     health: EngineHealth | None = None  # train.health_metrics
 
-    def _measure_health(self, cfg: RunConfig, model: LanguageModel, named: Sequence[tuple[str, nn.Parameter]],
-                        ds_config: dict, forward: ForwardHealth) -> None:
+    def _measure_health(
+        self,
+        cfg: RunConfig,
+        model: LanguageModel,
+        named: Sequence[tuple[str, nn.Parameter]],
+        ds_config: dict,
+        forward: ForwardHealth,
+    ) -> None:
         """Set up the health metrics (``health``) of ``model`` (the whole model's
         skeleton), whose parameters this rank trains are ``named`` (the model's naming)."""
         if not cfg.train.health_metrics:
             return
-        counted = counted_here(self.groups, tp_split_dims(cfg.model, self.groups.tp), zero_stage(ds_config) > 0,
-                               self.groups.pp_rank == 0)
+        counted = counted_here(
+            self.groups,
+            tp_split_dims(cfg.model, self.groups.tp),
+            zero_stage(ds_config) > 0,
+            self.groups.pp_rank == 0,
+        )
         self.health = EngineHealth(self.optimizer, named, counted, forward, self.engine.device)
 
     def _health_summary(self, measured: bool) -> torch.Tensor | None:
         """A measured step's health values, on the device (None when not measured)."""
         if not measured:
             return None
-        return self.health.summary(self.scalars, self.engine.get_global_grad_norm(), self.gradient_clipping())
+        return self.health.summary(
+            self.scalars, self.engine.get_global_grad_norm(), self.gradient_clipping()
+        )
 
     @property
     def lr(self) -> float:
@@ -135,9 +170,15 @@ class EngineTrainer:
     def step_skipped(self) -> bool:
         return self.left_out or getattr(self.engine.optimizer, "overflow", False)
 
-    def _arm(self, limits: SpikeLimits | None, loss: Callable[[], torch.Tensor]) -> SpikeVerdict | None:
+    def _arm(
+        self, limits: SpikeLimits | None, loss: Callable[[], torch.Tensor]
+    ) -> SpikeVerdict | None:
         """The verdict the torch optimizer asks for in this step's update, under ``limits``."""
-        verdict = None if limits is None else SpikeVerdict(limits, loss, self.engine.optimizer, self.scalars)
+        verdict = (
+            None
+            if limits is None
+            else SpikeVerdict(limits, loss, self.engine.optimizer, self.scalars)
+        )
         self.optimizer.skip_if = verdict
         return verdict
 

@@ -27,6 +27,7 @@ def include_in_global_norm(opt, extra_norm: Callable[[torch.Tensor], torch.Tenso
         def norm_groups():
             groups = original_groups()
             return [*groups, extra_norm(groups[0]) * opt.cur_scale]
+
         opt._get_norm_groups = norm_groups
     elif isinstance(opt, DeepSpeedZeroOptimizer):
         original_norm = opt.scaled_global_norm
@@ -35,7 +36,10 @@ def include_in_global_norm(opt, extra_norm: Callable[[torch.Tensor], torch.Tenso
             norm = original_norm(norm_type)
             host = extra_norm(norm) * opt.cur_scale
             return combine_grad_norm_groups([norm, host])
+
         opt.scaled_global_norm = scaled_global_norm
     else:
-        raise RuntimeError(f"model.engram.offload needs a DeepSpeed ZeRO optimizer (stage 1-3), not "
-                           f"{type(opt).__name__}")
+        raise RuntimeError(
+            f"model.engram.offload needs a DeepSpeed ZeRO optimizer (stage 1-3), not "
+            f"{type(opt).__name__}"
+        )

@@ -53,13 +53,21 @@ class StepHealth:
     Engram tables' entries that received gradient. ``named``: the trainable parameters in the model's naming;
     ``counted(name)``: whether this rank counts that parameter."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, named: Sequence[tuple[str, nn.Parameter]],
-                 layout: HealthLayout, counted: Callable[[str], bool], device: torch.device):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named: Sequence[tuple[str, nn.Parameter]],
+        layout: HealthLayout,
+        counted: Callable[[str], bool],
+        device: torch.device,
+    ):
         self.named = [(n, p) for n, p in named if p.requires_grad and counted(n)]
         self.layout, self.device = layout, device
         self.sums: torch.Tensor | None = None  # measuring while set
         self.fragments: dict[int, _Fragments] = {}
-        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (tensor, copy before the step)
+        self.weights: dict[
+            int, tuple[torch.Tensor, torch.Tensor]
+        ] = {}  # (tensor, copy before the step)
         # host memory for those copies, kept between logged steps: the CPU allocator would hand it back to the
         # system and fault it in again each time (a GPU's caching allocator keeps freed memory for activations)
         self.host_copies: dict[int, torch.Tensor] = {}
@@ -147,19 +155,30 @@ def layout_for(model: nn.Module) -> HealthLayout:
     """The health layout of ``model`` (a ``LanguageModel``, a skeleton too)."""
     vocab = model.vocab
     hashed = vocab.encoder is not None
-    return HealthLayout([n for n, p in model.named_parameters() if p.requires_grad], vocab.decoder.num_heads,
-                        vocab.tables.num_rows if hashed else None)
+    return HealthLayout(
+        [n for n, p in model.named_parameters() if p.requires_grad],
+        vocab.decoder.num_heads,
+        vocab.tables.num_rows if hashed else None,
+    )
 
 
 class EngineHealth:
     """A trainer's health metrics: the optimizer's part (``StepHealth``) and the forward's
     (``ForwardHealth``), summed over the ranks at the end of a log step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, named: Sequence[tuple[str, nn.Parameter]],
-                 counted: Callable[[str], bool], forward: ForwardHealth, device: torch.device):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named: Sequence[tuple[str, nn.Parameter]],
+        counted: Callable[[str], bool],
+        forward: ForwardHealth,
+        device: torch.device,
+    ):
         self.layout, self.forward = forward.layout, forward
         self.step = StepHealth(optimizer, named, forward.layout, counted, device)
-        self.grad_norms = True  # False after a step whose gradients were clipped by a factor not known
+        self.grad_norms = (
+            True  # False after a step whose gradients were clipped by a factor not known
+        )
 
     def metrics(self, values: list[float]) -> dict[str, float]:
         """The metrics of a step's ``summary`` values, read on the host."""
@@ -170,22 +189,31 @@ class EngineHealth:
         self.step.arm()
         self.forward.arm()
 
-    def summary(self, scalars: ScalarCollectives, grad_norm: torch.Tensor | float | None,
-                clipping: float) -> torch.Tensor:
+    def summary(
+        self, scalars: ScalarCollectives, grad_norm: torch.Tensor | float | None, clipping: float
+    ) -> torch.Tensor:
         """The step's reported values, on the device (``HealthLayout.summary``), after one all-reduce over
         the job; ``grad_norm`` and ``clipping``: the global norm and the norm it was clipped to (0: none)."""
         total = scalars.sum_tensor(self.step.take() + self.forward.take())
         unclip = 1.0
         # without ZeRO, DeepSpeed clips the gradients and keeps no norm: the factor is not known
         self.grad_norms = clipping == 0 or grad_norm is not None
-        if clipping > 0 and grad_norm is not None:  # DeepSpeed divides by max(1, (norm + 1e-6) / clipping)
-            unclip = torch.clamp((torch.as_tensor(grad_norm, device=total.device).double() + 1e-6) / clipping,
-                                 min=1.0)
+        if (
+            clipping > 0 and grad_norm is not None
+        ):  # DeepSpeed divides by max(1, (norm + 1e-6) / clipping)
+            unclip = torch.clamp(
+                (torch.as_tensor(grad_norm, device=total.device).double() + 1e-6) / clipping,
+                min=1.0,
+            )
         return self.layout.summary(total, unclip)
 
 
-def counted_here(groups: ParallelGroups, split_dims: list[tuple[re.Pattern, int]], partitioned: bool,
-                 first_stage: bool) -> Callable[[str], bool]:
+def counted_here(
+    groups: ParallelGroups,
+    split_dims: list[tuple[re.Pattern, int]],
+    partitioned: bool,
+    first_stage: bool,
+) -> Callable[[str], bool]:
     """Whether this rank counts a parameter (module docstring): ``split_dims`` the tensor-parallel plan's split
     parameters (``tp_split_dims``), ``partitioned`` whether ZeRO partitions
     the optimizer's tensors over data parallelism, ``first_stage`` whether this is the pipeline's first stage."""

@@ -7,8 +7,12 @@ from mhf_dist.backend.deepspeed.config import fp32_accumulation, zero_stage
 
 # DeepSpeed's defaults for the ``zero_optimization`` keys the plan reads, as its ``DeepSpeedZeroConfig`` fills them in
 # (deepspeed/runtime/zero/config.py)
-ZERO_DEFAULTS = {"contiguous_gradients": True, "reduce_bucket_size": 500_000_000,
-                 "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000}
+ZERO_DEFAULTS = {
+    "contiguous_gradients": True,
+    "reduce_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+}
 
 
 def zero_setting(ds_config: dict, key: str):
@@ -24,7 +28,11 @@ def bf16_optimizer(ds_config: dict) -> bool:
     """Whether DeepSpeed runs its bf16 optimizer (``BF16_Optimizer``) instead of its ZeRO one: bf16 with fp32
     gradient accumulation under ZeRO-1, the optimizer's states not offloaded (DeepSpeed's own rule)."""
     offload = ds_config["zero_optimization"].get("offload_optimizer") or {}
-    return fp32_accumulation(ds_config) and zero_stage(ds_config) == 1 and offload.get("device") != "cpu"
+    return (
+        fp32_accumulation(ds_config)
+        and zero_stage(ds_config) == 1
+        and offload.get("device") != "cpu"
+    )
 
 
 def communication_bytes(ds_config: dict, e: int) -> int:
@@ -43,18 +51,30 @@ def engine_buffer_bytes(ds_config: dict, params: int, largest: int, e: int, devi
     def allocated(elements: int) -> int:
         return min(elements, params) if device == "cpu" else elements
 
-    if bf16_optimizer(ds_config):  # no reduce buckets: the fp32 gradients are all-reduced in place (in fp32), or
+    if bf16_optimizer(
+        ds_config
+    ):  # no reduce buckets: the fp32 gradients are all-reduced in place (in fp32), or
         # through a copy in the communication dtype
         return (0 if comm == 4 else comm * params) + e * largest
     buckets = 0.0  # ZeRO-0, or gradients not made contiguous
     if contiguous and stage == 3:
-        buckets = comm * allocated(bucket)  # the reduce bucket holds the gradients in the communication dtype
+        buckets = comm * allocated(
+            bucket
+        )  # the reduce bucket holds the gradients in the communication dtype
     elif contiguous and stage in (1, 2):
-        buckets = (2 if zero_setting(ds_config, "overlap_comm") else 1) * (4 if stage == 1 else e) * allocated(bucket)
+        buckets = (
+            (2 if zero_setting(ds_config, "overlap_comm") else 1)
+            * (4 if stage == 1 else e)
+            * allocated(bucket)
+        )
     gathered = 0.0
-    if stage == 3:  # the prefetched parameters, and the largest one gathered twice in backward: autograd's saved
+    if (
+        stage == 3
+    ):  # the prefetched parameters, and the largest one gathered twice in backward: autograd's saved
         # views of the forward's copy (the fused heads save their tables') outlive its release, backward gathers again
-        ahead = min(zero_setting(ds_config, "stage3_prefetch_bucket_size"),
-                    zero_setting(ds_config, "stage3_max_live_parameters"))
+        ahead = min(
+            zero_setting(ds_config, "stage3_prefetch_bucket_size"),
+            zero_setting(ds_config, "stage3_max_live_parameters"),
+        )
         gathered = e * (allocated(ahead) + largest)
     return buckets + gathered + e * largest

@@ -72,9 +72,13 @@ class PipelineLoss:
         self.vocab: TiedVocabulary | None = None  # the last stage's, once the stage has made it
         self.outputs: list[TrainingLoss | Evaluation] = []
         self._temperatures: torch.Tensor | None = None  # evaluating at these
-        self.wrap_loss: Callable[[torch.Tensor], torch.Tensor] | None = None  # the trainer's, for a training loss
+        self.wrap_loss: Callable[[torch.Tensor], torch.Tensor] | None = (
+            None  # the trainer's, for a training loss
+        )
         self.entropy = False  # a training loss also returns the heads' entropies (the step measures its health)
-        self.count_targets: Callable[[torch.Tensor], None] | None = None  # shown each training micro-batch's targets
+        self.count_targets: Callable[[torch.Tensor], None] | None = (
+            None  # shown each training micro-batch's targets
+        )
 
     def __call__(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self._temperatures is None:
@@ -102,10 +106,10 @@ def canonical_name(name: str) -> str:
     """A pipeline parameter's name in the LanguageModel's naming
     (``3.block.mlp...`` -> ``backbone.layers.2.mlp...``)."""
     if name.startswith(f"tied_modules.{VOCAB}."):
-        return name[len(f"tied_modules.{VOCAB}."):]
+        return name[len(f"tied_modules.{VOCAB}.") :]
     index, _, rest = name.partition(".")
     if rest.startswith("block."):
-        return f"backbone.layers.{int(index) - 1}.{rest[len('block.'):]}"
+        return f"backbone.layers.{int(index) - 1}.{rest[len('block.') :]}"
     return f"backbone.norm.{rest}"  # the only other layer with parameters
 
 
@@ -114,9 +118,9 @@ def pipeline_name(name: str, n_layers: int) -> str:
     if name.startswith("vocab."):
         return f"tied_modules.{VOCAB}.{name}"
     if name.startswith("backbone.layers."):
-        index, _, rest = name[len("backbone.layers."):].partition(".")
+        index, _, rest = name[len("backbone.layers.") :].partition(".")
         return f"{int(index) + 1}.block.{rest}"
-    return f"{n_layers + 1}.{name[len('backbone.norm.'):]}"
+    return f"{n_layers + 1}.{name[len('backbone.norm.') :]}"
 
 
 class LocalLayer(LayerSpec):
@@ -133,7 +137,13 @@ class LocalLayer(LayerSpec):
 class TiedLocalLayer(TiedLayerSpec):
     """``LocalLayer`` for a tied layer (made once per stage holding it)."""
 
-    def __init__(self, key: str, typename: type[nn.Module], make: Callable[[], nn.Module], tied_weight_attr: list[str]):
+    def __init__(
+        self,
+        key: str,
+        typename: type[nn.Module],
+        make: Callable[[], nn.Module],
+        tied_weight_attr: list[str],
+    ):
         super().__init__(key, typename, tied_weight_attr=tied_weight_attr)
         self.make = make
 
@@ -148,14 +158,20 @@ class BalancedPipeline(PipelineModule):
         self._layer_costs = layer_costs
         super().__init__(*args, **kwargs)
 
-    def _partition_layers(self, method: str = "uniform") -> None:  # called once by PipelineModule.__init__
+    def _partition_layers(
+        self, method: str = "uniform"
+    ) -> None:  # called once by PipelineModule.__init__
         self.parts = pipeline_bounds(self._layer_costs, self.num_stages)
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
 
-def build_pipeline(model: LanguageModel, groups: ParallelGroups, seq_len: int,
-                   materialise: Callable[[nn.Module], nn.Module] | None = None) -> tuple[PipelineModule, PipelineLoss]:
+def build_pipeline(
+    model: LanguageModel,
+    groups: ParallelGroups,
+    seq_len: int,
+    materialise: Callable[[nn.Module], nn.Module] | None = None,
+) -> tuple[PipelineModule, PipelineLoss]:
     """Cut a (tensor-parallel) ``model`` into the pipeline stages of ``groups``' grid, its blocks checkpointed as
     the model's backbone is built to be; returns the module and its loss function.
     ``materialise`` makes a part of ``model`` real (a ``Materialiser`` when
@@ -164,19 +180,28 @@ def build_pipeline(model: LanguageModel, groups: ParallelGroups, seq_len: int,
     real = materialise or (lambda module: module)
     loss = PipelineLoss()
     last_memory = max(cfg.engram_layers, default=-1)
-    vocab_spec = TiedLocalLayer(VOCAB, VocabularyStage, lambda: VocabularyStage(real(model.vocab), last_memory >= 0),
-                                tied_weight_attr=["vocab.tables.weight"])
+    vocab_spec = TiedLocalLayer(
+        VOCAB,
+        VocabularyStage,
+        lambda: VocabularyStage(real(model.vocab), last_memory >= 0),
+        tied_weight_attr=["vocab.tables.weight"],
+    )
 
     def block_layer(i: int, block: Block) -> LocalLayer:
-        return LocalLayer(BlockStage, lambda: BlockStage(real(block), model.backbone, keep_ids=i < last_memory))
+        return LocalLayer(
+            BlockStage, lambda: BlockStage(real(block), model.backbone, keep_ids=i < last_memory)
+        )
 
     layers = [vocab_spec]
     layers += [block_layer(i, block) for i, block in enumerate(model.backbone.layers)]
     layers += [LocalLayer(nn.RMSNorm, lambda: real(model.backbone.norm)), vocab_spec]
     costs = layer_costs(cfg, seq_len, model.vocab.tables.num_rows)
     pipe = BalancedPipeline(
-        layers=layers, topology=pipe_model_data_topology(groups.pp, groups.tp, groups.dp), loss_fn=loss,
-        layer_costs=costs, activation_checkpoint_interval=model.backbone.checkpoint_interval,
+        layers=layers,
+        topology=pipe_model_data_topology(groups.pp, groups.tp, groups.dp),
+        loss_fn=loss,
+        layer_costs=costs,
+        activation_checkpoint_interval=model.backbone.checkpoint_interval,
         checkpointable_layers=[BlockStage.__name__],
     )
     if VOCAB in pipe.tied_modules:  # the first and the last stage

@@ -33,10 +33,21 @@ from mhf_dist.parallel.scalars import ScalarCollectives
 class PipelineTrainer(EngineTrainer):
     """pp > 1: DeepSpeed's pipeline engine over the stages of ``build_pipeline``, ZeRO-0/1."""
 
-    def __init__(self, cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, *, ds_config: dict, layout: Layout,
-                 make_optimizer: OptimizerFactory, materialise: Callable[[nn.Module], nn.Module] | None = None,
-                 wrap_loss: LossWrapper | None = None):
-        health = layout_for(model)  # before the stages freeze their unused parts: the same on every rank
+    def __init__(
+        self,
+        cfg: RunConfig,
+        model: LanguageModel,
+        groups: ParallelGroups,
+        *,
+        ds_config: dict,
+        layout: Layout,
+        make_optimizer: OptimizerFactory,
+        materialise: Callable[[nn.Module], nn.Module] | None = None,
+        wrap_loss: LossWrapper | None = None,
+    ):
+        health = layout_for(
+            model
+        )  # before the stages freeze their unused parts: the same on every rank
         self.pipe, self.loss_fn = build_pipeline(model, groups, cfg.data.seq_len, materialise)
         self.loss_fn.wrap_loss = wrap_loss
         named = [(canonical_name(n), p) for n, p in self.pipe.named_parameters()]  # this stage's
@@ -50,10 +61,17 @@ class PipelineTrainer(EngineTrainer):
         self.scalars = ScalarCollectives()
         vocab = self.pipe.tied_modules[VOCAB].vocab if VOCAB in self.pipe.tied_modules else None
         first = groups.tp_rank == 0
-        forward = ForwardHealth(vocab, health, self.engine.device,
-                                counts=first and self.engine.is_last_stage(), gate=first and groups.pp_rank == 0)
+        forward = ForwardHealth(
+            vocab,
+            health,
+            self.engine.device,
+            counts=first and self.engine.is_last_stage(),
+            gate=first and groups.pp_rank == 0,
+        )
         self._measure_health(cfg, model, named, ds_config, forward)
-        if self.health is not None:  # the targets on the device, where the last stage's loss takes them
+        if (
+            self.health is not None
+        ):  # the targets on the device, where the last stage's loss takes them
             self.loss_fn.count_targets = forward.count_targets
 
     def _batches(self, reader: BatchSource, count: int):
@@ -67,8 +85,14 @@ class PipelineTrainer(EngineTrainer):
         sizes = [self.num_heads if f == "head_losses" else 1 for f in fields]
         values = [0.0] * sum(sizes)
         if self.engine.is_last_stage() and self.groups.tp_rank == 0:
-            values = torch.stack([torch.cat([getattr(o, f).detach().float().reshape(n) for f, n in zip(fields, sizes)])
-                                  for o in self.loss_fn.outputs])
+            values = torch.stack(
+                [
+                    torch.cat(
+                        [getattr(o, f).detach().float().reshape(n) for f, n in zip(fields, sizes)]
+                    )
+                    for o in self.loss_fn.outputs
+                ]
+            )
             values = values.mean(0) / self.groups.dp
         if clear:
             self.loss_fn.outputs.clear()
@@ -77,8 +101,13 @@ class PipelineTrainer(EngineTrainer):
     def _last_stage_mean(self, field: str, clear: bool = True) -> list[float]:
         return self.scalars.read(self._last_stage_means([field], clear))
 
-    def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None, limits: SpikeLimits | None = None,
-                   health: bool = False) -> StepStats:
+    def train_step(
+        self,
+        reader: BatchSource,
+        flags: TrainingFlags | None = None,
+        limits: SpikeLimits | None = None,
+        health: bool = False,
+    ) -> StepStats:
         """As ``DataParallelTrainer.train_step``: the loss, the last stage's head losses (and P_inf term), the
         gradient norm, ``flags`` (and the health metrics) in one host transfer. The update is the pipeline
         schedule's last instruction, so a spike verdict reads the loss the last stage kept of each micro-batch."""
@@ -89,30 +118,48 @@ class PipelineTrainer(EngineTrainer):
             self.health.arm()
         loss = self.engine.train_batch(data_iter=self._batches(reader, self.accum))
         self.optimizer.skip_if = None
-        if measured:  # the last stage's micro-batches, on every tp rank (each holds its rows' share)
+        if (
+            measured
+        ):  # the last stage's micro-batches, on every tp rank (each holds its rows' share)
             for out in self.loss_fn.outputs:
                 self.health.forward.add_entropy(out.head_entropy, 1 / (self.accum * self.groups.dp))
         fields = ["head_losses"] + (["p_inf_nll"] if self.p_inf_term else [])
         sums = self._last_stage_means(fields)
         stats, grad_norm, agreed, self.left_out, measures = read_step(
-            self.scalars, torch.cat([loss.detach().reshape(1).to(sums), sums]), self.engine, flags, verdict,
-            self._health_summary(measured))
-        heads = stats[1:1 + self.num_heads]
+            self.scalars,
+            torch.cat([loss.detach().reshape(1).to(sums), sums]),
+            self.engine,
+            flags,
+            verdict,
+            self._health_summary(measured),
+        )
+        heads = stats[1 : 1 + self.num_heads]
         p_inf = stats[1 + self.num_heads] if self.p_inf_term else None
-        return StepStats(loss=stats[0], head_losses=heads, grad_norm=grad_norm, p_inf_loss=p_inf, flags=agreed,
-                         skipped=self.left_out, health=self.health.metrics(measures) if measured else None)
+        return StepStats(
+            loss=stats[0],
+            head_losses=heads,
+            grad_norm=grad_norm,
+            p_inf_loss=p_inf,
+            flags=agreed,
+            skipped=self.left_out,
+            health=self.health.metrics(measures) if measured else None,
+        )
 
     def _last_stage_sum(self, field: str, length: int) -> list[float]:
         """Sum over micro-batches and dp of a loss output ``[length]`` kept on the last stage, sent to every rank;
         then forget the outputs."""
         values = [0.0] * length
         if self.engine.is_last_stage() and self.groups.tp_rank == 0:
-            values = torch.stack([getattr(o, field).detach().double() for o in self.loss_fn.outputs]).sum(0)
+            values = torch.stack(
+                [getattr(o, field).detach().double() for o in self.loss_fn.outputs]
+            ).sum(0)
         self.loss_fn.outputs.clear()
         return self.scalars.sum(values)
 
     @torch.no_grad()
-    def evaluate(self, reader: BatchSource, batches: int, progress: Callable[[], None] = lambda: None) -> dict:
+    def evaluate(
+        self, reader: BatchSource, batches: int, progress: Callable[[], None] = lambda: None
+    ) -> dict:
         """As ``DataParallelTrainer.evaluate`` (``progress`` called after each pass over the micro-batches);
         the last stage computes the loss outputs."""
         data = [reader.next_batch(self.micro) for _ in range(batches)]
@@ -120,10 +167,13 @@ class PipelineTrainer(EngineTrainer):
 
         def one_pass(temperatures: torch.Tensor) -> list[float]:
             with self.loss_fn.evaluating(temperatures):
-                loss = self.engine.eval_batch(data_iter=iter([(b[:, :-1], b[:, 1:]) for b in data]),
-                                              num_micro_batches=batches)
+                loss = self.engine.eval_batch(
+                    data_iter=iter([(b[:, :-1], b[:, 1:]) for b in data]), num_micro_batches=batches
+                )
             if not first:
-                first.update(loss=float(loss), heads=self._last_stage_mean("head_losses", clear=False))
+                first.update(
+                    loss=float(loss), heads=self._last_stage_mean("head_losses", clear=False)
+                )
             progress()
             return self._last_stage_sum("sums", EvalSums.length(len(temperatures)))
 

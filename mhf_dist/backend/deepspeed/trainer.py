@@ -4,6 +4,7 @@ on the (tensor-parallel) model, ZeRO-3 by default; pp > 1, ``PipelineTrainer`` (
 it real (pp = 1 whole, pp > 1 stage by stage). What both trainers share, and a step's one read from the device, are
 in ``engine_trainer.py``; docs/design-training.md ("Host syncs") says what else waits for the device.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -39,9 +40,19 @@ from mhf_dist.parallel.scalars import ScalarCollectives
 class DataParallelTrainer(EngineTrainer):
     """pp = 1: the model (tensor-parallel or not) under a DeepSpeed engine, ZeRO-0…3."""
 
-    def __init__(self, cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, *, ds_config: dict, layout: Layout,
-                 make_optimizer: OptimizerFactory, materialise: Callable[[nn.Module], nn.Module] | None = None,
-                 host_tables: HostTableFactory | None = None, wrap_loss: LossWrapper | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        model: LanguageModel,
+        groups: ParallelGroups,
+        *,
+        ds_config: dict,
+        layout: Layout,
+        make_optimizer: OptimizerFactory,
+        materialise: Callable[[nn.Module], nn.Module] | None = None,
+        host_tables: HostTableFactory | None = None,
+        wrap_loss: LossWrapper | None = None,
+    ):
         self.wrap_loss = wrap_loss
         if materialise is not None:
             model = materialise(model)
@@ -52,14 +63,24 @@ class DataParallelTrainer(EngineTrainer):
         self.groups, self.accum, self.micro = groups, layout.accum, cfg.train.micro_batch_size
         self.scalars = ScalarCollectives()
         first = groups.tp_rank == 0
-        self._measure_health(cfg, model, list(model.named_parameters()), ds_config,
-                             ForwardHealth(model.vocab, layout_for(model), self.engine.device, first, first))
+        self._measure_health(
+            cfg,
+            model,
+            list(model.named_parameters()),
+            ds_config,
+            ForwardHealth(model.vocab, layout_for(model), self.engine.device, first, first),
+        )
         if host_tables is not None:
             self.host_tables = host_tables(model, self)
             include_in_global_norm(self.engine.optimizer, self.host_tables.host_norm_on)
 
-    def train_step(self, reader: BatchSource, flags: TrainingFlags | None = None, limits: SpikeLimits | None = None,
-                   health: bool = False) -> StepStats:
+    def train_step(
+        self,
+        reader: BatchSource,
+        flags: TrainingFlags | None = None,
+        limits: SpikeLimits | None = None,
+        health: bool = False,
+    ) -> StepStats:
         """One optimizer step; ``flags`` (e.g. stop and save requests) are asked for at its end and come back
         agreed over all ranks in ``StepStats.flags``, read with the step's other numbers; past ``limits``, no
         update (``SpikeVerdict``); ``health``: measure the health metrics (``StepStats.health``)."""
@@ -70,7 +91,9 @@ class DataParallelTrainer(EngineTrainer):
         if measured:
             self.health.arm()
         host, device = self.host_tables, self.engine.device
-        pin = device.type == "cuda"  # pinned micro-batches: copies to the device that do not block the host
+        pin = (
+            device.type == "cuda"
+        )  # pinned micro-batches: copies to the device that do not block the host
         batch = reader.next_batch(self.micro, pin=pin)
         if host:
             host.prefetch(batch[:, :-1])
@@ -84,7 +107,9 @@ class DataParallelTrainer(EngineTrainer):
                 self.health.forward.add_entropy(out.head_entropy, 1 / (self.accum * self.groups.dp))
             if self.wrap_loss is not None:
                 out = out._replace(loss=self.wrap_loss(out.loss))
-            if i + 1 < self.accum:  # the next micro-batch's rows are gathered while this one computes
+            if (
+                i + 1 < self.accum
+            ):  # the next micro-batch's rows are gathered while this one computes
                 batch = reader.next_batch(self.micro, pin=pin)
                 if host:
                     host.prefetch(batch[:, :-1])
@@ -93,23 +118,34 @@ class DataParallelTrainer(EngineTrainer):
             p_inf = [] if out.p_inf_nll is None else [out.p_inf_nll.detach()[None]]
             values = [out.loss.detach()[None], out.head_losses.detach(), *p_inf]
             losses.append(torch.cat([v.to(out.loss.dtype) for v in values]))
-            if i + 1 == self.accum:  # the step's losses, before its update (which a spike verdict reads)
+            if (
+                i + 1 == self.accum
+            ):  # the step's losses, before its update (which a spike verdict reads)
                 means = self.scalars.mean_tensor(torch.stack(losses).mean(0), self.groups.dp_group)
                 if host:
                     host.before_step()
             self.engine.step()
-        stats, grad_norm, agreed, self.left_out, measures = read_step(self.scalars, means, self.engine, flags,
-                                                                      verdict, self._health_summary(measured))
+        stats, grad_norm, agreed, self.left_out, measures = read_step(
+            self.scalars, means, self.engine, flags, verdict, self._health_summary(measured)
+        )
         self.optimizer.skip_if = None
         if host:
             host.after_step(grad_norm)
         heads = len(out.head_losses)
-        return StepStats(loss=stats[0], head_losses=stats[1:1 + heads], grad_norm=grad_norm,
-                         p_inf_loss=stats[1 + heads] if p_inf else None, flags=agreed, skipped=self.left_out,
-                         health=self.health.metrics(measures) if measured else None)
+        return StepStats(
+            loss=stats[0],
+            head_losses=stats[1 : 1 + heads],
+            grad_norm=grad_norm,
+            p_inf_loss=stats[1 + heads] if p_inf else None,
+            flags=agreed,
+            skipped=self.left_out,
+            health=self.health.metrics(measures) if measured else None,
+        )
 
     @torch.no_grad()
-    def evaluate(self, reader: BatchSource, batches: int, progress: Callable[[], None] = lambda: None) -> dict:
+    def evaluate(
+        self, reader: BatchSource, batches: int, progress: Callable[[], None] = lambda: None
+    ) -> dict:
         """The ``val_*`` metrics over ``batches`` micro-batches on each data-parallel rank (``progress`` called after
         each one): the training loss and
         head losses (means over micro-batches and ranks), and ``P_inf``'s NLL, top-1/top-5 and temperature fit
@@ -117,8 +153,10 @@ class DataParallelTrainer(EngineTrainer):
         passes over the same micro-batches)."""
         self.engine.eval()
         device = self.engine.device
-        data = [reader.next_batch(self.micro, pin=device.type == "cuda").to(device, non_blocking=True)
-                for _ in range(batches)]
+        data = [
+            reader.next_batch(self.micro, pin=device.type == "cuda").to(device, non_blocking=True)
+            for _ in range(batches)
+        ]
         losses = []
 
         def one_pass(temperatures: torch.Tensor) -> list[float]:
@@ -129,7 +167,11 @@ class DataParallelTrainer(EngineTrainer):
                 sums = sums + out.sums
                 progress()
                 if len(losses) < len(data):  # the first pass's
-                    losses.append(torch.cat([out.loss.detach().float()[None], out.head_losses.detach().float()]))
+                    losses.append(
+                        torch.cat(
+                            [out.loss.detach().float()[None], out.head_losses.detach().float()]
+                        )
+                    )
             return self.scalars.sum(sums, self.groups.dp_group)
 
         fit = fit_temperature(one_pass)
@@ -137,17 +179,43 @@ class DataParallelTrainer(EngineTrainer):
         return validation_metrics(loss, heads, fit)
 
 
-def build_trainer(cfg: RunConfig, model: LanguageModel, groups: ParallelGroups, *, ds_config: dict, layout: Layout,
-                  make_optimizer: OptimizerFactory, materialise: Callable[[nn.Module], nn.Module] | None = None,
-                  load_universal: bool = False, host_tables: HostTableFactory | None = None,
-                  wrap_loss: LossWrapper | None = None) -> Trainer:
+def build_trainer(
+    cfg: RunConfig,
+    model: LanguageModel,
+    groups: ParallelGroups,
+    *,
+    ds_config: dict,
+    layout: Layout,
+    make_optimizer: OptimizerFactory,
+    materialise: Callable[[nn.Module], nn.Module] | None = None,
+    load_universal: bool = False,
+    host_tables: HostTableFactory | None = None,
+    wrap_loss: LossWrapper | None = None,
+) -> Trainer:
     """The trainer of ``layout``; ``load_universal``: its checkpoint will be loaded from a universal conversion;
     ``host_tables``: the step of host-memory tables (pp = 1 only); ``wrap_loss``: what each training micro-batch's
     loss becomes."""
     if load_universal:
         ds_config = ds_config | {"checkpoint": {"load_universal": True}}
     if layout.pp > 1:
-        return PipelineTrainer(cfg, model, groups, ds_config=ds_config, layout=layout, make_optimizer=make_optimizer,
-                               materialise=materialise, wrap_loss=wrap_loss)
-    return DataParallelTrainer(cfg, model, groups, ds_config=ds_config, layout=layout, make_optimizer=make_optimizer,
-                               materialise=materialise, host_tables=host_tables, wrap_loss=wrap_loss)
+        return PipelineTrainer(
+            cfg,
+            model,
+            groups,
+            ds_config=ds_config,
+            layout=layout,
+            make_optimizer=make_optimizer,
+            materialise=materialise,
+            wrap_loss=wrap_loss,
+        )
+    return DataParallelTrainer(
+        cfg,
+        model,
+        groups,
+        ds_config=ds_config,
+        layout=layout,
+        make_optimizer=make_optimizer,
+        materialise=materialise,
+        host_tables=host_tables,
+        wrap_loss=wrap_loss,
+    )

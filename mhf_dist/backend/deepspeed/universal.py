@@ -37,8 +37,12 @@ def universal_info(param_names: list[str], cfg: ModelConfig, tp: int, pipeline: 
 
     return {
         "universal_checkpoint_version": 0.2,
-        "tp_replicated_parameter_patterns": exact(n for n in param_names if split_dim(n, dims) is None),
-        "parameter_with_row_parallelism_patterns": exact(n for n in param_names if split_dim(n, dims) == 1),
+        "tp_replicated_parameter_patterns": exact(
+            n for n in param_names if split_dim(n, dims) is None
+        ),
+        "parameter_with_row_parallelism_patterns": exact(
+            n for n in param_names if split_dim(n, dims) == 1
+        ),
         # trained on the first and the last stage alike: taken from the first (the decoder's mixers train
         # only on the last stage and the encoder only on the first, so each has one copy)
         "pipeline_replicated_parameter_patterns": exact(["vocab.tables.weight"]),
@@ -49,7 +53,9 @@ def conversion_workers() -> tuple[int, int]:
     """(extract, merge) processes for ``ds_to_universal``: one extract worker per core this process may use (up
     to 16; each holds one rank's optimizer shard), half as many merge workers (each holds every tp slice of one
     parameter, the more memory-hungry step)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     extract = max(1, min(16, cores))
     return extract, max(1, extract // 2)
 
@@ -57,11 +63,24 @@ def conversion_workers() -> tuple[int, int]:
 def to_universal(checkpoint: Path, out: Path) -> Path:
     """Convert a complete checkpoint directory with DeepSpeed's ``ds_to_universal``, in parallel processes."""
     extract, merge = conversion_workers()
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(checkpoint),
-           "--output_folder", str(out), "--num_extract_workers", str(extract), "--num_merge_workers", str(merge)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(checkpoint),
+        "--output_folder",
+        str(out),
+        "--num_extract_workers",
+        str(extract),
+        "--num_merge_workers",
+        str(merge),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
-        raise RuntimeError(f"ds_to_universal failed on {checkpoint}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"ds_to_universal failed on {checkpoint}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+        )
     return out
 
 
@@ -74,7 +93,9 @@ def read_universal(universal: Path, pipeline: bool) -> dict[str, torch.Tensor]:
     out = {}
     for folder in sorted(p for p in (universal / "zero").iterdir() if p.is_dir()):
         value = torch.load(folder / "fp32.pt", map_location="cpu", weights_only=False)
-        tensor = value["param"] if isinstance(value, dict) else value.reshape(shapes[folder.name])  # ZeRO-3: flat
+        tensor = (
+            value["param"] if isinstance(value, dict) else value.reshape(shapes[folder.name])
+        )  # ZeRO-3: flat
         out[canonical_name(folder.name) if pipeline else folder.name] = tensor
     return out
 
@@ -83,7 +104,9 @@ def zero3_shapes(universal: Path) -> dict[str, torch.Size]:
     """The parameter shapes ZeRO-3's model-state files record (its universal tensors are flat)."""
     shapes = {}
     for states in universal.glob("*model_states.pt"):
-        for group in torch.load(states, map_location="cpu", weights_only=False).get("param_shapes") or []:
+        for group in (
+            torch.load(states, map_location="cpu", weights_only=False).get("param_shapes") or []
+        ):
             shapes |= group
     return shapes
 
@@ -94,15 +117,23 @@ def consolidate(checkpoint: Path, pipeline: bool) -> dict[str, torch.Tensor]:
         return read_universal(to_universal(checkpoint, Path(tmp) / "universal"), pipeline)
 
 
-def convert_for_layout(checkpoint: Path, out: Path, source_pipeline: bool, target_pipeline: bool,
-                       cfg: ModelConfig, zero3_tp: int = 1) -> Path:
+def convert_for_layout(
+    checkpoint: Path,
+    out: Path,
+    source_pipeline: bool,
+    target_pipeline: bool,
+    cfg: ModelConfig,
+    zero3_tp: int = 1,
+) -> Path:
     """A universal copy of ``checkpoint`` whose parameter folders carry the target engine's names; ``zero3_tp``:
     the target's tensor-parallel size when its engine is ZeRO-3 (see ``split_for_zero3``)."""
     to_universal(checkpoint, out)
     if source_pipeline != target_pipeline:
         for folder in [p for p in (out / "zero").iterdir() if p.is_dir()]:
             name = canonical_name(folder.name) if source_pipeline else folder.name
-            folder.rename(folder.with_name(pipeline_name(name, cfg.n_layers) if target_pipeline else name))
+            folder.rename(
+                folder.with_name(pipeline_name(name, cfg.n_layers) if target_pipeline else name)
+            )
     if zero3_tp > 1:
         split_for_zero3(out, cfg, zero3_tp)
     return out
@@ -116,11 +147,17 @@ def split_for_zero3(universal: Path, cfg: ModelConfig, tp: int) -> None:
     dims = tp_split_dims(cfg, tp)
     shapes = zero3_shapes(universal)
     copies = [universal / f"tp-{r}" for r in range(tp)]
-    split = [f for f in (universal / "zero").iterdir() if f.is_dir() and split_dim(f.name, dims) is not None]
+    split = [
+        f
+        for f in (universal / "zero").iterdir()
+        if f.is_dir() and split_dim(f.name, dims) is not None
+    ]
     for copy in copies:
         (copy / "zero").mkdir(parents=True)
         for item in [*universal.iterdir(), *(universal / "zero").iterdir()]:
-            if item.is_file() or (item.is_dir() and item.parent.name == "zero" and item not in split):
+            if item.is_file() or (
+                item.is_dir() and item.parent.name == "zero" and item not in split
+            ):
                 _link(item, copy / item.relative_to(universal))
     for folder in split:
         dim = split_dim(folder.name, dims)
@@ -129,7 +166,9 @@ def split_for_zero3(universal: Path, cfg: ModelConfig, tp: int) -> None:
             for target in targets:
                 target.parent.mkdir(exist_ok=True)
             value = torch.load(state, map_location="cpu", weights_only=False)
-            full = value["param"] if isinstance(value, dict) else value  # ZeRO-3 without tp: the tensor alone
+            full = (
+                value["param"] if isinstance(value, dict) else value
+            )  # ZeRO-3 without tp: the tensor alone
             if full.numel() == 1:  # a step count: the same for every rank
                 for target in targets:
                     _link(state, target)
@@ -137,7 +176,10 @@ def split_for_zero3(universal: Path, cfg: ModelConfig, tp: int) -> None:
             if full.dim() == 1 and math.prod(shapes.get(folder.name, ())) == full.numel():
                 full = full.reshape(shapes[folder.name])  # ZeRO-3 without tp stores it flat
             for shard, target in zip(full.chunk(tp, dim=dim), targets, strict=True):
-                torch.save(value | {"param": shard.clone()} if isinstance(value, dict) else shard.clone(), target)
+                torch.save(
+                    value | {"param": shard.clone()} if isinstance(value, dict) else shard.clone(),
+                    target,
+                )
 
 
 def _link(item: Path, link: Path) -> None:

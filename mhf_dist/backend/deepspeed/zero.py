@@ -51,23 +51,34 @@ class Zero3Partitioner:
 
     def __init__(self, config: dict, groups, dtype: torch.dtype):
         self.config, self.groups, self.dtype = config, groups, dtype
-        self.first: nn.Parameter | None = None  # the first partitioned parameter: it converts the later ones
+        self.first: nn.Parameter | None = (
+            None  # the first partitioned parameter: it converts the later ones
+        )
         zero = config.get("zero_optimization") or {}
-        self.writes_held = (zero.get("zero_hpz_partition_size", 1) <= 1
-                            and (zero.get("offload_param") or {}).get("device") != "nvme"
-                            and not zero.get("zero_quantized_nontrainable_weights", False))
+        self.writes_held = (
+            zero.get("zero_hpz_partition_size", 1) <= 1
+            and (zero.get("offload_param") or {}).get("device") != "nvme"
+            and not zero.get("zero_quantized_nontrainable_weights", False)
+        )
 
     def __call__(self, leaf: nn.Module) -> None:
         params = list(leaf.parameters(recurse=False))
         if self.first is None:
             import deepspeed
 
-            deepspeed.zero.Init(module=leaf, data_parallel_group=self.groups.dp_group, config_dict_or_path=self.config,
-                                mpu=self.groups, dtype=self.dtype)
+            deepspeed.zero.Init(
+                module=leaf,
+                data_parallel_group=self.groups.dp_group,
+                config_dict_or_path=self.config,
+                mpu=self.groups,
+                dtype=self.dtype,
+            )
             self.first = params[0]
         else:
             self.first.convert_to_zero_parameters(param_list=params)
 
     def held(self, param: nn.Parameter) -> tuple[int, torch.Tensor]:
         """Where this rank's partition of ``param`` begins in the flattened parameter, and its values (in place)."""
-        return param.ds_tensor.numel() * dist.get_rank(group=param.ds_process_group), held_values(param)
+        return param.ds_tensor.numel() * dist.get_rank(group=param.ds_process_group), held_values(
+            param
+        )

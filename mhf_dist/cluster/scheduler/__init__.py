@@ -38,15 +38,29 @@ class Scheduler(Protocol):
 
     name: str  # as --scheduler names it
     script_name: str  # the submitted training script, kept in the run's job directory
-    preemption_signal: signal.Signals | None  # what it sends the ranks ahead of the time limit (None: nothing)
-    options: type[BaseModel]  # its own options in a cluster profile (scheduler_options.<name>), with defaults for all
+    preemption_signal: (
+        signal.Signals | None
+    )  # what it sends the ranks ahead of the time limit (None: nothing)
+    options: type[
+        BaseModel
+    ]  # its own options in a cluster profile (scheduler_options.<name>), with defaults for all
 
     def template(self) -> str:
         """The training job script, a ``string.Template`` of the values ``mhf_dist.cluster.submit`` and
         ``job_values`` give."""
 
-    def job_values(self, cfg: RunConfig, profile: ClusterProfile, *, nodes: int, run_dir: Path, grace: int | None,
-                   depends_on: str | None, hostfile: str | None, min_nodes: int | None) -> dict[str, object]:
+    def job_values(
+        self,
+        cfg: RunConfig,
+        profile: ClusterProfile,
+        *,
+        nodes: int,
+        run_dir: Path,
+        grace: int | None,
+        depends_on: str | None,
+        hostfile: str | None,
+        min_nodes: int | None,
+    ) -> dict[str, object]:
         """The template values of this scheduler's own part of a training job (its options, its signal's grace; an
         elastic job of ``min_nodes`` to ``nodes`` nodes when ``min_nodes`` is set); raises ConfigError for values it
         cannot take."""
@@ -81,7 +95,10 @@ class Scheduler(Protocol):
         """``profile`` with this scheduler's options from the command line (``add_arguments``)."""
 
 
-SHIPPED = ("mhf_dist.cluster.scheduler.slurm", "mhf_dist.cluster.scheduler.hostfile")  # their modules, in this order
+SHIPPED = (
+    "mhf_dist.cluster.scheduler.slurm",
+    "mhf_dist.cluster.scheduler.hostfile",
+)  # their modules, in this order
 _REGISTRY: dict[str, Scheduler] = {}
 
 
@@ -89,7 +106,9 @@ def register(s: Scheduler) -> Scheduler:
     """Add ``s`` to the schedulers, under its name; ``s`` back (``PBS = register(Pbs())``). A scheduler that does not
     answer the whole protocol, or a second one of a registered name, is refused."""
     if not isinstance(s, Scheduler):
-        raise TypeError(f"{s!r} is not a scheduler: it lacks some of {Scheduler.__module__}.Scheduler's members")
+        raise TypeError(
+            f"{s!r} is not a scheduler: it lacks some of {Scheduler.__module__}.Scheduler's members"
+        )
     if _REGISTRY.setdefault(s.name, s) is not s:
         raise ValueError(f"another scheduler is registered as {s.name!r}")
     return s
@@ -106,7 +125,9 @@ def scheduler(name: str) -> Scheduler:
     try:
         return schedulers()[name]
     except KeyError:
-        raise ValueError(f"no scheduler {name!r}; the schedulers are {', '.join(schedulers())}") from None
+        raise ValueError(
+            f"no scheduler {name!r}; the schedulers are {', '.join(schedulers())}"
+        ) from None
 
 
 def task_env() -> dict[str, str]:

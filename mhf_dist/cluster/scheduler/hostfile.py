@@ -41,23 +41,47 @@ class Hostfile:
     def in_container(self, profile: ClusterProfile) -> bool:
         # the launcher, or another scheduler's container options in the profile (SLURM's srun_args), which the
         # hostfile launcher cannot start
-        return bool(profile.launcher) or any(scheduler(name).in_container(profile)
-                                             for name in profile.scheduler_options if name != self.name)
+        return bool(profile.launcher) or any(
+            scheduler(name).in_container(profile)
+            for name in profile.scheduler_options
+            if name != self.name
+        )
 
-    def job_values(self, cfg: RunConfig, profile: ClusterProfile, *, nodes: int, run_dir: Path, grace: int | None,
-                   depends_on: str | None, hostfile: str | None, min_nodes: int | None) -> dict[str, object]:
+    def job_values(
+        self,
+        cfg: RunConfig,
+        profile: ClusterProfile,
+        *,
+        nodes: int,
+        run_dir: Path,
+        grace: int | None,
+        depends_on: str | None,
+        hostfile: str | None,
+        min_nodes: int | None,
+    ) -> dict[str, object]:
         if min_nodes is not None:
-            raise ConfigError("an elastic job (--nodes MIN-MAX, min_nodes) needs SLURM: DeepSpeed's hostfile launcher "
-                              "cannot continue on the nodes left; give --nodes N")
+            raise ConfigError(
+                "an elastic job (--nodes MIN-MAX, min_nodes) needs SLURM: DeepSpeed's hostfile launcher "
+                "cannot continue on the nodes left; give --nodes N"
+            )
         if self.in_container(profile):
-            raise ConfigError(f"profile {profile.name} runs in a container (launcher/srun_args), which DeepSpeed's "
-                              "hostfile launcher does not start; submit through SLURM, or use a profile without them")
+            raise ConfigError(
+                f"profile {profile.name} runs in a container (launcher/srun_args), which DeepSpeed's "
+                "hostfile launcher does not start; submit through SLURM, or use a profile without them"
+            )
         if not hostfile:
-            raise ConfigError("a job of the hostfile scheduler needs --hostfile FILE: the nodes to start the ranks on")
+            raise ConfigError(
+                "a job of the hostfile scheduler needs --hostfile FILE: the nodes to start the ranks on"
+            )
         return dict(
-            launcher_env="\n".join(f"{k}={no_control_characters(k, v)}" for k, v in profile.env.items()),
+            launcher_env="\n".join(
+                f"{k}={no_control_characters(k, v)}" for k, v in profile.env.items()
+            ),
             # absolute: the script runs in the run directory
-            hostfile=shlex.quote(str(Path(no_control_characters("--hostfile", hostfile)).resolve())))
+            hostfile=shlex.quote(
+                str(Path(no_control_characters("--hostfile", hostfile)).resolve())
+            ),
+        )
 
     def launch_template(self, elastic: bool) -> str:
         return ""  # the template starts DeepSpeed's launcher itself

@@ -24,13 +24,28 @@ from pathlib import Path
 from mhf_dist.commands.gpu_check import report as reporting
 from mhf_dist.commands.gpu_check.inference import step_inference
 from mhf_dist.commands.gpu_check.preflight import step_preflight
-from mhf_dist.commands.gpu_check.runner import CPU, FAIL, GPU, ROOT, SKIPPED, Check, Context, Mode, StepFailed, without
+from mhf_dist.commands.gpu_check.runner import (
+    CPU,
+    FAIL,
+    GPU,
+    ROOT,
+    SKIPPED,
+    Check,
+    Context,
+    Mode,
+    StepFailed,
+    without,
+)
 from mhf_dist.commands.gpu_check.throughput import step_profile
 from mhf_dist.commands.gpu_check.training import step_train
 from mhf_dist.config import ConfigError
 
-STEPS = (("preflight", step_preflight), ("training: resume, layouts, features", step_train),
-         ("export, generation, evaluation", step_inference), ("throughput", step_profile))
+STEPS = (
+    ("preflight", step_preflight),
+    ("training: resume, layouts, features", step_train),
+    ("export, generation, evaluation", step_inference),
+    ("throughput", step_profile),
+)
 
 
 def minutes(seconds: float) -> str:
@@ -61,16 +76,24 @@ def run_steps(ctx: Context, report: reporting.Report, steps) -> tuple[list[Check
             checks += step(ctx)
             status = "done"
         except Exception as e:  # any failure ends the check with its message
-            message = str(e) if isinstance(e, StepFailed) else f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            message = (
+                str(e)
+                if isinstance(e, StepFailed)
+                else f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            )
             checks.append(Check(title, FAIL, message.splitlines()[0]))
             ctx.say(f"step {title!r} FAILED: {message}")
             failed, status = title, "failed"
         except BaseException:
             ctx.interrupt()
-            timings.append({"step": title, "status": "interrupted", "seconds": time.perf_counter() - began})
+            timings.append(
+                {"step": title, "status": "interrupted", "seconds": time.perf_counter() - began}
+            )
             report.write(checks, timings)
-            ctx.say(f"== step {i}/{len(steps)}: {title} interrupted; the report holds what ended "
-                    f"({ctx.out / 'gpu_check.md'})")
+            ctx.say(
+                f"== step {i}/{len(steps)}: {title} interrupted; the report holds what ended "
+                f"({ctx.out / 'gpu_check.md'})"
+            )
             raise
         timings.append({"step": title, "status": status, "seconds": time.perf_counter() - began})
         ctx.say(f"== step {i}/{len(steps)}: {title} {status} in {timings[-1]['seconds']:.0f} s")
@@ -80,14 +103,28 @@ def run_steps(ctx: Context, report: reporting.Report, steps) -> tuple[list[Check
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``mhf-dist gpu-check``'s options."""
-    parser.add_argument("--cpu", action="store_true", help="tiny sizes, fp32, on CPU (what CI runs)")
-    parser.add_argument("--out", default="gpu_check", help="where gpu_check.md, gpu_check.json and logs/ go")
-    parser.add_argument("--work", help="runs, models and profiles (emptied first; default OUT/work)")
-    parser.add_argument("--nominal-tflops", type=float, default=989.0,
-                        help="the GPU's nominal dense bf16 peak per device, for MFU (default: H200, 989)")
-    parser.add_argument("--skip", default="", metavar="NAMES",
-                        help="layout and feature runs of step 2 to leave out, by check name, comma-separated "
-                        "(e.g. compile,layout-pp2-gloo)")
+    parser.add_argument(
+        "--cpu", action="store_true", help="tiny sizes, fp32, on CPU (what CI runs)"
+    )
+    parser.add_argument(
+        "--out", default="gpu_check", help="where gpu_check.md, gpu_check.json and logs/ go"
+    )
+    parser.add_argument(
+        "--work", help="runs, models and profiles (emptied first; default OUT/work)"
+    )
+    parser.add_argument(
+        "--nominal-tflops",
+        type=float,
+        default=989.0,
+        help="the GPU's nominal dense bf16 peak per device, for MFU (default: H200, 989)",
+    )
+    parser.add_argument(
+        "--skip",
+        default="",
+        metavar="NAMES",
+        help="layout and feature runs of step 2 to leave out, by check name, comma-separated "
+        "(e.g. compile,layout-pp2-gloo)",
+    )
 
 
 def terminated(signum, frame):
@@ -104,7 +141,9 @@ def run(args: argparse.Namespace) -> int:
     if args.cpu:  # children too: no GPU, DeepSpeed on its CPU accelerator
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():  # DeepSpeed's compiled ops, built once per venv
+    if (
+        Path(sys.prefix).resolve() == (ROOT / ".venv").resolve()
+    ):  # DeepSpeed's compiled ops, built once per venv
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions"))
     out = Path(args.out).resolve()
     work = Path(args.work).resolve() if args.work else out / "work"
@@ -118,12 +157,16 @@ def run(args: argparse.Namespace) -> int:
 
     steps = STEPS
     report = reporting.Report(ctx, reporting.environment(mode), len(steps))
-    ctx.say(f"mhf-dist main-job check, {mode.name} mode: {report.env['device']}, commit {report.env['commit']}; "
-            f"output in {out}")
+    ctx.say(
+        f"mhf-dist main-job check, {mode.name} mode: {report.env['device']}, commit {report.env['commit']}; "
+        f"output in {out}"
+    )
     ctx.say(plan(mode))
     # Ctrl-C and SIGTERM interrupt the check, whatever handlers the process had (restored after)
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, terminated),
-                signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+    previous = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, terminated),
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+    }
     try:
         checks, timings = run_steps(ctx, report, steps)
     finally:

@@ -12,7 +12,16 @@ import statistics
 from pathlib import Path
 
 from mhf_dist.commands.gpu_check import runner
-from mhf_dist.commands.gpu_check.runner import FAIL, MEASURED, NOT_RUNNABLE, PASS, Check, Context, Job, metrics
+from mhf_dist.commands.gpu_check.runner import (
+    FAIL,
+    MEASURED,
+    NOT_RUNNABLE,
+    PASS,
+    Check,
+    Context,
+    Job,
+    metrics,
+)
 
 P_INF_WEIGHT = 0.5  # model.hash.p_inf_loss_weight of the p-inf-tp2-bf16 run
 
@@ -20,14 +29,22 @@ P_INF_WEIGHT = 0.5  # model.hash.p_inf_loss_weight of the p-inf-tp2-bf16 run
 # gloo's own errors when a collective meets what it cannot carry (docs/profiling.md, "GPU check"); group 1 (when
 # present) or the whole match is reported
 GLOO_LIMITS = (
-    re.compile(r"ProcessGroupGloo::\w+: unsupported device type \w+"),  # no CUDA implementation of the op
+    re.compile(
+        r"ProcessGroupGloo::\w+: unsupported device type \w+"
+    ),  # no CUDA implementation of the op
     re.compile(r"Backend gloo does not support \w+"),  # no implementation on any device
-    re.compile(r'distributed_c10d\.py", line \d+, in \w+\n(?:[ \t][^\n]*\n){0,4}\w*Error: (Invalid scalar type)'),
-    re.compile(r"[^\n]*gloo[^\n]*Bad address[^\n]*"),  # send/recv: the device pointer reached a CPU socket
+    re.compile(
+        r'distributed_c10d\.py", line \d+, in \w+\n(?:[ \t][^\n]*\n){0,4}\w*Error: (Invalid scalar type)'
+    ),
+    re.compile(
+        r"[^\n]*gloo[^\n]*Bad address[^\n]*"
+    ),  # send/recv: the device pointer reached a CPU socket
 )
 # the innermost Python frame of a thread in PYTHONFAULTHANDLER's dump, when it is torch.distributed's send/recv
-P2P_CRASH = re.compile(r'\(most recent call first\):\n\s+File "[^"]*distributed_c10d\.py", line \d+ in '
-                       r'(i?send|i?recv)\b')
+P2P_CRASH = re.compile(
+    r'\(most recent call first\):\n\s+File "[^"]*distributed_c10d\.py", line \d+ in '
+    r"(i?send|i?recv)\b"
+)
 
 
 def gloo_limitation(log: str) -> str | None:
@@ -50,24 +67,46 @@ def feature_check(ctx: Context, job: Job, error: BaseException | None) -> Check:
     layouts = {runner.layout_check_name(layout): layout for layout in ctx.mode.gloo_layouts}
     try:
         if job.name in layouts:
-            return comparison_check(ctx, job.name, ctx.run(job.name),
-                                    f"2 ranks, {layouts[job.name]} (dp 1) over gloo, fp32 on {ctx.mode.device}")
-        return {"grad-accum": grad_accum_check, "compile": compile_check, "engram-offload": engram_offload_check,
-                "p-inf-tp2-bf16": p_inf_check, "profile-tp2-gloo": profile_tp2_check}[job.name](ctx)
+            return comparison_check(
+                ctx,
+                job.name,
+                ctx.run(job.name),
+                f"2 ranks, {layouts[job.name]} (dp 1) over gloo, fp32 on {ctx.mode.device}",
+            )
+        return {
+            "grad-accum": grad_accum_check,
+            "compile": compile_check,
+            "engram-offload": engram_offload_check,
+            "p-inf-tp2-bf16": p_inf_check,
+            "profile-tp2-gloo": profile_tp2_check,
+        }[job.name](ctx)
     except Exception as e:
-        return Check(job.name, FAIL, f"its run ended, but reading its results failed: {type(e).__name__}: {e}")
+        return Check(
+            job.name,
+            FAIL,
+            f"its run ended, but reading its results failed: {type(e).__name__}: {e}",
+        )
 
 
 def failed_run_check(job: Job, error: BaseException) -> Check:
     log = getattr(error, "log", None)
-    reason = gloo_limitation(log.read_text()) if job.ranks > 1 and log is not None and log.is_file() else None
+    reason = (
+        gloo_limitation(log.read_text())
+        if job.ranks > 1 and log is not None and log.is_file()
+        else None
+    )
     if reason:
-        return Check(job.name, NOT_RUNNABLE, f"gloo cannot carry a collective of this run on CUDA tensors: "
-                     f"{reason!r} (log {log})")
+        return Check(
+            job.name,
+            NOT_RUNNABLE,
+            f"gloo cannot carry a collective of this run on CUDA tensors: {reason!r} (log {log})",
+        )
     return Check(job.name, FAIL, str(error).splitlines()[0])
 
 
-def relative_differences(run: dict[int, dict], reference: dict[int, dict], steps: range, key: str) -> list[float]:
+def relative_differences(
+    run: dict[int, dict], reference: dict[int, dict], steps: range, key: str
+) -> list[float]:
     return [abs(run[s][key] - reference[s][key]) / abs(reference[s][key]) for s in steps]
 
 
@@ -79,20 +118,31 @@ def compare(ctx: Context, run: Path, reference: Path) -> tuple[bool, str, dict[s
     missing = [s for s in steps if s not in got or s not in want]
     if missing:
         return False, f"no metrics at steps {missing} of {run.name} or {reference.name}", {}
-    keys = ["loss"] + (["grad_norm"] if all("grad_norm" in r[s] for r in (got, want) for s in steps) else [])
-    values = {f"max_rel_diff_{key}": max(relative_differences(got, want, steps, key)) for key in keys}
+    keys = ["loss"] + (
+        ["grad_norm"] if all("grad_norm" in r[s] for r in (got, want) for s in steps) else []
+    )
+    values = {
+        f"max_rel_diff_{key}": max(relative_differences(got, want, steps, key)) for key in keys
+    }
     first, last = got[1]["loss"], got[m.compare_steps]["loss"]
     finite = all(math.isfinite(got[s][key]) for s in steps for key in keys)
     # on a GPU the device probe times every logged step (train.device_probe's default there)
     probed = m.device != "cuda" or all(got[s].get("device_s", 0) > 0 for s in steps)
     ok = finite and probed and max(values.values()) <= m.compare_tolerance and last < first
-    found = (f"steps 1-{m.compare_steps} against {reference.name}: max relative difference "
-             + ", ".join(f"{key.replace('_', ' ')} {values[f'max_rel_diff_{key}']:.2g}" for key in keys)
-             + f" (tolerance {m.compare_tolerance:g}); loss {first:.3f} -> {last:.3f}"
-             + ("" if probed else "; the device probe timed no step"))
+    found = (
+        f"steps 1-{m.compare_steps} against {reference.name}: max relative difference "
+        + ", ".join(f"{key.replace('_', ' ')} {values[f'max_rel_diff_{key}']:.2g}" for key in keys)
+        + f" (tolerance {m.compare_tolerance:g}); loss {first:.3f} -> {last:.3f}"
+        + ("" if probed else "; the device probe timed no step")
+    )
     if m.device == "cuda" and probed:  # the probe's measured cost, per logged step
         values["device_probe_s"] = statistics.median(got[s]["device_s"] for s in steps)
-    return ok, found, values | {"tolerance_rel": m.compare_tolerance, "steps_compared": len(steps), "last_loss": last}
+    return (
+        ok,
+        found,
+        values
+        | {"tolerance_rel": m.compare_tolerance, "steps_compared": len(steps), "last_loss": last},
+    )
 
 
 def comparison_check(ctx: Context, name: str, run: Path, what: str) -> Check:
@@ -105,8 +155,12 @@ def grad_accum_check(ctx: Context) -> Check:
 
     cfg = load_config(path=ctx.run("grad-accum") / "config.yaml")
     micro, batch = cfg.train.micro_batch_size, cfg.train.global_batch_size
-    return comparison_check(ctx, "grad-accum", ctx.run("grad-accum"),
-                            f"global batch {batch} = {batch // micro} micro-batches of {micro} x dp 1, fp32")
+    return comparison_check(
+        ctx,
+        "grad-accum",
+        ctx.run("grad-accum"),
+        f"global batch {batch} = {batch // micro} micro-batches of {micro} x dp 1, fp32",
+    )
 
 
 def step_seconds(run: Path) -> dict[int, float]:
@@ -125,26 +179,40 @@ def compile_check(ctx: Context) -> Check:
         return Check("compile", FAIL, f"train.compile=true, fp32: {found}", values)
     compiled, eager = step_seconds(run), step_seconds(reference)
     later = range(2, c + 1)
-    values |= {"first_step_s": compiled[1], "step_ms": statistics.median(compiled[s] for s in later) * 1e3,
-               "eager_step_ms": statistics.median(eager[s] for s in later) * 1e3}
-    return Check("compile", PASS, f"train.compile=true, fp32: {found}; first step {values['first_step_s']:.1f} s "
-                 f"(compilation), then {values['step_ms']:.0f} ms/step against {values['eager_step_ms']:.0f} eager "
-                 "(runs side by side: not a speed comparison)", values)
+    values |= {
+        "first_step_s": compiled[1],
+        "step_ms": statistics.median(compiled[s] for s in later) * 1e3,
+        "eager_step_ms": statistics.median(eager[s] for s in later) * 1e3,
+    }
+    return Check(
+        "compile",
+        PASS,
+        f"train.compile=true, fp32: {found}; first step {values['first_step_s']:.1f} s "
+        f"(compilation), then {values['step_ms']:.0f} ms/step against {values['eager_step_ms']:.0f} eager "
+        "(runs side by side: not a speed comparison)",
+        values,
+    )
 
 
 def engram_offload_check(ctx: Context) -> Check:
     device, host = ctx.run("engram-device"), ctx.run("engram-offload")
     ok, found, values = compare(ctx, host, device)
-    memory = {name: max(r["memory_gb"] for r in metrics(run).values()) for name, run in (("device", device),
-                                                                                          ("host", host))}
+    memory = {
+        name: max(r["memory_gb"] for r in metrics(run).values())
+        for name, run in (("device", device), ("host", host))
+    }
     values |= {"device_tables_memory_gb": memory["device"], "host_tables_memory_gb": memory["host"]}
     on_gpu = ctx.mode.device == "cuda"
     if on_gpu:  # on CPU both are host memory
         ok = ok and memory["host"] < memory["device"]
     what = "peak device memory" if on_gpu else "peak RSS"
-    return Check("engram-offload", PASS if ok else FAIL,
-                 f"tiny-h4b16k+engram, 2 micro-batches per step, fp32, host tables against device tables: {found}; "
-                 f"{what} {memory['host']:.3f} GB against {memory['device']:.3f} GB", values)
+    return Check(
+        "engram-offload",
+        PASS if ok else FAIL,
+        f"tiny-h4b16k+engram, 2 micro-batches per step, fp32, host tables against device tables: {found}; "
+        f"{what} {memory['host']:.3f} GB against {memory['device']:.3f} GB",
+        values,
+    )
 
 
 def p_inf_check(ctx: Context) -> Check:
@@ -154,26 +222,49 @@ def p_inf_check(ctx: Context) -> Check:
     if any(s not in records or "p_inf_loss" not in records[s] for s in steps) or 1 not in reference:
         return Check("p-inf-tp2-bf16", FAIL, f"no loss or p_inf_loss logged at some of steps 1-{c}")
     finite = all(math.isfinite(records[s][k]) for s in steps for k in ("loss", "p_inf_loss"))
-    total = max(abs(r["loss"] - sum(r["head_losses"]) - P_INF_WEIGHT * r["p_inf_loss"]) / abs(r["loss"])
-                for r in (records[s] for s in steps))
+    total = max(
+        abs(r["loss"] - sum(r["head_losses"]) - P_INF_WEIGHT * r["p_inf_loss"]) / abs(r["loss"])
+        for r in (records[s] for s in steps)
+    )
     first = abs(sum(records[1]["head_losses"]) - reference[1]["loss"]) / abs(reference[1]["loss"])
     p_first, p_last = records[1]["p_inf_loss"], records[c]["p_inf_loss"]
     ok = finite and total <= tol and first <= tol and p_last < p_first
-    return Check("p-inf-tp2-bf16", PASS if ok else FAIL,
-                 f"2 ranks tp=2 over gloo, bf16, p_inf_loss_weight {P_INF_WEIGHT:g}: p_inf_loss {p_first:.3f} -> "
-                 f"{p_last:.3f}; loss = heads + {P_INF_WEIGHT:g} p_inf_loss to {total:.2g}, step-1 heads against "
-                 f"the one-rank bf16 loss {first:.2g} (tolerance {tol:g} each)",
-                 {"p_inf_loss_first": p_first, "p_inf_loss_last": p_last, "max_rel_diff_total": total,
-                  "rel_diff_step1_heads": first, "tolerance_rel": tol})
+    return Check(
+        "p-inf-tp2-bf16",
+        PASS if ok else FAIL,
+        f"2 ranks tp=2 over gloo, bf16, p_inf_loss_weight {P_INF_WEIGHT:g}: p_inf_loss {p_first:.3f} -> "
+        f"{p_last:.3f}; loss = heads + {P_INF_WEIGHT:g} p_inf_loss to {total:.2g}, step-1 heads against "
+        f"the one-rank bf16 loss {first:.2g} (tolerance {tol:g} each)",
+        {
+            "p_inf_loss_first": p_first,
+            "p_inf_loss_last": p_last,
+            "max_rel_diff_total": total,
+            "rel_diff_step1_heads": first,
+            "tolerance_rel": tol,
+        },
+    )
 
 
 def profile_tp2_check(ctx: Context) -> Check:
     rows = json.loads((ctx.work / "profile-tp2-gloo" / "profile.json").read_text())["training"]
     row = rows[0]
-    values = {"tokens_per_s": row["tokens_per_s"], "step_s": row["step_s"], "comm_s": row["comm_s"],
-              "comm_mb_per_step": row["comm_bytes_per_step"] / 2**20, "memory_gb": row["memory_gb"]}
-    ok = len(rows) == 1 and row["layout"] == "tp=2" and all(math.isfinite(v) and v > 0 for v in values.values())
-    return Check("profile-tp2-gloo", MEASURED if ok else FAIL,
-                 f"mhf-dist profile --layout tp=2, {row['size']}-{row['hash']} {row['dtype']} seq {row['seq_len']}, "
-                 f"2 ranks over gloo: {row['tokens_per_s']:,.0f} tokens/s, {values['comm_mb_per_step']:.1f} MB of "
-                 "tensor-parallel collectives per step (beside other runs: it runs, its speed means nothing)", values)
+    values = {
+        "tokens_per_s": row["tokens_per_s"],
+        "step_s": row["step_s"],
+        "comm_s": row["comm_s"],
+        "comm_mb_per_step": row["comm_bytes_per_step"] / 2**20,
+        "memory_gb": row["memory_gb"],
+    }
+    ok = (
+        len(rows) == 1
+        and row["layout"] == "tp=2"
+        and all(math.isfinite(v) and v > 0 for v in values.values())
+    )
+    return Check(
+        "profile-tp2-gloo",
+        MEASURED if ok else FAIL,
+        f"mhf-dist profile --layout tp=2, {row['size']}-{row['hash']} {row['dtype']} seq {row['seq_len']}, "
+        f"2 ranks over gloo: {row['tokens_per_s']:,.0f} tokens/s, {values['comm_mb_per_step']:.1f} MB of "
+        "tensor-parallel collectives per step (beside other runs: it runs, its speed means nothing)",
+        values,
+    )

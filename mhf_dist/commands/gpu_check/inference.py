@@ -10,7 +10,15 @@ import statistics
 import time
 from pathlib import Path
 
-from mhf_dist.commands.gpu_check.runner import FAIL, MEASURED, PASS, Check, Context, metrics, mhf_dist
+from mhf_dist.commands.gpu_check.runner import (
+    FAIL,
+    MEASURED,
+    PASS,
+    Check,
+    Context,
+    metrics,
+    mhf_dist,
+)
 
 PROMPT = "In the beginning God created"
 
@@ -27,22 +35,46 @@ def step_inference(ctx: Context) -> list[Check]:
 
 
 def export_check(models: dict[str, Path]) -> Check:
-    sizes = {name: sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
-             for name, path in models.items()}
+    sizes = {
+        name: sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+        for name, path in models.items()
+    }
     ok = all((path / "config.json").is_file() for path in models.values())
-    return Check("export-hf", PASS if ok else FAIL,
-                 ", ".join(f"{name} {mb:.1f} MB" for name, mb in sizes.items()),
-                 {f"{name}_mb": mb for name, mb in sizes.items()})
+    return Check(
+        "export-hf",
+        PASS if ok else FAIL,
+        ", ".join(f"{name} {mb:.1f} MB" for name, mb in sizes.items()),
+        {f"{name}_mb": mb for name, mb in sizes.items()},
+    )
 
 
 def generate_cli_check(ctx: Context, model: Path) -> Check:
-    out = mhf_dist(ctx, "generate-cli", ["generate", "--model", str(model), "--prompt", PROMPT,
-                                         "--max-new-tokens", str(ctx.mode.new_tokens), "--device", ctx.mode.device])
-    text = out[out.find(PROMPT):].strip() if PROMPT in out else ""  # after DeepSpeed's log lines, if any
+    out = mhf_dist(
+        ctx,
+        "generate-cli",
+        [
+            "generate",
+            "--model",
+            str(model),
+            "--prompt",
+            PROMPT,
+            "--max-new-tokens",
+            str(ctx.mode.new_tokens),
+            "--device",
+            ctx.mode.device,
+        ],
+    )
+    text = (
+        out[out.find(PROMPT) :].strip() if PROMPT in out else ""
+    )  # after DeepSpeed's log lines, if any
     ok = len(text) > len(PROMPT)
-    return Check("generate-cli", PASS if ok else FAIL,
-                 f"mhf-dist generate, {ctx.mode.new_tokens} tokens: {text[:60]!r}" + ("..." if len(text) > 60 else ""),
-                 {"characters": len(text)})
+    return Check(
+        "generate-cli",
+        PASS if ok else FAIL,
+        f"mhf-dist generate, {ctx.mode.new_tokens} tokens: {text[:60]!r}"
+        + ("..." if len(text) > 60 else ""),
+        {"characters": len(text)},
+    )
 
 
 def decoding_speed(ctx: Context, name: str, model_dir: Path) -> dict:
@@ -57,8 +89,9 @@ def decoding_speed(ctx: Context, name: str, model_dir: Path) -> dict:
     sync = torch.cuda.synchronize if ctx.mode.device == "cuda" else (lambda: None)
     result = {}
     for variant, compiled in (("eager", False), ("compiled", True)):
-        call = functools.partial(generate, model, tokenizer, PROMPT, max_new_tokens=ctx.mode.new_tokens,
-                                 compile=compiled)
+        call = functools.partial(
+            generate, model, tokenizer, PROMPT, max_new_tokens=ctx.mode.new_tokens, compile=compiled
+        )
         for _ in range(2):  # compilation, CUDA-graph capture, first-use allocations
             call()
         times = []
@@ -68,7 +101,10 @@ def decoding_speed(ctx: Context, name: str, model_dir: Path) -> dict:
             ids = call()
             sync()
             times.append(time.perf_counter() - t0)
-        result[variant] = {"ms_per_token": statistics.median(times) / len(ids) * 1e3, "ids": ids.tolist()}
+        result[variant] = {
+            "ms_per_token": statistics.median(times) / len(ids) * 1e3,
+            "ids": ids.tolist(),
+        }
     del model
     if ctx.mode.device == "cuda":
         torch.cuda.empty_cache()
@@ -79,33 +115,63 @@ def decoding_speed(ctx: Context, name: str, model_dir: Path) -> dict:
 def decoding_check(name: str, timing: dict) -> Check:
     eager, compiled = timing["eager"], timing["compiled"]
     same = eager["ids"] == compiled["ids"]
-    return Check(f"generate-{name}", PASS if same else FAIL,
-                 f"{eager['ms_per_token']:.2f} ms/token eager, {compiled['ms_per_token']:.2f} compiled "
-                 f"({len(eager['ids'])} tokens; compiled tokens {'equal' if same else 'DIFFER FROM'} eager)",
-                 {"eager_ms_per_token": eager["ms_per_token"], "compiled_ms_per_token": compiled["ms_per_token"],
-                  "tokens": len(eager["ids"])})
+    return Check(
+        f"generate-{name}",
+        PASS if same else FAIL,
+        f"{eager['ms_per_token']:.2f} ms/token eager, {compiled['ms_per_token']:.2f} compiled "
+        f"({len(eager['ids'])} tokens; compiled tokens {'equal' if same else 'DIFFER FROM'} eager)",
+        {
+            "eager_ms_per_token": eager["ms_per_token"],
+            "compiled_ms_per_token": compiled["ms_per_token"],
+            "tokens": len(eager["ids"]),
+        },
+    )
 
 
 def decoding_ratio_check(timings: dict) -> Check:
-    ratios = {v: timings["mhf"][v]["ms_per_token"] / timings["standard"][v]["ms_per_token"]
-              for v in ("eager", "compiled")}
-    return Check("generate-ratio", MEASURED,
-                 f"MHF/Standard time per token: {ratios['eager']:.2f}x eager, {ratios['compiled']:.2f}x compiled",
-                 {f"{v}_ratio": r for v, r in ratios.items()})
+    ratios = {
+        v: timings["mhf"][v]["ms_per_token"] / timings["standard"][v]["ms_per_token"]
+        for v in ("eager", "compiled")
+    }
+    return Check(
+        "generate-ratio",
+        MEASURED,
+        f"MHF/Standard time per token: {ratios['eager']:.2f}x eager, {ratios['compiled']:.2f}x compiled",
+        {f"{v}_ratio": r for v, r in ratios.items()},
+    )
 
 
 def eval_check(ctx: Context, model: Path) -> Check:
     out = ctx.work / "eval.json"
-    mhf_dist(ctx, "eval", ["eval", "--model", str(model), "--data", str(ctx.run("standard") / "data"),
-                           "--device", ctx.mode.device, "--out", str(out)])
+    mhf_dist(
+        ctx,
+        "eval",
+        [
+            "eval",
+            "--model",
+            str(model),
+            "--data",
+            str(ctx.run("standard") / "data"),
+            "--device",
+            ctx.mode.device,
+            "--out",
+            str(out),
+        ],
+    )
     ppl = json.loads(out.read_text())["perplexity"]
     trained = metrics(ctx.run("mhf-fp32"))[ctx.mode.steps]
     nll, reference = ppl["p_inf_nll"], trained["val_p_inf_nll"]
     rel = abs(nll - reference) / reference
     ok = math.isfinite(nll) and rel <= ctx.mode.eval_tolerance
-    return Check("eval-perplexity", PASS if ok else FAIL,
-                 f"perplexity {ppl['perplexity']:.2f} over {ppl['sequences']} val sequences; training loop "
-                 f"{trained['val_ppl']:.2f} (-log P_inf rel diff {rel:.2g}; tolerance {ctx.mode.eval_tolerance:g})",
-                 {"perplexity": ppl["perplexity"], "training_val_ppl": trained["val_ppl"], "rel_diff_nll": rel,
-                  "sequences": ppl["sequences"]})
-
+    return Check(
+        "eval-perplexity",
+        PASS if ok else FAIL,
+        f"perplexity {ppl['perplexity']:.2f} over {ppl['sequences']} val sequences; training loop "
+        f"{trained['val_ppl']:.2f} (-log P_inf rel diff {rel:.2g}; tolerance {ctx.mode.eval_tolerance:g})",
+        {
+            "perplexity": ppl["perplexity"],
+            "training_val_ppl": trained["val_ppl"],
+            "rel_diff_nll": rel,
+            "sequences": ppl["sequences"],
+        },
+    )

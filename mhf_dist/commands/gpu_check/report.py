@@ -26,8 +26,12 @@ def source_commit() -> str:
     """The commit checked: the checkout's (git), else the one pip recorded when it installed from a repository
     (PEP 610's ``direct_url.json``), else "unknown" with the package's version. git is optional."""
     try:
-        git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=30)
+        git = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if git.returncode == 0 and git.stdout.strip():
             return git.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):  # no git on PATH, or a git that hangs
@@ -37,7 +41,11 @@ def source_commit() -> str:
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
     try:
-        commit = json.loads(dist.read_text("direct_url.json") or "{}").get("vcs_info", {}).get("commit_id")
+        commit = (
+            json.loads(dist.read_text("direct_url.json") or "{}")
+            .get("vcs_info", {})
+            .get("commit_id")
+        )
     except (OSError, ValueError):
         commit = None
     return commit[:12] if commit else f"unknown ({PACKAGE} {dist.version})"
@@ -58,17 +66,26 @@ def environment(mode: Mode) -> dict:
         except importlib.metadata.PackageNotFoundError:
             return "not installed"
 
-    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-            "device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "hip": torch.version.hip,
-            "build": build_name(), **backend_versions(), "transformers": version("transformers"),
-            "commit": source_commit()}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "device": device,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": torch.version.hip,
+        "build": build_name(),
+        **backend_versions(),
+        "transformers": version("transformers"),
+        "commit": source_commit(),
+    }
 
 
 def finished_steps(timings: list[dict]) -> int:
     return sum(t["status"] != "interrupted" for t in timings)
 
 
-def markdown(mode: Mode, env: dict, checks: list[Check], elapsed: float, finished: int, total: int) -> str:
+def markdown(
+    mode: Mode, env: dict, checks: list[Check], elapsed: float, finished: int, total: int
+) -> str:
     """The summary table with its header: where it ran and the verdict (``finished`` of ``total`` steps ended)."""
     failed = [c.name for c in checks if c.status == FAIL]
     verdict = f"FAILED {', '.join(failed)}" if failed else "all passed"
@@ -77,14 +94,23 @@ def markdown(mode: Mode, env: dict, checks: list[Check], elapsed: float, finishe
         verdict += f" ({NOT_RUNNABLE}: {', '.join(gloo)})"
     if finished < total:
         verdict += f" so far (in progress: {finished} of {total} steps finished)"
-    lines = [f"# mhf-dist main-job check ({mode.name.upper()})", "",
-             f"- date: {env['date']}, commit {env['commit']}",
-             f"- device: {env['device']}",
-             f"- torch {env['torch']} ({env['build']}), "
-             + "".join(f"{name} {env[name]}, " for name in backend_versions()) + f"transformers {env['transformers']}",
-             f"- {len(checks)} checks in {elapsed:.0f} s: {verdict}",
-             "", "| check | result | status |", "|---|---|---|"]
-    lines += [f"| {c.name} | {' '.join(c.result.replace('|', '/').split())} | {c.status} |" for c in checks]
+    lines = [
+        f"# mhf-dist main-job check ({mode.name.upper()})",
+        "",
+        f"- date: {env['date']}, commit {env['commit']}",
+        f"- device: {env['device']}",
+        f"- torch {env['torch']} ({env['build']}), "
+        + "".join(f"{name} {env[name]}, " for name in backend_versions())
+        + f"transformers {env['transformers']}",
+        f"- {len(checks)} checks in {elapsed:.0f} s: {verdict}",
+        "",
+        "| check | result | status |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {c.name} | {' '.join(c.result.replace('|', '/').split())} | {c.status} |"
+        for c in checks
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -112,11 +138,25 @@ class Report:
         finished = finished_steps(self.timings)
         text = markdown(mode, self.env, self.checks, elapsed, finished, self.total)
         write_atomic(out / "gpu_check.md", text)
-        write_atomic(out / "gpu_check.json", json.dumps(
-            {"mode": mode.name, **self.env, "elapsed_s": elapsed, "complete": finished == self.total,
-             "passed": not any(c.status == FAIL for c in self.checks), "steps": self.timings,
-             "commands": list(self.ctx.commands),
-             "tolerances": {"resume_rel": mode.resume_tolerance, "eval_rel": mode.eval_tolerance,
-                            "compare_rel": mode.compare_tolerance},
-             "checks": [asdict(c) for c in self.checks]}, indent=1))
+        write_atomic(
+            out / "gpu_check.json",
+            json.dumps(
+                {
+                    "mode": mode.name,
+                    **self.env,
+                    "elapsed_s": elapsed,
+                    "complete": finished == self.total,
+                    "passed": not any(c.status == FAIL for c in self.checks),
+                    "steps": self.timings,
+                    "commands": list(self.ctx.commands),
+                    "tolerances": {
+                        "resume_rel": mode.resume_tolerance,
+                        "eval_rel": mode.eval_tolerance,
+                        "compare_rel": mode.compare_tolerance,
+                    },
+                    "checks": [asdict(c) for c in self.checks],
+                },
+                indent=1,
+            ),
+        )
         return text

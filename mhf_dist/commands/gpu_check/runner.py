@@ -17,9 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-ROOT = Path(__file__).resolve().parents[3]  # a checkout's root when installed editable (its .venv, its commit)
+ROOT = (
+    Path(__file__).resolve().parents[3]
+)  # a checkout's root when installed editable (its .venv, its commit)
 PASS, FAIL, MEASURED, SKIPPED = "PASS", "FAIL", "measured", "skipped"
-NOT_RUNNABLE = "not runnable with gloo"  # a 2-rank run that gloo cannot carry on CUDA tensors (not a failure)
+NOT_RUNNABLE = (
+    "not runnable with gloo"  # a 2-rank run that gloo cannot carry on CUDA tensors (not a failure)
+)
 BF16_TOLERANCE = 1e-2  # relative: bf16 keeps 8 significant bits (see the resume tolerances)
 
 
@@ -32,7 +36,9 @@ class Mode:
     dtypes: tuple[str, ...]  # training dtypes whose resume is checked
     steps: int  # training steps per run
     split: int  # checkpoint, stop and resume step
-    resume_tolerance: dict[str, float]  # per dtype: max relative difference of the losses after resuming
+    resume_tolerance: dict[
+        str, float
+    ]  # per dtype: max relative difference of the losses after resuming
     eval_tolerance: float  # relative difference of -log P_inf, eval vs the training loop
     new_tokens: int  # tokens generated per timed call
     profiles: tuple[tuple[str, int], ...]  # (size, seq_len)
@@ -45,28 +51,69 @@ class Mode:
     compare_steps: int  # C: the layout and feature runs stop here and are compared over steps 1..C
     compare_tolerance: float  # max relative difference of their losses and gradient norms (fp32)
     gloo_layouts: tuple[str, ...]  # 2-rank layouts trained over gloo ("tp=2", "pp=2")
-    features: tuple[str, ...]  # further runs, by check name: "compile", "engram-offload", "grad-accum", ...
+    features: tuple[
+        str, ...
+    ]  # further runs, by check name: "compile", "engram-offload", "grad-accum", ...
     sdpa_dtypes: tuple[str, ...]  # dtypes whose attention backend is reported
-    gloo_timeout_s: int  # per command of a 2-rank run (a collective gloo cannot carry may hang, not fail)
-    estimates_s: tuple[float, ...]  # each step's expected seconds, in the order of the steps (printed first)
+    gloo_timeout_s: (
+        int  # per command of a 2-rank run (a collective gloo cannot carry may hang, not fail)
+    )
+    estimates_s: tuple[
+        float, ...
+    ]  # each step's expected seconds, in the order of the steps (printed first)
     train_overrides: tuple[str, ...] = ()  # settings every training run of the check gets
 
 
-GPU = Mode(name="gpu", device="cuda", dtypes=("bf16", "fp32"), steps=30, split=15,
-           resume_tolerance={"bf16": BF16_TOLERANCE, "fp32": 1e-5}, eval_tolerance=1e-4, new_tokens=64,
-           profiles=(("1b", 2048), ("100m", 2048)), profile_dtype="bf16", profile_steps=5, profile_warmup=2,
-           vocab_sizes="32768,131072", jobs=12, timeout_s=300, compare_steps=10, compare_tolerance=1e-4,
-           gloo_layouts=("tp=2", "pp=2"),
-           features=("compile", "engram-offload", "grad-accum", "p-inf-tp2-bf16", "profile-tp2-gloo"),
-           sdpa_dtypes=("bf16", "fp32"), gloo_timeout_s=180, estimates_s=(10, 180, 180, 150))
-CPU = Mode(name="cpu", device="cpu", dtypes=("fp32",), steps=8, split=4,
-           resume_tolerance={"fp32": 0.0}, eval_tolerance=1e-4, new_tokens=8,
-           profiles=(("tiny", 128),), profile_dtype="fp32", profile_steps=1, profile_warmup=1,
-           vocab_sizes="4096", jobs=2, timeout_s=600, compare_steps=4, compare_tolerance=1e-4,
-           gloo_layouts=("tp=2",), features=("grad-accum",), sdpa_dtypes=("fp32",), gloo_timeout_s=600,
-           estimates_s=(5, 70, 50, 15),
-           # 1,024 buckets instead of the preset's 16,384: a CPU step of tiny-h4b16k in a seventh of the time
-           train_overrides=("model.hash.num_buckets=1024",))
+GPU = Mode(
+    name="gpu",
+    device="cuda",
+    dtypes=("bf16", "fp32"),
+    steps=30,
+    split=15,
+    resume_tolerance={"bf16": BF16_TOLERANCE, "fp32": 1e-5},
+    eval_tolerance=1e-4,
+    new_tokens=64,
+    profiles=(("1b", 2048), ("100m", 2048)),
+    profile_dtype="bf16",
+    profile_steps=5,
+    profile_warmup=2,
+    vocab_sizes="32768,131072",
+    jobs=12,
+    timeout_s=300,
+    compare_steps=10,
+    compare_tolerance=1e-4,
+    gloo_layouts=("tp=2", "pp=2"),
+    features=("compile", "engram-offload", "grad-accum", "p-inf-tp2-bf16", "profile-tp2-gloo"),
+    sdpa_dtypes=("bf16", "fp32"),
+    gloo_timeout_s=180,
+    estimates_s=(10, 180, 180, 150),
+)
+CPU = Mode(
+    name="cpu",
+    device="cpu",
+    dtypes=("fp32",),
+    steps=8,
+    split=4,
+    resume_tolerance={"fp32": 0.0},
+    eval_tolerance=1e-4,
+    new_tokens=8,
+    profiles=(("tiny", 128),),
+    profile_dtype="fp32",
+    profile_steps=1,
+    profile_warmup=1,
+    vocab_sizes="4096",
+    jobs=2,
+    timeout_s=600,
+    compare_steps=4,
+    compare_tolerance=1e-4,
+    gloo_layouts=("tp=2",),
+    features=("grad-accum",),
+    sdpa_dtypes=("fp32",),
+    gloo_timeout_s=600,
+    estimates_s=(5, 70, 50, 15),
+    # 1,024 buckets instead of the preset's 16,384: a CPU step of tiny-h4b16k in a seventh of the time
+    train_overrides=("model.hash.num_buckets=1024",),
+)
 
 
 def without(mode: Mode, names: set[str]) -> Mode:
@@ -74,10 +121,15 @@ def without(mode: Mode, names: set[str]) -> Mode:
     layouts = {layout_check_name(layout): layout for layout in mode.gloo_layouts}
     unknown = names - layouts.keys() - set(mode.features)
     if unknown:
-        raise ValueError(f"--skip {','.join(sorted(unknown))}: not a layout or feature run of the {mode.name} mode "
-                         f"(those are {', '.join([*layouts, *mode.features])})")
-    return dataclasses.replace(mode, features=tuple(name for name in mode.features if name not in names),
-                               gloo_layouts=tuple(layout for name, layout in layouts.items() if name not in names))
+        raise ValueError(
+            f"--skip {','.join(sorted(unknown))}: not a layout or feature run of the {mode.name} mode "
+            f"(those are {', '.join([*layouts, *mode.features])})"
+        )
+    return dataclasses.replace(
+        mode,
+        features=tuple(name for name in mode.features if name not in names),
+        gloo_layouts=tuple(layout for name, layout in layouts.items() if name not in names),
+    )
 
 
 def layout_check_name(layout: str) -> str:
@@ -124,7 +176,11 @@ class Context:
     def __init__(self, mode: Mode, out: Path, work: Path, nominal_tflops: float):
         self.mode, self.out, self.work, self.nominal_tflops = mode, out, work, nominal_tflops
         self.logs = out / "logs"
-        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.cores = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1
+        )
         self.commands: list[dict] = []  # every ended command: its name, status and seconds
         self.reporter: Reporter | None = None
         self._running: dict[str, tuple[subprocess.Popen, float]] = {}
@@ -144,8 +200,14 @@ class Context:
     def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
         """Start a command in its own process group, so that a time limit or an interruption also ends the ranks
         it starts."""
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True, env=env)
+        return subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env=env,
+        )
 
     def ended(self, name: str, status: str, seconds: float) -> None:
         """Record a command's end and rewrite the report, so that a check killed later still has its seconds."""
@@ -164,7 +226,9 @@ class Context:
         for name, (proc, began) in running.items():
             kill_group(proc)
             with self._lock:
-                self.commands.append({"command": name, "status": "interrupted", "seconds": now - began})
+                self.commands.append(
+                    {"command": name, "status": "interrupted", "seconds": now - began}
+                )
         if running and self.reporter is not None:
             self.reporter.rewrite()
 
@@ -188,7 +252,13 @@ def kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def mhf_dist(ctx: Context, name: str, args: list[str], timeout_s: int | None = None, threads: int | None = None) -> str:
+def mhf_dist(
+    ctx: Context,
+    name: str,
+    args: list[str],
+    timeout_s: int | None = None,
+    threads: int | None = None,
+) -> str:
     """Run ``mhf-dist ARGS`` (its output in ``OUT/logs/NAME.log``) with ``threads`` OpenMP threads per process
     (default: every core); returns its stdout, raises ``StepFailed`` on a non-zero exit or a timeout
     (``timeout_s``, default the mode's)."""
@@ -196,8 +266,11 @@ def mhf_dist(ctx: Context, name: str, args: list[str], timeout_s: int | None = N
     log = ctx.logs / f"{name}.log"
     timeout_s = timeout_s or ctx.mode.timeout_s
     # a rank that crashes prints its Python stack (PYTHONFAULTHANDLER), which tells a gloo limitation from a defect
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
-                        "OMP_NUM_THREADS": str(threads or ctx.cores)}
+    env = os.environ | {
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",
+        "OMP_NUM_THREADS": str(threads or ctx.cores),
+    }
     ctx.say(f"  {name}: started (log {log})")
     began = time.perf_counter()
     proc = ctx.start(name, cmd, env)
@@ -219,11 +292,18 @@ def mhf_dist(ctx: Context, name: str, args: list[str], timeout_s: int | None = N
     failed = timed_out or proc.returncode != 0
     ctx.ended(name, "failed" if failed else "done", seconds)
     if failed:
-        why = f"was stopped at its time limit of {timeout_s} s" if timed_out else f"exited {proc.returncode}"
+        why = (
+            f"was stopped at its time limit of {timeout_s} s"
+            if timed_out
+            else f"exited {proc.returncode}"
+        )
         lines = [line for line in (stdout + stderr).splitlines() if line.strip()]
         tail = "\n".join(f"    {line}" for line in lines[-30:])
-        raise StepFailed(f"{name} {why} ({seconds:.0f} s): {lines[-1].strip() if lines else 'no output'} "
-                         f"(log {log})\n{tail}", log)
+        raise StepFailed(
+            f"{name} {why} ({seconds:.0f} s): {lines[-1].strip() if lines else 'no output'} "
+            f"(log {log})\n{tail}",
+            log,
+        )
     ctx.say(f"  {name}: done in {seconds:.1f} s")
     return stdout
 
@@ -234,7 +314,7 @@ def threads_per_process(ctx: Context, jobs: list[Job]) -> dict[str, int]:
     together (a 2-rank job is two processes)."""
     if ctx.mode.jobs == 1:
         return {job.name: max(1, ctx.cores // job.ranks) for job in jobs}
-    together = sum(sorted((job.ranks for job in jobs), reverse=True)[:ctx.mode.jobs])
+    together = sum(sorted((job.ranks for job in jobs), reverse=True)[: ctx.mode.jobs])
     return {job.name: max(1, ctx.cores // together) for job in jobs}
 
 
@@ -245,7 +325,13 @@ def run_jobs(ctx: Context, jobs: list[Job]) -> dict[str, BaseException | None]:
 
     def run_job(job: Job):
         for name, args in job.commands:
-            mhf_dist(ctx, name, args, ctx.mode.gloo_timeout_s if job.ranks > 1 else None, threads[job.name])
+            mhf_dist(
+                ctx,
+                name,
+                args,
+                ctx.mode.gloo_timeout_s if job.ranks > 1 else None,
+                threads[job.name],
+            )
 
     pool = concurrent.futures.ThreadPoolExecutor(ctx.mode.jobs)
     try:

@@ -13,10 +13,29 @@ def step_profile(ctx: Context) -> list[Check]:
     m, checks = ctx.mode, []
     for size, seq_len in m.profiles:
         out = ctx.work / f"profile-{size}"
-        mhf_dist(ctx, f"profile-{size}", [
-            "profile", "--size", size, "--hash", "standard,h4b16k", "--dtype", m.profile_dtype,
-            "--seq-len", str(seq_len), "--steps", str(m.profile_steps), "--warmup", str(m.profile_warmup),
-            "--vocab-sizes", m.vocab_sizes, "--out", str(out)])
+        mhf_dist(
+            ctx,
+            f"profile-{size}",
+            [
+                "profile",
+                "--size",
+                size,
+                "--hash",
+                "standard,h4b16k",
+                "--dtype",
+                m.profile_dtype,
+                "--seq-len",
+                str(seq_len),
+                "--steps",
+                str(m.profile_steps),
+                "--warmup",
+                str(m.profile_warmup),
+                "--vocab-sizes",
+                m.vocab_sizes,
+                "--out",
+                str(out),
+            ],
+        )
         result = json.loads((out / "profile.json").read_text())
         rows = {row["hash"]: row for row in result["training"]}
         checks += [training_row_check(ctx, size, row) for row in rows.values()]
@@ -30,18 +49,27 @@ def sane(values: dict[str, float]) -> bool:
 
 
 def training_row_check(ctx: Context, size: str, row: dict) -> Check:
-    values = {"tokens_per_s": row["tokens_per_s"], "step_s": row["step_s"], "tflops": row["tflops"],
-              "mfu_measured_peak": row["mfu"], "peak_tflops_measured": row["peak_tflops_measured"],
-              "memory_gb": row["memory_gb"]}
+    values = {
+        "tokens_per_s": row["tokens_per_s"],
+        "step_s": row["step_s"],
+        "tflops": row["tflops"],
+        "mfu_measured_peak": row["mfu"],
+        "peak_tflops_measured": row["peak_tflops_measured"],
+        "memory_gb": row["memory_gb"],
+    }
     nominal = ""
     if ctx.mode.device == "cuda":
         values["mfu_nominal_peak"] = row["tflops"] / ctx.nominal_tflops
         nominal = f", {values['mfu_nominal_peak']:.1%} of {ctx.nominal_tflops:g}"
-    return Check(f"profile-{size}-{row['hash']}", MEASURED if sane(values) else FAIL,
-                 f"timed training step, {row['dtype']} seq {row['seq_len']} x micro-batch {row['micro_batch']}: "
-                 f"{row['step_s'] * 1e3:,.1f} ms (median of {ctx.mode.profile_steps}), {row['tokens_per_s']:,.0f} "
-                 f"tokens/s, MFU {row['mfu']:.1%} of measured {row['peak_tflops_measured']:.3g} TFLOP/s{nominal}, "
-                 f"{row['memory_gb']:.2f} GB", values)
+    return Check(
+        f"profile-{size}-{row['hash']}",
+        MEASURED if sane(values) else FAIL,
+        f"timed training step, {row['dtype']} seq {row['seq_len']} x micro-batch {row['micro_batch']}: "
+        f"{row['step_s'] * 1e3:,.1f} ms (median of {ctx.mode.profile_steps}), {row['tokens_per_s']:,.0f} "
+        f"tokens/s, MFU {row['mfu']:.1%} of measured {row['peak_tflops_measured']:.3g} TFLOP/s{nominal}, "
+        f"{row['memory_gb']:.2f} GB",
+        values,
+    )
 
 
 def flop_ratio(size: str, seq_len: int) -> float:
@@ -51,25 +79,40 @@ def flop_ratio(size: str, seq_len: int) -> float:
     from mhf_dist.profiling.training import VOCAB
 
     mhf = forward_flops(load_config(f"{size}-h4b16k").model, seq_len).train
-    return mhf / forward_flops(load_config(f"{size}-standard").model, seq_len, vocab_rows=VOCAB).train
+    return (
+        mhf / forward_flops(load_config(f"{size}-standard").model, seq_len, vocab_rows=VOCAB).train
+    )
 
 
 def step_ratio_check(size: str, seq_len: int, rows: dict[str, dict]) -> Check:
-    values = {"step_time_ratio": rows["h4b16k"]["step_s"] / rows["standard"]["step_s"],
-              "flop_ratio": flop_ratio(size, seq_len)}
-    return Check(f"profile-{size}-ratio", MEASURED if sane(values) else FAIL,
-                 f"step time MHF/Standard {values['step_time_ratio']:.2f} vs analytic FLOP ratio "
-                 f"{values['flop_ratio']:.2f}", values)
+    values = {
+        "step_time_ratio": rows["h4b16k"]["step_s"] / rows["standard"]["step_s"],
+        "flop_ratio": flop_ratio(size, seq_len),
+    }
+    return Check(
+        f"profile-{size}-ratio",
+        MEASURED if sane(values) else FAIL,
+        f"step time MHF/Standard {values['step_time_ratio']:.2f} vs analytic FLOP ratio "
+        f"{values['flop_ratio']:.2f}",
+        values,
+    )
 
 
 def scoring_check(size: str, scoring: list[dict]) -> Check:
     values, parts = {}, []
     for s in scoring:
         v = s["vocab_size"]
-        values |= {f"mhf_ms_per_token_v{v}": s["mhf_s_per_token"] * 1e3,
-                   f"standard_ms_per_token_v{v}": s["standard_s_per_token"] * 1e3}
-        parts.append(f"V={v:,}: MHF {s['mhf_s_per_token'] * 1e3:.3f} ms, Standard "
-                     f"{s['standard_s_per_token'] * 1e3:.3f} ms ({s['ratio']:.2f}x; FLOP ratio {s['flop_ratio']:.2f})")
-    return Check(f"profile-{size}-head", MEASURED if sane(values) else FAIL,
-                 "inference head per token, " + "; ".join(parts), values)
-
+        values |= {
+            f"mhf_ms_per_token_v{v}": s["mhf_s_per_token"] * 1e3,
+            f"standard_ms_per_token_v{v}": s["standard_s_per_token"] * 1e3,
+        }
+        parts.append(
+            f"V={v:,}: MHF {s['mhf_s_per_token'] * 1e3:.3f} ms, Standard "
+            f"{s['standard_s_per_token'] * 1e3:.3f} ms ({s['ratio']:.2f}x; FLOP ratio {s['flop_ratio']:.2f})"
+        )
+    return Check(
+        f"profile-{size}-head",
+        MEASURED if sane(values) else FAIL,
+        "inference head per token, " + "; ".join(parts),
+        values,
+    )

@@ -20,9 +20,16 @@ def train_args(ctx: Context, run: Path, preset: str, dtype: str, *overrides: str
     CUDA run side by side, and only the ``compile`` run is there to compile (it overrides this)."""
     m = ctx.mode
     args = ["train", "--preset", preset, "--run-dir", str(run)]
-    for o in (f"train.max_steps={m.steps}", f"train.checkpoint_interval={m.split}", "train.log_interval=1",
-              f"train.dtype={dtype}", f"train.device={m.device}", "train.fused_head_kernel=eager",
-              *m.train_overrides, *overrides):
+    for o in (
+        f"train.max_steps={m.steps}",
+        f"train.checkpoint_interval={m.split}",
+        "train.log_interval=1",
+        f"train.dtype={dtype}",
+        f"train.device={m.device}",
+        "train.fused_head_kernel=eager",
+        *m.train_overrides,
+        *overrides,
+    ):
         args += ["--set", o]
     return args
 
@@ -39,10 +46,14 @@ def step_train(ctx: Context) -> list[Check]:
     runner.mhf_dist(ctx, "train-standard", train_args(ctx, standard, "tiny-standard", "fp32"))
     shards = standard / "data"
     val = validation_sequences(shards)
-    micro = load_config("tiny-h4b16k").train.micro_batch_size  # the training loop evaluates whole micro-batches
+    micro = load_config(
+        "tiny-h4b16k"
+    ).train.micro_batch_size  # the training loop evaluates whole micro-batches
     if val % micro:
-        raise StepFailed(f"the validation split of {shards} holds {val} sequences, not a multiple of {micro}: "
-                         "the training loop would not evaluate all of it, and eval could not be compared")
+        raise StepFailed(
+            f"the validation split of {shards} holds {val} sequences, not a multiple of {micro}: "
+            "the training loop would not evaluate all of it, and eval could not be compared"
+        )
     jobs = training_jobs(ctx, shards, val)
     errors = runner.run_jobs(ctx, jobs)
     failed = [errors[job.name] for job in jobs if job.required and errors[job.name] is not None]
@@ -60,18 +71,49 @@ def training_jobs(ctx: Context, shards: Path, val: int) -> list[Job]:
     shared = (f"data.path={shards}", f"train.eval_sequences={val}")
     for dtype in m.dtypes:
         whole, resumed = ctx.run(f"mhf-{dtype}"), ctx.run(f"mhf-{dtype}-resumed")
-        jobs.append(Job(f"mhf-{dtype}", [(f"train-mhf-{dtype}", train_args(ctx, whole, "tiny-h4b16k", dtype,
-                                                                            *shared))]))
-        jobs.append(Job(f"mhf-{dtype}-resumed", [
-            (f"train-mhf-{dtype}-stop", train_args(ctx, resumed, "tiny-h4b16k", dtype, *shared,
-                                                   f"train.stop_at_step={m.split}")),
-            (f"train-mhf-{dtype}-resume", train_args(ctx, resumed, "tiny-h4b16k", dtype, *shared)),
-        ]))
+        jobs.append(
+            Job(
+                f"mhf-{dtype}",
+                [(f"train-mhf-{dtype}", train_args(ctx, whole, "tiny-h4b16k", dtype, *shared))],
+            )
+        )
+        jobs.append(
+            Job(
+                f"mhf-{dtype}-resumed",
+                [
+                    (
+                        f"train-mhf-{dtype}-stop",
+                        train_args(
+                            ctx,
+                            resumed,
+                            "tiny-h4b16k",
+                            dtype,
+                            *shared,
+                            f"train.stop_at_step={m.split}",
+                        ),
+                    ),
+                    (
+                        f"train-mhf-{dtype}-resume",
+                        train_args(ctx, resumed, "tiny-h4b16k", dtype, *shared),
+                    ),
+                ],
+            )
+        )
 
-    def run(name: str, preset: str, dtype: str, *overrides: str, ranks: int = 1) -> tuple[str, list[str]]:
-        args = train_args(ctx, ctx.run(name), preset, dtype, f"data.path={shards}", "train.eval_sequences=8",
-                          f"train.stop_at_step={m.compare_steps}", *overrides,
-                          *(gloo_overrides(ctx) if ranks > 1 else ()))
+    def run(
+        name: str, preset: str, dtype: str, *overrides: str, ranks: int = 1
+    ) -> tuple[str, list[str]]:
+        args = train_args(
+            ctx,
+            ctx.run(name),
+            preset,
+            dtype,
+            f"data.path={shards}",
+            "train.eval_sequences=8",
+            f"train.stop_at_step={m.compare_steps}",
+            *overrides,
+            *(gloo_overrides(ctx) if ranks > 1 else ()),
+        )
         return f"train-{name}", args + (["--nproc-per-node", str(ranks)] if ranks > 1 else [])
 
     def feature(name: str, *commands: tuple[str, list[str]], ranks: int = 1) -> Job:
@@ -80,20 +122,42 @@ def training_jobs(ctx: Context, shards: Path, val: int) -> list[Job]:
     engram = ("tiny-h4b16k+engram", "fp32", "train.micro_batch_size=4")
     p_inf = ("tiny-h4b16k", "bf16", "parallel.tp=2", f"model.hash.p_inf_loss_weight={P_INF_WEIGHT}")
     features = {
-        "compile": feature("compile", run("compile", "tiny-h4b16k", "fp32", "train.compile=true",
-                                          "train.fused_head_kernel=compiled")),
-        "engram-offload": feature("engram-offload", run("engram-device", *engram),
-                                  run("engram-offload", *engram, "model.engram.offload=true")),
-        "p-inf-tp2-bf16": feature("p-inf-tp2-bf16", run("p-inf-tp2-bf16", *p_inf, ranks=2), ranks=2),
-        "profile-tp2-gloo": feature("profile-tp2-gloo", ("profile-tp2-gloo", profile_tp2_args(ctx)), ranks=2),
-        "grad-accum": feature("grad-accum", run("grad-accum", "tiny-h4b16k", "fp32", "train.micro_batch_size=2")),
+        "compile": feature(
+            "compile",
+            run(
+                "compile",
+                "tiny-h4b16k",
+                "fp32",
+                "train.compile=true",
+                "train.fused_head_kernel=compiled",
+            ),
+        ),
+        "engram-offload": feature(
+            "engram-offload",
+            run("engram-device", *engram),
+            run("engram-offload", *engram, "model.engram.offload=true"),
+        ),
+        "p-inf-tp2-bf16": feature(
+            "p-inf-tp2-bf16", run("p-inf-tp2-bf16", *p_inf, ranks=2), ranks=2
+        ),
+        "profile-tp2-gloo": feature(
+            "profile-tp2-gloo", ("profile-tp2-gloo", profile_tp2_args(ctx)), ranks=2
+        ),
+        "grad-accum": feature(
+            "grad-accum", run("grad-accum", "tiny-h4b16k", "fp32", "train.micro_batch_size=2")
+        ),
     }
     jobs += [features[name] for name in ("compile", "engram-offload") if name in m.features]
     for layout in m.gloo_layouts:
         name = runner.layout_check_name(layout)
-        jobs.append(feature(name, run(name, "tiny-h4b16k", "fp32", f"parallel.{layout}", ranks=2), ranks=2))
-    return jobs + [features[name] for name in ("grad-accum", "p-inf-tp2-bf16", "profile-tp2-gloo")
-                   if name in m.features]
+        jobs.append(
+            feature(name, run(name, "tiny-h4b16k", "fp32", f"parallel.{layout}", ranks=2), ranks=2)
+        )
+    return jobs + [
+        features[name]
+        for name in ("grad-accum", "p-inf-tp2-bf16", "profile-tp2-gloo")
+        if name in m.features
+    ]
 
 
 def gloo_overrides(ctx: Context) -> tuple[str, ...]:
@@ -104,9 +168,27 @@ def gloo_overrides(ctx: Context) -> tuple[str, ...]:
 
 def profile_tp2_args(ctx: Context) -> list[str]:
     """``mhf-dist profile --layout tp=2`` of 100m-h4b16k, 2 ranks on the one GPU over gloo."""
-    args = ["profile", "--size", "100m", "--hash", "h4b16k", "--layout", "tp=2", "--dtype", ctx.mode.profile_dtype,
-            "--seq-len", "512", "--steps", "2", "--warmup", "1", "--vocab-sizes", "32768",
-            "--out", str(ctx.work / "profile-tp2-gloo")]
+    args = [
+        "profile",
+        "--size",
+        "100m",
+        "--hash",
+        "h4b16k",
+        "--layout",
+        "tp=2",
+        "--dtype",
+        ctx.mode.profile_dtype,
+        "--seq-len",
+        "512",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--vocab-sizes",
+        "32768",
+        "--out",
+        str(ctx.work / "profile-tp2-gloo"),
+    ]
     for o in ("train.fused_head_kernel=eager", *gloo_overrides(ctx)):
         args += ["--set", o]
     return args
@@ -116,14 +198,19 @@ def standard_check(ctx: Context, run: Path) -> Check:
     records = metrics(run)
     first, last = records[1]["loss"], records[ctx.mode.steps]["loss"]
     ok = math.isfinite(last) and last < first
-    return Check("train-standard", PASS if ok else FAIL,
-                 f"tiny-standard fp32, {ctx.mode.steps} steps: loss {first:.3f} -> {last:.3f}",
-                 {"first_loss": first, "last_loss": last})
+    return Check(
+        "train-standard",
+        PASS if ok else FAIL,
+        f"tiny-standard fp32, {ctx.mode.steps} steps: loss {first:.3f} -> {last:.3f}",
+        {"first_loss": first, "last_loss": last},
+    )
 
 
 def resumed_at(ctx: Context, dtype: str) -> int | None:
     """The step the resumed start reported continuing from, or None."""
-    found = re.search(r"resumed from \S+ at step (\d+)", (ctx.logs / f"train-mhf-{dtype}-resume.log").read_text())
+    found = re.search(
+        r"resumed from \S+ at step (\d+)", (ctx.logs / f"train-mhf-{dtype}-resume.log").read_text()
+    )
     return int(found[1]) if found else None
 
 
@@ -136,15 +223,25 @@ def resume_check(ctx: Context, dtype: str) -> Check:
         return Check(name, FAIL, f"no loss logged at steps {missing}")
     at = resumed_at(ctx, dtype)
     if at != m.split:
-        return Check(name, FAIL, f"the second start did not resume at step {m.split} (it reported: {at})")
+        return Check(
+            name, FAIL, f"the second start did not resume at step {m.split} (it reported: {at})"
+        )
     abs_diffs = [abs(whole[s]["loss"] - resumed[s]["loss"]) for s in steps]
     rel_diffs = [d / abs(whole[s]["loss"]) for d, s in zip(abs_diffs, steps)]
     max_abs, max_rel, tol = max(abs_diffs), max(rel_diffs), m.resume_tolerance[dtype]
     ok = max_rel <= tol and all(math.isfinite(whole[s]["loss"]) for s in steps)
     bound = "exact" if tol == 0 else f"relative {tol:g}"
     first, last = whole[1]["loss"], whole[m.steps]["loss"]
-    return Check(name, PASS if ok else FAIL,
-                 f"stop at {m.split}, resume to {m.steps}: steps {steps[0]}-{steps[-1]} max loss difference "
-                 f"{max_abs:.3g} (relative {max_rel:.3g}; tolerance {bound}); loss {first:.3f} -> {last:.3f}",
-                 {"max_abs_diff": max_abs, "max_rel_diff": max_rel, "tolerance_rel": tol,
-                  "steps_compared": len(steps), "last_loss": last})
+    return Check(
+        name,
+        PASS if ok else FAIL,
+        f"stop at {m.split}, resume to {m.steps}: steps {steps[0]}-{steps[-1]} max loss difference "
+        f"{max_abs:.3g} (relative {max_rel:.3g}; tolerance {bound}); loss {first:.3f} -> {last:.3f}",
+        {
+            "max_abs_diff": max_abs,
+            "max_rel_diff": max_rel,
+            "tolerance_rel": tol,
+            "steps_compared": len(steps),
+            "last_loss": last,
+        },
+    )

@@ -48,28 +48,42 @@ from mhf_dist.train.fault_injection import free_bytes, pause_save
 from mhf_dist.train.host_tables import HOST_TABLES_FILE
 from mhf_dist.train.preemption import GRACE_ENV, grace_seconds
 
-RANK_DIGESTS = "digests-rank{:05d}.json"  # each rank's digests during a save, merged into the marker by rank 0
+RANK_DIGESTS = (
+    "digests-rank{:05d}.json"  # each rank's digests during a save, merged into the marker by rank 0
+)
 RANK_FAILED = "failed-rank{:05d}"  # an asynchronous save's report of a rank whose part failed (empty: fits a full disk)
 REPORT_POLL_SECONDS = 0.1  # how often rank 0's writer looks for the other ranks' reports
 
 
-def log_save(path: Path, reason: str, stall: float, background: float | None = None, step_s: float = 0.0) -> None:
+def log_save(
+    path: Path, reason: str, stall: float, background: float | None = None, step_s: float = 0.0
+) -> None:
     """Rank 0: the save with its size, duration (an asynchronous save's ``stall`` of training and its ``background``
     time) and write rate; a warning when a step (``step_s``) and a save like this one would not fit in the job's grace
     period (the time between the scheduler's warning signal and the time limit), naming the grace that would
     (``grace_seconds``)."""
     seconds = stall if background is None else stall + background
     size = checkpoint_bytes(path)
-    nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))  # the nodes of the job (its scheduler or launcher says)
+    nodes = int(
+        os.environ.get("GROUP_WORLD_SIZE", 1)
+    )  # the nodes of the job (its scheduler or launcher says)
     per_node = size / max(seconds, 1e-9) / nodes / 1e9
-    took = f"{stall:.1f} s" if background is None else f"{stall:.1f} s stall, {background:.1f} s in the background"
-    tqdm.write(f"saved {path} ({reason}, {readable_size(size)} in {took}, {per_node:.3g} GB/s per node)")
+    took = (
+        f"{stall:.1f} s"
+        if background is None
+        else f"{stall:.1f} s stall, {background:.1f} s in the background"
+    )
+    tqdm.write(
+        f"saved {path} ({reason}, {readable_size(size)} in {took}, {per_node:.3g} GB/s per node)"
+    )
     grace = float(os.environ.get(GRACE_ENV, "inf"))
     if (needed := grace_seconds(step_s, seconds)) > grace:
-        tqdm.write(f"warning: a save on SLURM's signal (the step in progress, {step_s:.1f} s, then a save like this "
-                   f"one) needs a grace of about {needed} s, and this job has {grace:.0f} s: submit with --grace "
-                   f"{needed}, or set storage_gb_per_s: {per_node:.3g} (this save's rate) in the cluster profile, "
-                   "from which submit sizes the grace")
+        tqdm.write(
+            f"warning: a save on SLURM's signal (the step in progress, {step_s:.1f} s, then a save like this "
+            f"one) needs a grace of about {needed} s, and this job has {grace:.0f} s: submit with --grace "
+            f"{needed}, or set storage_gb_per_s: {per_node:.3g} (this save's rate) in the cluster profile, "
+            "from which submit sizes the grace"
+        )
 
 
 @dataclass
@@ -90,8 +104,14 @@ class Checkpointer(Reading):
     """Saves and loads this run's checkpoints; made on every rank at the start of training, when rank 0 removes the
     directories that interrupted saves left behind."""
 
-    def __init__(self, run: RunDir, cfg: RunConfig, signatures_hash: str | None, layout: dict,
-                 param_names: list[str]):
+    def __init__(
+        self,
+        run: RunDir,
+        cfg: RunConfig,
+        signatures_hash: str | None,
+        layout: dict,
+        param_names: list[str],
+    ):
         self.dir = run.checkpoints_dir
         self.cfg, self.signatures_hash, self.layout = cfg, signatures_hash, layout
         self.universal = universal_info(param_names, cfg.model, layout["tp"], layout["pp"] > 1)
@@ -99,7 +119,9 @@ class Checkpointer(Reading):
         self.scalars = ScalarCollectives()
         self.verified: set[Path] = set()
         self.deleter = BackgroundDeleter(self.dir) if self.rank == 0 else None
-        self.in_flight: InFlightSave | None = None  # train.checkpoint_async: the save its writer is finishing
+        self.in_flight: InFlightSave | None = (
+            None  # train.checkpoint_async: the save its writer is finishing
+        )
         self.versions = {"mhf_dist": __version__, "torch": torch.__version__} | versions()
         if self.rank == 0:
             self._remove_interrupted_saves()
@@ -113,8 +135,13 @@ class Checkpointer(Reading):
     def state_dict(self) -> dict:
         """The checkpointer's part of the client state: what a checkpoint was saved with (the run config, the
         signature table's hash, the code version, the layout, and each parameter's split for a conversion)."""
-        return {"config": self.cfg.model_dump(mode="json"), "signatures_hash": self.signatures_hash,
-                "code_version": __version__, "layout": self.layout, "universal_checkpoint_info": self.universal}
+        return {
+            "config": self.cfg.model_dump(mode="json"),
+            "signatures_hash": self.signatures_hash,
+            "code_version": __version__,
+            "layout": self.layout,
+            "universal_checkpoint_info": self.universal,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Nothing to take: a resume reads the saved config in the client state ``load`` returns."""
@@ -136,10 +163,17 @@ class Checkpointer(Reading):
         dist.barrier()
         marker = None
         if self.rank == 0:
-            marker = {"step": step, "tokens": client["tokens"], "reason": reason, "model": client["config"]["model"],
-                      "config": client["config"],  # what a resume from config.yaml is checked against
-                      "signatures_hash": self.signatures_hash, "layout": self.layout, "code_version": __version__,
-                      "versions": self.versions}
+            marker = {
+                "step": step,
+                "tokens": client["tokens"],
+                "reason": reason,
+                "model": client["config"]["model"],
+                "config": client["config"],  # what a resume from config.yaml is checked against
+                "signatures_hash": self.signatures_hash,
+                "layout": self.layout,
+                "code_version": __version__,
+                "versions": self.versions,
+            }
         if self.cfg.train.checkpoint_async:
             self._hand_over(trainer, client, InFlightSave(path, reason, marker, began, step_s))
             return path
@@ -175,7 +209,9 @@ class Checkpointer(Reading):
         self._write_digests(save.path, writer)
         pause_save()
         if writer.error is not None:
-            with contextlib.suppress(OSError):  # not even an empty file fits: rank 0 stops waiting at its timeout
+            with contextlib.suppress(
+                OSError
+            ):  # not even an empty file fits: rank 0 stops waiting at its timeout
                 (save.path / RANK_FAILED.format(self.rank)).touch()
             return
         if self.rank != 0:
@@ -184,10 +220,18 @@ class Checkpointer(Reading):
             if not self._await_reports(save.path):
                 return  # a rank's part failed: the wait fails the save on every rank
             save.commit_error = self._commit(save.path, save.marker)
-        except Exception as e:  # a rank that never reported, or a fault of its own: the save fails at the wait
+        except (
+            Exception
+        ) as e:  # a rank that never reported, or a fault of its own: the save fails at the wait
             save.commit_error = f"finishing the save failed ({e})"
         if save.commit_error is None:
-            log_save(save.path, save.reason, save.stall, time.perf_counter() - save.began - save.stall, save.step_s)
+            log_save(
+                save.path,
+                save.reason,
+                save.stall,
+                time.perf_counter() - save.began - save.stall,
+                save.step_s,
+            )
 
     def _await_reports(self, path: Path) -> bool:
         """Rank 0's writer thread: whether every rank wrote its part, once each reported (its digests file, or a
@@ -202,8 +246,10 @@ class Checkpointer(Reading):
             if not waiting:
                 return True
             if time.monotonic() > deadline:
-                raise CheckpointError(f"rank {min(waiting)} did not report its part within "
-                                      f"train.dist_timeout_minutes ({self.cfg.train.dist_timeout_minutes:g})")
+                raise CheckpointError(
+                    f"rank {min(waiting)} did not report its part within "
+                    f"train.dist_timeout_minutes ({self.cfg.train.dist_timeout_minutes:g})"
+                )
             time.sleep(REPORT_POLL_SECONDS)
 
     def wait(self) -> None:
@@ -228,19 +274,27 @@ class Checkpointer(Reading):
         self.dir.mkdir(parents=True, exist_ok=True)
         self._retire_to_fit(path)
 
-    def _write_files(self, trainer: Trainer, path: Path, client: dict, writer: RecordingWriter) -> None:
+    def _write_files(
+        self, trainer: Trainer, path: Path, client: dict, writer: RecordingWriter
+    ) -> None:
         """This rank's part of the checkpoint through ``writer``: the backend's files, the RNG state and (rank 0,
         ``model.engram.offload``) the host tables."""
         trainer.save_files(path, client, writer)
-        writer.put(path / RNG_FILE.format(self.rank), rng_state_bytes(cuda=trainer.device.type == "cuda"))
-        if trainer.host_tables is not None and self.rank == 0:  # tp = pp = 1: every rank holds the same host tables
+        writer.put(
+            path / RNG_FILE.format(self.rank), rng_state_bytes(cuda=trainer.device.type == "cuda")
+        )
+        if (
+            trainer.host_tables is not None and self.rank == 0
+        ):  # tp = pp = 1: every rank holds the same host tables
             tensors, metadata = trainer.host_tables.state()
             writer.put(path / HOST_TABLES_FILE, save(tensors, metadata=metadata))
 
     def _write_digests(self, path: Path, writer: RecordingWriter) -> None:
         """This rank's report to rank 0: the digests of the files it wrote, which rank 0 merges into the marker (and
         then deletes: an asynchronous save's rank 0 does so as soon as the report appears)."""
-        digests = {str(p.relative_to(path)): d for p, d in writer.digests.items() if p.is_relative_to(path)}
+        digests = {
+            str(p.relative_to(path)): d for p, d in writer.digests.items() if p.is_relative_to(path)
+        }
         writer.report(path / RANK_DIGESTS.format(self.rank), json.dumps(digests))
 
     def _agree_on_writes(self, path: Path, writer: RecordingWriter) -> float:
@@ -268,12 +322,17 @@ class Checkpointer(Reading):
                 part.unlink()
             files = sorted(p for p in path.rglob("*") if p.is_file())
             names = [str(f.relative_to(path)) for f in files]
-            unknown = [f for f, name in zip(files, names) if name not in digests]  # not written through a writer
+            unknown = [
+                f for f, name in zip(files, names) if name not in digests
+            ]  # not written through a writer
             for f in unknown:
                 fsync(f)
             digests |= {str(f.relative_to(path)): d for f, d in zip(unknown, file_digests(unknown))}
-            marker |= {"files": {n: f.stat().st_size for n, f in zip(names, files)},
-                       "digest_algorithm": DIGEST, "digests": {n: digests[n] for n in names}}
+            marker |= {
+                "files": {n: f.stat().st_size for n, f in zip(names, files)},
+                "digest_algorithm": DIGEST,
+                "digests": {n: digests[n] for n in names},
+            }
             write_atomic(path / MARKER, json.dumps(marker, indent=1))
             write_atomic(self.dir / LATEST, path.name)
         except (OSError, ValueError) as e:
@@ -290,21 +349,37 @@ class Checkpointer(Reading):
         dist.barrier()
         raise CheckpointError(self._failure_message(path, failed, error, size))
 
-    def _failure_message(self, path: Path, failed: list[int], error: str | None, size: float) -> str:
+    def _failure_message(
+        self, path: Path, failed: list[int], error: str | None, size: float
+    ) -> str:
         ranks = f"rank {failed[0]}" if len(failed) == 1 else "ranks " + ", ".join(map(str, failed))
-        cause = f"{ranks}: {error}" if error else f"{ranks} could not write its part (see its message)"
+        cause = (
+            f"{ranks}: {error}" if error else f"{ranks} could not write its part (see its message)"
+        )
         previous, free = complete_checkpoints(self.dir), free_bytes(self.dir)
-        resume = f"{previous[-1]} stays the newest checkpoint" if previous else "the run has none yet"
-        if error and any(f"[Errno {code}]" in error for code in (errno.EROFS, errno.EACCES, errno.EPERM)):
-            return (f"could not save checkpoint {path}: {cause}. Nothing of {path.name} stays and {resume}: make "
-                    f"{self.dir} writable, then rerun to resume (--resume auto)")  # no space to free
+        resume = (
+            f"{previous[-1]} stays the newest checkpoint" if previous else "the run has none yet"
+        )
+        if error and any(
+            f"[Errno {code}]" in error for code in (errno.EROFS, errno.EACCES, errno.EPERM)
+        ):
+            return (
+                f"could not save checkpoint {path}: {cause}. Nothing of {path.name} stays and {resume}: make "
+                f"{self.dir} writable, then rerun to resume (--resume auto)"
+            )  # no space to free
         if previous:
             need = f"about {readable_size(checkpoint_bytes(previous[-1]))} (the size of {previous[-1].name})"
         else:
             need = f"about {readable_size(size)} (this save's files)"
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         limited = limit != resource.RLIM_INFINITY
-        return (f"could not save checkpoint {path}: {cause}. A checkpoint takes {need}; {readable_size(free)} are free "
-                "on its filesystem" + (f", and this process may write files of at most {readable_size(limit)} "
-                                       "(ulimit -f)" if limited else "")
-                + f". The incomplete {path.name} was removed and {resume}: {self._space_fix(previous, free, limited)}")
+        return (
+            f"could not save checkpoint {path}: {cause}. A checkpoint takes {need}; {readable_size(free)} are free "
+            "on its filesystem"
+            + (
+                f", and this process may write files of at most {readable_size(limit)} (ulimit -f)"
+                if limited
+                else ""
+            )
+            + f". The incomplete {path.name} was removed and {resume}: {self._space_fix(previous, free, limited)}"
+        )

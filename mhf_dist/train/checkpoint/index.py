@@ -31,7 +31,14 @@ DIGEST = "sha256"  # hardware-accelerated on current x86 and ARM CPUs, and check
 DIGEST_CHUNK = 1 << 20
 DIGEST_THREADS = 4
 MISSING, WRONG_SIZE, WRONG_DIGEST = 1, 2, 3  # what a file check finds (codes summed over the ranks)
-MARKER_FIELDS = {"step": int, "tokens": int, "reason": str, "files": dict, "model": dict, "layout": dict}
+MARKER_FIELDS = {
+    "step": int,
+    "tokens": int,
+    "reason": str,
+    "files": dict,
+    "model": dict,
+    "layout": dict,
+}
 STEP_DIR = re.compile(r"step-(\d+)")
 
 
@@ -53,8 +60,10 @@ def step_directories(directory: Path) -> list[Path]:
     """The ``step-*`` directories in ``directory``, complete or not, by step."""
     if not directory.is_dir():
         return []
-    return sorted((p for p in directory.iterdir() if p.is_dir() and checkpoint_step(p) is not None),
-                  key=checkpoint_step)
+    return sorted(
+        (p for p in directory.iterdir() if p.is_dir() and checkpoint_step(p) is not None),
+        key=checkpoint_step,
+    )
 
 
 def _fields_problem(marker) -> str | None:
@@ -72,8 +81,11 @@ def _fields_problem(marker) -> str | None:
     if not all(isinstance(marker["layout"].get(k), int) for k in ("tp", "pp", "dp")):
         return "'layout' must give tp, pp and dp"
     digests = marker.get("digests")
-    if digests is not None and not (isinstance(digests, dict) and digests.keys() == files.keys()
-                                    and all(isinstance(v, str) for v in digests.values())):
+    if digests is not None and not (
+        isinstance(digests, dict)
+        and digests.keys() == files.keys()
+        and all(isinstance(v, str) for v in digests.values())
+    ):
         return "'digests' must give a digest for every file"
     return None
 
@@ -92,7 +104,9 @@ def version_note(path: Path, marker: dict, running: dict[str, str]) -> str | Non
     differ = [name for name in running if name in saved and saved[name] != running[name]]
     if not differ:
         return None
-    then, now = (", ".join(f"{name} {versions[name]}" for name in differ) for versions in (saved, running))
+    then, now = (
+        ", ".join(f"{name} {versions[name]}" for name in differ) for versions in (saved, running)
+    )
     return f"note: {path.name} was saved under {then}; resuming under {now}"
 
 
@@ -111,7 +125,9 @@ def marker_problem(path: Path) -> str | None:
 def read_marker(path: Path) -> dict:
     """A checkpoint's ``complete.json``, checked for every field a load uses."""
     if (problem := marker_problem(path)) is not None:
-        raise CheckpointError(f"{path} is not a complete checkpoint ({problem}); resume from another one")
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint ({problem}); resume from another one"
+        )
     return json.loads((path / MARKER).read_text())
 
 
@@ -154,7 +170,9 @@ def readable_size(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def file_problems(path: Path, marker: dict, names: list[str], digests: bool = True) -> dict[str, int]:
+def file_problems(
+    path: Path, marker: dict, names: list[str], digests: bool = True
+) -> dict[str, int]:
     """``{name: MISSING | WRONG_SIZE | WRONG_DIGEST}`` for those of ``names`` that differ from what was saved
     (``digests=False``: sizes only, which reads no file)."""
     problems, to_digest = {}, []
@@ -176,10 +194,14 @@ def describe_problem(path: Path, marker: dict, name: str, problem: int) -> str:
     if problem == MISSING:
         return f"checkpoint {path} is missing {name}; copy it back or resume from an older one"
     if problem == WRONG_SIZE:
-        return (f"checkpoint {path}: {name} has {(path / name).stat().st_size} bytes, {marker['files'][name]} were "
-                "written (truncated or corrupt); resume from an older checkpoint")
-    return (f"checkpoint {path}: {name} does not match its {marker.get('digest_algorithm', DIGEST)} digest in "
-            f"{MARKER} (same size, different content: corrupt); copy it back intact or resume from an older checkpoint")
+        return (
+            f"checkpoint {path}: {name} has {(path / name).stat().st_size} bytes, {marker['files'][name]} were "
+            "written (truncated or corrupt); resume from an older checkpoint"
+        )
+    return (
+        f"checkpoint {path}: {name} does not match its {marker.get('digest_algorithm', DIGEST)} digest in "
+        f"{MARKER} (same size, different content: corrupt); copy it back intact or resume from an older checkpoint"
+    )
 
 
 def describe_problems(path: Path, marker: dict, problems: dict[str, int]) -> str | None:
@@ -195,7 +217,9 @@ def damage(path: Path, digests: bool = True) -> str | None:
     """What is wrong with a complete checkpoint's files (one process checks them all), or None when every file has
     the size (and, with ``digests``, the content) it was saved with."""
     marker = read_marker(path)
-    return describe_problems(path, marker, file_problems(path, marker, sorted(marker["files"]), digests))
+    return describe_problems(
+        path, marker, file_problems(path, marker, sorted(marker["files"]), digests)
+    )
 
 
 def intact_note(intact: Path | None, directory: Path) -> str:
@@ -221,5 +245,7 @@ def verify_files(path: Path) -> dict:
 
 def warn_if_without_digests(path: Path, marker: dict) -> None:
     if "digests" not in marker:
-        log.warning("checkpoint %s has no content digests (saved by an older version): only file sizes are checked",
-                    path)
+        log.warning(
+            "checkpoint %s has no content digests (saved by an older version): only file sizes are checked",
+            path,
+        )

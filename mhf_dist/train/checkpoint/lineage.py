@@ -60,8 +60,12 @@ class BackgroundDeleter:
 
     def _enqueue(self, path: Path) -> None:
         self.queue.put(path)
-        if self.thread is None:  # daemon: an exit does not wait for it (the next start finishes the job)
-            self.thread = threading.Thread(target=self._delete, name="checkpoint-deleter", daemon=True)
+        if (
+            self.thread is None
+        ):  # daemon: an exit does not wait for it (the next start finishes the job)
+            self.thread = threading.Thread(
+                target=self._delete, name="checkpoint-deleter", daemon=True
+            )
             self.thread.start()
 
     def finish(self) -> None:
@@ -95,8 +99,11 @@ class Lineage:
     def _remove_interrupted_saves(self) -> None:
         for path in step_directories(self.dir):
             if not (path / MARKER).exists():
-                log.warning("ignoring incomplete checkpoint %s (no %s: the save was interrupted); removing it",
-                            path, MARKER)
+                log.warning(
+                    "ignoring incomplete checkpoint %s (no %s: the save was interrupted); removing it",
+                    path,
+                    MARKER,
+                )
                 self.deleter.discard(path)
 
     def _latest_name(self) -> str | None:
@@ -119,7 +126,12 @@ class Lineage:
         name = self._latest_name()
         if found and name != found[-1].name and self.rank == 0:
             named = f"names {name!r}" if name else "is missing"
-            log.warning("%s %s; resuming from the newest complete checkpoint, %s", self.dir / LATEST, named, found[-1])
+            log.warning(
+                "%s %s; resuming from the newest complete checkpoint, %s",
+                self.dir / LATEST,
+                named,
+                found[-1],
+            )
         return found
 
     def newest_before(self, step: int) -> Path | None:
@@ -135,15 +147,21 @@ class Lineage:
             step = read_marker(resumed)["step"]
             newer = [p for p in step_directories(self.dir) if checkpoint_step(p) > step]
             if newer:
-                self._set_aside(newer, f"they are newer than {resumed}, the checkpoint this run continues from")
+                self._set_aside(
+                    newer, f"they are newer than {resumed}, the checkpoint this run continues from"
+                )
             self._point_latest_at(resumed)
         dist.barrier()
 
     def _set_aside(self, paths: list[Path], why: str) -> Path:
         """Move checkpoints (and their conversions for other layouts) into a new ``abandoned/<time>`` folder."""
         target = self._move_aside(paths, ABANDONED)
-        log.warning("moved %s to %s: %s (resume from one of them with --resume PATH, or delete them)",
-                    ", ".join(p.name for p in paths), target, why)
+        log.warning(
+            "moved %s to %s: %s (resume from one of them with --resume PATH, or delete them)",
+            ", ".join(p.name for p in paths),
+            target,
+            why,
+        )
         return target
 
     def _move_aside(self, paths: list[Path], folder: str) -> Path:
@@ -175,7 +193,9 @@ class Lineage:
     # ------------------------------------------------------------------ retention
     def _retire_old(self, saved: Path) -> None:
         """Delete the complete checkpoints before the newest ``train.keep_checkpoints`` (``saved`` among them)."""
-        self._discard_all(self._beyond_retention(checkpoint_step(saved), self.cfg.train.keep_checkpoints - 1))
+        self._discard_all(
+            self._beyond_retention(checkpoint_step(saved), self.cfg.train.keep_checkpoints - 1)
+        )
 
     def _beyond_retention(self, step: int, kept: int) -> list[Path]:
         """The complete checkpoints before ``step`` but the newest ``kept`` of them, oldest first."""
@@ -187,7 +207,9 @@ class Lineage:
             try:
                 self.deleter.discard(old)
             except OSError as e:
-                log.warning("could not delete the old checkpoint %s (%s); delete it by hand", old, e)
+                log.warning(
+                    "could not delete the old checkpoint %s (%s); delete it by hand", old, e
+                )
 
     def _retire_to_fit(self, path: Path) -> None:
         """Rank 0, before saving ``path``: when the free space is less than the newest checkpoint's size, retention
@@ -198,12 +220,20 @@ class Lineage:
             return
         self.deleter.finish()  # what earlier deletes left pending frees space too
         free = free_bytes(self.dir)
-        retired = self._beyond_retention(checkpoint_step(path), max(1, self.cfg.train.keep_checkpoints - 1))
+        retired = self._beyond_retention(
+            checkpoint_step(path), max(1, self.cfg.train.keep_checkpoints - 1)
+        )
         if need <= free or free + sum(map(checkpoint_bytes, retired)) < need:
             return
-        log.warning("deleting %s before saving %s to make room (train.keep_checkpoints=%d): a checkpoint takes "
-                    "about %s, %s are free", ", ".join(p.name for p in retired), path.name,
-                    self.cfg.train.keep_checkpoints, readable_size(need), readable_size(free))
+        log.warning(
+            "deleting %s before saving %s to make room (train.keep_checkpoints=%d): a checkpoint takes "
+            "about %s, %s are free",
+            ", ".join(p.name for p in retired),
+            path.name,
+            self.cfg.train.keep_checkpoints,
+            readable_size(need),
+            readable_size(free),
+        )
         self._discard_all(retired)
         self.deleter.finish()
 
@@ -224,7 +254,11 @@ class Lineage:
         if not previous or checkpoint_bytes(previous[-1]) <= free:
             return f"{fix}, then rerun to resume (--resume auto)"
         if (keep := self._keep_that_fits(previous, free)) is None:
-            return (f"{fix}, then rerun to resume (--resume auto); deleting older checkpoints would not make room "
-                    f"({previous[-1].name}, the newest, is always kept)")
-        return (f"{fix} and rerun to resume (--resume auto), or rerun with --set train.keep_checkpoints={keep} (older "
-                f"checkpoints are then deleted before the save, {previous[-1].name} kept)")
+            return (
+                f"{fix}, then rerun to resume (--resume auto); deleting older checkpoints would not make room "
+                f"({previous[-1].name}, the newest, is always kept)"
+            )
+        return (
+            f"{fix} and rerun to resume (--resume auto), or rerun with --set train.keep_checkpoints={keep} (older "
+            f"checkpoints are then deleted before the save, {previous[-1].name} kept)"
+        )

@@ -68,13 +68,20 @@ class Reading(Lineage):
         damage is raised."""
         intact, damaged = self._newest_intact(self._complete_line())
         if damaged and intact is None:
-            raise CorruptCheckpoint(f"{damaged[0][1]}; no older checkpoint in {self.dir} verifies either: copy the "
-                                    "damaged files back intact, or start over in a new --run-dir")
+            raise CorruptCheckpoint(
+                f"{damaged[0][1]}; no older checkpoint in {self.dir} verifies either: copy the "
+                "damaged files back intact, or start over in a new --run-dir"
+            )
         if damaged and self.rank == 0:
             target = self._move_aside([path for path, _ in damaged], CORRUPT)
             for path, problem in damaged:
-                log.warning("%s. Moved %s to %s; resuming from %s, the newest checkpoint that verifies", problem,
-                            path.name, target, intact)
+                log.warning(
+                    "%s. Moved %s to %s; resuming from %s, the newest checkpoint that verifies",
+                    problem,
+                    path.name,
+                    target,
+                    intact,
+                )
         return intact
 
     def verify(self, path: Path) -> dict:
@@ -88,13 +95,18 @@ class Reading(Lineage):
         if marker["signatures_hash"] != self.signatures_hash:
             raise CheckpointError(
                 f"checkpoint {path} was trained with signature table {str(marker['signatures_hash'])[:12]}, this run "
-                f"has {str(self.signatures_hash)[:12]}: use the run's own signatures/ (or expand-vocab to extend it)")
+                f"has {str(self.signatures_hash)[:12]}: use the run's own signatures/ (or expand-vocab to extend it)"
+            )
         ours = _model_identity(self.cfg.model.model_dump(mode="json"))
         theirs = _model_identity(_as_written_now(marker["model"]))
         differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         if differ:
-            details = "; ".join(f"model.{k}: checkpoint {theirs.get(k)!r}, config {ours.get(k)!r}" for k in differ)
-            raise CheckpointError(f"checkpoint {path} is of another model ({details}); resume with its config")
+            details = "; ".join(
+                f"model.{k}: checkpoint {theirs.get(k)!r}, config {ours.get(k)!r}" for k in differ
+            )
+            raise CheckpointError(
+                f"checkpoint {path} is of another model ({details}); resume with its config"
+            )
         return marker
 
     def _check_files_together(self, path: Path, marker: dict) -> None:
@@ -109,7 +121,7 @@ class Reading(Lineage):
         """What is wrong with the checkpoint's files, or None (then it counts as verified): each rank checks every
         world-th file and the ranks sum what they found, so every rank names the same one."""
         names = sorted(marker["files"])
-        found = file_problems(path, marker, names[self.rank::self.world])
+        found = file_problems(path, marker, names[self.rank :: self.world])
         codes = self.scalars.sum([float(found.get(n, 0)) for n in names])
         problem = describe_problems(path, marker, {n: int(c) for n, c in zip(names, codes) if c})
         if problem is None:
@@ -141,7 +153,8 @@ class Reading(Lineage):
             raise CheckpointError(
                 f"checkpoint {path} was saved by a pipeline (pp={marker['layout']['pp']}); DeepSpeed converts it for "
                 "ZeRO-1/2 but cannot load it under ZeRO-3: resume with --set parallel.zero_stage=1 (or with pp > 1), "
-                "then switch to ZeRO-3 from a checkpoint that run saves")
+                "then switch to ZeRO-3 from a checkpoint that run saves"
+            )
         target = self.dir / UNIVERSAL / path.name
         source = hashlib.new(DIGEST, (path / MARKER).read_bytes()).hexdigest()
 
@@ -151,11 +164,22 @@ class Reading(Lineage):
             if target.exists():
                 self.deleter.discard(target)
             tqdm.write(f"converting {path} for this layout ({marker['layout']} -> {self.layout})")
-            convert_for_layout(path, target, marker["layout"]["pp"] > 1, self.layout["pp"] > 1, self.cfg.model,
-                               self.layout["tp"] if zero3 else 1)
+            convert_for_layout(
+                path,
+                target,
+                marker["layout"]["pp"] > 1,
+                self.layout["pp"] > 1,
+                self.cfg.model,
+                self.layout["tp"] if zero3 else 1,
+            )
             pause_conversion()
-            write_atomic(target / MARKER, json.dumps(
-                marker | {"universal": True, "source": str(path), "source_marker": source}, indent=1))
+            write_atomic(
+                target / MARKER,
+                json.dumps(
+                    marker | {"universal": True, "source": str(path), "source_marker": source},
+                    indent=1,
+                ),
+            )
 
         on_rank0(convert, self.dir / UNIVERSAL, path.name, self.scalars, CheckpointError)
         return target, True
@@ -172,8 +196,10 @@ class Reading(Lineage):
         try:
             tensors = load_file(str(source / HOST_TABLES_FILE))
         except Exception as e:  # missing (a run without model.engram.offload) or unreadable
-            raise CheckpointError(f"checkpoint {source} has no readable {HOST_TABLES_FILE} ({e}), which "
-                                  "model.engram.offload needs; resume with the config it was saved with") from e
+            raise CheckpointError(
+                f"checkpoint {source} has no readable {HOST_TABLES_FILE} ({e}), which "
+                "model.engram.offload needs; resume with the config it was saved with"
+            ) from e
         host_tables.load(tensors)
 
     def load(self, trainer: Trainer, path: Path, state: ClientState) -> dict:
@@ -203,7 +229,9 @@ def _model_identity(model: dict) -> dict:
     """A model section without ``engram.offload_update``: how the host tables step, not what the model is (both
     rules keep the same AdamW state, so a checkpoint resumes with either)."""
     if isinstance(model.get("engram"), dict):
-        return model | {"engram": {k: v for k, v in model["engram"].items() if k != "offload_update"}}
+        return model | {
+            "engram": {k: v for k, v in model["engram"].items() if k != "offload_update"}
+        }
     return model
 
 

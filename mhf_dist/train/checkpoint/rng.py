@@ -25,8 +25,12 @@ def rng_state_bytes(cuda: bool) -> bytes:
     metadata. A rank on the CPU asks CUDA nothing, also where a GPU is visible."""
     version, internal, gauss_next = random.getstate()
     generator, key, pos, has_gauss, cached_gaussian = np.random.get_state()
-    metadata = {"python": json.dumps([version, list(internal), gauss_next]),
-                "numpy": json.dumps([generator, key.tolist(), int(pos), int(has_gauss), float(cached_gaussian)])}
+    metadata = {
+        "python": json.dumps([version, list(internal), gauss_next]),
+        "numpy": json.dumps(
+            [generator, key.tolist(), int(pos), int(has_gauss), float(cached_gaussian)]
+        ),
+    }
     tensors = {"torch": torch.get_rng_state()}
     if cuda:  # the rank's own GPU only: a resume may see fewer GPUs (one bound to each task)
         tensors["cuda"] = torch.cuda.get_rng_state()
@@ -40,23 +44,35 @@ def read_rng_state(path: Path) -> dict:
             metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
         version, internal, gauss_next = json.loads(metadata["python"])
         generator, key, pos, has_gauss, cached_gaussian = json.loads(metadata["numpy"])
-        state = {"python": (version, tuple(internal), gauss_next),
-                 "numpy": (generator, np.array(key, dtype=np.uint32), pos, has_gauss, cached_gaussian),
-                 "torch": tensors["torch"]}
+        state = {
+            "python": (version, tuple(internal), gauss_next),
+            "numpy": (generator, np.array(key, dtype=np.uint32), pos, has_gauss, cached_gaussian),
+            "torch": tensors["torch"],
+        }
     except Exception as e:  # a damaged header (SafetensorError), missing or malformed states
-        raise CheckpointError(f"{path} is not a readable RNG state ({e}); resume from another checkpoint") from e
+        raise CheckpointError(
+            f"{path} is not a readable RNG state ({e}); resume from another checkpoint"
+        ) from e
     if "cuda" in tensors:
         state["cuda"] = tensors["cuda"]
-    elif any(k.startswith("cuda.") for k in tensors):  # saved with every visible GPU's state, cuda.0, cuda.1, ...
-        state["cuda"] = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda.")),
-                                                    key=lambda k: int(k.split(".")[1]))]
+    elif any(
+        k.startswith("cuda.") for k in tensors
+    ):  # saved with every visible GPU's state, cuda.0, cuda.1, ...
+        state["cuda"] = [
+            tensors[k]
+            for k in sorted(
+                (k for k in tensors if k.startswith("cuda.")), key=lambda k: int(k.split(".")[1])
+            )
+        ]
     return state
 
 
 def read_legacy_rng_state(path: Path) -> dict:
     """An ``rng-rank*.pt`` of a checkpoint saved before RNG states were safetensors, unpickled with
     ``weights_only=True``: tensors, tuples and numpy arrays only, so the file cannot run code."""
-    reconstruct = np.array(0).__reduce__()[0]  # numpy.core.multiarray's (numpy 1) or numpy._core's (numpy 2)
+    reconstruct = np.array(0).__reduce__()[
+        0
+    ]  # numpy.core.multiarray's (numpy 1) or numpy._core's (numpy 2)
     allowed = [(reconstruct, f"numpy.{core}.multiarray._reconstruct") for core in ("core", "_core")]
     allowed += [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     try:
@@ -64,10 +80,13 @@ def read_legacy_rng_state(path: Path) -> dict:
             state = torch.load(path, weights_only=True)
         if not (isinstance(state, dict) and {"python", "numpy", "torch"} <= state.keys()):
             raise ValueError("not a dict of python, numpy and torch states")
-    except Exception as e:  # the unpickler refuses anything else with UnpicklingError, RuntimeError or others
+    except (
+        Exception
+    ) as e:  # the unpickler refuses anything else with UnpicklingError, RuntimeError or others
         raise CheckpointError(
             f"{path} is not a plain RNG state ({_refusal(e)}), so it was not loaded (unpickling it without "
-            "restrictions could run code from it): resume from a checkpoint from a trusted source") from e
+            "restrictions could run code from it): resume from a checkpoint from a trusted source"
+        ) from e
     return state
 
 
@@ -77,7 +96,11 @@ def _refusal(error: Exception) -> str:
     named = [line.strip() for line in lines if "GLOBAL" in line or "Unsupported" in line]
     if named:
         return named[0][:200]
-    return "refused by the restricted unpickler" if "weights_only" in str(error) else (lines or ["?"])[0][:200]
+    return (
+        "refused by the restricted unpickler"
+        if "weights_only" in str(error)
+        else (lines or ["?"])[0][:200]
+    )
 
 
 def set_rng_state(state: dict, cuda: bool) -> None:

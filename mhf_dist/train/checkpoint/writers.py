@@ -65,6 +65,7 @@ class RecordingWriter:
     def report(self, path: Path, text: str) -> None:
         """A file another rank reads, and may delete, as soon as it exists: it appears whole and synced, and is not
         opened again (no digest of its own)."""
+
         def write(p: Path) -> None:
             _fail_if_injected(self.rank, p)
             write_atomic(p, text)
@@ -122,7 +123,8 @@ class HostSnapshot:
         """The object graph again, its tensors on the copied storages."""
         unpickler = pickle.Unpickler(io.BytesIO(self.pickled))
         unpickler.persistent_load = lambda ref: torch.storage.TypedStorage(
-            wrap_storage=self.storages[ref[0]], dtype=ref[1], _internal=True)
+            wrap_storage=self.storages[ref[0]], dtype=ref[1], _internal=True
+        )
         return unpickler.load()
 
 
@@ -135,7 +137,9 @@ class BackgroundWriter(RecordingWriter):
 
     def __init__(self, rank: int, finish):
         super().__init__(rank)
-        self.files: queue.SimpleQueue[tuple[Path, Callable[[Path], None]] | str] = queue.SimpleQueue()
+        self.files: queue.SimpleQueue[tuple[Path, Callable[[Path], None]] | str] = (
+            queue.SimpleQueue()
+        )
         self.thread = threading.Thread(target=self._run, args=(finish,), name="checkpoint-writer")
         self.thread.start()  # not a daemon: a process stopping on an error still finishes the save in flight
 
