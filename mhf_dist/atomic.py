@@ -41,9 +41,8 @@ def create_whole(path: Path, text: str) -> bool:
     tmp = _temporary(path)
     try:
         tmp.write_text(text)
-        os.link(
-            tmp, path
-        )  # fails where the file exists: the first writer wins, a reader never sees half
+        # fails where the file exists: the first writer wins, a reader never sees half
+        os.link(tmp, path)
         return True
     except FileExistsError:
         return False

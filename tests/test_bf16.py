@@ -124,9 +124,8 @@ def head_inputs():
     m = torch.randn(DIM, generator=gen)
     c = (m + 0.1 * torch.randn(TOKENS, DIM, generator=gen)).to(BF16)
     table = (0.3 * torch.randn(ROWS, DIM, generator=gen)).to(BF16)
-    g_e = (
-        torch.randn(DIM, generator=gen).to(BF16).double().expand(TOKENS, DIM) / TOKENS
-    )  # exact in bf16
+    # exact in bf16
+    g_e = torch.randn(DIM, generator=gen).to(BF16).double().expand(TOKENS, DIM) / TOKENS
     return c, table, torch.zeros(TOKENS, dtype=torch.long), g_e
 
 
@@ -166,9 +165,8 @@ def exact_table_gradient(retrieve: bool) -> tuple[torch.Tensor, torch.Tensor, fl
     (grad,) = torch.autograd.grad(loss, weight)
     with torch.no_grad():
         p, e = o.softmax(-1), weight.abs()
-        coeff = (
-            p / TOKENS + torch.nn.functional.one_hot(targets, ROWS) / TOKENS
-        )  # |g_Z| p + |g_t| [b = target]
+        # |g_Z| p + |g_t| [b = target]
+        coeff = p / TOKENS + torch.nn.functional.one_hot(targets, ROWS) / TOKENS
         if (
             retrieve
         ):  # p (|E_b|·|g_ē| + Σ_b' p_b' |E_b'|·|g_ē|): the retrieval's part of ∂L/∂o, term by term

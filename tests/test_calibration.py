@@ -38,9 +38,8 @@ def make_case(seed: int = 0):
     registered = (table.codes != 0).any(dim=1)
     heads = [3 * torch.randn(N, B, generator=g) for _ in range(H)]
     columns = signature_columns(table.codes.long(), tables)
-    logp = log_p_inf(
-        heads, columns, registered, tables
-    )  # [N, V], the brute-force reference's input
+    # [N, V], the brute-force reference's input
+    logp = log_p_inf(heads, columns, registered, tables)
     targets = torch.multinomial((TRUE_TAU * logp).softmax(-1), 1, generator=g).squeeze(1)
     return heads, columns, registered, tables, logp, targets
 
@@ -143,9 +142,8 @@ def test_fitted_temperature_is_the_brute_force_minimum():
 
 def test_a_minimum_outside_the_range_gives_its_end():
     heads, columns, registered, tables, logp, _ = make_case()
-    uncorrelated = logp.argsort(-1)[
-        :, 1
-    ]  # the least likely registered token (column 0: -inf, the pad)
+    # the least likely registered token (column 0: -inf, the pad)
+    uncorrelated = logp.argsort(-1)[:, 1]
     for targets, end in (
         (logp.argmax(-1), TAU_MAX),
         (uncorrelated, TAU_MIN),

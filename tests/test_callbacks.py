@@ -45,9 +45,8 @@ def _calls(path: Path) -> list[tuple[str, int]]:
 def test_a_callback_from_the_test_directory_sees_every_hook_once_per_step_in_order(
     tmp_path, data, monkeypatch
 ):
-    monkeypatch.setenv(
-        "PYTHONPATH", str(Path(__file__).parent)
-    )  # where ranks started afresh would import it from
+    # where ranks started afresh would import it from
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
     run = tmp_path / "run"
     run_cli(
         train_args(
@@ -100,8 +99,7 @@ def test_the_trainer_gets_the_callbacks_loss_wrappers_one_after_the_other():
         def wrap_loss(self, loss):
             return loss + 1
 
-    assert (
-        Callbacks([Callback(), HookRecorder()]).loss_wrapper() is None
-    )  # a run: the trainer's loss as it is
+    # a run: the trainer's loss as it is
+    assert Callbacks([Callback(), HookRecorder()]).loss_wrapper() is None
     wrapper = Callbacks([Times(3.0), Callback(), Plus()]).loss_wrapper()
     assert wrapper(torch.tensor(2.0)).item() == 7.0

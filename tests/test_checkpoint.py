@@ -70,9 +70,8 @@ def test_signal_saves_and_exits_for_requeue(tmp_path, data):
 def test_time_based_saves_are_agreed_by_all_ranks(tmp_path, data, monkeypatch):
     # 6 ms: every step outlasts it, so each rank's clock says "due" after every step; one all-reduce makes it one
     # decision (ranks that disagreed would wait on each other inside the save forever)
-    monkeypatch.setenv(
-        "MHF_DIST_GRACE_SECONDS", "0.01"
-    )  # as a job script sets it: no step and save fit in that
+    # as a job script sets it: no step and save fit in that
+    monkeypatch.setenv("MHF_DIST_GRACE_SECONDS", "0.01")
     out = run_cli(
         train_args(
             tmp_path / "run",
@@ -88,9 +87,8 @@ def test_time_based_saves_are_agreed_by_all_ranks(tmp_path, data, monkeypatch):
         for p in sorted((tmp_path / "run/checkpoints").glob("step-*/complete.json"))
     ]
     assert [(m["step"], m["reason"]) for m in markers] == [(1, "time"), (2, "time"), (3, "end")]
-    assert re.search(
-        r"\(time, [\d.]+ MB in [\d.]+ s, [\d.e-]+ GB/s per node\)", out
-    )  # size, duration, rate
+    # size, duration, rate
+    assert re.search(r"\(time, [\d.]+ MB in [\d.]+ s, [\d.e-]+ GB/s per node\)", out)
     assert "needs a grace of about 120 s, and this job has 0 s: submit with --grace 120" in out
 
 
@@ -99,9 +97,8 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, data):
     args = train_args(
         tmp_path / "run", data, 2, "parallel.zero_stage=1", "train.checkpoint_interval=2", steps=6
     )
-    env = os.environ | {
-        "MHF_DIST_TEST_SAVE_PAUSE": "3"
-    }  # every save stalls before it is marked complete
+    # every save stalls before it is marked complete
+    env = os.environ | {"MHF_DIST_TEST_SAVE_PAUSE": "3"}
     proc = CliProcess(args, tmp_path / "out.log", env, new_session=True)
     ckpts = tmp_path / "run" / "checkpoints"
     deadline = time.time() + 300
@@ -169,13 +166,11 @@ def test_training_goes_on_during_an_async_save_and_a_kill_then_keeps_the_previou
     args = train_args(
         run, data, 1, "parallel.zero_stage=1", ASYNC, "train.checkpoint_interval=2", steps=6
     )
-    env = os.environ | {
-        "MHF_DIST_TEST_SAVE_PAUSE": "10"
-    }  # each background write stalls before complete.json
+    # each background write stalls before complete.json
+    env = os.environ | {"MHF_DIST_TEST_SAVE_PAUSE": "10"}
     proc = CliProcess(args, tmp_path / "out.log", env, new_session=True)
-    _wait_for_step(
-        run, 5, proc
-    )  # step 5 trained and logged while step 4's save is still being written
+    # step 5 trained and logged while step 4's save is still being written
+    _wait_for_step(run, 5, proc)
     assert (ckpts / "step-00000004").is_dir() and not (
         ckpts / "step-00000004/complete.json"
     ).exists()
@@ -305,9 +300,8 @@ def test_deepspeeds_zero_to_fp32_beside_the_checkpoints_writes_the_exported_weig
 
     from safetensors.torch import load_file
 
-    train_run(
-        tmp_path, data, "run", 2, steps=2
-    )  # dp 2, ZeRO-3: each rank's file holds half of every parameter
+    # dp 2, ZeRO-3: each rank's file holds half of every parameter
+    train_run(tmp_path, data, "run", 2, steps=2)
     checkpoints = tmp_path / "run" / "checkpoints"
     subprocess.run(
         [
@@ -339,9 +333,8 @@ def test_a_checkpoint_of_another_pipeline_cut_resumes_through_a_conversion(tmp_p
     train_run(tmp_path, data, "run", 2, *layout, "train.stop_at_step=2", steps=4)
     marker_path = next((tmp_path / "run" / "checkpoints").glob("step-*")) / "complete.json"
     marker = json.loads(marker_path.read_text())
-    assert (
-        marker["layout"]["stages"][-1] == 2 + 2 + 1
-    )  # vocabulary in, 2 blocks, norm, vocabulary out
+    # vocabulary in, 2 blocks, norm, vocabulary out
+    assert marker["layout"]["stages"][-1] == 2 + 2 + 1
     del marker["layout"]["stages"]
     marker_path.write_text(json.dumps(marker))
     out = run_cli(train_args(tmp_path / "run", data, 2, *layout, steps=4))

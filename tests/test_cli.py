@@ -83,9 +83,8 @@ def test_plan_and_submit_do_not_load_deepspeed_or_transformers(tmp_path):
         == []
     )
     loaded = loaded_by("plan", "--preset", "3b-h4b16k", "--cluster", "a100-80g", "--nodes", "4")
-    assert (
-        "deepspeed" not in loaded and "transformers" not in loaded
-    )  # the meta-device model needs torch
+    # the meta-device model needs torch
+    assert "deepspeed" not in loaded and "transformers" not in loaded
 
 
 def test_help_lists_user_commands_with_examples(capsys):
@@ -155,9 +154,8 @@ def test_batch_sizes_that_cannot_fit_name_the_values_that_would(tmp_path):
     from mhf_dist.config import ConfigError
     from mhf_dist.parallel.layout import resolve_layout
 
-    set_by_user = load_config(
-        "tiny-h4b16k", overrides=["train.micro_batch_size=8"]
-    )  # kept as set: refused
+    # kept as set: refused
+    set_by_user = load_config("tiny-h4b16k", overrides=["train.micro_batch_size=8"])
     with pytest.raises(
         ConfigError,
         match=r"= 8 × 2; set train.micro_batch_size=4 or 2 or 1, or "

@@ -136,9 +136,8 @@ def test_engram_hash_mode_former_name_reads_as_keyed():
     marker_model = cfg.model.model_dump(mode="json")
     marker_model["engram"]["hash"] = "seed"
     assert _as_written_now(marker_model) == cfg.model.model_dump(mode="json")
-    assert _as_written_now({"n_layers": "many"}) == {
-        "n_layers": "many"
-    }  # no longer valid: compared as stored
+    # no longer valid: compared as stored
+    assert _as_written_now({"n_layers": "many"}) == {"n_layers": "many"}
 
 
 def _printed(tmp_path, capsys, *args: str):
@@ -206,9 +205,8 @@ def test_a_printed_config_names_the_preset_it_holds(tmp_path, capsys):
         tmp_path, capsys, "--preset", "tiny-h4b16k", "--config", str(tmp_path / "other.yaml")
     )
     direct = load_config("tiny-h4b16k", tmp_path / "other.yaml")
-    assert (
-        direct.preset == "tiny-h4b16k" and direct.model.d_model == 64
-    )  # --preset is the one applied
+    # --preset is the one applied
+    assert direct.preset == "tiny-h4b16k" and direct.model.d_model == 64
     assert _at_dp(load_config(path=path), 2) == _at_dp(direct, 2)
 
 

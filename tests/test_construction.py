@@ -188,9 +188,8 @@ def test_every_layout_starts_from_the_single_process_weights(tmp_path, world):
     ranks = run_ranks(construct_worker, world, layouts)
     for name, tp, pp, weights in layouts:
         held = [shape for r in ranks for _, shape in r[name]["params"].values()]
-        assert (
-            all(s is not None for s in held) if pp == 1 else all(s is None for s in held)
-        )  # ZeRO-3 iff pp = 1
+        # ZeRO-3 iff pp = 1
+        assert all(s is not None for s in held) if pp == 1 else all(s is None for s in held)
         dp = world // (tp * pp)
         if (
             pp == 1 and dp > 1
@@ -263,9 +262,8 @@ def test_zero3_construction_holds_one_dp_share_and_one_parameter():
             f"peak {r['peak'] / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB "
             f"(full model {r['full'] / 2**20:.0f} MiB)"
         )
-        assert (
-            bound < 0.6 * r["full"]
-        )  # far below a full copy, so the test tells the two constructions apart
+        # far below a full copy, so the test tells the two constructions apart
+        assert bound < 0.6 * r["full"]
 
 
 # ---------------------------------------------------------------- drawing only what a rank keeps

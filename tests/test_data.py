@@ -216,13 +216,11 @@ def test_shards_read_with_plain_webdataset_as_docs_data_md_says(shards, val_shar
                 and ids.shape == (SEQ + 1,)
                 and ids.dtype == np.dtype(manifest["dtype"])
             )
-        read = [
-            s for url in urls for s in _tar_samples(Path(url))
-        ]  # the standard library's reading
+        # the standard library's reading
+        read = [s for url in urls for s in _tar_samples(Path(url))]
         assert [s["tokens.npy"].tolist() for s in samples] == [s.tolist() for s in read]
-        raw = next(iter(wds.WebDataset(urls[:1], shardshuffle=False)))[
-            "tokens.npy"
-        ]  # undecoded: the file's bytes
+        # undecoded: the file's bytes
+        raw = next(iter(wds.WebDataset(urls[:1], shardshuffle=False)))["tokens.npy"]
         assert np.load(io.BytesIO(raw)).tolist() == read[0].tolist()
 
 
@@ -337,9 +335,8 @@ def test_merged_parts_train_as_one_preparation_of_the_same_inputs(unmerged, val_
         n = one["splits"][split]["samples"] // 2
         merged_stream, _ = _global_stream(unmerged, 3, n, split=split)
         assert merged_stream == _global_stream(val_shards, 3, n, split=split)[0]
-    urls = [
-        str(unmerged / e["name"]) for e in merged["splits"]["train"]["shards"]
-    ]  # shard URLs, matched by name
+    # shard URLs, matched by name
+    urls = [str(unmerged / e["name"]) for e in merged["splits"]["train"]["shards"]]
     with (
         _reader(urls, manifest=unmerged / "manifest.json") as by_url,
         _reader(val_shards) as one_process,
@@ -906,9 +903,8 @@ def test_every_mixture_block_holds_each_source_at_its_weight():
         assert all(
             sorted(occurrence[source == k]) == list(range(c)) for k, c in enumerate(schedule.counts)
         )
-    assert not np.array_equal(
-        schedule.block(0)[0], schedule.block(1)[0]
-    )  # each block in its own order
+    # each block in its own order
+    assert not np.array_equal(schedule.block(0)[0], schedule.block(1)[0])
     assert apportion([1.0, 1e-9], BLOCK).tolist() == [4095, 1]  # every source is read
 
 
@@ -985,9 +981,8 @@ def in_memory(shards):
 def test_shards_in_object_storage_read_and_resume_as_local_ones(in_memory, shards, reference):
     remote = "memory://bucket/shards"
     assert _global_stream(remote, 2, 60)[0] == reference[:120]
-    _, states = _global_stream(
-        remote, 2, 30
-    )  # read remotely, resumed from local files and back: one stream
+    # read remotely, resumed from local files and back: one stream
+    _, states = _global_stream(remote, 2, 30)
     local, states = _global_stream(shards, 1, 40, state=states[0])
     assert local == reference[60:100]
     assert _global_stream(remote, 4, 5, state=states[0])[0] == reference[100:120]
@@ -1001,9 +996,8 @@ def test_a_changed_shard_in_object_storage_fails_its_checksum(in_memory, shards)
     data[-2000] ^= 1
     in_memory.pipe(f"/bucket/shards/{name}", bytes(data))
     with pytest.raises(DataError, match=rf"memory://bucket/shards/{name} fails its SHA-256 check"):
-        _global_stream(
-            "memory://bucket/shards", 1, _reader(shards).samples_per_epoch
-        )  # every shard once
+        # every shard once
+        _global_stream("memory://bucket/shards", 1, _reader(shards).samples_per_epoch)
 
 
 def test_a_storage_scheme_without_its_package_is_named(monkeypatch):

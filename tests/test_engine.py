@@ -195,7 +195,6 @@ def test_real_presets_need_their_data_named(tmp_path, capsys):
         == 2
     )
     assert "data.path is not set" in capsys.readouterr().err
-    preflight(
-        load_config("100m-h4b16k", overrides=["data.path=embedded"]), 1, "cpu"
-    )  # the demo text, on purpose
+    # the demo text, on purpose
+    preflight(load_config("100m-h4b16k", overrides=["data.path=embedded"]), 1, "cpu")
     preflight(load_config("tiny-h4b16k"), 1, "cpu")  # tiny presets default to it

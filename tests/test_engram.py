@@ -108,16 +108,14 @@ def test_compression_merges_tokens_equal_after_normalization(bpe):
     for v, key in enumerate(keys):
         by_key.setdefault(key, table.old_to_new[v].item())
         assert table.old_to_new[v].item() == by_key[key], (v, tokens[v], key)
-    assert (
-        table.num_ids == len(by_key) < len(bpe)
-    )  # shared ids exactly for equal keys; the vocabulary shrinks
+    # shared ids exactly for equal keys; the vocabulary shrinks
+    assert table.num_ids == len(by_key) < len(bpe)
     assert sorted(set(table.old_to_new.tolist())) == list(range(table.num_ids))
     the = [
         bpe.convert_tokens_to_ids(t) for t in ("the", "Ġthe", "The", "ĠThe") if t in bpe.get_vocab()
     ]
-    assert (
-        len(the) >= 2 and len({table.old_to_new[v].item() for v in the}) == 1
-    )  # " the" and "the" merge
+    # " the" and "the" merge
+    assert len(the) >= 2 and len({table.old_to_new[v].item() for v in the}) == 1
     assert table.pad_id == table.old_to_new[bpe.pad_token_id].item()
     assert abs(table.ratio - table.num_ids / len(bpe)) < 1e-12 and "ratio" in table.summary()
 
@@ -161,9 +159,8 @@ def reference_indices(
 
     rows = []
     for t in range(len(x)):
-        back = [
-            x[t - j] if t - j >= 0 else pad for j in range(hasher.max_ngram)
-        ]  # x_t, x_{t-1}, ...
+        # x_t, x_{t-1}, ...
+        back = [x[t - j] if t - j >= 0 else pad for j in range(hasher.max_ngram)]
         row = []
         for n in range(2, hasher.max_ngram + 1):
             if mode == "keyed":
@@ -189,9 +186,8 @@ def test_hash_indices_match_spec_formulas(mode):
     assert len(primes) == 2 * 3 * 3 == len(set(primes)) and all(
         sympy.isprime(m) and m >= 5000 for m in primes
     )
-    compression = random_compression(
-        50_000, 40_000, seed=0
-    )  # V' large enough that 3- and 4-gram products wrap
+    # V' large enough that 3- and 4-gram products wrap
+    compression = random_compression(50_000, 40_000, seed=0)
     hasher = NgramHash(
         cfg, 5, sizes[5], compression.old_to_new, compression.num_ids, compression.pad_id
     )
@@ -277,9 +273,8 @@ def test_sigmoid_gate_equals_formula():
     ids = torch.randint(0, V, (1, S), generator=torch.Generator().manual_seed(5))
     h = torch.randn(1, S, d, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     got = memory(h, ids)[0]
-    e = memory.tables.weight[torch.arange(8), memory.hash(ids)[0]].reshape(
-        S, -1
-    )  # concatenated head vectors
+    # concatenated head vectors
+    e = memory.tables.weight[torch.arange(8), memory.hash(ids)[0]].reshape(S, -1)
 
     def rms(x, gain):
         return x / torch.sqrt((x * x).mean() + 1e-6) * gain
@@ -431,9 +426,8 @@ def engram_tp_worker(rank, world):
     for name in TP_CASES:
         _, model, batch = make_tp_case(name, world)
         apply_tensor_parallel(model, groups.tp_group, groups.tp_rank, groups.tp)
-        assert (
-            model.backbone.layers[0].engram.tables.weight.shape[1] == 128 // world
-        )  # rows sharded
+        # rows sharded
+        assert model.backbone.layers[0].engram.tables.weight.shape[1] == 128 // world
         results[name] = step(model, batch)
     return results
 

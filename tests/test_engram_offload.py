@@ -39,9 +39,8 @@ def test_host_lookup_and_gradient_equal_the_dense_tables():
     assert isinstance(tables, HostTables) and not any(
         "engram.tables" in n for n, _ in host.named_parameters()
     )
-    assert torch.equal(
-        tables.weight, dense.backbone.layers[1].engram.tables.weight
-    )  # same initialisation
+    # same initialisation
+    assert torch.equal(tables.weight, dense.backbone.layers[1].engram.tables.weight)
     assert host.parameter_counts() == dense.parameter_counts()
     ids = torch.randint(0, V, (2, 16))
     # a prefetched gather (the trainer's path) and the synchronous one give the same output
@@ -54,9 +53,8 @@ def test_host_lookup_and_gradient_equal_the_dense_tables():
     for i in (0, 1):
         d, h = dense.backbone.layers[i].engram.tables, host.backbone.layers[i].engram.tables
         assert torch.allclose(d.weight.grad, h.grad, atol=1e-6, rtol=1e-5)
-        assert (h.grad.abs().sum(-1) > 0).sum() < h.grad.shape[0] * h.grad.shape[
-            1
-        ]  # only the rows read
+        # only the rows read
+        assert (h.grad.abs().sum(-1) > 0).sum() < h.grad.shape[0] * h.grad.shape[1]
     # a full state dict (train.init_from, an export) loads into the host tables
     host.load_state_dict(dense.state_dict())
 

@@ -285,9 +285,8 @@ def test_a_second_job_on_a_run_directory_is_refused(tmp_path, data):
 
     gone = subprocess.Popen(["true"])
     gone.wait()
-    (run / "lock.json").write_text(
-        json.dumps(live | {"pid": gone.pid})
-    )  # a job that died without releasing it
+    # a job that died without releasing it
+    (run / "lock.json").write_text(json.dumps(live | {"pid": gone.pid}))
     out = run_cli(train_args(run, data, 2, steps=2))
     assert f"taking over the lock of {run}: process {gone.pid}" in out
     assert not (run / "lock.json").exists()  # released at the end
@@ -436,9 +435,8 @@ def test_commands_that_write_a_directory_never_lose_a_run(tmp_path, data):
     ):
         out = run_cli(argv, expect_rc=2)
         assert ("source" in out or "holds a run directory" in out) and "Traceback" not in out, out
-    assert (
-        sorted(p.relative_to(run) for p in run.rglob("*")) == before
-    )  # nothing of the run touched
+    # nothing of the run touched
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
 
     target = tmp_path / "exported"
     target.mkdir()
@@ -486,9 +484,8 @@ def test_one_rank_killed_mid_save_loses_nothing_saved(tmp_path, data):
     args = train_args(
         tmp_path / "run", data, 2, "parallel.zero_stage=1", "train.checkpoint_interval=2", steps=6
     )
-    env = os.environ | {
-        "MHF_DIST_TEST_SAVE_PAUSE": "3"
-    }  # every save stalls before it is marked complete
+    # every save stalls before it is marked complete
+    env = os.environ | {"MHF_DIST_TEST_SAVE_PAUSE": "3"}
     proc = CliProcess(args, tmp_path / "out.log", env)
     ckpts = tmp_path / "run" / "checkpoints"
     deadline = time.time() + 300
@@ -496,9 +493,8 @@ def test_one_rank_killed_mid_save_loses_nothing_saved(tmp_path, data):
         time.sleep(0.05)
     os.kill(proc.rank_pids()[1], signal.SIGKILL)  # rank 1 alone, mid-save of step 4
     rc = proc.wait(timeout=300)
-    assert rc != 0, (tmp_path / "out.log").read_text()[
-        -3000:
-    ]  # the launcher stopped rank 0, which waited for rank 1
+    # the launcher stopped rank 0, which waited for rank 1
+    assert rc != 0, (tmp_path / "out.log").read_text()[-3000:]
     assert (ckpts / "step-00000002" / "complete.json").is_file()
     assert not (ckpts / "step-00000004" / "complete.json").exists()
     out = run_cli(args)  # the relaunch cleans the interrupted save and continues from step 2

@@ -71,12 +71,10 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, data):
     out = run_cli(
         train_args(run, data, 1, ZERO1, "train.checkpoint_interval=1", "train.keep_checkpoints=1")
     )
-    assert (
-        f"resumed from {ckpts / 'step-00000002'} at step 2" in out
-    )  # --resume auto follows `latest`
-    assert [r["loss"] for r in metrics(run)] == [
-        r["loss"] for r in first
-    ]  # the same training, bit for bit
+    # --resume auto follows `latest`
+    assert f"resumed from {ckpts / 'step-00000002'} at step 2" in out
+    # the same training, bit for bit
+    assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in first]
 
 
 def _overwrite_middle(path: Path) -> bytes:
@@ -133,9 +131,8 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path, data, monkeypa
         f"could not save checkpoint {path}: rank 1: writing zero_pp_rank_1_mp_rank_00_optim_states.pt failed "
         "([Errno 28] No space left on device" in out
     )
-    assert (
-        f"could not save checkpoint {path}: rank 1 could not write its part" in out
-    )  # rank 0's message
+    # rank 0's message
+    assert f"could not save checkpoint {path}: rank 1 could not write its part" in out
     assert "Traceback" not in out and not path.exists()
 
 
@@ -268,9 +265,8 @@ def test_an_async_save_failing_on_one_rank_fails_on_every_rank(tmp_path, data, m
         f"could not save checkpoint {path}: rank 1: writing zero_pp_rank_1_mp_rank_00_optim_states.pt failed "
         "([Errno 28] No space left on device" in out
     )
-    assert (
-        f"could not save checkpoint {path}: rank 1 could not write its part" in out
-    )  # rank 0's message
+    # rank 0's message
+    assert f"could not save checkpoint {path}: rank 1 could not write its part" in out
     assert f"{ckpts / 'step-00000001'} stays the newest checkpoint" in out
     assert "Traceback" not in out and not path.exists()
     assert metrics(run)[-1]["step"] == 3  # trained on while step 2 was written
@@ -289,9 +285,8 @@ def test_corrupt_or_malformed_checkpoints_are_refused_by_name(tmp_path, data):
     intact = shard.read_bytes()
     _overwrite_middle(shard)
     args = train_args(run, data, 1, ZERO1, steps=4)
-    out = run_cli(
-        args + ["--resume", str(shard.parent)], expect_rc=2
-    )  # named: refused, not replaced
+    # named: refused, not replaced
+    out = run_cli(args + ["--resume", str(shard.parent)], expect_rc=2)
     assert f"checkpoint {shard.parent}: {shard.name} does not match its sha256 digest" in out
     assert (
         f"the newest checkpoint in {ckpts} that verifies is step-00000001: give {ckpts / 'step-00000001'} "
@@ -315,9 +310,8 @@ def test_corrupt_or_malformed_checkpoints_are_refused_by_name(tmp_path, data):
     assert f"ignoring incomplete checkpoint {shard.parent} (malformed complete.json:" in out
     assert f"checkpoint {older.parent} has no content digests" in out
     assert f"resumed from {older.parent} at step 1" in out and "Traceback" not in out
-    assert [p.name for p in (ckpts / "abandoned").glob("*/*")] == [
-        "step-00000002"
-    ]  # kept: its files are intact
+    # kept: its files are intact
+    assert [p.name for p in (ckpts / "abandoned").glob("*/*")] == ["step-00000002"]
 
 
 @pytest.mark.multirank

@@ -87,13 +87,11 @@ def test_a_first_ctrl_c_during_start_up_promises_no_step_and_no_save(capfd, monk
     try:
         notes = []
         for training in (False, True):
-            stop = StopSignal(
-                lambda: "nothing is lost"
-            )  # a new one each time: a second Ctrl-C would abort
+            # a new one each time: a second Ctrl-C would abort
+            stop = StopSignal(lambda: "nothing is lost")
             if training:
-                assert (
-                    stop.start_up_ends(False) is False
-                )  # the ranks agreed to go on: the steps begin
+                # the ranks agreed to go on: the steps begin
+                assert stop.start_up_ends(False) is False
             os.kill(os.getpid(), signal.SIGINT)
             assert stop.received and stop.interrupted
             notes.append(capfd.readouterr().err)

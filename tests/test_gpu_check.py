@@ -104,12 +104,10 @@ def test_cpu_mode_runs_every_step_and_reports_every_check(tmp_path):
     ):
         assert f"{step} done in" in proc.stdout
     assert report["complete"] and [s["status"] for s in report["steps"]] == ["done"] * 4
-    assert (
-        "estimated" in proc.stdout and "A command is stopped at 600 s" in proc.stdout
-    )  # the plan, first
-    commands = {
-        c["command"]: c for c in report["commands"]
-    }  # every command's seconds, printed and in the JSON
+    # the plan, first
+    assert "estimated" in proc.stdout and "A command is stopped at 600 s" in proc.stdout
+    # every command's seconds, printed and in the JSON
+    commands = {c["command"]: c for c in report["commands"]}
     assert {
         "train-standard",
         "train-mhf-fp32-resume",
@@ -196,9 +194,8 @@ def test_layout_and_accumulation_checks_compare_loss_and_gradient_norm(tmp_path)
         _write_run(ctx.run("grad-accum"), records)
         check = feature_checks.grad_accum_check(ctx)
         assert check.status == expected, (case, check)
-    assert (
-        "global batch 8 = 4 micro-batches of 2" not in check.result
-    )  # the preset's micro-batch is 8
+    # the preset's micro-batch is 8
+    assert "global batch 8 = 4 micro-batches of 2" not in check.result
     assert "global batch 8 = 1 micro-batches of 8" in check.result
 
 
@@ -210,17 +207,15 @@ def test_feature_checks_on_made_up_runs(tmp_path):
     _write_run(ctx.run("engram-offload"), _records(c, memory_gb=0.10))
     check = feature_checks.engram_offload_check(ctx)
     assert check.status == "PASS" and check.values["device_probe_s"] == 1e-3, check
-    _write_run(
-        ctx.run("engram-offload"), _records(c, memory_gb=0.30)
-    )  # the tables stayed on the device
+    # the tables stayed on the device
+    _write_run(ctx.run("engram-offload"), _records(c, memory_gb=0.30))
     assert feature_checks.engram_offload_check(ctx).status == "FAIL"
     _write_run(
         ctx.run("engram-offload"),
         [{k: v for k, v in r.items() if k != "device_s"} for r in _records(c, memory_gb=0.10)],
     )
-    check = feature_checks.engram_offload_check(
-        ctx
-    )  # on a GPU every compared step carries the device probe's time
+    # on a GPU every compared step carries the device probe's time
+    check = feature_checks.engram_offload_check(ctx)
     assert check.status == "FAIL" and "the device probe timed no step" in check.result, check
 
     _write_run(ctx.run("mhf-bf16"), _records(30))
@@ -232,9 +227,8 @@ def test_feature_checks_on_made_up_runs(tmp_path):
     good = [r | {"p_inf_loss": 8.0 - 0.1 * r["step"]} for r in _records(c)]
     good = [r | {"loss": sum(r["head_losses"]) + weight * r["p_inf_loss"]} for r in good]
     assert p_inf(good) == "PASS"
-    assert (
-        p_inf([r | {"loss": sum(r["head_losses"])} for r in good]) == "FAIL"
-    )  # the term is missing
+    # the term is missing
+    assert p_inf([r | {"loss": sum(r["head_losses"])} for r in good]) == "FAIL"
     assert (
         p_inf([r | {"head_losses": [h * 1.05 for h in r["head_losses"]]} for r in good]) == "FAIL"
     )  # step 1
@@ -264,9 +258,8 @@ def test_feature_checks_on_made_up_runs(tmp_path):
     (out / "profile.json").write_text(json.dumps({"training": [row]}))
     assert feature_checks.profile_tp2_check(ctx).status == "measured"
     (out / "profile.json").write_text(json.dumps({"training": [row | {"comm_bytes_per_step": 0}]}))
-    assert (
-        feature_checks.profile_tp2_check(ctx).status == "FAIL"
-    )  # no tensor-parallel traffic: not tp=2
+    # no tensor-parallel traffic: not tp=2
+    assert feature_checks.profile_tp2_check(ctx).status == "FAIL"
 
     (out / "profile.json").unlink()  # results that cannot be read fail their own row, not the step
     check = feature_checks.feature_check(
@@ -317,9 +310,8 @@ def test_a_gloo_limitation_is_told_from_a_defect_by_the_error_text(tmp_path):
     check = feature_checks.failed_run_check(two_ranks, error)
     assert check.status == runner.NOT_RUNNABLE and "unsupported device type cuda" in check.result
     one_rank = runner.Job("compile", [], required=False)
-    assert (
-        feature_checks.failed_run_check(one_rank, error).status == "FAIL"
-    )  # one rank uses no gloo collective
+    # one rank uses no gloo collective
+    assert feature_checks.failed_run_check(one_rank, error).status == "FAIL"
     log.write_text("torch.AcceleratorError: CUDA error: invalid device ordinal\n")
     assert feature_checks.failed_run_check(two_ranks, error).status == "FAIL"
     env = {
@@ -468,9 +460,8 @@ def test_a_check_cut_short_leaves_a_report_of_the_steps_that_ended(tmp_path, mon
         ),
     )
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    signal.signal(
-        signal.SIGINT, signal.SIG_IGN
-    )  # a handler of the process's own: the check interrupts anyway
+    # a handler of the process's own: the check interrupts anyway
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         with pytest.raises(SystemExit if signum == signal.SIGTERM else KeyboardInterrupt):
             gpu_check.run(_run_args(monkeypatch, tmp_path))
@@ -490,9 +481,8 @@ def test_a_check_cut_short_leaves_a_report_of_the_steps_that_ended(tmp_path, mon
     assert report["commands"][0]["seconds"] >= 0.5
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| first-check |" in table and "in progress: 1 of 3 steps finished" in table
-    assert (
-        started[0].wait(timeout=10) == -signal.SIGKILL
-    )  # the command under way ended with the check
+    # the command under way ended with the check
+    assert started[0].wait(timeout=10) == -signal.SIGKILL
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -574,9 +564,8 @@ def test_in_step_2_only_the_compile_run_compiles(tmp_path):
     assert (
         "estimated 8.7 min in all" in plan and "stopped at 300 s (a 2-rank run's at 180 s)" in plan
     )
-    assert (
-        round(sum(runner.GPU.estimates_s) / 60) == 9
-    )  # the docstring's, README's and usage's "9 minutes"
+    # the docstring's, README's and usage's "9 minutes"
+    assert round(sum(runner.GPU.estimates_s) / 60) == 9
 
 
 def test_a_profile_rows_memory_is_its_steps_own_peak():

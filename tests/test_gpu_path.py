@@ -32,9 +32,8 @@ from test_model import test_fused_decoder_equals_plain
 
 # ---------------------------------------------------------------------------------------------------- binding
 def test_local_ranks_map_onto_the_gpus_each_task_sees():
-    assert [device_index(r, 8) for r in range(8)] == list(
-        range(8)
-    )  # every task sees the node's 8 GPUs
+    # every task sees the node's 8 GPUs
+    assert [device_index(r, 8) for r in range(8)] == list(range(8))
     assert [device_index(r, 1) for r in range(8)] == [
         0
     ] * 8  # --gpus-per-task=1: each task sees its own, as 0
@@ -49,9 +48,8 @@ def test_a_bound_rank_drives_its_one_gpu_and_tells_deepspeed(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     monkeypatch.setenv("LOCAL_RANK", "5")
     assert bind_gpu(5) == torch.device("cuda", 0)
-    assert (
-        chosen == [0] and os.environ["LOCAL_RANK"] == "0"
-    )  # DeepSpeed places parameters on cuda:$LOCAL_RANK
+    # DeepSpeed places parameters on cuda:$LOCAL_RANK
+    assert chosen == [0] and os.environ["LOCAL_RANK"] == "0"
 
 
 def test_profile_binding_one_gpu_per_task_renders_into_the_job_script():
@@ -125,9 +123,8 @@ def host_states() -> dict:
 
 
 def test_rng_state_holds_the_ranks_own_gpu_and_resumes_seeing_fewer(tmp_path, monkeypatch):
-    saved = FakeGpus(
-        monkeypatch, count=8, current=3
-    )  # a task that sees the node's 8 GPUs, driving cuda:3
+    # a task that sees the node's 8 GPUs, driving cuda:3
+    saved = FakeGpus(monkeypatch, count=8, current=3)
     (tmp_path / "rng.safetensors").write_bytes(checkpoint.rng_state_bytes(cuda=True))
     state = checkpoint.read_rng_state(tmp_path / "rng.safetensors")
     assert torch.equal(state["cuda"], saved.states[3])
@@ -141,9 +138,8 @@ def test_rng_files_with_every_visible_gpus_state_still_load(tmp_path, monkeypatc
     state = host_states()
     every = {f"cuda.{i}": torch.full((16,), 10 + i, dtype=torch.uint8) for i in range(8)}
     FakeGpus(monkeypatch, count=8, current=0)
-    (tmp_path / "new.safetensors").write_bytes(
-        checkpoint.rng_state_bytes(cuda=True)
-    )  # for its python/numpy metadata
+    # for its python/numpy metadata
+    (tmp_path / "new.safetensors").write_bytes(checkpoint.rng_state_bytes(cuda=True))
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "new.safetensors"), framework="pt") as f:
@@ -183,9 +179,8 @@ def test_a_failed_compile_falls_back_to_eager_with_one_warning(monkeypatch, capl
     monkeypatch.setattr(torch, "compile", broken_compile)
     monkeypatch.setattr(fused_head, "_on_gpu", lambda x: True)  # auto compiles on GPUs only
     with caplog.at_level(logging.WARNING, logger=fused_head.__name__):
-        test_fused_decoder_equals_plain(
-            "tiny-h4b16k", 64, kernels="auto"
-        )  # the eager results, after the failure
+        # the eager results, after the failure
+        test_fused_decoder_equals_plain("tiny-h4b16k", 64, kernels="auto")
     warnings = [r for r in caplog.records if "runs eagerly" in r.getMessage()]
     assert (
         len(warnings) == 1
@@ -264,9 +259,8 @@ def test_on_a_cuda_host_only_an_nccl_group_is_bound_to_the_ranks_device(
 
     calls = []
 
-    @functools.wraps(
-        torch.distributed.init_process_group
-    )  # its signature: DeepSpeed reads it for device_id
+    # its signature: DeepSpeed reads it for device_id
+    @functools.wraps(torch.distributed.init_process_group)
     def init_process_group(backend, **kwargs):
         calls.append((backend, kwargs))
         raise Joined
@@ -320,9 +314,8 @@ def test_a_cpu_run_on_a_gpu_host_sets_the_cpu_accelerator_before_its_ranks_load(
     from mhf_dist.cluster import launch
 
     gpu = VisibleGpu(monkeypatch)
-    monkeypatch.setattr(
-        real, "ds_accelerator", None
-    )  # DeepSpeed chooses again, as in a fresh launcher
+    # DeepSpeed chooses again, as in a fresh launcher
+    monkeypatch.setattr(real, "ds_accelerator", None)
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     preloaded, started, import_module = [], [], launch.importlib.import_module
 

@@ -175,9 +175,8 @@ def _two_steps(rank, world, run_dir, data, health):
 def test_the_metrics_change_no_number_of_the_training(tmp_path, data):
     measured = run_ranks(_two_steps, 1, tmp_path / "on", data, True)[0]
     plain = run_ranks(_two_steps, 1, tmp_path / "off", data, False)[0]
-    assert [m[:3] for m in measured] == [
-        p[:3] for p in plain
-    ]  # bit for bit, the second step's loss included
+    # bit for bit, the second step's loss included
+    assert [m[:3] for m in measured] == [p[:3] for p in plain]
     assert [m[3] for m in measured] == [True, True] and [p[3] for p in plain] == [False, False]
 
 

@@ -113,9 +113,8 @@ def test_inference_temperature_survives_export_import_export(trained, exported, 
         torch.testing.assert_close(
             logits, (tau * raw(ids).logits).log_softmax(-1), rtol=0, atol=1e-5
         )
-    assert torch.equal(
-        logits.argmax(-1), raw(ids).logits.argmax(-1)
-    )  # the ranking does not depend on τ
+    # the ranking does not depend on τ
+    assert torch.equal(logits.argmax(-1), raw(ids).logits.argmax(-1))
 
     run_cli(["import-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "imported")])
     assert yaml.safe_load((tmp_path / "imported/config.yaml").read_text())["inference"] == {
@@ -264,9 +263,8 @@ def test_import_lists_signature_differences(exported, tmp_path):
     weights = load_file(str(exported["mhf"] / "model.safetensors"))
     hash_map = weights["model.hash_map"].clone()
     hash_map[[5, 9]] = hash_map[[9, 5]]
-    weights["model.hash_map"] = torch.cat(
-        [hash_map, torch.zeros(7, 4, dtype=torch.long)]
-    )  # rounded-up rows
+    # rounded-up rows
+    weights["model.hash_map"] = torch.cat([hash_map, torch.zeros(7, 4, dtype=torch.long)])
     from safetensors.torch import save_file
 
     save_file(weights, str(src / "model.safetensors"))

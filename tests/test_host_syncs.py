@@ -181,9 +181,8 @@ def _loop_syncs(rank, world, run_dir, data, overrides):
     return [(dict(syncs), dict(calls)) for syncs, calls in steps]
 
 
-OURS = {
-    ("tolist", "parallel/scalars.py:read"): 1
-}  # losses, gradient norm and stop/save flags, in one transfer
+# losses, gradient norm and stop/save flags, in one transfer
+OURS = {("tolist", "parallel/scalars.py:read"): 1}
 DEEPSPEED_ZERO3 = {
     ("__bool__", "deepspeed/runtime/utils.py:is_invalid_grad_norm"): 1,
     ("tensor", "deepspeed/runtime/zero/stage3.py:get_grad_norm_direct"): 2,
@@ -221,9 +220,8 @@ def test_an_ordinary_training_step_reads_the_device_once(tmp_path, data, overrid
     expected = (
         OURS | DEEPSPEED_ZERO3 | (HOST_ONLY if "model.engram.offload=true" in overrides else {})
     )
-    (logged, logged_calls), (ordinary, ordinary_calls) = steps[
-        1:3
-    ]  # steps 2 (logged) and 3: not the first
+    # steps 2 (logged) and 3: not the first
+    (logged, logged_calls), (ordinary, ordinary_calls) = steps[1:3]
     # (DeepSpeed's first-step set-up) nor the last (evaluation and save)
     assert ordinary == logged == expected
     assert collections.Counter(logged_calls) - collections.Counter(ordinary_calls) == {

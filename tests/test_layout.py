@@ -55,9 +55,8 @@ def test_mhf_export_names_are_the_authors():
     assert set(exported) == expected
     emb = exported["model.embed_tokens.weight"]
     assert emb.shape == (4 * 32, 64)
-    assert torch.equal(
-        emb[2 * 32 + 5], model.vocab.tables.weight[2, 5]
-    )  # head k's rows at offset k·B
+    # head k's rows at offset k·B
+    assert torch.equal(emb[2 * 32 + 5], model.vocab.tables.weight[2, 5])
     assert exported["lm_head.weight"] is emb
     assert exported["model.hash_map"].dtype == torch.int64
 

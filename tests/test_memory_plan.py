@@ -43,9 +43,8 @@ def test_3b_zero3_model_states_follow_deepspeed_estimator():
         (20 * plan.params_per_rank / 8 + 4 * tables) / GB, rel=1e-6
     )
     assert plan.activations_checkpointed_gb < plan.activations_gb and plan.fits
-    bf16_sums = load_config(
-        "3b-h4b16k", overrides=[ZERO_ACCUM + "=bf16"]
-    )  # DeepSpeed's own estimate again
+    # DeepSpeed's own estimate again
+    bf16_sums = load_config("3b-h4b16k", overrides=[ZERO_ACCUM + "=bf16"])
     (estimate,) = memory_plan(bf16_sums, profile, nodes=1)
     assert estimate.model_states_gb == pytest.approx(
         (18 * plan.params_per_rank / 8 + 4 * tables) / GB, rel=1e-6
@@ -58,9 +57,8 @@ def test_pipeline_stages_split_the_parameters():
     assert [p.stage for p in plans] == [0, 1] and sum(p.blocks for p in plans) == 36
     # the last stage carries the decoder's (2H-1)·B·d work, so it gets fewer blocks
     assert plans[1].blocks < plans[0].blocks
-    assert (
-        plans[0].decoder_gb == 0 and plans[1].decoder_gb > 0
-    )  # the decoder's buffers live on the last stage
+    # the decoder's buffers live on the last stage
+    assert plans[0].decoder_gb == 0 and plans[1].decoder_gb > 0
 
 
 def test_plan_counts_the_fused_decoder_and_engram_activations():
@@ -175,9 +173,8 @@ def test_zero1_buckets_double_with_overlap_comm():
 
 def test_cpu_plan_counts_resident_buffers_and_the_runtime():
     """In host memory a buffer is resident only where written, at most the rank's parameters; the runtime counts."""
-    cfg = load_config(
-        "tiny-h4b16k", overrides=["data.path=embedded"]
-    )  # cpu_fp32: DeepSpeed's 5e8 bucket
+    # cpu_fp32: DeepSpeed's 5e8 bucket
+    cfg = load_config("tiny-h4b16k", overrides=["data.path=embedded"])
     profile = load_profile("cpu-local").model_copy(update={"gpus_per_node": 1})
     (p,) = memory_plan(cfg, profile, nodes=1)
     params = sum(q.numel() for q in meta_model(cfg.model, 32768).parameters())
@@ -285,9 +282,8 @@ def test_construction_keeps_a_share_plus_the_largest_parameter():
         == construction_bytes(sum(full.values()) / 8, tables)
         == 4 * sum(full.values()) / 8 + 4 * tables
     )
-    stages = memory_plan(
-        load_config("1b-h4b16k", overrides=["parallel.pp=2"]), profile, nodes=1
-    )  # ZeRO-1
+    # ZeRO-1
+    stages = memory_plan(load_config("1b-h4b16k", overrides=["parallel.pp=2"]), profile, nodes=1)
     for stage in stages:  # each stage builds its own layers; both hold the tied tables
         assert stage.construction_gb * GB == 4 * stage.params_per_rank + 4 * tables
     assert "host memory: fits" in format_plan(load_config("1b-h4b16k"), profile, 1, [zero3])
@@ -380,9 +376,8 @@ def test_pipeline_cut_keeps_the_final_norm_on_the_last_stage(seed):
         slowest([0, *cut, n]) for cut in itertools.combinations(range(1, n - 1), stages - 1)
     )
     tiny = load_config("tiny-h4b16k", overrides=["model.hash.num_buckets=256"]).model
-    tiny_costs = layer_costs(
-        tiny, 64, 256
-    )  # the free cut gives the vocabulary out a stage of its own
+    # the free cut gives the vocabulary out a stage of its own
+    tiny_costs = layer_costs(tiny, 64, 256)
     assert (
         stage_bounds(tiny_costs, 2)[-2] == len(tiny_costs) - 1
         and pipeline_bounds(tiny_costs, 2)[-2] == 3
@@ -426,8 +421,7 @@ def test_plan_prints_the_checkpoint_size_and_the_grace_submit_asks_for(capsys):
         and "the default storage_gb_per_s" in out
     )
     assert f"submit asks for the signal {est.grace} s before the time limit" in out
-    piped = load_config(
-        "13b-h4b16k", overrides=["parallel.pp=4"]
-    )  # the layer files' bf16 weights, the tied tables
+    # the layer files' bf16 weights, the tied tables
+    piped = load_config("13b-h4b16k", overrides=["parallel.pp=4"])
     tables = meta_model(cfg.model, 32768).vocab.tables.weight.numel()
     assert save_estimate(piped, profile, 16).bytes == 14 * (params + tables)

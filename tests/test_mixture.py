@@ -33,9 +33,8 @@ def test_a_mixture_trains_resumes_on_another_dp_and_reports_each_source(tmp_path
     full = metrics(tmp_path / "full")
     assert "source psalms: 0.50 of the mix" in out and "source gospels: 0.20 of the mix" in out
     run_cli(mixture_args(tmp_path / "split", data, sources, 1, "train.stop_at_step=2"))
-    run_cli(
-        mixture_args(tmp_path / "split", data, sources, 2)
-    )  # dp 1 -> 2: every source continues where it was
+    # dp 1 -> 2: every source continues where it was
+    run_cli(mixture_args(tmp_path / "split", data, sources, 2))
     split = [r for r in metrics(tmp_path / "split") if "loss" in r]
     assert [r["step"] for r in split] == [1, 2, 3, 4]
     for got, want in zip(split, [r for r in full if "loss" in r]):
@@ -45,9 +44,8 @@ def test_a_mixture_trains_resumes_on_another_dp_and_reports_each_source(tmp_path
             want["loss"],
         )
         assert got["source_tokens"] == want["source_tokens"]
-    seed = yaml.safe_load((tmp_path / "full/config.yaml").read_text())["train"][
-        "seed"
-    ]  # the data order's too
+    # the data order's too
+    seed = yaml.safe_load((tmp_path / "full/config.yaml").read_text())["train"]["seed"]
     schedule = MixtureSchedule(list(WEIGHTS.values()), seed=seed)
     read = schedule.consumed(4 * 8)  # four steps of 8 sequences
     assert full[-1]["source_tokens"] == {name: int(n) * 64 for name, n in zip(WEIGHTS, read)}

@@ -223,9 +223,8 @@ def test_fused_decoder_equals_plain(preset, buckets, kernels="auto"):
         )
         torch.manual_seed(0)
         m = build_model(cfg, V, table.codes, modes=ModelModes(kernels=kernels))
-        x = torch.randint(
-            1, V, (2, 9), generator=torch.Generator().manual_seed(3)
-        )  # 16 targets, chunk 5
+        # 16 targets, chunk 5
+        x = torch.randint(1, V, (2, 9), generator=torch.Generator().manual_seed(3))
         out = m(x[:, :-1], x[:, 1:])
         out.loss.backward()
         results[chunk] = (
@@ -256,9 +255,8 @@ def test_fused_heads_fill_one_table_gradient(preset, monkeypatch):
 
     def recording_slot(self, i, like):
         out = slot(self, i, like)
-        buffers.append(
-            self.buffer.data_ptr()
-        )  # (a reference would stop autograd taking the buffer as .grad)
+        # (a reference would stop autograd taking the buffer as .grad)
+        buffers.append(self.buffer.data_ptr())
         return out
 
     monkeypatch.setattr(TableGradients, "slot", recording_slot)
@@ -335,9 +333,8 @@ def test_a_parameter_of_at_most_one_block_is_one_stream_as_before():
         0.025392940267920494,
     ]
     assert t[0, 0, 0].item() == -0.010589882731437683
-    assert (
-        init.BLOCK == 2**20 and t[2].numel() == init.BLOCK
-    )  # the tiny presets' largest stream: one block
+    # the tiny presets' largest stream: one block
+    assert init.BLOCK == 2**20 and t[2].numel() == init.BLOCK
     b = torch.empty(init.BLOCK)
     init.initial_shard("x.weight", b.shape, b, std=1.0, seed=5)
     assert b[[0, init.BLOCK - 1]].tolist() == [-0.789883553981781, 0.028049500659108162]
@@ -369,16 +366,14 @@ def test_a_rank_draws_only_the_blocks_of_its_partition(monkeypatch, name, shape)
     )
     whole = torch.empty(shape)
     init.initial_shard(name, shape, whole, std=1.0, seed=3)
-    assert not torch.equal(
-        whole.view(-1)[:block], whole.view(-1)[block : 2 * block]
-    )  # blocks: different streams
+    # blocks: different streams
+    assert not torch.equal(whole.view(-1)[:block], whole.view(-1)[block : 2 * block])
     tables = name == "vocab.tables.weight"
     for dim in [None, *range(len(shape))]:
         for tp in [1] if dim is None else [2, 3]:
             for tp_rank, chunk in enumerate(whole.chunk(tp, dim) if dim is not None else [whole]):
-                per = (
-                    chunk[0].numel() if tables else chunk.numel()
-                )  # a table's chunk, or the whole chunk
+                # a table's chunk, or the whole chunk
+                per = chunk[0].numel() if tables else chunk.numel()
                 if dim is not None and dim > (
                     1 if tables else 0
                 ):  # strided: runs of `width` in rows of `stride`
@@ -407,9 +402,8 @@ def test_a_rank_draws_only_the_blocks_of_its_partition(monkeypatch, name, shape)
                             start=start,
                         )
                         assert torch.equal(held, chunk[start : start + n].bfloat16()), (dim, tp, dp)
-                        spans = (
-                            (start + n - 1) // per - start // per + 1 if n else 0
-                        )  # tables touched
+                        # tables touched
+                        spans = (start + n - 1) // per - start // per + 1 if n else 0
                         slack = 2 * block + (2 * stride if stride > 1 else 0)
                         bound = -(-n * stride // width) + spans * slack
                         assert sum(drawn) <= bound, (

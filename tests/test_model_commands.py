@@ -202,9 +202,8 @@ def test_generate_refuses_an_empty_prompt_and_caps_new_tokens_at_the_models_posi
     assert (
         main(["generate", "--model", str(short), "--prompt", PROMPT, "--max-new-tokens", "3"]) == 0
     )
-    assert (
-        capsys.readouterr().out == PROMPT + result["completion"] + "\n"
-    )  # the streamed text, as --json has it
+    # the streamed text, as --json has it
+    assert capsys.readouterr().out == PROMPT + result["completion"] + "\n"
     assert main(["generate", "--model", str(short), "--prompt", PROMPT + PROMPT]) == 2
     assert (
         "(max_position_embeddings), leaving none to generate: shorten the prompt"
@@ -256,9 +255,8 @@ def test_an_exported_files_metadata_is_written_in_one_order(tmp_path):
         save_file(tensors, str(path), metadata={"step": "40", "source": "runs/é/step-00000040"})
         size = int.from_bytes(path.read_bytes()[:8], "little")
         header = json.loads(path.read_bytes()[8 : 8 + size])
-        header["__metadata__"] = {
-            key: header["__metadata__"][key] for key in order
-        }  # as a process may write it
+        # as a process may write it
+        header["__metadata__"] = {key: header["__metadata__"][key] for key in order}
         raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode().ljust(size)
         path.write_bytes(path.read_bytes()[:8] + raw + path.read_bytes()[8 + size :])
         sort_metadata(path)

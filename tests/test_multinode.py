@@ -64,15 +64,13 @@ def test_a_two_node_job_trains_as_one_node_does_and_resumes_bit_identically_afte
         lambda: cluster.story(job, run),
     )
     shown = run_cli(["status", str(run)])
-    assert re.search(r"^ranks +4 ranks on n1, n2$", shown, re.M), (
-        shown
-    )  # the job's nodes, from the ranks
+    # the job's nodes, from the ranks
+    assert re.search(r"^ranks +4 ranks on n1, n2$", shown, re.M), shown
 
     cluster.scontrol("requeue", job)
     wait_for(lambda: cluster.job_state(job)["JobState"] == "PENDING", 120, "the requeue")
-    cluster.scontrol(
-        "update", f"JobId={job}", "StartTime=now"
-    )  # a requeued job otherwise waits ~2 minutes
+    # a requeued job otherwise waits ~2 minutes
+    cluster.scontrol("update", f"JobId={job}", "StartTime=now")
     state = wait_for(
         lambda: (s := cluster.job_state(job))["JobState"] in ("COMPLETED", "FAILED") and s,
         600,
@@ -148,12 +146,10 @@ def test_a_job_that_loses_a_node_finishes_on_the_nodes_left_without_a_person(
     records = metrics(run)
     after = [r for r in records if "loss" in r and r["step"] > 2][-(steps - 2) :]
     assert [r["step"] for r in after] == [3, 4, 5, 6]
-    back = min(
-        datetime.fromisoformat(r["time"]).timestamp() for r in after
-    )  # the first step trained after the loss
-    print(
-        f"from the lost node to the next trained step: {back - lost_at:.0f} s"
-    )  # docs/benchmarks.md
+    # the first step trained after the loss
+    back = min(datetime.fromisoformat(r["time"]).timestamp() for r in after)
+    # docs/benchmarks.md
+    print(f"from the lost node to the next trained step: {back - lost_at:.0f} s")
 
     by_hand = tmp_path / "by-hand"  # the same checkpoint resumed by hand at dp=2 on one host
     shutil.copytree(

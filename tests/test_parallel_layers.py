@@ -67,9 +67,8 @@ def layers_worker(rank: int, world: int) -> dict:
     column = ColumnParallelLinear(D, OUT, TP).double()
     with torch.no_grad():
         column.weight.copy_(shard(full["linear"].weight, 0, rank))
-    mark_region(
-        column, group
-    )  # the region copies its input once, so the input gradient sums over the ranks
+    # the region copies its input once, so the input gradient sums over the ranks
+    mark_region(column, group)
     results["column"] = run(column, x, shard(inputs(4, 4, OUT), 1, rank))
 
     # RowParallelLinear: this rank's input features, partial products all-reduced to the full output

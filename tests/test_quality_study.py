@@ -55,9 +55,8 @@ def test_two_preset_study_writes_finite_results(tmp_path):
         and "—" not in table
     )
     assert (out / "study.png").stat().st_size > 10_000
-    rerun = subprocess.run(
-        args, capture_output=True, text=True, timeout=300
-    )  # finished runs are reused
+    # finished runs are reused
+    rerun = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert (
         rerun.returncode == 0
         and json.loads((out / "study.json").read_text())["runs"] == study["runs"]

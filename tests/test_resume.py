@@ -82,18 +82,16 @@ def test_a_raised_max_steps_sets_the_schedule_from_the_first_resumed_step(tmp_pa
     cfg = load_config("tiny-h4b16k", overrides=[WARMUP]).optimizer
     lr = {r["step"]: r["lr"] for r in metrics(run)}
     assert lr[3] == pytest.approx(cfg.lr * lr_factor(2, cfg, 3))
-    assert (
-        lr[4] == pytest.approx(cfg.lr * lr_factor(3, cfg, 5)) and lr[4] > 0
-    )  # the old schedule ended at 0
+    # the old schedule ended at 0
+    assert lr[4] == pytest.approx(cfg.lr * lr_factor(3, cfg, 5)) and lr[4] > 0
     assert lr[5] == pytest.approx(cfg.lr * lr_factor(4, cfg, 5))
 
 
 @pytest.mark.multirank
 def test_a_run_resumes_with_its_own_config(tmp_path, finished):
     run = copy_of(finished, tmp_path)
-    out = run_cli(
-        ["train", "--run-dir", str(run), "--set", "train.max_steps=4"]
-    )  # no --preset, no --config
+    # no --preset, no --config
+    out = run_cli(["train", "--run-dir", str(run), "--set", "train.max_steps=4"])
     assert f"resumed from {run / 'checkpoints' / 'step-00000003'} at step 3" in out
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["max_steps"] == 4
@@ -175,9 +173,8 @@ def test_other_data_on_resume_is_read_from_its_beginning_with_data_restart(
         8,
     )  # one step of 8 sequences into the new data
     assert position["dataset"] == ShardReader(other_shards).fingerprint
-    assert (
-        yaml.safe_load((run / "config.yaml").read_text())["data"]["restart"] is False
-    )  # one start's instruction
+    # one start's instruction
+    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["restart"] is False
 
     # a requeued job passes data.restart again: the position is in this data now, so it continues from it
     out = run_cli(
@@ -344,9 +341,8 @@ def test_the_client_state_saves_its_parts_keys_in_order_and_loads_each_its_own()
         state.register(part)
     progress.state, watch.state = {"step": 5, "tokens": 40}, {"loss_watch": [1.0]}
     assert list(state.state_dict().items()) == [("step", 5), ("tokens", 40), ("loss_watch", [1.0])]
-    state.load_state_dict(
-        {"step": 2, "tokens": 16, "reader": {}}
-    )  # saved before the watch kept its window
+    # saved before the watch kept its window
+    state.load_state_dict({"step": 2, "tokens": 16, "reader": {}})
     assert (progress.state, watch.state) == (
         {"step": 2, "tokens": 16},
         {"loss_watch": []},

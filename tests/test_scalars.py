@@ -116,9 +116,8 @@ def _host_buffers(s: ScalarCollectives, rank: int) -> dict:
     s.max_into(mask, chunk=2)
     flags = torch.tensor([0, rank, 2 * rank, 1, 0], dtype=torch.uint8)
     s.max_into(flags, chunk=2)
-    grads = torch.arange(10, dtype=torch.float32).view(5, 2) * (
-        rank + 1
-    )  # rows of a gradient, as the host tables'
+    # rows of a gradient, as the host tables'
+    grads = torch.arange(10, dtype=torch.float32).view(5, 2) * (rank + 1)
     s.mean_into(grads, chunk=3)
     return {"mask": mask, "flags": flags, "grads": grads}
 
@@ -145,6 +144,5 @@ def test_reductions_agree_on_every_rank():
             True,
         ]
         assert r["flags"].tolist() == [0, 2, 4, 1, 0]
-        assert torch.equal(
-            r["grads"], torch.arange(10, dtype=torch.float32).view(5, 2) * 2
-        )  # mean of ×1, ×2, ×3
+        # mean of ×1, ×2, ×3
+        assert torch.equal(r["grads"], torch.arange(10, dtype=torch.float32).view(5, 2) * 2)

@@ -107,9 +107,8 @@ def test_a_profile_names_its_scheduler_and_that_schedulers_options(toy, tmp_path
     ]
     assert main(args) == 0
     assert "# toy job (profile toy-site) on queue night:" in capsys.readouterr().out
-    assert (
-        main([*args, "--scheduler", "slurm"]) == 0
-    )  # another scheduler than the profile's, with its defaults
+    # another scheduler than the profile's, with its defaults
+    assert main([*args, "--scheduler", "slurm"]) == 0
     assert "#SBATCH --nodes=1\n" in capsys.readouterr().out
 
 
@@ -193,9 +192,8 @@ def test_a_profile_in_the_older_flat_form_loads_as_the_nested_one(tmp_path):
         and flat.scheduler == "slurm"
         and flat.options_of(SLURM) == SlurmOptions(**own)
     )
-    assert SLURM.in_container(flat) and scheduler("hostfile").in_container(
-        flat
-    )  # srun_args: pyxis's container
+    # srun_args: pyxis's container
+    assert SLURM.in_container(flat) and scheduler("hostfile").in_container(flat)
 
     # extends: the site's values replace the base's one by one, in either form
     base = write(
@@ -249,9 +247,8 @@ def test_a_profiles_scheduler_and_options_are_checked(tmp_path, fields, said):
 
 
 def test_the_shipped_profiles_and_the_site_example_load_unchanged():
-    assert (ROOT / "cluster").samefile(
-        PROFILE_DIR
-    )  # the repository's cluster/ is the package's profiles
+    # the repository's cluster/ is the package's profiles
+    assert (ROOT / "cluster").samefile(PROFILE_DIR)
     names = sorted(p.stem for p in (ROOT / "cluster").glob("*.yaml"))
     assert names == ["a100-80g", "cpu-local", "mi300x"]
     for name in names:

@@ -74,9 +74,8 @@ def test_skip_needs_a_spike_factor_and_zero():
 
 
 def _spiked_run(run, data, monkeypatch, *overrides, on_spike="skip", steps=SPIKE_STEP + 1):
-    monkeypatch.setenv(
-        LOSS_SPIKE_ENV, f"{(SPIKE_STEP - 1) * 8}:1000"
-    )  # a sample of the step's batch of 8
+    # a sample of the step's batch of 8
+    monkeypatch.setenv(LOSS_SPIKE_ENV, f"{(SPIKE_STEP - 1) * 8}:1000")
     return run_cli(
         train_args(
             run,
@@ -115,9 +114,8 @@ def _assert_skipped(run, out: str, pipeline: bool) -> None:
         records[SPIKE_STEP - 1]["skipped_steps"] == 0
         and records[SPIKE_STEP + 1]["skipped_steps"] == 1
     )
-    assert (
-        records[SPIKE_STEP + 1]["lr"] > records[SPIKE_STEP]["lr"]
-    )  # the schedule moved on (still warming up)
+    # the schedule moved on (still warming up)
+    assert records[SPIKE_STEP + 1]["lr"] > records[SPIKE_STEP]["lr"]
 
 
 @pytest.mark.multirank
@@ -156,9 +154,8 @@ def test_warn_applies_the_spike_and_a_resumed_run_skips_it_as_the_uninterrupted_
     shutil.copytree(
         whole, resumed, ignore=shutil.ignore_patterns("metrics.jsonl", "tensorboard", "heartbeats")
     )
-    before_spike = (
-        resumed / "checkpoints" / f"step-{SPIKE_STEP - 1:08d}"
-    )  # the spike injected as before
+    # the spike injected as before
+    before_spike = resumed / "checkpoints" / f"step-{SPIKE_STEP - 1:08d}"
     run_cli(
         train_args(
             resumed, data, 2, "train.spike_factor=3", "train.on_spike=skip", steps=SPIKE_STEP + 1
@@ -198,14 +195,12 @@ def test_a_skipped_range_is_never_read_on_any_rank_count_nor_after_a_resume(data
     plain, _ = _batches(data, 1, 8)
     for dp in (1, 2, 4):
         batches, state = _batches(data, dp, 2, skipped=[(16, 32), (48, 56)])
-        assert batches == plain[:2] and state["position"] == 32, (
-            dp
-        )  # the next unread: past the range
+        # the next unread: past the range
+        assert batches == plain[:2] and state["position"] == 32, dp
         later, _ = _batches(data, dp, 3, skipped=[(16, 32), (48, 56)], state=state)
         assert later == [plain[4], plain[5], plain[7]], dp
-    resumed, _ = _batches(
-        data, 2, 2, skipped=[(16, 32)], state={**state, "position": 16}
-    )  # a checkpoint's position
+    # a checkpoint's position
+    resumed, _ = _batches(data, 2, 2, skipped=[(16, 32)], state={**state, "position": 16})
     assert resumed == plain[4:6]
 
 

@@ -225,9 +225,8 @@ def test_every_validation_field_and_counter_is_shown(run, capsys):
         ],
     )
     got = status_json(capsys, run)
-    assert (
-        got["step"] == 5 and got["loss"] == 7.0
-    )  # a validation-only record: the loss is the newest logged one
+    # a validation-only record: the loss is the newest logged one
+    assert got["step"] == 5 and got["loss"] == 7.0
     assert got["validation"] == {
         "step": 5,
         "val_loss": 6.9,
@@ -447,18 +446,16 @@ def test_a_dead_lock_holder_is_named_gone(run, capsys):
             {"host": "node07", "pid": pid, "slurm_job_id": None, "started": "2026-12-01 03:01:00"}
         )
     )
-    assert (
-        status_json(capsys, run)["lock"]["holder_gone"] is None
-    )  # another host, heartbeat fresh: may be alive
+    # another host, heartbeat fresh: may be alive
+    assert status_json(capsys, run)["lock"]["holder_gone"] is None
     os.utime(lock, (time.time() - 120,) * 2)
     got = status_json(capsys, run)["lock"]
     assert (
         got["holder_gone"]
         == "its heartbeat missed over 3 refreshes (a live job refreshes it every 30 s)"
     )
-    assert (
-        got["next_train_takes_over"] is False
-    )  # a train takes it over 5 minutes after the last heartbeat
+    # a train takes it over 5 minutes after the last heartbeat
+    assert got["next_train_takes_over"] is False
     assert "the lock over once its heartbeat is 5 min old)" in status_text(capsys, run)
 
 
@@ -519,13 +516,11 @@ def test_a_damaged_checkpoint_is_marked_and_not_the_newest(run, capsys):
     }
     (ckpt / "complete.json").write_text(json.dumps(marker | digests))
     got = status_json(capsys, run)
-    assert (
-        got["checkpoint"]["name"] == "step-00000005" and got["damaged_checkpoints"] == []
-    )  # sizes only
+    # sizes only
+    assert got["checkpoint"]["name"] == "step-00000005" and got["damaged_checkpoints"] == []
     got = status_json(capsys, run, "--verify")
-    assert (
-        got["checkpoint"]["name"] == "step-00000004" and got["checkpoint_check"] == "sizes"
-    )  # it has no digests
+    # it has no digests
+    assert got["checkpoint"]["name"] == "step-00000004" and got["checkpoint_check"] == "sizes"
     assert [d["name"] for d in got["damaged_checkpoints"]] == ["step-00000005"]
     assert "model.pt does not match its sha256 digest" in got["damaged_checkpoints"][0]["problem"]
     (ckpt / "model.pt").write_bytes(b"x")
@@ -552,9 +547,8 @@ def test_watch_refreshes_until_ctrl_c(run, capsys, monkeypatch):
     lines = capsys.readouterr().out.splitlines()
     assert pauses == [2.5, 2.5] and [json.loads(line)["step"] for line in lines] == [6, 6]
     pauses.clear()
-    assert (
-        main(["status", "--watch", str(run)]) == 0
-    )  # `--watch RUN_DIR` reads as `RUN_DIR --watch`
+    # `--watch RUN_DIR` reads as `RUN_DIR --watch`
+    assert main(["status", "--watch", str(run)]) == 0
     assert pauses == [10.0, 10.0]
     assert (
         main(["status", "--watch", "0", str(run)]) == 2 and "--watch 0" in capsys.readouterr().err

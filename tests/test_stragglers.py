@@ -34,9 +34,8 @@ def test_a_slow_rank_and_a_slow_device_are_named_and_even_ones_are_not(
         "train.device_probe=true",
     ]
     if slowed == "rank":
-        monkeypatch.setenv(
-            SLOW_RANK_ENV, "1:1.0"
-        )  # rank 1 at half speed: its steps compute twice as long
+        # rank 1 at half speed: its steps compute twice as long
+        monkeypatch.setenv(SLOW_RANK_ENV, "1:1.0")
         args = train_args(run, data, 2, *watch, steps=8)
         slow, key, even, even_record = 1, "slowest_ratio", "has a slow device", "slow_device"
     else:  # the last stage holds the decoder: each rank's compute is compared with its own stage's other rank

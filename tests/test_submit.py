@@ -25,9 +25,8 @@ from mhf_dist.train.preemption import MIN_GRACE_SECONDS, grace_seconds
 
 GOLDEN = Path(__file__).parent / "golden"
 DATA = "data.path=/shared/data"
-SITE = str(
-    Path(__file__).parents[1] / "docs" / "site-profile-example.yaml"
-)  # the documented site profile
+# the documented site profile
+SITE = str(Path(__file__).parents[1] / "docs" / "site-profile-example.yaml")
 SCHEDULERS = {"sbatch": SLURM, "hostfile": HOSTFILE}  # by the kind of script each writes
 AT_SITE = {
     "partition": "gpu",
@@ -251,9 +250,8 @@ def test_script_contents():
     assert "[ -x /opt/venv/bin/python ]" in script and ".venv/bin/activate" not in script
     assert "#SBATCH --signal=USR1@120" in script and "#SBATCH --requeue" in script
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
-    assert (
-        "export HSA_FORCE_FINE_GRAIN_PCIE=1" in script and "module load" not in script
-    )  # the site adds modules
+    # the site adds modules
+    assert "export HSA_FORCE_FINE_GRAIN_PCIE=1" in script and "module load" not in script
     assert 'if [ "$rc" -eq 85 ]' in script
     assert "#SBATCH --dependency=afterany:1234" in rendered("a100-80g-2nodes.sbatch")
 
@@ -410,9 +408,8 @@ def test_per_submit_overrides(tmp_path, capsys):
     ):
         assert line in out.out.splitlines(), line
     assert "#SBATCH --partition=gpu" not in out.out
-    assert (
-        f"mkdir -p {tmp_path / 'r' / 'jobs'}" in out.err and not (tmp_path / "r").exists()
-    )  # printed, not made
+    # printed, not made
+    assert f"mkdir -p {tmp_path / 'r' / 'jobs'}" in out.err and not (tmp_path / "r").exists()
     assert main([*args, "--sbatch-arg", "constraint=a100"]) == 2
     assert "is not an sbatch option" in capsys.readouterr().err
 
@@ -439,9 +436,8 @@ def test_write_makes_the_log_directory_and_submits_nothing(tmp_path, capsys):
     )
     assert f"sbatch {script}" in capsys.readouterr().out
     assert script.read_text().startswith("#!/bin/bash") and (tmp_path / "r" / "jobs").is_dir()
-    assert (
-        os.readlink(tmp_path / "r" / "slurm") == "jobs"
-    )  # the directory's older name, for whoever reads that
+    # the directory's older name, for whoever reads that
+    assert os.readlink(tmp_path / "r" / "slurm") == "jobs"
     assert not (tmp_path / "r" / "jobs" / "jobs.jsonl").exists()
 
 
@@ -659,13 +655,11 @@ def test_slurm_job_requeued_mid_run_resumes_and_matches(tmp_path, data, slurm):
         "training to start",
         lambda: slurm.story(job, run),
     )
-    slurm.scontrol(
-        "requeue", job
-    )  # SIGTERM to every rank: they save, then SLURM queues the job again
+    # SIGTERM to every rank: they save, then SLURM queues the job again
+    slurm.scontrol("requeue", job)
     wait_for(lambda: slurm.job_state(job)["JobState"] == "PENDING", 120, "the requeue")
-    slurm.scontrol(
-        "update", f"JobId={job}", "StartTime=now"
-    )  # a requeued job otherwise waits ~2 minutes
+    # a requeued job otherwise waits ~2 minutes
+    slurm.scontrol("update", f"JobId={job}", "StartTime=now")
     state = wait_for(
         lambda: (s := slurm.job_state(job))["JobState"] in ("COMPLETED", "FAILED") and s,
         600,
@@ -892,9 +886,8 @@ def test_submit_data_submits_the_merge_after_the_array(tmp_path, monkeypatch, ca
         ["--parsable", str(scripts[0])],
         ["--parsable", "--dependency=afterok:101", str(scripts[1])],
     ]
-    assert (
-        f"'{text}/*.txt' --tokenizer {tmp_path / 'tok'} --out {out} " in scripts[0].read_text()
-    )  # absolute
+    # absolute
+    assert f"'{text}/*.txt' --tokenizer {tmp_path / 'tok'} --out {out} " in scripts[0].read_text()
     log.unlink()
     _fake_sbatch(tmp_path / "bin2", log, refuse_dependent=True)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin2'}:{os.environ['PATH']}")

@@ -170,9 +170,8 @@ def test_step_lines_reach_a_log_file_while_the_run_goes_on(tmp_path, data):
     """A job log is a file, not a terminal: each logged step must be in it at once, not when the run ends."""
     from helpers.runs import CliProcess, train_args
 
-    env = {
-        k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"
-    }  # as a job script without it
+    # as a job script without it
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     log = tmp_path / "job.out"
     proc = CliProcess(train_args(tmp_path / "run", data, 2, steps=500), log, env)
     metrics = tmp_path / "run" / "metrics.jsonl"
@@ -181,9 +180,8 @@ def test_step_lines_reach_a_log_file_while_the_run_goes_on(tmp_path, data):
         while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
-        logged = (
-            time.monotonic()
-        )  # step 2 is in metrics.jsonl: its console line must follow within a second
+        # step 2 is in metrics.jsonl: its console line must follow within a second
+        logged = time.monotonic()
         while "step 2/500 |" not in log.read_text() and time.monotonic() < logged + 1.5:
             time.sleep(0.1)
         seen = log.read_text()
@@ -193,9 +191,8 @@ def test_step_lines_reach_a_log_file_while_the_run_goes_on(tmp_path, data):
         proc.send_signal(signal.SIGTERM)  # saves and stops (exit 85)
         assert proc.wait(timeout=300) == 85
     assert seen.count("step 1/500 |") == 1  # from rank 0 only
-    assert (
-        "unknown inputs or outputs type" not in seen
-    )  # ZeRO-3 sees the model's outputs as tensors
+    # ZeRO-3 sees the model's outputs as tensors
+    assert "unknown inputs or outputs type" not in seen
     assert "DeepSpeed " not in seen  # its start-up lines are held back (train --verbose shows them)
 
 

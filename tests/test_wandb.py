@@ -157,9 +157,8 @@ def test_a_resumed_run_logs_to_the_same_wandb_run(tmp_path, monkeypatch, data):
             "mhf-test",
             "run",
         )
-        config = {
-            i.key: json.loads(i.value_json) for i in run_record.config.update
-        }  # each start's run config
+        # each start's run config
+        config = {i.key: json.loads(i.value_json) for i in run_record.config.update}
         assert (
             config["train"]["max_steps"] == max_steps
             and config["model"]["hash"]["num_buckets"] == 128

@@ -69,9 +69,8 @@ def worker(rank, world, init, args, out):
     for share in args.read:
         gen = torch.Generator().manual_seed(rank)
         marks = torch.rand(args.rows, generator=gen) < share
-        grads = (
-            torch.randn(args.rows, args.dim, generator=gen) * marks[:, None]
-        )  # rows not read: no gradient
+        # rows not read: no gradient
+        grads = torch.randn(args.rows, args.dim, generator=gen) * marks[:, None]
         for case, ways in CASES.items():
             results = []
             for name, reduce in ways:

@@ -129,9 +129,8 @@ def summarise(spec: str, run_dir: Path, vocab_size: int) -> dict:
     records = read_metrics(run_dir)
     evals = [r for r in records if "val_ppl" in r]
     model = meta_model(load_config(preset, overrides=overrides).model, vocab_size)
-    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][
-        1:
-    ]  # the first step includes warm-up
+    # the first step includes warm-up
+    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]
     return {
         "run": spec,
         "parameters": sum(p.numel() for p in model.parameters()),

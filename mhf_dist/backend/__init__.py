@@ -165,13 +165,11 @@ class FileWriter(Protocol):
 class Trainer(Protocol):
     """One rank's engine, as the training loop, the checkpointer and the host tables use it."""
 
-    host_tables: (
-        HostTableStep | None
-    )  # model.engram.offload: the Engram tables in host memory, stepped beside
+    # model.engram.offload: the Engram tables in host memory, stepped beside
+    host_tables: HostTableStep | None
     device: torch.device  # where this rank computes
-    optimizer: (
-        torch.optim.Optimizer
-    )  # the torch optimizer under the backend's (its groups hold the hyperparameters)
+    # the torch optimizer under the backend's (its groups hold the hyperparameters)
+    optimizer: torch.optim.Optimizer
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
 
     @property

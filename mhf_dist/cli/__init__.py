@@ -67,9 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mhf-dist", description=DESCRIPTION, epilog=EXAMPLES)
     parser.add_argument("--version", action="version", version=f"mhf-dist {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    sub = parser.add_subparsers(
-        dest="command", required=True, metavar="COMMAND"
-    )  # commands without help= are unlisted
+    # commands without help= are unlisted
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (
         train.train_parser,
         data.prepare_data_parser,

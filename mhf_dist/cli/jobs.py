@@ -276,9 +276,8 @@ def cmd_submit_data(args) -> int:
     from mhf_dist.storage.run_dir import RunDir
 
     profile, out = _chosen_profile(args), Path(args.out)
-    part_files(
-        expand_inputs(args.inputs), 1, args.parts
-    )  # the inputs are there, at least one file per part
+    # the inputs are there, at least one file per part
+    part_files(expand_inputs(args.inputs), 1, args.parts)
     options = [
         "--seq-len",
         str(args.seq_len),

@@ -65,9 +65,8 @@ def cmd_profile(args) -> int:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
-    check_layouts(
-        args.size, hashes, tps, args.overrides, gpus
-    )  # before any rank starts or any output is made
+    # before any rank starts or any output is made
+    check_layouts(args.size, hashes, tps, args.overrides, gpus)
     from mhf_dist.profiling.report import table, write_outputs
     from mhf_dist.profiling.scoring import profile_scoring
     from mhf_dist.profiling.sweep import run_sweep
@@ -157,9 +156,8 @@ def cmd_profile_worker(args) -> int:
 
 
 def profile_worker_parser(sub) -> None:
-    p = sub.add_parser(
-        "profile-worker"
-    )  # the ranks of one tensor-parallel layout, started by `profile`
+    # the ranks of one tensor-parallel layout, started by `profile`
+    p = sub.add_parser("profile-worker")
     p.add_argument("--rows", required=True, help="where rank 0 writes its measurements (JSON)")
     p.add_argument("--spec", required=True, help="JSON of profile_training's arguments")
     p.set_defaults(func=cmd_profile_worker)

@@ -55,18 +55,16 @@ def cmd_train(args) -> int:
     ):  # a job step's task: its rank runs watched, so its
         return supervise_task(sys.argv[1:], lost, rank_env)  # death is named
 
-    stop = StopSignal(
-        lost
-    )  # before the training stack loads: from now on a signal is noted, not fatal
+    # before the training stack loads: from now on a signal is noted, not fatal
+    stop = StopSignal(lost)
     # each line out as it is written, also into a job log or a pipe (which Python would otherwise fill in blocks)
     sys.stdout.reconfigure(line_buffering=True)
     from mhf_dist.storage.reading_marks import mark_reading
     from mhf_dist.train.loop import train
     from mhf_dist.train.process_group import collective_failure, leave_process_group
 
-    reading = mark_reading(
-        cfg.data, args.run_dir
-    )  # prepare-data leaves the data alone while this node reads it
+    # prepare-data leaves the data alone while this node reads it
+    reading = mark_reading(cfg.data, args.run_dir)
     try:
         result = train(cfg, args.run_dir, args.resume, stop, args.verbose)
     except Exception as e:

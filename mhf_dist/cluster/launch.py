@@ -68,9 +68,8 @@ def launch_local(
     base.setdefault(*CPU_HUGE_PAGES)
     envs = [base | {"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)]
     if main is not None:
-        os.environ.setdefault(
-            *CPU_HUGE_PAGES
-        )  # torch reads it at its first large allocation, in the ranks
+        # torch reads it at its first large allocation, in the ranks
+        os.environ.setdefault(*CPU_HUGE_PAGES)
         for module in preload:
             importlib.import_module(module)
     return RankSupervisor(argv, lost_work, forward=True, fork=main).run(envs)
@@ -206,17 +205,15 @@ class RankSupervisor:
         self.procs: dict[int, subprocess.Popen | ForkedRank] = {}  # rank -> process
         self.world = 1
         self.interrupts = 0
-        self.received: set[int] = (
-            set()
-        )  # signals this supervisor got: a rank they ended did not fail
+        # signals this supervisor got: a rank they ended did not fail
+        self.received: set[int] = set()
         self.killed: set[int] = set()  # ranks this supervisor killed (not failures either)
 
     def run(self, envs: list[dict[str, str]]) -> int:
         """Start a rank per environment and watch them; returns the exit code of the whole."""
         self.world = int(envs[0]["WORLD_SIZE"])
-        previous = {
-            s: signal.signal(s, self._on_signal) for s in HANDLED
-        }  # before the first rank starts
+        # before the first rank starts
+        previous = {s: signal.signal(s, self._on_signal) for s in HANDLED}
         try:
             for env in envs:
                 self.procs[int(env["RANK"])] = self._start(env, previous)

@@ -183,9 +183,8 @@ def newest_checkpoint(
         if problem is not None:
             damaged.append(DamagedCheckpoint(path.name, str(path), marker["step"], problem))
             continue
-        checked = (
-            "digests" if digests and "digests" in marker else "sizes"
-        )  # older checkpoints have no digests
+        # older checkpoints have no digests
+        checked = "digests" if digests and "digests" in marker else "sizes"
         return (
             Checkpoint(
                 path.name,
@@ -242,9 +241,8 @@ def current_job(run: RunDir, lock: Lock | None) -> Job | None:
     if not job_id:
         return None
     name = current.get("scheduler", SLURM.name)  # submissions recorded before the name was
-    found = (
-        s.query(str(job_id)) if (s := schedulers().get(name)) else None
-    )  # None: not registered in this process
+    # None: not registered in this process
+    found = s.query(str(job_id)) if (s := schedulers().get(name)) else None
     state, restarts, source = found if found is not None else (None, None, None)
     return Job(
         str(job_id),

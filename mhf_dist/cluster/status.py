@@ -45,9 +45,8 @@ def _finite(value):
 
 def to_json(st: RunStatus) -> str:
     report = asdict(st)
-    return json.dumps(
-        _finite(report | {"slurm": report["job"]}), allow_nan=False
-    )  # and the job's older key
+    # and the job's older key
+    return json.dumps(_finite(report | {"slurm": report["job"]}), allow_nan=False)
 
 
 def _number(value) -> str:

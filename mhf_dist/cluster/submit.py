@@ -87,9 +87,8 @@ def _shell_values(profile: ClusterProfile, python: str | None, container: bool) 
     ``mhf_dist`` command."""
     python = no_control_characters("python", python or profile.python or sys.executable)
     return dict(
-        setup="\n".join(
-            _stop_on_failure(line, profile.name) for line in profile.setup
-        ),  # the site's own lines
+        # the site's own lines
+        setup="\n".join(_stop_on_failure(line, profile.name) for line in profile.setup),
         exports="\n".join(f"export {k}={shlex.quote(v)}" for k, v in profile.env.items()),
         python=shlex.quote(python),
         python_check=_python_check(shlex.quote(python), container),
@@ -185,9 +184,8 @@ def render_data(
     out = Path(no_control_characters("--out", str(out))).resolve()
     if tokenizer != "mistral-v0.3":
         tokenizer = str(Path(no_control_characters("--tokenizer", tokenizer)).resolve())
-    inputs = [
-        str(Path(no_control_characters("inputs", pattern)).absolute()) for pattern in inputs
-    ]  # globs kept
+    # globs kept
+    inputs = [str(Path(no_control_characters("inputs", pattern)).absolute()) for pattern in inputs]
     merge_args = (
         shlex.join(["--merge", str(out), *[o for o in options if o == "--overwrite"]])
         + f" {shlex.quote(str(out))}/{part_dirs_pattern(parts)}"

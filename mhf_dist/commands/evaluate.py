@@ -105,9 +105,8 @@ def last_word_accuracy(
         ctx = tokenizer(context, add_special_tokens=False).input_ids
         tgt = tokenizer(target, add_special_tokens=False).input_ids
         ids = torch.tensor([ctx + tgt], device=model.device)
-        logp = (model(ids[:, :-1]).logits[0, len(ctx) - 1 :].float() / tau).log_softmax(
-            -1
-        )  # log P_inf
+        # log P_inf
+        logp = (model(ids[:, :-1]).logits[0, len(ctx) - 1 :].float() / tau).log_softmax(-1)
         wanted = ids[0, len(ctx) :]
         correct += bool((logp.argmax(-1) == wanted).all())
         target_nll -= logp.gather(-1, wanted[:, None]).sum().item()

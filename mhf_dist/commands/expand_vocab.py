@@ -39,9 +39,8 @@ class Expansion:
     old_vocab: int
     new_vocab: int
     parameters_added: int
-    prepare: list[str] = field(
-        default_factory=list
-    )  # prepare-data commands that tokenize the data anew
+    # prepare-data commands that tokenize the data anew
+    prepare: list[str] = field(default_factory=list)
     data: str | None = None  # the --set that trains on their output
 
     def summary(self) -> str:

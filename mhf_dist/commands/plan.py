@@ -199,9 +199,8 @@ def memory_plan(
         memories = sum(1 for i in layers if i - 1 in m.engram_layers)
         last = decoder if len(costs) - 1 in layers else 0
         kept = in_flight * tokens * (act_layer * blocks + act_engram * memories) + last
-        recompute = act_layer + (
-            act_engram if memories else 0
-        )  # one block's full set, memory included
+        # one block's full set, memory included
+        recompute = act_layer + (act_engram if memories else 0)
         ckpt = in_flight * tokens * e * d * blocks + tokens * recompute * min(blocks, 1) + last
         peak = states + (ckpt if checkpointed else kept) + buffers + runtime
         plans.append(

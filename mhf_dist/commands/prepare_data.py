@@ -44,12 +44,10 @@ def run(args: argparse.Namespace) -> int:
         *([args.tokenizer] if Path(args.tokenizer).exists() else []),
     ]
     out = check_target(out, sources, args.overwrite)
-    merged = (
-        [Path(args.out)] if args.part else []
-    )  # runs read a part's shards through the merged manifest
-    refuse_if_read(
-        out, read_through=merged
-    )  # and again once it is prepared: a run may have started meanwhile
+    # runs read a part's shards through the merged manifest
+    merged = [Path(args.out)] if args.part else []
+    # and again once it is prepared: a run may have started meanwhile
+    refuse_if_read(out, read_through=merged)
     with staged(out, before_replace=lambda tmp: refuse_if_read(out, tmp, merged)) as tmp:
         manifest = prepare(
             args.inputs,

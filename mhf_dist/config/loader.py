@@ -104,9 +104,8 @@ def load_config(
             isinstance(from_file.get("train"), dict) and "micro_batch_size" in from_file["train"]
         )
     if preset_name:
-        raw = deep_merge(preset(preset_name), raw) | {
-            "preset": preset_name
-        }  # the preset whose values it holds
+        # the preset whose values it holds
+        raw = deep_merge(preset(preset_name), raw) | {"preset": preset_name}
     if not raw:
         raise ConfigError(
             "no configuration: pass --preset NAME (e.g. tiny-h4b16k) or --config run.yaml"

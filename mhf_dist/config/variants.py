@@ -22,12 +22,10 @@ class VariantRules:
     """What the config checks of one ``model.variant``; the callables return the error message, or None."""
 
     name: str  # model.variant
-    config_error: Callable[
-        [ModelConfig], str | None
-    ]  # why a model config is not one of this variant's
-    tp_rows_error: Callable[
-        [ModelConfig, int], str | None
-    ]  # why parallel.tp cannot split its tables' rows
+    # why a model config is not one of this variant's
+    config_error: Callable[[ModelConfig], str | None]
+    # why parallel.tp cannot split its tables' rows
+    tp_rows_error: Callable[[ModelConfig, int], str | None]
 
 
 RULES: dict[str, VariantRules] = {}

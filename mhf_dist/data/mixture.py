@@ -36,9 +36,8 @@ class MixtureSchedule:
     def __init__(self, weights: list[float], seed: int):
         self.seed = seed
         self.counts = apportion(weights, BLOCK)
-        self.block = lru_cache(maxsize=16)(
-            self._block
-        )  # the sources' readers and the consumer walk the same blocks
+        # the sources' readers and the consumer walk the same blocks
+        self.block = lru_cache(maxsize=16)(self._block)
 
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(source of each position of block ``b``, that position's index among the block's positions of its
@@ -213,9 +212,8 @@ class MixtureReader(TrainingData):
         """Stop the sources' prefetch threads; ``next_batch`` goes on where the stream stands."""
         for reader in self.readers:
             reader.close()
-        self._start(
-            self.position
-        )  # the sources' threads read ahead of the consumer: plan again from here
+        # the sources' threads read ahead of the consumer: plan again from here
+        self._start(self.position)
 
     def __enter__(self) -> "MixtureReader":
         return self

@@ -100,9 +100,8 @@ def prepare(
         bad.check_kept(kept)
         check_samples(splits, files, seq_len)
 
-    tok.save_pretrained(
-        str(out / TOKENIZER_DIR)
-    )  # shards carry their tokenizer: a run on them needs no other
+    # shards carry their tokenizer: a run on them needs no other
+    tok.save_pretrained(str(out / TOKENIZER_DIR))
     manifest = {
         "format": FORMAT,
         "tokenizer": TOKENIZER_DIR,

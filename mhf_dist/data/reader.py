@@ -108,9 +108,8 @@ class ShardReader(TrainingData):
         self.manifest, self.manifest_location, self.shards = resolve(
             source, manifest, split, allow_pipe
         )
-        self.name = self.manifest_location.removesuffix(
-            f"/{MANIFEST}"
-        )  # a local directory: its absolute path
+        # a local directory: its absolute path
+        self.name = self.manifest_location.removesuffix(f"/{MANIFEST}")
         self._reopen = partial(
             ShardReader,
             source,
@@ -125,9 +124,8 @@ class ShardReader(TrainingData):
             on_bad_shard=on_bad_shard,
             verify_checksums=verify_checksums,
         )  # another split of this source (validation)
-        self._manifest_digest = manifest_digest(
-            self.manifest
-        )  # a failing shard may mean the data was re-prepared
+        # a failing shard may mean the data was re-prepared
+        self._manifest_digest = manifest_digest(self.manifest)
         check_expectations(self.manifest, self.manifest_location, seq_len, tokenizer_fingerprint)
         self.seq_len = self.manifest["seq_len"]
         self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
@@ -146,9 +144,8 @@ class ShardReader(TrainingData):
         ).hexdigest()
         self.skipped_shards = 0
         self.skipped = merged(skipped)
-        self._base = past_skipped(
-            0, self.skipped
-        )  # global position where this reader's stream starts (all ranks)
+        # global position where this reader's stream starts (all ranks)
+        self._base = past_skipped(0, self.skipped)
         self._consumed = 0  # samples returned by this rank since _base
         self._epoch_cache: tuple[int, np.ndarray, list[np.ndarray]] | None = None
         self._thread: threading.Thread | None = None

@@ -70,6 +70,5 @@ class DataPosition:
         mismatch = self.data.state_mismatch(state["reader"])
         self.dropped = mismatch if self.restart else None
         if self.dropped is None:
-            self.data.load_state_dict(
-                state["reader"]
-            )  # refuses another stream's position, naming data.restart
+            # refuses another stream's position, naming data.restart
+            self.data.load_state_dict(state["reader"])

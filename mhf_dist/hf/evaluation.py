@@ -69,9 +69,8 @@ class SplitPasses:
                     self.model.device
                 )
                 scores = self.model(batch[:, :-1]).logits.float()
-                scores = (
-                    scores.flatten(0, 1) / tau if tau != 1 else scores.flatten(0, 1)
-                )  # log P_inf + const
+                # log P_inf + const
+                scores = scores.flatten(0, 1) / tau if tau != 1 else scores.flatten(0, 1)
                 targets = batch[:, 1:].flatten()
                 for rows, wanted in zip(scores.split(ROWS), targets.split(ROWS)):
                     chunks = rows.split(max(1, CHUNK_VALUES // rows.shape[0]), dim=1)

@@ -166,12 +166,10 @@ class ImportReport:
     run_dir: Path
     variant: str
     vocab_size: int
-    differing: list[dict] = field(
-        default_factory=list
-    )  # tokens whose signature differs from a fresh build
-    shared: list[list[int]] = field(
-        default_factory=list
-    )  # groups of token ids sharing one signature
+    # tokens whose signature differs from a fresh build
+    differing: list[dict] = field(default_factory=list)
+    # groups of token ids sharing one signature
+    shared: list[list[int]] = field(default_factory=list)
 
     def summary(self) -> str:
         lines = [f"imported a {self.variant} model ({self.vocab_size} tokens) into {self.run_dir}"]

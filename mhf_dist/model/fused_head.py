@@ -155,9 +155,8 @@ class FusedHead(torch.autograd.Function):
                 torch.where(owned[s : s + chunk], picked, 0.0)
             )
             peak = tables.reduce_max(kernels(_row_max, logits, valid))
-            kept = (
-                logits.clone() if entropy else None
-            )  # (the exponentials replace the logits in place)
+            # (the exponentials replace the logits in place)
+            kept = logits.clone() if entropy else None
             e, local = kernels(_shifted_exp, logits, valid, peak)
             total = tables.reduce_sum(local)
             log_z[s : s + chunk] = peak + total.log()

@@ -156,9 +156,8 @@ class ForwardHealth:
             self._hook = encoder.scorer.register_forward_hook(self._gate_weights)
 
     def _gate_weights(self, module: nn.Module, args, scores: torch.Tensor) -> None:
-        alpha = torch.softmax(scores.detach().double(), dim=-2).reshape(
-            -1, self.layout.heads
-        )  # a_i -> α_i
+        # a_i -> α_i
+        alpha = torch.softmax(scores.detach().double(), dim=-2).reshape(-1, self.layout.heads)
         gate = self.layout.part(self.sums, "gate")
         gate[:-1] += alpha.sum(0)
         gate[-1] += alpha.shape[0]

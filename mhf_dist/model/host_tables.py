@@ -44,16 +44,14 @@ class HostTables(nn.Module):
     def __init__(self, num_tables: int, num_rows: int, dim: int):
         super().__init__()
         self.num_rows = num_rows
-        self.weight = torch.empty(
-            num_tables, num_rows, dim, device="cpu"
-        )  # host memory, whatever the default device
+        # host memory, whatever the default device
+        self.weight = torch.empty(num_tables, num_rows, dim, device="cpu")
         # fp32 host gradient, allocated by the trainer; on a CUDA device complete only after accumulate()
         self.grad: torch.Tensor | None = None
         # bool [T·R]: the flat rows given a gradient, when the trainer keeps it (lazy update, or dp > 1)
         self.touched: torch.Tensor | None = None
-        self.device = torch.device(
-            "cpu"
-        )  # where the gathered rows go (the trainer sets the engine's device)
+        # where the gathered rows go (the trainer sets the engine's device)
+        self.device = torch.device("cpu")
         self.transfer_dtype = torch.float32  # the model's compute dtype
         self._next: GatheredRows | None = None
         self._current: GatheredRows | None = None

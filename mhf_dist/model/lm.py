@@ -90,9 +90,8 @@ class LanguageModel(nn.Module):
     def parameter_counts(self) -> dict[str, int]:
         """``embedding`` (tables, encoder, decoder), ``backbone`` (without memories) and ``engram`` (the memories)
         parameter counts."""
-        host = sum(
-            m.weight.numel() for m in self.modules() if isinstance(m, HostTables)
-        )  # model.engram.offload
+        # model.engram.offload
+        host = sum(m.weight.numel() for m in self.modules() if isinstance(m, HostTables))
         engram = (
             sum(p.numel() for n, p in self.backbone.named_parameters() if ".engram." in n) + host
         )

@@ -53,9 +53,8 @@ class NgramHash(nn.Module):
         if self.mode == "engram":
             half_bound = max(1, INT64_MAX // num_ids // 2)
             multipliers = rng.integers(0, half_bound, size=cfg.max_ngram, dtype=np.int64) * 2 + 1
-            self.register_buffer(
-                "multipliers", torch.from_numpy(multipliers), persistent=False
-            )  # [N]
+            # [N]
+            self.register_buffer("multipliers", torch.from_numpy(multipliers), persistent=False)
         else:
             keys = rng.integers(1, 2**31, size=(cfg.max_ngram - 1, cfg.heads), dtype=np.int64)
             self.register_buffer("keys", torch.from_numpy(keys), persistent=False)  # [N-1, K]

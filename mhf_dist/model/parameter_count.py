@@ -24,9 +24,8 @@ class ParameterCount:
     vocab_other: int  # the gate MLP, W_s and the cascade's mixers
     backbone: int  # every layer (Engram gates included) and the final norm
     engram_tables: int  # the Engram memories' tables that DeepSpeed trains
-    host_tables: (
-        int  # the Engram tables kept in host memory outside DeepSpeed (model.engram.offload)
-    )
+    # the Engram tables kept in host memory outside DeepSpeed (model.engram.offload)
+    host_tables: int
 
     @property
     def trained_by_engine(self) -> int:

@@ -280,9 +280,8 @@ def calibration_sums(
     relative = (target - peak).double()  # the target's score minus M
     nll = mass.log() - taus.double().unsqueeze(1) * relative
     slope = moment / mass - relative
-    ahead = (best >= target.unsqueeze(1)).sum(
-        dim=-1
-    )  # the target itself included, at most TOP_K + 1
+    # the target itself included, at most TOP_K + 1
+    ahead = (best >= target.unsqueeze(1)).sum(dim=-1)
     head = torch.stack(
         [
             torch.tensor(float(n), dtype=torch.float64, device=device),

@@ -35,9 +35,8 @@ class HFNames:
     model_type: str  # config.json's model_type
     architecture: str  # the model class: config.json's architectures
     config_class: str  # the config class the exporter writes
-    remote_code: (
-        bool  # exported with our modeling code (auto_map; trust_remote_code), which applies τ
-    )
+    # exported with our modeling code (auto_map; trust_remote_code), which applies τ
+    remote_code: bool
     # import-hf: the variant's own keys of the model section from a config.json (the backbone's are common), None
     # when the config.json is another variant's; ValueError for one of its own that cannot be imported
     model_section: Callable[[dict], dict | None]
@@ -54,12 +53,10 @@ class Variant:
     ]
     needs_signatures: bool  # tokens map to bucket codes of a signature table (docs/spec.md §1)
     heads: Callable[[ModelConfig], int]  # output heads = tables: H, or 1
-    vocab_rows: Callable[
-        [ModelConfig, int], int
-    ]  # rows per table for a vocabulary of that many tokens
-    vocab_flops: Callable[
-        [ModelConfig, int | None], tuple[int, int]
-    ]  # forward FLOPs per token: (input, output)
+    # rows per table for a vocabulary of that many tokens
+    vocab_rows: Callable[[ModelConfig, int], int]
+    # forward FLOPs per token: (input, output)
+    vocab_flops: Callable[[ModelConfig, int | None], tuple[int, int]]
     vocab_parameters: Callable[[ModelConfig, int], tuple[int, int]]  # (tables, encoder + decoder)
     describe: Callable[[ModelConfig], str]  # the vocabulary side in one word (plan)
     hf: HFNames

@@ -249,9 +249,8 @@ class TokenVocabulary(TiedVocabulary):
         chunk_tokens: int = 0,
         kernels: str = "auto",
     ):
-        ids = torch.arange(
-            vocab_size, device="cpu"
-        )  # data, as a signature table is: real on a meta skeleton too
+        # data, as a signature table is: real on a meta skeleton too
+        ids = torch.arange(vocab_size, device="cpu")
         super().__init__(
             tables=BucketTables(1, padded_rows, dim),
             encoder=None,

@@ -21,9 +21,8 @@ def expected_collective_bytes(
     signature table, needed with the ``log P_inf`` term)."""
     if tp == 1:
         return Counter()
-    p_inf = (
-        cfg.hash.p_inf_loss_weight > 0
-    )  # the config allows it for the variants whose P_inf it trains
+    # the config allows it for the variants whose P_inf it trains
+    p_inf = cfg.hash.p_inf_loss_weight > 0
     if p_inf and vocab_size is None:
         raise ValueError(
             "the log P_inf training term's traffic depends on the vocabulary: pass vocab_size"

@@ -171,9 +171,8 @@ def full_shapes(model: LanguageModel, tp: int) -> dict[str, tuple[int, ...]]:
         if dim is not None:
             shape[dim] *= tp
         out[name] = tuple(shape)
-    return out | {
-        name: tuple(weight.shape) for name, weight in host_tables(model).items()
-    }  # tp = 1 only
+    # tp = 1 only
+    return out | {name: tuple(weight.shape) for name, weight in host_tables(model).items()}
 
 
 class Materialiser:

@@ -48,9 +48,8 @@ def fit_micro_batch(train: TrainConfig, dp: int) -> None:
     if fitting and train.micro_batch_from_preset:
         train.micro_batch_size = fitting[0]
         return
-    step = (
-        dp if train.micro_batch_from_preset else micro * dp
-    )  # what the global batch must be a multiple of
+    # what the global batch must be a multiple of
+    step = dp if train.micro_batch_from_preset else micro * dp
     near = " or ".join(
         f"train.global_batch_size={g}"
         for g in (total // step * step, (total // step + 1) * step)

@@ -32,9 +32,8 @@ def _problem(
     try:
         cfg = load_config(f"{size}-{hash_name}", overrides=[f"parallel.tp={tp}", *overrides])
     except ConfigError as e:
-        lines = str(e).splitlines()[1:] or [
-            str(e)
-        ]  # past "invalid run config:", each problem on its line
+        # past "invalid run config:", each problem on its line
+        lines = str(e).splitlines()[1:] or [str(e)]
         return "\n  ".join(line.strip().removeprefix("config: ") for line in lines)
     if cfg.parallel.pp != 1:
         return f"parallel.pp={cfg.parallel.pp}: profile measures tensor parallelism only (its ranks are one stage)"

@@ -21,9 +21,8 @@ class HangRecord:
     phase: str  # as in the heartbeats: step, eval, save, rollback, end
     stuck_s: float  # seconds without progress when the job was ended
     budget_s: float  # what that phase was allowed
-    setting: (
-        str  # the setting that gave the budget: train.hang_timeout_s or train.first_step_timeout_s
-    )
+    # the setting that gave the budget: train.hang_timeout_s or train.first_step_timeout_s
+    setting: str
     retried: bool  # the budget was already twice that of an earlier start ended at the same place
 
     @property

@@ -54,9 +54,8 @@ class RunDir:
         self.metrics_path = self.path / METRICS_FILE
         self.tensorboard_dir = self.path / TENSORBOARD_DIR
         self.heartbeats_dir = self.path / "heartbeats"
-        self.lost_record = (
-            self.heartbeats_dir / "lost.json"
-        )  # the nodes the ranks lost (storage.heartbeats)
+        # the nodes the ranks lost (storage.heartbeats)
+        self.lost_record = self.heartbeats_dir / "lost.json"
         self.hangs_dir = self.path / "hangs"
         self.rollbacks_path = self.path / "rollbacks.json"
 

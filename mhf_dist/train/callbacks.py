@@ -196,9 +196,8 @@ class Callbacks:
             c.on_log(step, record)
 
     def wants_rollback(self, step: int) -> bool:
-        return any(
-            [c.wants_rollback(step) for c in self]
-        )  # every callback asked: one may stop the run instead
+        # every callback asked: one may stop the run instead
+        return any([c.wants_rollback(step) for c in self])
 
     def on_rollback(self, step: int) -> None:
         for c in self:
@@ -209,9 +208,8 @@ class Callbacks:
             c.after_rollback(step)
 
     def allows_save(self, step: int, stepped: Stepped, reason: str) -> bool:
-        return all(
-            c.allows_save(step, stepped, reason) for c in self
-        )  # the first refusal ends the asking
+        # the first refusal ends the asking
+        return all(c.allows_save(step, stepped, reason) for c in self)
 
     def before_save(self, step: int) -> None:
         for c in self:

@@ -35,18 +35,15 @@ class DeviceProbe:
         """The device's seconds for the chain (under the fault injection, a slower device's). Its matrices are made
         for the measure and freed after it: between measures the probe holds no device memory."""
         products = slow_device_repeats(self.rank, self.products)
-        a = torch.full(
-            (self.n, self.n), 1 / self.n, device=self.device, dtype=self.dtype
-        )  # a @ a is a again
+        # a @ a is a again
+        a = torch.full((self.n, self.n), 1 / self.n, device=self.device, dtype=self.dtype)
         out = torch.empty_like(a)
         if self.gpu:
-            stream = torch.cuda.current_stream(
-                self.device
-            )  # the products' stream, whichever device is current
+            # the products' stream, whichever device is current
+            stream = torch.cuda.current_stream(self.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(
-                self.device
-            )  # an idle device: no other stream's work shares it with the probe
+            # an idle device: no other stream's work shares it with the probe
+            torch.cuda.synchronize(self.device)
             start.record(stream)
         began = time.thread_time()
         for _ in range(products):

@@ -64,9 +64,8 @@ def host_tables_factory(cfg: RunConfig, groups: ParallelGroups) -> HostTableFact
     engram = cfg.model.engram
     if engram is None or not engram.offload:
         return None
-    dtype = (
-        torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
-    )  # what crosses to the device
+    # what crosses to the device
+    dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
     # the Engram tables' optimizer.groups settings (every layer's alike)
     settings = group_settings(
         group_key("backbone.layers.0.engram.tables.weight", 3, cfg.optimizer), cfg.optimizer
@@ -115,9 +114,8 @@ class HostTablesStep:
         # parameters sharing the tables' storage: the optimizer updates the tables in place
         self.params = {i: nn.Parameter(t.weight) for i, t in self.tables.items()}
         self.optimizer = torch.optim.AdamW(list(self.params.values()), **self._hyper(), fused=True)
-        self.pin = (
-            trainer.device.type == "cuda"
-        )  # host values that go to the device are staged in pinned memory
+        # host values that go to the device are staged in pinned memory
+        self.pin = trainer.device.type == "cuda"
         self.host_norm = torch.zeros(())
         self.grads: dict[
             int, torch.Tensor
@@ -170,9 +168,8 @@ class HostTablesStep:
                     )
                 rows = t.touched.nonzero().squeeze(1)
                 t.touched.zero_()
-                selected = grad.index_select(
-                    0, rows
-                )  # the other rows' gradients are zero on every rank
+                # the other rows' gradients are zero on every rank
+                selected = grad.index_select(0, rows)
                 if collectives:
                     collectives.mean_into(
                         selected, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1]
@@ -184,9 +181,8 @@ class HostTablesStep:
             self.grads[i] = grad
         norms = [torch.linalg.vector_norm(g) for g in self.grads.values()]
         norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-        self.host_norm = (
-            norm.pin_memory() if self.pin else norm
-        )  # copied to the device inside DeepSpeed's step
+        # copied to the device inside DeepSpeed's step
+        self.host_norm = norm.pin_memory() if self.pin else norm
         self.hyper = self._hyper()
 
     @torch.no_grad()

@@ -83,15 +83,13 @@ class TrainingLoop:
     verbose: bool  # the backend's start-up lines too
     callbacks: Callbacks
     progress: Progress  # the step reached (client state: step, tokens), this start's first and last
-    state: (
-        ClientState  # what checkpoints hold beside the engine's files: each registered part's state
-    )
+    # what checkpoints hold beside the engine's files: each registered part's state
+    state: ClientState
     result: TrainResult
     job: Job  # this rank's place in the job: rank, layout, device, groups, collectives
     run_dir: RunDir
-    assets: (
-        RunAssets  # tokenizer, signature table, Engram compression table, shards, skipped ranges
-    )
+    # tokenizer, signature table, Engram compression table, shards, skipped ranges
+    assets: RunAssets
     checkpointer: Checkpointer
     trainer: Trainer
     data: TrainingData
@@ -99,9 +97,8 @@ class TrainingLoop:
 
     def __init__(self, cfg: RunConfig, stop: StopSignal, verbose: bool = False):
         self.cfg, self.stop, self.verbose = cfg, stop, verbose
-        self.callbacks = Callbacks(
-            run_callbacks(cfg)
-        )  # a train.callbacks path that names none stops here, first
+        # a train.callbacks path that names none stops here, first
+        self.callbacks = Callbacks(run_callbacks(cfg))
         self.progress = Progress(cfg.train, cfg.data.seq_len)
         self.state, self.result = ClientState(), TrainResult()
 
@@ -111,9 +108,8 @@ class TrainingLoop:
         nothing to save). A refused start leaves a new run directory as it found it (``RunDirAsFound``)."""
         self.job = join_job(self.cfg, self.verbose)
         self.run_dir = RunDir(run_dir)
-        found = (
-            RunDirAsFound(self.run_dir.path) if self.job.rank == 0 else None
-        )  # before the lock is written there
+        # before the lock is written there
+        found = RunDirAsFound(self.run_dir.path) if self.job.rank == 0 else None
         take_lock(self.run_dir, self.job.rank, self.job.scalars)
         try:
             return self._start(resume)
@@ -184,9 +180,8 @@ class TrainingLoop:
         )
         if cfg.train.trainable_blocks is not None:
             model.train_only_vocabulary_and_ends(cfg.train.trainable_blocks)
-        line = describe_groups(
-            model.named_parameters(), cfg.optimizer
-        )  # a rule that matches nothing: refused here
+        # a rule that matches nothing: refused here
+        line = describe_groups(model.named_parameters(), cfg.optimizer)
         if job.rank == 0 and cfg.optimizer.groups:  # the default two groups go unsaid
             tqdm.write(
                 line + (f" (per tensor-parallel rank of {groups.tp})" if groups.tp > 1 else "")
@@ -197,9 +192,8 @@ class TrainingLoop:
             check_resumed_groups(
                 read_marker(path).get("config", {}).get("optimizer", {}), cfg.optimizer
             )
-            self.checkpointer.continue_from(
-                path
-            )  # newer checkpoints (an abandoned line) are set aside
+            # newer checkpoints (an abandoned line) are set aside
+            self.checkpointer.continue_from(path)
 
         values = SeededValues(cfg.model.init_std, cfg.train.seed)
         if (

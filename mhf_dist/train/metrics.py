@@ -53,9 +53,8 @@ class MetricsLogger:
     ``cfg.train.wandb`` set, the same scalars also go to W&B."""
 
     def __init__(self, run: RunDir, resume_step: int = 0, cfg: RunConfig | None = None):
-        self.wandb = (
-            start_wandb(run.path, cfg) if cfg is not None else None
-        )  # first: a missing wandb fails early
+        # first: a missing wandb fails early
+        self.wandb = start_wandb(run.path, cfg) if cfg is not None else None
         self.wandb_from = self.wandb.step if self.wandb is not None else 0
         self.path, self.tensorboard_dir = run.metrics_path, run.tensorboard_dir
         self.writer, self.last_step = None, 0

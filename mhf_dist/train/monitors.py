@@ -20,13 +20,11 @@ def run_callbacks(cfg: RunConfig) -> list[Callback]:
     """The callbacks of a run of ``cfg``; a ``train.callbacks`` path that names no callback is refused here."""
     t = cfg.train
     return [
-        *injected_faults(
-            t.global_batch_size
-        ),  # first: inside the step, as the straggler watch measures it
+        # first: inside the step, as the straggler watch measures it
+        *injected_faults(t.global_batch_size),
         Reporter(cfg),  # a start that W&B refuses stops before the watchdog writes a heartbeat
-        HangWatch(
-            HangSettings.of(t)
-        ),  # before the others' work in a phase: the phase is marked first
+        # before the others' work in a phase: the phase is marked first
+        HangWatch(HangSettings.of(t)),
         StepMeasures(),
         Stragglers(StragglerSettings.of(t)),
         DivergenceWatch(DivergenceSettings.of(t)),

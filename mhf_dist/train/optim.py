@@ -101,9 +101,8 @@ def skippable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     optimizer.skip_if = None
 
     def before_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
-        opt.found_inf = (
-            None if opt.skip_if is None else opt.skip_if().float()
-        )  # the kernel takes float32
+        # the kernel takes float32
+        opt.found_inf = None if opt.skip_if is None else opt.skip_if().float()
 
     optimizer.register_step_pre_hook(before_step)
     return optimizer

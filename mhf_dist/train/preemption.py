@@ -103,9 +103,8 @@ class StopSignal:
     def _interrupt(self, signum, frame):
         if self.interrupted:
             say_on_rank0(f"aborted without saving: {self._lost_work()}")
-            os._exit(
-                ABORTED_EXIT_CODE
-            )  # now: no collective, no save, no interpreter shutdown to wait for
+            # now: no collective, no save, no interpreter shutdown to wait for
+            os._exit(ABORTED_EXIT_CODE)
         self.interrupted = True
         self._handle(signum, frame)
         say_on_rank0(INTERRUPT_NOTE if self.training else START_UP_INTERRUPT_NOTE)

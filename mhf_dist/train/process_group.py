@@ -70,9 +70,8 @@ def collective_failure(e: BaseException) -> str | None:
     gloo = isinstance(e, RuntimeError) and "/gloo/" in str(e)
     if not (gloo or isinstance(e, dist.DistError)):
         return None
-    text = (
-        str(e).split("] ", 1)[-1] if gloo else str(e)
-    )  # gloo's message starts with its source location
+    # gloo's message starts with its source location
+    text = str(e).split("] ", 1)[-1] if gloo else str(e)
     return f"a collective failed, as another rank ended or stopped answering ({text.split('. ', 1)[0].strip()})"
 
 
@@ -99,9 +98,8 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> None:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(free_port()),
         )
-    os.environ.update(
-        accelerator_env(device.type)
-    )  # a rank not started by mhf-dist train, before the backend loads
+    # a rank not started by mhf-dist train, before the backend loads
+    os.environ.update(accelerator_env(device.type))
     init_backend_distributed(
         backend_name(cfg.train.dist_backend, device.type),
         timedelta(minutes=cfg.train.dist_timeout_minutes),

@@ -17,9 +17,8 @@ class Progress:
     def __init__(self, train: TrainConfig, seq_len: int):
         self.step = 0  # the last step trained (before the first: the resumed checkpoint's)
         self.start = 0  # the step this start resumed at
-        self.end = min(
-            train.stop_at_step or train.max_steps, train.max_steps
-        )  # the last step of this start
+        # the last step of this start
+        self.end = min(train.stop_at_step or train.max_steps, train.max_steps)
         self.log_interval, self.tokens_per_step = (
             train.log_interval,
             train.global_batch_size * seq_len,

@@ -113,9 +113,8 @@ class Rollbacks:
             )
         position = reader.global_position()
         checkpointer.continue_from(target)
-        client = load(
-            target
-        )  # the reader too, at the checkpoint's position: from there it passes over the data
+        # the reader too, at the checkpoint's position: from there it passes over the data
+        client = load(target)
         skipped = (reader.global_position(client["reader"]), position)
         reader.skip(*skipped)
         self.done.append(rollback_entry(step, spikes, target.name, client["step"], skipped))

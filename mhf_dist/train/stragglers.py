@@ -119,9 +119,8 @@ class StragglerWatch:
         """Every rank, at each logged step: gather the interval's means (one collective); on rank 0, the record's
         fields and the warnings about ranks that stayed slow or recovered; elsewhere ``({}, [])``."""
         w, probed = self.world, self.device_probe is not None
-        mine = [0.0] * (
-            3 * w
-        )  # each rank's compute seconds, then its stage, then its device probe's seconds
+        # each rank's compute seconds, then its stage, then its device probe's seconds
+        mine = [0.0] * (3 * w)
         mine[self.rank], mine[w + self.rank] = self._seconds / max(1, self._steps), self.stage
         mine[2 * w + self.rank] = self._device_s
         self._seconds, self._steps = 0.0, 0

@@ -84,9 +84,8 @@ def trained_weights(checkpoint: str | Path) -> TrainedWeights:
     marker = verify_files(ckpt)  # every file's size and digest, before DeepSpeed's loader reads any
     run = RunDir(ckpt.parent.parent)
     raw = yaml.safe_load(run.config_path.read_text())
-    cfg = RunConfig.model_validate(
-        raw | {"model": marker["model"]}
-    )  # the shapes the weights were saved with
+    # the shapes the weights were saved with
+    cfg = RunConfig.model_validate(raw | {"model": marker["model"]})
     state = consolidate(ckpt, pipeline=marker["layout"]["pp"] > 1) | host_table_weights(ckpt)
     if cfg.train.init_from:  # frozen parameters (train.trainable_blocks) are not in the checkpoint
         state = load_file(str(run.path / cfg.train.init_from)) | state

@@ -114,14 +114,12 @@ class Watchdog:
         self.beat_s = beat_interval(self.timeout_s, self.peer_timeout_s)
         self.started = time.time()
         record = newest_hang_record(run) if self.timeout_s is not None else None
-        self.previous = (
-            record if record is not None and record.step > resumed_at else None
-        )  # still ahead
+        # still ahead
+        self.previous = record if record is not None and record.step > resumed_at else None
         self._phase = Phase(resumed_at, "start", self.started)
         self._begun: set[str] = set()  # phases that ran in this start
-        self._lock = (
-            threading.Lock()
-        )  # the training thread marks, the watchdog thread records progress
+        # the training thread marks, the watchdog thread records progress
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
 

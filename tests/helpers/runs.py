@@ -68,9 +68,8 @@ def _command(
         if (
             file_size_limit is not None
         ):  # files larger than that cannot be written, as on a full disk
-            signal.signal(
-                signal.SIGXFSZ, signal.SIG_IGN
-            )  # a write past the limit then fails instead of killing
+            # a write past the limit then fails instead of killing
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(
                 resource.RLIMIT_FSIZE,
                 (file_size_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]),

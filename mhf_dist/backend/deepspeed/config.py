@@ -19,9 +19,8 @@ from mhf_dist.config import ConfigError, RunConfig, deep_merge
 if TYPE_CHECKING:
     from mhf_dist.parallel.layout import Layout
 
-CONFIG_DIR = (
-    resources.files("mhf_dist") / "deepspeed_configs"
-)  # the named configs, shipped in the package
+# the named configs, shipped in the package
+CONFIG_DIR = resources.files("mhf_dist") / "deepspeed_configs"
 # What a bf16 run's DeepSpeed config says unless its file or parallel.deepspeed says otherwise: gradients accumulated
 # (ZeRO-3: its gradient partitions; ZeRO-1: the bf16 optimizer's whole fp32 gradients) and reduced over dp in fp32.
 # The bf16 optimizer adds each parameter's gradient into fp32 as soon as backward has made it (immediate_grad_update).
@@ -64,9 +63,8 @@ def engine_config(cfg: RunConfig, layout: Layout, device_type: str) -> dict:
     stage = cfg.parallel.zero_stage
     if stage is None:
         stage = base.get("zero_optimization", {}).get("stage", 3 if layout.pp == 1 else 1)
-        cfg.check_zero_stage(
-            stage, f"ZeRO stage {stage}"
-        )  # the DeepSpeed file's stage, or its default
+        # the DeepSpeed file's stage, or its default
+        cfg.check_zero_stage(stage, f"ZeRO stage {stage}")
     derived = {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": layout.accum,

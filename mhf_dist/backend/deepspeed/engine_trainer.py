@@ -56,16 +56,14 @@ class SpikeVerdict:
         if self.value is None:
             loss = self.loss().double()
             over = ~(loss <= self.limits.loss)  # NaN is past any limit
-            norm = (
-                self.zero_optimizer._global_grad_norm
-            )  # the step's, set before the torch optimizer's step
+            # the step's, set before the torch optimizer's step
+            norm = self.zero_optimizer._global_grad_norm
             if norm is not None:  # compared in float64, as the host compares the norm it reads
                 over |= ~(
                     torch.as_tensor(norm, device=loss.device).double() <= self.limits.grad_norm
                 )
-            self.value = self.scalars.max_tensor(over.double()).reshape(
-                ()
-            )  # a scalar, as the kernel takes it
+            # a scalar, as the kernel takes it
+            self.value = self.scalars.max_tensor(over.double()).reshape(())
         return self.value
 
 

@@ -58,9 +58,8 @@ def engine_buffer_bytes(ds_config: dict, params: int, largest: int, e: int, devi
         return (0 if comm == 4 else comm * params) + e * largest
     buckets = 0.0  # ZeRO-0, or gradients not made contiguous
     if contiguous and stage == 3:
-        buckets = comm * allocated(
-            bucket
-        )  # the reduce bucket holds the gradients in the communication dtype
+        # the reduce bucket holds the gradients in the communication dtype
+        buckets = comm * allocated(bucket)
     elif contiguous and stage in (1, 2):
         buckets = (
             (2 if zero_setting(ds_config, "overlap_comm") else 1)

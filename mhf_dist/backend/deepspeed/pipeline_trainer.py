@@ -45,9 +45,8 @@ class PipelineTrainer(EngineTrainer):
         materialise: Callable[[nn.Module], nn.Module] | None = None,
         wrap_loss: LossWrapper | None = None,
     ):
-        health = layout_for(
-            model
-        )  # before the stages freeze their unused parts: the same on every rank
+        # before the stages freeze their unused parts: the same on every rank
+        health = layout_for(model)
         self.pipe, self.loss_fn = build_pipeline(model, groups, cfg.data.seq_len, materialise)
         self.loss_fn.wrap_loss = wrap_loss
         named = [(canonical_name(n), p) for n, p in self.pipe.named_parameters()]  # this stage's

@@ -91,9 +91,8 @@ class DataParallelTrainer(EngineTrainer):
         if measured:
             self.health.arm()
         host, device = self.host_tables, self.engine.device
-        pin = (
-            device.type == "cuda"
-        )  # pinned micro-batches: copies to the device that do not block the host
+        # pinned micro-batches: copies to the device that do not block the host
+        pin = device.type == "cuda"
         batch = reader.next_batch(self.micro, pin=pin)
         if host:
             host.prefetch(batch[:, :-1])

@@ -93,9 +93,8 @@ def read_universal(universal: Path, pipeline: bool) -> dict[str, torch.Tensor]:
     out = {}
     for folder in sorted(p for p in (universal / "zero").iterdir() if p.is_dir()):
         value = torch.load(folder / "fp32.pt", map_location="cpu", weights_only=False)
-        tensor = (
-            value["param"] if isinstance(value, dict) else value.reshape(shapes[folder.name])
-        )  # ZeRO-3: flat
+        # ZeRO-3: flat
+        tensor = value["param"] if isinstance(value, dict) else value.reshape(shapes[folder.name])
         out[canonical_name(folder.name) if pipeline else folder.name] = tensor
     return out
 
@@ -166,9 +165,8 @@ def split_for_zero3(universal: Path, cfg: ModelConfig, tp: int) -> None:
             for target in targets:
                 target.parent.mkdir(exist_ok=True)
             value = torch.load(state, map_location="cpu", weights_only=False)
-            full = (
-                value["param"] if isinstance(value, dict) else value
-            )  # ZeRO-3 without tp: the tensor alone
+            # ZeRO-3 without tp: the tensor alone
+            full = value["param"] if isinstance(value, dict) else value
             if full.numel() == 1:  # a step count: the same for every rank
                 for target in targets:
                     _link(state, target)

@@ -38,12 +38,10 @@ class Scheduler(Protocol):
 
     name: str  # as --scheduler names it
     script_name: str  # the submitted training script, kept in the run's job directory
-    preemption_signal: (
-        signal.Signals | None
-    )  # what it sends the ranks ahead of the time limit (None: nothing)
-    options: type[
-        BaseModel
-    ]  # its own options in a cluster profile (scheduler_options.<name>), with defaults for all
+    # what it sends the ranks ahead of the time limit (None: nothing)
+    preemption_signal: signal.Signals | None
+    # its own options in a cluster profile (scheduler_options.<name>), with defaults for all
+    options: type[BaseModel]
 
     def template(self) -> str:
         """The training job script, a ``string.Template`` of the values ``mhf_dist.cluster.submit`` and

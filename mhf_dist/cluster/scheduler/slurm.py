@@ -296,9 +296,8 @@ class Slurm:
             "LOCAL_RANK": os.environ["SLURM_LOCALID"],
             "WORLD_SIZE": os.environ["SLURM_NTASKS"],
         }
-        nodes = os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get(
-            "SLURM_JOB_NUM_NODES"
-        )  # the step's own
+        # the step's own
+        nodes = os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_JOB_NUM_NODES")
         if nodes:
             env["GROUP_WORLD_SIZE"] = nodes
         if job := os.environ.get("SLURM_JOB_ID"):

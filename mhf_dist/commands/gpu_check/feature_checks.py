@@ -29,16 +29,14 @@ P_INF_WEIGHT = 0.5  # model.hash.p_inf_loss_weight of the p-inf-tp2-bf16 run
 # gloo's own errors when a collective meets what it cannot carry (docs/profiling.md, "GPU check"); group 1 (when
 # present) or the whole match is reported
 GLOO_LIMITS = (
-    re.compile(
-        r"ProcessGroupGloo::\w+: unsupported device type \w+"
-    ),  # no CUDA implementation of the op
+    # no CUDA implementation of the op
+    re.compile(r"ProcessGroupGloo::\w+: unsupported device type \w+"),
     re.compile(r"Backend gloo does not support \w+"),  # no implementation on any device
     re.compile(
         r'distributed_c10d\.py", line \d+, in \w+\n(?:[ \t][^\n]*\n){0,4}\w*Error: (Invalid scalar type)'
     ),
-    re.compile(
-        r"[^\n]*gloo[^\n]*Bad address[^\n]*"
-    ),  # send/recv: the device pointer reached a CPU socket
+    # send/recv: the device pointer reached a CPU socket
+    re.compile(r"[^\n]*gloo[^\n]*Bad address[^\n]*"),
 )
 # the innermost Python frame of a thread in PYTHONFAULTHANDLER's dump, when it is torch.distributed's send/recv
 P2P_CRASH = re.compile(

@@ -64,9 +64,8 @@ def generate_cli_check(ctx: Context, model: Path) -> Check:
             ctx.mode.device,
         ],
     )
-    text = (
-        out[out.find(PROMPT) :].strip() if PROMPT in out else ""
-    )  # after DeepSpeed's log lines, if any
+    # after DeepSpeed's log lines, if any
+    text = out[out.find(PROMPT) :].strip() if PROMPT in out else ""
     ok = len(text) > len(PROMPT)
     return Check(
         "generate-cli",

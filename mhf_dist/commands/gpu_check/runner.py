@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-ROOT = (
-    Path(__file__).resolve().parents[3]
-)  # a checkout's root when installed editable (its .venv, its commit)
+# a checkout's root when installed editable (its .venv, its commit)
+ROOT = Path(__file__).resolve().parents[3]
 PASS, FAIL, MEASURED, SKIPPED = "PASS", "FAIL", "measured", "skipped"
 NOT_RUNNABLE = (
     "not runnable with gloo"  # a 2-rank run that gloo cannot carry on CUDA tensors (not a failure)
@@ -36,9 +35,8 @@ class Mode:
     dtypes: tuple[str, ...]  # training dtypes whose resume is checked
     steps: int  # training steps per run
     split: int  # checkpoint, stop and resume step
-    resume_tolerance: dict[
-        str, float
-    ]  # per dtype: max relative difference of the losses after resuming
+    # per dtype: max relative difference of the losses after resuming
+    resume_tolerance: dict[str, float]
     eval_tolerance: float  # relative difference of -log P_inf, eval vs the training loop
     new_tokens: int  # tokens generated per timed call
     profiles: tuple[tuple[str, int], ...]  # (size, seq_len)
@@ -51,16 +49,13 @@ class Mode:
     compare_steps: int  # C: the layout and feature runs stop here and are compared over steps 1..C
     compare_tolerance: float  # max relative difference of their losses and gradient norms (fp32)
     gloo_layouts: tuple[str, ...]  # 2-rank layouts trained over gloo ("tp=2", "pp=2")
-    features: tuple[
-        str, ...
-    ]  # further runs, by check name: "compile", "engram-offload", "grad-accum", ...
+    # further runs, by check name: "compile", "engram-offload", "grad-accum", ...
+    features: tuple[str, ...]
     sdpa_dtypes: tuple[str, ...]  # dtypes whose attention backend is reported
-    gloo_timeout_s: (
-        int  # per command of a 2-rank run (a collective gloo cannot carry may hang, not fail)
-    )
-    estimates_s: tuple[
-        float, ...
-    ]  # each step's expected seconds, in the order of the steps (printed first)
+    # per command of a 2-rank run (a collective gloo cannot carry may hang, not fail)
+    gloo_timeout_s: int
+    # each step's expected seconds, in the order of the steps (printed first)
+    estimates_s: tuple[float, ...]
     train_overrides: tuple[str, ...] = ()  # settings every training run of the check gets
 
 

@@ -64,9 +64,8 @@ def log_save(
     (``grace_seconds``)."""
     seconds = stall if background is None else stall + background
     size = checkpoint_bytes(path)
-    nodes = int(
-        os.environ.get("GROUP_WORLD_SIZE", 1)
-    )  # the nodes of the job (its scheduler or launcher says)
+    # the nodes of the job (its scheduler or launcher says)
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))
     per_node = size / max(seconds, 1e-9) / nodes / 1e9
     took = (
         f"{stall:.1f} s"
@@ -322,9 +321,8 @@ class Checkpointer(Reading):
                 part.unlink()
             files = sorted(p for p in path.rglob("*") if p.is_file())
             names = [str(f.relative_to(path)) for f in files]
-            unknown = [
-                f for f, name in zip(files, names) if name not in digests
-            ]  # not written through a writer
+            # not written through a writer
+            unknown = [f for f, name in zip(files, names) if name not in digests]
             for f in unknown:
                 fsync(f)
             digests |= {str(f.relative_to(path)): d for f, d in zip(unknown, file_digests(unknown))}

@@ -70,9 +70,8 @@ def read_rng_state(path: Path) -> dict:
 def read_legacy_rng_state(path: Path) -> dict:
     """An ``rng-rank*.pt`` of a checkpoint saved before RNG states were safetensors, unpickled with
     ``weights_only=True``: tensors, tuples and numpy arrays only, so the file cannot run code."""
-    reconstruct = np.array(0).__reduce__()[
-        0
-    ]  # numpy.core.multiarray's (numpy 1) or numpy._core's (numpy 2)
+    # numpy.core.multiarray's (numpy 1) or numpy._core's (numpy 2)
+    reconstruct = np.array(0).__reduce__()[0]
     allowed = [(reconstruct, f"numpy.{core}.multiarray._reconstruct") for core in ("core", "_core")]
     allowed += [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     try:
