@@ -92,6 +92,8 @@ class StepStats:
     health: dict[str, float] | None = (
         None  # the health metrics, when train_step measured them (``health``)
     )
+    # the z-loss term the objective added, mean over the global batch (train.z_loss_weight > 0; ``loss`` leaves it out)
+    z_loss: float | None = None
 
 
 @dataclass(frozen=True)

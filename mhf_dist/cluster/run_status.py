@@ -21,7 +21,7 @@ from mhf_dist.cluster.job_records import read_jobs
 from mhf_dist.cluster.rank_status import Ranks, read_ranks
 from mhf_dist.cluster.scheduler import schedulers
 from mhf_dist.cluster.scheduler.slurm import SLURM
-from mhf_dist.config import ConfigError, load_config
+from mhf_dist.config import ConfigError, RunConfig, load_config
 from mhf_dist.config.loader import read_config_file
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.storage.run_lock import STALE_S, RunLock, holder_gone
@@ -34,6 +34,7 @@ from mhf_dist.train.checkpoint.index import (
 )
 from mhf_dist.train.metrics import read_metrics
 from mhf_dist.train.rollback import read_rollbacks
+from mhf_dist.train.schedule import decay_begins, phase
 
 RECENT = 10  # logged training records the means (loss, tokens/s, MFU) cover
 STALE_FLOOR_S = 600.0
@@ -96,6 +97,7 @@ class RunStatus:
     source_tokens: dict | None = None  # a mixture's tokens read from each source (data.sources)
     loss: float | None = None
     head_losses: list | None = None
+    z_loss: float | None = None  # the last logged z-loss term (train.z_loss_weight > 0)
     loss_recent_mean: float | None = None
     tokens_per_s: float | None = None
     mfu: float | None = None
@@ -117,6 +119,8 @@ class RunStatus:
         None  # the last logged step's gradient norm per parameter family (the health metrics)
     )
     rollbacks: list[dict] = field(default_factory=list)
+    # the learning-rate schedule and the phase of the last logged step: {name, phase, decay_start}
+    schedule: dict | None = None
     job: Job | None = None
     lock: Lock | None = None
     ranks: Ranks | None = None
@@ -145,14 +149,23 @@ def check_run_dir(path: Path) -> RunDir:
     return run
 
 
-def read_config(run: RunDir) -> dict:
-    """The run's ``config.yaml`` as a plain dict ({} before the job wrote it); one that ``train --run-dir`` would
-    refuse (unreadable, not YAML, failing the schema) is a ``ConfigError`` naming it and the problem."""
+def read_config(run: RunDir) -> tuple[dict, RunConfig | None]:
+    """The run's ``config.yaml`` as a plain dict ({} before the job wrote it) and as the config it resolves to;
+    one that ``train --run-dir`` would refuse (unreadable, not YAML, failing the schema) is a ``ConfigError`` naming
+    it and the problem."""
     path = run.config_path
     if not path.exists():
-        return {}
-    load_config(path=path)
-    return read_config_file(path)
+        return {}, None
+    resolved = load_config(path=path)
+    return read_config_file(path), resolved
+
+
+def schedule_phase(cfg: RunConfig, step: int) -> dict:
+    """The learning-rate schedule at (1-based) ``step``: its name, the step's phase, and the last step before its
+    decay (None: constant, which never decays)."""
+    opt, steps = cfg.optimizer, cfg.train.max_steps
+    begins = None if opt.schedule == "constant" else decay_begins(opt, steps)
+    return {"name": opt.schedule, "phase": phase(step - 1, opt, steps), "decay_start": begins}
 
 
 def _mean(values: list) -> float | None:
@@ -267,6 +280,7 @@ def _from_records(st: RunStatus, records: list[dict], tokens_per_step: int | Non
     st.recent_records = len(recent)
     if training:
         st.loss, st.head_losses = training[-1]["loss"], training[-1].get("head_losses")
+        st.z_loss = training[-1].get("z_loss")
     st.loss_recent_mean = _mean([r["loss"] for r in recent])
     st.tokens_per_s = _mean([r.get("tokens_per_s") for r in recent])
     st.mfu = _mean([r.get("mfu") for r in recent])
@@ -326,7 +340,7 @@ def gather(
     """Everything ``status`` reports about ``run_dir`` (``verify``: check the checkpoints' digests, not only their
     sizes); raises ``ConfigError`` if it is not a run directory."""
     run = check_run_dir(Path(run_dir))
-    cfg = read_config(run)
+    cfg, resolved = read_config(run)
     now = time.time()
     train, data = cfg.get("train") or {}, cfg.get("data") or {}
     batch, seq_len = _int(train.get("global_batch_size")), _int(data.get("seq_len"))
@@ -344,6 +358,8 @@ def gather(
         recent = _from_records(st, records, tokens_per_step)
         written = run.metrics_path.stat().st_mtime
         _timing(st, recent, tokens_per_step, train.get("log_interval"), written, stale_minutes)
+        if resolved is not None and st.step:
+            st.schedule = schedule_phase(resolved, st.step)
     st.checkpoint, st.checkpoint_check, st.damaged_checkpoints = newest_checkpoint(run, now, verify)
     st.rollbacks = read_rollbacks(run)
     st.lock = read_lock(run, now)

@@ -63,6 +63,16 @@ def _progress_lines(st: RunStatus) -> list[str]:
     of = f" / {st.max_steps} ({st.progress:.1%})" if st.max_steps else ""
     tokens = f", {st.tokens:,} tokens" if st.tokens is not None else ""
     lines = [_line("step", f"{st.step}{of}{tokens}")]
+    if sched := st.schedule:
+        decay = (
+            f" (decay after step {sched['decay_start']:,}"
+            + (f" to {st.max_steps:,})" if st.max_steps else ")")
+            if sched["decay_start"] is not None
+            else ""
+        )
+        lines.append(
+            _line("schedule", f"{sched['name']}, {sched['phase']} at step {st.step}{decay}")
+        )
     if st.source_tokens:
         lines.append(
             _line(
@@ -73,6 +83,8 @@ def _progress_lines(st: RunStatus) -> list[str]:
         heads = (
             f" (heads {', '.join(_number(h) for h in st.head_losses)})" if st.head_losses else ""
         )
+        if st.z_loss is not None:
+            heads += f" (z-loss {_number(st.z_loss)})"
         mean = (
             f", {_number(st.loss_recent_mean)} mean of the last {st.recent_records} logged steps"
             if (st.loss_recent_mean is not None)

@@ -101,6 +101,13 @@ class DataConfig(Strict):
     allow_pipe: bool = Field(
         False, description="accept pipe: shard URLs (each runs a shell command)"
     )
+    document_masking: bool = Field(
+        False,
+        description="keep the documents packed in a sequence apart: attention stays within each document, RoPE "
+        "positions restart at every document start, and the Engram memory's N-grams and convolution do not reach "
+        "across one; a document starts at the sequence start and after each EOS (the EOS ends its document). "
+        "False: the paper's recipe, causal attention over the whole packed sequence (docs/data.md)",
+    )
     restart: bool = Field(
         False,
         description="on resume, when the checkpoint's data position is in other data (another data.path's "
@@ -167,12 +174,52 @@ class ParamGroupRule(Strict):
     weight_decay: float | None = Field(None, ge=0)
 
 
+WSD_DECAY_FRACTION = 0.2  # optimizer.decay_fraction's value when unset
+WSD_DECAY_SHAPE = "1-sqrt"  # optimizer.decay_shape's value when unset
+Schedule = Literal["cosine", "wsd", "linear", "constant"]
+DecayShape = Literal["linear", "cosine", "1-sqrt"]
+
+
 class OptimizerConfig(Strict):
-    """AdamW with linear warm-up then cosine decay to ``min_lr_ratio * lr`` (docs/spec.md §6)."""
+    """AdamW with linear warm-up, then the learning-rate schedule ``schedule`` (docs/schedules.md); by default the
+    paper's cosine decay to ``min_lr_ratio * lr`` (docs/spec.md §6)."""
 
     lr: float = Field(3e-4, gt=0)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    min_lr_ratio: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="where a decay ends, as a fraction of lr (cosine, linear, wsd); constant never decays",
+    )
     warmup_steps: int = Field(100, ge=0)
+    schedule: Schedule = Field(
+        "cosine",
+        description="after warm-up: cosine (the paper's recipe) or linear decay to min_lr_ratio at max_steps; "
+        "wsd: stable at lr, then a decay over the run's end (decay_start, decay_fraction, decay_shape), whose "
+        "runs can be extended and decayed from any checkpoint; constant: lr to the end",
+    )
+    decay_start: int | None = Field(
+        None,
+        ge=0,
+        description="wsd: the last step before the decay (a checkpoint's step, to decay from it); None: "
+        "decay_fraction sets it",
+    )
+    decay_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description=f"wsd: the share of max_steps the decay takes at the end (rounded; never into the warm-up); "
+        f"None: {WSD_DECAY_FRACTION}",
+    )
+    decay_shape: DecayShape | None = Field(
+        None, description=f"wsd: the decay's curve; None: {WSD_DECAY_SHAPE}"
+    )
+    allow_lr_jump: bool = Field(
+        False,
+        description="a resume whose max_steps or schedule settings would make the learning rate jump at the "
+        "resumed step goes on with the jump instead of being refused; applies to the start it is given to "
+        "(config.yaml keeps false)",
+    )
     betas: tuple[float, float] = Field(
         (0.9, 0.95), description="Adam's moment decays, each in [0, 1)"
     )
@@ -194,6 +241,27 @@ class OptimizerConfig(Strict):
                     f"optimizer.betas[{i}]={beta} is outside [0, 1): Adam's moment decays are "
                     "fractions, e.g. --set optimizer.betas=[0.9,0.95]"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _schedule(self):
+        if self.schedule != "wsd":
+            for name in ("decay_start", "decay_fraction", "decay_shape"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"optimizer.{name}={getattr(self, name)} with optimizer.schedule={self.schedule}: only "
+                        f"wsd has a decay phase to place; set optimizer.schedule=wsd, or leave {name} unset"
+                    )
+        if self.schedule == "constant" and self.min_lr_ratio:
+            raise ValueError(
+                f"optimizer.min_lr_ratio={self.min_lr_ratio} with optimizer.schedule=constant, which never "
+                "decays: leave min_lr_ratio at 0, or decay at the end with optimizer.schedule=wsd"
+            )
+        if self.decay_start is not None and self.decay_start < self.warmup_steps:
+            raise ValueError(
+                f"optimizer.decay_start={self.decay_start} falls in the warm-up (optimizer.warmup_steps="
+                f"{self.warmup_steps}): the decay begins after it; set decay_start to {self.warmup_steps} or later"
+            )
         return self
 
 
@@ -286,6 +354,16 @@ class RunConfig(Strict):
         if self.parallel.pp > m.n_layers:
             raise ValueError(
                 f"parallel.pp={self.parallel.pp} is more stages than model.n_layers={m.n_layers}; lower pp"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _decay_before_the_end(self):
+        start, steps = self.optimizer.decay_start, self.train.max_steps
+        if start is not None and start >= steps:
+            raise ValueError(
+                f"optimizer.decay_start={start} is not before train.max_steps={steps}: no step would decay; "
+                f"set decay_start below {steps}, or raise train.max_steps (the decay runs from decay_start to it)"
             )
         return self
 

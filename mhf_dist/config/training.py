@@ -170,6 +170,15 @@ class TrainConfig(Strict):
         "to eager (one warning) when compiling fails (no Triton, an Inductor error); compiled always compiles "
         "(a failure stops the run); eager never compiles",
     )
+    z_loss_weight: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="z-loss: adds this weight × the mean over the target tokens of (log Z)² to the training "
+        "loss, log Z being a decoder head's softmax normaliser (summed over a MultiHashFormer's H heads), which keeps "
+        "the normalisers from drifting (PaLM uses 1e-4; for bf16 and large models); logged as z_loss, while loss "
+        "stays the cross-entropy; 0: off, the paper's recipe",
+    )
     dist_backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto",
         description="torch.distributed backend: auto is nccl on GPUs (RCCL on ROCm) and gloo on CPUs; gloo "

@@ -5,18 +5,30 @@ and for ``i < H`` ``c_{i+1} = c_i + W_up,iᵀ σ(W_dn,iᵀ [c_i ; ē_i] + b_dn) 
 head's soft distribution, never a sampled bucket. With ``H = 1`` and no mixers this is exactly a tied LM head, which
 is how the Standard baseline uses it; ``num_valid_rows`` then masks its padding rows. All table arithmetic goes
 through ``BucketTables``, so the same code runs on bucket-sharded tables; ``chunk_tokens > 0`` runs each head fused
-over token chunks (``fused_head``). ``head_entropies``: each head's entropy, for the health metrics.
+over token chunks (``fused_head``). ``head_entropies``: each head's entropy, for the health metrics. ``HeadTerms``:
+what the training loss takes of the heads, each head's normaliser ``log Z_i`` (the z-loss's) included when asked.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from mhf_dist.model.fused_head import KernelPolicy
 from mhf_dist.model.tables import BucketTables
+
+
+class HeadTerms(NamedTuple):
+    """Per token and head ``[N, H]``: ``-log p_i[target_i]``; each head's entropy over the rows held here (detached,
+    ``entropy=True`` only); its normaliser ``log Z_i = logsumexp_b o_i,b`` over all rows, fp32 (or wider) and
+    differentiable (``log_z=True`` only)."""
+
+    nll: torch.Tensor
+    entropy: torch.Tensor | None = None
+    log_z: torch.Tensor | None = None
 
 
 class CascadedDecoder(nn.Module):
@@ -47,17 +59,26 @@ class CascadedDecoder(nn.Module):
         )
 
     def _heads(
-        self, h: torch.Tensor, tables: BucketTables, normalised: bool
+        self,
+        h: torch.Tensor,
+        tables: BucketTables,
+        normalised: bool,
+        normalisers: list[torch.Tensor] | None = None,
     ) -> Iterator[torch.Tensor]:
         """Yield each head's ``log p_i [..., R_local]`` down the cascade, or (``normalised=False``) its logits
-        ``o_i = log p_i + log Z_i``, which need no normaliser of their own."""
+        ``o_i = log p_i + log Z_i``, which need no normaliser of their own; ``normalisers`` (normalised only): a
+        list each head's ``log Z_i [...]`` is appended to."""
         c = h
         for i in range(self.num_heads):
             logits = tables.logits(c, i)
             if self.num_valid_rows is not None:
                 rows = torch.arange(tables.local_rows, device=logits.device) + tables.row_offset
                 logits = logits.masked_fill(rows >= self.num_valid_rows, float("-inf"))
-            scores = tables.log_softmax(logits) if normalised else logits
+            if normalisers is not None:
+                scores, log_z = tables.log_softmax_and_normaliser(logits)
+                normalisers.append(log_z)
+            else:
+                scores = tables.log_softmax(logits) if normalised else logits
             yield scores
             if i < self.num_heads - 1:
                 soft = tables.retrieve(scores.exp() if normalised else tables.softmax(logits), i)
@@ -65,45 +86,52 @@ class CascadedDecoder(nn.Module):
 
     def nll(self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor) -> torch.Tensor:
         """``-log p_i[target_i]`` per head: ``h [N, d]``, ``targets [N, H]`` -> ``[N, H]``."""
-        return self._nll(h, tables, targets, entropy=False)[0]
+        return self.head_terms(h, tables, targets).nll
 
-    def nll_and_entropy(
-        self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``nll`` and each head's entropy ``-Σ_b p_i,b log p_i,b`` over the rows held here ``[N, H]``
-        (detached; summed over the bucket shards it is the head's entropy), for the health metrics."""
-        return self._nll(h, tables, targets, entropy=True)
-
-    def _nll(
-        self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor, entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def head_terms(
+        self,
+        h: torch.Tensor,
+        tables: BucketTables,
+        targets: torch.Tensor,
+        *,
+        entropy: bool = False,
+        log_z: bool = False,
+    ) -> HeadTerms:
+        """``nll``, with (``entropy``) each head's entropy ``-Σ_b p_i,b log p_i,b`` over the rows held here
+        (detached; summed over the bucket shards it is the head's entropy), for the health metrics, and (``log_z``)
+        each head's normaliser ``log Z_i``, where each path has it: the fused head's output, the plain path's
+        ``log_softmax``; on bucket shards already reduced over them, so it costs no collective."""
         if self.chunk_tokens:
-            return self._fused_nll(h, tables, targets, entropy)
-        log_probs = list(self._heads(h, tables, normalised=True))
-        nll = torch.stack(
-            [-tables.pick(log_p, targets[..., i]) for i, log_p in enumerate(log_probs)], dim=-1
-        )
-        return nll, head_entropies(log_probs) if entropy else None
+            return self._fused_terms(h, tables, targets, entropy, log_z)
+        nll, log_probs, normalisers = self.nll_and_log_probs(h, tables, targets, log_z)
+        return HeadTerms(nll, head_entropies(log_probs) if entropy else None, normalisers)
 
     def nll_and_log_probs(
-        self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The plain path's ``-log p_i[target_i]`` ``[N, H]`` and every head's ``log p_i [N, R_local]``, from one
-        pass down the cascade; the log-probabilities are also ``scores`` for ``log P_inf`` (each head's
-        normaliser cancels there), which is how the training loss's ``log P_inf`` term gets them."""
-        log_probs = list(self._heads(h, tables, normalised=True))
+        self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor, log_z: bool = False
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+        """The plain path's ``-log p_i[target_i]`` ``[N, H]``, every head's ``log p_i [N, R_local]`` and (``log_z``)
+        their normalisers ``log Z_i`` ``[N, H]``, else None, from one pass down the cascade; the
+        log-probabilities are also ``scores`` for ``log P_inf`` (each head's normaliser cancels there), which is
+        how the training loss's ``log P_inf`` term gets them."""
+        normalisers = [] if log_z else None
+        log_probs = list(self._heads(h, tables, normalised=True, normalisers=normalisers))
         nll = torch.stack(
             [-tables.pick(log_p, targets[..., i]) for i, log_p in enumerate(log_probs)], dim=-1
         )
-        return nll, log_probs
+        return nll, log_probs, torch.stack(normalisers, dim=-1) if log_z else None
 
-    def _fused_nll(
-        self, h: torch.Tensor, tables: BucketTables, targets: torch.Tensor, entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        c, nll, entropies, split = h, [], [], tables.per_table()
+    def _fused_terms(
+        self,
+        h: torch.Tensor,
+        tables: BucketTables,
+        targets: torch.Tensor,
+        entropy: bool,
+        log_z: bool,
+    ) -> HeadTerms:
+        c, nll, entropies, normalisers, split = h, [], [], [], tables.per_table()
         for i in range(self.num_heads):
             more = i < self.num_heads - 1
-            log_z, target, soft, ent = tables.fused_head(
+            normaliser, target, soft, ent = tables.fused_head(
                 c,
                 split,
                 i,
@@ -114,11 +142,16 @@ class CascadedDecoder(nn.Module):
                 num_valid_rows=self.num_valid_rows,
                 entropy=entropy,
             )
-            nll.append(log_z - target)
+            nll.append(normaliser - target)
             entropies.append(ent)
+            normalisers.append(normaliser)
             if more:
                 c = c + self.cascade_mixer[i](torch.cat([c, soft], dim=-1))
-        return torch.stack(nll, dim=-1), torch.stack(entropies, dim=-1) if entropy else None
+        return HeadTerms(
+            torch.stack(nll, dim=-1),
+            torch.stack(entropies, dim=-1) if entropy else None,
+            torch.stack(normalisers, dim=-1) if log_z else None,
+        )
 
     def scores(self, h: torch.Tensor, tables: BucketTables) -> list[torch.Tensor]:
         """Each head's bucket scores for ``scoring`` over the rows held here: H tensors

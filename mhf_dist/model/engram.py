@@ -5,10 +5,12 @@ of compressed ids ending at each position are hashed to one row per head (``Ngra
 (``u_k = E_k[idx_k]``) and fused by a gate that reads the hidden state ``h = x`` there: ``SigmoidGate`` (DeepSeek's
 demo, its causal depthwise convolution ``ShortConv``) or ``SoftmaxGate``, whose formulas docs/spec.md §8 gives.
 Everything looks backwards: the hash reads tokens ``<= t``, ``h`` comes from a causal backbone and the convolution is
-left-padded. The tables are one ``BucketTables`` ``[(N-1)·K, R, head_dim]`` (each head's padded to ``R`` rows, a
-multiple of ``pad_rows_to``; rows ``>= M_k`` are never read), sharded along their rows like the bucket tables
-(docs/spec.md §7), every use through the module's ``forward`` (ZeRO-3); with ``offload`` a ``HostTables`` in host
-memory, whose rows the trainer prefetches per micro-batch (``EngramMemory.prefetch``). Choices: docs/design-model.md.
+left-padded. Given the tokens' ``positions`` in their documents (``data.document_masking``,
+``mhf_dist.model.documents``), neither the N-grams nor the convolution reach back across a document start. The tables
+are one ``BucketTables`` ``[(N-1)·K, R, head_dim]`` (each head's padded to ``R`` rows, a multiple of ``pad_rows_to``;
+rows ``>= M_k`` are never read), sharded along their rows like the bucket tables (docs/spec.md §7), every use through
+the module's ``forward`` (ZeRO-3); with ``offload`` a ``HostTables`` in host memory, whose rows the trainer prefetches
+per micro-batch (``EngramMemory.prefetch``). Choices: docs/design-model.md.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mhf_dist.config import ModelConfig
+from mhf_dist.model.documents import document_positions
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.model.ngram_hash import NgramHash
 from mhf_dist.model.tables import BucketTables
@@ -46,22 +49,44 @@ class SoftmaxGate(nn.Module):
             torch.softmax(scores.masked_fill(~keep, torch.finfo(scores.dtype).min), dim=-1) * keep
         )
 
-    def forward(self, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, u: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``positions``: unused (the gate reads each position alone)."""
         return self.out_proj((self.weights(h, u).unsqueeze(-1) * u).sum(dim=-2))
 
 
+class DocumentConv1d(nn.Conv1d):
+    """A depthwise ``nn.Conv1d`` over a left-padded ``[B, d, pad + S]`` (``pad = (kernel_size - 1)·dilation``) that
+    can also be given the outputs' ``positions [B, S]`` in their documents: a tap reaching back past its output's
+    document start then reads zero, as a tap before the row's start reads the padding. The weight is read in this
+    module's ``forward`` only (ZeRO-3 gathers it there)."""
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            return super().forward(x)
+        (taps,), (dilation,), seq = self.kernel_size, self.dilation, positions.shape[1]
+        out = torch.zeros_like(x[..., :seq])
+        for j in range(taps):  # tap j reads input t - back
+            back = (taps - 1 - j) * dilation
+            tap = x[..., j * dilation : j * dilation + seq] * self.weight[:, :, j]
+            out = out + torch.where((positions >= back).unsqueeze(1), tap, 0.0)
+        return out
+
+
 class ShortConv(nn.Module):
-    """``SiLU(causal depthwise conv(RMSNorm(v)))`` over the sequence: ``[B, S, d] -> [B, S, d]``."""
+    """``SiLU(causal depthwise conv(RMSNorm(v)))`` over the sequence: ``[B, S, d] -> [B, S, d]``; with
+    ``positions``, within each document."""
 
     def __init__(self, dim: int, kernel_size: int, dilation: int, eps: float):
         super().__init__()
         self.norm = nn.RMSNorm(dim, eps=eps)
-        self.conv = nn.Conv1d(dim, dim, kernel_size, dilation=dilation, groups=dim, bias=False)
+        self.conv = DocumentConv1d(dim, dim, kernel_size, dilation=dilation, groups=dim, bias=False)
         self.left_pad = (kernel_size - 1) * dilation  # output t sees inputs t, t-dilation, ...
 
-    def forward(self, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, v: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         x = F.pad(self.norm(v).transpose(1, 2), (self.left_pad, 0))
-        return F.silu(self.conv(x)).transpose(1, 2)
+        return F.silu(self.conv(x, positions)).transpose(1, 2)
 
 
 class SigmoidGate(nn.Module):
@@ -74,27 +99,36 @@ class SigmoidGate(nn.Module):
         self.query_norm = nn.RMSNorm(dim, eps=eps)
         self.short_conv = ShortConv(dim, kernel_size, dilation, eps)
 
-    def forward(self, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, u: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         e = u.flatten(-2)
         g = (self.key_norm(self.key_proj(e)) * self.query_norm(h)).sum(dim=-1) / math.sqrt(self.dim)
         # sqrt has an infinite slope at 0: clamp |g| as the demo does
         alpha = torch.sigmoid(g.sign() * g.abs().clamp_min(1e-6).sqrt())
         v = alpha.unsqueeze(-1) * self.value_proj(e)
-        return v + self.short_conv(v)
+        return v + self.short_conv(v, positions)
 
 
 class EngramMemory(nn.Module):
     """The memory of backbone layer ``layer``: ``(h [B, S, d], input_ids [B, S]) -> [B, S, d]``, to be added to ``h``.
 
     ``sizes[n-2][k]`` is the prime size ``M_k`` of head ``k`` of order ``n``
-    (``table_sizes``).
+    (``table_sizes``). ``document_eos``: the backbone's (``Backbone``); ``prefetch`` derives the positions from it
+    as the backbone does.
     """
 
     def __init__(
-        self, cfg: ModelConfig, layer: int, sizes: list[list[int]], compression: "CompressionTable"
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        sizes: list[list[int]],
+        compression: "CompressionTable",
+        document_eos: int | None = None,
     ):
         super().__init__()
         e = cfg.engram
+        self.document_eos = document_eos
         self.hash = NgramHash(
             e, layer, sizes, compression.old_to_new, compression.num_ids, compression.pad_id
         )
@@ -122,9 +156,16 @@ class EngramMemory(nn.Module):
                 cfg.norm_eps,
             )
 
-    def forward(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.gate(h, self.tables.lookup(self.hash(input_ids)).to(h.dtype))
+    def forward(
+        self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``positions [B, S]``: each token's position in its document (``BlockInputs``); None: one sequence."""
+        u = self.tables.lookup(self.hash(input_ids, positions)).to(h.dtype)
+        return self.gate(h, u, positions)
 
     def prefetch(self, input_ids: torch.Tensor) -> None:
         """Offloaded tables: start gathering the rows that ``input_ids [B, S]`` (on the host) will read."""
-        self.tables.prefetch(self.host_hash(input_ids))
+        positions = None
+        if self.document_eos is not None:
+            positions = document_positions(input_ids, self.document_eos)
+        self.tables.prefetch(self.host_hash(input_ids, positions))

@@ -46,7 +46,7 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.vocab = vocab
-        self.backbone = Backbone(cfg, compression, modes.checkpoint_interval)
+        self.backbone = Backbone(cfg, compression, modes.checkpoint_interval, modes.document_eos)
 
     @property
     def vocab_size(self) -> int:
@@ -57,11 +57,16 @@ class LanguageModel(nn.Module):
         return self.backbone(self.vocab.embed(input_ids), input_ids)
 
     def forward(
-        self, input_ids: torch.Tensor, targets: torch.Tensor, entropy: bool = False
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        entropy: bool = False,
+        z_loss_weight: float = 0.0,
     ) -> TrainingLoss:
         """The training loss of ``input_ids [B, S]`` predicting ``targets [B, S]`` (``< 0``: ignored); ``entropy``:
-        with each head's entropy (``TrainingLoss.head_entropy``)."""
-        return self.vocab.loss(self.hidden(input_ids), targets, entropy)
+        with each head's entropy (``TrainingLoss.head_entropy``); ``z_loss_weight`` > 0: with the z-loss
+        (``train.z_loss_weight``, ``TiedVocabulary.loss``)."""
+        return self.vocab.loss(self.hidden(input_ids), targets, entropy, z_loss_weight)
 
     def evaluation(
         self,

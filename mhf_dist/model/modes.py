@@ -1,6 +1,7 @@
-"""How a model runs, beside what it computes (its ``mhf_dist.config.ModelConfig``): fixed when it is built
-and never switched on it afterwards. What one forward measures besides its loss (the heads' entropies) is that
-forward's argument."""
+"""How a model runs, beside its ``mhf_dist.config.ModelConfig``: fixed when it is built and never switched on it
+afterwards. Besides how it computes (checkpointing, kernels), how it reads a row of packed documents
+(``document_eos``, from ``data.document_masking``): its weights are the same either way. What one forward measures
+besides its loss (the heads' entropies) is that forward's argument."""
 
 from __future__ import annotations
 
@@ -15,3 +16,6 @@ class ModelModes:
     checkpoint_interval: int = 0
     # how the fused decoder head's elementwise passes run (train.fused_head_kernel, fused_head.KernelPolicy)
     kernels: Literal["auto", "compiled", "eager"] = "auto"
+    # data.document_masking: the tokenizer's EOS id, which ends each document packed in a row; the documents then do
+    # not see each other (mhf_dist.model.documents). None: a row is one sequence
+    document_eos: int | None = None

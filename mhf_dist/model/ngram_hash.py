@@ -1,7 +1,8 @@
 """``NgramHash``: multi-head N-gram hashing for the Engram memory (docs/spec.md §8).
 
 At position ``t`` the N-gram of order ``n`` is the compressed ids ``(x_{t-n+1}, ..., x_t)``; positions before the
-start read the compressed pad id, so position ``t`` sees only tokens ``<= t``. Each order has K heads, head ``k`` a
+start read the compressed pad id, so position ``t`` sees only tokens ``<= t`` (given the tokens' ``positions`` in their
+documents, ``data.document_masking``, so do positions before a document's start). Each order has K heads, head ``k`` a
 table of prime size ``M_k`` (``table_sizes``). ``engram`` (DeepSeek's demo) XORs the tokens' products with odd
 multipliers, ``keyed`` packs the N-gram by Horner's rule and XORs its product with a per-head key, both then
 ``mod M_k``: int64 arithmetic that wraps around, with the floor modulo. The constants come from
@@ -63,16 +64,25 @@ class NgramHash(nn.Module):
     def num_heads(self) -> int:
         return self.moduli.numel()
 
-    def shifted(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
-        """Compressed ids ``x_{t-j}`` for ``j = 0..N-1`` (each ``[B, S]``), the pad id before the start."""
+    def shifted(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """Compressed ids ``x_{t-j}`` for ``j = 0..N-1`` (each ``[B, S]``), the pad id before the start, and with
+        ``positions [B, S]`` (each token's in its document) before its document's start."""
         x = self.old_to_new[input_ids]
         pad = torch.full_like(x, self.pad_id)
-        return [
+        back = [
             torch.cat([pad[:, :j], x[:, : x.shape[1] - j]], dim=1) for j in range(self.max_ngram)
         ]
+        if positions is not None:
+            back = [torch.where(positions >= j, b, pad) for j, b in enumerate(back)]
+        return back
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        back = self.shifted(input_ids)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows ``[B, S, (N-1)·K]``; ``positions``: as ``shifted``."""
+        back = self.shifted(input_ids, positions)
         rows = []
         for n in range(2, self.max_ngram + 1):
             moduli = self.moduli[n - 2]

@@ -184,6 +184,14 @@ class BucketTables(nn.Module):
             dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32)
         ).to(logits.dtype)
 
+    def log_softmax_and_normaliser(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log p, log Z)``: ``log_softmax`` and the normaliser ``log Z = logsumexp(logits) [...]`` over all rows,
+        kept in fp32 (or wider), both differentiable (the z-loss takes ``log Z``; the sharded tables reduce it
+        across shards, and its gradient reaches each shard's logits without a collective)."""
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        log_z = wide.logsumexp(dim=-1)
+        return (wide - log_z[..., None]).to(logits.dtype), log_z
+
     def softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """``p = softmax(logits)`` over all rows (the sharded tables normalise across shards)."""
         return logits.softmax(dim=-1)

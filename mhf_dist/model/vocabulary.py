@@ -5,9 +5,10 @@
 - ``TokenVocabulary`` (Standard): one table of (padded) vocabulary rows, a plain row lookup in and a one-head tied
   decoder out; ``codes`` is the identity.
 
-``loss`` is the docs/spec.md §5 training loss (``TrainingLoss``), the optional ``P_inf`` term included; ``evaluation``
-adds the sums of ``P_inf``'s NLL, top-1/top-5 hits and temperature calibration (``Evaluation``); ``log_p_inf`` scores
-registered tokens. One module, so that the pipeline engine places it on the first and last stage as one tied unit.
+``loss`` is the docs/spec.md §5 training loss (``TrainingLoss``), the optional ``P_inf`` and z-loss terms included;
+``evaluation`` adds the sums of ``P_inf``'s NLL, top-1/top-5 hits and temperature calibration (``Evaluation``);
+``log_p_inf`` scores registered tokens. One module, so that the pipeline engine places it on the first and last stage
+as one tied unit.
 """
 
 from __future__ import annotations
@@ -36,13 +37,23 @@ class TrainingLoss(NamedTuple):
     """A micro-batch's training loss (docs/spec.md §5). A named tuple, so that DeepSpeed's ZeRO-3 finds the tensors
     in it and hooks them like any module's outputs."""
 
-    loss: torch.Tensor  # sum over heads of the mean per-head NLL (+ λ × p_inf_nll)
+    # what training differentiates: sum over heads of the mean per-head NLL (+ λ × p_inf_nll) (+ z_loss)
+    loss: torch.Tensor
     head_losses: torch.Tensor  # [H]
     # the loss's log P_inf term, mean -log P_inf(target), detached; None for a model without it (λ = 0)
     p_inf_nll: torch.Tensor | None = None
     # [H] each head's entropy over the rows held here, mean over the kept tokens, detached; only when the forward
     # asks for it (entropy=True: the health metrics' log steps)
     head_entropy: torch.Tensor | None = None
+    # the z-loss term in ``loss``, weight × Σ_i mean (log Z_i)² over the kept tokens, detached; None without it
+    # (a forward with z_loss_weight = 0)
+    z_loss: torch.Tensor | None = None
+
+    @property
+    def logged_loss(self) -> torch.Tensor:
+        """``loss`` without its z-loss term, detached: the loss a trainer logs (the z-loss is logged apart)."""
+        loss = self.loss.detach()
+        return loss if self.z_loss is None else loss - self.z_loss
 
 
 class Evaluation(NamedTuple):
@@ -109,9 +120,17 @@ class TiedVocabulary(nn.Module):
             self._columns = (key, signature_columns(self.codes, self.tables))
         return self._columns[1]
 
-    def loss(self, h: torch.Tensor, targets: torch.Tensor, entropy: bool = False) -> TrainingLoss:
+    def loss(
+        self,
+        h: torch.Tensor,
+        targets: torch.Tensor,
+        entropy: bool = False,
+        z_loss_weight: float = 0.0,
+    ) -> TrainingLoss:
         """``h [..., d]`` (final-norm output), ``targets [...]`` token ids -> docs/spec.md §5 training loss;
-        ``entropy``: with each head's entropy (``TrainingLoss.head_entropy``)."""
+        ``entropy``: with each head's entropy (``TrainingLoss.head_entropy``); ``z_loss_weight`` > 0: with the
+        z-loss, that weight × the mean over the kept tokens of each head's ``(log Z_i)²``, summed over the heads
+        (``TrainingLoss.z_loss``), from the ``log Z_i`` the heads compute anyway."""
         # targets < 0 are ignored by weight, not by selection: every position goes through the decoder (ignored ones
         # reading token 0) and the means are sums over the kept positions / their count, so no shape depends on
         # the data (boolean indexing would wait for the device to count the kept positions)
@@ -119,32 +138,39 @@ class TiedVocabulary(nn.Module):
         keep = targets >= 0
         count = keep.sum()
         safe = targets.clamp_min(0)
+        z_loss = z_loss_weight > 0
         if not self.p_inf_loss_weight:
-            if entropy:
-                nll, entropies = self.decoder.nll_and_entropy(h, self.tables, self.codes[safe])
-            else:
-                nll, entropies = self.decoder.nll(h, self.tables, self.codes[safe]), None
-            head_losses = _kept_mean(nll, keep, count)
-            return TrainingLoss(
-                loss=head_losses.sum(),
-                head_losses=head_losses,
-                head_entropy=None if entropies is None else _kept_mean(entropies, keep, count),
+            terms = self.decoder.head_terms(
+                h, self.tables, self.codes[safe], entropy=entropy, log_z=z_loss
             )
-        head_losses, p_inf_nll, entropies = self._head_and_p_inf_losses(
-            h, safe, keep, count, entropy
-        )
-        return TrainingLoss(
-            loss=head_losses.sum() + self.p_inf_loss_weight * p_inf_nll,
-            head_losses=head_losses,
-            p_inf_nll=p_inf_nll.detach(),
-            head_entropy=entropies,
-        )
+            head_losses = _kept_mean(terms.nll, keep, count)
+            entropies = None if terms.entropy is None else _kept_mean(terms.entropy, keep, count)
+            out = TrainingLoss(
+                loss=head_losses.sum(), head_losses=head_losses, head_entropy=entropies
+            )
+            log_z = terms.log_z
+        else:
+            head_losses, p_inf_nll, entropies, log_z = self._head_and_p_inf_losses(
+                h, safe, keep, count, entropy, z_loss
+            )
+            out = TrainingLoss(
+                loss=head_losses.sum() + self.p_inf_loss_weight * p_inf_nll,
+                head_losses=head_losses,
+                p_inf_nll=p_inf_nll.detach(),
+                head_entropy=entropies,
+            )
+        if not z_loss:
+            return out
+        # summed in fp32 (or wider), as log Z is: a bf16 loss would round the small term away, and with it the
+        # logged loss (loss - z_loss)
+        term = z_loss_weight * _kept_mean(log_z.square(), keep, count).sum()
+        return out._replace(loss=out.loss.to(term.dtype) + term, z_loss=term.detach())
 
     def evaluation(
         self, h: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor | None = None
     ) -> Evaluation:
-        """``loss`` with the evaluation sums of ``calibration_sums`` at ``temperatures``, which count
-        tokens, so they take the kept positions only (targets ``>= 0``)."""
+        """``loss`` (without a z-loss) with the evaluation sums of ``calibration_sums`` at ``temperatures``, which
+        count tokens, so they take the kept positions only (targets ``>= 0``)."""
         training = self.loss(h, targets)
         h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
         keep = targets >= 0
@@ -161,20 +187,29 @@ class TiedVocabulary(nn.Module):
         keep: torch.Tensor,
         count: torch.Tensor,
         entropy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(head losses [H], mean -log P_inf(target), head entropies [H] or None)``, the first two with gradients,
-        over the positions ``keep`` (``count`` of them), from one plain pass down the cascade
+        normalisers: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(head losses [H], mean -log P_inf(target), head entropies [H] or None, with ``normalisers`` each
+        head's log Z_i [N, H] or else None)``, the first two with gradients, over the positions ``keep``
+        (``count`` of them), from one plain pass down the cascade
         (``CascadedDecoder.nll_and_log_probs``): ``-log P_inf(w) = log Z - Σ_i log p_i[H_i(w)] = log Z +
         Σ_i nll_i``, with ``log Z`` from ``log_normaliser``. The fused decoder path
         is not used: this term needs every head's scores ``[N, R_local]`` anyway, and the plain path's are them.
         A target that is not registered (the pad token) has ``P_inf = 0``: its term is ``+inf``, as in evaluation."""
-        nll, log_probs = self.decoder.nll_and_log_probs(h, self.tables, self.codes[targets])
+        nll, log_probs, head_log_z = self.decoder.nll_and_log_probs(
+            h, self.tables, self.codes[targets], normalisers
+        )
         log_z = log_normaliser(
             log_probs, self.signature_columns(), self.registered, self.tables, self.p_inf_loss_chunk
         )
         p_inf_nll = torch.where(self.registered[targets], log_z + nll.sum(dim=-1), float("inf"))
         entropies = _kept_mean(head_entropies(log_probs), keep, count) if entropy else None
-        return _kept_mean(nll, keep, count), _kept_mean(p_inf_nll, keep, count), entropies
+        return (
+            _kept_mean(nll, keep, count),
+            _kept_mean(p_inf_nll, keep, count),
+            entropies,
+            head_log_z,
+        )
 
     def calibration_sums(
         self,

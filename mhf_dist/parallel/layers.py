@@ -57,20 +57,26 @@ class BucketParallelEmbedding(BucketTables):
         # x is replicated; each rank's logits see it, so its gradient is summed over the group.
         return copy_to_tp(x, self.group)
 
-    def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """``log p`` in fp32 (or wider) whatever the logits' dtype: in bf16 the normaliser ``log Z`` alone would be
-        off by up to half its spacing, 0.03–0.06 at ``|log Z|`` of 8–32, in every log-probability."""
+    def _log_probs(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log p, log Z [..., 1])`` in fp32 (or wider) whatever the logits' dtype: in bf16 the normaliser
+        ``log Z`` alone would be off by up to half its spacing, 0.03–0.06 at ``|log Z|`` of 8–32, in every
+        log-probability. ``log Z`` is the same on every shard, and a gradient it receives there directly (the
+        z-loss's, the same on every shard) reaches this shard's logits without a collective."""
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         peak = self.reduce_max(logits.detach().amax(dim=-1, keepdim=True))
         log_z = peak + self.reduce_sum((logits - peak).exp().sum(dim=-1, keepdim=True)).log()
         # log Z is replicated and enters every shard's log p: its gradient is the sum over the shards
-        return logits - copy_to_tp(log_z, self.group)
+        return logits - copy_to_tp(log_z, self.group), log_z
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
-        return self._log_probs(logits).to(logits.dtype)
+        return self._log_probs(logits)[0].to(logits.dtype)
+
+    def log_softmax_and_normaliser(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        log_p, log_z = self._log_probs(logits)
+        return log_p.to(logits.dtype), log_z.squeeze(-1)
 
     def softmax(self, logits: torch.Tensor) -> torch.Tensor:
-        return self._log_probs(logits).exp().to(logits.dtype)
+        return self._log_probs(logits)[0].exp().to(logits.dtype)
 
 
 class ColumnParallelLinear(nn.Linear):

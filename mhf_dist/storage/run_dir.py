@@ -86,7 +86,8 @@ class RunDir:
     def save_config(self, cfg: RunConfig) -> None:
         """``config.yaml``: the config a plain ``train --run-dir RUN`` resumes with."""
         raw = cfg.model_dump(mode="json")
-        raw["data"]["restart"] = False  # an instruction to one start, not a property of the run
+        # instructions to one start, not properties of the run
+        raw["data"]["restart"] = raw["optimizer"]["allow_lr_jump"] = False
         self.path.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
 

@@ -61,6 +61,16 @@ from mhf_dist.train.starting_point import (
 from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
 
 
+def document_eos(cfg: RunConfig, tokenizer) -> int | None:
+    """The token id that ends each packed document with ``data.document_masking`` (the tokenizer's EOS, which
+    prepare-data wrote after every document), else None."""
+    if not cfg.data.document_masking:
+        return None
+    if tokenizer.eos_token_id is None:
+        raise ValueError("data.document_masking needs a tokenizer with an EOS token")
+    return tokenizer.eos_token_id
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -160,7 +170,11 @@ class TrainingLoop:
         returns the checkpoint to resume from, if any."""
         cfg, job, groups, table = self.cfg, self.job, self.job.groups, self.assets.table
         seed_everything(cfg.train.seed)
-        modes = ModelModes(checkpoint_interval(cfg, job.ds_config), cfg.train.fused_head_kernel)
+        modes = ModelModes(
+            checkpoint_interval(cfg, job.ds_config),
+            cfg.train.fused_head_kernel,
+            document_eos(cfg, self.assets.tokenizer),
+        )
         model = model_skeleton(
             cfg.model,
             len(self.assets.tokenizer),
@@ -341,6 +355,8 @@ class TrainingLoop:
             record["grad_norm"] = stats.grad_norm
         if stats.p_inf_loss is not None:
             record["p_inf_loss"] = stats.p_inf_loss
+        if stats.z_loss is not None:
+            record["z_loss"] = stats.z_loss
         if consumed := self.data.consumed():  # a mixture's sources
             record["source_tokens"] = {
                 name: n * self.cfg.data.seq_len for name, n in consumed.items()

@@ -1,4 +1,5 @@
-"""AdamW with linear warm-up and cosine decay (docs/spec.md §6 recipe), in parameter groups.
+"""AdamW with its learning-rate schedule (``schedule``: by default the docs/spec.md §6 recipe, warm-up and cosine
+decay), in parameter groups.
 
 By default weight decay applies to matrices and tables (``ndim >= 2``), not to biases and norm gains, as in the
 authors' Hugging Face Trainer set-up: two groups. ``optimizer.groups`` rules, applied in order, set a learning-rate
@@ -10,7 +11,6 @@ group).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -18,18 +18,11 @@ import torch
 
 from mhf_dist.config import ConfigError, OptimizerConfig
 from mhf_dist.model.families import FAMILIES, families
+from mhf_dist.train.schedule import TIMING, check_continuous, decay_begins, lr_factor
 
 if TYPE_CHECKING:
     from mhf_dist.backend import OptimizerFactory, Trainer
     from mhf_dist.config import RunConfig
-
-
-def lr_factor(step: int, cfg: OptimizerConfig, max_steps: int) -> float:
-    """Multiplier of ``cfg.lr`` for 0-based optimizer ``step``: warm-up, then cosine to ``min_lr_ratio``."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 GroupKey = tuple[bool, tuple[int, ...]]
@@ -162,15 +155,35 @@ def apply_optimizer_changes(
     checkpoint's (``saved``, its ``optimizer`` section, and ``saved_max_steps``): the LR schedule is a function of
     the step and the new settings, the new ``max_steps`` included, from the first resumed step on (the restored
     optimizer holds the old schedule's value otherwise); Adam's betas, eps and weight decay apply from the next step
-    (``grad_clip`` is DeepSpeed's, set from the config at start). Returns one line per change, for the log."""
+    (``grad_clip`` is DeepSpeed's, set from the config at start). A change of the schedule's length or timing that
+    makes the learning rate jump is refused (``check_continuous``). Returns one line per change, for the log."""
+    # a checkpoint of an earlier version lacks the settings added since: it trained with their defaults
+    was = OptimizerConfig().model_dump(mode="json") | saved
     ours = cfg.model_dump(mode="json")
     changed = [
-        f"optimizer.{k}: {saved.get(k)!r} -> {v!r}" for k, v in ours.items() if saved.get(k) != v
+        f"optimizer.{k}: {was.get(k)!r} -> {v!r}"
+        for k, v in ours.items()
+        if was.get(k) != v and k != "allow_lr_jump"  # an instruction to one start
     ]
+    if max_steps != saved_max_steps or any(was.get(k) != ours[k] for k in TIMING):
+        check_continuous(
+            trainer.lr_scheduler.last_epoch,
+            OptimizerConfig.model_validate(
+                {k: v for k, v in was.items() if k in OptimizerConfig.model_fields}
+            ),
+            saved_max_steps,
+            cfg,
+            max_steps,
+        )
     if max_steps != saved_max_steps:
+        decay = (
+            f"; its decay begins after step {decay_begins(cfg, max_steps)}"
+            if cfg.schedule == "wsd"
+            else ""
+        )
         changed.append(
             f"train.max_steps: {saved_max_steps} -> {max_steps} (the learning-rate schedule now ends at "
-            f"step {max_steps})"
+            f"step {max_steps}{decay})"
         )
     if not changed:
         return []

@@ -65,6 +65,7 @@ CHANGEABLE_ON_RESUME = (
     "train.device_probe",
     "train.health_metrics",
     "train.callbacks",
+    "train.z_loss_weight",
 )
 
 

@@ -6,8 +6,10 @@ layers are one ``TiedLayerSpec``: the first and last stage each hold the bucket 
 DeepSpeed sums the tables' gradients over the tie. Layers are LayerSpecs, built only on the stage holding them, each
 materialising its part of the model skeleton (``mhf_dist.parallel.construct``). ``BalancedPipeline`` cuts the stages
 by analytic forward FLOPs per layer (``flops``), the decoder's ``(2H−1)·B·d`` included. Engram memories (docs/spec.md
-§8) live in their blocks; the token ids they hash travel beside the hidden states, ``(x, ids)``. Why:
-docs/design-model.md, "Tensor and pipeline parallelism".
+§8) live in their blocks; the token ids they hash travel beside the hidden states, ``(x, ids)``, and so they do to
+every block of a model that masks documents (``data.document_masking``), whose stages each derive the documents'
+positions and mask from them once per micro-batch (``StageInputs``). Why: docs/design-model.md, "Tensor and pipeline
+parallelism".
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from mhf_dist.backend.deepspeed.distributed import pipe_model_data_topology
-from mhf_dist.model.backbone import Backbone, Block, rope_cos_sin
+from mhf_dist.model.backbone import Backbone, Block, block_inputs
+from mhf_dist.model.documents import BlockInputs
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.model.vocabulary import Evaluation, TiedVocabulary, TrainingLoss
 from mhf_dist.parallel.groups import ParallelGroups
@@ -46,29 +49,54 @@ class VocabularyStage(nn.Module):
         return (h, x) if self.with_ids else h
 
 
-class BlockStage(nn.Module):
-    """One backbone block computing its own RoPE tables. It receives ``x`` or ``(x, ids)`` and passes the ids on
-    only when ``keep_ids`` (a later block has a memory)."""
+class StageInputs:
+    """The ``BlockInputs`` of a backbone's blocks on one stage (``block_inputs``). Without document masking each
+    block computes its RoPE tables. With it, the first block of a micro-batch derives the documents' positions and
+    mask from the token ids and the stage's later blocks reuse them: they receive the same ids tensor, which this
+    keeps (so its identity cannot pass to another) with its version counter. A block recomputed in backward receives a
+    copy of the ids, and derives them again."""
 
-    def __init__(self, block: Block, backbone: Backbone, keep_ids: bool = False):
+    def __init__(self, backbone: Backbone):
+        self.head_dim, self.rope_theta = backbone.head_dim, backbone.rope_theta
+        self.document_eos = backbone.document_eos
+        self._ids: torch.Tensor | None = None
+        self._key: tuple | None = None
+        self._inputs: BlockInputs | None = None
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor | None) -> BlockInputs:
+        if self.document_eos is None:
+            return block_inputs(x, ids, self.head_dim, self.rope_theta)
+        key = (ids._version, x.dtype, x.device)
+        if ids is not self._ids or key != self._key:
+            self._inputs = block_inputs(x, ids, self.head_dim, self.rope_theta, self.document_eos)
+            self._ids, self._key = ids, key
+        return self._inputs
+
+
+class BlockStage(nn.Module):
+    """One backbone block, its RoPE tables (and document mask) from the stage's ``StageInputs``. It receives ``x`` or
+    ``(x, ids)`` and passes the ids on only when ``keep_ids`` (a later block has a memory or masks documents)."""
+
+    def __init__(self, block: Block, inputs: StageInputs, keep_ids: bool = False):
         super().__init__()
         self.block, self.keep_ids = block, keep_ids
-        self.head_dim, self.rope_theta = backbone.head_dim, backbone.rope_theta
+        self.inputs = inputs  # shared by the stage's blocks
 
     def forward(self, inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor]):
         x, ids = inputs if isinstance(inputs, tuple) else (inputs, None)
-        positions = torch.arange(x.shape[1], device=x.device)
-        x = self.block(x, *rope_cos_sin(positions, self.head_dim, self.rope_theta), ids)
+        cos, sin, positions, mask = self.inputs(x, ids)
+        x = self.block(x, cos, sin, ids, positions, mask)
         return (x, ids) if self.keep_ids else x
 
 
 class PipelineLoss:
-    """``loss_fn(h, targets)`` on the last stage: the vocabulary's training loss (``TiedVocabulary.loss``), or
-    inside ``evaluating`` its evaluation (``TiedVocabulary.evaluation``). Keeps each micro-batch's output
-    in ``outputs``. DeepSpeed's pipeline engine calls the one ``loss_fn`` its module was built with, for
-    ``train_batch`` and ``eval_batch`` alike, so the evaluation is chosen here."""
+    """``loss_fn(h, targets)`` on the last stage: the vocabulary's training loss (``TiedVocabulary.loss``, with the
+    z-loss at ``z_loss_weight``), or inside ``evaluating`` its evaluation (``TiedVocabulary.evaluation``). Keeps each
+    micro-batch's output in ``outputs``. DeepSpeed's pipeline engine calls the one ``loss_fn`` its module was built
+    with, for ``train_batch`` and ``eval_batch`` alike, so the evaluation is chosen here."""
 
-    def __init__(self):
+    def __init__(self, z_loss_weight: float = 0.0):
+        self.z_loss_weight = z_loss_weight
         self.vocab: TiedVocabulary | None = None  # the last stage's, once the stage has made it
         self.outputs: list[TrainingLoss | Evaluation] = []
         self._temperatures: torch.Tensor | None = None  # evaluating at these
@@ -84,7 +112,7 @@ class PipelineLoss:
         if self._temperatures is None:
             if self.count_targets is not None:
                 self.count_targets(targets)
-            out = self.vocab.loss(h, targets, self.entropy)
+            out = self.vocab.loss(h, targets, self.entropy, self.z_loss_weight)
             if self.wrap_loss is not None:
                 out = out._replace(loss=self.wrap_loss(out.loss))
         else:
@@ -171,25 +199,30 @@ def build_pipeline(
     groups: ParallelGroups,
     seq_len: int,
     materialise: Callable[[nn.Module], nn.Module] | None = None,
+    z_loss_weight: float = 0.0,
 ) -> tuple[PipelineModule, PipelineLoss]:
     """Cut a (tensor-parallel) ``model`` into the pipeline stages of ``groups``' grid, its blocks checkpointed as
-    the model's backbone is built to be; returns the module and its loss function.
-    ``materialise`` makes a part of ``model`` real (a ``Materialiser`` when
+    the model's backbone is built to be; returns the module and its loss function (with the z-loss at
+    ``z_loss_weight``). ``materialise`` makes a part of ``model`` real (a ``Materialiser`` when
     ``model`` is a skeleton); it runs on the parts this stage holds only."""
     cfg = model.cfg
     real = materialise or (lambda module: module)
-    loss = PipelineLoss()
-    last_memory = max(cfg.engram_layers, default=-1)
+    loss = PipelineLoss(z_loss_weight)
+    # the last block that reads the token ids: with document masking every block does
+    last_reader = max(cfg.engram_layers, default=-1)
+    if model.backbone.document_eos is not None:
+        last_reader = cfg.n_layers - 1
     vocab_spec = TiedLocalLayer(
         VOCAB,
         VocabularyStage,
-        lambda: VocabularyStage(real(model.vocab), last_memory >= 0),
+        lambda: VocabularyStage(real(model.vocab), last_reader >= 0),
         tied_weight_attr=["vocab.tables.weight"],
     )
+    stage_inputs = StageInputs(model.backbone)  # this process holds one stage
 
     def block_layer(i: int, block: Block) -> LocalLayer:
         return LocalLayer(
-            BlockStage, lambda: BlockStage(real(block), model.backbone, keep_ids=i < last_memory)
+            BlockStage, lambda: BlockStage(real(block), stage_inputs, keep_ids=i < last_reader)
         )
 
     layers = [vocab_spec]

@@ -47,7 +47,9 @@ class PipelineTrainer(EngineTrainer):
     ):
         # before the stages freeze their unused parts: the same on every rank
         health = layout_for(model)
-        self.pipe, self.loss_fn = build_pipeline(model, groups, cfg.data.seq_len, materialise)
+        self.pipe, self.loss_fn = build_pipeline(
+            model, groups, cfg.data.seq_len, materialise, z_loss_weight=cfg.train.z_loss_weight
+        )
         self.loss_fn.wrap_loss = wrap_loss
         named = [(canonical_name(n), p) for n, p in self.pipe.named_parameters()]  # this stage's
         optimizer, scheduler = make_optimizer(named, torch.Tensor.dim)
@@ -57,6 +59,7 @@ class PipelineTrainer(EngineTrainer):
         self.groups, self.accum, self.micro = groups, layout.accum, cfg.train.micro_batch_size
         self.num_heads = model.vocab.decoder.num_heads
         self.p_inf_term = model.vocab.p_inf_loss_weight > 0
+        self.z_term = cfg.train.z_loss_weight > 0
         self.scalars = ScalarCollectives()
         vocab = self.pipe.tied_modules[VOCAB].vocab if VOCAB in self.pipe.tied_modules else None
         first = groups.tp_rank == 0
@@ -107,10 +110,11 @@ class PipelineTrainer(EngineTrainer):
         limits: SpikeLimits | None = None,
         health: bool = False,
     ) -> StepStats:
-        """As ``DataParallelTrainer.train_step``: the loss, the last stage's head losses (and P_inf term), the
-        gradient norm, ``flags`` (and the health metrics) in one host transfer. The update is the pipeline
-        schedule's last instruction, so a spike verdict reads the loss the last stage kept of each micro-batch."""
-        verdict = self._arm(limits, lambda: self._last_stage_means(["loss"], clear=False)[0])
+        """As ``DataParallelTrainer.train_step``: the loss, the last stage's head losses (and P_inf and z-loss
+        terms), the gradient norm, ``flags`` (and the health metrics) in one host transfer. The update is the
+        pipeline schedule's last instruction, so a spike verdict reads the loss the last stage kept of each
+        micro-batch (without its z-loss, as logged)."""
+        verdict = self._arm(limits, lambda: self._last_stage_means(["logged_loss"], clear=False)[0])
         measured = health and self.health is not None
         self.loss_fn.entropy = measured
         if measured:
@@ -123,10 +127,14 @@ class PipelineTrainer(EngineTrainer):
             for out in self.loss_fn.outputs:
                 self.health.forward.add_entropy(out.head_entropy, 1 / (self.accum * self.groups.dp))
         fields = ["head_losses"] + (["p_inf_nll"] if self.p_inf_term else [])
-        sums = self._last_stage_means(fields)
+        sums = self._last_stage_means(fields + (["z_loss"] if self.z_term else []))
+        # the engine's loss is the objective's mean: the loss logged leaves the z-loss (the last field) out
+        loss = loss.detach().reshape(1).to(sums)
+        if self.z_term:
+            loss = loss - sums[-1:]
         stats, grad_norm, agreed, self.left_out, measures = read_step(
             self.scalars,
-            torch.cat([loss.detach().reshape(1).to(sums), sums]),
+            torch.cat([loss, sums]),
             self.engine,
             flags,
             verdict,
@@ -139,6 +147,7 @@ class PipelineTrainer(EngineTrainer):
             head_losses=heads,
             grad_norm=grad_norm,
             p_inf_loss=p_inf,
+            z_loss=stats[-1] if self.z_term else None,
             flags=agreed,
             skipped=self.left_out,
             health=self.health.metrics(measures) if measured else None,

@@ -53,7 +53,7 @@ class DataParallelTrainer(EngineTrainer):
         host_tables: HostTableFactory | None = None,
         wrap_loss: LossWrapper | None = None,
     ):
-        self.wrap_loss = wrap_loss
+        self.wrap_loss, self.z_loss_weight = wrap_loss, cfg.train.z_loss_weight
         if materialise is not None:
             model = materialise(model)
         optimizer, scheduler = make_optimizer(list(model.named_parameters()), full_ndim)
@@ -100,7 +100,12 @@ class DataParallelTrainer(EngineTrainer):
             if host:
                 host.advance()
             on_device = batch.to(device, non_blocking=True)
-            out = self.engine(on_device[:, :-1], on_device[:, 1:], entropy=measured)
+            out = self.engine(
+                on_device[:, :-1],
+                on_device[:, 1:],
+                entropy=measured,
+                z_loss_weight=self.z_loss_weight,
+            )
             if self.health is not None:
                 self.health.forward.count_targets(on_device[:, 1:])
                 self.health.forward.add_entropy(out.head_entropy, 1 / (self.accum * self.groups.dp))
@@ -113,9 +118,11 @@ class DataParallelTrainer(EngineTrainer):
                 if host:
                     host.prefetch(batch[:, :-1])
             self.engine.backward(out.loss)
-            # a training forward returns a P_inf NLL only with the loss's log P_inf term (λ > 0)
+            # a training forward returns a P_inf NLL only with the loss's log P_inf term (λ > 0), a z-loss only
+            # with train.z_loss_weight > 0; the loss logged leaves the z-loss out
             p_inf = [] if out.p_inf_nll is None else [out.p_inf_nll.detach()[None]]
-            values = [out.loss.detach()[None], out.head_losses.detach(), *p_inf]
+            z_loss = [] if out.z_loss is None else [out.z_loss[None]]
+            values = [out.logged_loss[None], out.head_losses.detach(), *p_inf, *z_loss]
             losses.append(torch.cat([v.to(out.loss.dtype) for v in values]))
             if (
                 i + 1 == self.accum
@@ -136,6 +143,7 @@ class DataParallelTrainer(EngineTrainer):
             head_losses=stats[1 : 1 + heads],
             grad_norm=grad_norm,
             p_inf_loss=stats[1 + heads] if p_inf else None,
+            z_loss=stats[1 + heads + len(p_inf)] if z_loss else None,
             flags=agreed,
             skipped=self.left_out,
             health=self.health.metrics(measures) if measured else None,
