@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+import re
+
 import pytest
 
 from helpers import runs
+from helpers.global_batch import read_rows
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe
@@ -114,3 +118,22 @@ def sources(tmp_path_factory, data):
         )
         found.append(DataSource(path=str(root / name), weight=weight))
     return found
+
+
+@pytest.fixture(scope="session")
+def short_documents(tmp_path_factory, data):
+    """The embedded text cut into one document per clause (about 20 tokens), prepared as ``data`` is: nearly every row
+    of 64 tokens holds several documents, so that masking them changes every step (the chapters of ``data`` end in
+    few rows). The masking tests' data: tests/test_engine.py, tests/test_bf16.py."""
+    root = tmp_path_factory.mktemp("short-documents")
+    chapters = itertools.islice(embedded_corpus(), 100)
+    clauses = [s for c in chapters for s in re.split(r"(?<=[.?!:;]) ", c) if s.strip()]
+    (root / "clauses.txt").write_text("\n\n".join(clauses))
+    shards = root / "shards"
+    args = ["prepare-data", str(root / "clauses.txt"), "--tokenizer", str(data["tokenizer"])]
+    args += ["--out", str(shards), "--seq-len", "64", "--samples-per-shard", "32"]
+    assert main([*args, "--val-fraction", "0.05", "--workers", "1", "--no-progress"]) == 0
+    eos = load_tokenizer(data["tokenizer"]).eos_token_id
+    rows = [r[:-1] for f in sorted(shards.glob("train-*.tar")) for r in read_rows(f)]
+    assert sum(bool((r == eos).any()) for r in rows) > 0.9 * len(rows)  # EOS inside the inputs
+    return {"tokenizer": data["tokenizer"], "shards": shards}

@@ -8,11 +8,20 @@ value to bf16 moves it by at most ``U`` times its size. Each test derives its bo
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
 from helpers.equivalence import step
+from helpers.global_batch import (
+    hand_numbers,
+    masked_step,
+    read_rows,
+    relative_errors,
+    step_numbers,
+    uneven_batch,
+)
 from helpers.ranks import run_ranks
 from helpers.runs import checkpoint_size_estimate, train_run
 from mhf_dist.backend import engine_config, grad_accum_dtype
@@ -23,6 +32,7 @@ from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.layout import resolve_layout
 from mhf_dist.parallel.state_dict import merge_state_dicts
 from mhf_dist.parallel.tensor_parallel import apply_tensor_parallel, tp_split_dims
+from mhf_dist.vocab.tokenizers import load_tokenizer
 from test_tensor_parallel import CHUNKS, make_case
 
 U = 2.0**-8
@@ -353,3 +363,37 @@ def test_pipeline_bf16_matches_one_process_in_bf16_and_in_fp32(tmp_path, data):
     for name, ranks in (("bf16-pp2", 2), ("bf16", 1), ("fp32", 1)):
         estimated, saved = checkpoint_size_estimate(tmp_path / name)
         assert 0 <= saved - estimated < ranks * 128 * 1024, (name, estimated, saved)
+
+
+# ---------------------------------------------------------------- document masking in bf16
+
+
+@pytest.mark.multirank
+def test_document_masking_in_bf16_counts_the_global_batch_s_tokens(tmp_path, short_documents):
+    """``data.document_masking`` in bf16, one process (four micro-batches) and pp = 2: one step of a global batch
+    whose micro-batches count different numbers of targets (``helpers.global_batch``). Each micro-batch's sums are
+    divided by the global count in fp32 and rounded once, so the step's numbers and the evaluation's stay within the
+    step's error budget of the fp32 numbers of the counted tokens as one batch; the bucket counts, integers, are
+    those of the targets whose input is not EOS exactly; and the pipeline's losses are one process's, to the fp32
+    means' order (the same bf16 operations on the same values)."""
+    eos = load_tokenizer(short_documents["tokenizer"]).eos_token_id
+    batch = uneven_batch(read_rows(sorted(short_documents["shards"].glob("train-*.tar"))[0]), eos)
+    runs = {
+        name: run_ranks(
+            masked_step, world, tmp_path / name, short_documents, batch, 2, ["train.dtype=bf16", *o]
+        )[0]
+        for name, world, o in (("one", 1, []), ("pp2", 2, ["parallel.pp=2"]))
+    }
+    for name, (val, stats, want) in runs.items():
+        got, want = step_numbers(val, stats), hand_numbers(want)
+        if name == "pp2":  # DeepSpeed's pipeline norm: tests/test_engine.py
+            del got["grad_norm"], want["grad_norm"]
+        exact = {k for k in want if k.startswith("bucket")}
+        errors = relative_errors(got, want)
+        assert all(math.isfinite(v) for v in errors.values()), (name, errors)
+        assert max(errors[k] for k in exact) <= 1e-12, (name, errors)
+        assert max(errors.values()) <= STEP_BUDGET, (name, errors)
+        assert stats.loss != runs["one"][2]["loss"], "not bf16"
+    one, pp = (step_numbers(*runs[n][:2]) for n in ("one", "pp2"))
+    for key in ("loss", "val_loss"):
+        assert close(pp[key], one[key], FP32_SUM), (key, pp[key], one[key])

@@ -2,7 +2,9 @@
 
 A row holding documents A, B and C (each ended by EOS) must give B's and C's tokens what B and C give when each is fed
 alone from position 0 to the model that does not mask: attention, RoPE positions and the Engram memory's N-grams and
-convolution all restart at a document start. Without masking, the model runs as it always has.
+convolution all restart at a document start. The loss leaves out each EOS's prediction of the next document's first
+token (``targets_of``), and a trainer divides its sums by the global batch's count (``divisor``; every layout's
+trainer: tests/test_engine.py). Without masking, the model runs as it always has.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from helpers.equivalence import INIT_STD, assert_tensor_close, step
 from helpers.ranks import run_ranks
 from mhf_dist.config import load_config
 from mhf_dist.model import build_model
-from mhf_dist.model.documents import document_mask, document_positions
+from mhf_dist.model.documents import document_mask, document_positions, targets_of
 from mhf_dist.model.modes import ModelModes
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.state_dict import merge_state_dicts
@@ -156,6 +158,66 @@ def test_training_loss_and_gradients_see_each_document_alone(name):
     # memory's gradients to 5e-5 of their largest entry; a document that saw another would be off by 1e-3 or more
     for (n, p), q in zip(masked.named_parameters(), plain.parameters()):
         assert_tensor_close(p.grad, q.grad, f"{name} grad {n}", rel=1e-4)
+
+
+def test_targets_leave_out_what_an_eos_predicts():
+    batch = torch.tensor([[5, 6, EOS, 7, EOS, EOS, 8, 9], [EOS, 5, 6, 7, 8, 9, 10, EOS]])
+    assert targets_of(batch, EOS).tolist() == [
+        [6, EOS, -1, EOS, -1, -1, 9],
+        [-1, 6, 7, 8, 9, 10, EOS],  # the row's last EOS is a target, and so counted
+    ]
+    plain = targets_of(batch, None)  # without masking: the next tokens themselves
+    assert plain.data_ptr() == batch[:, 1:].data_ptr() and torch.equal(plain, batch[:, 1:])
+
+
+@pytest.mark.parametrize("name", ["standard", "mhf+engram"])
+def test_the_loss_leaves_out_the_targets_of_eos_inputs(name):
+    """The loss of a packed row is the mean over the positions whose input is not EOS of the heads' NLLs summed,
+    by hand: for the Standard model ``-log P_inf(target)`` itself (its one head's softmax), for MultiHashFormer each
+    head's NLL from the decoder; EOS positions are no part of it, in value or in gradient."""
+    _, masked, _ = make_models(name)
+    row, _ = packed_documents()
+    batch = torch.cat([row, row.flip(1)])  # two rows with their EOS at other positions
+    inputs, targets = batch[:, :-1], targets_of(batch, EOS)
+    keep = inputs != EOS
+    assert keep.sum() < keep.numel() - 2  # the row ends its first two documents
+    out = masked(inputs, targets)
+    with torch.no_grad():
+        if name == "standard":
+            logp = masked.log_p_inf(inputs)
+            nll = -logp.gather(-1, batch[:, 1:, None])  # [B, S, 1]
+        else:
+            vocab, h = masked.vocab, masked.hidden(inputs).flatten(0, 1)
+            codes = vocab.codes[batch[:, 1:].flatten()]
+            nll = vocab.decoder.nll_and_log_probs(h, vocab.tables, codes)[0].view(*keep.shape, -1)
+    want = nll[keep].mean(0)
+    assert_tensor_close(out.head_losses.detach(), want, f"{name} head losses", rel=1e-6, floor=0)
+    everything = nll.flatten(0, 1).mean(0)  # every position counted, EOS ones too
+    assert (everything - want).abs().max() > 1e-3 * want.abs().max()
+    # the gradient: the EOS positions' hidden states receive none
+    h = masked.hidden(inputs).detach().requires_grad_()
+    masked.vocab.loss(h, targets).loss.backward()
+    assert torch.equal(h.grad[~keep], torch.zeros_like(h.grad[~keep]))
+    assert h.grad[keep].abs().amax(-1).min() > 0
+
+
+def test_a_divisor_divides_the_sums_in_fp32_whatever_the_loss_dtype():
+    """``divisor``: a trainer's share of the global batch's count. The heads' sums over the kept tokens divided by
+    it: the count itself gives the mean, bit for bit, in fp32 and in bf16, and twice the count half of it (halving
+    is exact); in bf16 the sums are divided in fp32 and rounded once."""
+    _, model, _ = make_models("mhf")
+    row, _ = packed_documents()
+    inputs, targets = row[:, :-1], targets_of(row, EOS)
+    count = (targets >= 0).sum()
+    for dtype in (torch.float32, torch.bfloat16):
+        model = model.to(dtype)
+        with torch.no_grad():
+            mean = model(inputs, targets, z_loss_weight=1e-3)
+            same = model(inputs, targets, z_loss_weight=1e-3, divisor=count.double())
+            half = model(inputs, targets, z_loss_weight=1e-3, divisor=2 * count.double())
+        for field in ("loss", "head_losses", "z_loss"):
+            a, b, c = getattr(mean, field), getattr(same, field), getattr(half, field)
+            assert torch.equal(a, b) and torch.equal(a / 2, c), (dtype, field, a, b, c)
 
 
 @pytest.mark.parametrize("name", ["mhf", "mhf+engram"])

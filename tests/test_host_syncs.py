@@ -209,12 +209,14 @@ HOST_ONLY = {  # host tensors only: token ids and row masks of the host-memory E
             "model.engram.offload_update=lazy",
         ],
         ["train.spike_factor=3", "train.grad_spike_factor=10", "train.on_spike=skip"],
+        ["data.document_masking=true"],
     ],
-    ids=["device-tables", "offload-lazy", "spike-skip"],
+    ids=["device-tables", "offload-lazy", "spike-skip", "document-masking"],
 )
 def test_an_ordinary_training_step_reads_the_device_once(tmp_path, data, overrides):
     """Under train.on_spike=skip too: the verdict stays on the device, read with the step's other numbers. A logged
-    step's health metrics (train.health_metrics, on by default) add one all-reduce and no host read."""
+    step's health metrics (train.health_metrics, on by default) add one all-reduce and no host read. Document
+    masking adds one all-reduce to every step (the global batch's count of kept targets) and no host read."""
     steps = run_ranks(_loop_syncs, 1, tmp_path / "run", data, overrides)[0]
     assert len(steps) == 4
     expected = (
@@ -228,3 +230,5 @@ def test_an_ordinary_training_step_reads_the_device_once(tmp_path, data, overrid
         ("all_reduce", "backend/deepspeed/health.py:summary"): 1
     }
     assert collections.Counter(ordinary_calls) <= collections.Counter(logged_calls)
+    counted = ordinary_calls.get(("all_reduce", "backend/deepspeed/engine_trainer.py:loss_divisor"))
+    assert counted == (1 if "data.document_masking=true" in overrides else None)

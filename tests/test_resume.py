@@ -170,7 +170,16 @@ def test_other_data_on_resume_is_read_from_its_beginning_with_data_restart(
     assert "reader state has dataset=" in refused and "--set data.restart=true" in refused
 
     out = run_cli(
-        train_args(run, other, 1, "parallel.zero_stage=1", WARMUP, "data.restart=true", steps=4)
+        train_args(
+            run,
+            other,
+            1,
+            "parallel.zero_stage=1",
+            WARMUP,
+            "data.restart=true",
+            "optimizer.allow_lr_jump=true",  # past its warm-up: a longer cosine's learning rate jumps
+            steps=4,
+        )
     )
     assert (
         out.count(
@@ -192,7 +201,16 @@ def test_other_data_on_resume_is_read_from_its_beginning_with_data_restart(
 
     # a requeued job passes data.restart again: the position is in this data now, so it continues from it
     out = run_cli(
-        train_args(run, other, 1, "parallel.zero_stage=1", WARMUP, "data.restart=true", steps=5)
+        train_args(
+            run,
+            other,
+            1,
+            "parallel.zero_stage=1",
+            WARMUP,
+            "data.restart=true",
+            "optimizer.allow_lr_jump=true",
+            steps=5,
+        )
     )
     assert "data.restart:" not in out
     assert reader_position(run / "checkpoints" / "step-00000005")["position"] == 16

@@ -106,6 +106,8 @@ class DataConfig(Strict):
         description="keep the documents packed in a sequence apart: attention stays within each document, RoPE "
         "positions restart at every document start, and the Engram memory's N-grams and convolution do not reach "
         "across one; a document starts at the sequence start and after each EOS (the EOS ends its document). "
+        "The loss then leaves out each EOS's prediction of the next document's first token and is the mean over the "
+        "global batch's counted tokens. "
         "False: the paper's recipe, causal attention over the whole packed sequence (docs/data.md)",
     )
     restart: bool = Field(

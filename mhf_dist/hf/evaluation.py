@@ -26,7 +26,8 @@ def model_temperature(model: PreTrainedModel) -> float:
 
 class SplitPasses:
     """Passes over ``max_sequences`` sequences of a split (each pass reads them again, in the same order), giving
-    ``scoring.calibration_sums`` of the model's ``log P_inf``."""
+    ``scoring.calibration_sums`` of the model's ``log P_inf``. Every position counts, an EOS's next token too: the
+    exported model reads whole rows unmasked, whatever the run's ``data.document_masking`` (docs/data.md)."""
 
     def __init__(
         self,

@@ -6,7 +6,8 @@ token its position in its document, from which the rest follows: RoPE restarts a
 the keys of its own document only (``document_mask``: block-diagonal causal), and the Engram memory's N-grams and
 short convolution read the pad id or zeros before a document start, as they do before the row's start. Computed from
 the token ids once per forward (once per stage under the pipeline) and handed to the blocks as ``BlockInputs``. Why an
-additive mask for ``scaled_dot_product_attention``: docs/design-model.md, "Document masking".
+additive mask for ``scaled_dot_product_attention``: docs/design-model.md, "Document masking". The loss leaves out an
+EOS's prediction of the next document's first token (``targets_of``, where the trainers split a micro-batch).
 """
 
 from __future__ import annotations
@@ -53,3 +54,14 @@ def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
         ~mask, float("-inf")
     )
+
+
+def targets_of(batch: torch.Tensor, eos_id: int | None) -> torch.Tensor:
+    """The targets of the rows ``batch [B, S + 1]``, whose inputs are ``batch[:, :-1]``: each input's next token,
+    ``batch[:, 1:]`` itself without document masking (``eos_id`` None). With it, -1 (ignored: the loss and the
+    health metrics' counts take targets ``>= 0``) where the input is ``eos_id``: its next token starts another
+    document, which that position does not see, so it is not counted (Megatron's ``eod_mask_loss``)."""
+    targets = batch[:, 1:]
+    if eos_id is None:
+        return targets
+    return targets.masked_fill(batch[:, :-1] == eos_id, -1)

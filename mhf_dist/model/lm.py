@@ -62,20 +62,23 @@ class LanguageModel(nn.Module):
         targets: torch.Tensor,
         entropy: bool = False,
         z_loss_weight: float = 0.0,
+        divisor: torch.Tensor | None = None,
     ) -> TrainingLoss:
         """The training loss of ``input_ids [B, S]`` predicting ``targets [B, S]`` (``< 0``: ignored); ``entropy``:
         with each head's entropy (``TrainingLoss.head_entropy``); ``z_loss_weight`` > 0: with the z-loss
-        (``train.z_loss_weight``, ``TiedVocabulary.loss``)."""
-        return self.vocab.loss(self.hidden(input_ids), targets, entropy, z_loss_weight)
+        (``train.z_loss_weight``, ``TiedVocabulary.loss``); ``divisor``: what the sums over the kept targets are
+        divided by instead of their count (``TiedVocabulary.loss``)."""
+        return self.vocab.loss(self.hidden(input_ids), targets, entropy, z_loss_weight, divisor)
 
     def evaluation(
         self,
         input_ids: torch.Tensor,
         targets: torch.Tensor,
         temperatures: torch.Tensor | None = None,
+        divisor: torch.Tensor | None = None,
     ) -> Evaluation:
         """The training loss with the evaluation sums at ``temperatures`` (``TiedVocabulary.evaluation``)."""
-        return self.vocab.evaluation(self.hidden(input_ids), targets, temperatures)
+        return self.vocab.evaluation(self.hidden(input_ids), targets, temperatures, divisor)
 
     def log_p_inf(
         self, input_ids: torch.Tensor, last_only: bool = False, chunk_size: int = LOG_P_INF_CHUNK

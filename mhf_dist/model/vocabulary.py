@@ -76,11 +76,14 @@ class Evaluation(NamedTuple):
 def _kept_mean(values: torch.Tensor, keep: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """The mean over the first dimension of ``values [N, ...]`` at the positions ``keep [N]`` (``count`` of them), as
     a sum: the others count as exactly 0, in value and in gradient, whatever they hold (``torch.where``, not a
-    product, so an infinite term there cannot turn into NaN). Summed in fp32 at least and rounded once, as ``mean``."""
+    product, so an infinite term there cannot turn into NaN). Summed in fp32 at least and rounded once, as ``mean``.
+    A floating ``count`` (a trainer's ``divisor``, ``TiedVocabulary.loss``) divides at the sum's precision."""
     keep = keep.view(-1, *([1] * (values.dim() - 1)))
     total = torch.where(keep, values, 0).sum(
         dim=0, dtype=torch.promote_types(values.dtype, torch.float32)
     )
+    if count.is_floating_point():
+        count = count.to(total.dtype)
     return (total / count).to(values.dtype)
 
 
@@ -126,17 +129,20 @@ class TiedVocabulary(nn.Module):
         targets: torch.Tensor,
         entropy: bool = False,
         z_loss_weight: float = 0.0,
+        divisor: torch.Tensor | None = None,
     ) -> TrainingLoss:
         """``h [..., d]`` (final-norm output), ``targets [...]`` token ids -> docs/spec.md §5 training loss;
         ``entropy``: with each head's entropy (``TrainingLoss.head_entropy``); ``z_loss_weight`` > 0: with the
         z-loss, that weight × the mean over the kept tokens of each head's ``(log Z_i)²``, summed over the heads
-        (``TrainingLoss.z_loss``), from the ``log Z_i`` the heads compute anyway."""
+        (``TrainingLoss.z_loss``), from the ``log Z_i`` the heads compute anyway. ``divisor`` (a device scalar):
+        what the sums over the kept tokens are divided by instead of their count here, so that the mean over a
+        step's micro-batches and ranks is the mean over all their tokens (``loss_divisor`` of the trainers)."""
         # targets < 0 are ignored by weight, not by selection: every position goes through the decoder (ignored ones
         # reading token 0) and the means are sums over the kept positions / their count, so no shape depends on
         # the data (boolean indexing would wait for the device to count the kept positions)
         h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
         keep = targets >= 0
-        count = keep.sum()
+        count = keep.sum() if divisor is None else divisor
         safe = targets.clamp_min(0)
         z_loss = z_loss_weight > 0
         if not self.p_inf_loss_weight:
@@ -167,11 +173,16 @@ class TiedVocabulary(nn.Module):
         return out._replace(loss=out.loss.to(term.dtype) + term, z_loss=term.detach())
 
     def evaluation(
-        self, h: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor | None = None
+        self,
+        h: torch.Tensor,
+        targets: torch.Tensor,
+        temperatures: torch.Tensor | None = None,
+        divisor: torch.Tensor | None = None,
     ) -> Evaluation:
-        """``loss`` (without a z-loss) with the evaluation sums of ``calibration_sums`` at ``temperatures``, which
-        count tokens, so they take the kept positions only (targets ``>= 0``)."""
-        training = self.loss(h, targets)
+        """``loss`` (without a z-loss; its sums divided by ``divisor`` when given) with the evaluation sums of
+        ``calibration_sums`` at ``temperatures``, which count tokens, so they take the kept positions only (targets
+        ``>= 0``)."""
+        training = self.loss(h, targets, divisor=divisor)
         h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
         keep = targets >= 0
         return Evaluation(

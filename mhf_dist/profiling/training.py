@@ -109,6 +109,7 @@ class TrainingProbe:
             model.named_parameters(), run_cfg.optimizer, max_steps=max_steps
         )
         gen = torch.Generator().manual_seed(1)
+        # every target counted: the loss weighs ignored ones (data.document_masking's EOS inputs') out at the same cost
         self.batch = torch.randint(0, VOCAB, (micro, seq_len + 1), generator=gen).to(device)
         self.size, self.hash, self.tp, self.dtype, self.seq_len, self.micro = (
             size,

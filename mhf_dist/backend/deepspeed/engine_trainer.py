@@ -1,7 +1,7 @@
 """What both DeepSpeed trainers share (``EngineTrainer``): the backend's ``Trainer`` protocol but the steps and
 the evaluation; a step's one read from the device (``read_step``: the losses, the global gradient norm and the loop's
-flags in one transfer) and the verdict on a spike (``SpikeVerdict``, asked by the torch optimizer within DeepSpeed's
-step)."""
+flags in one transfer), the verdict on a spike (``SpikeVerdict``, asked by the torch optimizer within DeepSpeed's
+step) and, with document masking, what the micro-batches' losses divide by (``loss_divisor``)."""
 
 from __future__ import annotations
 
@@ -67,6 +67,18 @@ class SpikeVerdict:
         return self.value
 
 
+def loss_divisor(
+    scalars: ScalarCollectives, targets: Sequence[torch.Tensor], group, dp: int
+) -> torch.Tensor:
+    """What each of this rank's micro-batches ``targets`` (its share of a global batch) divides its loss's sums by, so
+    that their mean over the micro-batches and the ``dp`` ranks of ``group`` (what gradient accumulation, DeepSpeed's
+    data-parallel gradient average and the logged means take) is the mean over every kept target (``>= 0``) of the
+    global batch: their count over all micro-batches and ranks / (micro-batches × dp). A device scalar (float64), from
+    one all-reduce and no host read; with as many kept targets in every micro-batch, their count in one."""
+    count = torch.stack([(t >= 0).sum() for t in targets]).sum()
+    return scalars.sum_tensor(count, group).div_(len(targets) * dp).reshape(())
+
+
 def read_step(
     scalars: ScalarCollectives,
     stats: torch.Tensor,
@@ -109,6 +121,7 @@ class EngineTrainer:
     )
     left_out = False  # the last step was past its spike limits
     health: EngineHealth | None = None  # train.health_metrics
+    eos: int | None = None  # data.document_masking's EOS id, whose inputs predict nothing
 
     def _measure_health(
         self,
@@ -129,6 +142,10 @@ class EngineTrainer:
             self.groups.pp_rank == 0,
         )
         self.health = EngineHealth(self.optimizer, named, counted, forward, self.engine.device)
+
+    def _divisor(self, targets: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``loss_divisor`` of this rank's micro-batches ``targets`` over the data-parallel ranks."""
+        return loss_divisor(self.scalars, targets, self.groups.dp_group, self.groups.dp)
 
     def _health_summary(self, measured: bool) -> torch.Tensor | None:
         """A measured step's health values, on the device (None when not measured)."""

@@ -91,19 +91,22 @@ class BlockStage(nn.Module):
 
 class PipelineLoss:
     """``loss_fn(h, targets)`` on the last stage: the vocabulary's training loss (``TiedVocabulary.loss``, with the
-    z-loss at ``z_loss_weight``), or inside ``evaluating`` its evaluation (``TiedVocabulary.evaluation``). Keeps each
-    micro-batch's output in ``outputs``. DeepSpeed's pipeline engine calls the one ``loss_fn`` its module was built
-    with, for ``train_batch`` and ``eval_batch`` alike, so the evaluation is chosen here."""
+    z-loss at ``z_loss_weight``), or inside ``evaluating`` its evaluation (``TiedVocabulary.evaluation``), their sums
+    divided by ``divisor`` when set (document masking: the trainer's ``loss_divisor`` of the step or evaluation).
+    Keeps each micro-batch's output in ``outputs``. DeepSpeed's pipeline engine calls the one ``loss_fn`` its module
+    was built with, for ``train_batch`` and ``eval_batch`` alike, so the evaluation is chosen here."""
 
     def __init__(self, z_loss_weight: float = 0.0):
         self.z_loss_weight = z_loss_weight
         self.vocab: TiedVocabulary | None = None  # the last stage's, once the stage has made it
         self.outputs: list[TrainingLoss | Evaluation] = []
         self._temperatures: torch.Tensor | None = None  # evaluating at these
+        self._eval_divisor: torch.Tensor | None = None  # and dividing by this
         self.wrap_loss: Callable[[torch.Tensor], torch.Tensor] | None = (
             None  # the trainer's, for a training loss
         )
         self.entropy = False  # a training loss also returns the heads' entropies (the step measures its health)
+        self.divisor: torch.Tensor | None = None  # the step's (None: each micro-batch's count)
         self.count_targets: Callable[[torch.Tensor], None] | None = (
             None  # shown each training micro-batch's targets
         )
@@ -112,22 +115,25 @@ class PipelineLoss:
         if self._temperatures is None:
             if self.count_targets is not None:
                 self.count_targets(targets)
-            out = self.vocab.loss(h, targets, self.entropy, self.z_loss_weight)
+            out = self.vocab.loss(h, targets, self.entropy, self.z_loss_weight, self.divisor)
             if self.wrap_loss is not None:
                 out = out._replace(loss=self.wrap_loss(out.loss))
         else:
-            out = self.vocab.evaluation(h, targets, self._temperatures)
+            out = self.vocab.evaluation(h, targets, self._temperatures, self._eval_divisor)
         self.outputs.append(out)
         return out.loss
 
     @contextmanager
-    def evaluating(self, temperatures: torch.Tensor) -> Iterator[None]:
-        """The micro-batches of the block are evaluated, with the sums at ``temperatures``."""
-        self._temperatures = temperatures
+    def evaluating(
+        self, temperatures: torch.Tensor, divisor: torch.Tensor | None = None
+    ) -> Iterator[None]:
+        """The micro-batches of the block are evaluated, with the sums at ``temperatures``, the loss's divided by
+        ``divisor`` (None: each micro-batch's count)."""
+        self._temperatures, self._eval_divisor = temperatures, divisor
         try:
             yield
         finally:
-            self._temperatures = None
+            self._temperatures = self._eval_divisor = None
 
 
 def canonical_name(name: str) -> str:

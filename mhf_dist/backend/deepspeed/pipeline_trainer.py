@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import deepspeed
 import torch
@@ -22,6 +22,7 @@ from mhf_dist.backend.deepspeed.health import layout_for
 from mhf_dist.backend.deepspeed.pipeline import VOCAB, build_pipeline, canonical_name
 from mhf_dist.config import RunConfig
 from mhf_dist.model.calibration import fit_temperature, validation_metrics
+from mhf_dist.model.documents import targets_of
 from mhf_dist.model.health import ForwardHealth
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.model.scoring import EvalSums
@@ -57,6 +58,7 @@ class PipelineTrainer(EngineTrainer):
             model=self.pipe, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
         self.groups, self.accum, self.micro = groups, layout.accum, cfg.train.micro_batch_size
+        self.eos = model.backbone.document_eos  # data.document_masking: EOS inputs predict nothing
         self.num_heads = model.vocab.decoder.num_heads
         self.p_inf_term = model.vocab.p_inf_loss_weight > 0
         self.z_term = cfg.train.z_loss_weight > 0
@@ -76,10 +78,20 @@ class PipelineTrainer(EngineTrainer):
         ):  # the targets on the device, where the last stage's loss takes them
             self.loss_fn.count_targets = forward.count_targets
 
-    def _batches(self, reader: BatchSource, count: int):
-        for _ in range(count):
-            batch = reader.next_batch(self.micro)
-            yield batch[:, :-1], batch[:, 1:]
+    def _batches(
+        self, reader: BatchSource, count: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The step's ``count`` micro-batches as ``(inputs, targets)``, read as the engine asks for them. With
+        document masking the last stage reads them all first: its losses divide by the count of kept targets over
+        all of them and the dp ranks (``loss_divisor``), known before the first forward."""
+        if self.eos is None or not self.engine.is_last_stage():
+            return (self._split(reader.next_batch(self.micro)) for _ in range(count))
+        batches = [self._split(reader.next_batch(self.micro)) for _ in range(count)]
+        self.loss_fn.divisor = self._divisor([targets for _, targets in batches])
+        return iter(batches)
+
+    def _split(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch[:, :-1], targets_of(batch, self.eos)
 
     def _last_stage_means(self, fields: Sequence[str], clear: bool = True) -> torch.Tensor:
         """Means over micro-batches and dp of loss outputs kept on the last stage (``fields``, concatenated), summed
@@ -170,14 +182,15 @@ class PipelineTrainer(EngineTrainer):
     ) -> dict:
         """As ``DataParallelTrainer.evaluate`` (``progress`` called after each pass over the micro-batches);
         the last stage computes the loss outputs."""
-        data = [reader.next_batch(self.micro) for _ in range(batches)]
+        data = [self._split(reader.next_batch(self.micro)) for _ in range(batches)]
+        divisor = None
+        if self.eos is not None and self.engine.is_last_stage():
+            divisor = self._divisor([targets for _, targets in data])
         first = {}
 
         def one_pass(temperatures: torch.Tensor) -> list[float]:
-            with self.loss_fn.evaluating(temperatures):
-                loss = self.engine.eval_batch(
-                    data_iter=iter([(b[:, :-1], b[:, 1:]) for b in data]), num_micro_batches=batches
-                )
+            with self.loss_fn.evaluating(temperatures, divisor):
+                loss = self.engine.eval_batch(data_iter=iter(data), num_micro_batches=batches)
             if not first:
                 first.update(
                     loss=float(loss), heads=self._last_stage_mean("head_losses", clear=False)

@@ -30,6 +30,7 @@ from mhf_dist.backend.deepspeed.pipeline_trainer import PipelineTrainer
 from mhf_dist.backend.deepspeed.zero import full_ndim
 from mhf_dist.config import RunConfig
 from mhf_dist.model.calibration import fit_temperature, validation_metrics
+from mhf_dist.model.documents import targets_of
 from mhf_dist.model.health import ForwardHealth
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.parallel.groups import ParallelGroups
@@ -61,6 +62,7 @@ class DataParallelTrainer(EngineTrainer):
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=groups
         )
         self.groups, self.accum, self.micro = groups, layout.accum, cfg.train.micro_batch_size
+        self.eos = model.backbone.document_eos  # data.document_masking: EOS inputs predict nothing
         self.scalars = ScalarCollectives()
         first = groups.tp_rank == 0
         self._measure_health(
@@ -93,28 +95,37 @@ class DataParallelTrainer(EngineTrainer):
         host, device = self.host_tables, self.engine.device
         # pinned micro-batches: copies to the device that do not block the host
         pin = device.type == "cuda"
-        batch = reader.next_batch(self.micro, pin=pin)
+        # with document masking the step's micro-batches are read first: the losses divide by the count of kept
+        # targets over all of them and the dp ranks (loss_divisor), known before the first forward
+        masked = self.eos is not None
+        ahead = (
+            [reader.next_batch(self.micro, pin=pin) for _ in range(self.accum)] if masked else []
+        )
+        divisor = self._divisor([targets_of(b, self.eos) for b in ahead]) if masked else None
+        batch = ahead[0] if ahead else reader.next_batch(self.micro, pin=pin)
         if host:
             host.prefetch(batch[:, :-1])
         for i in range(self.accum):
             if host:
                 host.advance()
             on_device = batch.to(device, non_blocking=True)
+            targets = targets_of(on_device, self.eos)
             out = self.engine(
                 on_device[:, :-1],
-                on_device[:, 1:],
+                targets,
                 entropy=measured,
                 z_loss_weight=self.z_loss_weight,
+                divisor=divisor,
             )
             if self.health is not None:
-                self.health.forward.count_targets(on_device[:, 1:])
+                self.health.forward.count_targets(targets)
                 self.health.forward.add_entropy(out.head_entropy, 1 / (self.accum * self.groups.dp))
             if self.wrap_loss is not None:
                 out = out._replace(loss=self.wrap_loss(out.loss))
             if (
                 i + 1 < self.accum
             ):  # the next micro-batch's rows are gathered while this one computes
-                batch = reader.next_batch(self.micro, pin=pin)
+                batch = ahead[i + 1] if ahead else reader.next_batch(self.micro, pin=pin)
                 if host:
                     host.prefetch(batch[:, :-1])
             self.engine.backward(out.loss)
@@ -155,7 +166,8 @@ class DataParallelTrainer(EngineTrainer):
     ) -> dict:
         """The ``val_*`` metrics over ``batches`` micro-batches on each data-parallel rank (``progress`` called after
         each one): the training loss and
-        head losses (means over micro-batches and ranks), and ``P_inf``'s NLL, top-1/top-5 and temperature fit
+        head losses (means over micro-batches and ranks; with document masking over every counted token, as a
+        training step's), and ``P_inf``'s NLL, top-1/top-5 and temperature fit
         from sums over every token of every rank (``fit_temperature``: two
         passes over the same micro-batches)."""
         self.engine.eval()
@@ -164,13 +176,15 @@ class DataParallelTrainer(EngineTrainer):
             reader.next_batch(self.micro, pin=device.type == "cuda").to(device, non_blocking=True)
             for _ in range(batches)
         ]
+        targets = [targets_of(batch, self.eos) for batch in data]
+        divisor = self._divisor(targets) if self.eos is not None else None
         losses = []
 
         def one_pass(temperatures: torch.Tensor) -> list[float]:
             sums = 0
-            for batch in data:
+            for batch, wanted in zip(data, targets):
                 # nothing to differentiate: the model's own entry point (ZeRO-3 gathers the weights per submodule)
-                out = self.engine.module.evaluation(batch[:, :-1], batch[:, 1:], temperatures)
+                out = self.engine.module.evaluation(batch[:, :-1], wanted, temperatures, divisor)
                 sums = sums + out.sums
                 progress()
                 if len(losses) < len(data):  # the first pass's
