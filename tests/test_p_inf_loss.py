@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.equivalence import INIT_STD, assert_tensor_close
+from helpers.equivalence import (
+    INIT_STD,
+    assert_tensor_close,
+    batch_with_ignored_targets,
+    loss_and_grads,
+)
 from mhf_dist.config import ConfigError, load_config
 from mhf_dist.model import build_model
 from mhf_dist.model.scoring import log_normaliser, side_by_side, signature_columns, signature_scores
@@ -36,19 +41,7 @@ def make_model(weight: float, chunk_tokens: int = 0):
 
 
 def batch():
-    x = torch.randint(1, V, (2, 9), generator=torch.Generator().manual_seed(1))
-    y = x[:, 1:].clone()
-    y[1, -2:] = -100  # ignored targets stay ignored
-    return x[:, :-1], y
-
-
-def loss_and_grads(model, loss_fn):
-    model.zero_grad(set_to_none=True)
-    loss = loss_fn(model)
-    loss.backward()
-    return loss.detach(), {
-        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
-    }
+    return batch_with_ignored_targets(V)
 
 
 def reference_loss(model, weight: float) -> torch.Tensor:

@@ -11,7 +11,12 @@ import pytest
 import torch
 import yaml
 
-from helpers.equivalence import INIT_STD, assert_tensor_close
+from helpers.equivalence import (
+    INIT_STD,
+    assert_tensor_close,
+    batch_with_ignored_targets,
+    loss_and_grads,
+)
 from helpers.ranks import run_ranks
 from mhf_dist.cli import main
 from mhf_dist.config import ConfigError, load_config
@@ -61,19 +66,7 @@ def make_model(name: str, chunk_tokens: int = 0, tp: int = 1):
 
 
 def batch():
-    x = torch.randint(1, V, (2, 9), generator=torch.Generator().manual_seed(1))
-    y = x[:, 1:].clone()
-    y[1, -2:] = -100  # ignored targets stay out of every mean
-    return x[:, :-1], y
-
-
-def loss_and_grads(model, loss_fn):
-    model.zero_grad(set_to_none=True)
-    loss = loss_fn(model)
-    loss.backward()
-    return loss.detach(), {
-        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
-    }
+    return batch_with_ignored_targets(V)
 
 
 def head_logits(model):

@@ -12,13 +12,16 @@ each way once, in a rotating order, so a machine whose speed drifts slows all al
   host, a sync per row on a GPU) and ``flex`` (``flex_attention`` with a block mask, where the device supports its
   backward);
 - one backbone block with its ``BlockInputs`` (``block_inputs``): ``block-off`` and ``block-on``; and the making of
-  the masked ``BlockInputs`` alone (``inputs-on``), which a forward does once for all its blocks.
+  the masked ``BlockInputs`` alone (``inputs-on``), which a forward does once for all its blocks;
+- with ``--models``, each named preset's whole training forward (its loss, EOS inputs' targets left out with
+  masking: ``targets_of``) and backward, masking off and on (``<preset>-off``, ``<preset>-on``), on the profile's
+  random signatures (``probe_model``).
 
 Reports the median and the minimum wall seconds and the median CPU seconds of the process (the work, which other
 tenants of a shared machine disturb less) of each, and their ratios to ``causal`` / ``block-off``.
 
 Usage: python tools/bench_document_masking.py [--preset 100m-standard] [--seq 2048] [--docs 700,300,500,548]
-[--rounds 9] [--threads 2] [--device cpu]
+[--rounds 9] [--threads 2] [--device cpu] [--models 100m-h4b16k,100m-standard] [--only-models]
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ import torch.nn.functional as F
 
 from mhf_dist.config import load_config
 from mhf_dist.model.backbone import Block, block_inputs, document_attention
-from mhf_dist.model.documents import document_mask, document_positions
+from mhf_dist.model.documents import document_mask, document_positions, targets_of
+from mhf_dist.model.modes import ModelModes
+from mhf_dist.profiling.training import probe_model
 
 EOS = 1
 
@@ -45,6 +50,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--models", default="", help="presets whose whole step is timed too (comma-separated)"
+    )
+    ap.add_argument("--only-models", action="store_true", help="time the presets' steps alone")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -128,6 +137,21 @@ def main() -> None:
     ways["block-off"] = block_run(off)
     ways["block-on"] = block_run(on)
     ways["inputs-on"] = lambda: block_inputs(x0, ids, hd, cfg.rope_theta, EOS)
+    if args.only_models:
+        ways.clear()
+    row = ids[0, : args.seq - 1]
+    batch = torch.cat([row, torch.randint(2, 1000, (1,), generator=gen).to(device)])[None]
+    for preset in filter(None, args.models.split(",")):
+        for name, eos in (("off", None), ("on", EOS)):
+            model, _ = probe_model(
+                load_config(preset).model, 1, device, torch.float32, ModelModes(document_eos=eos)
+            )
+
+            def step(model=model, eos=eos):
+                model.zero_grad(set_to_none=True)
+                model(batch[:, :-1], targets_of(batch, eos)).loss.backward()
+
+            ways[f"{preset}-{name}"] = step
 
     wall: dict[str, list[float]] = {w: [] for w in ways}
     cpu: dict[str, list[float]] = {w: [] for w in ways}
@@ -147,13 +171,19 @@ def main() -> None:
         f"{args.preset} shapes (d {cfg.d_model}, {heads} q / {kv} kv heads of {hd}), 1 x {args.seq} tokens, "
         f"documents {lengths}, {args.threads} threads, {args.rounds} rounds, forward + backward"
     )
-    print(f"{'way':10s} {'median ms':>10s} {'min ms':>8s} {'cpu ms':>8s} {'ratio':>6s}")
+    print(f"{'way':20s} {'median ms':>10s} {'min ms':>8s} {'cpu ms':>8s} {'ratio':>6s}")
     for w in names:
-        base = "block-off" if w.startswith(("block", "inputs")) else "causal"
+        base = (
+            "block-off"
+            if w.startswith(("block", "inputs"))
+            else w.rsplit("-", 1)[0] + "-off"
+            if w.endswith(("-off", "-on"))
+            else "causal"
+        )
         median = statistics.median(wall[w])
         ratio = median / statistics.median(wall[base])
         print(
-            f"{w:10s} {median * 1e3:10.1f} {min(wall[w]) * 1e3:8.1f} "
+            f"{w:20s} {median * 1e3:10.1f} {min(wall[w]) * 1e3:8.1f} "
             f"{statistics.median(cpu[w]) * 1e3:8.1f} {ratio:6.2f}"
         )
 

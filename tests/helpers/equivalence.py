@@ -50,3 +50,22 @@ def step(model, batch):
         "bytes": dict(log.bytes),
         "eval": sums,
     }
+
+
+def batch_with_ignored_targets(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs ``[2, 8]`` of ids in ``[1, vocab)`` and their next-token targets, the second row's last two ignored
+    (-100), which every mean of the loss leaves out."""
+    x = torch.randint(1, vocab, (2, 9), generator=torch.Generator().manual_seed(1))
+    y = x[:, 1:].clone()
+    y[1, -2:] = -100
+    return x[:, :-1], y
+
+
+def loss_and_grads(model, loss_fn) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``loss_fn(model)`` and the gradients its backward leaves on ``model``'s parameters, by name."""
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model)
+    loss.backward()
+    return loss.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
