@@ -1,9 +1,9 @@
-"""``tools/gpu_check.sh --cpu``: the main job end to end at tiny sizes (train, resume, tp=2 and accumulation runs,
-export, generate, eval, profile), its summary table and its JSON report; the verdicts of the resume, layout and
-feature checks on made-up runs; what tells a gloo limitation from a defect; that the GPU mode's commands parse
-and their configs validate (they run only on a GPU); what the check needs of its machine (no git) and how it shares
-it (threads per process, one compiling run); the report a check leaves when it is cut short; and that a profile
-row's memory is its steps' own peak."""
+"""``tools/gpu_check.sh --cpu``: the main job end to end at tiny sizes (train, resume, tp=2, accumulation and
+document-masking runs, export, generate, eval, profile), its summary table and its JSON report; the verdicts of the
+resume, layout and feature checks on made-up runs; what tells a gloo limitation from a defect; that the GPU mode's
+commands parse and their configs validate (they run only on a GPU); what the check needs of its machine (no git) and
+how it shares it (threads per process, one compiling run); the report a check leaves when it is cut short; and that a
+profile row's memory is its steps' own peak."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ EXPECTED = [
     "resume-fp32",
     "layout-tp2-gloo",
     "grad-accum",
+    "document-masking",
     "export-hf",
     "generate-cli",
     "generate-mhf",
@@ -83,6 +84,11 @@ def test_cpu_mode_runs_every_step_and_reports_every_check(tmp_path):
     resume = checks["resume-fp32"]["values"]
     assert resume["max_abs_diff"] == 0 and resume["steps_compared"] == 4
     assert checks["eval-perplexity"]["values"]["rel_diff_nll"] <= 1e-4
+    masking = checks["document-masking"]["values"]  # the masked run is not the unmasked one
+    assert (
+        max(masking["unmasked_max_rel_diff_loss"], masking["unmasked_max_rel_diff_grad_norm"])
+        > 1e-4
+    )
     for name in (
         "layout-tp2-gloo",
         "grad-accum",
@@ -112,6 +118,7 @@ def test_cpu_mode_runs_every_step_and_reports_every_check(tmp_path):
         "train-standard",
         "train-mhf-fp32-resume",
         "train-layout-tp2-gloo",
+        "train-document-masking",
         "eval",
         "profile-tiny",
     } <= set(commands)
@@ -241,6 +248,46 @@ def test_feature_checks_on_made_up_runs(tmp_path):
     check = feature_checks.compile_check(ctx)
     assert check.status == "PASS" and check.values["first_step_s"] > 0, check
 
+    # the masked run against the same run on the CPU and against the unmasked mhf-fp32
+    masked = [
+        r | {"grad_norm": r["grad_norm"] * 1.03} if r["step"] >= 4 else r for r in _records(c)
+    ]
+    reference = [{k: v for k, v in r.items() if k != "device_s"} for r in masked]
+
+    def masking(records, cpu=reference, mode=ctx):
+        _write_run(mode.run("document-masking"), records)
+        _write_run(mode.run("document-masking-cpu"), cpu)
+        return feature_checks.feature_check(
+            mode, runner.Job("document-masking", [], required=False), None
+        )
+
+    check = masking(masked)
+    assert check.status == "PASS", check
+    assert check.values["max_rel_diff_grad_norm"] == 0 and check.values["device_probe_s"] == 1e-3
+    assert check.values["unmasked_max_rel_diff_grad_norm"] == pytest.approx(0.03), check
+    assert (
+        "against document-masking-cpu" in check.result
+        and "against the unmasked mhf-fp32" in check.result
+    )
+    # the unmasked run's numbers: the masking took no effect
+    check = masking(_records(c), cpu=_records(c))
+    assert check.status == "FAIL" and "the masking took no effect" in check.result, check
+    # the device's masked run is not the CPU's
+    assert masking([r | {"loss": r["loss"] * (1 + 1e-3)} for r in masked]).status == "FAIL"
+    nan = [r | {"loss": math.nan} if r["step"] == 2 else r for r in masked]
+    assert masking(nan, cpu=nan).status == "FAIL"  # not finite, on both devices alike
+    assert masking(masked[:-1]).status == "FAIL"  # a step missing
+    # with --cpu the run is its own reference: no CPU run, its loss finite and falling, the masking in effect
+    cpu = runner.Context(runner.CPU, tmp_path / "cpu", tmp_path / "cpu" / "work", 989.0)
+    _write_run(cpu.run("mhf-fp32"), _records(8))
+    masked = masked[: cpu.mode.compare_steps]
+    check = masking(masked, cpu=[], mode=cpu)
+    assert check.status == "PASS" and "max_rel_diff_loss" not in check.values, check
+    assert check.values["unmasked_max_rel_diff_grad_norm"] == pytest.approx(0.03), check
+    assert masking(_records(4), cpu=[], mode=cpu).status == "FAIL"
+    assert masking(nan[:4], cpu=[], mode=cpu).status == "FAIL"
+    assert masking([r | {"loss": 38.9} for r in masked], cpu=[], mode=cpu).status == "FAIL"
+
     out = ctx.work / "profile-tp2-gloo"
     out.mkdir(parents=True)
     row = {
@@ -345,6 +392,7 @@ def test_gpu_mode_commands_parse_and_their_configs_validate(tmp_path):
         "layout-tp2-gloo",
         "layout-pp2-gloo",
         "grad-accum",
+        "document-masking",
         "p-inf-tp2-bf16",
         "profile-tp2-gloo",
     ]
@@ -357,7 +405,14 @@ def test_gpu_mode_commands_parse_and_their_configs_validate(tmp_path):
     )
     assert [
         job.name for job in training.training_jobs(skipped, tmp_path, 80) if not job.required
-    ] == ["engram-offload", "layout-tp2-gloo", "grad-accum", "p-inf-tp2-bf16", "profile-tp2-gloo"]
+    ] == [
+        "engram-offload",
+        "layout-tp2-gloo",
+        "grad-accum",
+        "document-masking",
+        "p-inf-tp2-bf16",
+        "profile-tp2-gloo",
+    ]
     with pytest.raises(ValueError, match="--skip resume-fp32: not a layout or feature run"):
         runner.without(runner.GPU, {"resume-fp32"})
     for job in jobs:
@@ -368,10 +423,21 @@ def test_gpu_mode_commands_parse_and_their_configs_validate(tmp_path):
                 assert args.layout == "tp=2" and args.size == "100m", name
                 continue
             cfg = load_config(args.preset, overrides=args.overrides)
-            preflight(cfg, args.nproc_per_node or 1, "cuda", data_here=False)
-            assert (args.nproc_per_node or 1) == job.ranks and cfg.train.device == "cuda", name
+            # the masked run's reference trains on the CPU
+            device = "cpu" if name == "train-document-masking-cpu" else "cuda"
+            preflight(cfg, args.nproc_per_node or 1, device, data_here=False)
+            assert (args.nproc_per_node or 1) == job.ranks and cfg.train.device == device, name
             if job.name in ("grad-accum", "engram-offload"):
                 assert cfg.train.global_batch_size > cfg.train.micro_batch_size, name
+            assert cfg.data.document_masking == (job.name == "document-masking"), name
+    masking = next(job for job in jobs if job.name == "document-masking")
+    on_gpu, on_cpu = (
+        load_config(args.preset, overrides=args.overrides).model_dump()
+        for args in (build_parser().parse_args(argv) for _, argv in masking.commands)
+    )
+    # the same masked run, on the GPU and on the CPU
+    assert on_gpu["train"].pop("device") == "cuda" and on_cpu["train"].pop("device") == "cpu"
+    assert on_gpu == on_cpu
 
 
 def test_the_check_runs_without_git_and_names_its_commit(tmp_path, monkeypatch):
@@ -529,7 +595,7 @@ def test_step_2_takes_no_more_threads_than_there_are_cores(tmp_path, cores):
         threads = runner.threads_per_process(ctx, jobs)
         assert all(n >= 1 for n in threads.values())
         if mode.jobs >= len(jobs):  # all side by side
-            assert sum(job.ranks for job in jobs) == 15
+            assert sum(job.ranks for job in jobs) == 16
         for together in itertools.combinations(
             jobs, min(mode.jobs, len(jobs))
         ):  # any jobs that run at once

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers.runs import metrics, run_cli, trained_model
-from mhf_dist.commands.evaluate import split_last_word
+from mhf_dist.commands.evaluate import perplexity, split_last_word
+from mhf_dist.config import RunConfig
 from mhf_dist.data.reader import ShardReader
+from mhf_dist.hf.exporter import build_hf_model
+from mhf_dist.model.documents import targets_of
 from mhf_dist.train.trained_weights import trained_weights
 from mhf_dist.vocab.signatures import SignatureTable
 from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
@@ -382,6 +386,56 @@ def test_eval_perplexity_and_last_word_under_p_inf(trained, exported, data, tmp_
         correct += torch.equal(got[0, ctx.shape[1] :], want)
     assert results["last_word"]["documents"] == len(docs)
     assert results["last_word"]["accuracy"] == correct / len(docs)
+
+
+def test_eval_reads_a_masked_models_documents_apart_as_its_run_measures_them(
+    trained, exported, short_documents, tmp_path
+):
+    """A model trained with data.document_masking is scored as its run scores val_loss: each document of a row
+    read apart and an EOS's next token not counted. Exported (our model read through the authors' layout, each
+    document on a row of its own) it gives the P_inf NLL of our model with the block-diagonal mask."""
+    hf = AutoModelForCausalLM.from_pretrained(exported["mhf"], trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(exported["mhf"])
+    eos = tokenizer.eos_token_id
+    hf.config.document_masking = True  # what export-hf writes for a masked run (below)
+    masked = perplexity(hf, tokenizer, short_documents["shards"], max_sequences=5, batch_size=2)
+    whole = perplexity(
+        hf, tokenizer, short_documents["shards"], max_sequences=5, document_masking=False
+    )
+
+    ours, _, _ = trained_model(trained["mhf"], document_eos=eos)
+    fingerprint = tokens_fingerprint(vocabulary(tokenizer))
+    with ShardReader(
+        short_documents["shards"], split="val", tokenizer_fingerprint=fingerprint
+    ) as r:
+        batch = r.next_batch(5)
+    targets = targets_of(batch, eos)
+    assert (targets == -1).sum() >= 5  # several documents a row
+    with torch.no_grad():
+        nll = ours.evaluation(batch[:, :-1], targets).p_inf_nll.item()
+    assert masked["document_masking"] and not whole["document_masking"]
+    assert masked["tokens"] == (targets >= 0).sum().item() < whole["tokens"] == batch[:, 1:].numel()
+    assert masked["p_inf_nll"] == pytest.approx(nll, rel=1e-5)
+    assert abs(masked["p_inf_nll"] - whole["p_inf_nll"]) > 1e-3
+
+    # export-hf of a masked run says so in config.json (an unmasked one's is as before), and import-hf reads it
+    tw = trained_weights(trained["mhf"])
+    cfg = RunConfig.model_validate(
+        tw.cfg.model_dump(mode="json")
+        | {"data": {**tw.cfg.data.model_dump(mode="json"), "document_masking": True}}
+    )
+    table = SignatureTable.load(trained["mhf"] / "signatures")
+    assert build_hf_model(cfg, tw.state, tokenizer, table).config.document_masking is True
+    assert "document_masking" not in json.loads((exported["mhf"] / "config.json").read_text())
+    copy = tmp_path / "masked"
+    shutil.copytree(exported["mhf"], copy)
+    config = json.loads((copy / "config.json").read_text()) | {"document_masking": True}
+    (copy / "config.json").write_text(json.dumps(config))
+    (copy / "mhf_dist.yaml").unlink()
+    out = run_cli(["import-hf", str(copy), "--run-dir", str(tmp_path / "imported")])
+    assert "document_masking" not in out  # no unknown-key warning
+    imported = yaml.safe_load((tmp_path / "imported/config.yaml").read_text())
+    assert imported["data"]["document_masking"] is True
 
 
 def test_generate_cli_from_a_run_directory(trained):

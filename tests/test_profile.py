@@ -1,4 +1,5 @@
-"""`mhf-dist profile`: a 2-configuration, 2-step sweep writes consistent CSV/JSON, TensorBoard and PNG plots."""
+"""`mhf-dist profile`: a 2-configuration, 2-step sweep writes consistent CSV/JSON, TensorBoard and PNG plots; with
+data.document_masking the step profiled is the masked one, and its rows say so."""
 
 from __future__ import annotations
 
@@ -6,15 +7,25 @@ import csv
 import json
 import math
 import re
+from dataclasses import asdict
 
 import pytest
+import torch
 from PIL import Image
 
 from helpers.runs import run_cli
 from mhf_dist.cli import main
 from mhf_dist.config import ConfigError
 from mhf_dist.profiling.layouts import check_layouts, parse_layouts
+from mhf_dist.profiling.report import table
 from mhf_dist.profiling.scoring import RatioSpread
+from mhf_dist.profiling.training import (
+    DOCUMENT_EOS,
+    DOCUMENT_LEN,
+    VOCAB,
+    TrainingProbe,
+    TrainRow,
+)
 
 COLUMNS = {
     "size",
@@ -36,6 +47,7 @@ COLUMNS = {
     "mfu",
     "memory_gb",
     "comm_bytes_per_step",
+    "document_masking",
 }
 
 
@@ -69,8 +81,9 @@ def test_profile_sweep_outputs(tmp_path):
     data = json.loads((out / "profile.json").read_text())
     assert len(data["training"]) == 2 and len(data["scoring"]) == 2
     for row in data["training"]:
+        assert row["document_masking"] is False
         for key, value in row.items():
-            if isinstance(value, (int, float)):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
                 assert math.isfinite(value) and value > 0, (key, value)
         # MFU is achieved over the peak measured in the same run (CPU ranks share that one machine)
         assert abs(row["mfu"] - row["tflops"] / row["peak_tflops_measured"]) < 1e-9
@@ -171,3 +184,69 @@ def test_layouts_are_checked_against_tables_heads_stages_and_gpus():
     for text in ("tp=0", "2", "tp=x", "dp=2"):
         with pytest.raises(ConfigError, match="tensor-parallel layouts only"):
             parse_layouts(text)
+
+
+def probe(*overrides: str) -> TrainingProbe:
+    """tiny-h4b16k at tp=1 on the CPU: 2 rows of 161 tokens, 322 in all, so a document of DOCUMENT_LEN ends in the
+    second row."""
+    return TrainingProbe(
+        "tiny",
+        "h4b16k",
+        1,
+        seq_len=160,
+        micro=2,
+        dtype="fp32",
+        device=torch.device("cpu"),
+        overrides=list(overrides),
+        max_steps=1,
+    )
+
+
+def step_with_targets(probe: TrainingProbe) -> tuple[TrainRow, torch.Tensor]:
+    """One timed step of ``probe``; its row and the targets its loss was given."""
+    forward, seen = probe.model.forward, []
+
+    def spy(input_ids, targets, *args, **kwargs):
+        seen.append(targets)
+        return forward(input_ids, targets, *args, **kwargs)
+
+    probe.model.forward = spy
+    row = probe.row([probe.step()], peak_measured=1e12, peak_nominal=None)
+    assert len(seen) == 1
+    return row, seen[0]
+
+
+def test_document_masking_profiles_the_masked_step():
+    """--set data.document_masking=true: the backbone knows the EOS, the batch is documents packed back to back
+    (an EOS ends each DOCUMENT_LEN tokens, running on from row to row, and is nowhere else), the loss leaves out each
+    EOS's next token, and the row, its JSON and the table say the step was masked."""
+    masked = probe("data.document_masking=true")
+    assert masked.model.backbone.document_eos == DOCUMENT_EOS == 2 and DOCUMENT_LEN == 300
+    batch = masked.batch
+    assert batch.shape == (2, 161)
+    assert (batch == DOCUMENT_EOS).nonzero().tolist() == [[1, 299 - 161]]
+    row, targets = step_with_targets(masked)
+    assert targets.shape == (2, 160) and targets[1, 299 - 161] == -1
+    assert (targets == -1).sum() == 1 and torch.equal(targets[0], batch[0, 1:])
+    assert math.isfinite(row.step_s) and row.step_s > 0
+    assert row.document_masking is True and asdict(row)["document_masking"] is True
+    text = table([row], [])
+    assert "tiny-h4b16k [masked]" in text.splitlines()[1]
+    assert (
+        "[masked]: data.document_masking, documents of 300 tokens each ending in EOS id 2" in text
+    )
+
+
+def test_without_document_masking_the_profiled_step_is_unchanged():
+    """Without the override: no EOS in the backbone, the batch of plain random ids the profile has always drawn, every
+    next token a target, and a row and table that name no masking."""
+    plain = probe()
+    assert plain.model.backbone.document_eos is None
+    expected = torch.randint(0, VOCAB, (2, 161), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(plain.batch, expected)
+    row, targets = step_with_targets(plain)
+    assert torch.equal(targets, expected[:, 1:])
+    assert row.document_masking is False
+    text = table([row], [])
+    assert text.splitlines()[1].startswith(f"{'tiny-h4b16k':<25} tp=1 ")
+    assert "masked" not in text

@@ -195,6 +195,7 @@ def cmd_eval(args) -> int:
             batch_size=args.batch_size,
             calibrate=calibrate,
             calibration_split=args.calibration_split,
+            document_masking={"auto": None, "on": True, "off": False}[args.document_masking],
         )
     if args.lambada:
         results["last_word"] = last_word_accuracy(model, tokenizer, args.lambada)
@@ -229,6 +230,14 @@ def eval_parser(sub) -> None:
         help="the split τ is fitted on (implies --calibrate; default: --split itself, which is optimistic)",
     )
     p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass")
+    p.add_argument(
+        "--document-masking",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="on: read each document of a row apart and leave out an EOS's next token, as a run with "
+        "data.document_masking measures val_loss; off: every row as one sequence; auto (default): as the "
+        "model was trained (its config's document_masking)",
+    )
     p.add_argument("--lambada", help='JSONL of {"text": ...}; the target is the last word')
     p.add_argument("--out", help="also write the results (JSON) here")
     p.set_defaults(func=cmd_eval)

@@ -26,6 +26,7 @@ def _summary(passes: SplitPasses, fit: Calibration) -> dict:
         "split": passes.split,
         "sequences": passes.sequences,
         "seq_len": passes.seq_len,
+        "document_masking": passes.eos is not None,
         "tokens": fit.tokens,
         "p_inf_nll": fit.p_inf_nll,
         "perplexity": fit.perplexity,
@@ -43,10 +44,15 @@ def perplexity(
     batch_size: int = 8,
     calibrate: bool = False,
     calibration_split: str | None = None,
+    document_masking: bool | None = None,
 ) -> dict:
     """Perplexity, top-1/top-5 and calibrated perplexity of ``split`` (module docstring); ``calibrate``: ``τ``
-    fitted on ``calibration_split`` (default: ``split`` itself, which is optimistic)."""
-    passes = SplitPasses(model, tokenizer, shards, split, max_sequences, batch_size)
+    fitted on ``calibration_split`` (default: ``split`` itself, which is optimistic); ``document_masking``: each
+    document of a row read apart (``SplitPasses``; None: as the model was trained)."""
+    read = dict(
+        max_sequences=max_sequences, batch_size=batch_size, document_masking=document_masking
+    )
+    passes = SplitPasses(model, tokenizer, shards, split=split, **read)
     print(
         f"note: evaluating {split} at {passes.seq_len} tokens a sequence (the shards' seq_len; the model has "
         f"{model.config.max_position_embeddings} positions): perplexity depends on the length, so compare models "
@@ -65,9 +71,7 @@ def perplexity(
             f"fitted on {split}, the evaluated split itself (optimistic)",
         )
     else:
-        fitting = SplitPasses(
-            model, tokenizer, shards, calibration_split, max_sequences, batch_size
-        )
+        fitting = SplitPasses(model, tokenizer, shards, split=calibration_split, **read)
         fitted = fit_temperature(fitting)
         calibration = _summary(fitting, fitted) | {
             "temperature": fitted.temperature,

@@ -51,9 +51,11 @@ def hf_config(
     tokenizer,
     table: SignatureTable | None,
     inference_temperature: float = 1.0,
+    document_masking: bool = False,
 ) -> PretrainedConfig:
     """The Qwen3 config of ``model`` (+ the authors' hash keys and our ``inference_temperature`` for
-    MultiHashFormer)."""
+    MultiHashFormer; ``document_masking: true`` for a run trained with ``data.document_masking``, which ``eval``
+    reads to score documents apart)."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=model.d_model,
@@ -73,6 +75,8 @@ def hf_config(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    if document_masking:
+        common["document_masking"] = True
     config_class = HF_CLASSES[variant(model).hf.config_class]
     if table is None:
         return config_class(**common)
@@ -100,7 +104,14 @@ def build_hf_model(
             "Qwen3ForCausalLM, whose logits cannot apply a temperature without custom code; export with 1 "
             f"(--inference-temperature 1) and sample at temperature {1 / cfg.inference.temperature:.4g} instead"
         )
-    config = hf_config(cfg.model, vocab_size, tokenizer, table, cfg.inference.temperature)
+    config = hf_config(
+        cfg.model,
+        vocab_size,
+        tokenizer,
+        table,
+        cfg.inference.temperature,
+        document_masking=cfg.data.document_masking,
+    )
     weights = to_export(state, table.codes if table is not None else None)
     if table is None:  # Standard: only the real vocabulary's rows
         weights[EMBED] = weights[LM_HEAD] = weights[EMBED][:vocab_size]
@@ -155,7 +166,14 @@ def fitted_temperature(
     model = build_hf_model(cfg, trained.state, tokenizer, table)
     with torch.no_grad():
         fit = fit_temperature(
-            SplitPasses(model, tokenizer, shards, "val", cfg.train.eval_sequences, 8)
+            SplitPasses(
+                model,
+                tokenizer,
+                shards,
+                split="val",
+                max_sequences=cfg.train.eval_sequences,
+                batch_size=8,
+            )
         )
     return fit.temperature, f"fitted on {fit.tokens} tokens of {shards}'s validation split"
 

@@ -61,6 +61,8 @@ def read_weights(src: Path) -> dict[str, torch.Tensor]:
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 # read by transformers besides a config's fields: the remote-code map, and older spellings of dtype and RoPE
 LOADER_KEYS = ("auto_map", "torch_dtype", "rope_theta", "rope_scaling")
+# ours beside a config's fields: how the run read its rows (data.document_masking; hf_config writes it when true)
+RUN_KEYS = ("document_masking",)
 
 
 def read_config(path: Path) -> dict:
@@ -78,7 +80,9 @@ def read_config(path: Path) -> dict:
             f"{path} lacks {', '.join(missing)}: it is not a complete Qwen3 / qwen3_hashformer "
             "config; copy or export the model again"
         )
-    unknown = sorted(set(config) - set(MultiHashFormerConfig().to_dict()) - set(LOADER_KEYS))
+    unknown = sorted(
+        set(config) - set(MultiHashFormerConfig().to_dict()) - set(LOADER_KEYS) - set(RUN_KEYS)
+    )
     if unknown:  # a misspelt key leaves its field at the default, which may only show as weights that do not fit
         print(
             f"warning: {path} has keys that neither transformers' Qwen3 config nor mhf-dist reads, ignored: "
@@ -250,6 +254,8 @@ def import_hf(
     )
     if "inference_temperature" in config:  # what the model's logits apply
         raw = deep_merge(raw, {"inference": {"temperature": config["inference_temperature"]}})
+    if "document_masking" in config:
+        raw = deep_merge(raw, {"data": {"document_masking": bool(config["document_masking"])}})
     for assignment in overrides:
         raw = apply_override(raw, assignment)
     try:

@@ -52,14 +52,20 @@ def write_outputs(
 
 
 def table(rows: list[TrainRow], scoring: list[dict]) -> str:
-    """The rows as a text table, with the measured peak and the scoring times."""
+    """The rows as a text table, with the measured peak and the scoring times. A row whose step was the document-
+    masked one (``data.document_masking``) is named ``SIZE-HASH [masked]``, and a line under the table says what
+    its documents were."""
+    from mhf_dist.profiling.training import DOCUMENT_EOS, DOCUMENT_LEN
+
+    names = [r.size + "-" + r.hash + (" [masked]" if r.document_masking else "") for r in rows]
+    width = max([25, *map(len, names)])
     lines = [
-        f"{'config':<25} {'layout':<6} {'tokens/s':>10} {'step s':>8} {'fwd':>6} {'bwd':>6} {'opt':>6} "
+        f"{'config':<{width}} {'layout':<6} {'tokens/s':>10} {'step s':>8} {'fwd':>6} {'bwd':>6} {'opt':>6} "
         f"{'comm':>6} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'comm MB':>8}"
     ]
-    for r in rows:
+    for name, r in zip(names, rows):
         lines.append(
-            f"{r.size + '-' + r.hash:<25} {r.layout:<6} {r.tokens_per_s:>10.1f} {r.step_s:>8.3f} "
+            f"{name:<{width}} {r.layout:<6} {r.tokens_per_s:>10.1f} {r.step_s:>8.3f} "
             f"{r.forward_s:>6.2f} {r.backward_s:>6.2f} {r.optimizer_s:>6.2f} {r.comm_s:>6.2f} "
             f"{r.tflops:>8.3f} {r.mfu:>6.1%} {r.memory_gb:>7.2f} {r.comm_bytes_per_step / 2**20:>8.1f}"
         )
@@ -67,6 +73,11 @@ def table(rows: list[TrainRow], scoring: list[dict]) -> str:
         f"measured peak {rows[0].peak_tflops_measured:.3f} TFLOP/s ({rows[0].dtype} matmul)"
         + (f", nominal {rows[0].peak_tflops_nominal:g}" if rows[0].peak_tflops_nominal else "")
     )
+    if any(r.document_masking for r in rows):
+        lines.append(
+            f"[masked]: data.document_masking, documents of {DOCUMENT_LEN} tokens each ending in EOS id "
+            f"{DOCUMENT_EOS}, attention within each document, no loss on an EOS's next token"
+        )
     for s in scoring:
         lines.append(
             f"scoring V={s['vocab_size']:>8,}: MHF {s['mhf_s_per_token'] * 1e3:8.3f} ms/token, Standard "

@@ -1,4 +1,8 @@
-"""One configuration's training steps on one rank, timed: forward, backward, optimizer and collectives."""
+"""One configuration's training steps on one rank, timed: forward, backward, optimizer and collectives.
+
+With ``data.document_masking`` (``--set data.document_masking=true``) the step timed is the masked one: the model
+built with ``ModelModes(document_eos=DOCUMENT_EOS)``, a batch of documents packed back to back (``synthetic_batch``)
+and the loss's targets as the trainers make them (``targets_of``: none where the input is an EOS)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import torch.distributed as dist
 
 from mhf_dist.config import ModelConfig, load_config
 from mhf_dist.model import build_model
+from mhf_dist.model.documents import targets_of
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.lm import LanguageModel
 from mhf_dist.model.modes import ModelModes
@@ -22,6 +27,12 @@ from mhf_dist.train.throughput import memory_gb, restart_peak_memory
 from mhf_dist.vocab.engram_compression import CompressionTable
 
 VOCAB = 32768  # Mistral v0.3's size; signatures are random and ids not compressed (timing does not depend on them)
+# data.document_masking without a tokenizer: the EOS id of Mistral v0.3 (``</s>``), the vocabulary VOCAB stands for
+DOCUMENT_EOS = 2
+# tokens per synthetic document, its EOS included: short web documents'. A masked step costs the same whatever the
+# lengths (the attention mask is dense, and the loss weighs ignored targets out at the cost of counted ones), so the
+# length only sets how many targets the loss leaves out (1 in DOCUMENT_LEN)
+DOCUMENT_LEN = 300
 
 
 @dataclass
@@ -47,11 +58,29 @@ class TrainRow:
     mfu: float
     memory_gb: float
     comm_bytes_per_step: int
+    # data.document_masking: the step was the masked one (documents of DOCUMENT_LEN tokens, ending in DOCUMENT_EOS)
+    document_masking: bool = False
 
 
 def step_seconds(step: dict[str, float]) -> float:
     """Seconds of a whole training step from ``TrainingProbe.step``'s split (collectives fall inside it)."""
     return step["forward"] + step["backward"] + step["optimizer"]
+
+
+def synthetic_batch(micro: int, seq_len: int, eos: int | None) -> torch.Tensor:
+    """The probe's batch ``[micro, seq_len + 1]`` on the host: random ids in ``[0, VOCAB)``. With ``eos`` (document
+    masking), rows cut from one stream of documents of ``DOCUMENT_LEN`` tokens each, as shards pack them: ``eos``
+    ends every document (the stream's tokens ``DOCUMENT_LEN - 1``, ``2 * DOCUMENT_LEN - 1``, ..., read row after
+    row, so documents run on from one row into the next) and occurs nowhere else."""
+    batch = torch.randint(
+        0, VOCAB, (micro, seq_len + 1), generator=torch.Generator().manual_seed(1)
+    )
+    if eos is None:
+        return batch
+    stream = batch.view(-1)
+    stream.masked_fill_(stream == eos, (eos + 1) % VOCAB)  # a random id that happens to be the EOS
+    stream[DOCUMENT_LEN - 1 :: DOCUMENT_LEN] = eos
+    return batch
 
 
 def probe_model(
@@ -99,18 +128,17 @@ class TrainingProbe:
     ):
         run_cfg = load_config(f"{size}-{hash_name}", overrides=[f"parallel.tp={tp}", *overrides])
         cfg = run_cfg.model
-        model, self.params = probe_model(
-            cfg, tp, device, torch_dtype(dtype), ModelModes(kernels=run_cfg.train.fused_head_kernel)
-        )
+        # data.document_masking: the EOS that ends each packed document (no tokenizer here: DOCUMENT_EOS)
+        self.eos = DOCUMENT_EOS if run_cfg.data.document_masking else None
+        modes = ModelModes(kernels=run_cfg.train.fused_head_kernel, document_eos=self.eos)
+        model, self.params = probe_model(cfg, tp, device, torch_dtype(dtype), modes)
         if run_cfg.train.compile:
             model.backbone.compile_blocks()
         self.model, self.device = model, device
         self.optimizer, _ = build_optimizer(
             model.named_parameters(), run_cfg.optimizer, max_steps=max_steps
         )
-        gen = torch.Generator().manual_seed(1)
-        # every target counted: the loss weighs ignored ones (data.document_masking's EOS inputs') out at the same cost
-        self.batch = torch.randint(0, VOCAB, (micro, seq_len + 1), generator=gen).to(device)
+        self.batch = synthetic_batch(micro, seq_len, self.eos).to(device)
         self.size, self.hash, self.tp, self.dtype, self.seq_len, self.micro = (
             size,
             hash_name,
@@ -128,7 +156,10 @@ class TrainingProbe:
         """Seconds of one step's forward, backward, optimizer and (inside them) tensor-parallel collectives."""
         with count_collectives() as log:
             with Timer(self.device) as fwd:
-                loss = self.model(self.batch[:, :-1], self.batch[:, 1:]).loss
+                # with document masking none where the input is an EOS, as the trainers make them; the loss's own
+                # count of kept targets is their divisor for a step of one micro-batch on one replica
+                targets = targets_of(self.batch, self.eos)
+                loss = self.model(self.batch[:, :-1], targets).loss
             with Timer(self.device) as bwd:
                 loss.backward()
         with Timer(self.device) as opt:
@@ -172,6 +203,7 @@ class TrainingProbe:
             mfu=flops / peak,
             memory_gb=memory_gb(self.device),
             comm_bytes_per_step=self.comm_bytes,
+            document_masking=self.eos is not None,
         )
 
 

@@ -242,9 +242,11 @@ def train_run(
     return metrics(run)
 
 
-def trained_model(run: Path):
-    """A run's newest checkpoint as our LanguageModel (eval mode), with its tokenizer and signature table."""
+def trained_model(run: Path, document_eos: int | None = None):
+    """A run's newest checkpoint as our LanguageModel (eval mode), with its tokenizer and signature table;
+    ``document_eos``: the model reads the documents of a row apart (``ModelModes.document_eos``)."""
     from mhf_dist.model import build_model
+    from mhf_dist.model.modes import ModelModes
     from mhf_dist.train.trained_weights import trained_weights
     from mhf_dist.vocab.signatures import SignatureTable
     from mhf_dist.vocab.tokenizers import load_tokenizer
@@ -252,7 +254,8 @@ def trained_model(run: Path):
     tw = trained_weights(run)
     tokenizer = load_tokenizer(tw.run.tokenizer_source(tw.cfg))
     table = SignatureTable.load(tw.run.signatures_dir) if tw.cfg.model.variant == "mhf" else None
-    model = build_model(tw.cfg.model, len(tokenizer), table.codes if table else None)
+    modes = ModelModes(document_eos=document_eos)
+    model = build_model(tw.cfg.model, len(tokenizer), table.codes if table else None, modes=modes)
     model.load_state_dict(tw.state)
     return model.eval(), tokenizer, table
 

@@ -1,7 +1,7 @@
 """Step 2's checks of the layout and feature runs (``training`` runs them): a
 failed 2-rank run told as a gloo limitation or a defect; a run's losses and gradient norms against the reference run;
-and each feature's own rule (grad-accum, compile, engram-offload, p-inf-tp2-bf16, profile-tp2-gloo). docs/profiling.md,
-"GPU check", gives the rules and their tolerances."""
+and each feature's own rule (grad-accum, compile, engram-offload, document-masking, p-inf-tp2-bf16, profile-tp2-gloo).
+docs/profiling.md, "GPU check", gives the rules and their tolerances."""
 
 from __future__ import annotations
 
@@ -75,6 +75,7 @@ def feature_check(ctx: Context, job: Job, error: BaseException | None) -> Check:
             "grad-accum": grad_accum_check,
             "compile": compile_check,
             "engram-offload": engram_offload_check,
+            "document-masking": document_masking_check,
             "p-inf-tp2-bf16": p_inf_check,
             "profile-tp2-gloo": profile_tp2_check,
         }[job.name](ctx)
@@ -210,6 +211,55 @@ def engram_offload_check(ctx: Context) -> Check:
         f"tiny-h4b16k+engram, 2 micro-batches per step, fp32, host tables against device tables: {found}; "
         f"{what} {memory['host']:.3f} GB against {memory['device']:.3f} GB",
         values,
+    )
+
+
+def document_masking_check(ctx: Context) -> Check:
+    """``data.document_masking=true`` took effect and, on a GPU, computes what it computes on the CPU: the masked
+    run's loss or gradient norm differs from the unmasked one-rank run's (mhf-fp32: same weights, data and learning
+    rate) by more than the comparison tolerance at some step 1..C (the shards hold an EOS after every document, so
+    some rows hold two documents); on a GPU its steps 1..C equal the same masked run's on the CPU to that tolerance,
+    with the loss falling and the device probe timing every step; on the CPU, where it is that run, its losses and
+    gradient norms are finite and the loss falls."""
+    m, steps = ctx.mode, range(1, ctx.mode.compare_steps + 1)
+    run, unmasked = ctx.run("document-masking"), ctx.run("mhf-fp32")
+    got, plain = metrics(run), metrics(unmasked)
+    missing = [s for s in steps if s not in got or s not in plain]
+    if missing:
+        return Check(
+            "document-masking",
+            FAIL,
+            f"no metrics at steps {missing} of {run.name} or {unmasked.name}",
+        )
+    keys = ["loss"] + (
+        ["grad_norm"] if all("grad_norm" in r[s] for r in (got, plain) for s in steps) else []
+    )
+    effect = {
+        f"unmasked_max_rel_diff_{key}": max(relative_differences(got, plain, steps, key))
+        for key in keys
+    }
+    took_effect = all(math.isfinite(v) for v in effect.values()) and (
+        max(effect.values()) > m.compare_tolerance
+    )
+    if m.device == "cuda":
+        ok, found, values = compare(ctx, run, ctx.run("document-masking-cpu"))
+    else:
+        first, last = got[1]["loss"], got[m.compare_steps]["loss"]
+        ok = all(math.isfinite(got[s][key]) for s in steps for key in keys) and last < first
+        found = f"the CPU is its reference device; loss {first:.3f} -> {last:.3f}"
+        values = {"steps_compared": len(steps), "last_loss": last}
+    differences = ", ".join(
+        f"{key.replace('_', ' ')} {effect[f'unmasked_max_rel_diff_{key}']:.2g}" for key in keys
+    )
+    verdict = (
+        "" if took_effect else f", not above {m.compare_tolerance:g}: the masking took no effect"
+    )
+    return Check(
+        "document-masking",
+        PASS if ok and took_effect else FAIL,
+        f"tiny-h4b16k fp32, data.document_masking=true on {m.device}: {found}; against the unmasked "
+        f"{unmasked.name}: steps 1-{m.compare_steps} max relative difference {differences}{verdict}",
+        values | effect | {"tolerance_rel": m.compare_tolerance},
     )
 
 

@@ -15,9 +15,12 @@ from mhf_dist.commands.gpu_check.feature_checks import P_INF_WEIGHT, feature_che
 from mhf_dist.commands.gpu_check.runner import FAIL, PASS, Check, Context, Job, StepFailed, metrics
 
 
-def train_args(ctx: Context, run: Path, preset: str, dtype: str, *overrides: str) -> list[str]:
-    """``mhf-dist train`` of ``preset`` in ``run``. The fused head runs eagerly: ``auto`` would compile it in every
-    CUDA run side by side, and only the ``compile`` run is there to compile (it overrides this)."""
+def train_args(
+    ctx: Context, run: Path, preset: str, dtype: str, *overrides: str, device: str | None = None
+) -> list[str]:
+    """``mhf-dist train`` of ``preset`` in ``run``, on ``device`` (default the mode's). The fused head runs eagerly:
+    ``auto`` would compile it in every CUDA run side by side, and only the ``compile`` run is there to compile (it
+    overrides this)."""
     m = ctx.mode
     args = ["train", "--preset", preset, "--run-dir", str(run)]
     for o in (
@@ -25,7 +28,7 @@ def train_args(ctx: Context, run: Path, preset: str, dtype: str, *overrides: str
         f"train.checkpoint_interval={m.split}",
         "train.log_interval=1",
         f"train.dtype={dtype}",
-        f"train.device={m.device}",
+        f"train.device={device or m.device}",
         "train.fused_head_kernel=eager",
         *m.train_overrides,
         *overrides,
@@ -101,7 +104,12 @@ def training_jobs(ctx: Context, shards: Path, val: int) -> list[Job]:
         )
 
     def run(
-        name: str, preset: str, dtype: str, *overrides: str, ranks: int = 1
+        name: str,
+        preset: str,
+        dtype: str,
+        *overrides: str,
+        ranks: int = 1,
+        device: str | None = None,
     ) -> tuple[str, list[str]]:
         args = train_args(
             ctx,
@@ -113,6 +121,7 @@ def training_jobs(ctx: Context, shards: Path, val: int) -> list[Job]:
             f"train.stop_at_step={m.compare_steps}",
             *overrides,
             *(gloo_overrides(ctx) if ranks > 1 else ()),
+            device=device,
         )
         return f"train-{name}", args + (["--nproc-per-node", str(ranks)] if ranks > 1 else [])
 
@@ -121,6 +130,11 @@ def training_jobs(ctx: Context, shards: Path, val: int) -> list[Job]:
 
     engram = ("tiny-h4b16k+engram", "fp32", "train.micro_batch_size=4")
     p_inf = ("tiny-h4b16k", "bf16", "parallel.tp=2", f"model.hash.p_inf_loss_weight={P_INF_WEIGHT}")
+    masked = ("tiny-h4b16k", "fp32", "data.document_masking=true")
+    # on a GPU the masked run is held to the same run on the CPU; with --cpu it is that run
+    masked_reference = (
+        [run("document-masking-cpu", *masked, device="cpu")] if m.device == "cuda" else []
+    )
     features = {
         "compile": feature(
             "compile",
@@ -146,6 +160,9 @@ def training_jobs(ctx: Context, shards: Path, val: int) -> list[Job]:
         "grad-accum": feature(
             "grad-accum", run("grad-accum", "tiny-h4b16k", "fp32", "train.micro_batch_size=2")
         ),
+        "document-masking": feature(
+            "document-masking", run("document-masking", *masked), *masked_reference
+        ),
     }
     jobs += [features[name] for name in ("compile", "engram-offload") if name in m.features]
     for layout in m.gloo_layouts:
@@ -155,7 +172,7 @@ def training_jobs(ctx: Context, shards: Path, val: int) -> list[Job]:
         )
     return jobs + [
         features[name]
-        for name in ("grad-accum", "p-inf-tp2-bf16", "profile-tp2-gloo")
+        for name in ("grad-accum", "document-masking", "p-inf-tp2-bf16", "profile-tp2-gloo")
         if name in m.features
     ]
 
