@@ -164,8 +164,11 @@ def masking_references(tmp_path_factory, short_documents):
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "layout, extra",
-    [("tp2", []), ("pp2", []), ("pp2", ["parallel.activation_checkpoint_interval=1"])],
-    ids=["tp2", "pp2", "pp2-checkpointed"],
+    [
+        *((name, []) for name in ("tp2", "pp2", "dp2-zero1", "dp2-zero3", "tp2-pp2")),
+        ("pp2", ["parallel.activation_checkpoint_interval=1"]),
+    ],
+    ids=["tp2", "pp2", "dp2-zero1", "dp2-zero3", "tp2-pp2", "pp2-checkpointed"],
 )
 def test_document_masking_layout_matches_single_process(
     tmp_path, short_documents, masking_references, layout, extra
