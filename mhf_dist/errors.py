@@ -18,6 +18,9 @@ HUNG_EXIT_CODE = (
 NODE_LOST_EXIT_CODE = (
     88  # ranks stopped answering (their heartbeats) for train.peer_timeout_s: a lost node
 )
+OOM_EXIT_CODE = (
+    89  # a step ran out of memory: reports in RUN/oom/; not requeued, it would run out again
+)
 ABORTED_EXIT_CODE = (
     130  # a second Ctrl-C: stopped at once without saving (128 + SIGINT, as shells report it)
 )

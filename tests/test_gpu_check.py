@@ -1,9 +1,9 @@
-"""``tools/gpu_check.sh --cpu``: the main job end to end at tiny sizes (train, resume, tp=2, accumulation and
-document-masking runs, export, generate, eval, profile), its summary table and its JSON report; the verdicts of the
-resume, layout and feature checks on made-up runs; what tells a gloo limitation from a defect; that the GPU mode's
-commands parse and their configs validate (they run only on a GPU); what the check needs of its machine (no git) and
-how it shares it (threads per process, one compiling run); the report a check leaves when it is cut short; and that a
-profile row's memory is its steps' own peak."""
+"""``tools/gpu_check.sh --cpu``: the main job end to end at tiny sizes (train, resume, tp=2, accumulation,
+document-masking and profiler-window runs, export, generate, eval, profile), its summary table and its JSON report;
+the verdicts of the resume, layout and feature checks on made-up runs; what tells a gloo limitation from a defect;
+that the GPU mode's commands parse and their configs validate (they run only on a GPU); what the check needs of its
+machine (no git) and how it shares it (threads per process, one compiling run); the report a check leaves when it is
+cut short; and that a profile row's memory is its steps' own peak."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import itertools
 import json
 import math
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +35,7 @@ EXPECTED = [
     "resume-fp32",
     "layout-tp2-gloo",
     "grad-accum",
+    "profiler-window",
     "document-masking",
     "export-hf",
     "generate-cli",
@@ -89,6 +92,11 @@ def test_cpu_mode_runs_every_step_and_reports_every_check(tmp_path):
         max(masking["unmasked_max_rel_diff_loss"], masking["unmasked_max_rel_diff_grad_norm"])
         > 1e-4
     )
+    # profiling changed no number (the CPU's fp32 steps are deterministic) and wrote no memory history there
+    window = checks["profiler-window"]
+    assert window["values"]["max_rel_diff_loss"] == 0 and "memory_allocs" not in window["values"]
+    assert window["values"]["step_2_s"] > 0 and window["values"]["step_3_s"] > 0, window
+    assert "the trace marks steps 2-3" in window["result"], window
     for name in (
         "layout-tp2-gloo",
         "grad-accum",
@@ -119,6 +127,8 @@ def test_cpu_mode_runs_every_step_and_reports_every_check(tmp_path):
         "train-mhf-fp32-resume",
         "train-layout-tp2-gloo",
         "train-document-masking",
+        "train-profiler-window",
+        "status-profiler-window",
         "eval",
         "profile-tiny",
     } <= set(commands)
@@ -206,7 +216,7 @@ def test_layout_and_accumulation_checks_compare_loss_and_gradient_norm(tmp_path)
     assert "global batch 8 = 1 micro-batches of 8" in check.result
 
 
-def test_feature_checks_on_made_up_runs(tmp_path):
+def test_feature_checks_on_made_up_runs(tmp_path, monkeypatch):
     ctx = runner.Context(runner.GPU, tmp_path, tmp_path / "work", 989.0)
     c, weight = ctx.mode.compare_steps, feature_checks.P_INF_WEIGHT
 
@@ -287,6 +297,126 @@ def test_feature_checks_on_made_up_runs(tmp_path):
     assert masking(_records(4), cpu=[], mode=cpu).status == "FAIL"
     assert masking(nan[:4], cpu=[], mode=cpu).status == "FAIL"
     assert masking([r | {"loss": 38.9} for r in masked], cpu=[], mode=cpu).status == "FAIL"
+
+    # the profiler window of steps 2-3: its trace, on a GPU its kernels and memory history, status, the losses
+    def step(n, ts, dur, cat="user_annotation"):
+        return {"ph": "X", "cat": cat, "name": f"ProfilerStep#{n}", "ts": ts, "dur": dur}
+
+    def kernel(ts, dur=5.0):
+        return {"ph": "X", "cat": "kernel", "name": "ampere_sgemm", "ts": ts, "dur": dur}
+
+    trace = [
+        step(2, 1000.0, 400.0),
+        step(3, 1500.0, 300.0),
+        step(2, 1010.0, 420.0, "gpu_user_annotation"),  # the device runs behind the host
+        step(3, 1510.0, 320.0, "gpu_user_annotation"),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1020.0, "dur": 10.0},
+        kernel(1030.0),
+        kernel(1820.0),  # ends as the last step does on the device
+    ]
+    ours = {"filename": "/site-packages/mhf_dist/model/lm.py", "line": 80, "name": "forward"}
+    theirs = {
+        "filename": "/site-packages/torch/nn/modules/linear.py",
+        "line": 125,
+        "name": "forward",
+    }
+    history = {
+        "segments": [{"address": 0, "total_size": 2**21}],
+        "device_traces": [
+            [
+                {"action": "segment_alloc", "addr": 0, "size": 2**21, "frames": [ours]},
+                {"action": "alloc", "addr": 0, "size": 512, "frames": [theirs, ours]},
+                {"action": "free_requested", "addr": 0, "size": 512, "frames": [ours]},
+            ]
+        ],
+    }
+    timed = [r | {"step_s": 0.1} for r in _records(30)]
+    timed = [r | {"step_s": 0.3} if r["step"] in (2, 3) else r for r in timed]
+
+    def window(records=timed, events=trace, memory=history, mode=ctx):
+        run = mode.run("profiler-window")
+        _write_run(run, records[: mode.mode.compare_steps])
+        folder = run / "profiles" / "step-2-3"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        if events is not None:
+            (folder / "rank-0.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+        if memory is not None:
+            (folder / "memory-rank-0.pickle").write_bytes(pickle.dumps(memory))
+        mode.logs.mkdir(parents=True, exist_ok=True)
+        return feature_checks.feature_check(
+            mode, runner.Job("profiler-window", [], required=False), None
+        )
+
+    check = window()  # status --json run as the check runs it
+    assert check.status == "PASS", check
+    assert check.values["kernels"] == 2 and check.values["memory_allocs_mhf_dist"] == 1, check
+    assert (check.values["step_2_s"], check.values["step_3_s"]) == (0.3, 0.3), check
+    assert check.values["unprofiled_step_s"] == 0.1 and check.values["max_rel_diff_loss"] == 0
+    assert "status-profiler-window" in [c["command"] for c in ctx.commands]
+
+    def status_here(ctx, name, args, *rest, **options):  # the command's output, without a process
+        from mhf_dist.cluster.run_status import gather
+        from mhf_dist.cluster.status import to_json
+
+        assert args[:2] == ["status", "--json"], args
+        return to_json(gather(args[2]))
+
+    monkeypatch.setattr(runner, "mhf_dist", status_here)
+    assert window().status == "PASS"
+    assert window([r | {"loss": r["loss"] * (1 + 1e-6)} for r in timed]).status == "PASS"
+    failing = {
+        "a step more": trace + [step(4, 1900.0, 50.0)],
+        "a step less": [e for e in trace if e.get("name") != "ProfilerStep#3"],
+        "no step markers": [e for e in trace if "ProfilerStep" not in e["name"]],
+        "no kernels": [e for e in trace if e["cat"] != "kernel"],
+        "a kernel before the window": trace + [kernel(900.0)],
+        "a kernel after the window": trace + [kernel(1828.0)],
+        "no trace": None,
+    }
+    for case, events in failing.items():
+        check = window(events=events)
+        assert check.status == "FAIL", (case, check)
+    check = window(events=trace[:-1] + [kernel(2000.0)])
+    assert "1 of its 2 CUDA kernels lie outside the profiled steps" in check.result, check
+    (ctx.run("profiler-window") / "profiles" / "step-2-3" / "rank-0.pt.trace.json").write_text("{")
+    assert feature_checks.trace_findings(
+        ctx.run("profiler-window") / "profiles" / "step-2-3" / "rank-0.pt.trace.json", True
+    )[0][0].startswith("rank-0.pt.trace.json does not parse")
+    check = window(memory=None)  # no memory history on a GPU: status lists none either
+    assert check.status == "FAIL" and "no memory-rank-0.pickle" in check.result, check
+    assert "status --json lists" in check.result, check
+    only_torch = history | {
+        "device_traces": [
+            [
+                e | {"frames": [theirs]}
+                for e in history["device_traces"][0]
+                if e["action"] == "alloc"
+            ]
+        ]
+    }
+    for case, memory in {
+        "no allocation of ours": only_torch,
+        "no segments": {k: v for k, v in history.items() if k != "segments"},
+        "no device traces": {k: v for k, v in history.items() if k != "device_traces"},
+        "no allocation": history | {"device_traces": [[]]},
+    }.items():
+        assert window(memory=memory).status == "FAIL", case
+    run = ctx.run("profiler-window")
+    (run / "profiles" / "step-2-3" / "memory-rank-0.pickle").write_bytes(b"not a pickle")
+    assert feature_checks.memory_findings(run / "profiles" / "step-2-3" / "memory-rank-0.pickle")[
+        0
+    ][0].startswith("memory-rank-0.pickle does not load")
+    # profiling changed the numbers
+    check = window([r | {"loss": r["loss"] * (1 + 1e-4)} if r["step"] == 3 else r for r in timed])
+    assert check.status == "FAIL" and "losses are not mhf-fp32's" in check.result, check
+    assert window(timed[:5]).status == "FAIL"  # a step missing
+    # with --cpu: no kernels and no memory history expected, and a memory history written is wrong
+    host = [e for e in trace if e["cat"] in ("user_annotation", "cpu_op")]
+    check = window(events=host, memory=None, mode=cpu)
+    assert check.status == "PASS" and "kernels" not in check.values, check
+    assert window(events=host, memory=history, mode=cpu).status == "FAIL"
+    assert window(events=host[1:], memory=None, mode=cpu).status == "FAIL"  # step 2 unmarked
 
     out = ctx.work / "profile-tp2-gloo"
     out.mkdir(parents=True)
@@ -392,6 +522,7 @@ def test_gpu_mode_commands_parse_and_their_configs_validate(tmp_path):
         "layout-tp2-gloo",
         "layout-pp2-gloo",
         "grad-accum",
+        "profiler-window",
         "document-masking",
         "p-inf-tp2-bf16",
         "profile-tp2-gloo",
@@ -409,6 +540,7 @@ def test_gpu_mode_commands_parse_and_their_configs_validate(tmp_path):
         "engram-offload",
         "layout-tp2-gloo",
         "grad-accum",
+        "profiler-window",
         "document-masking",
         "p-inf-tp2-bf16",
         "profile-tp2-gloo",
@@ -430,6 +562,15 @@ def test_gpu_mode_commands_parse_and_their_configs_validate(tmp_path):
             if job.name in ("grad-accum", "engram-offload"):
                 assert cfg.train.global_batch_size > cfg.train.micro_batch_size, name
             assert cfg.data.document_masking == (job.name == "document-masking"), name
+            # only the profiler-window run profiles, a window inside the steps it compares
+            profiled = feature_checks.PROFILED if job.name == "profiler-window" else None
+            assert cfg.train.profiled_steps == profiled, name
+            if profiled:
+                assert cfg.train.stop_at_step == ctx.mode.compare_steps >= profiled[1], name
+                assert (cfg.train.dtype, args.preset) == ("fp32", "tiny-h4b16k"), name
+    # the CPU mode's compared steps hold the window too
+    assert runner.CPU.compare_steps >= feature_checks.PROFILED[1]
+    assert "profiler-window" in runner.CPU.features
     masking = next(job for job in jobs if job.name == "document-masking")
     on_gpu, on_cpu = (
         load_config(args.preset, overrides=args.overrides).model_dump()
@@ -595,7 +736,7 @@ def test_step_2_takes_no_more_threads_than_there_are_cores(tmp_path, cores):
         threads = runner.threads_per_process(ctx, jobs)
         assert all(n >= 1 for n in threads.values())
         if mode.jobs >= len(jobs):  # all side by side
-            assert sum(job.ranks for job in jobs) == 16
+            assert sum(job.ranks for job in jobs) == 17
         for together in itertools.combinations(
             jobs, min(mode.jobs, len(jobs))
         ):  # any jobs that run at once

@@ -200,6 +200,15 @@ class Trainer(Protocol):
         """The ``val_*`` metrics over ``batches`` micro-batches on each data-parallel rank; ``progress`` is called
         as the work goes on (the hang watchdog's sign of life)."""
 
+    def score(
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        progress: Callable[[], None] = lambda: None,
+    ) -> torch.Tensor:
+        """Per row of this data-parallel rank's micro-batches ``(inputs, targets)`` (as many on every rank), the
+        sum of ``-log P_inf`` over its targets ``>= 0``, their top-1 hits and count: float64 ``[dp, rows, 3]``,
+        every dp rank's, on every rank (a downstream task's requests, ``mhf_dist.train.downstream``)."""
+
     def local_parameters(self) -> Iterator[torch.Tensor]:
         """The values this rank holds of its parameters (a ZeRO-3 partition, or its pipeline stage's)."""
 

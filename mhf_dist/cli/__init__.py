@@ -31,6 +31,7 @@ EXAMPLES = """\
 examples:
   mhf-dist train --preset tiny-h4b16k --nproc-per-node 2 --run-dir runs/tiny
   mhf-dist status runs/tiny
+  mhf-dist plot runs/tiny --out runs/tiny.png
   mhf-dist plan --preset 3b-h4b16k --cluster a100-80g --nodes 4
   mhf-dist submit --preset 1b-h4b16k --set data.path=/shared/shards --cluster a100-80g --nodes 2 \\
       --partition gpu --time 24:00:00 --run-dir /shared/runs/1b
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         planning.gpu_check_parser,
         planning.config_parser,
         planning.presets_parser,
+        planning.plot_parser,
         data.tokenizer_parser,
     ):
         add(sub)

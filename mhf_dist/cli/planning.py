@@ -1,8 +1,9 @@
-"""``plan``, ``profile``, ``gpu-check``, ``config`` and ``presets``: the commands that look at a run before or
-beside it."""
+"""``plan``, ``profile``, ``gpu-check``, ``config``, ``presets`` and ``plot``: the commands that look at a run
+before or beside it."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from mhf_dist.cli.options import (
@@ -207,3 +208,60 @@ def cmd_presets(args) -> int:
 def presets_parser(sub) -> None:
     p = sub.add_parser("presets", help="list the canonical presets")
     p.set_defaults(func=cmd_presets)
+
+
+def cmd_plot(args) -> int:
+    from mhf_dist.commands.plot import plot
+
+    plotted = plot(args.runs, args.out, x=args.x, health=args.health, labels=args.label)
+    for note in plotted.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"wrote {args.out}: {len(plotted.titles)} panels against {args.x}")
+    return 0
+
+
+def plot_parser(sub) -> None:
+    p = sub.add_parser(
+        "plot",
+        help="runs side by side as one picture: loss, validation, learning rate, gradient norm, tokens/s, "
+        "downstream scores",
+        description="Read run directories (running or finished, local or copied from a cluster; no process "
+        "needs to run there, and torch is not loaded) and draw one panel per metric of their metrics.jsonl, each "
+        "run a line: loss, val_loss, val_p_inf_nll raw and calibrated, lr, grad_norm, tokens_per_s and every "
+        "eval/<task>/<metric>; --health adds the family gradient norms, bucket usage and head entropies. A last "
+        "line still being written is skipped; a run with no logged step yet is left out with a note. Exits 2 if "
+        "a RUN is not a run directory (no config.yaml) or no RUN has logged a step. Needs matplotlib "
+        "(pip install 'mhf-dist[plots]').",
+    )
+    p.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN",
+        help="run directories: the --run-dir of `train` or `submit`",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE.png",
+        help="the picture to write; its extension names the format (.png, .pdf, .svg)",
+    )
+    p.add_argument(
+        "--x",
+        choices=("steps", "tokens"),
+        default="steps",
+        help="the x axis: steps, or tokens trained (step × train.global_batch_size × data.seq_len of the "
+        "run's config.yaml), which lines up runs of different batch sizes",
+    )
+    p.add_argument(
+        "--health",
+        action="store_true",
+        help="add the health panels: each parameter family's gradient norm (grad_norm/FAMILY), each head's "
+        "bucket usage (buckets_used/headI) and entropy (head_entropy/headI)",
+    )
+    p.add_argument(
+        "--label",
+        action="append",
+        metavar="NAME",
+        help="a run's name in the legends instead of its directory's name; once per run, in the runs' order",
+    )
+    p.set_defaults(func=cmd_plot)

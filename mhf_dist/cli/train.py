@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mhf_dist.backend import RANK_MODULES, accelerator_env
 from mhf_dist.cli.options import add_run_options, load_run_config, positive_int, rank_label
 from mhf_dist.config import ConfigError, RunConfig
-from mhf_dist.errors import PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
+from mhf_dist.errors import OOM_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
+
+if TYPE_CHECKING:
+    from mhf_dist.train.oom import OomFacts
 
 RANK_PRELOAD = (
     "mhf_dist.train.loop",
@@ -61,18 +66,32 @@ def cmd_train(args) -> int:
     sys.stdout.reconfigure(line_buffering=True)
     from mhf_dist.storage.reading_marks import mark_reading
     from mhf_dist.train.loop import train
+    from mhf_dist.train.oom import StepOutOfMemory, out_of_memory, out_of_memory_elsewhere
     from mhf_dist.train.process_group import collective_failure, leave_process_group
 
     # prepare-data leaves the data alone while this node reads it
     reading = mark_reading(cfg.data, args.run_dir)
+    started = time.time()  # the out-of-memory reports of this start are newer
     try:
         result = train(cfg, args.run_dir, args.resume, stop, args.verbose)
+    except StepOutOfMemory as e:
+        stop.ignore()  # nothing is saved after a step out of memory
+        facts = e.facts
+        return out_of_memory(facts, lambda: _planned_gb(cfg, facts), started, rank_label())
     except Exception as e:
         if (failure := collective_failure(e)) is None:
             raise
         stop.ignore()  # nothing is left to save, and the job's end (its tasks stopped) must not cut this exit
         if args.debug:
             raise
+        rank = int(os.environ.get("RANK", 0))
+        if oom := out_of_memory_elsewhere(RunDir(args.run_dir), started, rank):
+            if rank != 0:  # rank 0 said it all
+                print(
+                    f"mhf-dist{rank_label()}: stopping: rank {oom[0]['rank']} ran out of memory",
+                    file=sys.stderr,
+                )
+            return OOM_EXIT_CODE
         print(
             f"mhf-dist{rank_label()}: {failure}; stopping (--debug shows the traceback)",
             file=sys.stderr,
@@ -84,6 +103,15 @@ def cmd_train(args) -> int:
     if result.records:  # rank 0
         print(_outcome(result, stop, Path(args.run_dir)))
     return PREEMPTED_EXIT_CODE if result.preempted else 0
+
+
+def _planned_gb(cfg: RunConfig, facts: OomFacts) -> float:
+    """What ``plan`` estimates a step of the rank of out-of-memory ``facts`` to take at its peak, in GB."""
+    from mhf_dist.commands.plan import running_plan
+
+    return running_plan(
+        cfg, world=facts.world, device=facts.device, vocab_size=facts.vocab_size, stage=facts.stage
+    ).step_peak_gb
 
 
 def _outcome(result, stop, run_dir: Path) -> str:

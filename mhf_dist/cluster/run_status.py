@@ -1,18 +1,19 @@
 """A run's status, read from its files: ``RunStatus`` and its parts, and ``gather``, which fills it in.
 
 It reads ``config.yaml``, ``metrics.jsonl``, the complete checkpoints (their files' sizes against ``complete.json``;
-``verify`` also their SHA-256 digests, which reads every file), ``lock.json``, ``jobs/jobs.jsonl`` and the ranks'
-heartbeats (``rank_status``), and asks the job's scheduler (``Scheduler.query``) for the state of the run's current
-job. It imports neither torch nor numpy, so it starts fast. A run is STALE when it is not finished and nothing was
-logged for longer than ``stale_minutes``, by default max(``STALE_FLOOR_S`` s, ``STALE_INTERVALS`` × the recent mean
-interval between logged records); "recent" is the last ``RECENT`` logged training records. How rates and the ETA are
-derived: docs/training.md ("Monitoring: status").
+``verify`` also their SHA-256 digests, which reads every file), ``lock.json``, ``jobs/jobs.jsonl``, the ranks'
+heartbeats (``rank_status``) and the profiler windows' folders (``profiles/``), and asks the job's scheduler
+(``Scheduler.query``) for the state of the run's current job. It imports neither torch nor numpy, so it starts fast.
+A run is STALE when it is not finished and nothing was logged for longer than ``stale_minutes``, by default
+max(``STALE_FLOOR_S`` s, ``STALE_INTERVALS`` × the recent mean interval between logged records); "recent" is the last
+``RECENT`` logged training records. How rates and the ETA are derived: docs/training.md ("Monitoring: status").
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from mhf_dist.cluster.scheduler import schedulers
 from mhf_dist.cluster.scheduler.slurm import SLURM
 from mhf_dist.config import ConfigError, RunConfig, load_config
 from mhf_dist.config.loader import read_config_file
-from mhf_dist.storage.run_dir import RunDir
+from mhf_dist.storage.run_dir import MEMORY_FILE, PROFILE_DIR, TRACE_FILE, RunDir
 from mhf_dist.storage.run_lock import STALE_S, RunLock, holder_gone
 from mhf_dist.train.checkpoint.index import (
     MARKER,
@@ -85,6 +86,18 @@ class Lock:
 
 
 @dataclass
+class Profile:
+    """A profiler window's folder under ``RUN/profiles/`` and the ranks' files in it."""
+
+    name: str  # step-FIRST-LAST
+    path: str
+    first_step: int
+    last_step: int
+    traces: list[str]  # the ranks' traces, by rank
+    memory_snapshots: list[str]  # the GPU ranks' CUDA memory histories, by rank
+
+
+@dataclass
 class RunStatus:
     run_dir: str
     preset: str | None
@@ -111,6 +124,8 @@ class RunStatus:
     checkpoint_check: str = "sizes"
     damaged_checkpoints: list[DamagedCheckpoint] = field(default_factory=list)
     validation: dict | None = None
+    # the last logged scores of train.eval_tasks (eval/<task>/<metric>), with their step
+    downstream: dict | None = None
     nonfinite_steps: int | None = None
     skipped_steps: int | None = None
     loss_spikes: int | None = None
@@ -124,6 +139,7 @@ class RunStatus:
     job: Job | None = None
     lock: Lock | None = None
     ranks: Ranks | None = None
+    profiles: list[Profile] = field(default_factory=list)  # the profiler windows recorded, by step
 
 
 # ---------------------------------------------------------------- reading a run directory
@@ -221,6 +237,14 @@ def latest_validation(records: list[dict]) -> dict | None:
     return None
 
 
+def latest_downstream(records: list[dict]) -> dict | None:
+    for record in reversed(records):
+        values = {k: v for k, v in record.items() if k.startswith("eval/")}
+        if values:
+            return {"step": record.get("step"), **values}
+    return None
+
+
 def read_lock(run: RunDir, now: float) -> Lock | None:
     path = run.lock_path
     try:
@@ -242,6 +266,32 @@ def read_lock(run: RunDir, now: float) -> Lock | None:
         holder_gone(holder, age),
         RunLock(run).stale_reason(holder, age) is not None,
     )
+
+
+def read_profiles(run: RunDir) -> list[Profile]:
+    """The profiler windows in ``RUN/profiles/`` (``train.profile_steps``, ``RUN/profile-now``), by their steps;
+    files still being written are left out."""
+    try:
+        folders = [p for p in run.profiles_dir.iterdir() if PROFILE_DIR.fullmatch(p.name)]
+    except OSError:  # none yet
+        return []
+    found = []
+    for folder in folders:
+        try:
+            names = [p.name for p in folder.iterdir()]
+        except OSError:  # not a folder, or removed since listed
+            continue
+        first, last = map(int, PROFILE_DIR.fullmatch(folder.name).groups())
+        traces, memory = _by_rank(names, TRACE_FILE), _by_rank(names, MEMORY_FILE)
+        found.append(Profile(folder.name, str(folder), first, last, traces, memory))
+    return sorted(found, key=lambda p: (p.first_step, p.last_step))
+
+
+def _by_rank(names: list[str], template: str) -> list[str]:
+    """The ``names`` that are ``template`` of a rank (``{}``), by rank."""
+    pattern = re.compile(re.escape(template).replace(re.escape("{}"), r"(\d+)"))
+    ranks = {n: int(m[1]) for n in names if (m := pattern.fullmatch(n))}
+    return sorted(ranks, key=ranks.get)
 
 
 # ---------------------------------------------------------------- the scheduler
@@ -292,6 +342,7 @@ def _from_records(st: RunStatus, records: list[dict], tokens_per_step: int | Non
     if st.step is not None and st.max_steps:
         st.progress, st.finished = st.step / st.max_steps, st.step >= st.max_steps
     st.validation = latest_validation(records)
+    st.downstream = latest_downstream(records)
     st.grad_norms = next(
         (
             norms
@@ -362,6 +413,7 @@ def gather(
             st.schedule = schedule_phase(resolved, st.step)
     st.checkpoint, st.checkpoint_check, st.damaged_checkpoints = newest_checkpoint(run, now, verify)
     st.rollbacks = read_rollbacks(run)
+    st.profiles = read_profiles(run)
     st.lock = read_lock(run, now)
     st.job = current_job(run, st.lock)
     return st

@@ -234,7 +234,28 @@ def render(st: RunStatus) -> str:
                 f"{r['skipped'][0]}-{r['skipped'][1] - 1} skipped",
             )
         )
+    lines += _profile_lines(st)
     return "\n".join(lines + rank_lines(st.ranks, _line) + _job_lines(st))
+
+
+def _profile_lines(st: RunStatus) -> list[str]:
+    """One line per profiler window: its steps, its files and where they are."""
+    lines = []
+    for n, p in enumerate(st.profiles):
+        steps = (
+            f"steps {p.first_step}-{p.last_step}"
+            if p.last_step > p.first_step
+            else f"step {p.first_step}"
+        )
+        files = _count(len(p.traces), "trace") + (
+            f", {_count(len(p.memory_snapshots), 'memory snapshot')}" if p.memory_snapshots else ""
+        )
+        lines.append(_line("" if n else "profile", f"{steps}: {files} in {p.path}"))
+    return lines
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
 
 
 def status(run_dir: str | Path, stale_minutes: float | None = None, verify: bool = False) -> str:

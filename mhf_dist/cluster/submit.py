@@ -22,7 +22,12 @@ from mhf_dist.cluster.profile import ClusterProfile
 from mhf_dist.cluster.scheduler import Scheduler
 from mhf_dist.cluster.scheduler.slurm import DATA_SCRIPTS, SLURM
 from mhf_dist.config import ConfigError, RunConfig
-from mhf_dist.errors import HUNG_EXIT_CODE, NODE_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
+from mhf_dist.errors import (
+    HUNG_EXIT_CODE,
+    NODE_LOST_EXIT_CODE,
+    OOM_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+)
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.train.preemption import GRACE_ENV
 from mhf_dist.train.preflight import preflight
@@ -146,7 +151,9 @@ def render(
         preempted_exit_code=PREEMPTED_EXIT_CODE,
         hung_exit_code=HUNG_EXIT_CODE,
         node_lost_exit_code=NODE_LOST_EXIT_CODE,
+        oom_exit_code=OOM_EXIT_CODE,
         lost_record=shlex.quote(str(RunDir(run_dir).lost_record)),
+        oom_record=shlex.quote(str(RunDir(run_dir).oom_record)),
         grace_env=GRACE_ENV,
     )
     values |= scheduler.job_values(

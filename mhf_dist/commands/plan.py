@@ -223,6 +223,21 @@ def memory_plan(
     return plans
 
 
+def running_plan(
+    cfg: RunConfig, *, world: int, device: str, vocab_size: int, stage: int
+) -> StagePlan:
+    """The plan of pipeline stage ``stage`` of a running job of ``world`` ranks on ``device`` (cuda or cpu) with
+    ``vocab_size`` tokens: what a step out of memory is set against (``mhf_dist.train.oom``)."""
+    profile = ClusterProfile(
+        name="running job",
+        gpus_per_node=world,
+        cores_per_node=world,
+        device_memory_gb=1.0,  # only a plan's "fits" reads it
+        backend="gloo" if device == "cpu" else "nccl",
+    )
+    return memory_plan(cfg.model_copy(deep=True), profile, 1, vocab_size)[stage]
+
+
 def stage_prefixes(layers: range, n_layers: int, last: int) -> tuple[str, ...]:
     """Name prefixes of the parameters that pipeline layers ``layers`` hold (0: vocabulary in — tables and
     encoder, 1..L: blocks, L+1: final norm, ``last``: vocabulary out — tables and decoder)."""

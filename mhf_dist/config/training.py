@@ -1,16 +1,33 @@
 """The run configuration's ``train`` section: ``TrainConfig`` (steps, batches, evaluation, checkpoints, divergence,
-watchdogs, callbacks) and ``WandbConfig``, its ``train.wandb``; ``RunConfig`` (``schema``) holds it as ``train``.
+watchdogs, callbacks, profiler windows) and ``WandbConfig``, its ``train.wandb``; ``RunConfig`` (``schema``) holds
+it as ``train``.
 
 Validation happens here, at the edge: every error names the field and the fix.
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from mhf_dist.config.strict import Strict
+
+
+def profile_step_range(value: object) -> tuple[int, int]:
+    """``train.profile_steps`` (``FIRST-LAST``, or one step) as (first, last); a ValueError naming the form
+    otherwise."""
+    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+    found = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", text)
+    window = (int(found[1]), int(found[2] or found[1])) if found else (0, 0)
+    if not (1 <= window[0] <= window[1]):
+        raise ValueError(
+            f"{value!r} is not a window of steps: give FIRST-LAST with 1 <= FIRST <= LAST, e.g. "
+            "train.profile_steps=10-12 (one step: train.profile_steps=10)"
+        )
+    return window
 
 
 class WandbConfig(Strict):
@@ -85,6 +102,25 @@ class TrainConfig(Strict):
         ge=1,
         description="validation sequences per evaluation, over all ranks (rounded down to whole "
         "micro-batches per data-parallel rank, at least one), the same set in every layout",
+    )
+    eval_tasks: list[str] = Field(
+        default_factory=list,
+        description="lm-evaluation-harness tasks (as lm_eval --tasks) scored on the model inside the run "
+        "under log P_inf, every train.eval_tasks_interval steps and at the last, logged as eval/<task>/<metric> "
+        '(loglikelihood and multiple-choice tasks; docs/models.md, "Downstream tasks during training")',
+    )
+    eval_tasks_path: list[str] = Field(
+        default_factory=list,
+        description="directories of lm-eval task configs (YAML) for train.eval_tasks, as lm_eval "
+        "--include_path; the tasks read local files only (the Hugging Face hub stays offline)",
+    )
+    eval_tasks_interval: int | None = Field(
+        None, ge=1, description="score train.eval_tasks every N steps; None: train.eval_interval's"
+    )
+    eval_tasks_samples: bool = Field(
+        False,
+        description="also write each request of train.eval_tasks, as lm-eval logs samples, to "
+        "RUN/eval/<step>/<task>.jsonl",
     )
     checkpoint_interval: int = Field(
         0, ge=0, description="save a checkpoint every N steps; 0: only at the end"
@@ -203,9 +239,9 @@ class TrainConfig(Strict):
     first_step_timeout_s: float | None = Field(
         3600,
         gt=0,
-        description="the first step and evaluation of every start (compiling, allocating) and a "
-        "rollback's load may go this long without progress instead, when it is longer than train.hang_timeout_s; "
-        "None: train.hang_timeout_s for them too",
+        description="the first step and evaluation of every start (compiling, allocating), a profiled step "
+        "(train.profile_steps) and a rollback's load may go this long without progress instead, when it is "
+        "longer than train.hang_timeout_s; None: train.hang_timeout_s for them too",
     )
     peer_timeout_s: float | None = Field(
         120,
@@ -261,6 +297,63 @@ class TrainConfig(Strict):
         'run\'s monitors (docs/training.md, "Callbacks")',
     )
 
+    profile_steps: str | None = Field(
+        None,
+        description="record steps FIRST-LAST (e.g. 100-102; one step: 100) with torch.profiler on the ranks "
+        "of train.profile_ranks: a Chrome/Perfetto trace per rank (operators with their shapes and Python stacks) "
+        "in RUN/profiles/step-FIRST-LAST/, and on GPUs each rank's CUDA memory history over the window; the "
+        'other steps run without a profiler (docs/profiling.md, "Profiling inside a run"); None: no window',
+    )
+    profile_window: int = Field(
+        3,
+        ge=1,
+        description="steps recorded from the next step on when a file RUN/profile-now appears in a running "
+        "run (a number of steps in the file wins)",
+    )
+    profile_ranks: list[int] | None = Field(
+        None,
+        description="the ranks that record a profiled window (the others run it unprofiled); None: every rank",
+    )
+
+    @field_validator("eval_tasks")
+    @classmethod
+    def _eval_tasks(cls, value):
+        if any(not name.strip() for name in value):
+            raise ValueError("train.eval_tasks: a task name is empty; name lm-eval tasks")
+        return [name.strip() for name in value]
+
+    @field_validator("eval_tasks_path")
+    @classmethod
+    def _eval_tasks_path(cls, value):
+        missing = [path for path in value if not Path(path).expanduser().is_dir()]
+        if missing:
+            raise ValueError(
+                f"train.eval_tasks_path: {missing} is not a directory; give directories of lm-eval task "
+                "configs (YAML)"
+            )
+        return [str(Path(path).expanduser()) for path in value]
+
+    @field_validator("profile_steps", mode="before")
+    @classmethod
+    def _profile_steps(cls, value):
+        if value is None:
+            return None
+        first, last = profile_step_range(value)
+        return f"{first}-{last}"
+
+    @field_validator("profile_ranks", mode="before")
+    @classmethod
+    def _profile_ranks(cls, value):
+        value = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+        if isinstance(value, list) and any(isinstance(r, int) and r < 0 for r in value):
+            raise ValueError(f"{value} names a negative rank; ranks count from 0")
+        return value
+
+    @property
+    def profiled_steps(self) -> tuple[int, int] | None:
+        """``profile_steps`` as (first, last), both recorded; None: no window."""
+        return None if self.profile_steps is None else profile_step_range(self.profile_steps)
+
     @model_validator(mode="after")
     def _batches(self):
         if self.global_batch_size % self.micro_batch_size:
@@ -277,5 +370,10 @@ class TrainConfig(Strict):
             raise ValueError(
                 "train.trainable_blocks freezes most of the backbone, which only makes sense for "
                 "trained weights: set train.init_from too (expand-vocab does)"
+            )
+        if self.profiled_steps is not None and self.profiled_steps[0] > self.max_steps:
+            raise ValueError(
+                f"train.profile_steps={self.profile_steps} begins after train.max_steps={self.max_steps}: "
+                "no step would be recorded; give steps of the run"
             )
         return self

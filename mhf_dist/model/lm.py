@@ -80,6 +80,12 @@ class LanguageModel(nn.Module):
         """The training loss with the evaluation sums at ``temperatures`` (``TiedVocabulary.evaluation``)."""
         return self.vocab.evaluation(self.hidden(input_ids), targets, temperatures, divisor)
 
+    @torch.no_grad()
+    def row_scores(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per row of ``input_ids [B, S]``, the sums of ``log P_inf`` over its ``targets`` ``>= 0``
+        (``TiedVocabulary.row_scores``): float64 ``[B, 3]``, NLL, top-1 hits, count."""
+        return self.vocab.row_scores(self.hidden(input_ids), targets)
+
     def log_p_inf(
         self, input_ids: torch.Tensor, last_only: bool = False, chunk_size: int = LOG_P_INF_CHUNK
     ) -> torch.Tensor:

@@ -7,8 +7,8 @@
 
 ``loss`` is the docs/spec.md §5 training loss (``TrainingLoss``), the optional ``P_inf`` and z-loss terms included;
 ``evaluation`` adds the sums of ``P_inf``'s NLL, top-1/top-5 hits and temperature calibration (``Evaluation``);
-``log_p_inf`` scores registered tokens. One module, so that the pipeline engine places it on the first and last stage
-as one tied unit.
+``row_scores`` sums them per row (a downstream task's request); ``log_p_inf`` scores registered tokens. One module,
+so that the pipeline engine places it on the first and last stage as one tied unit.
 """
 
 from __future__ import annotations
@@ -190,6 +190,22 @@ class TiedVocabulary(nn.Module):
             head_losses=training.head_losses,
             sums=self.calibration_sums(h[keep], targets[keep], temperatures),
         )
+
+    def row_scores(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``h [B, S, d]``, ``targets [B, S]`` -> float64 ``[B, 3]``: per row, over its kept positions (targets
+        ``>= 0``), ``Σ -log P_inf(target)``, the targets ranked first (``calibration_sums``' top-1) and their
+        count: a downstream task's per-request scores, one request a row. Every rank of a tensor-parallel group
+        scores the same rows, in the same order."""
+        rows, ones = [], torch.ones(1, dtype=torch.float64)
+        for row, wanted in zip(h, targets):
+            keep = wanted >= 0
+            # a row with nothing to score (the same on every rank of the group)
+            if not bool(keep.any()):
+                rows.append(torch.zeros(3, dtype=torch.float64, device=h.device))
+                continue
+            sums = self.calibration_sums(row[keep], wanted[keep], ones)
+            rows.append(sums[[EvalSums.P_INF_NLL, EvalSums.TOP1, EvalSums.TOKENS]])
+        return torch.stack(rows)
 
     def _head_and_p_inf_losses(
         self,

@@ -1,7 +1,7 @@
 """Each rank's heartbeat, ``RUN/heartbeats/rank-N.json``, rewritten every few seconds by a thread of the rank whatever
 its training thread waits on, so the files tell without the network which ranks answer, which stopped and which fell
 behind (``rank_health``); and the lost-node record, ``RUN/heartbeats/lost.json`` (``record_lost``). The hang
-watchdog (``mhf_dist.train.watchdog``) and ``status`` read them (docs/training.md, "Monitoring: ``status``").
+watchdog (``mhf_dist.train.watchdog``) and ``status`` read them (docs/monitoring.md, "Monitoring: ``status``").
 
 A heartbeat: ``rank``, ``node`` (``NODE_ENV``, else the host name), ``pid``, ``step`` (under way, or the last one
 done), ``phase`` (``start``, ``step``, ``eval``, ``save``, ``rollback``, ``end``, ``finished``), ``since`` (when the

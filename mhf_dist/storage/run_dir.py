@@ -4,17 +4,19 @@
 None), ``signatures/`` and ``engram/`` (docs/spec.md §1, §8; built once, then verified on every start), ``data/``
 (the embedded corpus's shards), ``checkpoints/`` (``mhf_dist.train.checkpoint``), ``lock.json``
 (``mhf_dist.storage.run_lock``), ``metrics.jsonl``, ``tensorboard/``, ``heartbeats/``
-(``mhf_dist.storage.heartbeats``), ``hangs/<time>/`` (each live rank's stacks), ``jobs/`` (submitted job scripts,
-their logs and ``jobs.jsonl``; ``slurm/`` in a run submitted before) and ``rollbacks.json``
-(``mhf_dist.train.rollback``). What each holds: docs/training.md, "Training: ``train``". Making a run's assets (the
-tokenizer, tables, shards) loads the vocabulary and data stacks; naming its paths loads nothing, so ``status`` and
-``submit`` use this class on a login node.
+(``mhf_dist.storage.heartbeats``), ``hangs/<time>/`` (each live rank's stacks), ``oom/<time>/`` (each report of a
+rank whose step ran out of memory, ``mhf_dist.train.oom``), ``jobs/`` (submitted job scripts,
+their logs and ``jobs.jsonl``; ``slurm/`` in a run submitted before), ``rollbacks.json``
+(``mhf_dist.train.rollback``) and ``profiles/`` (``mhf_dist.train.profiler_window``). What each holds:
+docs/training.md, "Training: ``train``". Making a run's assets (the tokenizer, tables, shards) loads the vocabulary
+and data stacks; naming its paths loads nothing, so ``status`` and ``submit`` use this class on a login node.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shlex
 import shutil
 from importlib import resources
@@ -39,6 +41,10 @@ TENSORBOARD_DIR = "tensorboard"
 JOBS_DIR = "jobs"  # also OUT/jobs of submit-data
 OLD_JOBS_DIR = "slurm"  # the job directory's name before it was named for any scheduler
 RUN_MARKERS = (CHECKPOINTS_DIR, METRICS_FILE, LOCK_FILE)  # what only a run directory holds
+PROFILE_DIR = re.compile(r"step-(\d+)-(\d+)")  # a profiler window's folder (RunDir.profile_dir)
+# a rank's files in it ({}: the rank): its trace (Chrome/Perfetto JSON, a name TensorBoard's profiler plugin reads
+# too) and its CUDA memory history (GPU ranks)
+TRACE_FILE, MEMORY_FILE = "rank-{}.pt.trace.json", "memory-rank-{}.pickle"
 
 
 class RunDir:
@@ -57,7 +63,18 @@ class RunDir:
         # the nodes the ranks lost (storage.heartbeats)
         self.lost_record = self.heartbeats_dir / "lost.json"
         self.hangs_dir = self.path / "hangs"
+        # a step out of memory: each such rank's report in oom/<time>/, the newest named in oom/last.json
+        self.oom_dir = self.path / "oom"
+        self.oom_record = self.oom_dir / "last.json"
         self.rollbacks_path = self.path / "rollbacks.json"
+        # profiler windows' traces (step-FIRST-LAST/) and the file that asks a running run for one
+        self.profiles_dir = self.path / "profiles"
+        self.profile_trigger = self.path / "profile-now"
+
+    def profile_dir(self, first: int, last: int) -> Path:
+        """Where the profiler window of steps ``first``..``last`` writes each rank's files (``TRACE_FILE``,
+        ``MEMORY_FILE``)."""
+        return self.profiles_dir / f"step-{first}-{last}"
 
     @property
     def jobs_dir(self) -> Path:

@@ -3,7 +3,7 @@
 The loop names no monitor: the hang watchdog, the straggler watch, the loss watch, the save clock and the logs are
 ``Callback`` subclasses (``monitors`` assembles them), as are the test suite's injected
 faults and a user's own (``train.callbacks``, ``installed``). Every rank calls every hook, in the callbacks'
-order; a hook that answers (``Callback.wants_save``, ``Callback.wants_rollback``,
+order; a hook that answers (``Callback.wants_save``, ``Callback.flag``, ``Callback.wants_rollback``,
 ``Callback.allows_save``) answers alike on every rank. docs/design-training.md, "Training loop", says why the
 hooks are these.
 """
@@ -88,6 +88,14 @@ class Callback:
         """Asked at the end of each step: whether to save it (the ranks agree: one rank asking saves on all)."""
         return False
 
+    def flag(self) -> bool:
+        """Asked at the end of each step, beside ``wants_save``: this rank's answer to a question of the callback's
+        own, which the ranks agree on in the same transfer (raised on one rank: raised on all)."""
+        return False
+
+    def flag_agreed(self, step: int, raised: bool) -> None:
+        """What the ranks agreed on ``flag`` at the end of ``step``; told before ``after_step``."""
+
     def after_step(self, step: int, stepped: Stepped) -> None:
         """``step`` is done."""
 
@@ -100,6 +108,15 @@ class Callback:
 
     def eval_progress(self) -> None:
         """The evaluation under way made progress (a micro-batch, or a pipeline's pass)."""
+
+    def evaluates(self, step: int) -> bool:
+        """After the validation pass of ``step`` (the same answer on every rank): whether ``evaluation`` runs."""
+        return False
+
+    def evaluation(self, step: int, progress: Callable[[], None]) -> dict:
+        """An evaluation of the callback's own at ``step`` (``evaluates``; ``before_eval`` told first): what it
+        adds to the step's record (rank 0's is logged); ``progress`` called as it goes (``eval_progress``)."""
+        return {}
 
     def on_log(self, step: int, record: dict) -> None:
         """``record`` is the step's complete record (its measures, callbacks' fields, evaluation)."""
@@ -170,13 +187,21 @@ class Callbacks:
         return SpikeLimits(min(lim.loss for lim in limits), min(lim.grad_norm for lim in limits))
 
     def wants_save(self) -> list[bool]:
-        return [c.wants_save() for c in self]
+        """The callbacks' flags at a step's end, which the loop asks last of its flags: each callback's
+        ``Callback.wants_save``, then each one's ``Callback.flag``."""
+        return [c.wants_save() for c in self] + [c.flag() for c in self]
 
     def save_reason(self, wanted: list[bool]) -> str | None:
-        """The reason of the first callback whose ``Callback.wants_save`` the ranks agreed on (``wanted``)."""
+        """The reason of the first callback whose ``Callback.wants_save`` the ranks agreed on (``wanted``, which
+        goes on with the flags)."""
         return next((c.save_reason for c, w in zip(self, wanted) if w), None)
 
     def after_step(self, step: int, stepped: Stepped) -> None:
+        """Each callback's agreed ``Callback.flag`` (the last of the step's agreed flags), then ``after_step``."""
+        agreed, n = stepped.stats.flags, len(self.callbacks)
+        raised = agreed[-n:] if agreed is not None and n and len(agreed) >= n else [False] * n
+        for c, flag in zip(self, raised):
+            c.flag_agreed(step, flag)
         for c in self:
             c.after_step(step, stepped)
 
@@ -190,6 +215,15 @@ class Callbacks:
     def eval_progress(self) -> None:
         for c in self:
             c.eval_progress()
+
+    def evaluation(self, step: int) -> dict:
+        """The record's fields of each callback that ``evaluates`` at ``step``, the phase marked first."""
+        found = {}
+        for c in self:
+            if c.evaluates(step):
+                self.before_eval(step)
+                found |= c.evaluation(step, self.eval_progress)
+        return found
 
     def on_log(self, step: int, record: dict) -> None:
         for c in self:

@@ -10,9 +10,9 @@ through callbacks (``injected_faults``), a change to its numbers through the los
   (a straggler), or its device probe times ``FRACTION`` more products (a device slower at the same work).
 - ``SLOW_WORK_ENV``: ``KIND:SECONDS[,...]``: healthy work that takes longer: ``first_step`` (a start's first step,
   as a compile does), ``eval_batch`` (each evaluation micro-batch), ``checkpoint_file`` (each checkpoint file).
-- ``LOSS_SPIKE_ENV``: ``SAMPLE:FACTOR[,...]``: the loss of the step whose global batch holds sample position
-  ``SAMPLE`` multiplied by ``FACTOR`` on every rank: a spike that comes with its data, so a run that skips that data
-  does not meet it again.
+- ``LOSS_SPIKE_ENV``: ``SAMPLE:FACTOR[,...]``: the loss of the step whose global batch holds sample ``SAMPLE``
+  times ``FACTOR`` on every rank: a spike that comes with its data, so a run that skips that data never meets it again.
+- ``OOM_ENV``: ``RANK:STEP``: that rank's step runs out of memory (``torch.OutOfMemoryError`` raised in its loss).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ SLOW_RANK_ENV = "MHF_DIST_TEST_SLOW_RANK"
 SLOW_DEVICE_ENV = "MHF_DIST_TEST_SLOW_DEVICE"
 LOSS_SPIKE_ENV = "MHF_DIST_TEST_LOSS_SPIKE"
 SLOW_WORK_ENV = "MHF_DIST_TEST_SLOW_WORK"
+OOM_ENV = "MHF_DIST_TEST_OOM"
 
 
 def _pause(variable: str) -> None:
@@ -152,11 +153,36 @@ class LossSpikes(Callback):
         return loss if self.factor == 1.0 else loss * self.factor
 
 
+class InjectedOutOfMemory(Callback):
+    """The step of ``OOM_ENV`` (``RANK:STEP``) runs out of memory on that rank: its first micro-batch's loss raises
+    torch's out-of-memory error, inside the step as a failed allocation would."""
+
+    def __init__(self):
+        self.rank, self.at = (int(n) for n in os.environ[OOM_ENV].split(":"))
+        self.step = 0
+
+    def on_start(self, run: RunContext) -> None:
+        self.mine = run.job.rank == self.rank
+
+    def before_step(self, step: int) -> None:
+        self.step = step
+
+    def wrap_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.mine and self.step == self.at:
+            import torch
+
+            raise torch.OutOfMemoryError(
+                f"injected ({OOM_ENV}={os.environ[OOM_ENV]}): out of memory in step {self.step}"
+            )
+        return loss
+
+
 def injected_faults(batch: int) -> list[Callback]:
     """The callbacks of the step faults the environment asks for, in a run of global batches of ``batch``."""
     wanted = (
         (SLOW_RANK_ENV, SlowRank),
         (SLOW_WORK_ENV, SlowWork),
         (LOSS_SPIKE_ENV, lambda: LossSpikes(batch)),
+        (OOM_ENV, InjectedOutOfMemory),
     )
     return [make() for variable, make in wanted if os.environ.get(variable)]

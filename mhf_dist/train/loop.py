@@ -42,6 +42,7 @@ from mhf_dist.train.checkpoint.index import read_marker
 from mhf_dist.train.client_state import ClientState
 from mhf_dist.train.host_tables import host_tables_factory
 from mhf_dist.train.monitors import run_callbacks
+from mhf_dist.train.oom import caught, is_out_of_memory
 from mhf_dist.train.optim import (
     apply_optimizer_changes,
     check_resumed_groups,
@@ -303,7 +304,8 @@ class TrainingLoop:
             while self.progress.step < self.progress.end:
                 step = self.progress.step + 1
                 stepped = self.step(step)
-                self.log(step, self.measures(step, stepped) | self.evaluate(step))
+                record = self.measures(step, stepped) | self.evaluate(step)
+                self.log(step, record | self.callbacks.evaluation(step))
                 if self.callbacks.wants_rollback(step):
                     self.roll_back(step)
                     continue
@@ -325,15 +327,25 @@ class TrainingLoop:
 
     def step(self, step: int) -> Stepped:
         """One optimizer step between the callbacks' ``before_step`` and ``after_step``, timed, under
-        their spike limits; at its end the ranks agree on a stop signal and on the saves the callbacks ask for."""
+        their spike limits; at its end the ranks agree on a stop signal and on the saves the callbacks ask for. A step
+        out of memory raises ``StepOutOfMemory`` (``mhf_dist.train.oom``)."""
         self.callbacks.before_step(step)
         lr, began = self.trainer.lr, time.perf_counter()
-        stats = self.trainer.train_step(
-            self.data,
-            lambda: [self.stop.received, *self.callbacks.wants_save()],
-            self.callbacks.spike_limits(),
-            health=self.progress.logged(step),
-        )
+        try:
+            stats = self.trainer.train_step(
+                self.data,
+                lambda: [self.stop.received, *self.callbacks.wants_save()],
+                self.callbacks.spike_limits(),
+                health=self.progress.logged(step),
+            )
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            # what this rank saw, taken while the step's tensors are still held
+            vocab = len(self.assets.tokenizer)
+            raise caught(
+                e, step=step, cfg=self.cfg, job=self.job, run=self.run_dir, vocab_size=vocab
+            ) from None
         stepped = Stepped(stats, lr, time.perf_counter() - began)
         self.progress.stepped(step, stepped.seconds)
         self.callbacks.after_step(step, stepped)

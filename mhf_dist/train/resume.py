@@ -41,6 +41,10 @@ CHANGEABLE_ON_RESUME = (
     "train.log_interval",
     "train.eval_interval",
     "train.eval_sequences",
+    "train.eval_tasks",
+    "train.eval_tasks_path",
+    "train.eval_tasks_interval",
+    "train.eval_tasks_samples",
     "train.checkpoint_interval",
     "train.checkpoint_minutes",
     "train.keep_checkpoints",
@@ -66,6 +70,9 @@ CHANGEABLE_ON_RESUME = (
     "train.health_metrics",
     "train.callbacks",
     "train.z_loss_weight",
+    "train.profile_steps",
+    "train.profile_window",
+    "train.profile_ranks",
 )
 
 

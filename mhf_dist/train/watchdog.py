@@ -4,12 +4,12 @@ ends a job that makes no progress, never one whose work is only long.
 The training thread marks its phases (``Watchdog.mark``: a step, an evaluation, a save begins) and their progress
 (``Watchdog.advance``: an evaluation's micro-batch); a save's progress is its directory's content changing, looked
 at only when its budget runs out. Each phase has a budget: ``train.hang_timeout_s``, the longer
-``train.first_step_timeout_s`` for a start's first step and evaluation and for a rollback's load, and twice the expired
-one for the phase the previous start was ended in (``hang.json``). A phase that outlasts its budget without progress,
-or a hang another rank declared (a new folder in ``RUN/hangs/``: the ranks meet on the shared filesystem, not the
-network), ends the job: every live rank writes its threads' Python stacks there, the lowest names the ranks that
-stopped answering or fell behind (``summary.txt``), and each exits with ``HUNG_EXIT_CODE``
-(requeued), or with ``ERROR_EXIT_CODE`` where the previous start ended too, naming the setting
+``train.first_step_timeout_s`` for a start's first step and evaluation, a profiled step and a rollback's load, and
+twice the expired one for the phase the previous start was ended in (``hang.json``). A phase that outlasts its
+budget without progress, or a hang another rank declared (a new folder in ``RUN/hangs/``: the ranks meet on the
+shared filesystem, not the network), ends the job: every live rank writes its threads' Python stacks there, the
+lowest names the ranks that stopped answering or fell behind (``summary.txt``), and each exits with
+``HUNG_EXIT_CODE`` (requeued), or with ``ERROR_EXIT_CODE`` where the previous start ended too, naming the setting
 that would let healthy work finish. Ranks whose heartbeat is ``train.peer_timeout_s`` old are lost: the first rank to
 see it names them in ``RUN/heartbeats/lost.json``; every rank exits with ``NODE_LOST_EXIT_CODE``.
 ``HangWatch`` is the watchdog as a run's callback: the loop's hooks mark its phases.
@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -139,10 +140,15 @@ class Watchdog:
         self._thread.start()
         return self
 
-    def mark(self, step: int, phase: str, files: Path | None = None) -> None:
+    def mark(self, step: int, phase: str, files: Path | None = None, longer: bool = False) -> None:
         """``phase`` (``step``, ``eval``, ``save``, ``rollback``, ``end``) of ``step`` begins now; a phase that
-        writes into ``files`` progresses while that directory's content changes."""
-        first = (phase in WARMING_PHASES and phase not in self._begun) or phase in LOADING_PHASES
+        writes into ``files`` progresses while that directory's content changes; one known to be ``longer`` (a
+        profiled step) gets the first-step budget."""
+        first = (
+            (phase in WARMING_PHASES and phase not in self._begun)
+            or phase in LOADING_PHASES
+            or longer
+        )
         self._begun.add(phase)
         budget, setting, retried = self._budget(step, phase, first)
         with self._lock:
@@ -334,17 +340,18 @@ class Watchdog:
 
 class HangWatch(Callback):
     """The watchdog of a run, its phases marked at the loop's hooks: each step, evaluation (and its progress),
-    rollback and save, and the end, whose last save is waited for while its files change."""
+    rollback and save, and the end, whose last save is waited for while its files change. ``profiled`` says which
+    steps a profiler window records: those get the first-step budget."""
 
-    def __init__(self, settings: HangSettings):
-        self.settings = settings
+    def __init__(self, settings: HangSettings, profiled: Callable[[int], bool] | None = None):
+        self.settings, self.profiled = settings, profiled
 
     def on_start(self, run: RunContext) -> None:
         self.files = run.checkpointer.dir  # a save's progress
         self.watchdog = Watchdog(run.run, run.job.rank, self.settings, run.progress.start).start()
 
     def before_step(self, step: int) -> None:
-        self.watchdog.mark(step, "step")
+        self.watchdog.mark(step, "step", longer=self.profiled is not None and self.profiled(step))
 
     def before_eval(self, step: int) -> None:
         self.watchdog.mark(step, "eval")

@@ -110,8 +110,13 @@ class PipelineLoss:
         self.count_targets: Callable[[torch.Tensor], None] | None = (
             None  # shown each training micro-batch's targets
         )
+        self._scoring = False  # inside ``scoring``: per-row scores (``TiedVocabulary.row_scores``)
 
     def __call__(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self._scoring:
+            scores = self.vocab.row_scores(h, targets)
+            self.outputs.append(scores)
+            return scores[:, 0].sum().float()  # the engine's loss: the rows' NLL, as fp32
         if self._temperatures is None:
             if self.count_targets is not None:
                 self.count_targets(targets)
@@ -122,6 +127,16 @@ class PipelineLoss:
             out = self.vocab.evaluation(h, targets, self._temperatures, self._eval_divisor)
         self.outputs.append(out)
         return out.loss
+
+    @contextmanager
+    def scoring(self) -> Iterator[None]:
+        """The micro-batches of the block are scored row by row: ``outputs`` gets each one's float64 ``[B, 3]``
+        (``TiedVocabulary.row_scores``)."""
+        self._scoring = True
+        try:
+            yield
+        finally:
+            self._scoring = False
 
     @contextmanager
     def evaluating(

@@ -200,3 +200,22 @@ class PipelineTrainer(EngineTrainer):
 
         fit = fit_temperature(one_pass)
         return validation_metrics(first["loss"], first["heads"], fit)
+
+    @torch.no_grad()
+    def score(
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        progress: Callable[[], None] = lambda: None,
+    ) -> torch.Tensor:
+        """As ``DataParallelTrainer.score``: one ``eval_batch`` over the micro-batches, the last stage scores the
+        rows (``PipelineLoss.scoring``), every rank receives every data-parallel rank's."""
+        rows = sum(len(inputs) for inputs, _ in batches)
+        found = torch.zeros(self.groups.dp, rows, 3, dtype=torch.float64)
+        if batches:
+            with self.loss_fn.scoring():
+                self.engine.eval_batch(data_iter=iter(batches), num_micro_batches=len(batches))
+            if self.engine.is_last_stage() and self.groups.tp_rank == 0:
+                found[self.groups.dp_rank] = torch.cat(self.loss_fn.outputs).cpu()
+            self.loss_fn.outputs.clear()
+            progress()
+        return self.scalars.sum_tensor(found.flatten()).cpu().view_as(found)

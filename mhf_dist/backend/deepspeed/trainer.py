@@ -199,6 +199,28 @@ class DataParallelTrainer(EngineTrainer):
         loss, *heads = self.scalars.mean(torch.stack(losses).mean(0), self.groups.dp_group)
         return validation_metrics(loss, heads, fit)
 
+    @torch.no_grad()
+    def score(
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        progress: Callable[[], None] = lambda: None,
+    ) -> torch.Tensor:
+        """Per row of this data-parallel rank's micro-batches ``(inputs [B, S], targets [B, S])`` (the same
+        number of them on every rank), ``Σ -log P_inf`` over its targets ``>= 0``, their top-1 hits and count
+        (``LanguageModel.row_scores``); ``progress`` called after each. Returns every dp rank's, float64
+        ``[dp, rows, 3]`` on the host, on every rank."""
+        self.engine.eval()
+        device = self.engine.device
+        rows = sum(len(inputs) for inputs, _ in batches)
+        found = torch.zeros(self.groups.dp, rows, 3, dtype=torch.float64)
+        scores = []
+        for inputs, targets in batches:
+            scores.append(self.engine.module.row_scores(inputs.to(device), targets.to(device)))
+            progress()
+        if scores and self.groups.tp_rank == 0:  # the tensor-parallel ranks scored the same rows
+            found[self.groups.dp_rank] = torch.cat(scores).cpu()
+        return self.scalars.sum_tensor(found.flatten()).cpu().view_as(found)
+
 
 def build_trainer(
     cfg: RunConfig,

@@ -1,12 +1,14 @@
 """Step 2's checks of the layout and feature runs (``training`` runs them): a
 failed 2-rank run told as a gloo limitation or a defect; a run's losses and gradient norms against the reference run;
-and each feature's own rule (grad-accum, compile, engram-offload, document-masking, p-inf-tp2-bf16, profile-tp2-gloo).
-docs/profiling.md, "GPU check", gives the rules and their tolerances."""
+and each feature's own rule (grad-accum, compile, engram-offload, document-masking, profiler-window, p-inf-tp2-bf16,
+profile-tp2-gloo). docs/profiling.md, "GPU check", gives the rules and their tolerances."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import pickle
 import re
 import statistics
 from pathlib import Path
@@ -24,6 +26,14 @@ from mhf_dist.commands.gpu_check.runner import (
 )
 
 P_INF_WEIGHT = 0.5  # model.hash.p_inf_loss_weight of the p-inf-tp2-bf16 run
+PROFILED = (
+    2,
+    3,
+)  # train.profile_steps of the profiler-window run (inside steps 1..C: C is at least 3)
+PROFILED_TOLERANCE = (
+    1e-5  # relative: its losses against the unprofiled run's (the GPU's fp32 resume tolerance)
+)
+STEP_MARKER = re.compile(r"ProfilerStep#(\d+)")
 
 
 # gloo's own errors when a collective meets what it cannot carry (docs/profiling.md, "GPU check"); group 1 (when
@@ -76,6 +86,7 @@ def feature_check(ctx: Context, job: Job, error: BaseException | None) -> Check:
             "compile": compile_check,
             "engram-offload": engram_offload_check,
             "document-masking": document_masking_check,
+            "profiler-window": profiler_window_check,
             "p-inf-tp2-bf16": p_inf_check,
             "profile-tp2-gloo": profile_tp2_check,
         }[job.name](ctx)
@@ -260,6 +271,140 @@ def document_masking_check(ctx: Context) -> Check:
         f"tiny-h4b16k fp32, data.document_masking=true on {m.device}: {found}; against the unmasked "
         f"{unmasked.name}: steps 1-{m.compare_steps} max relative difference {differences}{verdict}",
         values | effect | {"tolerance_rel": m.compare_tolerance},
+    )
+
+
+def parsed(path: Path):
+    """A large JSON file's contents, read with the cyclic garbage collector paused: a trace holds about a million
+    small objects, which it would otherwise scan again and again as they are made (twice the time)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return json.loads(path.read_bytes())
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def trace_findings(trace: Path, cuda: bool) -> tuple[list[str], dict[str, float]]:
+    """What is wrong with a profiler window's trace of steps ``PROFILED`` (nothing: an empty list), and its numbers:
+    its ``ProfilerStep#N`` markers name those steps exactly, and on a GPU its CUDA kernels lie within their span
+    (the ranges on the host and their projections on the device)."""
+    try:
+        events = parsed(trace)["traceEvents"]
+    except (ValueError, KeyError, TypeError) as e:
+        return [f"{trace.name} does not parse: {type(e).__name__}: {e}"], {}
+    steps = [(e, STEP_MARKER.fullmatch(str(e.get("name", "")))) for e in events]
+    steps = [(e, int(found[1])) for e, found in steps if found and "ts" in e]
+    problems, values = [], {"trace_mb": trace.stat().st_size / 2**20}
+    marked = sorted({n for _, n in steps})
+    if marked != list(range(PROFILED[0], PROFILED[1] + 1)):
+        problems.append(f"its step markers are {marked or 'none'}, not {list(PROFILED)}")
+    if not cuda:
+        return problems, values
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    values["kernels"] = len(kernels)
+    if not kernels:
+        return problems + ["it holds no CUDA kernel"], values
+    if steps:
+        begin = min(e["ts"] for e, _ in steps)
+        end = max(e["ts"] + e.get("dur", 0) for e, _ in steps)
+        outside = [k for k in kernels if k["ts"] < begin or k["ts"] + k.get("dur", 0) > end]
+        if outside:
+            problems.append(
+                f"{len(outside)} of its {len(kernels)} CUDA kernels lie outside the profiled steps"
+            )
+    return problems, values
+
+
+def memory_findings(snapshot: Path) -> tuple[list[str], dict[str, float]]:
+    """What is wrong with a rank's CUDA memory history (a pickled ``torch.cuda.memory._snapshot()``): it holds the
+    ``segments`` and ``device_traces``, and allocations made by the package's code, by their Python frames."""
+    if not snapshot.is_file():
+        return [f"no {snapshot.name}"], {}
+    try:
+        history = pickle.loads(snapshot.read_bytes())
+    except Exception as e:  # unpickling raises whatever the bytes lead it to
+        return [f"{snapshot.name} does not load: {type(e).__name__}: {e}"], {}
+    missing = [key for key in ("segments", "device_traces") if key not in history]
+    if missing:
+        return [f"{snapshot.name} holds no {' or '.join(missing)}"], {}
+    allocs = [e for trace in history["device_traces"] for e in trace if e.get("action") == "alloc"]
+    ours = [
+        e
+        for e in allocs
+        if any("mhf_dist/" in str(f.get("filename", "")) for f in e.get("frames") or [])
+    ]
+    values = {"memory_allocs": len(allocs), "memory_allocs_mhf_dist": len(ours)}
+    if not ours:
+        return [f"{snapshot.name}: none of its {len(allocs)} allocations names mhf_dist/"], values
+    return [], values
+
+
+def listed_window(ctx: Context, run: Path) -> dict | None:
+    """The profiler window of steps ``PROFILED`` as ``mhf-dist status --json RUN`` lists it, or None."""
+    status = json.loads(
+        runner.mhf_dist(ctx, "status-profiler-window", ["status", "--json", str(run)])
+    )
+    name = f"step-{PROFILED[0]}-{PROFILED[1]}"
+    return next((p for p in status.get("profiles") or [] if p.get("name") == name), None)
+
+
+def profiler_window_check(ctx: Context) -> Check:
+    """``train.profile_steps`` recorded its window and changed no number: the trace's step markers are the profiled
+    steps, on a GPU its kernels lie within them and the memory history holds the package's allocations (on the CPU
+    no memory history is written), ``status --json`` lists the window, and the losses of steps 1..C equal the
+    unprofiled one-rank run's (mhf-fp32) to ``PROFILED_TOLERANCE``. The profiled steps' seconds are reported."""
+    m, (first, last), cuda = ctx.mode, PROFILED, ctx.mode.device == "cuda"
+    run, reference = ctx.run("profiler-window"), ctx.run("mhf-fp32")
+    folder, steps = run / "profiles" / f"step-{first}-{last}", range(1, m.compare_steps + 1)
+    got, want = metrics(run), metrics(reference)
+    missing = [s for s in steps if s not in got or s not in want]
+    if missing:
+        return Check(
+            "profiler-window",
+            FAIL,
+            f"no metrics at steps {missing} of {run.name} or {reference.name}",
+        )
+    trace = folder / "rank-0.pt.trace.json"
+    problems, values = trace_findings(trace, cuda) if trace.is_file() else ([f"no {trace}"], {})
+    memory = folder / "memory-rank-0.pickle"
+    if cuda:
+        found, more = memory_findings(memory)
+        problems, values = problems + found, values | more
+    elif memory.exists():
+        problems.append(f"{memory.name} was written on the CPU")
+    listed = listed_window(ctx, run)
+    expected = {"traces": [trace.name], "memory_snapshots": [memory.name] if cuda else []}
+    if listed is None or any(listed.get(key) != names for key, names in expected.items()):
+        problems.append(f"status --json lists {listed}, not the window's {expected}")
+    values["max_rel_diff_loss"] = max(relative_differences(got, want, steps, "loss"))
+    if not values["max_rel_diff_loss"] <= PROFILED_TOLERANCE:
+        problems.append(f"the profiled run's losses are not {reference.name}'s")
+    seconds = {s: got[s]["step_s"] for s in steps}
+    values |= {f"step_{s}_s": seconds[s] for s in range(first, last + 1)}
+    others = [seconds[s] for s in steps if s > 1 and not first <= s <= last]
+    if others:
+        values["unprofiled_step_s"] = statistics.median(others)
+    if problems:
+        found = "; ".join(problems)
+    else:
+        found = f"the trace marks steps {first}-{last}" + (
+            f", {values['kernels']:.0f} CUDA kernels within them, {values['memory_allocs_mhf_dist']:.0f} "
+            "allocations from mhf_dist/ in the memory history"
+            if cuda
+            else ", no memory history (CPU)"
+        )
+        found += ", status --json lists it"
+    profiled = ", ".join(f"{seconds[s]:.2f}" for s in range(first, last + 1))
+    return Check(
+        "profiler-window",
+        FAIL if problems else PASS,
+        f"tiny-h4b16k fp32, train.profile_steps={first}-{last} on {m.device}: {found}; steps 1-{m.compare_steps} "
+        f"against {reference.name}: max relative loss difference {values['max_rel_diff_loss']:.2g} (tolerance "
+        f"{PROFILED_TOLERANCE:g}); profiled steps {profiled} s"
+        + (f" against {values['unprofiled_step_s']:.2f} s unprofiled" if others else ""),
+        values | {"tolerance_rel": PROFILED_TOLERANCE, "steps_compared": len(steps)},
     )
 
 

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from mhf_dist.commands.gpu_check import runner
-from mhf_dist.commands.gpu_check.feature_checks import P_INF_WEIGHT, feature_check
+from mhf_dist.commands.gpu_check.feature_checks import P_INF_WEIGHT, PROFILED, feature_check
 from mhf_dist.commands.gpu_check.runner import FAIL, PASS, Check, Context, Job, StepFailed, metrics
 
 
@@ -131,6 +131,7 @@ def training_jobs(ctx: Context, shards: Path, val: int) -> list[Job]:
     engram = ("tiny-h4b16k+engram", "fp32", "train.micro_batch_size=4")
     p_inf = ("tiny-h4b16k", "bf16", "parallel.tp=2", f"model.hash.p_inf_loss_weight={P_INF_WEIGHT}")
     masked = ("tiny-h4b16k", "fp32", "data.document_masking=true")
+    profiled = ("tiny-h4b16k", "fp32", f"train.profile_steps={PROFILED[0]}-{PROFILED[1]}")
     # on a GPU the masked run is held to the same run on the CPU; with --cpu it is that run
     masked_reference = (
         [run("document-masking-cpu", *masked, device="cpu")] if m.device == "cuda" else []
@@ -163,6 +164,7 @@ def training_jobs(ctx: Context, shards: Path, val: int) -> list[Job]:
         "document-masking": feature(
             "document-masking", run("document-masking", *masked), *masked_reference
         ),
+        "profiler-window": feature("profiler-window", run("profiler-window", *profiled)),
     }
     jobs += [features[name] for name in ("compile", "engram-offload") if name in m.features]
     for layout in m.gloo_layouts:
@@ -172,7 +174,13 @@ def training_jobs(ctx: Context, shards: Path, val: int) -> list[Job]:
         )
     return jobs + [
         features[name]
-        for name in ("grad-accum", "document-masking", "p-inf-tp2-bf16", "profile-tp2-gloo")
+        for name in (
+            "grad-accum",
+            "profiler-window",
+            "document-masking",
+            "p-inf-tp2-bf16",
+            "profile-tp2-gloo",
+        )
         if name in m.features
     ]
 
