@@ -251,3 +251,16 @@ def test_a_task_that_generates_text_is_refused(tmp_path, task_dir):
     with pytest.raises(ConfigError, match="generate_until"):
         load_tasks(["mhf_generate_local"], [str(tmp_path)])
     assert list(load_tasks(["mhf_choice_local"], [str(tmp_path)])["tasks"]) == ["mhf_choice_local"]
+
+
+def test_the_console_line_of_a_scored_step_shows_the_scores():
+    from mhf_dist.train.console import step_line
+
+    record = {
+        "loss": 2.5,
+        "eval/mhf_choice_local/acc": 0.4,
+        "eval/mhf_lambada_local/perplexity": 812.25,
+    }
+    line = step_line(3, 3, record, None)
+    assert "mhf_choice_local acc 0.4" in line and "mhf_lambada_local perplexity 812.2" in line
+    assert "eval" not in step_line(2, 3, {"loss": 2.5}, None)

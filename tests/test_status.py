@@ -245,6 +245,16 @@ def test_every_validation_field_and_counter_is_shown(run, capsys):
     assert "counters   nonfinite_steps 2, skipped_steps 1, loss_spikes 3" in out
 
 
+def test_the_newest_downstream_scores_are_shown(run, capsys):
+    scores = {"eval/mhf_choice_local/acc": 0.4, "eval/mhf_lambada_local/perplexity": 812.25}
+    write_metrics(run, [record(2), record(4) | scores, record(6)])
+    assert status_json(capsys, run)["downstream"] == {"step": 4, **scores}
+    out = status_text(capsys, run)
+    assert (
+        "downstream step 4: mhf_choice_local acc 0.4000, mhf_lambada_local perplexity 812.25" in out
+    )
+
+
 def test_the_last_logged_gradient_norms_per_family_are_shown(run, capsys):
     norms = {"grad_norm/tables": 2.5, "grad_norm/gate": 0.125, "grad_norm/block0": 1.0}
     write_metrics(

@@ -223,6 +223,18 @@ def render(st: RunStatus) -> str:
                 ),
             )
         )
+    if scores := st.downstream:
+        lines.append(
+            _line(
+                "downstream",
+                f"step {scores['step']}: "
+                + ", ".join(
+                    f"{k.removeprefix('eval/').replace('/', ' ')} {_number(v)}"
+                    for k, v in scores.items()
+                    if k != "step" and isinstance(v, (int, float))
+                ),
+            )
+        )
     if counters := [f"{k} {getattr(st, k)}" for k in COUNTERS if getattr(st, k) is not None]:
         lines.append(_line("counters", ", ".join(counters)))
     for n, r in enumerate(st.rollbacks, start=1):

@@ -6,7 +6,8 @@
 median of its pipeline stage's other ranks, and with the device probe ``device r1 1.01x``: the rank whose device took
 longest for the probe's fixed work, against the median of the others, ``mhf_dist.train.stragglers``)
 
-and, at evaluations, the validation perplexities. ``metrics.jsonl`` keeps every value at full precision.
+and, at evaluations, the validation perplexities and the downstream tasks' scores (``train.eval_tasks``: ``TASK METRIC
+value``). ``metrics.jsonl`` keeps every value at full precision.
 """
 
 from __future__ import annotations
@@ -47,20 +48,23 @@ def step_line(step: int, total: int, record: dict, seconds_left: float | None) -
     parts = [f"step {step}/{total}"] + [
         show(record[key]) for key, show in _FIELDS if record.get(key) is not None
     ]
-    if record.get(
-        "skipped_steps"
-    ):  # steps that applied no update (a spike left out, or an overflow)
+    # steps that applied no update (a spike left out, or an overflow)
+    if record.get("skipped_steps"):
         parts.append(f"skipped {record['skipped_steps']}")
-    if (
-        record.get("slowest_ratio") is not None
-    ):  # ranks' own compute time: the slowest against the others
+    # ranks' own compute time: the slowest against the others
+    if record.get("slowest_ratio") is not None:
         parts.append(f"slowest r{record['slowest_rank']} {record['slowest_ratio']:.2f}x")
-    if (
-        record.get("slowest_device_ratio") is not None
-    ):  # the device probe's: the slowest device against the others
+    # the device probe's: the slowest device against the others
+    if record.get("slowest_device_ratio") is not None:
         parts.append(
             f"device r{record['slowest_device_rank']} {record['slowest_device_ratio']:.2f}x"
         )
+    # train.eval_tasks' scores: eval/<task>/<metric>
+    parts += [
+        f"{key.removeprefix('eval/').replace('/', ' ')} {value:.4g}"
+        for key, value in record.items()
+        if key.startswith("eval/") and isinstance(value, (int, float))
+    ]
     if seconds_left is not None:
         parts.append(f"eta {duration(seconds_left)}")
     return " | ".join(parts)
