@@ -32,7 +32,9 @@ def prepare_data_parser(sub) -> None:
         "--tokenizer", help="tokenizer directory, or mistral-v0.3 (required unless --merge)"
     )
     p.add_argument(
-        "--out", help="output directory (new or empty; see --overwrite; required unless --merge)"
+        "--out",
+        help="output directory (new or empty; see --overwrite; required unless --merge), or a "
+        "directory of object storage (s3://bucket/shards: prepared locally, then uploaded)",
     )
     add_overwrite(p)
     p.add_argument(

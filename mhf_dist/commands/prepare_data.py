@@ -4,17 +4,19 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 from mhf_dist.data.formats import MANIFEST, DataError
 from mhf_dist.data.inputs import expand_inputs
+from mhf_dist.data.locations import check_upload, is_url, upload
 from mhf_dist.data.parts import merge, part_dir_name, part_dirs_pattern
 from mhf_dist.data.prepare import prepare
 from mhf_dist.storage.output_dir import check_target, staged
 from mhf_dist.storage.reading_marks import refuse_if_read
 
 
-def _print_summary(manifest: dict, where: Path) -> None:
+def _print_summary(manifest: dict, where: Path | str) -> None:
     for name, split in manifest["splits"].items():
         print(
             f"{name}: {split['documents']} documents, {split['samples']} samples of {manifest['sample_tokens']} "
@@ -24,7 +26,7 @@ def _print_summary(manifest: dict, where: Path) -> None:
         print(
             f"skipped {manifest['skipped_documents']} documents that were not strings (--on-bad-document skip)"
         )
-    print(f"wrote {where / MANIFEST}")
+    print(f"wrote {where}/{MANIFEST}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"merged {len(manifest['parts'])} parts")
         _print_summary(manifest, Path(args.merge))
         return 0
+    if is_url(args.out):
+        return _prepare_to_url(args)
     out = Path(args.out) / part_dir_name(*args.part) if args.part else Path(args.out)
     sources = [
         *expand_inputs(args.inputs),
@@ -49,25 +53,44 @@ def run(args: argparse.Namespace) -> int:
     # and again once it is prepared: a run may have started meanwhile
     refuse_if_read(out, read_through=merged)
     with staged(out, before_replace=lambda tmp: refuse_if_read(out, tmp, merged)) as tmp:
-        manifest = prepare(
-            args.inputs,
-            args.tokenizer,
-            tmp,
-            seq_len=args.seq_len,
-            samples_per_shard=args.samples_per_shard,
-            prefix=args.prefix,
-            text_field=args.text_field,
-            val_fraction=args.val_fraction,
-            workers=args.workers,
-            progress=args.progress,
-            on_bad_document=args.on_bad_document,
-            part=args.part,
-        )
+        manifest = _prepare(args, tmp)
+    return _done(args, manifest, out)
+
+
+def _prepare_to_url(args: argparse.Namespace) -> int:
+    """Into object storage: prepared in a local temporary directory (under TMPDIR), then uploaded, its manifest
+    last; the target is checked (bucket, credentials, no data unless --overwrite) before any tokenizing."""
+    out = f"{args.out.rstrip('/')}/{part_dir_name(*args.part)}" if args.part else args.out
+    check_upload(out, args.overwrite)
+    with tempfile.TemporaryDirectory(prefix="mhf-dist-prepare-") as tmp:
+        manifest = _prepare(args, Path(tmp) / "out")
+        upload(Path(tmp) / "out", out, args.overwrite)
+    return _done(args, manifest, out.rstrip("/"))
+
+
+def _prepare(args: argparse.Namespace, out: Path) -> dict:
+    return prepare(
+        args.inputs,
+        args.tokenizer,
+        out,
+        seq_len=args.seq_len,
+        samples_per_shard=args.samples_per_shard,
+        prefix=args.prefix,
+        text_field=args.text_field,
+        val_fraction=args.val_fraction,
+        workers=args.workers,
+        progress=args.progress,
+        on_bad_document=args.on_bad_document,
+        part=args.part,
+    )
+
+
+def _done(args: argparse.Namespace, manifest: dict, out: Path | str) -> int:
     _print_summary(manifest, out)
     if args.part:
         print(
             f"when all {args.part[1]} parts are done: mhf-dist prepare-data --merge {args.out} "
-            f"{Path(args.out) / part_dirs_pattern(args.part[1])}"
+            f"{str(args.out).rstrip('/')}/{part_dirs_pattern(args.part[1])}"
         )
     return 0
 

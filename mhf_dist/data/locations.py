@@ -1,20 +1,25 @@
 """Where shards and manifests are read from: local paths, ``pipe:`` commands and ``http(s)`` through WebDataset's
-``gopen``, object storage (``s3://``, ``gs://``, any scheme fsspec knows) through fsspec."""
+``gopen``, object storage (``s3://``, ``gs://``, any scheme fsspec knows) through fsspec; and prepared directories
+uploaded to object storage (``prepare-data --out s3://...``). fsspec's errors are named here, in one place
+(``storage_error``)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import webdataset as wds
 
-from mhf_dist.data.formats import DataError
+from mhf_dist.data.formats import MANIFEST, DataError
 
 
 def open_url(url: str):
     """A binary stream of ``url``: object storage (a scheme fsspec knows other than http) through fsspec when it is
     installed, everything else (local paths, ``pipe:``, ``http(s)``) through WebDataset's ``gopen``. A scheme whose
-    package is missing (s3fs for ``s3://``, gcsfs for ``gs://``) is an error naming it."""
+    package is missing (s3fs for ``s3://``, gcsfs for ``gs://``) is an error naming it; so are missing credentials,
+    a bucket that does not exist, a refused access and an unreachable endpoint (``storage_error``). A missing object
+    in an existing bucket stays a FileNotFoundError, for the caller to name."""
     scheme = url.split("://", 1)[0] if "://" in url else None
     if scheme is None or scheme in ("http", "https") or importlib.util.find_spec("fsspec") is None:
         return wds.gopen(url)
@@ -24,11 +29,54 @@ def open_url(url: str):
         return wds.gopen(url)
     try:
         return fsspec.open(url, "rb").open()
-    except ImportError as e:
-        raise DataError(
-            f"{url}: reading {scheme}:// needs a package that is not installed ({e}); install it on "
+    except Exception as e:
+        raise storage_error(url, e) from None
+
+
+def storage_error(url: str, e: Exception) -> Exception:
+    """What an fsspec error ``e`` on ``url`` means, as a DataError naming the URL and the fix; ``e`` itself when it is
+    none of those (a missing object in an existing bucket: FileNotFoundError)."""
+    scheme = url.split("://", 1)[0]
+    if isinstance(e, ImportError):
+        extra = "pip install 'mhf-dist[s3]'" if scheme in ("s3", "s3a") else "install it"
+        return DataError(
+            f"{url}: reading {scheme}:// needs a package that is not installed ({e}); {extra} on "
             "every node, or copy the shards to a local or shared directory"
-        ) from None
+        )
+    names = {c.__name__ for c in type(e).__mro__}
+    if names & {"NoCredentialsError", "PartialCredentialsError"}:
+        return DataError(
+            f"{url}: no credentials for {scheme}:// ({e}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+            "AWS_PROFILE naming a profile of ~/.aws/credentials (or ~/.aws/config), on every node"
+        )
+    if names & {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionError"}:
+        return DataError(
+            f"{url}: the storage endpoint cannot be reached ({e}); check AWS_ENDPOINT_URL (or "
+            "FSSPEC_S3_ENDPOINT_URL) and that the storage service is up and reachable from every node"
+        )
+    if isinstance(e, PermissionError):
+        return DataError(
+            f"{url}: access denied ({e}); the credentials in use (AWS_ACCESS_KEY_ID, AWS_PROFILE or "
+            "~/.aws/credentials) need read access to it, and write access to prepare data into it"
+        )
+    if isinstance(e, FileNotFoundError) and (bucket := _missing_bucket(url)):
+        return DataError(
+            f"{url}: bucket {bucket} does not exist at the storage endpoint; check the URL, or "
+            "AWS_ENDPOINT_URL if the bucket lies on another service"
+        )
+    return e
+
+
+def _missing_bucket(url: str) -> str | None:
+    """The bucket (first component) of ``url`` when it does not exist; None when it does or cannot be told."""
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        bucket = path.split("/", 1)[0]
+        return None if not bucket or fs.exists(bucket) else bucket
+    except Exception:
+        return None
 
 
 def is_url(source) -> bool:
@@ -49,9 +97,55 @@ def read_json(location: str) -> dict:
             "(it writes manifest.json next to them) or point data.path at their directory"
         ) from None
     except Exception as e:
+        if isinstance(named := storage_error(location, e), DataError):  # read after it was opened
+            raise named from None
         raise DataError(
             f"manifest {location} cannot be read ({e!r}); re-copy it or prepare the shards again"
         ) from None
+
+
+def _storage(url: str):
+    """fsspec's filesystem for ``url`` and the path in it, with its errors named."""
+    try:
+        import fsspec
+
+        return fsspec.core.url_to_fs(url)
+    except Exception as e:
+        raise storage_error(url, e) from None
+
+
+def check_upload(url: str, overwrite: bool) -> None:
+    """Before preparing into ``url`` (object storage): its bucket exists and can be reached, and it holds no
+    manifest unless ``overwrite``."""
+    fs, path = _storage(url)
+    try:
+        exists = fs.exists(f"{path.rstrip('/')}/{MANIFEST}")
+        bucket = path.split("/", 1)[0]
+        if not exists and not fs.exists(bucket):
+            raise FileNotFoundError(bucket)
+    except Exception as e:
+        raise storage_error(url, e) from None
+    if exists and not overwrite:
+        raise DataError(
+            f"{url} already holds prepared data ({MANIFEST}); pass --overwrite to replace it, or choose "
+            "another --out"
+        )
+
+
+def upload(local: Path, url: str, overwrite: bool) -> None:
+    """Copy the prepared directory ``local`` to ``url``: with ``overwrite`` what lies under ``url`` is removed first;
+    the manifest goes last, so that a reader never finds one whose shards are not all there."""
+    check_upload(url, overwrite)
+    fs, path = _storage(url)
+    path = path.rstrip("/")
+    files = sorted(f for f in local.rglob("*") if f.is_file())
+    try:
+        if overwrite and fs.exists(path):
+            fs.rm(path, recursive=True)
+        for f in sorted(files, key=lambda f: f.name == MANIFEST and f.parent == local):
+            fs.put_file(str(f), f"{path}/{f.relative_to(local).as_posix()}")
+    except Exception as e:
+        raise storage_error(url, e) from None
 
 
 def refuse_pipe(url: str, allow_pipe: bool) -> None:

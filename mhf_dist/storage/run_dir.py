@@ -253,10 +253,14 @@ class RunDir:
             return str(Path(cfg.data.shard_dir) / TOKENIZER_DIR)
         return str(self.tokenizer_dir)
 
-    def ensure_shards(self, cfg: RunConfig) -> Path:
-        """``data.path``'s shards, or shards of the embedded corpus prepared once into ``RUN/data`` (5 % held out)."""
+    def ensure_shards(self, cfg: RunConfig) -> Path | str:
+        """``data.path``'s shards (a URL of object storage as it is), or shards of the embedded corpus prepared once
+        into ``RUN/data`` (5 % held out)."""
         if cfg.data.shard_dir is not None:
-            return Path(cfg.data.shard_dir)
+            # (here: the reader's module loads webdataset, which commands that read no shards do without)
+            from mhf_dist.data.locations import is_url
+
+            return cfg.data.shard_dir if is_url(cfg.data.shard_dir) else Path(cfg.data.shard_dir)
         if not (self.data_dir / MANIFEST).is_file():
             from mhf_dist.data.prepare import prepare
 

@@ -31,7 +31,7 @@ class RunAssets(NamedTuple):
     tokenizer: PreTrainedTokenizerBase
     table: SignatureTable | None  # the variant needs signatures
     compression: CompressionTable | None  # with model.engram
-    shards: Path  # data.path's, or the embedded corpus's in RUN/data
+    shards: Path | str  # data.path's (a URL as it is), or the embedded corpus's in RUN/data
     skipped: list[tuple[int, int]]  # the global positions the run's rollbacks skipped: never read
 
 
