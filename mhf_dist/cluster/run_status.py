@@ -229,17 +229,11 @@ def newest_checkpoint(
     return None, "digests" if digests else "sizes", damaged
 
 
-def latest_validation(records: list[dict]) -> dict | None:
+def latest_with(records: list[dict], prefix: str) -> dict | None:
+    """The fields named ``prefix...`` of the newest record holding any (``val_``: the validation; ``eval/``: the
+    downstream scores), with its step."""
     for record in reversed(records):
-        values = {k: v for k, v in record.items() if k.startswith("val_")}
-        if values:
-            return {"step": record.get("step"), **values}
-    return None
-
-
-def latest_downstream(records: list[dict]) -> dict | None:
-    for record in reversed(records):
-        values = {k: v for k, v in record.items() if k.startswith("eval/")}
+        values = {k: v for k, v in record.items() if k.startswith(prefix)}
         if values:
             return {"step": record.get("step"), **values}
     return None
@@ -341,8 +335,8 @@ def _from_records(st: RunStatus, records: list[dict], tokens_per_step: int | Non
     )
     if st.step is not None and st.max_steps:
         st.progress, st.finished = st.step / st.max_steps, st.step >= st.max_steps
-    st.validation = latest_validation(records)
-    st.downstream = latest_downstream(records)
+    st.validation = latest_with(records, "val_")
+    st.downstream = latest_with(records, "eval/")
     st.grad_norms = next(
         (
             norms
