@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -16,6 +17,7 @@ import sys
 import tarfile
 import time
 from collections import Counter
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +31,7 @@ from mhf_dist.data.mixture import BLOCK, MixtureReader, MixtureSchedule, apporti
 from mhf_dist.data.parts import merge, part_dir_name, part_files
 from mhf_dist.data.prepare import prepare
 from mhf_dist.data.reader import ShardReader
-from mhf_dist.data.tokenizing import is_validation
+from mhf_dist.data.tokenizing import ChunkTokenizer, is_validation
 from mhf_dist.vocab.token_list import tokens_fingerprint, vocabulary
 from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe
 
@@ -140,6 +142,79 @@ def test_prepare_is_byte_identical_across_runs_and_worker_counts(shards, inputs,
     assert len(names) > 3 and names == again and "tokenizer/tokenizer.json" in names
     for name in names:
         assert (shards / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
+
+
+GOLDEN = Path(__file__).parent / "golden" / "checkpoint-a105062"  # made by its make.sh
+
+
+def test_shards_are_byte_for_byte_those_of_an_earlier_preparation(tmp_path):
+    """The preparation in tests/golden/checkpoint-a105062/make.sh (the embedded corpus's first 9,000 characters,
+    its tokenizer, seq_len 16, 32 samples per shard, 20 % held out) gives its shards again, byte for byte: the tar
+    and .npy bytes of the format stay as they were written."""
+    text = tmp_path / "text.txt"
+    with resources.files("mhf_dist.data").joinpath("corpus/kjv.txt.gz").open("rb") as raw:
+        text.write_text(gzip.decompress(raw.read()).decode("utf-8")[:9000])
+    manifest = prepare(
+        [text],
+        GOLDEN / "tokenizer",
+        tmp_path / "shards",
+        seq_len=16,
+        samples_per_shard=32,
+        val_fraction=0.2,
+        workers=1,
+        progress=False,
+    )
+    golden = json.loads((GOLDEN / "shards" / "manifest.json").read_text())
+    assert manifest["splits"] == golden["splits"]
+    names = [e["name"] for split in golden["splits"].values() for e in split["shards"]]
+    assert len(names) > 3
+    for name in names:
+        assert (tmp_path / "shards" / name).read_bytes() == (GOLDEN / "shards" / name).read_bytes()
+
+
+@pytest.mark.parametrize("split_special_tokens", [False, True])
+def test_chunks_are_tokenized_as_the_tokenizer_call_tokenizes_each_text(
+    tok_dir, split_special_tokens
+):
+    """A chunk's ids (in this process, and in a worker, which gets the ChunkTokenizer pickled) are each text's
+    ``tokenizer(text, add_special_tokens=False)`` ids and the EOS id, for text that spells special tokens too
+    (taken as those tokens, or split as text with ``split_special_tokens``)."""
+    tok = load_tokenizer(tok_dir)
+    tok.split_special_tokens = split_special_tokens
+    texts = [
+        "In the beginning <|endoftext|> was the word<|pad|>",
+        "<|endoftext|>",
+        "ünïcödé 😀 日本語のテキスト",
+        "  \t spaced\n\n lines  ",
+        "x" * 5000,
+    ]
+    chunk_tokenizer = ChunkTokenizer(tok, 0.0)
+    results = [chunk_tokenizer(texts), pickle.loads(pickle.dumps(chunk_tokenizer))(texts)]
+    # the Hugging Face call afterwards: it sets up the Rust tokenizer it shares with tok
+    expected = [
+        t
+        for text in texts
+        for t in tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    ]
+    spelled_eos = tok("<|endoftext|>", add_special_tokens=False)["input_ids"]
+    assert (spelled_eos == [tok.eos_token_id]) != split_special_tokens
+    for train, val, n_train, n_val in results:
+        assert train.tolist() == expected and (val.size, n_train, n_val) == (0, len(texts), 0)
+
+
+def test_a_tokenizer_class_that_rewrites_text_in_its_call_is_called(tok_dir):
+    """A tokenizer class whose call changes the text before its Rust tokenizer sees it (as some Hugging Face classes
+    do) is called as ``tokenizer(texts, add_special_tokens=False)``, not bypassed."""
+    base = type(load_tokenizer(tok_dir))
+
+    class Lowering(base):
+        def _encode_plus(self, text, *args, **kwargs):
+            return super()._encode_plus([t.lower() for t in text], *args, **kwargs)
+
+    tok = Lowering.from_pretrained(str(tok_dir))
+    train, _, _, _ = ChunkTokenizer(tok, 0.0)(["AND GOD SAID"])
+    expected = tok(["and god said"], add_special_tokens=False)["input_ids"][0]
+    assert train.tolist() == expected + [tok.eos_token_id]
 
 
 def _packed_per_file(docs, tok, held_out: bool | None = None) -> tuple[list[int], list[int], int]:

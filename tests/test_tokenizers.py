@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mhf_dist.cli import main
@@ -48,6 +50,23 @@ def mistral(tmp_path_factory):
     out = tmp_path_factory.mktemp("mistral")
     assert main(["tokenizer", "mistral-v0.3", "--out", str(out)]) == 0
     return load_tokenizer(out)
+
+
+def test_mistral_v03_directory_holds_the_tokenizer_converted_from_its_model(mistral, tmp_path):
+    # the written tokenizer.json loads without converting; it must be the conversion of the model beside it
+    (tmp_path / "tokenizer.model").write_bytes(
+        (Path(mistral.name_or_path) / "tokenizer.model").read_bytes()
+    )
+    converted = load_tokenizer(tmp_path)
+    assert sorted(p.name for p in Path(mistral.name_or_path).iterdir()) == [
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+    ]
+    text = "In the beginning </s> God created\n\tthe heaven 1611 ünïcode 日本語  <s>"
+    assert mistral(text)["input_ids"] == converted(text)["input_ids"]
+    assert vocabulary(mistral) == vocabulary(converted)
+    assert mistral.eos_token_id == converted.eos_token_id == 2
 
 
 def test_mistral_v03_has_32768_pieces(mistral):

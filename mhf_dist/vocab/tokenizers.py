@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import os
 import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from importlib import resources
 from pathlib import Path
@@ -63,7 +64,10 @@ def read_text_files(paths: Iterable[str | os.PathLike]) -> Iterator[str]:
 
 
 def write_mistral_v03(out_dir: str | os.PathLike) -> Path:
-    """Copy Mistral v0.3's SentencePiece model from ``mistral-common`` into a loadable directory."""
+    """Copy Mistral v0.3's SentencePiece model from ``mistral-common`` into a loadable directory, with the fast
+    tokenizer converted from it (``tokenizer.json``): loading that takes a fraction of converting the model again,
+    which ``AutoTokenizer`` would do at every load. Files are moved in whole, ``tokenizer.json`` last, so a directory
+    that has it is complete (ranks sharing one cache may write it at once)."""
     try:
         source = resources.files("mistral_common").joinpath("data", _MISTRAL_FILE)
     except ModuleNotFoundError as e:
@@ -73,8 +77,12 @@ def write_mistral_v03(out_dir: str | os.PathLike) -> Path:
         ) from e
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with resources.as_file(source) as path:
-        shutil.copyfile(path, out / "tokenizer.model")
+    with tempfile.TemporaryDirectory(dir=out, prefix=".writing-") as tmp:
+        with resources.as_file(source) as path:
+            shutil.copyfile(path, Path(tmp, "tokenizer.model"))
+        AutoTokenizer.from_pretrained(tmp, local_files_only=True).save_pretrained(tmp)
+        for name in sorted(os.listdir(tmp), key=lambda name: name == "tokenizer.json"):
+            os.replace(Path(tmp, name), out / name)
     return out
 
 
@@ -84,7 +92,7 @@ def load_tokenizer(
     """A local tokenizer directory, or ``mistral-v0.3`` (written into ``cache_dir`` first)."""
     if str(path) == MISTRAL_V03:
         cache = Path(cache_dir or Path.home() / ".cache" / "mhf_dist") / "tokenizers" / MISTRAL_V03
-        if not (cache / "tokenizer.model").is_file():
+        if not (cache / "tokenizer.json").is_file():
             write_mistral_v03(cache)
         path = cache
     if not Path(path).is_dir():
