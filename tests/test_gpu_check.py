@@ -47,6 +47,7 @@ EXPECTED = [
     "profile-tiny-h4b16k",
     "profile-tiny-ratio",
     "profile-tiny-head",
+    "reference-tiny",
 ]
 
 
@@ -105,6 +106,10 @@ def test_cpu_mode_runs_every_step_and_reports_every_check(tmp_path):
             checks[name]
         )
     assert "CPU build" in checks["build"]["result"] and "fp32 " in checks["sdpa"]["result"]
+    reference = checks["reference-tiny"][
+        "values"
+    ]  # Standard against transformers' Qwen3, side by side
+    assert {"standard_over_reference_128x2", "reference_tokens_per_s_128x2"} <= reference.keys()
 
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| check | result | status |" in table and table in proc.stdout  # the table was printed
@@ -131,6 +136,7 @@ def test_cpu_mode_runs_every_step_and_reports_every_check(tmp_path):
         "status-profiler-window",
         "eval",
         "profile-tiny",
+        "reference-tiny",
     } <= set(commands)
     for name, command in commands.items():
         assert command["status"] == "done" and command["seconds"] > 0, command
@@ -769,7 +775,7 @@ def test_in_step_2_only_the_compile_run_compiles(tmp_path):
     assert compiling == [("compile", True, "compiled")]
     plan = gpu_check.plan(runner.GPU)  # printed at the start: the estimate and the limits
     assert (
-        "estimated 8.7 min in all" in plan and "stopped at 300 s (a 2-rank run's at 180 s)" in plan
+        "estimated 9.2 min in all" in plan and "stopped at 300 s (a 2-rank run's at 180 s)" in plan
     )
     # the docstring's, README's and usage's "9 minutes"
     assert round(sum(runner.GPU.estimates_s) / 60) == 9

@@ -206,10 +206,11 @@ def test_target_p_inf_streams_over_the_vocabulary(model):
     "preset, buckets", [("tiny-h4b16k", 64), ("tiny-h3b10k", 66), ("tiny-standard", 64)]
 )
 def test_fused_decoder_equals_plain(preset, buckets, kernels="auto"):
-    """Loss, every gradient and log P_inf, with a chunk that does not divide the token count; the fused heads'
-    passes run as ``kernels`` says (ModelModes.kernels)."""
+    """Loss, every gradient and log P_inf, with a chunk that does not divide the token count, and with one chunk
+    (where a head that retrieves nothing keeps its logits for backward); the fused heads' passes run as ``kernels``
+    says (ModelModes.kernels)."""
     results = {}
-    for chunk in (0, 5):
+    for chunk in (0, 5, 64):
         cfg = load_config(
             preset,
             overrides=[
@@ -233,12 +234,14 @@ def test_fused_decoder_equals_plain(preset, buckets, kernels="auto"):
             {n: p.grad for n, p in m.named_parameters()},
             m.log_p_inf(x[:, :-1]),
         )
-    (loss0, heads0, grads0, logp0), (loss5, heads5, grads5, logp5) = results[0], results[5]
-    torch.testing.assert_close(loss5, loss0, rtol=1e-5, atol=0)
-    torch.testing.assert_close(heads5, heads0, rtol=1e-5, atol=0)
-    torch.testing.assert_close(logp5, logp0, rtol=1e-5, atol=1e-5)
-    for name, g in grads0.items():
-        assert_tensor_close(grads5[name], g, name)
+    loss0, heads0, grads0, logp0 = results[0]
+    for chunk in (5, 64):
+        loss, heads, grads, logp = results[chunk]
+        torch.testing.assert_close(loss, loss0, rtol=1e-5, atol=0)
+        torch.testing.assert_close(heads, heads0, rtol=1e-5, atol=0)
+        torch.testing.assert_close(logp, logp0, rtol=1e-5, atol=1e-5)
+        for name, g in grads0.items():
+            assert_tensor_close(grads[name], g, f"{name} (chunk {chunk})")
 
 
 @pytest.mark.parametrize("preset", ["tiny-h4b16k", "tiny-standard"])
@@ -415,3 +418,19 @@ def test_a_rank_draws_only_the_blocks_of_its_partition(monkeypatch, name, shape)
                             sum(drawn),
                             bound,
                         )
+
+
+def test_a_second_backward_through_a_head_that_kept_its_logits_is_refused():
+    """A head that keeps its logits for backward turns them into its gradient in place: a second backward through
+    the same graph (``retain_graph=True``) stops at autograd's check of its saved tensors, never reading the spent
+    buffer as logits."""
+    cfg = load_config(
+        "tiny-standard", overrides=["model.hash.num_buckets=64", f"model.init_std={INIT_STD}"]
+    ).model
+    table = SignatureTable.build([f"tok{i}" for i in range(V)], cfg.hash.num_hashes, 64, pad_id=0)
+    m = build_model(cfg, V, table.codes)
+    x = torch.randint(1, V, (2, 9), generator=torch.Generator().manual_seed(3))
+    loss = m(x[:, :-1], x[:, 1:]).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

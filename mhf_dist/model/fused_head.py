@@ -3,12 +3,13 @@
 
 For ``c [N, d]`` and a head's table rows ``E [R, d]`` it returns, per token, ``log Z = logsumexp_b (E c)_b``, the
 target's logit and the soft retrieval ``ē = Eᵀ softmax(E c)``, computing the bucket logits one chunk of tokens at a
-time and again in backward; only ``c``, ``log Z`` and ``ē`` are kept. With upstream gradients ``g_Z, g_t, g_ē``:
-``∂L/∂o_b = p_b (g_Z + E_b·g_ē − ē·g_ē) + g_t [b = target]``, ``∂L/∂c = Σ_b ∂L/∂o_b E_b`` and
-``∂L/∂E_b = ∂L/∂o_b c + p_b g_ē``. On a bucket shard the forward reduces over the shards (the ``tables``
-reductions) and the backward needs no communication. Softmax statistics are fp32 (or wider), and so is a
-lower-precision table's gradient while it sums over the chunks. ``KernelPolicy`` runs the elementwise passes,
-compiled or eager. Why: docs/design-model.md, "Fused decoder".
+time and again in backward; only ``c``, ``log Z`` and ``ē`` are kept, and the logits of a head that retrieves
+nothing when its tokens make one chunk (its backward needs a buffer that size anyway, so the peak stays). With
+upstream gradients ``g_Z, g_t, g_ē``: ``∂L/∂o_b = p_b (g_Z + E_b·g_ē − ē·g_ē) + g_t [b = target]``,
+``∂L/∂c = Σ_b ∂L/∂o_b E_b`` and ``∂L/∂E_b = ∂L/∂o_b c + p_b g_ē``. On a bucket shard the forward reduces over the
+shards (the ``tables`` reductions) and the backward needs no communication. Softmax statistics are fp32 (or wider),
+and so is a lower-precision table's gradient while it sums over the chunks. ``KernelPolicy`` runs the elementwise
+passes, compiled or eager. Why: docs/design-model.md, "Fused decoder".
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _NEG_INF = float("-inf")
+_EXP_BLOCK = 2**19  # values per block of ``_exp_total_by_rows`` (2 MB in fp32: within the caches)
 
 
 class KernelPolicy:
@@ -97,6 +99,32 @@ def _shifted_exp(logits: torch.Tensor, valid: torch.Tensor | None, peak: torch.T
     return e, e.sum(dim=-1)
 
 
+def _exp_total(
+    logits: torch.Tensor, valid: torch.Tensor | None, peak: torch.Tensor
+) -> torch.Tensor:
+    """``Σ_b exp(o − peak)`` in fp32, the logits left as they are (compiled: one reduction, no ``[n, R]``
+    temporary)."""
+    return _masked(logits.to(_stats_dtype(logits)), valid).sub(peak[:, None]).exp_().sum(dim=-1)
+
+
+def _exp_total_by_rows(
+    logits: torch.Tensor, valid: torch.Tensor | None, peak: torch.Tensor
+) -> torch.Tensor:
+    """``_exp_total`` a block of rows at a time, through one small buffer (eager: a fresh temporary per block, or one
+    of ``[n, R]``, would be new memory, which the host allocator faults in again at every call)."""
+    n, width = logits.shape
+    rows = max(1, min(n, _EXP_BLOCK // max(1, width)))
+    buffer = logits.new_empty(rows, width, dtype=_stats_dtype(logits))
+    total = buffer.new_empty(n)
+    for s in range(0, n, rows):
+        block = buffer[: min(rows, n - s)]
+        torch.sub(logits[s : s + rows], peak[s : s + rows, None], out=block)
+        if valid is not None:
+            block.masked_fill_(~valid, _NEG_INF)
+        total[s : s + rows] = block.exp_().sum(dim=-1)
+    return total
+
+
 def _normalised(e: torch.Tensor, total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return e.div_(total[:, None]).to(dtype)
 
@@ -108,8 +136,8 @@ def _logit_grads_(
     coeff: torch.Tensor,
     retrieve: bool,
 ) -> None:
-    """In place: the bottom rows (recomputed logits) become ``p``; with retrieval the top rows (``E_b·g_ē``)
-    become ``∂L/∂o = p (E_b·g_ē + coeff)``, else the bottom rows become ``∂L/∂o = p · coeff``."""
+    """In place: the bottom rows (the logits, recomputed or kept) become ``p``; with retrieval the top rows
+    (``E_b·g_ē``) become ``∂L/∂o = p (E_b·g_ē + coeff)``, else the bottom rows become ``∂L/∂o = p · coeff``."""
     n = log_z.shape[0]
     top, bottom = products[:n], products[-n:]
     # (in fp32 every step works in place and each copy_ below is a copy onto itself, which is skipped)
@@ -148,6 +176,10 @@ class FusedHead(torch.autograd.Function):
         log_z, target = c.new_empty(n, dtype=stats), c.new_empty(n, dtype=stats)
         e_bar = c.new_empty(n, c.shape[1]) if retrieve else None
         ent = c.new_empty(n, dtype=stats) if entropy else None
+        # one chunk of a head that retrieves nothing: its logits are kept for backward, which would otherwise
+        # recompute them into a buffer of the same size (so the peak stays where it was)
+        keep = 0 < n <= chunk and not retrieve and not entropy
+        kept_logits = None
         for s in range(0, n, chunk):
             logits = c[s : s + chunk] @ weight.t()
             picked = logits.gather(-1, rows[s : s + chunk, None]).squeeze(-1).to(stats)
@@ -155,6 +187,14 @@ class FusedHead(torch.autograd.Function):
                 torch.where(owned[s : s + chunk], picked, 0.0)
             )
             peak = tables.reduce_max(kernels(_row_max, logits, valid))
+            if keep:
+                kept_logits = logits
+                if kernels.compiles(logits):
+                    local = kernels(_exp_total, logits, valid, peak)
+                else:
+                    local = _exp_total_by_rows(logits, valid, peak)
+                log_z[s : s + chunk] = peak + tables.reduce_sum(local).log()
+                continue
             # (the exponentials replace the logits in place)
             kept = logits.clone() if entropy else None
             e, local = kernels(_shifted_exp, logits, valid, peak)
@@ -167,7 +207,7 @@ class FusedHead(torch.autograd.Function):
                 e_bar[s : s + chunk] = tables.reduce_sum(
                     kernels(_normalised, e, total, weight.dtype) @ weight
                 )
-        ctx.save_for_backward(c, weight, rows, owned, valid, log_z, e_bar)
+        ctx.save_for_backward(c, weight, rows, owned, valid, log_z, e_bar, kept_logits)
         ctx.chunk, ctx.gradients, ctx.table, ctx.kernels = chunk, gradients, table, kernels
         if entropy:
             ctx.mark_non_differentiable(ent)
@@ -175,7 +215,7 @@ class FusedHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_z, g_t, g_e, g_ent=None):
-        c, weight, rows, owned, valid, log_z, e_bar = ctx.saved_tensors
+        c, weight, rows, owned, valid, log_z, e_bar, kept_logits = ctx.saved_tensors
         grad_c, slot = torch.empty_like(c), ctx.gradients.slot(ctx.table, weight)
         # ∂L/∂E is summed over the chunks in fp32 (or wider): in place in its slot when that is fp32, else in an
         # accumulator rounded into the slot once at the end
@@ -184,9 +224,14 @@ class FusedHead(torch.autograd.Function):
         for s in range(0, c.shape[0], ctx.chunk):
             sl = slice(s, s + ctx.chunk)
             n = c[sl].shape[0]
-            # one matmul gives the products E_b·g_ē (top rows) and the recomputed logits (bottom rows); both
+            # one matmul gives the products E_b·g_ē (top rows) and the logits again (bottom rows); both
             # become, in place, the stacked coefficients [∂L/∂o ; p] of one ∂L/∂E matmul with [c ; g_ē]
-            products = (torch.cat([g_e[sl], c[sl]]) if retrieve else c[sl]) @ weight.t()
+            # (a head kept its logits in forward: one chunk, no retrieval; they are turned in place, so a second
+            # backward through the same graph, retain_graph=True, meets autograd's error for a changed saved tensor)
+            if kept_logits is not None:
+                products = kept_logits
+            else:
+                products = (torch.cat([g_e[sl], c[sl]]) if retrieve else c[sl]) @ weight.t()
             # ∂L/∂o = p (g_Z + E_b·g_ē − ē·g_ē) + g_t [b = target]
             coeff = torch.zeros_like(log_z[sl]) if g_z is None else g_z[sl].to(log_z.dtype)
             if retrieve:

@@ -143,7 +143,9 @@ class BucketTables(nn.Module):
         predicted. ``entropy``: also the head's entropy over the rows held here ``[N]`` (detached)."""
         rows, owned = self.local_index(targets)
         valid = None
-        if num_valid_rows is not None:
+        # a mask only where some row held here is padding: an all-true mask would cost a masked copy of every
+        # chunk's logits in each elementwise pass
+        if num_valid_rows is not None and self.row_offset + self.local_rows > num_valid_rows:
             valid = (
                 torch.arange(self.local_rows, device=c.device) + self.row_offset < num_valid_rows
             )

@@ -40,6 +40,10 @@ class Mode:
     eval_tolerance: float  # relative difference of -log P_inf, eval vs the training loop
     new_tokens: int  # tokens generated per timed call
     profiles: tuple[tuple[str, int], ...]  # (size, seq_len)
+    # tools/bench_reference.py: our Standard against transformers' Qwen3 of the same shape, in rounds
+    reference_size: str
+    reference_shapes: str  # SEQxMICRO, comma-separated
+    reference_rounds: int
     profile_dtype: str
     profile_steps: int
     profile_warmup: int
@@ -69,6 +73,9 @@ GPU = Mode(
     eval_tolerance=1e-4,
     new_tokens=64,
     profiles=(("1b", 2048), ("100m", 2048)),
+    reference_size="100m",
+    reference_shapes="256x4,2048x1",
+    reference_rounds=5,
     profile_dtype="bf16",
     profile_steps=5,
     profile_warmup=2,
@@ -89,7 +96,7 @@ GPU = Mode(
     ),
     sdpa_dtypes=("bf16", "fp32"),
     gloo_timeout_s=180,
-    estimates_s=(10, 180, 180, 150),
+    estimates_s=(10, 180, 180, 180),
 )
 CPU = Mode(
     name="cpu",
@@ -101,6 +108,9 @@ CPU = Mode(
     eval_tolerance=1e-4,
     new_tokens=8,
     profiles=(("tiny", 128),),
+    reference_size="tiny",
+    reference_shapes="128x2",
+    reference_rounds=2,
     profile_dtype="fp32",
     profile_steps=1,
     profile_warmup=1,
@@ -113,7 +123,7 @@ CPU = Mode(
     features=("grad-accum", "profiler-window", "document-masking"),
     sdpa_dtypes=("fp32",),
     gloo_timeout_s=600,
-    estimates_s=(5, 70, 50, 15),
+    estimates_s=(5, 70, 50, 30),
     # 1,024 buckets instead of the preset's 16,384: a CPU step of tiny-h4b16k in a seventh of the time
     train_overrides=("model.hash.num_buckets=1024",),
 )
@@ -265,7 +275,18 @@ def mhf_dist(
     """Run ``mhf-dist ARGS`` (its output in ``OUT/logs/NAME.log``) with ``threads`` OpenMP threads per process
     (default: every core); returns its stdout, raises ``StepFailed`` on a non-zero exit or a timeout
     (``timeout_s``, default the mode's)."""
-    cmd = [sys.executable, "-m", "mhf_dist", *args]
+    return python(ctx, name, ["-m", "mhf_dist", *args], timeout_s, threads)
+
+
+def python(
+    ctx: Context,
+    name: str,
+    args: list[str],
+    timeout_s: int | None = None,
+    threads: int | None = None,
+) -> str:
+    """``mhf_dist`` for any ``python ARGS`` of this interpreter (a checkout's ``tools/`` script)."""
+    cmd = [sys.executable, *args]
     log = ctx.logs / f"{name}.log"
     timeout_s = timeout_s or ctx.mode.timeout_s
     # a rank that crashes prints its Python stack (PYTHONFAULTHANDLER), which tells a gloo limitation from a defect

@@ -1,12 +1,24 @@
 """Step 4: ``mhf-dist profile`` of Standard and H4B16K per size: the timed training step and its MFU, the step-time
-ratio beside the analytic FLOP ratio, and the inference heads' time per token."""
+ratio beside the analytic FLOP ratio, and the inference heads' time per token; then ``tools/bench_reference.py``: our
+Standard step against transformers' own Qwen3 of the same shape, side by side in one process."""
 
 from __future__ import annotations
 
 import json
 import math
 
-from mhf_dist.commands.gpu_check.runner import FAIL, MEASURED, Check, Context, mhf_dist
+from mhf_dist.commands.gpu_check.runner import (
+    FAIL,
+    MEASURED,
+    ROOT,
+    SKIPPED,
+    Check,
+    Context,
+    mhf_dist,
+    python,
+)
+
+REFERENCE_BENCH = ROOT / "tools" / "bench_reference.py"
 
 
 def step_profile(ctx: Context) -> list[Check]:
@@ -41,7 +53,65 @@ def step_profile(ctx: Context) -> list[Check]:
         checks += [training_row_check(ctx, size, row) for row in rows.values()]
         checks.append(step_ratio_check(size, seq_len, rows))
         checks.append(scoring_check(size, result["scoring"]))
+    checks.append(reference_check(ctx))
     return checks
+
+
+def reference_check(ctx: Context) -> Check:
+    """Our Standard's (and MHF's) training step against transformers' ``Qwen3ForCausalLM`` of the same shape, in
+    interleaved rounds in one process (``tools/bench_reference.py``, a checkout's: skipped without one)."""
+    m = ctx.mode
+    name = f"reference-{m.reference_size}"
+    if not REFERENCE_BENCH.is_file():
+        return Check(name, SKIPPED, f"{REFERENCE_BENCH} is not here (run from a checkout)", {})
+    out = ctx.work / "reference.json"
+    python(
+        ctx,
+        name,
+        [
+            str(REFERENCE_BENCH),
+            "--size",
+            m.reference_size,
+            "--shapes",
+            m.reference_shapes,
+            "--rounds",
+            str(m.reference_rounds),
+            "--device",
+            m.device,
+            "--dtype",
+            m.profile_dtype,
+            "--out",
+            str(out),
+        ],
+    )
+    return reference_result_check(name, json.loads(out.read_text()))
+
+
+def reference_result_check(name: str, result: dict) -> Check:
+    values, parts = {}, []
+    for shape in result["shapes"]:
+        key = f"{shape['seq_len']}x{shape['micro_batch']}"
+        models = shape["models"]
+        values |= {
+            f"{model}_tokens_per_s_{key}": row["tokens_per_s"] for model, row in models.items()
+        }
+        values[f"standard_over_reference_{key}"] = shape["standard_over_reference"]["median"]
+        values[f"mhf_over_standard_step_{key}"] = shape["mhf_over_standard_step"]["median"]
+        values[f"mhf_over_standard_flops_{key}"] = shape["mhf_over_standard_flops"]
+        parts.append(
+            f"seq {shape['seq_len']} x {shape['micro_batch']}: Standard "
+            f"{shape['standard_over_reference']['median']:.2f}x the reference's tokens/s "
+            f"({models['standard']['tokens_per_s']:,.0f} vs {models['reference']['tokens_per_s']:,.0f}), "
+            f"MHF/Standard step {shape['mhf_over_standard_step']['median']:.2f} vs FLOPs "
+            f"{shape['mhf_over_standard_flops']:.2f}"
+        )
+    return Check(
+        name,
+        MEASURED if sane(values) else FAIL,
+        f"training step against transformers' Qwen3, {result['dtype']}, median of "
+        f"{result['rounds']} rounds: " + "; ".join(parts),
+        values,
+    )
 
 
 def sane(values: dict[str, float]) -> bool:
