@@ -57,25 +57,17 @@ PARTS = ("forward", "backward", "clip", "optimizer")
 
 
 def reference_model(size: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """transformers' ``Qwen3ForCausalLM`` of the shape of ``{size}-standard``, random init, SDPA attention."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """transformers' ``Qwen3ForCausalLM`` of ``{size}-standard``'s shape, with the config ``export-hf`` writes for
+    it (no special tokens: none is used), random init, SDPA attention, no cache."""
+    from types import SimpleNamespace
 
-    cfg = load_config(f"{size}-standard").model
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.ffn_dim,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
-        head_dim=cfg.resolved_head_dim,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.norm_eps,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        use_cache=False,
-    )
+    from transformers import Qwen3ForCausalLM
+
+    from mhf_dist.hf.exporter import hf_config
+
+    no_special_tokens = SimpleNamespace(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    config = hf_config(load_config(f"{size}-standard").model, VOCAB, no_special_tokens, None)
+    config.use_cache = False
     torch.manual_seed(0)
     model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa")
     return model.to(device=device, dtype=dtype).train()

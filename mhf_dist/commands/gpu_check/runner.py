@@ -265,17 +265,9 @@ def kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def mhf_dist(
-    ctx: Context,
-    name: str,
-    args: list[str],
-    timeout_s: int | None = None,
-    threads: int | None = None,
-) -> str:
-    """Run ``mhf-dist ARGS`` (its output in ``OUT/logs/NAME.log``) with ``threads`` OpenMP threads per process
-    (default: every core); returns its stdout, raises ``StepFailed`` on a non-zero exit or a timeout
-    (``timeout_s``, default the mode's)."""
-    return python(ctx, name, ["-m", "mhf_dist", *args], timeout_s, threads)
+def mhf_dist(ctx: Context, name: str, args: list[str], **limits) -> str:
+    """``python -m mhf_dist ARGS`` as ``python`` runs it (``limits``: its ``timeout_s`` and ``threads``)."""
+    return python(ctx, name, ["-m", "mhf_dist", *args], **limits)
 
 
 def python(
@@ -285,7 +277,9 @@ def python(
     timeout_s: int | None = None,
     threads: int | None = None,
 ) -> str:
-    """``mhf_dist`` for any ``python ARGS`` of this interpreter (a checkout's ``tools/`` script)."""
+    """Run ``python ARGS`` with this interpreter (``mhf-dist`` or a checkout's ``tools/`` script; its output in
+    ``OUT/logs/NAME.log``) with ``threads`` OpenMP threads per process (default: every core); returns its stdout,
+    raises ``StepFailed`` on a non-zero exit or a timeout (``timeout_s``, default the mode's)."""
     cmd = [sys.executable, *args]
     log = ctx.logs / f"{name}.log"
     timeout_s = timeout_s or ctx.mode.timeout_s
@@ -353,8 +347,8 @@ def run_jobs(ctx: Context, jobs: list[Job]) -> dict[str, BaseException | None]:
                 ctx,
                 name,
                 args,
-                ctx.mode.gloo_timeout_s if job.ranks > 1 else None,
-                threads[job.name],
+                timeout_s=ctx.mode.gloo_timeout_s if job.ranks > 1 else None,
+                threads=threads[job.name],
             )
 
     pool = concurrent.futures.ThreadPoolExecutor(ctx.mode.jobs)
