@@ -84,6 +84,17 @@ def test_a_step_out_of_memory_on_one_rank_is_reported_and_named_by_rank_0(
     )
     assert json.loads((run / "oom/last.json").read_text())["step"] == 3
 
+    # status names it: the step, the rank, the reports' folder, the exit code
+    from mhf_dist.cluster.run_status import gather
+    from mhf_dist.cluster.status import render
+
+    st = gather(run)
+    assert (st.out_of_memory.step, st.out_of_memory.ranks) == (3, [1])
+    assert st.out_of_memory.folder == str(report.parent)
+    line = next(x for x in render(st).splitlines() if x.startswith("oom "))
+    assert "out of memory at step 3, " in line and "1 rank (1), reports in " in line, line
+    assert f"(exit {OOM_EXIT_CODE}, not requeued)" in line, line
+
 
 def test_a_failed_allocation_of_the_cpu_allocator_is_out_of_memory():
     import torch

@@ -98,6 +98,16 @@ class Profile:
 
 
 @dataclass
+class OutOfMemory:
+    """The newest step that ran out of memory (``mhf_dist.train.oom``): its ranks' reports' folder."""
+
+    step: int
+    folder: str
+    ranks: list[int]  # the ranks that ran out, by their reports
+    age_s: float
+
+
+@dataclass
 class RunStatus:
     run_dir: str
     preset: str | None
@@ -140,6 +150,7 @@ class RunStatus:
     lock: Lock | None = None
     ranks: Ranks | None = None
     profiles: list[Profile] = field(default_factory=list)  # the profiler windows recorded, by step
+    out_of_memory: OutOfMemory | None = None  # the newest step out of memory (RUN/oom/last.json)
 
 
 # ---------------------------------------------------------------- reading a run directory
@@ -281,6 +292,23 @@ def read_profiles(run: RunDir) -> list[Profile]:
     return sorted(found, key=lambda p: (p.first_step, p.last_step))
 
 
+def read_out_of_memory(run: RunDir, now: float) -> OutOfMemory | None:
+    """``RUN/oom/last.json`` and the reports beside it, or None (no step ran out, or the record is unreadable)."""
+    try:
+        record = json.loads(run.oom_record.read_text())
+        # by its name under RUN/oom: the run directory may have been copied from where it ran
+        folder, written = run.oom_dir / Path(record["folder"]).name, run.oom_record.stat().st_mtime
+        step = int(record["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    ranks = sorted(
+        int(m.group(1))
+        for p in (folder.iterdir() if folder.is_dir() else [])
+        if (m := re.fullmatch(r"rank-(\d+)\.txt", p.name))
+    )
+    return OutOfMemory(step=step, folder=str(folder), ranks=ranks, age_s=now - written)
+
+
 def _by_rank(names: list[str], template: str) -> list[str]:
     """The ``names`` that are ``template`` of a rank (``{}``), by rank."""
     pattern = re.compile(re.escape(template).replace(re.escape("{}"), r"(\d+)"))
@@ -408,6 +436,7 @@ def gather(
     st.checkpoint, st.checkpoint_check, st.damaged_checkpoints = newest_checkpoint(run, now, verify)
     st.rollbacks = read_rollbacks(run)
     st.profiles = read_profiles(run)
+    st.out_of_memory = read_out_of_memory(run, now)
     st.lock = read_lock(run, now)
     st.job = current_job(run, st.lock)
     return st

@@ -19,6 +19,7 @@ from pathlib import Path
 from mhf_dist.cluster.rank_status import rank_lines
 from mhf_dist.cluster.run_status import COUNTERS, STALE_FLOOR_S, STALE_INTERVALS, RunStatus, gather
 from mhf_dist.config import ConfigError
+from mhf_dist.errors import OOM_EXIT_CODE
 from mhf_dist.storage.run_lock import STALE_S
 from mhf_dist.train.console import duration
 
@@ -247,6 +248,20 @@ def render(st: RunStatus) -> str:
             )
         )
     lines += _profile_lines(st)
+    if oom := st.out_of_memory:
+        after = (
+            f"; the run went on to step {st.step} since"
+            if st.step is not None and st.step >= oom.step
+            else f" (exit {OOM_EXIT_CODE}, not requeued)"
+        )
+        lines.append(
+            _line(
+                "oom",
+                f"out of memory at step {oom.step}, {duration(oom.age_s)} ago: "
+                f"{_count(len(oom.ranks), 'rank')} ({', '.join(map(str, oom.ranks))}), "
+                f"reports in {oom.folder}{after}",
+            )
+        )
     return "\n".join(lines + rank_lines(st.ranks, _line) + _job_lines(st))
 
 
