@@ -4,6 +4,7 @@ to reach them (credentials, bucket, access, endpoint, package) named at the star
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 
@@ -89,6 +90,50 @@ def test_a_flipped_byte_in_an_uploaded_shard_fails_its_checksum(s3, data, bucket
     with pytest.raises(DataError, match=rf"shard {url}/{name} fails its SHA-256 check"):
         reader.next_rows(samples)
     reader.close()
+
+
+def test_parts_prepared_into_a_bucket_merge_there_as_they_do_on_disk(
+    s3, data, bucket_fs, tmp_path, capsys
+):
+    """``prepare-data --part I/N --out URL`` then ``--merge URL``: the bucket holds what the same steps leave on
+    disk, object for object, and its merged manifest reads (SHA-256 checked) as the local one; merging again is
+    refused without --overwrite, and a part's missing shard is named."""
+    with open_url("mhf_dist/data/corpus/kjv.txt.gz") as raw:
+        documents = gzip.decompress(raw.read()).decode("utf-8").split("\n\n")[:600]
+    texts = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    texts[0].write_text("\n\n".join(documents[:300]))
+    texts[1].write_text("\n\n".join(documents[300:]))
+    common = [*map(str, texts), "--tokenizer", str(data["tokenizer"]), "--seq-len", "64"]
+    common += ["--samples-per-shard", "16", "--workers", "1", "--no-progress"]
+    url, local = f"s3://{BUCKET}/parts", tmp_path / "local"
+    for part in ("2/2", "1/2"):  # in the order array tasks may finish
+        for out in (url, str(local)):
+            assert main(["prepare-data", *common, "--part", part, "--out", out]) == 0
+    part_urls = [f"{url}/part-{i}-of-2" for i in (2, 1)]
+    assert main(["prepare-data", "--merge", url, *part_urls]) == 0
+    assert f"wrote {url}/manifest.json" in capsys.readouterr().out
+    assert main(["prepare-data", "--merge", str(local), *map(str, local.glob("part-*"))]) == 0
+    bucket_fs.invalidate_cache()
+    on_disk = {
+        p.relative_to(local).as_posix(): p.read_bytes()
+        for p in local.rglob("*")
+        if p.is_file() and ".readers" not in p.parts
+    }
+    assert _objects(bucket_fs, url) == on_disk
+    assert len(json.loads(on_disk["manifest.json"])["splits"]["train"]["shards"]) > 2
+    remote, here = ShardReader(url, shuffle_window=1), ShardReader(str(local), shuffle_window=1)
+    assert [r.tolist() for r in remote.next_rows(40)] == [r.tolist() for r in here.next_rows(40)]
+    remote.close(), here.close()
+
+    assert main(["prepare-data", "--merge", url, *part_urls]) == 2
+    assert f"{url} already holds a manifest.json or tokenizer/; pass --overwrite" in (
+        capsys.readouterr().err
+    )
+    bucket_fs.rm_file(f"{BUCKET}/parts/part-2-of-2/train-000000.tar")
+    assert main(["prepare-data", "--merge", url, *part_urls, "--overwrite"]) == 2
+    assert f"shard {url}/part-2-of-2/train-000000.tar is missing" in capsys.readouterr().err
+    assert main(["prepare-data", "--merge", url, f"s3://{BUCKET}/elsewhere/part-1-of-2"]) == 2
+    assert "is not inside" in capsys.readouterr().err
 
 
 def test_a_bucket_that_does_not_exist_is_named(s3, capsys):

@@ -53,7 +53,8 @@ def prepare_data_parser(sub) -> None:
         "--merge",
         metavar="OUT",
         help="write one manifest over the parts (directories inside OUT, given "
-        "as the inputs) into OUT, shards left in place; it trains as a one-process preparation would",
+        "as the inputs) into OUT, shards left in place; it trains as a one-process preparation would. OUT may "
+        "be a directory of object storage (s3://bucket/shards) holding parts prepared with --out there",
     )
     add_preparation_options(p)
     p.add_argument(

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         refuse_if_read(args.merge)  # its manifest is replaced in place
         manifest = merge(args.merge, args.inputs, args.overwrite)
         print(f"merged {len(manifest['parts'])} parts")
-        _print_summary(manifest, Path(args.merge))
+        _print_summary(manifest, args.merge.rstrip("/") if is_url(args.merge) else Path(args.merge))
         return 0
     if is_url(args.out):
         return _prepare_to_url(args)

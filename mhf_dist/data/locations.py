@@ -104,7 +104,7 @@ def read_json(location: str) -> dict:
         ) from None
 
 
-def _storage(url: str):
+def storage(url: str):
     """fsspec's filesystem for ``url`` and the path in it, with its errors named."""
     try:
         import fsspec
@@ -117,7 +117,7 @@ def _storage(url: str):
 def check_upload(url: str, overwrite: bool) -> None:
     """Before preparing into ``url`` (object storage): its bucket exists and can be reached, and it holds no
     manifest unless ``overwrite``."""
-    fs, path = _storage(url)
+    fs, path = storage(url)
     try:
         exists = fs.exists(f"{path.rstrip('/')}/{MANIFEST}")
         bucket = path.split("/", 1)[0]
@@ -136,7 +136,7 @@ def upload(local: Path, url: str, overwrite: bool) -> None:
     """Copy the prepared directory ``local`` to ``url``: with ``overwrite`` what lies under ``url`` is removed first;
     the manifest goes last, so that a reader never finds one whose shards are not all there."""
     check_upload(url, overwrite)
-    fs, path = _storage(url)
+    fs, path = storage(url)
     path = path.rstrip("/")
     files = sorted(f for f in local.rglob("*") if f.is_file())
     try:

@@ -10,11 +10,12 @@ import json
 import os
 import shutil
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mhf_dist.atomic import write_atomic
 from mhf_dist.data.formats import FORMAT, MANIFEST, TOKENIZER_DIR, DataError, check_samples
+from mhf_dist.data.locations import is_url, storage, storage_error
 
 
 def part_files(files: Sequence[Path], index: int, count: int) -> list[Path]:
@@ -64,13 +65,23 @@ _SHARED = (
 def _read_part(out: Path, part_dir: Path) -> dict:
     """A part's manifest, after checking that it is a finished part inside ``out``."""
     if not part_dir.resolve().is_relative_to(out.resolve()) or part_dir.resolve() == out.resolve():
-        raise DataError(
-            f"part directory {part_dir} is not inside {out}: the merged manifest names the parts' shards "
-            f"by their paths under {out}, so that it can be copied or moved whole; move the part there "
-            f"(prepare-data --part I/N --out {out} writes part I into {out}/part-I-of-N)"
-        )
+        raise _outside(part_dir, out)
+    return _part_manifest(str(part_dir), lambda path: Path(path).read_bytes())
+
+
+def _outside(part_dir, out) -> DataError:
+    return DataError(
+        f"part directory {part_dir} is not inside {out}: the merged manifest names the parts' shards "
+        f"by their paths under {out}, so that it can be copied or moved whole; move the part there "
+        f"(prepare-data --part I/N --out {out} writes part I into {out}/part-I-of-N)"
+    )
+
+
+def _part_manifest(part_dir: str, read: Callable[[str], bytes]) -> dict:
+    """The manifest of a finished part at ``part_dir`` (a path or URL), its bytes read with ``read``."""
+    where = f"{str(part_dir).rstrip('/')}/{MANIFEST}"
     try:
-        manifest = json.loads((part_dir / MANIFEST).read_text())
+        manifest = json.loads(read(where))
     except FileNotFoundError:
         raise DataError(
             f"part directory {part_dir} has no {MANIFEST}: its preparation did not finish; run its "
@@ -78,8 +89,8 @@ def _read_part(out: Path, part_dir: Path) -> dict:
         ) from None
     if manifest.get("format") != FORMAT or "part" not in manifest:
         raise DataError(
-            f"{part_dir / MANIFEST} is not the manifest of a part (prepared with --part I/N); merge only "
-            "the parts of one preparation"
+            f"{where} is not the manifest of a part (prepared with --part I/N); merge only the parts of one "
+            "preparation"
         )
     return manifest
 
@@ -131,10 +142,14 @@ def _check_shard_files(part_dir: Path, manifest: dict) -> None:
         for entry in split["shards"]:
             path = part_dir / entry["name"]
             if not path.is_file() or path.stat().st_size != entry["bytes"]:
-                raise DataError(
-                    f"shard {path} is missing or not {entry['bytes']} bytes as {part_dir / MANIFEST} "
-                    "says; prepare that part again"
-                )
+                raise _bad_shard(path, entry, part_dir)
+
+
+def _bad_shard(path, entry: dict, part_dir) -> DataError:
+    return DataError(
+        f"shard {path} is missing or not {entry['bytes']} bytes as {part_dir}/{MANIFEST} says; prepare that "
+        "part again"
+    )
 
 
 def merge(
@@ -142,41 +157,101 @@ def merge(
 ) -> dict:
     """One ``manifest.json`` (and ``tokenizer/``) in ``out`` over the parts in ``part_dirs`` (directories inside
     ``out``), shards left in place; returns the manifest. ``out``'s manifest and tokenizer are replaced only with
-    ``overwrite``; the parts are never changed."""
-    out = Path(out)
+    ``overwrite``; the parts are never changed. ``out`` may be a URL (object storage, ``merge_in_storage``)."""
     if not part_dirs:
         raise DataError(f"nothing to merge into {out}: pass the part directories")
+    if is_url(str(out)):
+        return merge_in_storage(str(out), [str(d) for d in part_dirs], overwrite)
+    out = Path(out)
     parts = [(Path(d), _read_part(out, Path(d))) for d in part_dirs]
-    _check_alike(parts)
-    parts = _in_order(parts)
+    parts = _checked(parts)
     for part_dir, manifest in parts:
         _check_shard_files(part_dir, manifest)
     if not overwrite and any((out / name).exists() for name in (MANIFEST, TOKENIZER_DIR)):
-        raise DataError(
-            f"{out} already holds a {MANIFEST} or {TOKENIZER_DIR}/; pass --overwrite to replace them "
-            "(the parts stay as they are)"
-        )
-    merged = dict(parts[0][1])  # the shared settings, in a one-process manifest's key order
-    del merged["part"]
-    merged["inputs"] = [f for _, m in parts for f in m["inputs"]]
-    merged["skipped_documents"] = sum(m["skipped_documents"] for _, m in parts)
-    merged["splits"] = {
-        name: _merged_split(out, [(d, m["splits"][name]) for d, m in parts])
-        for name in merged["splits"]
-    }
-    merged["parts"] = [_under(out, d) for d, _ in parts]
-    check_samples(merged["splits"], merged["inputs"], merged["seq_len"])
+        raise _already_merged(out)
+    merged = _merged_manifest([(_under(out, d), m) for d, m in parts])
     _replace_tokenizer(parts[0][0] / merged["tokenizer"], out / TOKENIZER_DIR)
     write_atomic(out / MANIFEST, json.dumps(merged, indent=2) + "\n")
     return merged
 
 
-def _merged_split(out: Path, splits: list[tuple[Path, dict]]) -> dict:
-    """The parts' splits as one: counts summed, shard entries in part order, named by their path under ``out``."""
+def merge_in_storage(out: str, part_dirs: Sequence[str], overwrite: bool = False) -> dict:
+    """``merge`` where ``out`` and its parts lie in object storage (``prepare-data --part I/N --out URL``): the same
+    checks and manifest, each shard's size read from the store; an old manifest is deleted before the tokenizer is
+    replaced and the new one is written last (one object written whole), so a reader never finds a manifest whose
+    tokenizer is not the one beside it."""
+    fs, root = storage(out)
+    root = root.rstrip("/")
+
+    def under(part_dir: str) -> str:
+        path = storage(part_dir)[1].rstrip("/")
+        if not path.startswith(root + "/"):
+            raise _outside(part_dir, out)
+        return path.removeprefix(root + "/")
+
+    try:
+        parts = [
+            (under(d), _part_manifest(d, lambda url: fs.cat_file(storage(url)[1])))
+            for d in part_dirs
+        ]
+        parts = _checked(parts)
+        for name, manifest in parts:
+            for split in manifest["splits"].values():
+                for entry in split["shards"]:
+                    path = f"{root}/{name}/{entry['name']}"
+                    if not fs.exists(path) or fs.size(path) != entry["bytes"]:
+                        raise _bad_shard(f"{out.rstrip('/')}/{name}/{entry['name']}", entry, name)
+        held = [n for n in (MANIFEST, TOKENIZER_DIR) if fs.exists(f"{root}/{n}")]
+        if held and not overwrite:
+            raise _already_merged(out)
+        merged = _merged_manifest(parts)
+        if MANIFEST in held:
+            fs.rm_file(f"{root}/{MANIFEST}")
+        if TOKENIZER_DIR in held:
+            fs.rm(f"{root}/{TOKENIZER_DIR}", recursive=True)
+        fs.copy(
+            f"{root}/{parts[0][0]}/{merged['tokenizer']}", f"{root}/{TOKENIZER_DIR}", recursive=True
+        )
+        fs.pipe_file(f"{root}/{MANIFEST}", (json.dumps(merged, indent=2) + "\n").encode())
+    except DataError:
+        raise
+    except Exception as e:
+        raise storage_error(out, e) from None
+    return merged
+
+
+def _checked(parts: list[tuple]) -> list[tuple]:
+    """The parts, alike and in part order (``_check_alike``, ``_in_order``)."""
+    _check_alike(parts)
+    return _in_order(parts)
+
+
+def _merged_manifest(parts: list[tuple[str, dict]]) -> dict:
+    """The manifest of the parts ``(path under the merged directory, manifest)``, in part order."""
+    merged = dict(parts[0][1])  # the shared settings, in a one-process manifest's key order
+    del merged["part"]
+    merged["inputs"] = [f for _, m in parts for f in m["inputs"]]
+    merged["skipped_documents"] = sum(m["skipped_documents"] for _, m in parts)
+    merged["splits"] = {
+        name: _merged_split([(d, m["splits"][name]) for d, m in parts]) for name in merged["splits"]
+    }
+    merged["parts"] = [d for d, _ in parts]
+    check_samples(merged["splits"], merged["inputs"], merged["seq_len"])
+    return merged
+
+
+def _already_merged(out) -> DataError:
+    return DataError(
+        f"{out} already holds a {MANIFEST} or {TOKENIZER_DIR}/; pass --overwrite to replace them "
+        "(the parts stay as they are)"
+    )
+
+
+def _merged_split(splits: list[tuple[str, dict]]) -> dict:
+    """The parts' splits as one: counts summed, shard entries in part order, named by their path under the merged
+    directory (each part's given with its split)."""
     shards = [
-        entry | {"name": f"{_under(out, d)}/{entry['name']}"}
-        for d, split in splits
-        for entry in split["shards"]
+        entry | {"name": f"{d}/{entry['name']}"} for d, split in splits for entry in split["shards"]
     ]
     sums = {
         key: sum(split[key] for _, split in splits)
