@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +21,7 @@ from mhf_dist.data.locations import open_url
 from mhf_dist.data.reader import ShardReader
 
 BUCKET = "mhf-test"
+REPO = Path(__file__).resolve().parents[1]
 SHARDS = f"s3://{BUCKET}/shards"
 
 
@@ -134,6 +138,52 @@ def test_parts_prepared_into_a_bucket_merge_there_as_they_do_on_disk(
     assert f"shard {url}/part-2-of-2/train-000000.tar is missing" in capsys.readouterr().err
     assert main(["prepare-data", "--merge", url, f"s3://{BUCKET}/elsewhere/part-1-of-2"]) == 2
     assert "is not inside" in capsys.readouterr().err
+
+
+def test_submit_data_prepares_and_merges_into_a_bucket(s3, data, bucket_fs, tmp_path, capsys):
+    """``submit-data --out s3://...``: its array tasks' and merge's scripts, run as SLURM would run them (srun
+    running the command as it is), leave a merged dataset in the bucket; the logs go to ``--jobs-dir``, which such
+    an ``--out`` needs."""
+    from mhf_dist.cluster.profile import load_profile
+    from mhf_dist.cluster.submit import render_data
+
+    for k in range(2):
+        (tmp_path / f"{k}.txt").write_text(f"document {k} " * 200 + "\n\nanother one\n")
+    url = f"s3://{BUCKET}/submitted"
+    args = ["submit-data", str(tmp_path / "*.txt"), "--tokenizer", str(data["tokenizer"])]
+    args += ["--out", url, "--seq-len", "16", "--parts", "2", "--cluster", "cpu-local", "--dry-run"]
+    assert main(args) == 2
+    assert "pass --jobs-dir DIR, a directory every node sees" in capsys.readouterr().err
+    jobs = tmp_path / "jobs"
+    scripts = render_data(
+        load_profile("cpu-local"),
+        [str(tmp_path / "*.txt")],
+        tokenizer=str(data["tokenizer"]),
+        out=url,
+        parts=2,
+        options=["--seq-len", "16", "--samples-per-shard", "4"],
+        workers=1,
+        python=sys.executable,
+        jobs_dir=jobs,
+    )
+    assert f"#SBATCH --chdir={jobs}" in scripts[0] and f"--out {url} " in scripts[0]
+    assert f"--merge {url} {url}/part-1-of-2 {url}/part-2-of-2" in scripts[1]
+    srun = tmp_path / "bin" / "srun"
+    srun.parent.mkdir()
+    srun.write_text('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n')
+    srun.chmod(0o755)
+    env = os.environ | {"PATH": f"{srun.parent}:{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
+    jobs.mkdir()
+    for script, task in ((scripts[0], "2"), (scripts[0], "1"), (scripts[1], None)):
+        task_env = env | ({"SLURM_ARRAY_TASK_ID": task} if task else {})
+        proc = subprocess.run(
+            ["bash", "-c", script], env=task_env, cwd=jobs, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    bucket_fs.invalidate_cache()
+    merged = json.loads(bucket_fs.cat_file(f"{BUCKET}/submitted/manifest.json"))
+    assert merged["parts"] == ["part-1-of-2", "part-2-of-2"] and len(merged["inputs"]) == 2
+    assert bucket_fs.exists(f"{BUCKET}/submitted/tokenizer/tokenizer.json")
 
 
 def test_a_bucket_that_does_not_exist_is_named(s3, capsys):

@@ -272,10 +272,11 @@ def cmd_submit_data(args) -> int:
     from mhf_dist.cluster.scheduler.slurm import DATA_SCRIPTS as names
     from mhf_dist.cluster.scheduler.slurm import SLURM
     from mhf_dist.data.inputs import expand_inputs
+    from mhf_dist.data.locations import is_url
     from mhf_dist.data.parts import part_files
-    from mhf_dist.storage.run_dir import RunDir
 
-    profile, out = _chosen_profile(args), Path(args.out)
+    profile, out = _chosen_profile(args), args.out if is_url(args.out) else Path(args.out)
+    jobs_dir = jobs.data_jobs_dir(out, Path(args.jobs_dir) if args.jobs_dir else None)
     # the inputs are there, at least one file per part
     part_files(expand_inputs(args.inputs), 1, args.parts)
     options = [
@@ -293,30 +294,29 @@ def cmd_submit_data(args) -> int:
         options=options,
         workers=args.workers,
         python=args.python,
+        jobs_dir=jobs_dir,
     )
     if args.dry_run:
         for name, script in zip(names, scripts):
             print(f"# ---------------- {name}\n{script}", end="")
         print(
             f"# nothing submitted. To submit these scripts yourself, save them as {names[0]} and {names[1]}, run "
-            f"`mkdir -p {RunDir(out.resolve()).jobs_dir}` (SLURM does not create the log directory), then "
+            f"`mkdir -p {jobs_dir}` (SLURM does not create the log directory), then "
             f"`{SLURM.data_submission_command(*map(Path, names))}` (or use --write DIR)",
             file=sys.stderr,
         )
         return 0
     if args.write:
-        paths = [
-            jobs.write_script(script, Path(args.write) / name, out)
-            for name, script in zip(names, scripts)
-        ]
+        paths = jobs.write_data_scripts(scripts, Path(args.write), out, jobs_dir)
         print(
             f"wrote {paths[0]} and {paths[1]}; submit them with: {SLURM.data_submission_command(*paths)}"
         )
         return 0
-    array, merge = jobs.submit_data(*scripts, out)
+    array, merge = jobs.submit_data(*scripts, out, jobs_dir)
+    where = out if is_url(out) else out.resolve()
     print(
         f"submitted array job {array} ({args.parts} parts) and merge job {merge} (after all parts succeed); "
-        f"logs: {RunDir(out.resolve()).jobs_dir}; the data: {out.resolve()}"
+        f"logs: {jobs_dir}; the data: {where}"
     )
     return 0
 
@@ -342,7 +342,13 @@ def submit_data_parser(sub) -> None:
         "--out",
         required=True,
         help="the dataset directory: part I goes into OUT/part-I-of-N, the merge "
-        "writes OUT/manifest.json",
+        "writes OUT/manifest.json; or its URL in object storage (s3://bucket/data: give --jobs-dir)",
+    )
+    p.add_argument(
+        "--jobs-dir",
+        metavar="DIR",
+        help="where the job scripts and their logs go, on storage every node sees (default OUT/jobs; needed "
+        "with an --out in object storage)",
     )
     p.add_argument(
         "--seq-len",

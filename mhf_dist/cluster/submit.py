@@ -175,41 +175,67 @@ def render_data(
     inputs: list[str],
     *,
     tokenizer: str,
-    out: Path,
+    out: Path | str,
     parts: int,
     options: list[str],
     workers: int | None = None,
     python: str | None = None,
+    jobs_dir: Path | None = None,
 ) -> tuple[str, str]:
     """``submit-data``'s two jobs (a scheduler's array job preparing part I of ``parts`` of ``inputs`` into ``out``
     on one node each, and the job merging the parts); ``options`` are more ``prepare-data`` options. Paths are made
-    absolute."""
-    from mhf_dist.data.parts import (
-        part_dirs_pattern,
-    )  # the data stack, which training's submit does without
+    absolute. ``out`` may be a URL of object storage, where the merge names every part (no glob lists a bucket);
+    the scripts' logs go into ``jobs_dir`` (``data_jobs_dir``)."""
+    # the data stack, which training's submit does without
+    from mhf_dist.data.locations import is_url
+    from mhf_dist.data.parts import part_dir_name, part_dirs_pattern
 
-    out = Path(no_control_characters("--out", str(out))).resolve()
     if tokenizer != "mistral-v0.3":
         tokenizer = str(Path(no_control_characters("--tokenizer", tokenizer)).resolve())
     # globs kept
     inputs = [str(Path(no_control_characters("inputs", pattern)).absolute()) for pattern in inputs]
-    merge_args = (
-        shlex.join(["--merge", str(out), *[o for o in options if o == "--overwrite"]])
-        + f" {shlex.quote(str(out))}/{part_dirs_pattern(parts)}"
-    )  # the glob outside the quotes
+    overwrite = [o for o in options if o == "--overwrite"]
+    jobs_dir = data_jobs_dir(out, jobs_dir)
+    if is_url(str(out)):
+        out = no_control_characters("--out", str(out)).rstrip("/")
+        every_part = [f"{out}/{part_dir_name(i, parts)}" for i in range(1, parts + 1)]
+        merge_args = shlex.join(["--merge", out, *overwrite, *every_part])
+        workdir = jobs_dir
+    else:
+        out = workdir = Path(no_control_characters("--out", str(out))).resolve()
+        merge_args = (
+            shlex.join(["--merge", str(out), *overwrite])
+            + f" {shlex.quote(str(out))}/{part_dirs_pattern(parts)}"
+        )  # the glob outside the quotes
     shell = _shell_values(profile, python, SLURM.in_container(profile))
     return SLURM.render_data(
         profile,
         shell,
         parts=parts,
-        out=out,
-        log_dir=RunDir(out).jobs_dir,
+        out=str(out),
+        workdir=workdir,
+        log_dir=jobs_dir,
         inputs=inputs,
         tokenizer=tokenizer,
         options=options,
         cpus=workers or profile.cores_per_node,
         merge_args=merge_args,
     )
+
+
+def data_jobs_dir(out: Path | str, jobs_dir: Path | None) -> Path:
+    """Where ``submit-data``'s scripts and logs go: ``jobs_dir``, else ``OUT/jobs``; an ``out`` in object storage
+    needs ``jobs_dir`` (a directory the nodes share)."""
+    from mhf_dist.data.locations import is_url
+
+    if jobs_dir is not None:
+        return Path(no_control_characters("--jobs-dir", str(jobs_dir))).resolve()
+    if is_url(str(out)):
+        raise ConfigError(
+            f"--out {out} lies in object storage, where SLURM cannot write the jobs' logs: pass --jobs-dir DIR, "
+            "a directory every node sees, for the job scripts and their logs"
+        )
+    return RunDir(Path(out).resolve()).jobs_dir
 
 
 def write_script(script: str, path: Path, run_dir: Path) -> Path:
@@ -233,11 +259,25 @@ def submit(scheduler: Scheduler, script: str, run_dir: Path, cluster: str, nodes
     return job
 
 
-def submit_data(prepare: str, merge: str, out: Path) -> tuple[str, str]:
+def write_data_scripts(
+    scripts: tuple[str, str], folder: Path, out: Path | str, jobs_dir: Path
+) -> list[Path]:
+    """``submit-data``'s two scripts written into ``folder`` (``DATA_SCRIPTS``), and their log directory
+    ``jobs_dir`` made (``OUT/jobs`` as a run's is, with its older name beside it)."""
+    from mhf_dist.data.locations import is_url
+
+    if not is_url(str(out)) and jobs_dir == RunDir(Path(out).resolve()).jobs_dir:
+        RunDir(Path(out).resolve()).make_jobs_dir()
+    else:
+        jobs_dir.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / name for name in DATA_SCRIPTS]
+    for script, path in zip(scripts, paths):
+        path.write_text(script)
+    return paths
+
+
+def submit_data(prepare: str, merge: str, out: Path | str, jobs_dir: Path) -> tuple[str, str]:
     """Submit ``submit-data``'s array job, then its merge job to start after every part succeeded (the scripts kept in
-    ``OUT/jobs``); the two job ids."""
-    paths = [
-        write_script(script, RunDir(out.resolve()).jobs_dir / name, out)
-        for script, name in zip((prepare, merge), DATA_SCRIPTS)
-    ]
-    return SLURM.submit_data(*paths)
+    ``jobs_dir``); the two job ids."""
+    return SLURM.submit_data(*write_data_scripts((prepare, merge), jobs_dir, out, jobs_dir))

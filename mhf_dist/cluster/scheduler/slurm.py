@@ -20,7 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
 from string import Template
 from typing import TYPE_CHECKING
 
@@ -329,7 +329,8 @@ class Slurm:
         shell: dict[str, str],
         *,
         parts: int,
-        out: Path,
+        out: str,
+        workdir: Path,
         log_dir: Path,
         inputs: list[str],
         tokenizer: str,
@@ -337,16 +338,16 @@ class Slurm:
         cpus: int,
         merge_args: str,
     ) -> tuple[str, str]:
-        """The array job preparing part ``$SLURM_ARRAY_TASK_ID`` of ``parts`` of ``inputs`` into ``out`` and the job
-        merging the parts (``DATA_SCRIPTS``); ``shell`` holds the job's shell values, ``merge_args`` the merge's
-        ``prepare-data`` arguments."""
+        """The array job preparing part ``$SLURM_ARRAY_TASK_ID`` of ``parts`` of ``inputs`` into ``out`` (a directory
+        or a URL) and the job merging the parts (``DATA_SCRIPTS``), both run in ``workdir``; ``shell`` holds the
+        job's shell values, ``merge_args`` the merge's ``prepare-data`` arguments."""
         check_site_values(profile)
         mem = 0 if profile.all_memory else None
         common = dict(
             profile=profile.name,
             time=sbatch_quoted("time", profile.time),
             log_dir=log_dir,
-            sbatch_out=sbatch_quoted("--out", out),
+            sbatch_out=sbatch_quoted("--out", workdir),
             srun_args=_srun_args(self.own(profile).srun_args),
             **shell,
         )
@@ -354,7 +355,7 @@ class Slurm:
         prepare = template.substitute(
             common,
             what=f"part $SLURM_ARRAY_TASK_ID of {parts} of the inputs, one array task each.",
-            job_name=job_name("mhf-data", out),
+            job_name=job_name("mhf-data", PurePosixPath(out)),
             cpus_per_task=cpus,
             sbatch_log=sbatch_quoted("--out", f"{log_dir}/%x-%A_%a.out"),
             extra_sbatch="\n".join(_sbatch_lines(profile, {"mem": mem, "array": f"1-{parts}"})),
@@ -364,7 +365,7 @@ class Slurm:
                     "--tokenizer",
                     tokenizer,
                     "--out",
-                    str(out),
+                    out,
                     *options,
                     "--workers",
                     str(cpus),
@@ -376,7 +377,7 @@ class Slurm:
         merge = template.substitute(
             common,
             what=f"merges the {parts} parts once all succeeded (sbatch --dependency=afterok:ARRAY_JOB).",
-            job_name=job_name("mhf-merge", out),
+            job_name=job_name("mhf-merge", PurePosixPath(out)),
             cpus_per_task=1,
             sbatch_log=sbatch_quoted("--out", f"{log_dir}/%x-%j.out"),
             extra_sbatch="\n".join(_sbatch_lines(profile, {"mem": mem})),
@@ -413,7 +414,7 @@ class Slurm:
         return f"submit it with: sbatch {path}"
 
 
-def job_name(prefix: str, directory: Path) -> str:
+def job_name(prefix: str, directory: PurePath) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{prefix}-{directory.name}")
 
 
