@@ -34,6 +34,7 @@ from mhf_dist.train.checkpoint import (
     set_rng_state,
 )
 from mhf_dist.train.checkpoint.index import checkpoint_bytes, complete_checkpoints
+from mhf_dist.train.checkpoint.store import CheckpointStore
 from mhf_dist.train.fault_injection import DISK_BYTES_ENV, free_bytes
 
 ZERO1 = "parallel.zero_stage=1"
@@ -433,6 +434,7 @@ def _rank0_checkpointer(ckpts: Path, keep: int) -> Checkpointer:
     """A Checkpointer's rank-0 side without a process group: what retention before a save reads."""
     checkpointer = object.__new__(Checkpointer)
     checkpointer.dir, checkpointer.deleter = ckpts, BackgroundDeleter(ckpts)
+    checkpointer.store = CheckpointStore(ckpts)
     checkpointer.cfg = load_config("tiny-h4b16k", overrides=[f"train.keep_checkpoints={keep}"])
     return checkpointer
 

@@ -33,6 +33,7 @@ from mhf_dist.train.checkpoint.index import (
     read_marker,
     step_directories,
 )
+from mhf_dist.train.checkpoint.store import run_store
 from mhf_dist.train.metrics import read_metrics
 from mhf_dist.train.rollback import read_rollbacks
 from mhf_dist.train.schedule import decay_begins, phase
@@ -133,6 +134,10 @@ class RunStatus:
     checkpoint: Checkpoint | None = None
     checkpoint_check: str = "sizes"
     damaged_checkpoints: list[DamagedCheckpoint] = field(default_factory=list)
+    # train.checkpoint_dir in object storage: its URL, and its checkpoints ({name, complete, problem}) by step
+    checkpoint_store: str | None = None
+    stored_checkpoints: list[dict] | None = None
+    store_error: str | None = None  # why the store could not be listed
     validation: dict | None = None
     # the last logged scores of train.eval_tasks (eval/<task>/<metric>), with their step
     downstream: dict | None = None
@@ -202,6 +207,23 @@ def _mean(values: list) -> float | None:
 
 def _int(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def stored_checkpoints(run: RunDir) -> tuple[str | None, list[dict] | None, str | None]:
+    """(the URL of the run's checkpoints in object storage, its checkpoints, why they could not be listed); all None
+    for a run that keeps them in RUN/checkpoints."""
+    store = run_store(run)
+    if store.url is None:
+        return None, None, None
+    try:
+        listed = store.listing()
+    except CheckpointError as e:
+        return store.url, None, str(e)
+    return (
+        store.url,
+        [{"name": n, "complete": p is None, "problem": p} for n, p in listed],
+        None,
+    )
 
 
 def newest_checkpoint(
@@ -434,6 +456,7 @@ def gather(
         if resolved is not None and st.step:
             st.schedule = schedule_phase(resolved, st.step)
     st.checkpoint, st.checkpoint_check, st.damaged_checkpoints = newest_checkpoint(run, now, verify)
+    st.checkpoint_store, st.stored_checkpoints, st.store_error = stored_checkpoints(run)
     st.rollbacks = read_rollbacks(run)
     st.profiles = read_profiles(run)
     st.out_of_memory = read_out_of_memory(run, now)

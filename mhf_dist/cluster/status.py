@@ -175,6 +175,8 @@ def _checkpoint_lines(st: RunStatus) -> list[str]:
                 f"{ck.name} (step {ck.step}, {ck.reason}, {duration(ck.age_s)} ago){verified}",
             )
         ]
+    elif st.checkpoint_store is not None and not st.damaged_checkpoints:
+        lines = []  # the stored ones below; RUN/checkpoints holds none
     else:
         lines = [
             _line("checkpoint", "none that verifies" if st.damaged_checkpoints else "none yet")
@@ -193,6 +195,13 @@ def _checkpoint_lines(st: RunStatus) -> list[str]:
         lines.append(
             _line("", "train --resume auto refuses to start: copy the damaged files back intact")
         )
+    if st.checkpoint_store is not None:
+        lines.append(_line("stored", st.store_error or st.checkpoint_store))
+        for ck in st.stored_checkpoints or []:
+            state = "complete" if ck["complete"] else f"incomplete: {ck['problem']}"
+            lines.append(_line("", f"{ck['name']} ({state})"))
+        if st.stored_checkpoints == []:
+            lines.append(_line("", "no checkpoint yet"))
     return lines
 
 

@@ -141,6 +141,18 @@ class TrainConfig(Strict):
         "checkpoint); a background thread writes, fsyncs and digests the files, then complete.json; the next save, "
         "the end of training and a preemption wait for it",
     )
+    checkpoint_dir: str | None = Field(
+        None,
+        description="where checkpoints are kept: None, RUN/checkpoints; or a URL of object storage "
+        "(s3://bucket/prefix, any scheme fsspec knows), into which each rank uploads its files after writing them "
+        "in train.checkpoint_staging (synchronous saves only)",
+    )
+    checkpoint_staging: str | None = Field(
+        None,
+        description="a node-local directory where a save with a URL train.checkpoint_dir writes its files "
+        "before the upload, and a resume downloads the checkpoint it loads (created when missing; may be "
+        "deleted between jobs)",
+    )
     on_nonfinite: Literal["stop", "warn"] = Field(
         "stop",
         description="a step whose loss or gradient norm is NaN/inf: stop the run after "
@@ -353,6 +365,41 @@ class TrainConfig(Strict):
     def profiled_steps(self) -> tuple[int, int] | None:
         """``profile_steps`` as (first, last), both recorded; None: no window."""
         return None if self.profile_steps is None else profile_step_range(self.profile_steps)
+
+    @model_validator(mode="after")
+    def _checkpoint_location(self):
+        from mhf_dist.storage.remote import is_url
+
+        if self.checkpoint_dir is None:
+            if self.checkpoint_staging is not None:
+                raise ValueError(
+                    "train.checkpoint_staging is only used with a URL train.checkpoint_dir (object storage); "
+                    "set one, or drop train.checkpoint_staging"
+                )
+            return self
+        if not is_url(self.checkpoint_dir):
+            raise ValueError(
+                f"train.checkpoint_dir={self.checkpoint_dir!r} is not a URL: a local run keeps its checkpoints in "
+                "RUN/checkpoints (leave train.checkpoint_dir unset); give object storage as "
+                "s3://bucket/prefix"
+            )
+        if not self.checkpoint_staging:
+            raise ValueError(
+                f"train.checkpoint_dir={self.checkpoint_dir} is object storage, which needs "
+                "train.checkpoint_staging: a node-local directory where each rank writes its files before "
+                "uploading them (and a resume downloads them), e.g. train.checkpoint_staging=/tmp/ckpt-staging"
+            )
+        if is_url(self.checkpoint_staging):
+            raise ValueError(
+                f"train.checkpoint_staging={self.checkpoint_staging!r} must be a local directory, not a URL"
+            )
+        if self.checkpoint_async:
+            raise ValueError(
+                f"train.checkpoint_async with train.checkpoint_dir={self.checkpoint_dir}: asynchronous saves "
+                "into object storage are not supported yet; set train.checkpoint_async=false, or keep the "
+                "checkpoints in RUN/checkpoints"
+            )
+        return self
 
     @model_validator(mode="after")
     def _batches(self):

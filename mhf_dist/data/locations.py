@@ -12,6 +12,18 @@ from pathlib import Path
 import webdataset as wds
 
 from mhf_dist.data.formats import MANIFEST, DataError
+from mhf_dist.storage import remote
+from mhf_dist.storage.remote import is_url
+
+__all__ = [
+    "is_url",
+    "storage_error",
+    "open_url",
+    "read_json",
+    "check_upload",
+    "upload",
+    "refuse_pipe",
+]
 
 
 def open_url(url: str):
@@ -36,52 +48,13 @@ def open_url(url: str):
 def storage_error(url: str, e: Exception) -> Exception:
     """What an fsspec error ``e`` on ``url`` means, as a DataError naming the URL and the fix; ``e`` itself when it is
     none of those (a missing object in an existing bucket: FileNotFoundError)."""
-    scheme = url.split("://", 1)[0]
-    if isinstance(e, ImportError):
-        extra = "pip install 'mhf-dist[s3]'" if scheme in ("s3", "s3a") else "install it"
-        return DataError(
-            f"{url}: reading {scheme}:// needs a package that is not installed ({e}); {extra} on "
-            "every node, or copy the shards to a local or shared directory"
-        )
-    names = {c.__name__ for c in type(e).__mro__}
-    if names & {"NoCredentialsError", "PartialCredentialsError"}:
-        return DataError(
-            f"{url}: no credentials for {scheme}:// ({e}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
-            "AWS_PROFILE naming a profile of ~/.aws/credentials (or ~/.aws/config), on every node"
-        )
-    if names & {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionError"}:
-        return DataError(
-            f"{url}: the storage endpoint cannot be reached ({e}); check AWS_ENDPOINT_URL (or "
-            "FSSPEC_S3_ENDPOINT_URL) and that the storage service is up and reachable from every node"
-        )
-    if isinstance(e, PermissionError):
-        return DataError(
-            f"{url}: access denied ({e}); the credentials in use (AWS_ACCESS_KEY_ID, AWS_PROFILE or "
-            "~/.aws/credentials) need read access to it, and write access to prepare data into it"
-        )
-    if isinstance(e, FileNotFoundError) and (bucket := _missing_bucket(url)):
-        return DataError(
-            f"{url}: bucket {bucket} does not exist at the storage endpoint; check the URL, or "
-            "AWS_ENDPOINT_URL if the bucket lies on another service"
-        )
-    return e
-
-
-def _missing_bucket(url: str) -> str | None:
-    """The bucket (first component) of ``url`` when it does not exist; None when it does or cannot be told."""
-    import fsspec
-
-    try:
-        fs, path = fsspec.core.url_to_fs(url)
-        bucket = path.split("/", 1)[0]
-        return None if not bucket or fs.exists(bucket) else bucket
-    except Exception:
-        return None
-
-
-def is_url(source) -> bool:
-    """Whether ``source`` names a location by URL (``scheme://...``) rather than a local path."""
-    return isinstance(source, str) and "://" in source
+    return remote.storage_error(
+        url,
+        e,
+        DataError,
+        instead="or copy the shards to a local or shared directory",
+        access="read access to it, and write access to prepare data into it",
+    )
 
 
 def read_json(location: str) -> dict:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from mhf_dist.config import CONFIG_FILE, ConfigError, ModelConfig, RunConfig, load_config
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.train.checkpoint.index import complete_checkpoints, read_marker
+from mhf_dist.train.checkpoint.store import checkpoint_store
 
 CHANGEABLE_ON_RESUME = (
     "optimizer",
@@ -48,6 +49,8 @@ CHANGEABLE_ON_RESUME = (
     "train.checkpoint_interval",
     "train.checkpoint_minutes",
     "train.keep_checkpoints",
+    "train.checkpoint_dir",
+    "train.checkpoint_staging",
     "train.on_nonfinite",
     "train.max_nonfinite_steps",
     "train.spike_factor",
@@ -106,10 +109,18 @@ def resume_config(run_dir: str | Path, overrides: list[str], resume: str) -> Run
             "(e.g. tiny-h4b16k) or --config run.yaml"
         )
     written, cfg = load_config(path=path), load_config(path=path, overrides=overrides)
-    checkpoint = _resumed_checkpoint(Path(run_dir), resume)
-    if checkpoint is not None:
+    store = checkpoint_store(RunDir(run_dir), cfg.train)
+    if (
+        store.url is not None
+    ):  # object storage: named now when it cannot be used, before any rank starts
+        store.check()
+        checkpoint, marker = store.resumed_marker(resume)
+    else:
+        checkpoint = _resumed_checkpoint(Path(run_dir), resume)
+        marker = None if checkpoint is None else read_marker(checkpoint)
+    if marker is not None:
         _check_fixed_fields(
-            checkpoint, written.model_dump(mode="json"), cfg.model_dump(mode="json"), path
+            checkpoint, marker, written.model_dump(mode="json"), cfg.model_dump(mode="json"), path
         )
     return cfg
 
@@ -124,10 +135,12 @@ def _resumed_checkpoint(run_dir: Path, resume: str) -> Path | None:
     return Path(resume)
 
 
-def _check_fixed_fields(checkpoint: Path, written: dict, resolved: dict, path: Path) -> None:
-    """Refuse a fixed field of ``resolved`` (config.yaml, then ``--set``) that differs from the checkpoint's, naming
-    where it changed: an override, or ``written`` (config.yaml as it is) edited by hand."""
-    saved = _checkpoint_config(checkpoint)
+def _check_fixed_fields(
+    checkpoint: str | Path, marker: dict, written: dict, resolved: dict, path: Path
+) -> None:
+    """Refuse a fixed field of ``resolved`` (config.yaml, then ``--set``) that differs from the checkpoint's (its
+    ``marker``'s), naming where it changed: an override, or ``written`` (config.yaml as it is) edited by hand."""
+    saved = _checkpoint_config(marker)
     fixed = {k: v for k, v in differences(saved, resolved).items() if not changeable_on_resume(k)}
     if not fixed:
         return
@@ -153,9 +166,8 @@ def _check_fixed_fields(checkpoint: Path, written: dict, resolved: dict, path: P
     )
 
 
-def _checkpoint_config(checkpoint: Path) -> dict:
+def _checkpoint_config(marker: dict) -> dict:
     """The run config a checkpoint was saved with (its marker's), as this version writes it where it validates."""
-    marker = read_marker(checkpoint)
     if "config" in marker:
         return _as_written_now(RunConfig, marker["config"])
     return {"model": _as_written_now(ModelConfig, marker["model"])}

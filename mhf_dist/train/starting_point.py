@@ -37,7 +37,7 @@ def resume_path(resume: str, checkpointer: Checkpointer) -> Path | None:
                 f"{checkpointer.dir} holds checkpoints; resume (--resume auto) or use a new run dir"
             )
         return None
-    return Path(resume)
+    return checkpointer.store.resolve(resume)
 
 
 def init_weights_file(path: Path, model: LanguageModel, tp: int) -> FileValues:

@@ -21,6 +21,7 @@ from mhf_dist.train.checkpoint.index import (
     complete_checkpoints,
     verify_files,
 )
+from mhf_dist.train.checkpoint.store import run_store
 from mhf_dist.train.host_tables import host_table_weights
 
 MODEL_SOURCES = (
@@ -52,7 +53,7 @@ def resolve_weights(path: str | Path) -> Path:
     path = check_source(path)
     if (path / MARKER).is_file():
         return path
-    found = complete_checkpoints(RunDir(path).checkpoints_dir)
+    found = complete_checkpoints(run_store(RunDir(path)).local)  # a staging directory: its copies
     if found:
         return found[-1]
     init_from = (yaml.safe_load(RunDir(path).config_path.read_text()).get("train") or {}).get(

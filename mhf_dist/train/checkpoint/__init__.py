@@ -8,6 +8,8 @@
   background deletes;
 - ``reading``: which checkpoint a resume continues from, the verification, the
   conversion for another layout and the load (a base of ``Checkpointer``);
+- ``store``: where the checkpoints are kept (``CheckpointStore``): ``RUN/checkpoints``, or object storage
+  through a node-local staging directory (``train.checkpoint_dir``, ``train.checkpoint_staging``);
 - ``checkpointer``: ``Checkpointer``, which saves, commits, verifies and loads.
 
 How a save is made atomic and verified, and why: docs/design-training.md, "Checkpoints". The names below are
@@ -34,6 +36,8 @@ PUBLIC = {  # name: the module that defines it
     "UNIVERSAL": "lineage",
     "DELETING": "lineage",
     "BackgroundDeleter": "lineage",
+    "CheckpointStore": "store",
+    "checkpoint_store": "store",
 }
 
 __all__ = [name for name in PUBLIC if not name.startswith("_")]

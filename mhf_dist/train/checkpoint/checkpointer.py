@@ -38,10 +38,12 @@ from mhf_dist.train.checkpoint.index import (
     complete_checkpoints,
     file_digests,
     readable_size,
+    step_directories,
 )
 from mhf_dist.train.checkpoint.lineage import BackgroundDeleter
 from mhf_dist.train.checkpoint.reading import Reading
 from mhf_dist.train.checkpoint.rng import RNG_FILE, rng_state_bytes
+from mhf_dist.train.checkpoint.store import checkpoint_store, local_share
 from mhf_dist.train.checkpoint.writers import BackgroundWriter, RecordingWriter
 from mhf_dist.train.client_state import ClientState
 from mhf_dist.train.fault_injection import free_bytes, pause_save
@@ -56,12 +58,17 @@ REPORT_POLL_SECONDS = 0.1  # how often rank 0's writer looks for the other ranks
 
 
 def log_save(
-    path: Path, reason: str, stall: float, background: float | None = None, step_s: float = 0.0
+    path: Path,
+    reason: str,
+    stall: float,
+    background: float | None = None,
+    step_s: float = 0.0,
+    shown: str | None = None,
 ) -> None:
     """Rank 0: the save with its size, duration (an asynchronous save's ``stall`` of training and its ``background``
     time) and write rate; a warning when a step (``step_s``) and a save like this one would not fit in the job's grace
     period (the time between the scheduler's warning signal and the time limit), naming the grace that would
-    (``grace_seconds``)."""
+    (``grace_seconds``). ``shown``: how the checkpoint is named (``path`` itself when None)."""
     seconds = stall if background is None else stall + background
     size = checkpoint_bytes(path)
     # the nodes of the job (its scheduler or launcher says)
@@ -73,7 +80,7 @@ def log_save(
         else f"{stall:.1f} s stall, {background:.1f} s in the background"
     )
     tqdm.write(
-        f"saved {path} ({reason}, {readable_size(size)} in {took}, {per_node:.3g} GB/s per node)"
+        f"saved {shown or path} ({reason}, {readable_size(size)} in {took}, {per_node:.3g} GB/s per node)"
     )
     grace = float(os.environ.get(GRACE_ENV, "inf"))
     if (needed := grace_seconds(step_s, seconds)) > grace:
@@ -111,7 +118,8 @@ class Checkpointer(Reading):
         layout: dict,
         param_names: list[str],
     ):
-        self.dir = run.checkpoints_dir
+        self.store = checkpoint_store(run, cfg.train)
+        self.dir = self.store.local  # RUN/checkpoints, or the staging directory of a remote store
         self.cfg, self.signatures_hash, self.layout = cfg, signatures_hash, layout
         self.universal = universal_info(param_names, cfg.model, layout["tp"], layout["pp"] > 1)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -122,9 +130,26 @@ class Checkpointer(Reading):
             None  # train.checkpoint_async: the save its writer is finishing
         )
         self.versions = {"mhf_dist": __version__, "torch": torch.__version__} | versions()
+        if self.store.url is not None:
+            self._open_store()
         if self.rank == 0:
             self._remove_interrupted_saves()
         dist.barrier()
+
+    def _open_store(self) -> None:
+        """A remote store, at the start (every rank): it can be reached, and the staging directory of each node
+        shows its checkpoints (one rank per node copies their markers)."""
+        error = None
+        try:
+            self.store.check()
+            if local_share()[0] == 0:
+                self.store.mirror()
+        except CheckpointError as e:
+            error = e
+        if self.scalars.any(error is not None)[0]:
+            raise error or CheckpointError(
+                f"another rank could not use train.checkpoint_dir={self.store.url} (see its message)"
+            )
 
     def close(self) -> None:
         """At the end of training: rank 0 waits until the retired checkpoints are deleted (no other rank waits)."""
@@ -178,14 +203,53 @@ class Checkpointer(Reading):
             return path
         writer = RecordingWriter(self.rank)
         self._write_files(trainer, path, client, writer)
-        self._write_digests(path, writer)
+        if self.store.url is None:
+            self._write_digests(path, writer)
         pause_save()
+        if writer.error is None:  # a remote store: this rank's files, uploaded
+            writer.error = self.store.upload(path, sorted(self._own_files(path, writer)))
         size = self._agree_on_writes(path, writer)
-        error = self._commit(path, marker) if self.rank == 0 else None
+        reports = self._gather_reports(path, writer) if self.store.url is not None else None
+        error = self._commit(path, marker, reports) if self.rank == 0 else None
         self._agree_on_commit(path, error, size)
+        if self.store.url is not None:
+            self._share_commit(path)
         if self.rank == 0:
-            log_save(path, reason, time.perf_counter() - began, step_s=step_s)
+            shown = self.store.where(path)
+            log_save(path, reason, time.perf_counter() - began, step_s=step_s, shown=shown)
         return path
+
+    def _share_commit(self, path: Path) -> None:
+        """A remote store, after a save every rank agreed on: the staging directory of each node shows what rank
+        0's shows (the new marker, ``latest``, and only the checkpoints retention kept), so that every rank reads the
+        same line of checkpoints (a rollback's target, a later resume's)."""
+        shared = [None, None]
+        if self.rank == 0:
+            shared = [(path / MARKER).read_text(), [p.name for p in complete_checkpoints(self.dir)]]
+        dist.broadcast_object_list(shared, src=0)
+        if local_share()[0] != 0 or (path / MARKER).exists():
+            return  # rank 0's node, or not the node's first rank
+        write_atomic(path / MARKER, shared[0])
+        write_atomic(self.dir / LATEST, path.name)
+        for old in step_directories(self.dir):
+            if old.name not in shared[1]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    @staticmethod
+    def _own_files(path: Path, writer: RecordingWriter) -> dict[Path, str]:
+        """{file: digest} of the files of ``path`` this rank wrote."""
+        return {p: d for p, d in writer.digests.items() if p.is_relative_to(path)}
+
+    def _gather_reports(self, path: Path, writer: RecordingWriter) -> list[dict]:
+        """Every rank, once its files are uploaded to a remote store: each rank's ``{name: [size, digest]}``, from
+        which rank 0 writes the marker (it cannot list the other nodes' staging directories)."""
+        report = {
+            str(p.relative_to(path)): [p.stat().st_size, d]
+            for p, d in self._own_files(path, writer).items()
+        }
+        reports: list[dict] = [{}] * self.world
+        dist.all_gather_object(reports, report)
+        return reports
 
     def _hand_over(self, trainer: Trainer, client: dict, save: InFlightSave) -> None:
         """An asynchronous save: this rank's files into host memory, handed to a background writer that writes them,
@@ -270,6 +334,8 @@ class Checkpointer(Reading):
             self._set_aside([path], "a new save of the same step replaces it")
         elif path.exists():
             self.deleter.discard(path)
+        # a remote store: what an interrupted save of this step left there
+        self.store.remove(path.name)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._retire_to_fit(path)
 
@@ -311,9 +377,12 @@ class Checkpointer(Reading):
         if self.scalars.any(error is not None)[0]:
             self._fail_save(path, [0], error, size)
 
-    def _commit(self, path: Path, marker: dict) -> str | None:
+    def _commit(self, path: Path, marker: dict, reports: list[dict] | None = None) -> str | None:
         """Rank 0, once every rank wrote its files: the marker (every file's size and digest), ``latest``, then
-        retention. Returns what failed, or None."""
+        retention. Returns what failed, or None. ``reports``: a remote store's, each rank's files (``_gather_reports``),
+        whose marker and ``latest`` go to the store after the staging directory's."""
+        if reports is not None:
+            return self._commit_remote(path, marker, reports)
         try:
             digests = {}
             for part in sorted(path.glob(RANK_DIGESTS.replace("{:05d}", "*"))):
@@ -338,12 +407,32 @@ class Checkpointer(Reading):
         self._retire_old(path)
         return None
 
+    def _commit_remote(self, path: Path, marker: dict, reports: list[dict]) -> str | None:
+        """``_commit`` of a remote store: the marker from the ranks' reports, in the staging directory and then in
+        the store (``publish``), then ``latest`` and retention."""
+        files = {name: entry for report in reports for name, entry in report.items()}
+        names = sorted(files)
+        marker |= {
+            "files": {n: files[n][0] for n in names},
+            "digest_algorithm": DIGEST,
+            "digests": {n: files[n][1] for n in names},
+        }
+        try:
+            write_atomic(path / MARKER, json.dumps(marker, indent=1))
+            self.store.publish(path)
+            write_atomic(self.dir / LATEST, path.name)
+        except (OSError, ValueError) as e:
+            return f"finishing the save failed ({e})"
+        self._retire_old(path)
+        return None
+
     def _fail_save(self, path: Path, failed: list[int], error: str | None, size: float) -> None:
         """Every rank, after they agreed a save failed: rank 0 removes what was written; all raise the same error."""
         if self.rank == 0:
             self.deleter.finish()  # so that the free space the message names counts what was deleted before
             # not moved aside first: on a full disk not even a directory fits; what stays, the next start removes
             shutil.rmtree(path, ignore_errors=True)
+            self.store.remove(path.name)
         dist.barrier()
         raise CheckpointError(self._failure_message(path, failed, error, size))
 
@@ -356,8 +445,15 @@ class Checkpointer(Reading):
         )
         previous, free = complete_checkpoints(self.dir), free_bytes(self.dir)
         resume = (
-            f"{previous[-1]} stays the newest checkpoint" if previous else "the run has none yet"
+            f"{self.store.where(previous[-1])} stays the newest checkpoint"
+            if previous
+            else "the run has none yet"
         )
+        if self.store.url is not None and not (error or "").startswith("writing"):
+            return (
+                f"could not save checkpoint {self.store.where(path)}: {cause}. {path.name} was not marked "
+                f"complete and {resume}: once {self.store.url} can be written, rerun to resume (--resume auto)"
+            )
         if error and any(
             f"[Errno {code}]" in error for code in (errno.EROFS, errno.EACCES, errno.EPERM)
         ):

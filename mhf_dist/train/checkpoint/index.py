@@ -190,12 +190,16 @@ def file_problems(
     return problems
 
 
-def describe_problem(path: Path, marker: dict, name: str, problem: int) -> str:
+def describe_problem(
+    path: Path, marker: dict, name: str, problem: int, shown: str | None = None
+) -> str:
+    """What is wrong with the file ``name`` of ``path`` (named ``shown``: a checkpoint in object storage)."""
+    real, path = path, shown or path
     if problem == MISSING:
         return f"checkpoint {path} is missing {name}; copy it back or resume from an older one"
     if problem == WRONG_SIZE:
         return (
-            f"checkpoint {path}: {name} has {(path / name).stat().st_size} bytes, {marker['files'][name]} were "
+            f"checkpoint {path}: {name} has {(real / name).stat().st_size} bytes, {marker['files'][name]} were "
             "written (truncated or corrupt); resume from an older checkpoint"
         )
     return (
@@ -204,13 +208,15 @@ def describe_problem(path: Path, marker: dict, name: str, problem: int) -> str:
     )
 
 
-def describe_problems(path: Path, marker: dict, problems: dict[str, int]) -> str | None:
+def describe_problems(
+    path: Path, marker: dict, problems: dict[str, int], shown: str | None = None
+) -> str | None:
     """The first damaged file of ``problems`` (by name) and how many more there are, or None when there are none."""
     if not problems:
         return None
     name = min(problems)
     more = f" ({len(problems) - 1} more damaged file(s))" if len(problems) > 1 else ""
-    return describe_problem(path, marker, name, problems[name]) + more
+    return describe_problem(path, marker, name, problems[name], shown) + more
 
 
 def damage(path: Path, digests: bool = True) -> str | None:
@@ -222,11 +228,15 @@ def damage(path: Path, digests: bool = True) -> str | None:
     )
 
 
-def intact_note(intact: Path | None, directory: Path) -> str:
-    """The end of a corrupt checkpoint's error: the newest checkpoint beside it that verifies, to name instead."""
+def intact_note(intact: Path | None, directory: Path | str, shown: str | None = None) -> str:
+    """The end of a corrupt checkpoint's error: the newest checkpoint beside it that verifies, to name instead
+    (``shown``: how to name it, a checkpoint in object storage)."""
     if intact is None:
         return f"; no other checkpoint in {directory} verifies"
-    return f"; the newest checkpoint in {directory} that verifies is {intact.name}: give {intact} instead"
+    return (
+        f"; the newest checkpoint in {directory} that verifies is {intact.name}: give "
+        f"{shown or intact} instead"
+    )
 
 
 def verify_files(path: Path) -> dict:

@@ -30,6 +30,7 @@ from mhf_dist.train.checkpoint.index import (
     readable_size,
     step_directories,
 )
+from mhf_dist.train.checkpoint.store import CheckpointStore
 from mhf_dist.train.fault_injection import free_bytes
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,8 @@ class Lineage:
     ``Checkpointer`` (through
     ``Reading``), which sets the attributes below."""
 
-    dir: Path  # RUN/checkpoints
+    dir: Path  # RUN/checkpoints, or the staging directory of a remote store
+    store: CheckpointStore  # where the checkpoints are kept: each change to ``dir`` below is repeated there
     cfg: RunConfig
     rank: int
     deleter: BackgroundDeleter | None  # rank 0's
@@ -105,6 +107,15 @@ class Lineage:
                     MARKER,
                 )
                 self.deleter.discard(path)
+        for name, problem in self.store.listing():
+            if problem is not None:
+                log.warning(
+                    "ignoring incomplete checkpoint %s/%s (%s); removing it",
+                    self.store.url,
+                    name,
+                    problem,
+                )
+                self.store.remove(name)
 
     def _latest_name(self) -> str | None:
         try:
@@ -171,6 +182,9 @@ class Lineage:
         while target.exists():
             target, n = self.dir / folder / f"{stamp}-{n}", n + 1
         target.mkdir(parents=True)
+        self.store.set_aside(
+            [p.name for p in paths if p.parent == self.dir], f"{folder}/{target.name}"
+        )
         for path in paths:
             os.replace(path, target / path.name)
             if (converted := self.dir / UNIVERSAL / path.name).is_dir():
@@ -189,6 +203,9 @@ class Lineage:
             (self.dir / LATEST).unlink(missing_ok=True)
         elif self._latest_name() != head:
             write_atomic(self.dir / LATEST, head)
+        else:
+            return
+        self.store.point_latest(head)
 
     # ------------------------------------------------------------------ retention
     def _retire_old(self, saved: Path) -> None:
@@ -204,6 +221,7 @@ class Lineage:
 
     def _discard_all(self, paths: list[Path]) -> None:
         for old in paths:
+            self.store.remove(old.name)  # a remote store: its marker first
             try:
                 self.deleter.discard(old)
             except OSError as e:

@@ -43,6 +43,7 @@ from mhf_dist.train.checkpoint.rng import (
     read_rng_state,
     set_rng_state,
 )
+from mhf_dist.train.checkpoint.store import local_share
 from mhf_dist.train.client_state import ClientState
 from mhf_dist.train.fault_injection import pause_conversion
 from mhf_dist.train.host_tables import HOST_TABLES_FILE, HostTablesStep
@@ -69,7 +70,7 @@ class Reading(Lineage):
         intact, damaged = self._newest_intact(self._complete_line())
         if damaged and intact is None:
             raise CorruptCheckpoint(
-                f"{damaged[0][1]}; no older checkpoint in {self.dir} verifies either: copy the "
+                f"{damaged[0][1]}; no older checkpoint in {self.store.url or self.dir} verifies either: copy the "
                 "damaged files back intact, or start over in a new --run-dir"
             )
         if damaged and self.rank == 0:
@@ -115,18 +116,39 @@ class Reading(Lineage):
         if (problem := self._damage_together(path, marker)) is None:
             return
         others = [p for p in complete_checkpoints(self.dir) if p.resolve() != path.resolve()]
-        raise CorruptCheckpoint(problem + intact_note(self._newest_intact(others)[0], self.dir))
+        intact = self._newest_intact(others)[0]
+        shown = None if intact is None or self.store.url is None else self.store.where(intact)
+        raise CorruptCheckpoint(problem + intact_note(intact, self.store.url or self.dir, shown))
 
     def _damage_together(self, path: Path, marker: dict) -> str | None:
         """What is wrong with the checkpoint's files, or None (then it counts as verified): each rank checks every
         world-th file and the ranks sum what they found, so every rank names the same one."""
+        self._fetch(path, marker)
         names = sorted(marker["files"])
         found = file_problems(path, marker, names[self.rank :: self.world])
         codes = self.scalars.sum([float(found.get(n, 0)) for n in names])
-        problem = describe_problems(path, marker, {n: int(c) for n, c in zip(names, codes) if c})
+        shown = None if self.store.url is None else self.store.where(path)
+        problem = describe_problems(
+            path, marker, {n: int(c) for n, c in zip(names, codes) if c}, shown
+        )
         if problem is None:
             self.verified.add(path)
         return problem
+
+    def _fetch(self, path: Path, marker: dict) -> None:
+        """A remote store: the checkpoint's files, downloaded into the staging directory of each node (its ranks
+        share the work) unless already there as saved; a failure on any rank fails on all."""
+        if self.store.url is None:
+            return
+        error = None
+        try:
+            self.store.fetch(path, marker, *local_share())
+        except CheckpointError as e:
+            error = e
+        if self.scalars.any(error is not None)[0]:
+            raise error or CheckpointError(
+                f"another rank could not download {self.store.where(path)} (see its message)"
+            )
 
     def _newest_intact(self, candidates: list[Path]) -> tuple[Path | None, list[tuple[Path, str]]]:
         """(the newest of ``candidates`` whose files are as saved, or None; the newer damaged ones, newest first,
@@ -149,6 +171,13 @@ class Reading(Lineage):
         marker = self.verify(path)
         if marker["layout"] == self.layout:
             return path, False
+        if self.store.url is not None:
+            raise CheckpointError(
+                f"checkpoint {self.store.where(path)} was saved with layout {marker['layout']}, this run has "
+                f"{self.layout}: a resume from object storage (train.checkpoint_dir) under another layout is not "
+                "supported yet; resume with the layout it was saved with, or copy the checkpoint into "
+                "RUN/checkpoints of a run without train.checkpoint_dir"
+            )
         if zero3 and marker["layout"]["pp"] > 1:
             raise CheckpointError(
                 f"checkpoint {path} was saved by a pipeline (pp={marker['layout']['pp']}); DeepSpeed converts it for "

@@ -1,0 +1,277 @@
+"""Checkpoints in object storage (``train.checkpoint_dir=s3://...``), against a real S3 endpoint on loopback
+(moto's server, ``helpers.s3``): a save uploads every rank's files before the marker, a resume on fresh nodes
+(the staging directory gone) downloads and verifies the newest complete checkpoint and continues bit for bit, a
+flipped byte in the bucket is caught, a save whose endpoint is gone fails leaving the previous checkpoint the
+newest, ``status`` lists the stored checkpoints, and bad settings or storage are named before training."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers.runs import CliProcess, metrics, run_cli, train_args, train_run
+from helpers.s3 import closed_port, s3_server
+from mhf_dist.backend.deepspeed.universal import consolidate
+from mhf_dist.cli import main
+from mhf_dist.config import ConfigError, load_config
+from mhf_dist.storage.run_dir import RunDir
+from mhf_dist.train.checkpoint.index import CheckpointError
+from mhf_dist.train.checkpoint.store import checkpoint_store
+from mhf_dist.train.fault_injection import SAVE_PAUSE_ENV
+
+BUCKET = "mhf-ckpt"
+ZERO3 = ("parallel.zero_stage=3",)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with s3_server(BUCKET) as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="module")
+def bucket(s3):
+    import fsspec
+
+    return fsspec.filesystem("s3")
+
+
+def stored(root, name: str) -> tuple[str, ...]:
+    return (
+        f"train.checkpoint_dir=s3://{BUCKET}/{name}",
+        f"train.checkpoint_staging={root / (name + '-staging')}",
+    )
+
+
+@pytest.fixture(scope="module")
+def resumed(s3, bucket, data, tmp_path_factory):
+    """An uninterrupted 2-rank ZeRO-3 run, and the same run saved to the bucket, stopped after step 2, its staging
+    directory deleted (fresh nodes) and resumed from the bucket to the end."""
+    root = tmp_path_factory.mktemp("stored")
+    full = train_run(root, data, "full", 2, *ZERO3, steps=4)
+    args = train_args(root / "run", data, 2, *ZERO3, *stored(root, "run"), steps=4)
+    args += ["--set", "train.checkpoint_interval=2"]
+    run_cli(args + ["--set", "train.stop_at_step=2"])
+    bucket.invalidate_cache()
+    first = {
+        "latest": bucket.cat_file(f"{BUCKET}/run/latest").decode(),
+        "marker": bucket.exists(f"{BUCKET}/run/step-00000002/complete.json"),
+        "local": list((root / "run").glob("checkpoints/step-*")),
+    }
+    shutil.rmtree(root / "run-staging")
+    run_cli(args)
+    bucket.invalidate_cache()
+    return {"root": root, "full": full, "first": first, "args": args}
+
+
+@pytest.mark.multirank
+def test_a_run_resumed_from_the_bucket_on_fresh_nodes_is_bit_identical(resumed, bucket):
+    root, first = resumed["root"], resumed["first"]
+    assert first == {"latest": "step-00000002", "marker": True, "local": []}
+    records = metrics(root / "run")
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert [r["loss"] for r in records if "loss" in r] == [
+        r["loss"] for r in resumed["full"] if "loss" in r
+    ]
+    assert bucket.cat_file(f"{BUCKET}/run/latest").decode() == "step-00000004"
+    ours = consolidate(root / "run-staging/step-00000004", False)
+    theirs = consolidate(root / "full/checkpoints/step-00000004", False)
+    assert ours.keys() == theirs.keys() and "vocab.tables.weight" in ours
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.multirank
+def test_status_lists_the_stored_checkpoints(resumed, bucket, capsys):
+    bucket.pipe_file(f"{BUCKET}/run/step-00000009/part", b"interrupted")
+    try:
+        assert main(["status", str(resumed["root"] / "run")]) == 0
+    finally:
+        bucket.rm(f"{BUCKET}/run/step-00000009", recursive=True)
+    out = capsys.readouterr().out
+    assert f"s3://{BUCKET}/run" in out
+    assert "step-00000002 (complete)" in out and "step-00000004 (complete)" in out
+    assert "step-00000009 (incomplete: no complete.json" in out
+
+
+@pytest.mark.multirank
+def test_a_resume_from_config_yaml_is_checked_against_the_stored_checkpoint(resumed):
+    from mhf_dist.train.resume import resume_config
+
+    run = resumed["root"] / "run"
+    assert resume_config(run, [], "auto").train.checkpoint_dir == f"s3://{BUCKET}/run"
+    with pytest.raises(
+        ConfigError, match=rf"s3://{BUCKET}/run/step-00000004 was trained with other"
+    ):
+        resume_config(run, ["model.hash.num_buckets=512"], "auto")
+
+
+@pytest.mark.multirank
+def test_a_flipped_byte_in_the_bucket_is_caught_on_resume(resumed, bucket):
+    root = resumed["root"]
+    prefix = f"{BUCKET}/run/step-00000004"
+    name = max((p for p in bucket.find(prefix) if not p.endswith("complete.json")), key=bucket.size)
+    flipped = bytearray(bucket.cat_file(name))
+    flipped[len(flipped) // 2] ^= 1
+    bucket.pipe_file(name, bytes(flipped))
+    shutil.rmtree(root / "run-staging")
+    out = run_cli(
+        resumed["args"] + ["--resume", f"s3://{prefix}"], expect_rc=2
+    )  # named: no fallback
+    assert "does not match its sha256 digest" in out and name.rsplit("/", 1)[-1] in out
+    assert f"checkpoint s3://{prefix}: " in out
+    assert f"give s3://{BUCKET}/run/step-00000002 instead" in out  # the newest that verifies
+
+
+@pytest.mark.multirank
+def test_a_save_whose_endpoint_is_gone_fails_and_the_previous_checkpoint_stays(
+    s3, bucket, data, tmp_path, monkeypatch
+):
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()  # the same buckets as the module's server (moto keeps them in this process), another port
+    host, port = server.get_host_and_port()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries: seconds of backoff
+    monkeypatch.setenv(SAVE_PAUSE_ENV, "3")  # each save waits between its files and their upload
+    args = train_args(tmp_path / "run", data, 2, *ZERO3, *stored(tmp_path, "lost"), steps=4)
+    proc = CliProcess(args + ["--set", "train.checkpoint_interval=2"], tmp_path / "out.log")
+    try:
+        deadline = time.time() + 300
+        while not bucket.exists(f"{BUCKET}/lost/step-00000002/complete.json"):
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.2)
+            bucket.invalidate_cache()
+        while not (tmp_path / "lost-staging/step-00000004").exists():
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        time.sleep(1)  # the files written, the save in its pause before the upload
+    finally:
+        server.stop()
+    rc, out = proc.wait(timeout=300), (tmp_path / "out.log").read_text()
+    assert rc == 2, out[-3000:]
+    assert f"could not save checkpoint s3://{BUCKET}/lost/step-00000004" in out
+    assert "the storage endpoint cannot be reached" in out
+    assert f"s3://{BUCKET}/lost/step-00000002 stays the newest checkpoint" in out
+    bucket.invalidate_cache()
+    assert bucket.cat_file(f"{BUCKET}/lost/latest").decode() == "step-00000002"
+    assert not bucket.exists(f"{BUCKET}/lost/step-00000004/complete.json")
+
+
+@pytest.mark.multirank
+def test_a_missing_bucket_stops_the_run_before_training(s3, data, tmp_path):
+    args = train_args(tmp_path / "run", data, 2, *ZERO3, steps=2)
+    args += ["--set", "train.checkpoint_dir=s3://no-such-bucket/run"]
+    args += ["--set", f"train.checkpoint_staging={tmp_path / 'staging'}"]
+    out = run_cli(args, expect_rc=2)
+    assert "s3://no-such-bucket/run: bucket no-such-bucket does not exist" in out
+    assert not (tmp_path / "run/metrics.jsonl").exists() or not metrics(tmp_path / "run")
+
+
+# ------------------------------------------------------------------------------------------ settings and storage
+def _config(*overrides: str):
+    return load_config("tiny-h4b16k", overrides=list(overrides))
+
+
+def test_a_url_checkpoint_dir_needs_a_staging_directory():
+    with pytest.raises(
+        ConfigError, match=r"needs train.checkpoint_staging: a node-local directory"
+    ):
+        _config(f"train.checkpoint_dir=s3://{BUCKET}/x")
+
+
+def test_asynchronous_saves_into_object_storage_are_refused():
+    with pytest.raises(
+        ConfigError, match=r"asynchronous saves into object storage are not supported"
+    ):
+        _config(
+            f"train.checkpoint_dir=s3://{BUCKET}/x",
+            "train.checkpoint_staging=/tmp/x",
+            "train.checkpoint_async=true",
+        )
+
+
+def test_a_local_checkpoint_dir_and_a_staging_directory_alone_are_refused():
+    with pytest.raises(ConfigError, match=r"is not a URL: a local run keeps its checkpoints"):
+        _config("train.checkpoint_dir=/elsewhere")
+    with pytest.raises(ConfigError, match=r"train.checkpoint_staging is only used with a URL"):
+        _config("train.checkpoint_staging=/tmp/x")
+
+
+def test_without_checkpoint_dir_checkpoints_stay_in_the_run_directory(tmp_path):
+    store = checkpoint_store(RunDir(tmp_path), _config().train)
+    assert store.url is None and store.local == tmp_path / "checkpoints"
+
+
+def _store(tmp_path, url: str = f"s3://{BUCKET}/x", clear: bool = True):
+    if clear:
+        import fsspec
+
+        fsspec.filesystem("s3").clear_instance_cache()  # the environment changed
+    cfg = _config(f"train.checkpoint_dir={url}", f"train.checkpoint_staging={tmp_path / 's'}")
+    return checkpoint_store(RunDir(tmp_path), cfg.train)
+
+
+def test_storage_that_cannot_be_used_is_named(s3, tmp_path, monkeypatch):
+    with pytest.raises(CheckpointError, match=r"bucket no-such-bucket does not exist"):
+        _store(tmp_path, "s3://no-such-bucket/x").check()
+    with monkeypatch.context() as mp:
+        mp.delenv("AWS_ACCESS_KEY_ID")
+        mp.delenv("AWS_SECRET_ACCESS_KEY")
+        with pytest.raises(CheckpointError, match=r"no credentials for s3://"):
+            _store(tmp_path).check()
+    with monkeypatch.context() as mp:
+        mp.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
+        mp.setenv("AWS_MAX_ATTEMPTS", "1")
+        with pytest.raises(CheckpointError, match=r"the storage endpoint cannot be reached"):
+            _store(tmp_path).check()
+    _store(tmp_path).check()  # the endpoint of the module again
+
+
+def test_without_s3fs_the_error_names_the_extra(tmp_path, monkeypatch):
+    import fsspec  # noqa: F401 (loads fsspec.registry, whose name the package's `registry` mapping shadows)
+
+    monkeypatch.delitem(sys.modules["fsspec.registry"]._registry, "s3", raising=False)
+    monkeypatch.setitem(sys.modules, "s3fs", None)
+    with pytest.raises(CheckpointError, match=r"s3://bucket/x: .*pip install 'mhf-dist\[s3\]'"):
+        _store(tmp_path, "s3://bucket/x", clear=False).check()
+
+
+def test_the_store_uploads_publishes_mirrors_fetches_and_removes(s3, bucket, tmp_path):
+    from mhf_dist.train.checkpoint.index import file_digest
+
+    store = _store(tmp_path, f"s3://{BUCKET}/unit")
+    step = store.local / "step-00000001"
+    (step / "sub").mkdir(parents=True)
+    files = {"a.bin": b"first rank", "sub/b.bin": b"second rank"}
+    for name, content in files.items():
+        (step / name).write_bytes(content)
+    assert store.upload(step, sorted(step / n for n in files)) is None
+    assert store.listing() == [
+        ("step-00000001", "no complete.json: the save was interrupted or failed")
+    ]
+    marker = {
+        "files": {n: len(c) for n, c in files.items()},
+        "digests": {n: file_digest(step / n) for n in files},
+    }
+    (step / "complete.json").write_text(json.dumps(marker))
+    store.publish(step)
+    assert store.listing() == [("step-00000001", None)]
+    assert bucket.cat_file(f"{BUCKET}/unit/latest") == b"step-00000001"
+    shutil.rmtree(store.local)
+    (store.local / "step-00000007").mkdir(parents=True)  # not in the store: dropped
+    store.mirror()
+    assert sorted(p.name for p in store.local.iterdir()) == ["latest", "step-00000001"]
+    assert [p.name for p in step.iterdir()] == ["complete.json"]
+    store.fetch(step, marker)
+    assert {n: (step / n).read_bytes() for n in files} == files
+    assert store.resolve(f"s3://{BUCKET}/unit/step-00000001") == step
+    with pytest.raises(CheckpointError, match="resumes only from this run's train.checkpoint_dir"):
+        store.resolve(f"s3://{BUCKET}/other/step-00000001")
+    store.remove("step-00000001")
+    assert store.listing() == []
