@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers.runs import CliProcess, metrics, run_cli, train_args, train_run
-from helpers.s3 import closed_port, s3_server
+from helpers.s3 import closed_port, module_endpoint
 from mhf_dist.backend.deepspeed.universal import consolidate
 from mhf_dist.cli import main
 from mhf_dist.config import ConfigError, load_config
@@ -28,10 +28,7 @@ BUCKET = "mhf-ckpt"
 ZERO3 = ("parallel.zero_stage=3",)
 
 
-@pytest.fixture(scope="module")
-def s3():
-    with s3_server(BUCKET) as endpoint:
-        yield endpoint
+s3 = module_endpoint(BUCKET)  # the endpoint URL of an S3 server holding the empty bucket BUCKET
 
 
 @pytest.fixture(scope="module")

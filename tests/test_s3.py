@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers.runs import metrics, run_cli, train_args, train_run
-from helpers.s3 import closed_port, s3_server
+from helpers.s3 import closed_port, module_endpoint
 from mhf_dist.cli import main
 from mhf_dist.data.formats import DataError
 from mhf_dist.data.locations import open_url
@@ -25,11 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARDS = f"s3://{BUCKET}/shards"
 
 
-@pytest.fixture(scope="module")
-def s3():
-    """The endpoint URL of an S3 server holding the empty bucket ``BUCKET``, for the module's tests."""
-    with s3_server(BUCKET) as endpoint:
-        yield endpoint
+s3 = module_endpoint(BUCKET)  # the endpoint URL of an S3 server holding the empty bucket BUCKET
 
 
 @pytest.fixture(scope="module")

@@ -74,3 +74,15 @@ def s3_server(bucket: str) -> Iterator[str]:
         finally:
             fsspec.filesystem("s3").clear_instance_cache()
             server.stop()
+
+
+def module_endpoint(bucket: str):
+    """A module-scoped fixture (assign it to a name in the test module): the endpoint URL of an S3 server holding
+    the empty ``bucket`` (``s3_server``)."""
+
+    @pytest.fixture(scope="module")
+    def endpoint() -> Iterator[str]:
+        with s3_server(bucket) as url:
+            yield url
+
+    return endpoint
