@@ -205,12 +205,12 @@ def test_target_p_inf_streams_over_the_vocabulary(model):
 @pytest.mark.parametrize(
     "preset, buckets", [("tiny-h4b16k", 64), ("tiny-h3b10k", 66), ("tiny-standard", 64)]
 )
-def test_fused_decoder_equals_plain(preset, buckets, kernels="auto"):
+def test_fused_decoder_equals_plain(preset, buckets, kernels="auto", chunks=(5, 64)):
     """Loss, every gradient and log P_inf, with a chunk that does not divide the token count, and with one chunk
     (where a head that retrieves nothing keeps its logits for backward); the fused heads' passes run as ``kernels``
-    says (ModelModes.kernels)."""
+    says (ModelModes.kernels). ``chunks``: the fused models built, each compared with the plain one (0)."""
     results = {}
-    for chunk in (0, 5, 64):
+    for chunk in (0, *chunks):
         cfg = load_config(
             preset,
             overrides=[
@@ -235,7 +235,7 @@ def test_fused_decoder_equals_plain(preset, buckets, kernels="auto"):
             m.log_p_inf(x[:, :-1]),
         )
     loss0, heads0, grads0, logp0 = results[0]
-    for chunk in (5, 64):
+    for chunk in chunks:
         loss, heads, grads, logp = results[chunk]
         torch.testing.assert_close(loss, loss0, rtol=1e-5, atol=0)
         torch.testing.assert_close(heads, heads0, rtol=1e-5, atol=0)

@@ -368,7 +368,7 @@ class TrainConfig(Strict):
 
     @model_validator(mode="after")
     def _checkpoint_location(self):
-        from mhf_dist.storage.remote import is_url
+        from mhf_dist.remote import is_url
 
         if self.checkpoint_dir is None:
             if self.checkpoint_staging is not None:

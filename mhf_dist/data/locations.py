@@ -11,9 +11,9 @@ from pathlib import Path
 
 import webdataset as wds
 
+from mhf_dist import remote
 from mhf_dist.data.formats import MANIFEST, DataError
-from mhf_dist.storage import remote
-from mhf_dist.storage.remote import is_url
+from mhf_dist.remote import is_url
 
 __all__ = [
     "is_url",

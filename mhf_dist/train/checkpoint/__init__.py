@@ -8,8 +8,7 @@
   background deletes;
 - ``reading``: which checkpoint a resume continues from, the verification, the
   conversion for another layout and the load (a base of ``Checkpointer``);
-- ``store``: where the checkpoints are kept (``CheckpointStore``): ``RUN/checkpoints``, or object storage
-  through a node-local staging directory (``train.checkpoint_dir``, ``train.checkpoint_staging``);
+- ``store``: where the checkpoints are kept: ``RUN/checkpoints``, or object storage (``train.checkpoint_dir``);
 - ``checkpointer``: ``Checkpointer``, which saves, commits, verifies and loads.
 
 How a save is made atomic and verified, and why: docs/design-training.md, "Checkpoints". The names below are

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from mhf_dist.atomic import write_atomic
-from mhf_dist.storage.remote import StorageError, check_bucket, filesystem, is_url, storage_error
+from mhf_dist.remote import StorageError, check_bucket, filesystem, is_url, storage_error
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.train.checkpoint.index import (
     LATEST,
