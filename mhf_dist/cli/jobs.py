@@ -272,8 +272,8 @@ def cmd_submit_data(args) -> int:
     from mhf_dist.cluster.scheduler.slurm import DATA_SCRIPTS as names
     from mhf_dist.cluster.scheduler.slurm import SLURM
     from mhf_dist.data.inputs import expand_inputs
-    from mhf_dist.data.locations import is_url
     from mhf_dist.data.parts import part_files
+    from mhf_dist.remote import is_url
 
     profile, out = _chosen_profile(args), args.out if is_url(args.out) else Path(args.out)
     jobs_dir = jobs.data_jobs_dir(out, Path(args.jobs_dir) if args.jobs_dir else None)

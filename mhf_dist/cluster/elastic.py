@@ -21,8 +21,8 @@ from mhf_dist.config import ConfigError, RunConfig
 from mhf_dist.parallel.layout import Layout, resolve_layout
 from mhf_dist.storage.heartbeats import read_lost
 from mhf_dist.storage.run_dir import RunDir
-from mhf_dist.train.checkpoint.index import marker_problem, read_marker, step_directories
-from mhf_dist.train.checkpoint.store import run_store
+from mhf_dist.train.checkpoint.index import read_marker
+from mhf_dist.train.checkpoint.store import saved_checkpoints
 
 PLAN_FILE = "elastic.json"  # RUN/jobs/elastic.json: the last round's choice
 
@@ -156,7 +156,7 @@ def _fixes(cfg: RunConfig, min_nodes: int, max_nodes: int, tasks_per_node: int) 
 
 def newest_checkpoint(run: RunDir) -> str:
     """What a job that starts again resumes from, in words."""
-    complete = [p for p in step_directories(run_store(run).local) if marker_problem(p) is None]
+    complete = saved_checkpoints(run)
     if not complete:
         return "no checkpoint yet: the run starts again from step 0"
     marker = read_marker(complete[-1])

@@ -28,6 +28,7 @@ from mhf_dist.errors import (
     OOM_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
 )
+from mhf_dist.remote import is_url
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.train.preemption import GRACE_ENV
 from mhf_dist.train.preflight import preflight
@@ -187,7 +188,6 @@ def render_data(
     absolute. ``out`` may be a URL of object storage, where the merge names every part (no glob lists a bucket);
     the scripts' logs go into ``jobs_dir`` (``data_jobs_dir``)."""
     # the data stack, which training's submit does without
-    from mhf_dist.data.locations import is_url
     from mhf_dist.data.parts import part_dir_name, part_dirs_pattern
 
     if tokenizer != "mistral-v0.3":
@@ -226,8 +226,6 @@ def render_data(
 def data_jobs_dir(out: Path | str, jobs_dir: Path | None) -> Path:
     """Where ``submit-data``'s scripts and logs go: ``jobs_dir``, else ``OUT/jobs``; an ``out`` in object storage
     needs ``jobs_dir`` (a directory the nodes share)."""
-    from mhf_dist.data.locations import is_url
-
     if jobs_dir is not None:
         return Path(no_control_characters("--jobs-dir", str(jobs_dir))).resolve()
     if is_url(str(out)):
@@ -264,8 +262,6 @@ def write_data_scripts(
 ) -> list[Path]:
     """``submit-data``'s two scripts written into ``folder`` (``DATA_SCRIPTS``), and their log directory
     ``jobs_dir`` made (``OUT/jobs`` as a run's is, with its older name beside it)."""
-    from mhf_dist.data.locations import is_url
-
     if not is_url(str(out)) and jobs_dir == RunDir(Path(out).resolve()).jobs_dir:
         RunDir(Path(out).resolve()).make_jobs_dir()
     else:

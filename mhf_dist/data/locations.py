@@ -45,16 +45,17 @@ def open_url(url: str):
         raise storage_error(url, e) from None
 
 
+# what remote's messages say of shards: the alternative to installing a package, the access the credentials need
+_NAMED = {
+    "instead": "or copy the shards to a local or shared directory",
+    "access": "read access to it, and write access to prepare data into it",
+}
+
+
 def storage_error(url: str, e: Exception) -> Exception:
     """What an fsspec error ``e`` on ``url`` means, as a DataError naming the URL and the fix; ``e`` itself when it is
     none of those (a missing object in an existing bucket: FileNotFoundError)."""
-    return remote.storage_error(
-        url,
-        e,
-        DataError,
-        instead="or copy the shards to a local or shared directory",
-        access="read access to it, and write access to prepare data into it",
-    )
+    return remote.storage_error(url, e, DataError, **_NAMED)
 
 
 def read_json(location: str) -> dict:
@@ -78,24 +79,17 @@ def read_json(location: str) -> dict:
 
 
 def storage(url: str):
-    """fsspec's filesystem for ``url`` and the path in it, with its errors named."""
-    try:
-        import fsspec
-
-        return fsspec.core.url_to_fs(url)
-    except Exception as e:
-        raise storage_error(url, e) from None
+    """fsspec's filesystem for ``url`` and the path in it (no trailing slash), with its errors named."""
+    return remote.filesystem(url, DataError, **_NAMED)
 
 
 def check_upload(url: str, overwrite: bool) -> None:
     """Before preparing into ``url`` (object storage): its bucket exists and can be reached, and it holds no
     manifest unless ``overwrite``."""
+    remote.check_bucket(url, DataError, **_NAMED)
     fs, path = storage(url)
     try:
-        exists = fs.exists(f"{path.rstrip('/')}/{MANIFEST}")
-        bucket = path.split("/", 1)[0]
-        if not exists and not fs.exists(bucket):
-            raise FileNotFoundError(bucket)
+        exists = fs.exists(f"{path}/{MANIFEST}")
     except Exception as e:
         raise storage_error(url, e) from None
     if exists and not overwrite:
@@ -110,7 +104,6 @@ def upload(local: Path, url: str, overwrite: bool) -> None:
     the manifest goes last, so that a reader never finds one whose shards are not all there."""
     check_upload(url, overwrite)
     fs, path = storage(url)
-    path = path.rstrip("/")
     files = sorted(f for f in local.rglob("*") if f.is_file())
     try:
         if overwrite and fs.exists(path):

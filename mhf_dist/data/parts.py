@@ -181,10 +181,9 @@ def merge_in_storage(out: str, part_dirs: Sequence[str], overwrite: bool = False
     replaced and the new one is written last (one object written whole), so a reader never finds a manifest whose
     tokenizer is not the one beside it."""
     fs, root = storage(out)
-    root = root.rstrip("/")
 
     def under(part_dir: str) -> str:
-        path = storage(part_dir)[1].rstrip("/")
+        path = storage(part_dir)[1]
         if not path.startswith(root + "/"):
             raise _outside(part_dir, out)
         return path.removeprefix(root + "/")

@@ -27,6 +27,7 @@ import yaml
 
 from mhf_dist.config import CONFIG_FILE, HashConfig, RunConfig
 from mhf_dist.data.formats import MANIFEST, TOKENIZER_DIR, DataError
+from mhf_dist.remote import is_url
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -257,9 +258,6 @@ class RunDir:
         """``data.path``'s shards (a URL of object storage as it is), or shards of the embedded corpus prepared once
         into ``RUN/data`` (5 % held out)."""
         if cfg.data.shard_dir is not None:
-            # (here: the reader's module loads webdataset, which commands that read no shards do without)
-            from mhf_dist.data.locations import is_url
-
             return cfg.data.shard_dir if is_url(cfg.data.shard_dir) else Path(cfg.data.shard_dir)
         if not (self.data_dir / MANIFEST).is_file():
             from mhf_dist.data.prepare import prepare

@@ -28,8 +28,7 @@ from mhf_dist.config import RunConfig
 from mhf_dist.errors import OOM_EXIT_CODE
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.train.callbacks import Callback, RunContext
-from mhf_dist.train.checkpoint.index import marker_problem, step_directories
-from mhf_dist.train.checkpoint.store import run_store
+from mhf_dist.train.checkpoint.store import saved_checkpoints
 from mhf_dist.train.profiler_window import dump_memory_history
 from mhf_dist.train.throughput import memory_gb
 
@@ -220,7 +219,7 @@ def _splits(cfg: RunConfig, tp: int) -> bool:
 
 def newest_checkpoint(run: RunDir) -> str | None:
     """The name of the run's newest complete checkpoint, or None."""
-    saved = [p for p in step_directories(run_store(run).local) if marker_problem(p) is None]
+    saved = saved_checkpoints(run)
     return saved[-1].name if saved else None
 
 

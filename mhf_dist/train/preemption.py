@@ -20,8 +20,7 @@ from collections.abc import Callable
 
 from mhf_dist.errors import ABORTED_EXIT_CODE
 from mhf_dist.storage.run_dir import RunDir
-from mhf_dist.train.checkpoint.index import marker_problem, step_directories
-from mhf_dist.train.checkpoint.store import run_store
+from mhf_dist.train.checkpoint.store import saved_checkpoints
 
 MIN_GRACE_SECONDS = 120
 GRACE_SAFETY = 1.5  # slow storage days
@@ -47,7 +46,7 @@ def grace_seconds(step_s: float, save_s: float) -> int:
 
 def lost_work(run: RunDir, checkpoint_minutes: float | None) -> str:
     """What stopping now without a save loses, and where the next start (``--resume auto``) continues from."""
-    saved = [p for p in step_directories(run_store(run).local) if marker_problem(p) is None]
+    saved = saved_checkpoints(run)
     if saved:
         note = (
             f"the steps since {saved[-1].name} are lost; rerun the same command to resume from it"

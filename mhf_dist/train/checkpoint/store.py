@@ -23,6 +23,7 @@ from mhf_dist.train.checkpoint.index import (
     CheckpointError,
     checkpoint_step,
     file_digest,
+    marker_problem,
     step_directories,
 )
 
@@ -300,10 +301,23 @@ def run_store(run: RunDir) -> CheckpointStore:
     return checkpoint_store(run, train if isinstance(train, dict) else {})
 
 
+def saved_checkpoints(run: RunDir) -> list[Path]:
+    """The run's complete checkpoints, oldest first, where it keeps them (``RUN/checkpoints``, or a remote store's
+    copies in the staging directory); incomplete ones are skipped without a word."""
+    return [p for p in step_directories(run_store(run).local) if marker_problem(p) is None]
+
+
 def local_share() -> tuple[int, int]:
     """(this rank's index among the ranks of its node, their number), as the launcher set them (``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE``); (0, 1) without them: the rank then does its node's share alone."""
     return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
-__all__ = ["CheckpointStore", "RemoteStore", "StorageError", "checkpoint_store", "run_store"]
+__all__ = [
+    "CheckpointStore",
+    "RemoteStore",
+    "StorageError",
+    "checkpoint_store",
+    "run_store",
+    "saved_checkpoints",
+]
