@@ -26,6 +26,7 @@ from mhf_dist.train.fault_injection import SAVE_PAUSE_ENV
 
 BUCKET = "mhf-ckpt"
 ZERO3 = ("parallel.zero_stage=3",)
+ASYNC = "train.checkpoint_async=true"
 
 
 s3 = module_endpoint(BUCKET)  # the endpoint URL of an S3 server holding the empty bucket BUCKET
@@ -47,11 +48,12 @@ def stored(root, name: str) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def resumed(s3, bucket, data, tmp_path_factory):
-    """An uninterrupted 2-rank ZeRO-3 run, and the same run saved to the bucket, stopped after step 2, its staging
-    directory deleted (fresh nodes) and resumed from the bucket to the end."""
+    """An uninterrupted 2-rank ZeRO-3 run, and the same run saved to the bucket in the background
+    (``train.checkpoint_async``), stopped after step 2, its staging directory deleted (fresh nodes) and resumed
+    from the bucket to the end."""
     root = tmp_path_factory.mktemp("stored")
     full = train_run(root, data, "full", 2, *ZERO3, steps=4)
-    args = train_args(root / "run", data, 2, *ZERO3, *stored(root, "run"), steps=4)
+    args = train_args(root / "run", data, 2, *ZERO3, ASYNC, *stored(root, "run"), steps=4)
     args += ["--set", "train.checkpoint_interval=2"]
     run_cli(args + ["--set", "train.stop_at_step=2"])
     bucket.invalidate_cache()
@@ -61,9 +63,9 @@ def resumed(s3, bucket, data, tmp_path_factory):
         "local": list((root / "run").glob("checkpoints/step-*")),
     }
     shutil.rmtree(root / "run-staging")
-    run_cli(args)
+    out = run_cli(args)
     bucket.invalidate_cache()
-    return {"root": root, "full": full, "first": first, "args": args}
+    return {"root": root, "full": full, "first": first, "args": args, "out": out}
 
 
 @pytest.mark.multirank
@@ -76,6 +78,9 @@ def test_a_run_resumed_from_the_bucket_on_fresh_nodes_is_bit_identical(resumed, 
         r["loss"] for r in resumed["full"] if "loss" in r
     ]
     assert bucket.cat_file(f"{BUCKET}/run/latest").decode() == "step-00000004"
+    assert not bucket.glob(f"{BUCKET}/run/*/report-rank*")  # the ranks' reports, merged and deleted
+    saved = f"saved s3://{BUCKET}/run/step-00000004 (end, "
+    assert saved in resumed["out"] and " s stall, " in resumed["out"].split(saved)[1]
     ours = consolidate(root / "run-staging/step-00000004", False)
     theirs = consolidate(root / "full/checkpoints/step-00000004", False)
     assert ours.keys() == theirs.keys() and "vocab.tables.weight" in ours
@@ -125,7 +130,7 @@ def test_a_flipped_byte_in_the_bucket_is_caught_on_resume(resumed, bucket):
 
 
 @pytest.mark.multirank
-def test_a_save_whose_endpoint_is_gone_fails_and_the_previous_checkpoint_stays(
+def test_an_upload_whose_endpoint_is_gone_fails_the_run_and_the_previous_checkpoint_stays(
     s3, bucket, data, tmp_path, monkeypatch
 ):
     from moto.server import ThreadedMotoServer
@@ -135,8 +140,11 @@ def test_a_save_whose_endpoint_is_gone_fails_and_the_previous_checkpoint_stays(
     host, port = server.get_host_and_port()
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries: seconds of backoff
-    monkeypatch.setenv(SAVE_PAUSE_ENV, "3")  # each save waits between its files and their upload
-    args = train_args(tmp_path / "run", data, 2, *ZERO3, *stored(tmp_path, "lost"), steps=4)
+    monkeypatch.setenv(
+        SAVE_PAUSE_ENV, "8"
+    )  # each background save waits between its files and their upload
+    run = tmp_path / "run"
+    args = train_args(run, data, 2, *ZERO3, ASYNC, *stored(tmp_path, "lost"), steps=6)
     proc = CliProcess(args + ["--set", "train.checkpoint_interval=2"], tmp_path / "out.log")
     try:
         deadline = time.time() + 300
@@ -144,16 +152,19 @@ def test_a_save_whose_endpoint_is_gone_fails_and_the_previous_checkpoint_stays(
             assert time.time() < deadline and proc.poll() is None
             time.sleep(0.2)
             bucket.invalidate_cache()
-        while not (tmp_path / "lost-staging/step-00000004").exists():
+        # step 5 trains while step 4's files wait for their upload
+        log = run / "metrics.jsonl"  # a line per step
+        while not (log.exists() and len(log.read_text().splitlines()) >= 5):
             assert time.time() < deadline and proc.poll() is None
             time.sleep(0.1)
-        time.sleep(1)  # the files written, the save in its pause before the upload
+        assert not bucket.exists(f"{BUCKET}/lost/step-00000004/complete.json")
     finally:
         server.stop()
     rc, out = proc.wait(timeout=300), (tmp_path / "out.log").read_text()
     assert rc == 2, out[-3000:]
     assert f"could not save checkpoint s3://{BUCKET}/lost/step-00000004" in out
     assert "the storage endpoint cannot be reached" in out
+    assert "trying again in 1 s (attempt 2 of 3)" in out  # retried before it failed
     assert f"s3://{BUCKET}/lost/step-00000002 stays the newest checkpoint" in out
     bucket.invalidate_cache()
     assert bucket.cat_file(f"{BUCKET}/lost/latest").decode() == "step-00000002"
@@ -180,17 +191,6 @@ def test_a_url_checkpoint_dir_needs_a_staging_directory():
         ConfigError, match=r"needs train.checkpoint_staging: a node-local directory"
     ):
         _config(f"train.checkpoint_dir=s3://{BUCKET}/x")
-
-
-def test_asynchronous_saves_into_object_storage_are_refused():
-    with pytest.raises(
-        ConfigError, match=r"asynchronous saves into object storage are not supported"
-    ):
-        _config(
-            f"train.checkpoint_dir=s3://{BUCKET}/x",
-            "train.checkpoint_staging=/tmp/x",
-            "train.checkpoint_async=true",
-        )
 
 
 def test_a_local_checkpoint_dir_and_a_staging_directory_alone_are_refused():
@@ -272,3 +272,32 @@ def test_the_store_uploads_publishes_mirrors_fetches_and_removes(s3, bucket, tmp
         store.resolve(f"s3://{BUCKET}/other/step-00000001")
     store.remove("step-00000001")
     assert store.listing() == []
+
+
+def test_a_transfer_that_fails_is_tried_again_and_named(s3, bucket, tmp_path, monkeypatch, caplog):
+    import mhf_dist.train.checkpoint.store as store_module
+
+    monkeypatch.setattr(store_module, "RETRY_SECONDS", 0.01)
+    store = _store(tmp_path, f"s3://{BUCKET}/flaky")
+    step = store.local / "step-00000001"
+    step.mkdir(parents=True)
+    (step / "a.bin").write_bytes(b"part")
+    fs, put, failures = store.fs, store.fs.put_file, []
+
+    def flaky_put(*args, **kwargs):
+        if len(failures) < failing:
+            failures.append(args)
+            raise ConnectionError("connection reset by peer")
+        return put(*args, **kwargs)
+
+    monkeypatch.setattr(fs, "put_file", flaky_put)
+    failing = 2  # the third attempt goes through
+    assert store.upload(step, [step / "a.bin"]) is None
+    assert bucket.cat_file(f"{BUCKET}/flaky/step-00000001/a.bin") == b"part"
+    assert "uploading a.bin to s3://mhf-ckpt/flaky/step-00000001 failed" in caplog.text
+    assert "(attempt 3 of 3)" in caplog.text
+    failures.clear()
+    failing = 3  # every attempt fails: the last failure is the save's
+    error = store.upload(step, [step / "a.bin"])
+    assert error.startswith("uploading a.bin to s3://mhf-ckpt/flaky/step-00000001 failed")
+    assert "connection reset by peer" in error and len(failures) == 3

@@ -726,6 +726,14 @@ def test_the_grace_is_sized_from_the_save_and_must_fit_in_the_time_limit(capsys)
     est = save_estimate(cfg, slow, 2)
     assert est.seconds == pytest.approx(est.bytes / (2 * 0.5e9)) and est.grace > MIN_GRACE_SECONDS
     assert est.grace == grace_seconds(est.step_seconds, est.seconds)
+    # checkpoints in object storage: the upload after the local write
+    stored = load_config(
+        "13b-h4b16k",
+        overrides=[DATA, "train.checkpoint_dir=s3://b/r", "train.checkpoint_staging=/tmp/r"],
+    )
+    uploaded = save_estimate(stored, slow.model_copy(update={"upload_gb_per_s": 0.25}), 2)
+    assert uploaded.seconds == pytest.approx(est.bytes / (2 * 0.5e9) + est.bytes / (2 * 0.25e9))
+    assert uploaded.grace > est.grace and "then uploaded at 0.25 GB/s per node" in uploaded.rates
     script = render(
         SLURM, cfg, slow, nodes=2, run_dir=Path("/r"), preset="13b-h4b16k", overrides=[DATA]
     )

@@ -18,6 +18,7 @@ from mhf_dist.model.flops import forward_flops
 from mhf_dist.model.parameter_count import parameter_count
 from mhf_dist.model.variants import variant
 from mhf_dist.parallel.layout import resolve_layout
+from mhf_dist.remote import is_url
 from mhf_dist.train.preemption import grace_seconds
 
 DEFAULT_MFU = 0.40
@@ -112,9 +113,18 @@ class SaveEstimate:
     """One checkpoint of a job: its size, the time to write it, and the grace period a save on the signal needs."""
 
     bytes: int
-    seconds: float
+    seconds: float  # the local write, then (a URL train.checkpoint_dir) the upload
     step_seconds: float | None  # None: the profile gives no peak to estimate a step from
     storage_gb_per_s: float
+    upload_gb_per_s: float | None = None  # None: the checkpoints stay on a file system
+
+    @property
+    def rates(self) -> str:
+        """How the time was reckoned, for messages."""
+        written = f"{self.storage_gb_per_s:g} GB/s per node (profile storage_gb_per_s)"
+        if self.upload_gb_per_s is None:
+            return written
+        return f"{written}, then uploaded at {self.upload_gb_per_s:g} GB/s per node (profile upload_gb_per_s)"
 
     @property
     def grace(self) -> int:
@@ -124,15 +134,19 @@ class SaveEstimate:
 def save_estimate(
     cfg: RunConfig, profile: ClusterProfile, nodes: int, vocab_size: int = PLANNING_VOCAB_SIZE
 ) -> SaveEstimate:
-    """The checkpoints of ``cfg`` on ``nodes`` nodes of ``profile`` (step time at ``DEFAULT_MFU``)."""
+    """The checkpoints of ``cfg`` on ``nodes`` nodes of ``profile`` (step time at ``DEFAULT_MFU``); a save into
+    object storage (a URL ``train.checkpoint_dir``) is written into staging, then uploaded."""
     layout = resolve_layout(cfg, nodes * profile.gpus_per_node)
     size = checkpoint_bytes(cfg, layout.pp, vocab_size)
     step = step_estimate(cfg, profile, nodes, vocab_size=vocab_size)
+    upload = profile.upload_gb_per_s if is_url(cfg.train.checkpoint_dir) else None
+    seconds = save_seconds(size, nodes, profile.storage_gb_per_s)
     return SaveEstimate(
         bytes=size,
-        seconds=save_seconds(size, nodes, profile.storage_gb_per_s),
+        seconds=seconds + (save_seconds(size, nodes, upload) if upload else 0.0),
         step_seconds=step.seconds if step else None,
         storage_gb_per_s=profile.storage_gb_per_s,
+        upload_gb_per_s=upload,
     )
 
 

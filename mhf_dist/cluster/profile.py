@@ -46,6 +46,13 @@ class ClusterProfile(BaseModel):
         "cautious: measure yours, or read it off a run's save lines); plan and submit size checkpoint saves and the "
         "grace period before the time limit from it",
     )
+    upload_gb_per_s: float = Field(
+        0.5,
+        gt=0,
+        description="upload rate of one node to object storage, GB/s: a save into a URL "
+        "train.checkpoint_dir writes into train.checkpoint_staging, then uploads, and plan and submit count both "
+        "(the default is cautious: read yours off a run's save lines)",
+    )
     hardware_only: bool = Field(
         False,
         description="the profile holds only what is true of the hardware (the shipped GPU profiles): a "

@@ -305,15 +305,21 @@ def format_estimate(
 
 def format_save(profile: ClusterProfile, est: SaveEstimate) -> list[str]:
     """The checkpoint lines: size, time to write, and the grace period ``submit`` asks SLURM for."""
-    rate = (
-        "profile storage_gb_per_s"
-        if "storage_gb_per_s" in profile.model_fields_set
-        else "the default storage_gb_per_s; set your storage's in a site profile"
+    defaults = [
+        key
+        for key in ("storage_gb_per_s", "upload_gb_per_s")
+        if key not in profile.model_fields_set
+        and (key == "storage_gb_per_s" or est.upload_gb_per_s is not None)
+    ]
+    default = (
+        f"; {' and '.join(f'the default {key}' for key in defaults)}: set your storage's in a site profile"
+        if defaults
+        else ""
     )
     step = "" if est.step_seconds is None else f"a step of {format_time(est.step_seconds)} and "
     return [
-        f"checkpoints: {est.bytes / 1e9:.3g} GB each, written in about {format_time(est.seconds)} at "
-        f"{est.storage_gb_per_s:g} GB/s per node ({rate}); a save on SLURM's warning signal needs {step}the save: "
+        f"checkpoints: {est.bytes / 1e9:.3g} GB each, saved in about {format_time(est.seconds)}, written at "
+        f"{est.rates}{default}; a save on SLURM's warning signal needs {step}the save: "
         f"submit asks for the signal {est.grace} s before the time limit (--grace)"
     ]
 

@@ -145,7 +145,7 @@ class TrainConfig(Strict):
         None,
         description="where checkpoints are kept: None, RUN/checkpoints; or a URL of object storage "
         "(s3://bucket/prefix, any scheme fsspec knows), into which each rank uploads its files after writing them "
-        "in train.checkpoint_staging (synchronous saves only)",
+        "in train.checkpoint_staging (with train.checkpoint_async, in the background)",
     )
     checkpoint_staging: str | None = Field(
         None,
@@ -392,12 +392,6 @@ class TrainConfig(Strict):
         if is_url(self.checkpoint_staging):
             raise ValueError(
                 f"train.checkpoint_staging={self.checkpoint_staging!r} must be a local directory, not a URL"
-            )
-        if self.checkpoint_async:
-            raise ValueError(
-                f"train.checkpoint_async with train.checkpoint_dir={self.checkpoint_dir}: asynchronous saves "
-                "into object storage are not supported yet; set train.checkpoint_async=false, or keep the "
-                "checkpoints in RUN/checkpoints"
             )
         return self
 

@@ -148,10 +148,7 @@ def signal_grace(cfg: RunConfig, profile: ClusterProfile, nodes: int, asked: int
 
     est = save_estimate(cfg, profile, nodes)
     grace = est.grace if asked is None else asked
-    why = (
-        f"a checkpoint of {est.bytes / 1e9:.3g} GB takes about {est.seconds:.0f} s at {est.storage_gb_per_s:g} "
-        f"GB/s per node (profile storage_gb_per_s)"
-    )
+    why = f"a checkpoint of {est.bytes / 1e9:.3g} GB takes about {est.seconds:.0f} s written at {est.rates}"
     if asked is not None and asked < est.grace:
         print(
             f"warning: --grace {asked} is shorter than the {est.grace} s a save on SLURM's signal needs ({why}); "
@@ -163,7 +160,7 @@ def signal_grace(cfg: RunConfig, profile: ClusterProfile, nodes: int, asked: int
         raise ConfigError(
             f"the job's time limit ({profile.time}) is not longer than the {grace} s it needs after "
             f"SLURM's warning signal ({why}): ask for a longer --time, or faster storage "
-            "(storage_gb_per_s in a site profile)"
+            "(storage_gb_per_s, upload_gb_per_s in a site profile)"
         )
     return grace
 

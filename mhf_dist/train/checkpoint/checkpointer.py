@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import os
 import resource
 import shutil
 import time
@@ -21,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import save
-from tqdm.auto import tqdm
 
 from mhf_dist import __version__
 from mhf_dist.atomic import fsync, write_atomic
@@ -43,53 +41,18 @@ from mhf_dist.train.checkpoint.index import (
 from mhf_dist.train.checkpoint.lineage import BackgroundDeleter
 from mhf_dist.train.checkpoint.reading import Reading
 from mhf_dist.train.checkpoint.rng import RNG_FILE, rng_state_bytes
+from mhf_dist.train.checkpoint.save_log import log_save
 from mhf_dist.train.checkpoint.store import checkpoint_store, local_share
 from mhf_dist.train.checkpoint.writers import BackgroundWriter, RecordingWriter
 from mhf_dist.train.client_state import ClientState
 from mhf_dist.train.fault_injection import free_bytes, pause_save
 from mhf_dist.train.host_tables import HOST_TABLES_FILE
-from mhf_dist.train.preemption import GRACE_ENV, grace_seconds
 
 RANK_DIGESTS = (
     "digests-rank{:05d}.json"  # each rank's digests during a save, merged into the marker by rank 0
 )
 RANK_FAILED = "failed-rank{:05d}"  # an asynchronous save's report of a rank whose part failed (empty: fits a full disk)
 REPORT_POLL_SECONDS = 0.1  # how often rank 0's writer looks for the other ranks' reports
-
-
-def log_save(
-    path: Path,
-    reason: str,
-    stall: float,
-    background: float | None = None,
-    step_s: float = 0.0,
-    shown: str | None = None,
-) -> None:
-    """Rank 0: the save with its size, duration (an asynchronous save's ``stall`` of training and its ``background``
-    time) and write rate; a warning when a step (``step_s``) and a save like this one would not fit in the job's grace
-    period (the time between the scheduler's warning signal and the time limit), naming the grace that would
-    (``grace_seconds``). ``shown``: how the checkpoint is named (``path`` itself when None)."""
-    seconds = stall if background is None else stall + background
-    size = checkpoint_bytes(path)
-    # the nodes of the job (its scheduler or launcher says)
-    nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))
-    per_node = size / max(seconds, 1e-9) / nodes / 1e9
-    took = (
-        f"{stall:.1f} s"
-        if background is None
-        else f"{stall:.1f} s stall, {background:.1f} s in the background"
-    )
-    tqdm.write(
-        f"saved {shown or path} ({reason}, {readable_size(size)} in {took}, {per_node:.3g} GB/s per node)"
-    )
-    grace = float(os.environ.get(GRACE_ENV, "inf"))
-    if (needed := grace_seconds(step_s, seconds)) > grace:
-        tqdm.write(
-            f"warning: a save on SLURM's signal (the step in progress, {step_s:.1f} s, then a save like this "
-            f"one) needs a grace of about {needed} s, and this job has {grace:.0f} s: submit with --grace "
-            f"{needed}, or set storage_gb_per_s: {per_node:.3g} (this save's rate) in the cluster profile, "
-            "from which submit sizes the grace"
-        )
 
 
 @dataclass
@@ -240,15 +203,20 @@ class Checkpointer(Reading):
         """{file: digest} of the files of ``path`` this rank wrote."""
         return {p: d for p, d in writer.digests.items() if p.is_relative_to(path)}
 
-    def _gather_reports(self, path: Path, writer: RecordingWriter) -> list[dict]:
-        """Every rank, once its files are uploaded to a remote store: each rank's ``{name: [size, digest]}``, from
-        which rank 0 writes the marker (it cannot list the other nodes' staging directories)."""
-        report = {
+    def _files_report(self, path: Path, writer: RecordingWriter) -> dict[str, list]:
+        """``{name: [size, digest]}`` of the files of ``path`` this rank wrote: its report to rank 0 in a save into
+        a remote store, from which rank 0 writes the marker (it cannot list the other nodes' staging
+        directories)."""
+        return {
             str(p.relative_to(path)): [p.stat().st_size, d]
             for p, d in self._own_files(path, writer).items()
         }
+
+    def _gather_reports(self, path: Path, writer: RecordingWriter) -> list[dict]:
+        """Every rank, once its files are uploaded to a remote store (a synchronous save): each rank's
+        ``_files_report``."""
         reports: list[dict] = [{}] * self.world
-        dist.all_gather_object(reports, report)
+        dist.all_gather_object(reports, self._files_report(path, writer))
         return reports
 
     def _hand_over(self, trainer: Trainer, client: dict, save: InFlightSave) -> None:
@@ -266,23 +234,29 @@ class Checkpointer(Reading):
 
     def _finish_in_background(self, save: InFlightSave) -> None:
         """The writer thread, once this rank's files are written: its report to rank 0 (its digests file, as a
-        synchronous save writes it, or an empty failed-rank file); rank 0 then waits for every rank's report and,
-        when none failed, commits as a synchronous save does."""
+        synchronous save writes it, or an empty failed-rank file; a remote store's ranks first upload their files
+        and post their report to the store); rank 0 then waits for every rank's report and, when none failed,
+        commits as a synchronous save does."""
         writer = save.writer
-        self._write_digests(save.path, writer)
+        if self.store.url is None:
+            self._write_digests(save.path, writer)
         pause_save()
-        if writer.error is not None:
+        if self.store.url is not None:
+            self._report_to_store(save.path, writer)
+        elif writer.error is not None:
             with contextlib.suppress(
                 OSError
             ):  # not even an empty file fits: rank 0 stops waiting at its timeout
                 (save.path / RANK_FAILED.format(self.rank)).touch()
-            return
-        if self.rank != 0:
+        if writer.error is not None or self.rank != 0:
             return
         try:
-            if not self._await_reports(save.path):
+            reports = self._await_reports(save.path, writer)
+            if reports is None:
                 return  # a rank's part failed: the wait fails the save on every rank
-            save.commit_error = self._commit(save.path, save.marker)
+            save.commit_error = self._commit(
+                save.path, save.marker, reports if self.store.url is not None else None
+            )
         except (
             Exception
         ) as e:  # a rank that never reported, or a fault of its own: the save fails at the wait
@@ -294,20 +268,46 @@ class Checkpointer(Reading):
                 save.stall,
                 time.perf_counter() - save.began - save.stall,
                 save.step_s,
+                self.store.where(save.path),
             )
 
-    def _await_reports(self, path: Path) -> bool:
-        """Rank 0's writer thread: whether every rank wrote its part, once each reported (its digests file, or a
-        failed-rank file). Files, not collectives: the training threads may be in theirs. A rank silent for
-        ``train.dist_timeout_minutes`` is an error."""
-        waiting = set(range(self.world))
+    def _report_to_store(self, path: Path, writer: RecordingWriter) -> None:
+        """An asynchronous save into a remote store, on the writer thread: this rank's files uploaded, then its
+        report posted to the store (rank 0 keeps its own); an upload or report that fails is this rank's error."""
+        if writer.error is None:
+            writer.error = self.store.upload(path, sorted(self._own_files(path, writer)))
+        if self.rank == 0:
+            return
+        try:
+            self.store.post_report(
+                path, self.rank, self._files_report(path, writer) if writer.error is None else None
+            )
+        except CheckpointError as e:
+            writer.error = writer.error or str(e)
+
+    def _await_reports(self, path: Path, writer: RecordingWriter) -> list[dict] | None:
+        """Rank 0's writer thread: once every rank reported, their files (``_gather_reports``'s form; a local
+        store's are read by ``_commit``), or None when a rank's part failed. Files, not collectives: the training
+        threads may be in theirs. A rank silent for ``train.dist_timeout_minutes`` is an error."""
+        waiting, reports = set(range(self.world)), [{}] * self.world
+        if self.store.url is not None:
+            reports[0] = self._files_report(path, writer)
+            waiting.discard(0)
         deadline = time.monotonic() + self.cfg.train.dist_timeout_minutes * 60
         while True:
-            if any((path / RANK_FAILED.format(r)).exists() for r in waiting):
-                return False
-            waiting = {r for r in waiting if not (path / RANK_DIGESTS.format(r)).exists()}
+            if self.store.url is None:
+                if any((path / RANK_FAILED.format(r)).exists() for r in waiting):
+                    return None
+                waiting = {r for r in waiting if not (path / RANK_DIGESTS.format(r)).exists()}
+            else:
+                posted = self.store.reports(path, waiting)
+                if any(files is None for files in posted.values()):
+                    return None
+                for rank, files in posted.items():
+                    reports[rank] = files
+                waiting -= set(posted)
             if not waiting:
-                return True
+                return reports
             if time.monotonic() > deadline:
                 raise CheckpointError(
                     f"rank {min(waiting)} did not report its part within "
@@ -325,6 +325,8 @@ class Checkpointer(Reading):
         save.writer.thread.join()
         size = self._agree_on_writes(save.path, save.writer)
         self._agree_on_commit(save.path, save.commit_error, size)
+        if self.store.url is not None:
+            self._share_commit(save.path)
 
     def _clear_for_save(self, path: Path) -> None:
         """Rank 0: make room for ``path`` — leftovers of an interrupted save of this step are removed; a directory

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 from mhf_dist.atomic import write_atomic
@@ -28,6 +29,12 @@ from mhf_dist.train.checkpoint.index import (
 )
 
 log = logging.getLogger(__name__)
+
+RANK_REPORT = "report-rank{:05d}.json"  # an asynchronous save's report of one rank, in the store
+TRANSFER_ATTEMPTS = (
+    3  # an upload or download of one file, before its failure fails the save or the resume
+)
+RETRY_SECONDS = 1.0  # the wait before the second attempt, doubled before each further one
 
 
 class CheckpointStore:
@@ -109,15 +116,69 @@ class RemoteStore(CheckpointStore):
                 "directory"
             ) from None
 
+    def _transfer(self, what: str, move) -> None:
+        """``move()``, tried ``TRANSFER_ATTEMPTS`` times with a doubling wait between; each failure but the last
+        is a warning naming it, the last raises."""
+        for attempt in range(1, TRANSFER_ATTEMPTS + 1):
+            try:
+                return move()
+            except FileNotFoundError:
+                raise
+            except Exception as e:
+                if attempt == TRANSFER_ATTEMPTS:
+                    raise
+                wait = RETRY_SECONDS * 2 ** (attempt - 1)
+                log.warning(
+                    "%s; trying again in %g s (attempt %d of %d)",
+                    self._error(what, e),
+                    wait,
+                    attempt + 1,
+                    TRANSFER_ATTEMPTS,
+                )
+                time.sleep(wait)
+
     def upload(self, path: Path, files: list[Path]) -> str | None:
         fs = self.fs
         for f in files:
             target = f"{self.root}/{path.name}/{f.relative_to(path).as_posix()}"
+            what = f"uploading {f.relative_to(path)} to {self.where(path)}"
             try:
-                fs.put_file(str(f), target)
+                self._transfer(what, lambda: fs.put_file(str(f), target))  # noqa: B023
             except Exception as e:
-                return self._error(f"uploading {f.relative_to(path)} to {self.where(path)}", e)
+                return self._error(what, e)
         return None
+
+    def post_report(self, path: Path, rank: int, files: dict[str, list] | None) -> None:
+        """An asynchronous save's report of ``rank`` to rank 0, in the store beside the checkpoint's files (the
+        nodes share no directory): ``{name: [size, digest]}`` of the files it uploaded, or None when its part
+        failed. Raises ``CheckpointError`` when the store cannot take it."""
+        text = json.dumps({"files": files} if files is not None else {"failed": True})
+        try:
+            self._transfer(
+                f"reporting rank {rank}'s part of {self.where(path)}",
+                lambda: self.fs.pipe_file(
+                    f"{self.root}/{path.name}/{RANK_REPORT.format(rank)}", text.encode()
+                ),
+            )
+        except Exception as e:
+            raise CheckpointError(self._error(f"reporting rank {rank}'s part", e)) from None
+
+    def reports(self, path: Path, ranks: set[int]) -> dict[int, dict | None]:
+        """Those of ``ranks`` that posted their report of ``path`` (``post_report``): {rank: files, or None when
+        its part failed}. Raises ``CheckpointError`` when the store cannot be read."""
+        fs, found = self.fs, {}
+        try:
+            for rank in sorted(ranks):
+                report = f"{self.root}/{path.name}/{RANK_REPORT.format(rank)}"
+                try:
+                    found[rank] = json.loads(fs.cat_file(report)).get("files")
+                except FileNotFoundError:
+                    continue
+        except Exception as e:
+            raise CheckpointError(
+                self._error(f"reading the ranks' reports of {self.where(path)}", e)
+            ) from None
+        return found
 
     def publish(self, path: Path) -> None:
         fs = self.fs
@@ -128,6 +189,12 @@ class RemoteStore(CheckpointStore):
             raise CheckpointError(
                 self._error(f"writing {MARKER} of {self.where(path)}", e)
             ) from None
+        try:  # an asynchronous save's reports, merged into the marker
+            fs.invalidate_cache(f"{self.root}/{path.name}")
+            if reports := fs.glob(f"{self.root}/{path.name}/{RANK_REPORT.replace('{:05d}', '*')}"):
+                fs.rm(reports)
+        except Exception as e:
+            log.warning("%s", self._error(f"deleting the ranks' reports in {self.where(path)}", e))
 
     def point_latest(self, name: str | None) -> None:
         fs = self.fs
@@ -221,8 +288,12 @@ class RemoteStore(CheckpointStore):
                 continue
             local.parent.mkdir(parents=True, exist_ok=True)
             partial = local.with_name(f".{local.name}.{os.getpid()}.partial")
+            source = f"{self.root}/{path.name}/{name}"
             try:
-                fs.get_file(f"{self.root}/{path.name}/{name}", str(partial))
+                self._transfer(
+                    f"downloading {name} of {self.where(path)}",
+                    lambda: fs.get_file(source, str(partial)),  # noqa: B023
+                )
                 os.replace(partial, local)
             except FileNotFoundError:
                 partial.unlink(missing_ok=True)  # missing: the file check names it
