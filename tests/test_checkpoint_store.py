@@ -1,12 +1,15 @@
 """Checkpoints in object storage (``train.checkpoint_dir=s3://...``), against a real S3 endpoint on loopback
 (moto's server, ``helpers.s3``): a save uploads every rank's files before the marker, a resume on fresh nodes
-(the staging directory gone) downloads and verifies the newest complete checkpoint and continues bit for bit, a
-flipped byte in the bucket is caught, a save whose endpoint is gone fails leaving the previous checkpoint the
-newest, ``status`` lists the stored checkpoints, and bad settings or storage are named before training."""
+(the staging directory gone) downloads and verifies the newest complete checkpoint and continues bit for bit, the
+tools that read a run's newest checkpoint download it too, a flipped byte in the bucket is caught (and set aside by
+``--resume auto``), retention deletes from the bucket, a save whose endpoint is gone fails leaving the previous
+checkpoint the newest, ``status`` lists the stored checkpoints, and bad settings or storage are named before
+training."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import time
@@ -27,6 +30,7 @@ from mhf_dist.train.fault_injection import SAVE_PAUSE_ENV
 BUCKET = "mhf-ckpt"
 ZERO3 = ("parallel.zero_stage=3",)
 ASYNC = "train.checkpoint_async=true"
+ZERO1 = "parallel.zero_stage=1"
 
 
 s3 = module_endpoint(BUCKET)  # the endpoint URL of an S3 server holding the empty bucket BUCKET
@@ -68,6 +72,13 @@ def resumed(s3, bucket, data, tmp_path_factory):
     return {"root": root, "full": full, "first": first, "args": args, "out": out}
 
 
+def full_weights(resumed: dict) -> dict:
+    """The uninterrupted run's final weights, merged once for the module."""
+    if "weights" not in resumed:
+        resumed["weights"] = consolidate(resumed["root"] / "full/checkpoints/step-00000004", False)
+    return resumed["weights"]
+
+
 @pytest.mark.multirank
 def test_a_run_resumed_from_the_bucket_on_fresh_nodes_is_bit_identical(resumed, bucket):
     root, first = resumed["root"], resumed["first"]
@@ -82,9 +93,30 @@ def test_a_run_resumed_from_the_bucket_on_fresh_nodes_is_bit_identical(resumed, 
     saved = f"saved s3://{BUCKET}/run/step-00000004 (end, "
     assert saved in resumed["out"] and " s stall, " in resumed["out"].split(saved)[1]
     ours = consolidate(root / "run-staging/step-00000004", False)
-    theirs = consolidate(root / "full/checkpoints/step-00000004", False)
+    theirs = full_weights(resumed)
     assert ours.keys() == theirs.keys() and "vocab.tables.weight" in ours
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.multirank
+def test_the_tools_read_the_newest_checkpoint_of_the_run_from_the_bucket(resumed, capsys):
+    # export, export-hf, eval and generate read a run through trained_weights: on a fresh machine (no staging
+    # directory) it downloads the newest complete checkpoint from the bucket and verifies it
+    from mhf_dist.train.trained_weights import trained_weights
+
+    root, staging = resumed["root"], resumed["root"] / "run-staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    tw = trained_weights(root / "run")
+    assert f"fetching s3://{BUCKET}/run/step-00000004 into" in capsys.readouterr().err
+    assert (tw.step, tw.run.path, tw.checkpoint) == (4, root / "run", staging / "step-00000004")
+    theirs = full_weights(resumed)
+    assert tw.state.keys() == theirs.keys()
+    assert all(torch.equal(tw.state[k], theirs[k]) for k in theirs)
+    assert [p.name for p in staging.iterdir()] == ["step-00000004"]  # the newest alone
+    files = json.loads((tw.checkpoint / "complete.json").read_text())["files"]
+    assert sorted(
+        p.relative_to(tw.checkpoint).as_posix() for p in tw.checkpoint.rglob("*") if p.is_file()
+    ) == sorted([*files, "complete.json"])
 
 
 @pytest.mark.multirank
@@ -127,6 +159,77 @@ def test_a_flipped_byte_in_the_bucket_is_caught_on_resume(resumed, bucket):
     assert "does not match its sha256 digest" in out and name.rsplit("/", 1)[-1] in out
     assert f"checkpoint s3://{prefix}: " in out
     assert f"give s3://{BUCKET}/run/step-00000002 instead" in out  # the newest that verifies
+
+
+@pytest.fixture(scope="module")
+def kept(s3, bucket, data, tmp_path_factory):
+    """A 1-rank run that saved steps 1 to 3 into the bucket, keeping the newest two."""
+    root = tmp_path_factory.mktemp("kept")
+    args = train_args(root / "run", data, 1, ZERO1, *stored(root, "kept"), steps=3)
+    args += ["--set", "train.checkpoint_interval=1", "--set", "train.keep_checkpoints=2"]
+    run_cli(args)
+    bucket.invalidate_cache()
+    return {"root": root, "args": args}
+
+
+def _listing(bucket, prefix: str) -> list[str]:
+    bucket.invalidate_cache()
+    return sorted(p.rsplit("/", 1)[-1] for p in bucket.ls(f"{BUCKET}/{prefix}"))
+
+
+@pytest.mark.multirank
+def test_retention_deletes_the_older_checkpoints_from_the_bucket(kept, bucket):
+    assert _listing(bucket, "kept") == ["latest", "step-00000002", "step-00000003"]
+    assert bucket.cat_file(f"{BUCKET}/kept/latest").decode() == "step-00000003"
+    assert bucket.exists(f"{BUCKET}/kept/step-00000002/complete.json")
+    assert sorted(p.name for p in (kept["root"] / "kept-staging").glob("step-*")) == [
+        "step-00000002",
+        "step-00000003",
+    ]
+
+
+@pytest.mark.multirank
+def test_resume_auto_sets_a_damaged_checkpoint_in_the_bucket_aside(kept, bucket, capsys):
+    # The newest checkpoint's largest file flipped in the bucket, the staging directory gone: the tools that read
+    # the run's newest checkpoint refuse it by its URL; --resume auto names it once, moves it to the bucket's
+    # corrupt/<time>/ (kept as it was) and continues from the older one.
+    root, prefix = kept["root"], f"{BUCKET}/kept/step-00000003"
+    name = max((p for p in bucket.find(prefix) if not p.endswith("complete.json")), key=bucket.size)
+    flipped = bytearray(bucket.cat_file(name))
+    flipped[len(flipped) // 2] ^= 1
+    bucket.pipe_file(name, bytes(flipped))
+    file = name.removeprefix(f"{prefix}/")
+    shutil.rmtree(root / "kept-staging")
+    assert main(["export", str(root / "run"), "--out", str(root / "out")]) == 2
+    assert f"checkpoint s3://{prefix}: {file} does not match its sha256 digest" in (
+        capsys.readouterr().err
+    )
+
+    out = run_cli(kept["args"])
+    assert out.count(f"{file} does not match its sha256 digest") == 1 and "Traceback" not in out
+    older = root / "kept-staging/step-00000002"
+    assert f"Moved step-00000003 to {root / 'kept-staging/corrupt'}" in out
+    assert f"resuming from {older}, the newest checkpoint that verifies" in out
+    assert re.search(r"resumed from \S+/step-00000002 at step 2\n", out)
+    (aside,) = bucket.ls(f"{BUCKET}/kept/corrupt")
+    assert bucket.cat_file(f"{aside}/step-00000003/{file}") == bytes(flipped)  # kept as it was
+    assert _listing(bucket, "kept") == ["corrupt", "latest", "step-00000002", "step-00000003"]
+    assert bucket.cat_file(f"{BUCKET}/kept/latest").decode() == "step-00000003"
+    assert bucket.cat_file(name) != bytes(flipped)  # saved anew by the resumed run
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_in_the_bucket_resumes_under_another_layout(kept, bucket, data):
+    # saved by one rank, resumed by two (dp 2) on fresh nodes: each node downloads it and converts its copy
+    root = kept["root"]
+    shutil.rmtree(root / "kept-staging", ignore_errors=True)
+    uninterrupted = [r["loss"] for r in metrics(root / "run") if "loss" in r][:3]
+    args = train_args(root / "run", data, 2, ZERO1, *stored(root, "kept"), steps=3)
+    out = run_cli(args + ["--resume", f"s3://{BUCKET}/kept/step-00000002"])
+    assert "converted to this layout" in out
+    resumed = [r for r in metrics(root / "run") if r.get("step") == 3][-1]
+    assert abs(resumed["loss"] - uninterrupted[2]) <= 1e-5 * uninterrupted[2]
+    assert (root / "kept-staging/universal/step-00000002").is_dir()
 
 
 @pytest.mark.multirank
@@ -193,11 +296,32 @@ def test_a_url_checkpoint_dir_needs_a_staging_directory():
         _config(f"train.checkpoint_dir=s3://{BUCKET}/x")
 
 
-def test_a_local_checkpoint_dir_and_a_staging_directory_alone_are_refused():
-    with pytest.raises(ConfigError, match=r"is not a URL: a local run keeps its checkpoints"):
-        _config("train.checkpoint_dir=/elsewhere")
+def test_a_relative_checkpoint_dir_and_a_staging_directory_without_a_url_are_refused():
+    with pytest.raises(ConfigError, match=r"is a relative path, .* give an absolute one"):
+        _config("train.checkpoint_dir=elsewhere")
+    with pytest.raises(
+        ConfigError, match=r"/elsewhere is written directly: drop train.checkpoint_"
+    ):
+        _config("train.checkpoint_dir=/elsewhere", "train.checkpoint_staging=/tmp/x")
     with pytest.raises(ConfigError, match=r"train.checkpoint_staging is only used with a URL"):
         _config("train.checkpoint_staging=/tmp/x")
+
+
+@pytest.mark.multirank
+def test_checkpoints_in_another_local_directory_resume_and_are_read_there(data, tmp_path, capsys):
+    from mhf_dist.train.trained_weights import trained_weights
+
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere" / "r1"
+    args = train_args(run, data, 1, ZERO1, f"train.checkpoint_dir={elsewhere}", steps=3)
+    run_cli(args + ["--set", "train.stop_at_step=2"])
+    assert (elsewhere / "latest").read_text() == "step-00000002"
+    assert not (run / "checkpoints").exists()
+    out = run_cli(args)
+    assert f"resumed from {elsewhere / 'step-00000002'} at step 2" in out
+    assert main(["status", str(run)]) == 0
+    assert "step-00000003" in capsys.readouterr().out
+    trained = trained_weights(run)
+    assert trained.checkpoint == elsewhere / "step-00000003" and trained.run.path == run
 
 
 def test_without_checkpoint_dir_checkpoints_stay_in_the_run_directory(tmp_path):

@@ -151,14 +151,10 @@ def assert_matches_lm_eval(run: Path, step: int, tmp_path: Path, task_dir: Path)
     accuracies exactly, each request's log-likelihood within 1e-4."""
     record = next(r for r in metrics(run) if r["step"] == step and "eval_tasks_s" in r)
     theirs = lm_eval_on_export(run, tmp_path / "hf", task_dir)
-    for task, (results, samples) in theirs.items():
-        lines = (run / "eval" / str(step) / f"{task}.jsonl").read_text().splitlines()
-        ours, expected = responses([json.loads(x) for x in lines]), responses(samples)
-        assert ours.keys() == expected.keys()
-        for doc, requests in expected.items():
-            for (ll, greedy), (our_ll, our_greedy) in zip(requests, ours[doc], strict=True):
-                assert abs(ll - our_ll) <= 1e-4, (task, doc, ll, our_ll)
-                assert greedy == our_greedy, (task, doc)
+    assert_same_requests(
+        scored_requests(run, step), {t: responses(samples) for t, (_, samples) in theirs.items()}
+    )
+    for task, (results, _) in theirs.items():
         if task == "mhf_rolling_local":
             for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
                 want = results[f"{metric},none"]
@@ -168,12 +164,31 @@ def assert_matches_lm_eval(run: Path, step: int, tmp_path: Path, task_dir: Path)
     assert math.isfinite(record["eval/mhf_lambada_local/perplexity"])
 
 
+def assert_same_requests(ours: dict[str, dict], expected: dict[str, dict]) -> None:
+    """Each task's requests (``responses``) alike: log-likelihoods within 1e-4, greedy flags equal."""
+    for task, documents in expected.items():
+        assert ours[task].keys() == documents.keys()
+        for doc, requests in documents.items():
+            for (ll, greedy), (our_ll, our_greedy) in zip(requests, ours[task][doc], strict=True):
+                assert abs(ll - our_ll) <= 1e-4, (task, doc, ll, our_ll)
+                assert greedy == our_greedy, (task, doc)
+
+
+def scored_requests(run: Path, step: int) -> dict[str, dict]:
+    """The run's per-request ``responses`` of each task at ``step``."""
+    found = {}
+    for task in TASKS:
+        lines = (run / "eval" / str(step) / f"{task}.jsonl").read_text().splitlines()
+        found[task] = responses([json.loads(x) for x in lines])
+    return found
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, data, task_dir):
-    """One process, scored at step 2 (the interval) and 3 (the last)."""
+    """One process, scored at step 1 (the interval) and 2 (the last)."""
     run = tmp_path_factory.mktemp("single") / "run"
-    args = task_settings(task_dir) + ["train.eval_tasks_interval=2"]
-    run_cli(train_args(run, data, 1, *args, steps=3))
+    args = task_settings(task_dir) + ["train.eval_tasks_interval=1"]
+    run_cli(train_args(run, data, 1, *args, steps=2))
     return run
 
 
@@ -181,12 +196,12 @@ def single(tmp_path_factory, data, task_dir):
 def test_in_run_scores_are_lm_eval_on_the_export_one_process(single, tmp_path, task_dir):
     records = metrics(single)
     scored = [r["step"] for r in records if "eval_tasks_s" in r]
-    assert scored == [2, 3]
+    assert scored == [1, 2]
     for r in records:
         if r["step"] in scored:
             assert 0 <= r["eval/mhf_choice_local/acc"] <= 1
             assert "eval/mhf_choice_local/acc_norm" in r
-    assert_matches_lm_eval(single, 3, tmp_path, task_dir)
+    assert_matches_lm_eval(single, 2, tmp_path, task_dir)
 
 
 LAYOUTS = {  # name: (ranks, overrides)
@@ -198,11 +213,17 @@ LAYOUTS = {  # name: (ranks, overrides)
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_in_run_scores_are_lm_eval_on_the_export(tmp_path, data, task_dir, layout):
+def test_in_run_scores_of_every_layout_are_those_of_one_process(
+    single, tmp_path, data, task_dir, layout
+):
+    # the layouts train the one-process weights (fp32, to rounding), whose scores are lm-eval's on the export
     nproc, overrides = LAYOUTS[layout]
     run = tmp_path / "run"
     run_cli(train_args(run, data, nproc, *overrides, *task_settings(task_dir), steps=2))
-    assert_matches_lm_eval(run, 2, tmp_path, task_dir)
+    assert_same_requests(scored_requests(run, 2), scored_requests(single, 2))
+    record = next(r for r in metrics(run) if r["step"] == 2 and "eval_tasks_s" in r)
+    reference = next(r for r in metrics(single) if r["step"] == 2 and "eval_tasks_s" in r)
+    assert record["eval/mhf_choice_local/acc"] == reference["eval/mhf_choice_local/acc"]
 
 
 @pytest.mark.multirank

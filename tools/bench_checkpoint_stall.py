@@ -5,8 +5,8 @@ Usage: python tools/bench_checkpoint_stall.py [--preset 100m-h4b16k] [--saves 3]
 Each mode is `mhf-dist train` in a fresh process on the embedded text (ZeRO as the layout chooses; fp32 on CPU, the
 preset's bf16 on a GPU), one micro-batch per step, a save every ``--interval`` steps (the last one at the end of
 training). A save's stall is the time the training loop spent in it, as the run logs it (`saved ... (interval,
-0.4 s stall, ...)`): the whole save when synchronous, the copy to host memory (and any wait for the save before)
-when asynchronous. ``--interval`` should leave each background write the time to finish before the next save, or
+1.66 GB in 0.4 s stall, ...)`): the whole save when synchronous, the copy to host memory (and any wait for the save
+before) when asynchronous. ``--interval`` should leave each background write the time to finish before the next save, or
 that wait counts as stall too. Rounds alternate the modes (sync, async, sync, ...), so a machine whose speed drifts
 slows both alike. Reported per mode: the median stall per save, the median background time (async), the checkpoint
 size; then the ratio of the median stalls, async / sync.
@@ -21,35 +21,67 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
+# rank 0's line for each save (``log_save``): where, why, size, then its time (an asynchronous save's stall and
+# background time) and rate
 SAVED = re.compile(
-    r"^saved (\S+) \((\w+), ([\d.]+) s(?: stall, ([\d.]+) s in the background)?\)$", re.M
+    r"^saved (\S+) \((\w+), ([\d.]+) ([MG])B in ([\d.]+) s(?: stall, ([\d.]+) s in the background)?, "
+    r"[\d.e+-]+ GB/s per node\)$",
+    re.M,
 )
 MODES = ("sync", "async")
 
 
-def run_mode(run: Path, asynchronous: bool, args) -> tuple[list[float], list[float], int]:
-    """(stall seconds per save, background seconds per save, bytes of the last checkpoint) of one training run."""
-    overrides = [
+@dataclass
+class Save:
+    """One save as the run logged it."""
+
+    where: str  # its directory, or its URL in object storage
+    size: float  # bytes (as logged: three significant digits)
+    stall: float  # seconds training spent in it
+    background: float | None  # an asynchronous save's seconds after the stall
+
+
+def saves_in(log: str) -> list[Save]:
+    """The saves a run's console output reports, in order."""
+    return [
+        Save(
+            where,
+            float(size) * (1e9 if unit == "G" else 1e6),
+            float(stall),
+            float(bg) if bg else None,
+        )
+        for where, _, size, unit, stall, bg in SAVED.findall(log)
+    ]
+
+
+def train(
+    run: Path, args, *overrides: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``mhf-dist train`` of ``args.preset`` into ``run``, in a fresh process, its output captured: the embedded text,
+    ``args.saves`` saves ``args.interval`` steps apart (the last at the end), ``args.micro`` sequences of
+    ``args.seq_len`` tokens per step and rank on ``args.nproc`` ranks, a step logged at each save, fp32 without a GPU;
+    then ``overrides`` (``key=value``). ``env``: the process's environment (this one's when None)."""
+    settings = [
         "data.path=embedded",
         f"data.seq_len={args.seq_len}",
         f"train.max_steps={args.saves * args.interval}",
         f"train.global_batch_size={args.micro * args.nproc}",
         f"train.micro_batch_size={args.micro}",
-        "train.log_interval=1000",
+        f"train.log_interval={args.interval}",
         f"train.eval_sequences={args.micro * args.nproc}",
         "train.eval_interval=0",
         f"train.checkpoint_interval={args.interval}",
         "train.keep_checkpoints=2",
-        f"train.checkpoint_async={str(asynchronous).lower()}",
+        *([] if torch.cuda.is_available() else ["train.dtype=fp32"]),
+        *overrides,
     ]
-    if not torch.cuda.is_available():
-        overrides.append("train.dtype=fp32")
     argv = [
         sys.executable,
         "-m",
@@ -62,24 +94,27 @@ def run_mode(run: Path, asynchronous: bool, args) -> tuple[list[float], list[flo
         "--nproc-per-node",
         str(args.nproc),
     ]
-    for o in overrides:
+    for o in settings:
         argv += ["--set", o]
-    out = subprocess.run(
+    environ = os.environ if env is None else env
+    return subprocess.run(
         argv,
-        check=True,
         capture_output=True,
         text=True,
-        env=os.environ | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
-    ).stdout
-    saves = SAVED.findall(out)
-    if len(saves) != args.saves:
+        env=environ | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def run_mode(run: Path, asynchronous: bool, args) -> tuple[list[float], list[float], int]:
+    """(stall seconds per save, background seconds per save, bytes of the last checkpoint) of one training run."""
+    done = train(run, args, f"train.checkpoint_async={str(asynchronous).lower()}")
+    saves = saves_in(done.stdout)
+    if done.returncode or len(saves) != args.saves:
         raise SystemExit(
             f"expected {args.saves} saves in the {'async' if asynchronous else 'sync'} run's log, "
-            f"found {len(saves)}:\n{out[-3000:]}"
+            f"found {len(saves)}:\n{(done.stdout + done.stderr)[-3000:]}"
         )
-    last = Path(saves[-1][0])
-    size = sum(f.stat().st_size for f in last.rglob("*") if f.is_file())
-    return [float(s[2]) for s in saves], [float(s[3]) for s in saves if s[3]], size
+    return [s.stall for s in saves], [s.background for s in saves if s.background], saves[-1].size
 
 
 def main() -> None:

@@ -233,7 +233,7 @@ def newest_checkpoint(
     too — or None; what was checked of it, ``sizes`` or ``digests``; the newer complete ones that fail that check,
     newest first)."""
     damaged = []
-    for path in reversed(step_directories(run.checkpoints_dir)):
+    for path in reversed(step_directories(run_store(run).local)):
         try:
             marker, written = read_marker(path), (path / MARKER).stat().st_mtime
             problem = damage(path, digests)

@@ -143,7 +143,8 @@ class TrainConfig(Strict):
     )
     checkpoint_dir: str | None = Field(
         None,
-        description="where checkpoints are kept: None, RUN/checkpoints; or a URL of object storage "
+        description="where checkpoints are kept: None, RUN/checkpoints; an absolute path (a directory every "
+        "node sees, e.g. on a larger file system than the run directory's); or a URL of object storage "
         "(s3://bucket/prefix, any scheme fsspec knows), into which each rank uploads its files after writing them "
         "in train.checkpoint_staging (with train.checkpoint_async, in the background)",
     )
@@ -378,11 +379,18 @@ class TrainConfig(Strict):
                 )
             return self
         if not is_url(self.checkpoint_dir):
-            raise ValueError(
-                f"train.checkpoint_dir={self.checkpoint_dir!r} is not a URL: a local run keeps its checkpoints in "
-                "RUN/checkpoints (leave train.checkpoint_dir unset); give object storage as "
-                "s3://bucket/prefix"
-            )
+            if not Path(self.checkpoint_dir).is_absolute():
+                raise ValueError(
+                    f"train.checkpoint_dir={self.checkpoint_dir!r} is a relative path, which each node and each "
+                    "later start could read differently: give an absolute one (a directory every node sees), or "
+                    "object storage as s3://bucket/prefix"
+                )
+            if self.checkpoint_staging is not None:
+                raise ValueError(
+                    f"train.checkpoint_staging is only used with a URL train.checkpoint_dir (object storage); "
+                    f"{self.checkpoint_dir} is written directly: drop train.checkpoint_staging"
+                )
+            return self
         if not self.checkpoint_staging:
             raise ValueError(
                 f"train.checkpoint_dir={self.checkpoint_dir} is object storage, which needs "

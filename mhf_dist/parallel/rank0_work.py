@@ -34,17 +34,21 @@ def on_rank0(
     name: str,
     scalars: ScalarCollectives,
     error: type[MhfError] = MhfError,
+    worker: bool | None = None,
 ) -> None:
     """Rank 0 runs ``work()``; every other rank waits until it ended. A failure raises on rank 0 as it was and on
     the others as ``error`` with rank 0's message. ``where``: a directory every rank sees (rank 0 may create it
-    in ``work``); ``name``: what the work is, for the outcome file's name."""
+    in ``work``); ``name``: what the work is, for the outcome file's name. ``worker``: whether this rank does the
+    work instead (work each node does for itself, in a node-local ``where``: its first rank)."""
     rank = dist.get_rank()
+    who = "rank 0" if worker is None else "the rank doing it"
+    worker = rank == 0 if worker is None else worker
     # a fresh name for this start's outcome file, so that no rank mistakes an earlier start's for it
     token = int(
         scalars.from_rank0(float(random.SystemRandom().getrandbits(48)) if rank == 0 else 0.0)
     )
     done = _outcome_file(where, name, token)
-    if rank == 0:
+    if worker:
         for stale in where.glob(f".{name}-*.done"):  # left by a start whose work failed
             stale.unlink(missing_ok=True)
         try:
@@ -60,9 +64,9 @@ def on_rank0(
             time.sleep(POLL_SECONDS)
         message = json.loads(done.read_text())["error"]
         if message is not None:
-            raise error(f"rank 0 failed: {message}")
+            raise error(f"{who} failed: {message}")
     dist.barrier()  # every rank has read the outcome
-    if rank == 0:
+    if worker:
         done.unlink(missing_ok=True)
 
 

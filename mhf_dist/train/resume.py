@@ -116,7 +116,7 @@ def resume_config(run_dir: str | Path, overrides: list[str], resume: str) -> Run
         store.check()
         checkpoint, marker = store.resumed_marker(resume)
     else:
-        checkpoint = _resumed_checkpoint(Path(run_dir), resume)
+        checkpoint = _resumed_checkpoint(store.local, resume)
         marker = None if checkpoint is None else read_marker(checkpoint)
     if marker is not None:
         _check_fixed_fields(
@@ -125,12 +125,13 @@ def resume_config(run_dir: str | Path, overrides: list[str], resume: str) -> Run
     return cfg
 
 
-def _resumed_checkpoint(run_dir: Path, resume: str) -> Path | None:
-    """The checkpoint the start will load, as the training loop picks it (``--resume`` auto, none or a path)."""
+def _resumed_checkpoint(checkpoints: Path, resume: str) -> Path | None:
+    """The checkpoint the start will load from the directory ``checkpoints``, as the training loop picks it
+    (``--resume`` auto, none or a path)."""
     if resume == "none":
         return None
     if resume == "auto":
-        found = complete_checkpoints(RunDir(run_dir).checkpoints_dir)
+        found = complete_checkpoints(checkpoints)
         return found[-1] if found else None
     return Path(resume)
 

@@ -1,6 +1,6 @@
 """A model's full weights from what training leaves: a checkpoint of any layout, or a run directory (its newest
-complete checkpoint, or, before the first, its initial weights). What ``export``, ``export-hf``, ``expand-vocab``,
-``generate`` and ``eval`` read a model from."""
+complete checkpoint, downloaded first when the run keeps its checkpoints in object storage, or, before the first, its
+initial weights). What ``export``, ``export-hf``, ``expand-vocab``, ``generate`` and ``eval`` read a model from."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.train.checkpoint.index import (
     MARKER,
     CheckpointError,
-    complete_checkpoints,
+    read_marker,
     verify_files,
 )
-from mhf_dist.train.checkpoint.store import run_store
+from mhf_dist.train.checkpoint.store import CheckpointStore, run_store
 from mhf_dist.train.host_tables import host_table_weights
 
 MODEL_SOURCES = (
@@ -46,25 +46,40 @@ def check_source(path: str | Path, accepted: str = MODEL_SOURCES) -> Path:
     return path
 
 
-def resolve_weights(path: str | Path) -> Path:
-    """Where the weights of ``path`` (``check_source``) are: a checkpoint directory (``path`` itself, or a run
-    directory's newest complete checkpoint), or, for a run without a checkpoint yet, the file of its initial weights
-    (``train.init_from``: a fresh ``import-hf`` or ``expand-vocab`` run, whose initial weights are the model)."""
+def resolve_weights(path: str | Path) -> tuple[Path, RunDir]:
+    """(where the weights of ``path`` (``check_source``) are, the run they belong to). The weights: a checkpoint
+    directory (``path`` itself, or a run directory's newest complete checkpoint: ``fetched_newest``), or, for a run
+    without a checkpoint yet, the file of its initial weights (``train.init_from``: a fresh ``import-hf`` or
+    ``expand-vocab`` run, whose initial weights are the model). The run: ``path`` itself, or the RUN of a checkpoint
+    ``RUN/checkpoints/step-N``."""
     path = check_source(path)
     if (path / MARKER).is_file():
-        return path
-    found = complete_checkpoints(run_store(RunDir(path)).local)  # a staging directory: its copies
-    if found:
-        return found[-1]
-    init_from = (yaml.safe_load(RunDir(path).config_path.read_text()).get("train") or {}).get(
-        "init_from"
-    )
+        return path, RunDir(path.parent.parent)
+    run = RunDir(path)
+    newest = fetched_newest(run_store(run))
+    if newest is not None:
+        return newest, run
+    init_from = (yaml.safe_load(run.config_path.read_text()).get("train") or {}).get("init_from")
     if init_from is None or not (path / init_from).is_file():
         raise CheckpointError(
             f"{path} has no complete checkpoint yet, nor initial weights (train.init_from): train "
             "it until it saves one (at the end, or every train.checkpoint_interval steps)"
         )
-    return path / init_from
+    return path / init_from, run
+
+
+def fetched_newest(store: CheckpointStore) -> Path | None:
+    """The store's newest complete checkpoint (None: none yet); from a remote store, downloaded into the staging
+    directory (created when missing; files already there as saved are kept), as a resume does with one rank. Storage
+    that cannot be used raises ``CheckpointError`` naming why."""
+    if store.url is None:
+        return store.newest()
+    store.check()
+    newest = store.newest()
+    if newest is not None:
+        print(f"fetching {store.where(newest)} into {newest}", file=sys.stderr)
+        store.fetch(newest, read_marker(newest))
+    return newest
 
 
 @dataclass
@@ -79,11 +94,13 @@ class TrainedWeights:
 def trained_weights(checkpoint: str | Path) -> TrainedWeights:
     """The full weights of a checkpoint (or a run directory's newest), merged over every shard; a run without a
     checkpoint yet gives its initial weights, at step 0 (``resolve_weights``)."""
-    ckpt = resolve_weights(checkpoint)
+    ckpt, run = resolve_weights(checkpoint)
     if ckpt.is_file():
-        return initial_weights(RunDir(checkpoint), ckpt)
-    marker = verify_files(ckpt)  # every file's size and digest, before DeepSpeed's loader reads any
-    run = RunDir(ckpt.parent.parent)
+        return initial_weights(run, ckpt)
+    store = run_store(run)
+    shown = store.where(ckpt) if store.url is not None and ckpt.parent == store.local else None
+    # every file's size and digest, before DeepSpeed's loader reads any
+    marker = verify_files(ckpt, shown)
     raw = yaml.safe_load(run.config_path.read_text())
     # the shapes the weights were saved with
     cfg = RunConfig.model_validate(raw | {"model": marker["model"]})

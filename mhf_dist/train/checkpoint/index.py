@@ -239,13 +239,17 @@ def intact_note(intact: Path | None, directory: Path | str, shown: str | None = 
     )
 
 
-def verify_files(path: Path) -> dict:
+def verify_files(path: Path, shown: str | None = None) -> dict:
     """The marker of a complete checkpoint whose every file has the size and digest it was saved with (one process
     checks them all: for tools that read a checkpoint outside training). A damaged one raises
-    ``CorruptCheckpoint`` naming the newest checkpoint beside it that verifies."""
+    ``CorruptCheckpoint`` naming the newest checkpoint beside it that verifies; one downloaded from object storage
+    (named ``shown``) names itself alone, as the files of the others are not there."""
     marker = read_marker(path)
     warn_if_without_digests(path, marker)
-    problem = describe_problems(path, marker, file_problems(path, marker, sorted(marker["files"])))
+    names = sorted(marker["files"])
+    problem = describe_problems(path, marker, file_problems(path, marker, names), shown)
+    if problem is not None and shown is not None:
+        raise CorruptCheckpoint(problem)
     if problem is not None:
         others = [p for p in complete_checkpoints(path.parent) if p.resolve() != path.resolve()]
         intact = next((p for p in reversed(others) if damage(p) is None), None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -162,22 +163,17 @@ class Reading(Lineage):
 
     def for_this_layout(self, path: Path, zero3: bool) -> tuple[Path, bool]:
         """(checkpoint to load, whether it is universal): a checkpoint of another tp/pp/dp layout is converted
-        once by rank 0 into ``checkpoints/universal/<tag>`` (DeepSpeed's universal format), then loaded from there;
-        a conversion of another checkpoint of the same name (an abandoned line) is redone. The other ranks wait for
-        the conversion outside any collective (``on_rank0``): it takes as long as the checkpoint is large.
+        once by rank 0 into ``checkpoints/universal/<tag>`` (DeepSpeed's universal format; a remote store: by each
+        node's first rank, into its staging directory, which the download filled on every node), then loaded from
+        there; a conversion of another checkpoint of the same name (an abandoned line) is redone. The other ranks
+        wait for the conversion outside any collective (``on_rank0``): it takes as long as the checkpoint is
+        large.
         ``zero3``: this run's engine is ZeRO-3, which DeepSpeed 0.19.8 cannot load a pipeline checkpoint's
         conversion into (it looks for per-rank ZeRO-3 model-state files the conversion does not have): refused
         with the layouts that do resume it."""
         marker = self.verify(path)
         if marker["layout"] == self.layout:
             return path, False
-        if self.store.url is not None:
-            raise CheckpointError(
-                f"checkpoint {self.store.where(path)} was saved with layout {marker['layout']}, this run has "
-                f"{self.layout}: a resume from object storage (train.checkpoint_dir) under another layout is not "
-                "supported yet; resume with the layout it was saved with, or copy the checkpoint into "
-                "RUN/checkpoints of a run without train.checkpoint_dir"
-            )
         if zero3 and marker["layout"]["pp"] > 1:
             raise CheckpointError(
                 f"checkpoint {path} was saved by a pipeline (pp={marker['layout']['pp']}); DeepSpeed converts it for "
@@ -191,7 +187,10 @@ class Reading(Lineage):
             if self._converted(target, source):
                 return
             if target.exists():
-                self.deleter.discard(target)
+                if self.deleter is not None:
+                    self.deleter.discard(target)
+                else:  # another node's first rank
+                    shutil.rmtree(target)
             tqdm.write(f"converting {path} for this layout ({marker['layout']} -> {self.layout})")
             convert_for_layout(
                 path,
@@ -210,7 +209,9 @@ class Reading(Lineage):
                 ),
             )
 
-        on_rank0(convert, self.dir / UNIVERSAL, path.name, self.scalars, CheckpointError)
+        # a remote store's staging directory is each node's own: each node converts its downloaded copy
+        worker = None if self.store.url is None else local_share()[0] == 0
+        on_rank0(convert, self.dir / UNIVERSAL, path.name, self.scalars, CheckpointError, worker)
         return target, True
 
     @staticmethod

@@ -23,6 +23,7 @@ from mhf_dist.train.checkpoint.index import (
     MARKER,
     CheckpointError,
     checkpoint_step,
+    complete_checkpoints,
     file_digest,
     marker_problem,
     step_directories,
@@ -38,7 +39,8 @@ RETRY_SECONDS = 1.0  # the wait before the second attempt, doubled before each f
 
 
 class CheckpointStore:
-    """A run's checkpoints in ``local`` (``RUN/checkpoints``): what every method below does beyond that is nothing."""
+    """A run's checkpoints in ``local`` (``RUN/checkpoints``, or a local ``train.checkpoint_dir``): what every method
+    below does beyond that is nothing."""
 
     url: str | None = None
 
@@ -77,6 +79,12 @@ class CheckpointStore:
         """Before the files of ``path`` are checked: this rank's ``share`` of the ``shares`` its node's ranks split
         them into, copied from the store into ``path`` (those already there with the size and digest of ``marker``
         are kept)."""
+
+    def newest(self) -> Path | None:
+        """The newest complete checkpoint (None: none yet), a directory of ``local`` holding at least its marker;
+        nothing else in ``local`` changes (a run may be saving there)."""
+        found = complete_checkpoints(self.local)
+        return found[-1] if found else None
 
     def resolve(self, given: str) -> Path:
         """The local directory of the checkpoint ``--resume`` names."""
@@ -303,6 +311,20 @@ class RemoteStore(CheckpointStore):
                     self._error(f"downloading {name} of {self.where(path)}", e)
                 ) from None
 
+    def newest(self) -> Path | None:
+        complete = [name for name, done in self._steps().items() if done]
+        if not complete:
+            return None
+        path = self.local / complete[-1]
+        try:
+            marker = self.fs.cat_file(f"{self.root}/{path.name}/{MARKER}")
+            if not (path / MARKER).is_file() or (path / MARKER).read_bytes() != marker:
+                path.mkdir(parents=True, exist_ok=True)
+                write_atomic(path / MARKER, marker.decode())
+        except Exception as e:
+            raise CheckpointError(self._error(f"reading {self.where(path)}/{MARKER}", e)) from None
+        return path
+
     def resolve(self, given: str) -> Path:
         if not is_url(given):
             return Path(given)
@@ -354,9 +376,11 @@ NAMED = {
 def checkpoint_store(run: RunDir, train) -> CheckpointStore:
     """The store of a run whose ``train`` section (a ``TrainConfig``, or the raw dict of config.yaml) is given."""
     get = train.get if isinstance(train, dict) else lambda k: getattr(train, k, None)
-    url, staging = get("checkpoint_dir"), get("checkpoint_staging")
-    if is_url(url) and staging:
-        return RemoteStore(url, Path(staging))
+    where, staging = get("checkpoint_dir"), get("checkpoint_staging")
+    if is_url(where) and staging:
+        return RemoteStore(where, Path(staging))
+    if where and not is_url(where):
+        return CheckpointStore(Path(where))
     return CheckpointStore(run.checkpoints_dir)
 
 
