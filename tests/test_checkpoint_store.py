@@ -9,6 +9,7 @@ training."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sys
@@ -425,3 +426,19 @@ def test_a_transfer_that_fails_is_tried_again_and_named(s3, bucket, tmp_path, mo
     error = store.upload(step, [step / "a.bin"])
     assert error.startswith("uploading a.bin to s3://mhf-ckpt/flaky/step-00000001 failed")
     assert "connection reset by peer" in error and len(failures) == 3
+
+
+def test_an_upload_shows_its_progress_in_the_checkpoint_directory(s3, tmp_path):
+    # the hang watch counts a save as progressing while its directory changes, as an upload's chunks go out
+    from mhf_dist.train.watchdog import last_change
+
+    store = _store(tmp_path, f"s3://{BUCKET}/progress")
+    step = store.local / "step-00000001"
+    step.mkdir(parents=True)
+    (step / "a.bin").write_bytes(b"written an hour ago")
+    for path in (step / "a.bin", step):
+        os.utime(path, (time.time() - 3600,) * 2)
+    before = time.time()
+    assert last_change(step) < before - 3000
+    assert store.upload(step, [step / "a.bin"]) is None
+    assert last_change(step) >= before - 1

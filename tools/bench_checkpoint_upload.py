@@ -12,7 +12,7 @@ runs reach theirs: ``AWS_ENDPOINT_URL``, dummy credentials, no proxies, no insta
 1. ``upload``: one rank's files of a checkpoint of ``--preset`` (a one-step `mhf-dist train` on one rank, set up as
    tools/bench_checkpoint_stall.py's runs; or ``--checkpoint DIR``, a step directory saved before), all but
    complete.json, uploaded in ``--rounds`` rounds, each round both ways (which goes first alternates):
-   ``RemoteStore.upload``, what each rank of a save does (one ``put_file`` after another), and a plain s3fs ``put``
+   ``RemoteStore.upload``, what each rank of a save does (``put_file`` per file, side by side), and a plain s3fs ``put``
    of the same files (all at once) to the same endpoint. Each upload goes to a prefix of its own, which is checked to
    hold every byte and then deleted, untimed. After the first read the files come from the page cache: the rates are
    the uploads', not the disk's. Reported: each way's median MB/s, and the median of the rounds' ratios
@@ -63,7 +63,7 @@ from tqdm.auto import tqdm  # noqa: E402
 BUCKET = "bench-checkpoints"
 WAYS = ("store", "s3fs")
 WAY_NAMES = {
-    "store": "`RemoteStore.upload` (`put_file` per file)",
+    "store": "`RemoteStore.upload` (`put_file` per file, side by side)",
     "s3fs": "s3fs `put` of the same files",
 }
 MODES = {  # mode: (train.checkpoint_async, in the bucket), name

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mhf_dist.atomic import write_atomic
@@ -36,6 +37,7 @@ TRANSFER_ATTEMPTS = (
     3  # an upload or download of one file, before its failure fails the save or the resume
 )
 RETRY_SECONDS = 1.0  # the wait before the second attempt, doubled before each further one
+UPLOAD_THREADS = 8  # the files of one rank uploaded at once
 
 
 class CheckpointStore:
@@ -146,15 +148,24 @@ class RemoteStore(CheckpointStore):
                 time.sleep(wait)
 
     def upload(self, path: Path, files: list[Path]) -> str | None:
+        from fsspec.callbacks import Callback
+
         fs = self.fs
-        for f in files:
+        # each chunk sent touches the checkpoint's directory: the hang watch's sign that a save makes progress
+        sent = Callback(hooks={"progress": lambda *_: os.utime(path)})
+
+        def put(f: Path) -> str | None:
             target = f"{self.root}/{path.name}/{f.relative_to(path).as_posix()}"
             what = f"uploading {f.relative_to(path)} to {self.where(path)}"
             try:
-                self._transfer(what, lambda: fs.put_file(str(f), target))  # noqa: B023
+                self._transfer(what, lambda: fs.put_file(str(f), target, callback=sent))
             except Exception as e:
                 return self._error(what, e)
-        return None
+            return None
+
+        # the files side by side, as s3fs's own put of several files sends them
+        with ThreadPoolExecutor(max(1, min(UPLOAD_THREADS, len(files)))) as pool:
+            return next((error for error in pool.map(put, files) if error is not None), None)
 
     def post_report(self, path: Path, rank: int, files: dict[str, list] | None) -> None:
         """An asynchronous save's report of ``rank`` to rank 0, in the store beside the checkpoint's files (the
