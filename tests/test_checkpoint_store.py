@@ -118,6 +118,10 @@ def test_the_tools_read_the_newest_checkpoint_of_the_run_from_the_bucket(resumed
     assert sorted(
         p.relative_to(tw.checkpoint).as_posix() for p in tw.checkpoint.rglob("*") if p.is_file()
     ) == sorted([*files, "complete.json"])
+    shutil.rmtree(staging)  # export-hf on another fresh machine
+    assert main(["export-hf", str(root / "run"), str(root / "hf")]) == 0
+    assert {"config.json", "model.safetensors"} <= {p.name for p in (root / "hf").iterdir()}
+    assert (staging / "step-00000004/complete.json").is_file()
 
 
 @pytest.mark.multirank
@@ -442,3 +446,37 @@ def test_an_upload_shows_its_progress_in_the_checkpoint_directory(s3, tmp_path):
     assert last_change(step) < before - 3000
     assert store.upload(step, [step / "a.bin"]) is None
     assert last_change(step) >= before - 1
+
+
+def test_the_other_nodes_staging_directories_follow_rank_0s_line(tmp_path, monkeypatch):
+    # on a node of its own (its first rank), after rank 0 saved step 3 and retention dropped step 2, then after a
+    # start that continued from step 1 set step 3 aside
+    import mhf_dist.train.checkpoint.lineage as lineage
+    from mhf_dist.train.checkpoint.index import step_directories
+
+    staging = tmp_path / "staging"
+    for step in (1, 2):
+        (staging / f"step-{step:08d}").mkdir(parents=True)
+        (staging / f"step-{step:08d}/complete.json").write_text(f'{{"step": {step}}}')
+    (staging / "step-00000003").mkdir()  # this node's files of the new save, without a marker
+    (staging / "step-00000003/part").write_text("rank 2's")
+    line = lineage.Lineage()
+    line.rank, line.dir = 2, staging
+    monkeypatch.setenv("LOCAL_RANK", "0")
+
+    def share(head, kept):
+        def broadcast(objects, src):
+            assert src == 0
+            objects[:] = [head, head and f'{{"step": {int(head[5:])}}}', kept]
+
+        monkeypatch.setattr(lineage.dist, "broadcast_object_list", broadcast)
+        line.share_line()
+        return [p.name for p in step_directories(staging)], (staging / "latest").read_text()
+
+    assert share("step-00000003", ["step-00000001", "step-00000003"]) == (
+        ["step-00000001", "step-00000003"],
+        "step-00000003",
+    )
+    assert (staging / "step-00000003/complete.json").read_text() == '{"step": 3}'
+    assert (staging / "step-00000003/part").read_text() == "rank 2's"
+    assert share("step-00000001", ["step-00000001"]) == (["step-00000001"], "step-00000001")

@@ -36,7 +36,6 @@ from mhf_dist.train.checkpoint.index import (
     complete_checkpoints,
     file_digests,
     readable_size,
-    step_directories,
 )
 from mhf_dist.train.checkpoint.lineage import BackgroundDeleter
 from mhf_dist.train.checkpoint.reading import Reading
@@ -176,27 +175,11 @@ class Checkpointer(Reading):
         error = self._commit(path, marker, reports) if self.rank == 0 else None
         self._agree_on_commit(path, error, size)
         if self.store.url is not None:
-            self._share_commit(path)
+            self.share_line()
         if self.rank == 0:
             shown = self.store.where(path)
             log_save(path, reason, time.perf_counter() - began, step_s=step_s, shown=shown)
         return path
-
-    def _share_commit(self, path: Path) -> None:
-        """A remote store, after a save every rank agreed on: the staging directory of each node shows what rank
-        0's shows (the new marker, ``latest``, and only the checkpoints retention kept), so that every rank reads the
-        same line of checkpoints (a rollback's target, a later resume's)."""
-        shared = [None, None]
-        if self.rank == 0:
-            shared = [(path / MARKER).read_text(), [p.name for p in complete_checkpoints(self.dir)]]
-        dist.broadcast_object_list(shared, src=0)
-        if local_share()[0] != 0 or (path / MARKER).exists():
-            return  # rank 0's node, or not the node's first rank
-        write_atomic(path / MARKER, shared[0])
-        write_atomic(self.dir / LATEST, path.name)
-        for old in step_directories(self.dir):
-            if old.name not in shared[1]:
-                shutil.rmtree(old, ignore_errors=True)
 
     @staticmethod
     def _own_files(path: Path, writer: RecordingWriter) -> dict[Path, str]:
@@ -326,7 +309,7 @@ class Checkpointer(Reading):
         size = self._agree_on_writes(save.path, save.writer)
         self._agree_on_commit(save.path, save.commit_error, size)
         if self.store.url is not None:
-            self._share_commit(save.path)
+            self.share_line()
 
     def _clear_for_save(self, path: Path) -> None:
         """Rank 0: make room for ``path`` — leftovers of an interrupted save of this step are removed; a directory

@@ -30,7 +30,7 @@ from mhf_dist.train.checkpoint.index import (
     readable_size,
     step_directories,
 )
-from mhf_dist.train.checkpoint.store import CheckpointStore
+from mhf_dist.train.checkpoint.store import CheckpointStore, local_share
 from mhf_dist.train.fault_injection import free_bytes
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,33 @@ class Lineage:
                 )
             self._point_latest_at(resumed)
         dist.barrier()
+        if self.store.url is not None:
+            self.share_line()
+
+    def share_line(self) -> None:
+        """A remote store, after a save and after a start or a rollback set checkpoints aside (every rank): the
+        staging directory of each node shows what rank 0's shows (``latest``, its marker, and only the checkpoints
+        rank 0 kept), so that every rank reads the same line of checkpoints (a rollback's target, a later
+        resume's)."""
+        shared = [None, None, None]
+        if self.rank == 0:
+            head = self._latest_name()
+            marker = (self.dir / head / MARKER).read_text() if head else None
+            shared = [head, marker, [p.name for p in complete_checkpoints(self.dir)]]
+        dist.broadcast_object_list(shared, src=0)
+        if self.rank == 0 or local_share()[0] != 0:
+            return  # rank 0 made the line; each other node's first rank follows it
+        head, marker, kept = shared
+        if head is None:
+            (self.dir / LATEST).unlink(missing_ok=True)
+        else:
+            if not (self.dir / head / MARKER).exists():  # a save's: its marker is rank 0's to write
+                (self.dir / head).mkdir(parents=True, exist_ok=True)
+                write_atomic(self.dir / head / MARKER, marker)
+            write_atomic(self.dir / LATEST, head)
+        for old in step_directories(self.dir):
+            if old.name not in kept:
+                shutil.rmtree(old, ignore_errors=True)
 
     def _set_aside(self, paths: list[Path], why: str) -> Path:
         """Move checkpoints (and their conversions for other layouts) into a new ``abandoned/<time>`` folder."""

@@ -8,11 +8,13 @@ each of them in the bucket. No torch here: ``status`` reads it. docs/design-trai
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -116,6 +118,27 @@ class RemoteStore(CheckpointStore):
         named = storage_error(self.url, e, CheckpointError, **NAMED)
         return f"{what} failed ({named if named is not e else repr(e)})"
 
+    @contextlib.contextmanager
+    def _failing_as(self, what: str) -> Iterator[None]:
+        """A failure inside (a ``CheckpointError`` as it is) raised as a ``CheckpointError`` naming ``what`` and
+        why it failed."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(self._error(what, e)) from None
+
+    def _copy_marker(self, name: str) -> Path:
+        """The store's marker of the checkpoint ``name`` in the staging directory (written when it differs); the
+        checkpoint's directory there."""
+        marker = self.fs.cat_file(f"{self.root}/{name}/{MARKER}")
+        local = self.local / name / MARKER
+        if not local.is_file() or local.read_bytes() != marker:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(local, marker.decode())
+        return local.parent
+
     def check(self) -> None:
         check_bucket(self.url, CheckpointError, **NAMED)
         try:
@@ -172,42 +195,33 @@ class RemoteStore(CheckpointStore):
         nodes share no directory): ``{name: [size, digest]}`` of the files it uploaded, or None when its part
         failed. Raises ``CheckpointError`` when the store cannot take it."""
         text = json.dumps({"files": files} if files is not None else {"failed": True})
-        try:
+        what = f"reporting rank {rank}'s part of {self.where(path)}"
+        with self._failing_as(what):
             self._transfer(
-                f"reporting rank {rank}'s part of {self.where(path)}",
+                what,
                 lambda: self.fs.pipe_file(
                     f"{self.root}/{path.name}/{RANK_REPORT.format(rank)}", text.encode()
                 ),
             )
-        except Exception as e:
-            raise CheckpointError(self._error(f"reporting rank {rank}'s part", e)) from None
 
     def reports(self, path: Path, ranks: set[int]) -> dict[int, dict | None]:
         """Those of ``ranks`` that posted their report of ``path`` (``post_report``): {rank: files, or None when
         its part failed}. Raises ``CheckpointError`` when the store cannot be read."""
         fs, found = self.fs, {}
-        try:
+        with self._failing_as(f"reading the ranks' reports of {self.where(path)}"):
             for rank in sorted(ranks):
                 report = f"{self.root}/{path.name}/{RANK_REPORT.format(rank)}"
                 try:
                     found[rank] = json.loads(fs.cat_file(report)).get("files")
                 except FileNotFoundError:
                     continue
-        except Exception as e:
-            raise CheckpointError(
-                self._error(f"reading the ranks' reports of {self.where(path)}", e)
-            ) from None
         return found
 
     def publish(self, path: Path) -> None:
         fs = self.fs
-        try:
+        with self._failing_as(f"writing {MARKER} of {self.where(path)}"):
             fs.put_file(str(path / MARKER), f"{self.root}/{path.name}/{MARKER}")
             fs.pipe_file(f"{self.root}/{LATEST}", path.name.encode())
-        except Exception as e:
-            raise CheckpointError(
-                self._error(f"writing {MARKER} of {self.where(path)}", e)
-            ) from None
         try:  # an asynchronous save's reports, merged into the marker
             fs.invalidate_cache(f"{self.root}/{path.name}")
             if reports := fs.glob(f"{self.root}/{path.name}/{RANK_REPORT.replace('{:05d}', '*')}"):
@@ -251,7 +265,7 @@ class RemoteStore(CheckpointStore):
     def _steps(self) -> dict[str, bool]:
         """{name: whether it has a marker} of the store's step directories."""
         fs, found = self.fs, {}
-        try:
+        with self._failing_as(f"listing the checkpoints in {self.url}"):
             try:
                 entries = fs.ls(self.root, detail=True, refresh=True)
             except FileNotFoundError:
@@ -260,16 +274,11 @@ class RemoteStore(CheckpointStore):
                 name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
                 if entry["type"] == "directory" and checkpoint_step(Path(name)) is not None:
                     found[name] = fs.exists(f"{self.root}/{name}/{MARKER}")
-        except Exception as e:
-            raise CheckpointError(
-                self._error(f"listing the checkpoints in {self.url}", e)
-            ) from None
         return dict(sorted(found.items(), key=lambda item: checkpoint_step(Path(item[0]))))
 
     def mirror(self) -> None:
-        fs = self.fs
-        try:
-            steps = self._steps()
+        steps = self._steps()
+        with self._failing_as(f"reading the checkpoints in {self.url}"):
             self.local.mkdir(parents=True, exist_ok=True)
             for path in step_directories(
                 self.local
@@ -277,23 +286,14 @@ class RemoteStore(CheckpointStore):
                 if not steps.get(path.name):
                     shutil.rmtree(path, ignore_errors=True)
             for name, complete in steps.items():
-                if not complete:
-                    continue
-                marker = fs.cat_file(f"{self.root}/{name}/{MARKER}")
-                local = self.local / name / MARKER
-                if not local.is_file() or local.read_bytes() != marker:
-                    local.parent.mkdir(exist_ok=True)
-                    write_atomic(local, marker.decode())
+                if complete:
+                    self._copy_marker(name)
             try:
-                write_atomic(self.local / LATEST, fs.cat_file(f"{self.root}/{LATEST}").decode())
+                write_atomic(
+                    self.local / LATEST, self.fs.cat_file(f"{self.root}/{LATEST}").decode()
+                )
             except FileNotFoundError:
                 (self.local / LATEST).unlink(missing_ok=True)
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(
-                self._error(f"reading the checkpoints in {self.url}", e)
-            ) from None
 
     def fetch(self, path: Path, marker: dict, share: int = 0, shares: int = 1) -> None:
         fs, digests = self.fs, marker.get("digests", {})
@@ -326,15 +326,8 @@ class RemoteStore(CheckpointStore):
         complete = [name for name, done in self._steps().items() if done]
         if not complete:
             return None
-        path = self.local / complete[-1]
-        try:
-            marker = self.fs.cat_file(f"{self.root}/{path.name}/{MARKER}")
-            if not (path / MARKER).is_file() or (path / MARKER).read_bytes() != marker:
-                path.mkdir(parents=True, exist_ok=True)
-                write_atomic(path / MARKER, marker.decode())
-        except Exception as e:
-            raise CheckpointError(self._error(f"reading {self.where(path)}/{MARKER}", e)) from None
-        return path
+        with self._failing_as(f"reading {self.url}/{complete[-1]}/{MARKER}"):
+            return self._copy_marker(complete[-1])
 
     def resolve(self, given: str) -> Path:
         if not is_url(given):
