@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers.runs import metrics, run_cli, train_args
-from mhf_dist.config import load_config
+from mhf_dist.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -119,7 +119,9 @@ def lm_eval_on_export(run: Path, out: Path, task_dir: Path) -> dict:
         model="hf",
         model_args=f"pretrained={out},trust_remote_code=True,max_length=64",
         tasks=TASKS,
-        task_manager=TaskManager(include_path=[str(REPO / "tools/lm_eval"), str(task_dir)]),
+        task_manager=TaskManager(
+            include_path=[str(REPO / "tools/lm_eval"), str(task_dir)], include_defaults=False
+        ),
         device="cpu",
         batch_size=8,
         bootstrap_iters=0,
@@ -285,3 +287,23 @@ def test_the_console_line_of_a_scored_step_shows_the_scores():
     line = step_line(3, 3, record, None)
     assert "mhf_choice_local acc 0.4" in line and "mhf_lambada_local perplexity 812.2" in line
     assert "eval" not in step_line(2, 3, {"loss": 2.5}, None)
+
+
+def test_local_tasks_load_without_indexing_lm_evals_own(task_dir, monkeypatch):
+    import lm_eval.tasks
+
+    from mhf_dist.train.downstream import load_tasks
+
+    made = []
+
+    class Recorded(lm_eval.tasks.TaskManager):
+        def __init__(self, *args, include_defaults=True, **kwargs):
+            made.append(include_defaults)
+            super().__init__(*args, include_defaults=include_defaults, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Recorded)
+    assert list(load_tasks(["mhf_choice_local"], [str(task_dir)])["tasks"]) == ["mhf_choice_local"]
+    assert made == [False]  # the local index held it
+    with pytest.raises(ConfigError, match="no_such_task"):
+        load_tasks(["no_such_task"], [str(task_dir)])
+    assert made == [False, False, True]  # not local: lm-eval's own tasks indexed too

@@ -7,6 +7,7 @@ whose requests the data-parallel ranks share (``score_requests``). Under ``log P
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -28,6 +29,19 @@ if TYPE_CHECKING:
 Request = tuple[list[int], list[int]]  # (context tokens, continuation tokens)
 
 
+def _load_local_first(names: list[str], paths: list[str]) -> dict:
+    """``TaskManager.load(names)`` from ``paths`` alone when they hold every name (indexing lm-eval's own thousands
+    of task configs takes seconds on every rank), else with lm-eval's tasks too (a local group may name them)."""
+    from lm_eval.tasks import TaskManager
+
+    if paths:
+        local = TaskManager(include_path=paths, include_defaults=False)
+        if all(name in local.all_tasks for name in names):
+            with contextlib.suppress(Exception):
+                return local.load(names)
+    return TaskManager(include_path=paths or None).load(names)
+
+
 def offline_datasets() -> None:
     """Tasks read local files only: the Hugging Face hub and datasets stay offline (before lm-eval imports them,
     and in an already imported ``datasets``)."""
@@ -44,10 +58,8 @@ def load_tasks(names: list[str], paths: list[str]) -> dict:
     offline_datasets()
     for name in ("lm-eval", "lm_eval"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    from lm_eval.tasks import TaskManager
-
     try:
-        task_dict = TaskManager(include_path=paths or None).load(names)
+        task_dict = _load_local_first(names, paths)
     except Exception as e:  # lm-eval raises what the task's config or dataset raises
         raise ConfigError(
             f"train.eval_tasks: {names} did not load (train.eval_tasks_path {paths}): "
