@@ -41,7 +41,11 @@ s3 = module_endpoint(BUCKET)  # the endpoint URL of an S3 server holding the emp
 def bucket(s3):
     import fsspec
 
-    return fsspec.filesystem("s3")
+    fs = fsspec.filesystem("s3")
+    fs.ls(
+        BUCKET
+    )  # connected now, to the module's endpoint (a test may point the environment elsewhere)
+    return fs
 
 
 def stored(root, name: str) -> tuple[str, ...]:
@@ -277,6 +281,13 @@ def test_an_upload_whose_endpoint_is_gone_fails_the_run_and_the_previous_checkpo
     bucket.invalidate_cache()
     assert bucket.cat_file(f"{BUCKET}/lost/latest").decode() == "step-00000002"
     assert not bucket.exists(f"{BUCKET}/lost/step-00000004/complete.json")
+    # the endpoint back (the module's server holds the same buckets): the rerun resumes and finishes
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3)
+    monkeypatch.delenv(SAVE_PAUSE_ENV)
+    out = run_cli(args + ["--set", "train.checkpoint_interval=2"])
+    assert re.search(r"resumed from \S+/step-00000002 at step 2\n", out)
+    bucket.invalidate_cache()
+    assert bucket.cat_file(f"{BUCKET}/lost/latest").decode() == "step-00000006"
 
 
 @pytest.mark.multirank
