@@ -125,6 +125,7 @@ def test_a_task_of_a_job_step_is_told_its_rank_and_job(monkeypatch):
         "LOCAL_RANK": "1",
         "WORLD_SIZE": "8",
         "GROUP_WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "4",
         JOB_ID_ENV: "77",
     }
     monkeypatch.setenv("SLURMD_NODENAME", "n2")  # the node's name in heartbeats and the log

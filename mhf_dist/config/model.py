@@ -85,11 +85,19 @@ class EngramConfig(Strict):
         ge=1,
         description="tables are padded to a multiple of this many rows (a multiple of parallel.tp)",
     )
-    offload: bool = Field(
+    offload: bool | Literal["sharded"] = Field(
         False,
         description="keep the tables in (pinned) host memory outside DeepSpeed: each micro-batch's rows "
         "are gathered to the device ahead of use, their gradients added back on the host, and the tables step "
-        "with a host AdamW of the same hyperparameters (pp = tp = 1, ZeRO 1-3)",
+        "with a host AdamW of the same hyperparameters (pp = tp = 1, ZeRO 1-3); true: every rank holds the whole "
+        "tables; sharded: each rank holds a slice of their rows (offload_shards), asking the owners for the "
+        "rows a micro-batch reads",
+    )
+    offload_shards: Literal["all", "node"] = Field(
+        "all",
+        description="offload=sharded: all: the rows split over every rank (one copy in the job, the least "
+        "memory); node: over the ranks of each node (one copy per node: lookups stay inside the node, each "
+        "step's gradients are summed over the nodes)",
     )
     offload_update: Literal["dense", "lazy"] = Field(
         "dense",
@@ -110,6 +118,11 @@ class EngramConfig(Strict):
             raise ValueError(
                 f"model.engram.threshold applies to gate=softmax only (gate is {self.gate!r}); "
                 "unset the threshold or set model.engram.gate=softmax"
+            )
+        if self.offload_shards != "all" and self.offload != "sharded":
+            raise ValueError(
+                f"model.engram.offload_shards={self.offload_shards} applies to sharded host tables only; "
+                "set model.engram.offload=sharded or unset model.engram.offload_shards"
             )
         if self.offload_update != "dense" and not self.offload:
             raise ValueError(

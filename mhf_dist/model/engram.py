@@ -10,7 +10,7 @@ left-padded. Given the tokens' ``positions`` in their documents (``data.document
 are one ``BucketTables`` ``[(N-1)·K, R, head_dim]`` (each head's padded to ``R`` rows, a multiple of ``pad_rows_to``;
 rows ``>= M_k`` are never read), sharded along their rows like the bucket tables (docs/spec.md §7), every use through
 the module's ``forward`` (ZeRO-3); with ``offload`` a ``HostTables`` in host memory, whose rows the trainer prefetches
-per micro-batch (``EngramMemory.prefetch``). Choices: docs/design-model.md.
+per micro-batch (``EngramMemory.prefetch``). Choices: docs/design-engram.md.
 """
 
 from __future__ import annotations

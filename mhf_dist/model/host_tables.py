@@ -7,8 +7,8 @@ has ``BucketTables``' lookup interface, but its ``weight [T, R, d]`` is a plain 
 indices remapped onto that set, and their backward hook adds the gradient into the host buffer ``grad [T, R, d]`` (on
 a GPU through a copy, ``PendingGrad``, that ``accumulate`` and ``advance`` wait for), marking ``touched`` rows when
 the trainer keeps that mask (lazy update, or dp > 1). The optimizer step and the checkpoint files are
-``mhf_dist.train.host_tables``'s; ``state_dict`` leaves the weight out. How and why: docs/design-model.md, "Engram
-memory".
+``mhf_dist.train.host_tables``'s; ``state_dict`` leaves the weight out. How and why:
+docs/design-engram.md.
 """
 
 from __future__ import annotations
@@ -80,18 +80,11 @@ class HostTables(nn.Module):
     def gather(self, rows: torch.Tensor) -> GatheredRows:
         """The unique rows that ``rows [..., T]`` (on the host) reads, on their way to ``self.device``."""
         index, inverse = torch.unique(self.flat_rows(rows), return_inverse=True)
-        weight = self.weight.view(-1, self.weight.shape[-1])
-        if self.device.type != "cuda":
-            selected = weight.index_select(0, index).to(self.transfer_dtype)
+        pin = self.device.type == "cuda"
+        selected = self.select(index, pin)
+        if not pin:
             return GatheredRows(index, inverse.to(self.device), selected.to(self.device), None)
-        # selected (and converted to the compute dtype) straight into pinned memory, then copied on the side stream
-        selected = torch.empty(
-            (index.numel(), weight.shape[1]), dtype=self.transfer_dtype, pin_memory=True
-        )
-        if self.transfer_dtype == weight.dtype:
-            torch.index_select(weight, 0, index, out=selected)
-        else:
-            selected.copy_(weight.index_select(0, index))
+        # selected straight into pinned memory, then copied on the side stream
         staged = (selected, inverse.pin_memory())
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
@@ -101,6 +94,20 @@ class HostTables(nn.Module):
             ready = torch.cuda.Event()
             ready.record(self._stream)
         return GatheredRows(index, inverse_on_device, rows_on_device, ready, staged)
+
+    def select(self, index: torch.Tensor, pin: bool) -> torch.Tensor:
+        """The flat rows ``index [U]`` in ``transfer_dtype`` on the host (in pinned memory with ``pin``)."""
+        weight = self.weight.view(-1, self.weight.shape[-1])
+        if not pin:
+            return weight.index_select(0, index).to(self.transfer_dtype)
+        selected = torch.empty(
+            (index.numel(), weight.shape[1]), dtype=self.transfer_dtype, pin_memory=True
+        )
+        if self.transfer_dtype == weight.dtype:
+            torch.index_select(weight, 0, index, out=selected)
+        else:
+            selected.copy_(weight.index_select(0, index))
+        return selected
 
     def prefetch(self, rows: torch.Tensor) -> None:
         """Start gathering the rows of the next micro-batch (``rows [B, S, T]`` on the host)."""
@@ -112,13 +119,17 @@ class HostTables(nn.Module):
         self._current, self._next = self._next, None
         self.accumulate(wait=False)
 
+    def _prefetched(self) -> GatheredRows | None:
+        """The rows gathered ahead for the next forward, if any."""
+        return self._current
+
     def release(self) -> None:
         """Drop the gathered rows (end of a training step): later lookups gather for themselves."""
         self._current = self._next = None
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         """``lookup``."""
-        gathered = self._current
+        gathered = self._prefetched()
         if gathered is None or gathered.inverse.shape != rows.shape:
             gathered = self.gather(rows.cpu())
         if gathered.ready is not None:
@@ -131,8 +142,6 @@ class HostTables(nn.Module):
         return F.embedding(gathered.inverse, leaf)
 
     def _add_grad(self, index: torch.Tensor, grad: torch.Tensor) -> None:
-        if self.touched is not None:
-            self.touched[index] = True
         if grad.device.type != "cuda":
             self._index_add(index, grad.detach())
             return
@@ -150,6 +159,9 @@ class HostTables(nn.Module):
         self._pending.append(PendingGrad(index, values, ready))
 
     def _index_add(self, index: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add the gradient ``grad [U, d]`` of the flat rows ``index [U]``."""
+        if self.touched is not None:
+            self.touched[index] = True
         if self.grad is None:
             self.grad = torch.zeros_like(self.weight)
         self.grad.view(-1, self.weight.shape[-1]).index_add_(0, index, grad.float())

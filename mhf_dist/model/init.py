@@ -231,14 +231,14 @@ def initial_shard(
         out.copy_(flat.view(out.shape))
 
 
-def host_tables(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``{name: weight}`` of the Engram tables kept in host memory (``model.engram.offload``): tensors, not
-    parameters, initialised by the same rule as the device tables they replace."""
-    return {
-        f"{prefix}.weight": module.weight
+def host_tables(model: nn.Module) -> list[tuple[str, HostTables]]:
+    """``[(weight name, module)]`` of the Engram tables kept in host memory (``model.engram.offload``): their
+    weights are tensors, not parameters, initialised by the same rule as the device tables they replace."""
+    return [
+        (f"{prefix}.weight", module)
         for prefix, module in model.named_modules()
         if isinstance(module, HostTables)
-    }
+    ]
 
 
 def initialise(model: nn.Module, std: float, seed: int) -> None:
@@ -247,5 +247,5 @@ def initialise(model: nn.Module, std: float, seed: int) -> None:
     for name, param in model.named_parameters():
         if not param.is_meta:
             initial_shard(name, param.shape, param.data, std=std, seed=seed)
-    for name, weight in host_tables(model).items():
-        initial_shard(name, weight.shape, weight, std=std, seed=seed)
+    for name, tables in host_tables(model):
+        initial_shard(name, tables.weight.shape, tables.weight, std=std, seed=seed)

@@ -21,6 +21,11 @@ from torch import nn
 from mhf_dist.model.init import draw_size, host_tables, initial_shard
 from mhf_dist.model.lm import LanguageModel, model_structure
 from mhf_dist.model.modes import ModelModes
+from mhf_dist.parallel.sharded_host_tables import (
+    HostShards,
+    host_table_split,
+    shard_host_tables,
+)
 from mhf_dist.parallel.state_dict import split_dim
 from mhf_dist.parallel.tensor_parallel import shard_modules, tp_split_dims
 
@@ -52,12 +57,16 @@ def model_skeleton(
     tp_rank: int = 0,
     tp: int = 1,
     modes: ModelModes = ModelModes(),
+    host_shards: HostShards | None = None,
 ) -> LanguageModel:
     """The model in ``modes`` with this rank's tensor-parallel modules, every parameter on the meta device
-    (docs/design-model.md, "Model construction"); ``Materialiser`` makes them real."""
+    (docs/design-model.md, "Model construction"), and with ``host_shards`` this rank's rows of the host tables;
+    ``Materialiser`` makes them real."""
     with torch.device("meta"):
         model = model_structure(cfg, vocab_size, codes, compression, modes)
         shard_modules(model, tp_group, tp_rank, tp)
+        if host_shards is not None:
+            shard_host_tables(model, host_shards)
     return model
 
 
@@ -171,8 +180,11 @@ def full_shapes(model: LanguageModel, tp: int) -> dict[str, tuple[int, ...]]:
         if dim is not None:
             shape[dim] *= tp
         out[name] = tuple(shape)
-    # tp = 1 only
-    return out | {name: tuple(weight.shape) for name, weight in host_tables(model).items()}
+    # tp = 1 only; sharded host tables hold a slice of their rows
+    return out | {
+        name: (tables.weight.shape[0], tables.num_rows, tables.weight.shape[2])
+        for name, tables in host_tables(model)
+    }
 
 
 class Materialiser:
@@ -250,16 +262,12 @@ class Materialiser:
                         start=start,
                     )
         self.values.release()
-        for name, weight in host_tables(
-            module
-        ).items():  # model.engram.offload: whole, in host memory
+        for name, tables in host_tables(module):  # model.engram.offload: whole or sharded
+            dim, rank, parts = host_table_split(tables)
+            prefix = self.prefixes[id(module)]
+            full = f"{prefix}.{name}" if prefix else name
             self.values.shard(
-                self.prefixes[id(module)] + ("." if self.prefixes[id(module)] else "") + name,
-                tuple(weight.shape),
-                weight,
-                dim=None,
-                rank=0,
-                parts=1,
+                full, self.shapes[full], tables.weight, dim=dim, rank=rank, parts=parts
             )
         for owner in module.modules():
             for n, buffer in list(owner.named_buffers(recurse=False)):

@@ -1,14 +1,13 @@
 """The training side of offloaded Engram tables (``model.engram.offload``, ``HostTables``), called by the
-backend's ``Trainer`` around its optimizer step: ``HostTablesStep.prefetch`` and
-``advance`` gather each micro-batch's rows ahead of its forward; ``before_step``
-adds the gradients still on their way from the device and, with dp > 1, averages the rows any rank read over the
-data-parallel ranks (their row masks all-reduced with MAX, then the union's rows only, through pinned staging buffers);
-DeepSpeed's global gradient norm includes the host tables' (``host_norm_on``), so its clipping
-and the logged norm are the dense run's; ``after_step`` clips with that norm and steps a fused
-``torch.optim.AdamW`` on every row, as the dense tables (``model.engram.offload_update=lazy``: on the rows read only,
-with the same step count and Adam state, so a checkpoint of either resumes in either). Checkpoints hold the tables and
-their AdamW state in ``engram-host-tables.safetensors``, written by rank 0 (with tp = pp = 1 every rank holds the same
-tables). Why and how: docs/design-model.md, "Engram memory".
+backend's ``Trainer`` around its optimizer step: ``HostTablesStep.prefetch`` and ``advance`` gather each micro-batch's
+rows ahead of its forward; ``before_step`` adds the gradients still on their way from the device and, with dp > 1,
+averages the rows any rank read (whole tables: over the data-parallel ranks, their row masks all-reduced with MAX,
+then the union's rows only; sharded tables, ``ShardedHostTables``: each row's gradients sent to its owner, then
+over the other nodes' copies with one copy per node); DeepSpeed's global gradient norm includes the host tables'
+(``host_norm_on``), so its clipping and the logged norm are the dense run's; ``after_step`` clips with that norm and
+steps a fused ``torch.optim.AdamW`` on every row, as the dense tables (``model.engram.offload_update=lazy``: on the
+rows read only, with the same step count and Adam state, so a checkpoint of either resumes in either). The checkpoint
+files: ``mhf_dist.train.host_table_files``. Why and how: docs/design-engram.md.
 """
 
 from __future__ import annotations
@@ -18,12 +17,18 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from torch import nn
 from torch.optim.adamw import adamw
 
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.parallel.scalars import ScalarCollectives, communication_device
+from mhf_dist.parallel.sharded_host_tables import HostShards, ShardedHostTables
+from mhf_dist.train.host_table_files import (
+    HOST_TABLES_FILE,
+    SHARD_FILE,
+    HostTableFiles,
+    shard_metadata,
+)
 from mhf_dist.train.optim import group_key, group_settings
 
 if TYPE_CHECKING:
@@ -31,17 +36,16 @@ if TYPE_CHECKING:
     from mhf_dist.config import RunConfig
     from mhf_dist.parallel.groups import ParallelGroups
 
-HOST_TABLES_FILE = "engram-host-tables.safetensors"
-
 
 def host_table_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The offloaded tables of a checkpoint in the LanguageModel's naming (empty without offloaded tables)."""
-    path = checkpoint / HOST_TABLES_FILE
-    if not path.is_file():
+    """The offloaded tables of a checkpoint in the LanguageModel's naming, whole (empty without offloaded tables)."""
+    try:
+        files = HostTableFiles(checkpoint)
+    except FileNotFoundError:
         return {}
     return {
-        f"backbone.{name.removesuffix('.weight')}.engram.tables.weight": tensor
-        for name, tensor in load_file(str(path)).items()
+        f"backbone.{name.removesuffix('.weight')}.engram.tables.weight": files.read(name)
+        for name in files.names()
         if name.endswith(".weight")
     }
 
@@ -58,9 +62,20 @@ def host_tables(model: nn.Module) -> dict[int, HostTables]:
     }
 
 
-def host_tables_factory(cfg: RunConfig, groups: ParallelGroups) -> HostTableFactory | None:
+def host_shards(cfg: RunConfig, world: int, rank: int, per_node: int) -> HostShards | None:
+    """Every rank, in the same order: the groups that split sharded host tables (``model.engram.offload=sharded``;
+    ``per_node`` ranks on each node), None for any other model."""
+    engram = cfg.model.engram
+    if engram is None or engram.offload != "sharded":
+        return None
+    return HostShards.create(world, rank, per_node if engram.offload_shards == "node" else None)
+
+
+def host_tables_factory(
+    cfg: RunConfig, groups: ParallelGroups, shards: HostShards | None = None
+) -> HostTableFactory | None:
     """What the backend makes the host tables' step with, for a model whose Engram tables are in host memory
-    (``model.engram.offload``); None for any other."""
+    (``model.engram.offload``; ``shards``: how sharded ones are split); None for any other."""
     engram = cfg.model.engram
     if engram is None or not engram.offload:
         return None
@@ -78,6 +93,7 @@ def host_tables_factory(cfg: RunConfig, groups: ParallelGroups) -> HostTableFact
         dp=groups.dp,
         update=engram.offload_update,
         settings=settings,
+        shards=shards,
     )
 
 
@@ -92,6 +108,7 @@ class HostTablesStep:
         dp: int,
         update: str,
         settings: tuple[float, float],
+        shards: HostShards | None = None,
     ):
         self.memories = [
             block.engram
@@ -99,7 +116,7 @@ class HostTablesStep:
             if block.engram is not None and isinstance(block.engram.tables, HostTables)
         ]
         self.tables = host_tables(model)
-        self.trainer, self.dp_group, self.dp = trainer, dp_group, dp
+        self.trainer, self.dp_group, self.dp, self.shards = trainer, dp_group, dp, shards
         self.lazy = update == "lazy"
         self.lr_scale, self.weight_decay = (
             settings  # the tables' optimizer group's (optimizer.groups)
@@ -109,7 +126,7 @@ class HostTablesStep:
             t.grad = torch.zeros_like(t.weight)
             if (
                 self.lazy or dp > 1
-            ):  # the rows read: the lazy update's, and the only ones a dp all-reduce needs
+            ):  # the rows read: the lazy update's, and the only ones a reduction over ranks needs
                 t.touched = torch.zeros(t.weight.shape[0] * t.weight.shape[1], dtype=torch.bool)
         # parameters sharing the tables' storage: the optimizer updates the tables in place
         self.params = {i: nn.Parameter(t.weight) for i, t in self.tables.items()}
@@ -151,29 +168,29 @@ class HostTablesStep:
     def before_step(self) -> None:
         """At the accumulation boundary, before DeepSpeed's step: dp-average the host gradients, take their norm
         and this step's hyperparameters."""
-        collectives = (
-            ScalarCollectives(communication_device(dist.get_backend(self.dp_group)))
-            if self.dp > 1
-            else None
-        )
+        # the ranks whose gradients are averaged here: dp, or with sharded tables the other copies of this rank's rows
+        group = self.dp_group if self.shards is None else self.shards.replicas
+        collectives = None
+        if group is not None and dist.get_world_size(group) > 1:
+            collectives = ScalarCollectives(communication_device(dist.get_backend(group)))
         for i, t in self.tables.items():
             t.accumulate()
+            if isinstance(t, ShardedHostTables):  # the owners: the sums over the shards' group
+                t.send_gradients()
             grad = t.grad.view(-1, t.grad.shape[-1])
             if (
                 t.touched is not None
             ):  # lazy, or dp > 1: only the rows read on some rank have a gradient
                 if collectives:  # the union of the ranks' rows, one byte a row
-                    collectives.max_into(
-                        t.touched, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1]
-                    )
+                    collectives.max_into(t.touched, group, ALL_REDUCE_ROWS * t.grad.shape[-1])
                 rows = t.touched.nonzero().squeeze(1)
                 t.touched.zero_()
                 # the other rows' gradients are zero on every rank
                 selected = grad.index_select(0, rows)
                 if collectives:
-                    collectives.mean_into(
-                        selected, self.dp_group, ALL_REDUCE_ROWS * t.grad.shape[-1]
-                    )
+                    collectives.mean_into(selected, group, ALL_REDUCE_ROWS * t.grad.shape[-1])
+                if isinstance(t, ShardedHostTables) and t.size > 1:
+                    selected.div_(t.size)
                 if self.lazy:
                     self.rows[i], grad = rows, selected
                 else:  # dense: the averaged rows back into the whole gradient
@@ -181,6 +198,12 @@ class HostTablesStep:
             self.grads[i] = grad
         norms = [torch.linalg.vector_norm(g) for g in self.grads.values()]
         norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        if (
+            self.shards is not None and self.shards.size > 1
+        ):  # each rank holds its rows' part of the norm
+            squares = norm.square().double().reshape(1)
+            dist.all_reduce(squares, group=self.shards.group)
+            norm = squares.sqrt().float().reshape(())
         # copied to the device inside DeepSpeed's step
         self.host_norm = norm.pin_memory() if self.pin else norm
         self.hyper = self._hyper()
@@ -250,22 +273,46 @@ class HostTablesStep:
                 x.view(-1, p.shape[-1]).index_copy_(0, rows, part)
 
     # ------------------------------------------------------------------ checkpoints
+    def checkpoint_file(self, rank: int) -> str | None:
+        """The file global rank ``rank`` writes into a checkpoint (None: none): rank 0 the whole tables, or each rank
+        of one copy of sharded tables its rows."""
+        if self.shards is None:
+            return HOST_TABLES_FILE if rank == 0 else None
+        if rank >= self.shards.size:  # the other nodes' ranks hold copies of the first node's rows
+            return None
+        return SHARD_FILE.format(self.shards.rank, self.shards.size)
+
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """The tables and their AdamW state as safetensors ``(tensors, metadata)``."""
+        """The tables (this rank's rows of sharded ones) and their AdamW state as safetensors
+        ``(tensors, metadata)``."""
         tensors = {}
         for i, p in self.params.items():
             tensors[f"layers.{i}.weight"] = self.tables[i].weight
             for key, value in self.optimizer.state.get(p, {}).items():
                 tensors[f"layers.{i}.{key}"] = value
-        return tensors, {"layers": ",".join(map(str, self.params))}
+        metadata = {"layers": ",".join(map(str, self.params))}
+        if self.shards is not None:
+            t = next(iter(self.tables.values()))
+            metadata |= shard_metadata(*t.rows, t.num_rows)
+        return tensors, metadata
 
-    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load(self, checkpoint: Path) -> None:
+        """The tables and their AdamW state from ``checkpoint``'s host-table files, whatever the ranks that wrote
+        them held: this rank's rows only."""
+        files = HostTableFiles(checkpoint)
+        names = set(files.names())
         for i, p in self.params.items():
-            self.tables[i].weight.copy_(tensors[f"layers.{i}.weight"])
+            t = self.tables[i]
+            if files.num_rows != t.num_rows:
+                raise ValueError(
+                    f"{checkpoint}'s host tables have {files.num_rows} rows, the model's {t.num_rows}"
+                )
+            first, last = t.rows if isinstance(t, ShardedHostTables) else (0, t.num_rows)
+            t.weight.copy_(files.read(f"layers.{i}.weight", first, last))
             state = {
-                k.removeprefix(f"layers.{i}."): v
-                for k, v in tensors.items()
-                if k.startswith(f"layers.{i}.") and not k.endswith(".weight")
+                key: files.read(f"layers.{i}.{key}", first, last)
+                for key in ("step", "exp_avg", "exp_avg_sq")
+                if f"layers.{i}.{key}" in names
             }
             if state:
                 self.optimizer.state[p] = state

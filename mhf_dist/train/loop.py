@@ -39,8 +39,9 @@ from mhf_dist.storage.run_dir import RunDir, RunDirAsFound
 from mhf_dist.train.callbacks import Callbacks, RunContext, Stepped
 from mhf_dist.train.checkpoint import Checkpointer
 from mhf_dist.train.checkpoint.index import read_marker
+from mhf_dist.train.checkpoint.store import local_share
 from mhf_dist.train.client_state import ClientState
-from mhf_dist.train.host_tables import host_tables_factory
+from mhf_dist.train.host_tables import host_shards, host_tables_factory
 from mhf_dist.train.monitors import run_callbacks
 from mhf_dist.train.oom import caught, is_out_of_memory
 from mhf_dist.train.optim import (
@@ -176,6 +177,7 @@ class TrainingLoop:
             cfg.train.fused_head_kernel,
             document_eos(cfg, self.assets.tokenizer),
         )
+        shards = host_shards(cfg, job.world, job.rank, local_share()[1])
         model = model_skeleton(
             cfg.model,
             len(self.assets.tokenizer),
@@ -185,6 +187,7 @@ class TrainingLoop:
             tp_rank=groups.tp_rank,
             tp=groups.tp,
             modes=modes,
+            host_shards=shards,
         )
         self.checkpointer = Checkpointer(
             self.run_dir,
@@ -240,7 +243,7 @@ class TrainingLoop:
                 optimizer=optimizer_factory(cfg),
                 materialise=materialise,
                 load_universal=resuming is not None and resuming.universal,
-                host_tables=host_tables_factory(cfg, groups),
+                host_tables=host_tables_factory(cfg, groups, shards),
                 wrap_loss=self.callbacks.loss_wrapper(),
             )
         return resuming

@@ -28,6 +28,7 @@ CHANGEABLE_ON_RESUME = (
     "parallel",
     "inference",
     "model.engram.offload_update",
+    "model.engram.offload_shards",
     "data.restart",
     "data.path",
     "data.sources",

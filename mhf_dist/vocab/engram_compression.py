@@ -6,7 +6,7 @@ stripped, lower-cased, whitespace collapsed and stripped) share one compressed i
 sequence's start hash as the pad token's compressed id (``CompressionTable.pad_id``; EOS without one). Like the
 signature table (``mhf_dist.vocab.signatures``) the ``CompressionTable`` is stored, never recomputed:
 ``compression.safetensors`` (the ``int32 [V]`` table) and ``compression.json`` (the metadata, every compressed id's
-key and a content hash that ``CompressionTable.load`` verifies). The choices: docs/design-model.md, "Engram memory".
+key and a content hash that ``CompressionTable.load`` verifies). The choices: docs/design-engram.md.
 """
 
 from __future__ import annotations

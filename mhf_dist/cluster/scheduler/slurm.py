@@ -297,6 +297,7 @@ class Slurm:
         nodes = os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_JOB_NUM_NODES")
         if nodes:
             env["GROUP_WORLD_SIZE"] = nodes
+            env["LOCAL_WORLD_SIZE"] = str(int(env["WORLD_SIZE"]) // int(nodes))
         if job := os.environ.get("SLURM_JOB_ID"):
             env[JOB_ID_ENV] = job
         if node := os.environ.get("SLURMD_NODENAME"):

@@ -45,7 +45,6 @@ from mhf_dist.train.checkpoint.store import checkpoint_store, local_share
 from mhf_dist.train.checkpoint.writers import BackgroundWriter, RecordingWriter
 from mhf_dist.train.client_state import ClientState
 from mhf_dist.train.fault_injection import free_bytes, pause_save
-from mhf_dist.train.host_tables import HOST_TABLES_FILE
 
 RANK_DIGESTS = (
     "digests-rank{:05d}.json"  # each rank's digests during a save, merged into the marker by rank 0
@@ -333,11 +332,10 @@ class Checkpointer(Reading):
         writer.put(
             path / RNG_FILE.format(self.rank), rng_state_bytes(cuda=trainer.device.type == "cuda")
         )
-        if (
-            trainer.host_tables is not None and self.rank == 0
-        ):  # tp = pp = 1: every rank holds the same host tables
-            tensors, metadata = trainer.host_tables.state()
-            writer.put(path / HOST_TABLES_FILE, save(tensors, metadata=metadata))
+        host = trainer.host_tables
+        if host is not None and (name := host.checkpoint_file(self.rank)) is not None:
+            tensors, metadata = host.state()
+            writer.put(path / name, save(tensors, metadata=metadata))
 
     def _write_digests(self, path: Path, writer: RecordingWriter) -> None:
         """This rank's report to rank 0: the digests of the files it wrote, which rank 0 merges into the marker (and

@@ -13,7 +13,6 @@ import shutil
 from pathlib import Path
 
 from pydantic import ValidationError
-from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from mhf_dist.atomic import write_atomic
@@ -47,7 +46,8 @@ from mhf_dist.train.checkpoint.rng import (
 from mhf_dist.train.checkpoint.store import local_share
 from mhf_dist.train.client_state import ClientState
 from mhf_dist.train.fault_injection import pause_conversion
-from mhf_dist.train.host_tables import HOST_TABLES_FILE, HostTablesStep
+from mhf_dist.train.host_table_files import HOST_TABLES_FILE
+from mhf_dist.train.host_tables import HostTablesStep
 
 log = logging.getLogger(__name__)
 
@@ -224,13 +224,16 @@ class Reading(Lineage):
         """The offloaded Engram tables and their AdamW state (from the source of a universal conversion)."""
         source = Path(marker["source"]) if marker.get("universal") else path
         try:
-            tensors = load_file(str(source / HOST_TABLES_FILE))
-        except Exception as e:  # missing (a run without model.engram.offload) or unreadable
+            host_tables.load(source)
+        except (
+            OSError,
+            ValueError,
+            KeyError,
+        ) as e:  # missing (a run without model.engram.offload) or unreadable
             raise CheckpointError(
-                f"checkpoint {source} has no readable {HOST_TABLES_FILE} ({e}), which "
+                f"checkpoint {source} has no readable {HOST_TABLES_FILE} nor its shards ({e}), which "
                 "model.engram.offload needs; resume with the config it was saved with"
             ) from e
-        host_tables.load(tensors)
 
     def load(self, trainer: Trainer, path: Path, state: ClientState) -> dict:
         """Load ``trainer``'s model, optimizer, scheduler, (same layout only) this rank's RNG state and every part of
@@ -256,11 +259,16 @@ class Reading(Lineage):
 
 
 def _model_identity(model: dict) -> dict:
-    """A model section without ``engram.offload_update``: how the host tables step, not what the model is (both
-    rules keep the same AdamW state, so a checkpoint resumes with either)."""
+    """A model section without ``engram.offload_update`` and ``offload_shards``: how the host tables step and who
+    holds their rows, not what the model is (both rules keep the same AdamW state, and a checkpoint's rows are read
+    whatever the ranks that wrote them held, so a checkpoint resumes with either)."""
     if isinstance(model.get("engram"), dict):
         return model | {
-            "engram": {k: v for k, v in model["engram"].items() if k != "offload_update"}
+            "engram": {
+                k: v
+                for k, v in model["engram"].items()
+                if k not in ("offload_update", "offload_shards")
+            }
         }
     return model
 

@@ -1,0 +1,203 @@
+"""model.engram.offload=sharded: host tables whose rows are split over the ranks, equal to whole host tables."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from helpers.ranks import run_ranks
+from helpers.runs import train_run
+from mhf_dist.config import load_config
+from mhf_dist.model.host_tables import HostTables
+from mhf_dist.parallel.sharded_host_tables import HostShards, ShardedHostTables
+from mhf_dist.train.checkpoint.index import read_marker
+from mhf_dist.train.host_table_files import SHARD_FILE, HostTableFiles, shard_metadata
+from mhf_dist.train.trained_weights import trained_weights
+
+T, R, D = 3, 64, 8  # tables, rows, width
+ENGRAM = ("model.engram.layers=[0,1]", "model.engram.table_size=1000")
+SHARDED = "model.engram.offload=sharded"
+STEPS = 4
+
+
+def rows_of(rank: int) -> torch.Tensor:
+    """Rank ``rank``'s micro-batch of table rows ``[B, S, T]``: a few rows, some shared with the other ranks."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    return torch.randint(0, R // 2, (2, 5, T), generator=generator) * 2
+
+
+def whole_tables() -> HostTables:
+    tables = HostTables(T, R, D)
+    tables.weight.copy_(torch.randn(T, R, D, generator=torch.Generator().manual_seed(0)))
+    return tables
+
+
+def output_grad(rank: int) -> torch.Tensor:
+    return torch.randn(2, 5, T, D, generator=torch.Generator().manual_seed(200 + rank))
+
+
+def exchange_worker(rank, world):
+    whole = whole_tables()
+    sharded = ShardedHostTables(T, R, D, HostShards(dist.group.WORLD, rank, world))
+    first, last = sharded.rows
+    sharded.weight.copy_(whole.weight[:, first:last])
+    sharded.touched = torch.zeros(T * sharded.block, dtype=torch.bool)
+    # a prefetched lookup (the worker thread's exchange), then its gradient sent to the owners
+    sharded.prefetch(rows_of(rank))
+    sharded.advance()
+    out = sharded.lookup(rows_of(rank))
+    expected = whole.lookup(rows_of(rank))
+    forward_bytes = sharded.sent_bytes
+    out.backward(output_grad(rank))
+    sharded.release()
+    sharded.send_gradients()
+    return {
+        "out": out.detach(),
+        "expected": expected.detach(),
+        "grad": sharded.grad.clone(),
+        "touched": sharded.touched.clone(),
+        "forward_bytes": forward_bytes,
+        "bytes": sharded.sent_bytes,
+    }
+
+
+def expected_bytes(rank: int, world: int) -> tuple[int, int]:
+    """What rank ``rank`` sends in one lookup and in returning its gradients: a count to each other rank (int64),
+    then the ids of its unique rows that others own (int64), then the rows the others asked of it (fp32 width D);
+    for the gradients the same counts and ids, and the gradient rows (fp32)."""
+    block = R // world
+
+    def flat(r):
+        return torch.unique(rows_of(r) + torch.arange(T) * R)
+
+    def owner(index):
+        return index % R // block
+
+    mine = flat(rank)
+    asked_of_others = int((owner(mine) != rank).sum())
+    asked_of_me = sum(int((owner(flat(r)) == rank).sum()) for r in range(world) if r != rank)
+    counts = (world - 1) * 8
+    forward = counts + asked_of_others * 8 + asked_of_me * D * 4
+    backward = counts + asked_of_others * 8 + asked_of_others * D * 4
+    return forward, forward + backward
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_lookup_and_gradients_equal_whole_tables(world):
+    """Each rank looks up its own rows through the exchange: the rows are the whole tables' own, and after the
+    gradients go to the owners each owner holds, for its rows, the sum over the ranks of the whole tables' gradients
+    (exact at two ranks, whose sum has one order; to rounding at four); the bytes sent equal their formula and no
+    rank reads more rows than were asked of it."""
+    ranks = run_ranks(exchange_worker, world)
+    whole_grad = torch.zeros(T, R, D)
+    for rank in range(world):
+        whole = whole_tables()
+        whole.grad = torch.zeros(T, R, D)
+        whole.lookup(rows_of(rank)).backward(output_grad(rank))
+        whole_grad += whole.grad
+    block = R // world
+    for rank, got in enumerate(ranks):
+        assert torch.equal(got["out"], got["expected"])
+        want = whole_grad[:, rank * block : (rank + 1) * block]
+        if world == 2:
+            assert torch.equal(got["grad"], want)
+        else:
+            torch.testing.assert_close(got["grad"], want, rtol=1e-6, atol=1e-6)
+        read = want.abs().sum(-1).reshape(-1) > 0
+        assert torch.equal(got["touched"], read)
+        assert (got["forward_bytes"], got["bytes"]) == expected_bytes(rank, world)
+    # every rank's rows were asked for, not the whole table
+    assert sum(int(r["touched"].sum()) for r in ranks) < T * R
+
+
+def shards_worker(rank, world):
+    shards = HostShards.create(world, rank, per_node=2)
+    replicas = dist.get_process_group_ranks(shards.replicas)
+    return shards.rank, shards.size, dist.get_process_group_ranks(shards.group), replicas
+
+
+@pytest.mark.multirank
+def test_one_copy_per_node_splits_within_the_node():
+    """offload_shards=node on 2 nodes of 2 ranks: each node's ranks split the rows, and each rank's replicas are
+    the ranks of the other node with the same rows."""
+    assert run_ranks(shards_worker, 4) == [
+        (0, 2, [0, 1], [0, 2]),
+        (1, 2, [0, 1], [1, 3]),
+        (0, 2, [2, 3], [0, 2]),
+        (1, 2, [2, 3], [1, 3]),
+    ]
+
+
+def test_checkpoint_files_read_any_rows(tmp_path):
+    """Shard files of any split (and a whole-tables file) give any range of rows back; a gap is refused."""
+    full = torch.randn(T, R, D)
+    step = torch.tensor(3.0)
+    for g, (first, last) in enumerate(((0, 16), (16, 40), (40, 64))):
+        save_file(
+            {"layers.1.weight": full[:, first:last].contiguous(), "layers.1.step": step},
+            tmp_path / SHARD_FILE.format(g, 3),
+            metadata=shard_metadata(first, last, R),
+        )
+    files = HostTableFiles(tmp_path)
+    assert files.num_rows == R
+    assert torch.equal(files.read("layers.1.weight"), full)
+    assert torch.equal(files.read("layers.1.weight", 10, 45), full[:, 10:45])
+    assert torch.equal(files.read("layers.1.step"), step)
+    (tmp_path / SHARD_FILE.format(1, 3)).unlink()
+    with pytest.raises(FileNotFoundError, match="rows start at"):
+        HostTableFiles(tmp_path)
+
+
+def test_sharded_offload_settings():
+    cfg = load_config("tiny-h4b16k+engram", overrides=["model.engram.offload=sharded"])
+    assert cfg.model.engram.offload == "sharded" and cfg.model.engram.offload_shards == "all"
+    with pytest.raises(ValueError, match="set model.engram.offload=sharded"):
+        load_config(
+            "tiny-h4b16k+engram",
+            overrides=["model.engram.offload=true", "model.engram.offload_shards=node"],
+        )
+
+
+@pytest.mark.multirank
+def test_sharded_training_equals_whole_host_tables_and_resumes(tmp_path, data):
+    """fp32, dp = 2, ZeRO-3, unclipped: the sharded run is the whole-tables run bit for bit (losses, every weight
+    and table row at the end); each rank's checkpoint file holds its rows; a resume at step 2 continues bit for bit,
+    and the same checkpoint resumed on 4 ranks (the rows cut anew) continues as the dp = 2 run does to the dp
+    tolerance of the other layout tests."""
+
+    def run(name, nproc, *extra):
+        return train_run(
+            tmp_path,
+            data,
+            name,
+            nproc,
+            *ENGRAM,
+            "optimizer.grad_clip=0",
+            *extra,
+            preset="tiny-h4b16k+engram",
+            steps=STEPS,
+        )
+
+    whole, sharded = run("whole", 2, "model.engram.offload=true"), run("sharded", 2, SHARDED)
+    assert [r["loss"] for r in sharded] == [r["loss"] for r in whole]
+    want, got = (trained_weights(tmp_path / name).state for name in ("whole", "sharded"))
+    assert got.keys() == want.keys()
+    assert [name for name in want if not torch.equal(got[name], want[name])] == []
+    digests = read_marker(tmp_path / "sharded" / "checkpoints" / f"step-{STEPS:08d}")["digests"]
+    assert {SHARD_FILE.format(0, 2), SHARD_FILE.format(1, 2)} <= digests.keys()
+
+    run("resumed", 2, SHARDED, "train.stop_at_step=2")
+    shutil.copytree(tmp_path / "resumed", tmp_path / "resumed-4")
+    resumed = run("resumed", 2, SHARDED)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in sharded]
+    on_four = run("resumed-4", 4, SHARDED)
+    assert [r["step"] for r in on_four] == list(range(1, STEPS + 1))
+    last = read_marker(tmp_path / "resumed-4" / "checkpoints" / f"step-{STEPS:08d}")["digests"]
+    assert sum(name.startswith("engram-host-tables") for name in last) == 4
+    for a, b in zip(on_four[2:], sharded[2:], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * b["loss"], (a["step"], a["loss"], b["loss"])
