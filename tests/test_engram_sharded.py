@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from safetensors.torch import save_file
 
 from helpers.ranks import run_ranks
-from helpers.runs import train_run
+from helpers.runs import run_cli, train_args, train_run
+from mhf_dist.cli import main
+from mhf_dist.cluster.profile import load_profile
+from mhf_dist.commands.plan import memory_plan
 from mhf_dist.config import load_config
+from mhf_dist.model.host_memory import run_host_table_memory
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.parallel.sharded_host_tables import HostShards, ShardedHostTables
 from mhf_dist.train.checkpoint.index import read_marker
@@ -201,3 +207,72 @@ def test_sharded_training_equals_whole_host_tables_and_resumes(tmp_path, data):
     assert sum(name.startswith("engram-host-tables") for name in last) == 4
     for a, b in zip(on_four[2:], sharded[2:], strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * b["loss"], (a["step"], a["loss"], b["loss"])
+
+
+BIG = ("model.engram.layers=[0,1]", "model.engram.table_size=25000", "train.micro_batch_size=2")
+
+
+def budget_case():
+    """The tables of ``BIG`` and a per-rank budget they fit split over 4 ranks, not whole: (config, budget GiB)."""
+    cfg = load_config(
+        "tiny-h4b16k+engram",
+        overrides=[*BIG, SHARDED, "data.seq_len=64", "train.global_batch_size=8"],
+    )
+    sharded, whole = (run_host_table_memory(cfg, ranks, 1) for ranks in (4, 1))
+    budget = round(sharded.total * 1.02 / 2**30, 4)
+    assert (
+        whole.tables >= 3.5 * budget * 2**30
+    )  # the tables' host state alone, 3.5 times the budget
+    return cfg, budget
+
+
+@pytest.mark.multirank
+def test_tables_past_one_ranks_budget_train_sharded_where_whole_tables_are_refused(tmp_path, data):
+    """Tables whose host state is 3.5 times one rank's budget (model.engram.host_budget_gb): whole on every rank
+    they are refused before any rank starts, naming the sharded layout and its memory; split over 4 ranks they
+    train."""
+    _, budget = budget_case()
+    common = (*BIG, f"model.engram.host_budget_gb={budget}")
+    out = run_cli(
+        train_args(
+            tmp_path / "whole",
+            data,
+            4,
+            *common,
+            "model.engram.offload=true",
+            preset="tiny-h4b16k+engram",
+            steps=2,
+        ),
+        expect_rc=2,
+    )
+    assert "over the budget" in out and "set model.engram.offload=sharded" in out, out[-2000:]
+    assert not (tmp_path / "whole" / "metrics.jsonl").exists()
+    runs = train_run(
+        tmp_path, data, "sharded", 4, *common, SHARDED, preset="tiny-h4b16k+engram", steps=2
+    )
+    assert [r["step"] for r in runs] == [1, 2] and all(math.isfinite(r["loss"]) for r in runs)
+
+
+def test_plan_counts_host_tables_per_rank_and_names_the_sharded_layout(tmp_path, capsys):
+    """plan adds the host tables to a rank's host memory: whole tables past the node's memory do not fit and the
+    verdict names what the sharded tables would take; sharded over the node's 4 ranks they fit."""
+    cfg, _ = budget_case()
+    profile = load_profile("cpu-local").model_copy(
+        update={"name": "four", "gpus_per_node": 4, "cores_per_node": 4}
+    )
+    construction = max(p.construction_gb for p in memory_plan(cfg, profile, 1))
+    whole, sharded = (run_host_table_memory(cfg, r, 1).total / 2**30 for r in (1, 4))
+    memory = 4 * (construction + (whole + sharded) / 2) / 0.9  # between the two
+    path = tmp_path / "four.yaml"
+    path.write_text(yaml.safe_dump(profile.model_dump() | {"memory_gb_per_node": memory}))
+    args = ["plan", "--preset", "tiny-h4b16k+engram", "--cluster", str(path)]
+    args += [f"--set={o}" for o in (*BIG, "data.seq_len=64", "train.global_batch_size=8")]
+    assert main([*args, "--set=model.engram.offload=true"]) == 0
+    out = capsys.readouterr().out
+    assert f"whole on every rank): {whole:.2f} GB per rank" in out, out
+    assert "host memory: does not fit" in out
+    assert f"with model.engram.offload=sharded the tables take {sharded:.2f} GB per rank" in out
+    assert main([*args, f"--set={SHARDED}"]) == 0
+    out = capsys.readouterr().out
+    assert f"rows split over 4 ranks): {sharded:.2f} GB per rank" in out, out
+    assert "host memory: fits" in out

@@ -134,6 +134,11 @@ def render(
         nodes * profile.gpus_per_node,
         "cpu" if profile.backend == "gloo" else "cuda",
         data_here=False,
+        ranks_per_node=profile.gpus_per_node,
+        # a rank's share of the node's memory
+        host_budget_gb=profile.memory_gb_per_node / profile.gpus_per_node
+        if profile.memory_gb_per_node
+        else None,
     )
     if min_nodes is not None:
         check_range(cfg, min_nodes, nodes, profile.gpus_per_node)

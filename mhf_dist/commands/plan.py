@@ -32,6 +32,7 @@ from mhf_dist.cluster.job_estimates import (
 from mhf_dist.cluster.profile import ClusterProfile
 from mhf_dist.config import ModelConfig, RunConfig, preset
 from mhf_dist.model import LanguageModel, build_model
+from mhf_dist.model.host_memory import run_host_table_memory, sharing_ranks
 from mhf_dist.model.variants import variant
 from mhf_dist.parallel.layout import resolve_layout
 from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
@@ -337,7 +338,7 @@ def format_plan(
     layout = resolve_layout(cfg, world)
     ds_config = engine_config(cfg, layout, device_of(profile))
     zero = zero_stage(ds_config)
-    host_rank = max(p.construction_gb for p in plans)
+    host_rank, host_advice = max(p.construction_gb for p in plans), ""
     host_node = host_bytes_per_node(host_rank, profile.gpus_per_node)
     node_memory = f"{profile.memory_gb_per_node:g} GB" if profile.memory_gb_per_node else "unknown"
     lines = [
@@ -361,6 +362,25 @@ def format_plan(
         f"largest parameter drawn whole; the whole model would be {4 * plans[0].model_params / GB:.1f} GB); "
         f"{profile.gpus_per_node} ranks per node need {host_node:.1f} GB of {node_memory}"
     )
+    engram = cfg.model.engram
+    if engram is not None and engram.offload:
+        tables = run_host_table_memory(
+            cfg, sharing_ranks(cfg.model, world, profile.gpus_per_node), layout.accum
+        )
+        held = (
+            "whole on every rank" if tables.ranks == 1 else f"rows split over {tables.ranks} ranks"
+        )
+        lines.append(
+            f"host tables (model.engram.offload={str(engram.offload).lower()}, {held}): "
+            f"{tables.total / GB:.2f} GB per rank "
+            f"({tables.tables / GB:.2f} GB of fp32 weights, Adam moments and gradients, {tables.buffers / GB:.2f} "
+            f"GB of exchange buffers); {profile.gpus_per_node} ranks per node need "
+            f"{host_bytes_per_node(tables.total, profile.gpus_per_node) / GB:.1f} GB"
+        )
+        host_rank += tables.total / GB
+        if tables.ranks < world:
+            sharded = run_host_table_memory(cfg, world, layout.accum)
+            host_advice = f"; with model.engram.offload=sharded the tables take {sharded.total / GB:.2f} GB per rank"
     lines += format_estimate(
         cfg, profile, world, step_estimate(cfg, profile, nodes, mfu, vocab_size)
     )
@@ -382,8 +402,8 @@ def format_plan(
             else f"fits (limit: {HEADROOM:.0%} of node memory)"
             if host
             else f"does not fit (limit: {HEADROOM:.0%} of node memory) while the ranks build the "
-            "model; use nodes with more memory, fewer ranks per node, or more ranks to share it (dp "
-            "under ZeRO-3, tp, pp)"
+            "model and hold the host tables; use nodes with more memory, fewer ranks per node, or more ranks to "
+            "share it (dp under ZeRO-3, tp, pp)" + host_advice
         )
     )
     return "\n".join(lines)

@@ -99,6 +99,13 @@ class EngramConfig(Strict):
         "memory); node: over the ranks of each node (one copy per node: lookups stay inside the node, each "
         "step's gradients are summed over the nodes)",
     )
+    host_budget_gb: float | None = Field(
+        None,
+        gt=0,
+        description="with offload: the host memory (GB) a rank may give its host tables (their weights, Adam "
+        "moments, gradients and exchange buffers); a layout past it is refused at the start, naming one that "
+        "fits (None: not checked; plan checks against the cluster profile's memory)",
+    )
     offload_update: Literal["dense", "lazy"] = Field(
         "dense",
         description="the host AdamW with offload: dense: every row each step, equal to the tables on the "
@@ -123,6 +130,11 @@ class EngramConfig(Strict):
             raise ValueError(
                 f"model.engram.offload_shards={self.offload_shards} applies to sharded host tables only; "
                 "set model.engram.offload=sharded or unset model.engram.offload_shards"
+            )
+        if self.host_budget_gb is not None and not self.offload:
+            raise ValueError(
+                "model.engram.host_budget_gb applies to host-memory tables only; set model.engram.offload "
+                "or unset model.engram.host_budget_gb"
             )
         if self.offload_update != "dense" and not self.offload:
             raise ValueError(

@@ -43,7 +43,8 @@ def join_job(cfg: RunConfig, verbose: bool = False) -> Job:
     """Resolve the layout and the engine config (every config error before any collective), then join the job's
     process group and its parallel groups (``verbose``: with the backend's start-up lines)."""
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    layout, ds_config = preflight(cfg, world, device_type(cfg))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    layout, ds_config = preflight(cfg, world, device_type(cfg), ranks_per_node=per_node)
     device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
     with backend_prints(verbose):
         init_distributed(cfg, device)

@@ -29,6 +29,7 @@ CHANGEABLE_ON_RESUME = (
     "inference",
     "model.engram.offload_update",
     "model.engram.offload_shards",
+    "model.engram.host_budget_gb",
     "data.restart",
     "data.path",
     "data.sources",

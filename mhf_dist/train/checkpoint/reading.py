@@ -259,15 +259,16 @@ class Reading(Lineage):
 
 
 def _model_identity(model: dict) -> dict:
-    """A model section without ``engram.offload_update`` and ``offload_shards``: how the host tables step and who
-    holds their rows, not what the model is (both rules keep the same AdamW state, and a checkpoint's rows are read
-    whatever the ranks that wrote them held, so a checkpoint resumes with either)."""
+    """A model section without ``engram.offload_update``, ``offload_shards`` and ``host_budget_gb``: how the host
+    tables step, who holds their rows and within what memory, not what the model is (both rules keep the same AdamW
+    state, and a checkpoint's rows are read whatever the ranks that wrote them held, so a checkpoint resumes with
+    any of them)."""
     if isinstance(model.get("engram"), dict):
         return model | {
             "engram": {
                 k: v
                 for k, v in model["engram"].items()
-                if k not in ("offload_update", "offload_shards")
+                if k not in ("offload_update", "offload_shards", "host_budget_gb")
             }
         }
     return model
