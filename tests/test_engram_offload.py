@@ -62,8 +62,8 @@ def test_host_lookup_and_gradient_equal_the_dense_tables():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["parallel.tp=2"], r"offload with parallel.tp=2, parallel.pp=1.*tp = pp = 1 only"),
-        (["parallel.pp=2"], r"offload with parallel.tp=1, parallel.pp=2"),
+        (["parallel.tp=2"], r"offload=true with parallel.tp=2.*set model.engram.offload=sharded"),
+        (["parallel.pp=2"], r"offload with parallel.pp=2: host-memory tables support pp = 1 only"),
         (
             ["parallel.zero_stage=0"],
             r"offload with parallel.zero_stage=0.*use parallel.zero_stage 1, 2 or 3",

@@ -276,3 +276,32 @@ def test_plan_counts_host_tables_per_rank_and_names_the_sharded_layout(tmp_path,
     out = capsys.readouterr().out
     assert f"rows split over 4 ranks): {sharded:.2f} GB per rank" in out, out
     assert "host memory: fits" in out
+
+
+@pytest.mark.multirank
+def test_sharded_tables_under_tensor_parallelism_equal_device_tables(tmp_path, data):
+    """tp = 2 × dp = 2, fp32, unclipped: the rows split over all four ranks (each tp group's first rank sends the
+    row gradients its peers compute alike) train as the device tables split over tp do: the first step's gradient
+    norm (the host tables' included) to 1e-7 (a missing or doubled tp or dp share would be off by tens of percent),
+    the losses to 1e-6; the two paths' gradients agree to rounding, not bit for bit, which AdamW amplifies where a
+    gradient is near its eps, so later grad norms drift apart to about 2e-4."""
+    layout = ("parallel.tp=2", "optimizer.grad_clip=0")
+    runs = [
+        train_run(
+            tmp_path,
+            data,
+            name,
+            4,
+            *ENGRAM,
+            *layout,
+            *extra,
+            preset="tiny-h4b16k+engram",
+            steps=STEPS,
+        )
+        for name, extra in (("device", ()), ("sharded", (SHARDED,)))
+    ]
+    first = runs[0][0]["grad_norm"]
+    assert abs(runs[1][0]["grad_norm"] - first) <= 1e-7 * first
+    for a, b in zip(runs[1], runs[0], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * b["loss"], (a["step"], a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * b["grad_norm"], (a["step"], a, b)

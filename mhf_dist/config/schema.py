@@ -339,10 +339,15 @@ class RunConfig(Strict):
                 f"model.engram.pad_rows_to={m.engram.pad_rows_to} is not a multiple of parallel.tp={tp}: memory "
                 "tables are split along their rows; set pad_rows_to to a multiple of tp"
             )
-        if m.engram is not None and m.engram.offload and (tp > 1 or self.parallel.pp > 1):
+        if m.engram is not None and m.engram.offload and self.parallel.pp > 1:
             raise ValueError(
-                f"model.engram.offload with parallel.tp={tp}, parallel.pp={self.parallel.pp}: host-memory tables "
-                "support tp = pp = 1 only (dp may be any); unset model.engram.offload or use tp = pp = 1"
+                f"model.engram.offload with parallel.pp={self.parallel.pp}: host-memory tables support pp = 1 "
+                "only; unset model.engram.offload or use pp = 1"
+            )
+        if m.engram is not None and m.engram.offload is True and tp > 1:
+            raise ValueError(
+                f"model.engram.offload=true with parallel.tp={tp}: whole host tables support tp = 1 only; set "
+                "model.engram.offload=sharded (the rows split over every rank) or use tp = 1"
             )
         if self.train.on_spike == "rollback" and self.data.sources:
             raise ValueError(

@@ -12,6 +12,7 @@ docs/design-engram.md.
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -26,21 +27,23 @@ from mhf_dist.model.host_tables import GatheredRows, HostTables
 class HostShards:
     """Who splits the host tables' rows: this rank is ``rank`` of the ``size`` ranks of ``group`` (gloo, host
     tensors), and with one copy of the tables per node (``model.engram.offload_shards=node``) ``replicas`` holds the
-    ranks of the other nodes that keep the same rows (None: one copy over every rank)."""
+    ranks of the other nodes that keep the same rows (None: one copy over every rank). Under tensor parallelism the
+    ranks of a tp group compute the same row gradients: only the first one's count (``contributes``)."""
 
     group: object
     rank: int
     size: int
     replicas: object | None = None
+    contributes: bool = True
     # the one thread that exchanges over ``group`` ahead of the forwards: every table's, in the order asked
     worker: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="engram-exchange")
     )
 
     @classmethod
-    def create(cls, world: int, rank: int, per_node: int | None) -> HostShards:
+    def create(cls, world: int, rank: int, per_node: int | None, tp: int = 1) -> HostShards:
         """Every rank, in the same order: the groups of ``world`` ranks split over all of them (``per_node`` None)
-        or over the ``per_node`` consecutive ranks of each node."""
+        or over the ``per_node`` consecutive ranks of each node; tp groups are ``tp`` consecutive ranks."""
         size = world if per_node is None else per_node
         if world % size:
             raise ValueError(f"{world} ranks do not make whole nodes of {size}")
@@ -54,7 +57,7 @@ class HostShards:
                 group = dist.new_group(list(range(local, world, size)), backend="gloo")
                 if rank % size == local:
                     replicas = group
-        return cls(mine, rank % size, size, replicas)
+        return cls(mine, rank % size, size, replicas, contributes=rank % tp == 0)
 
 
 class ShardedHostTables(HostTables):
@@ -71,6 +74,7 @@ class ShardedHostTables(HostTables):
         super().__init__(num_tables, num_rows // size, dim)
         self.num_rows, self.block = num_rows, num_rows // size
         self.group, self.rank, self.size = shards.group, shards.rank, size
+        self.contributes = shards.contributes
         self._worker = shards.worker
         self._outgoing: list[tuple[torch.Tensor, torch.Tensor]] = []  # (flat rows, fp32 gradients)
         self.sent_bytes = 0  # payload sent to the other ranks so far (the exchange's count)
@@ -100,9 +104,7 @@ class ShardedHostTables(HostTables):
         rank order."""
         out = values.new_empty((sum(receive), *values.shape[1:]))
         dist.all_to_all_single(out, values.contiguous(), receive, send, group=self.group)
-        row = (
-            values[0].numel() * values.element_size() if values.dim() > 1 else values.element_size()
-        )
+        row = math.prod(values.shape[1:]) * values.element_size()
         self.sent_bytes += (sum(send) - send[self.rank]) * row
         return out
 
@@ -140,11 +142,12 @@ class ShardedHostTables(HostTables):
     # ------------------------------------------------------------------ gradients, to the owners
     def _index_add(self, index: torch.Tensor, grad: torch.Tensor) -> None:
         """Kept until ``send_gradients``: the rows' owners add them."""
-        self._outgoing.append((index, grad.float()))
+        if self.contributes:
+            self._outgoing.append((index, grad.float()))
 
     def send_gradients(self) -> None:
         """Every rank: each row's gradient summed over this rank's micro-batches goes to its owner, which adds what
-        every rank sent into ``grad`` (the sum over the group) and marks the rows in ``touched``."""
+        every contributing rank sent into ``grad`` (the sum over the group) and marks the rows in ``touched``."""
         if self.grad is None:
             self.grad = torch.zeros_like(self.weight)
         index = torch.cat([i for i, _ in self._outgoing]) if self._outgoing else torch.zeros(0)

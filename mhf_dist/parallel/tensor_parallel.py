@@ -80,9 +80,15 @@ _LAYER = r"backbone\.layers\.\d+\."
 def tp_plan(cfg: ModelConfig, tp: int) -> dict[str, Style]:
     """``{module-name pattern: style}``; modules no pattern names stay as they are (replicated)."""
     kv = COLUMN if cfg.kv_heads_split(tp) else REPLICATED_HEADS
+    # Engram memory rows (docs/spec.md §8); host tables split over the ranks by themselves, not over tp
+    memory = (
+        {}
+        if cfg.engram is not None and cfg.engram.offload
+        else {_LAYER + r"engram\.tables": BUCKET_ROWS}
+    )
     return {
         r"vocab\.tables": BUCKET_ROWS,  # bucket / vocabulary rows
-        _LAYER + r"engram\.tables": BUCKET_ROWS,  # Engram memory rows (docs/spec.md §8)
+        **memory,
         _LAYER + r"self_attn": REGION,
         _LAYER + r"self_attn\.q_proj": COLUMN,
         _LAYER + r"self_attn\.[kv]_proj": kv,

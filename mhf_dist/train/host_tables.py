@@ -62,13 +62,14 @@ def host_tables(model: nn.Module) -> dict[int, HostTables]:
     }
 
 
-def host_shards(cfg: RunConfig, world: int, rank: int, per_node: int) -> HostShards | None:
+def host_shards(cfg: RunConfig, world: int, rank: int, per_node: int, tp: int) -> HostShards | None:
     """Every rank, in the same order: the groups that split sharded host tables (``model.engram.offload=sharded``;
-    ``per_node`` ranks on each node), None for any other model."""
+    ``per_node`` ranks on each node, tp groups of ``tp``), None for any other model."""
     engram = cfg.model.engram
     if engram is None or engram.offload != "sharded":
         return None
-    return HostShards.create(world, rank, per_node if engram.offload_shards == "node" else None)
+    per_node = per_node if engram.offload_shards == "node" else None
+    return HostShards.create(world, rank, per_node, tp)
 
 
 def host_tables_factory(
@@ -189,8 +190,10 @@ class HostTablesStep:
                 selected = grad.index_select(0, rows)
                 if collectives:
                     collectives.mean_into(selected, group, ALL_REDUCE_ROWS * t.grad.shape[-1])
-                if isinstance(t, ShardedHostTables) and t.size > 1:
-                    selected.div_(t.size)
+                if isinstance(
+                    t, ShardedHostTables
+                ):  # a sum over the contributing ranks: dp of them
+                    selected.div_(self.dp // (dist.get_world_size(group) if collectives else 1))
                 if self.lazy:
                     self.rows[i], grad = rows, selected
                 else:  # dense: the averaged rows back into the whole gradient
