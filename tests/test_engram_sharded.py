@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from helpers.ranks import run_ranks
 from helpers.runs import run_cli, train_args, train_run
@@ -21,6 +21,7 @@ from mhf_dist.model.host_memory import run_host_table_memory
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.parallel.sharded_host_tables import HostShards, ShardedHostTables
 from mhf_dist.train.checkpoint.index import read_marker
+from mhf_dist.train.host_adamw import HostAdamW
 from mhf_dist.train.host_table_files import SHARD_FILE, HostTableFiles, shard_metadata
 from mhf_dist.train.trained_weights import trained_weights
 
@@ -305,3 +306,60 @@ def test_sharded_tables_under_tensor_parallelism_equal_device_tables(tmp_path, d
     for a, b in zip(runs[1], runs[0], strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * b["loss"], (a["step"], a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * b["grad_norm"], (a["step"], a, b)
+
+
+def test_bf16_tables_step_in_fp32_and_round_once(monkeypatch):
+    """bf16 weights and moments: each AdamW step reads them into fp32, applies fused AdamW there and rounds each
+    value once; a step cut into blocks of rows equals one over the whole table, and the lazy update touches only
+    its rows."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(T, R, D, generator=generator)
+    grad = torch.randn(T * R, D, generator=generator)
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    stored = HostAdamW({0: weight.to(torch.bfloat16)}, torch.bfloat16)
+    stored.step(0, grad, None, hyper)
+    # the same step in fp32 from the same (bf16) values, rounded at the end
+    start = HostAdamW({0: weight.to(torch.bfloat16).float()}, torch.float32)
+    start.step(0, grad, None, hyper)
+    assert stored.weights[0].dtype == stored.state[0]["exp_avg"].dtype == torch.bfloat16
+    assert torch.equal(stored.weights[0], start.weights[0].to(torch.bfloat16))
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(stored.state[0][key], start.state[0][key].to(torch.bfloat16))
+    assert stored.state[0]["step"].item() == 1
+    monkeypatch.setattr("mhf_dist.train.host_adamw.BLOCK_ROWS", 5)
+    blocks = HostAdamW({0: weight.to(torch.bfloat16)}, torch.bfloat16)
+    blocks.step(0, grad, None, hyper)
+    assert torch.equal(blocks.weights[0], stored.weights[0])
+    rows = torch.tensor([3, 70, 100])
+    lazy = HostAdamW({0: weight.to(torch.bfloat16)}, torch.bfloat16)
+    lazy.step(0, grad[rows], rows, hyper)
+    flat = lazy.weights[0].view(-1, D)
+    assert torch.equal(flat[rows], stored.weights[0].view(-1, D)[rows])
+    untouched = torch.ones(T * R, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(flat[untouched], weight.to(torch.bfloat16).view(-1, D)[untouched])
+
+
+@pytest.mark.multirank
+def test_bf16_host_tables_checkpoint_in_bf16_and_resume_bit_identically(tmp_path, data):
+    """table_dtype = moment_dtype = bf16, sharded over 2 ranks: the checkpoint holds bf16 weights and moments (half
+    the bytes), a resume at step 2 continues bit for bit."""
+    bf16 = (SHARDED, "model.engram.table_dtype=bf16", "model.engram.moment_dtype=bf16")
+    whole = train_run(tmp_path, data, "bf16", 2, *ENGRAM, *bf16, preset="tiny-h4b16k+engram")
+    shard = tmp_path / "bf16" / "checkpoints" / "step-00000003" / SHARD_FILE.format(1, 2)
+    saved = {
+        name: load_file(str(shard))[name].dtype for name in ("layers.0.weight", "layers.1.exp_avg")
+    }
+    assert saved == {"layers.0.weight": torch.bfloat16, "layers.1.exp_avg": torch.bfloat16}
+    train_run(
+        tmp_path,
+        data,
+        "resumed",
+        2,
+        *ENGRAM,
+        *bf16,
+        "train.stop_at_step=2",
+        preset="tiny-h4b16k+engram",
+    )
+    resumed = train_run(tmp_path, data, "resumed", 2, *ENGRAM, *bf16, preset="tiny-h4b16k+engram")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]

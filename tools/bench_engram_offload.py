@@ -1,10 +1,14 @@
-"""Benchmark: `100m-h4b16k+engram` with the Engram tables offloaded to host memory (model.engram.offload), stepped
-densely and lazily (model.engram.offload_update), vs on the device under DeepSpeed, a few steps each.
+"""Benchmark: `100m-h4b16k+engram` with the Engram tables on the device under DeepSpeed and in host memory
+(model.engram.offload): whole on every rank, stepped densely or lazily (model.engram.offload_update), and sharded over
+the ranks (offload=sharded), with fp32 or bf16 weights and moments (table_dtype, moment_dtype), a few steps each.
 
-Usage: python tools/bench_engram_offload.py [--steps 4] [--seq-len 128] [--micro 1] [--baseline DIR]
-Each case is `mhf-dist train` in a fresh process on the embedded text (one rank, ZeRO-3; fp32 on CPU, the preset's
-bf16 on a GPU), one micro-batch per step. Step time is the median over the steps after the first (from the logged
-tokens/s); peak host memory is the training process's max RSS; on a GPU the peak device memory (max allocated) too.
+Usage: python tools/bench_engram_offload.py [--steps 4] [--seq-len 128] [--micro 1] [--nproc 1]
+                                            [--cases device,offload,lazy] [--baseline DIR]
+Cases: device, offload, lazy, sharded, sharded-bf16 (bf16 weights), sharded-bf16-moments (and bf16 moments).
+Each case is `mhf-dist train` in a fresh process on the embedded text (``--nproc`` ranks, ZeRO-3; fp32 on CPU, the
+preset's bf16 on a GPU), one micro-batch per rank per step. Step time is the median over the steps after the first
+(from the logged tokens/s); peak host memory is the largest process's max RSS (one rank's); on a GPU the peak device
+memory (max allocated) too; the last loss shows what bf16 storage costs against fp32.
 `--baseline DIR` also runs every case with the mhf_dist package of DIR (e.g. `git worktree add DIR <revision>`),
 each case's baseline run just before the current one, and reports current / baseline.
 """
@@ -30,20 +34,33 @@ MEASURE = (
 )
 
 
-def run_case(run: Path, offload: bool, update: str, args, tree: Path = ROOT) -> dict:
+SHARDED = ("model.engram.offload=sharded",)
+CASES = {
+    "device": ("model.engram.offload=false",),
+    "offload": ("model.engram.offload=true",),
+    "lazy": ("model.engram.offload=true", "model.engram.offload_update=lazy"),
+    "sharded": SHARDED,
+    "sharded-bf16": (*SHARDED, "model.engram.table_dtype=bf16"),
+    "sharded-bf16-moments": (
+        *SHARDED,
+        "model.engram.table_dtype=bf16",
+        "model.engram.moment_dtype=bf16",
+    ),
+}
+
+
+def run_case(run: Path, case: str, args, tree: Path = ROOT) -> dict:
     overrides = [
         "data.path=embedded",
         f"data.seq_len={args.seq_len}",
         f"train.max_steps={args.steps}",
-        f"train.global_batch_size={args.micro}",
+        f"train.global_batch_size={args.micro * args.nproc}",
         f"train.micro_batch_size={args.micro}",
         "train.log_interval=1",
         f"train.eval_sequences={args.micro}",
         "train.eval_interval=0",
-        f"model.engram.offload={str(offload).lower()}",
+        *CASES[case],
     ]
-    if offload:
-        overrides.append(f"model.engram.offload_update={update}")
     if not torch.cuda.is_available():
         overrides.append("train.dtype=fp32")
     argv = [
@@ -55,6 +72,8 @@ def run_case(run: Path, offload: bool, update: str, args, tree: Path = ROOT) -> 
         "100m-h4b16k+engram",
         "--run-dir",
         str(run),
+        "--nproc-per-node",
+        str(args.nproc),
     ]
     for o in overrides:
         argv += ["--set", o]
@@ -66,7 +85,7 @@ def run_case(run: Path, offload: bool, update: str, args, tree: Path = ROOT) -> 
         env=os.environ | {"PYTHONPATH": str(tree)},
     )  # that tree's mhf_dist
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    tokens = args.micro * args.seq_len
+    tokens = args.micro * args.nproc * args.seq_len
     times = [tokens / r["tokens_per_s"] for r in records[1:]] or [
         tokens / records[0]["tokens_per_s"]
     ]
@@ -80,13 +99,6 @@ def run_case(run: Path, offload: bool, update: str, args, tree: Path = ROOT) -> 
     return result
 
 
-CASES = (
-    ("device tables", False, "dense"),
-    ("offload", True, "dense"),
-    ("offload, lazy", True, "lazy"),
-)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -94,46 +106,44 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro", type=int, default=1, help="sequences per step (one micro-batch)")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks (data-parallel)")
+    parser.add_argument("--cases", default="device,offload,lazy", help=", ".join(CASES))
     parser.add_argument(
         "--baseline",
         type=Path,
         help="a checkout whose mhf_dist runs every case too, for comparison",
     )
     args = parser.parse_args()
+    cases = args.cases.split(",")
     results, baseline = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, offload, update in CASES:
-            run = Path(tmp) / name.replace(" ", "-").replace(",", "")
+        for case in cases:
+            run = Path(tmp) / case
             if args.baseline:
-                baseline[name] = run_case(
-                    run.with_name(run.name + "-baseline"),
-                    offload,
-                    update,
-                    args,
-                    args.baseline.resolve(),
+                baseline[case] = run_case(
+                    run.with_name(run.name + "-baseline"), case, args, args.baseline.resolve()
                 )
-            results[name] = run_case(run, offload, update, args)
-    base = results["device tables"]
-    columns = ["step_s", "host_gb"] + (["device_gb"] if "device_gb" in base else [])
-    print(
-        f"{'100m-h4b16k+engram':<24}" + "".join(f"{c:>12}" for c in columns) + f"{'last loss':>12}"
-    )
+            results[case] = run_case(run, case, args)
+    first = results[cases[0]]
+    columns = ["step_s", "host_gb"] + (["device_gb"] if "device_gb" in first else [])
+    header = f"100m-h4b16k+engram, {args.nproc} rank(s)"
+    print(f"{header:<34}" + "".join(f"{c:>12}" for c in columns) + f"{'last loss':>12}")
     for name, r in results.items():
-        print(f"{name:<24}" + "".join(f"{r[c]:>12.3f}" for c in columns) + f"{r['loss']:>12.4f}")
-    for name in ("offload", "offload, lazy"):
+        print(f"{name:<34}" + "".join(f"{r[c]:>12.3f}" for c in columns) + f"{r['loss']:>12.4f}")
+    for name in cases[1:]:
         print(
-            f"{name + ' / device':<24}"
-            + "".join(f"{results[name][c] / base[c]:>12.2f}" for c in columns)
+            f"{name + ' / ' + cases[0]:<34}"
+            + "".join(f"{results[name][c] / first[c]:>12.2f}" for c in columns)
         )
     if baseline:
         print(f"\nbaseline {args.baseline}")
         for name, r in baseline.items():
             print(
-                f"{name:<24}" + "".join(f"{r[c]:>12.3f}" for c in columns) + f"{r['loss']:>12.4f}"
+                f"{name:<34}" + "".join(f"{r[c]:>12.3f}" for c in columns) + f"{r['loss']:>12.4f}"
             )
         for name, r in baseline.items():
             print(
-                f"{name + ' / baseline':<24}"
+                f"{name + ' / baseline':<34}"
                 + "".join(f"{results[name][c] / r[c]:>12.2f}" for c in columns)
             )
 

@@ -373,7 +373,7 @@ def format_plan(
         lines.append(
             f"host tables (model.engram.offload={str(engram.offload).lower()}, {held}): "
             f"{tables.total / GB:.2f} GB per rank "
-            f"({tables.tables / GB:.2f} GB of fp32 weights, Adam moments and gradients, {tables.buffers / GB:.2f} "
+            f"({tables.tables / GB:.2f} GB of weights, Adam moments and gradients, {tables.buffers / GB:.2f} "
             f"GB of exchange buffers); {profile.gpus_per_node} ranks per node need "
             f"{host_bytes_per_node(tables.total, profile.gpus_per_node) / GB:.1f} GB"
         )

@@ -99,6 +99,15 @@ class EngramConfig(Strict):
         "memory); node: over the ranks of each node (one copy per node: lookups stay inside the node, each "
         "step's gradients are summed over the nodes)",
     )
+    table_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="with offload: the dtype of the tables' weights in host memory (bf16: half the bytes; the "
+        "update is computed in fp32 and rounded once per step)",
+    )
+    moment_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="with offload: the dtype of the host AdamW's two moments (bf16: half their bytes)",
+    )
     host_budget_gb: float | None = Field(
         None,
         gt=0,
@@ -131,6 +140,12 @@ class EngramConfig(Strict):
                 f"model.engram.offload_shards={self.offload_shards} applies to sharded host tables only; "
                 "set model.engram.offload=sharded or unset model.engram.offload_shards"
             )
+        for name in ("table_dtype", "moment_dtype"):
+            if getattr(self, name) != "fp32" and not self.offload:
+                raise ValueError(
+                    f"model.engram.{name}={getattr(self, name)} applies to host-memory tables only; set "
+                    f"model.engram.offload or unset model.engram.{name}"
+                )
         if self.host_budget_gb is not None and not self.offload:
             raise ValueError(
                 "model.engram.host_budget_gb applies to host-memory tables only; set model.engram.offload "

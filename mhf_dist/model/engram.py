@@ -24,6 +24,7 @@ from torch import nn
 
 from mhf_dist.config import ModelConfig
 from mhf_dist.model.documents import document_positions
+from mhf_dist.model.dtypes import DTYPES
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.model.ngram_hash import NgramHash
 from mhf_dist.model.tables import BucketTables
@@ -134,7 +135,9 @@ class EngramMemory(nn.Module):
         )
         rows = -(-max(max(order) for order in sizes) // e.pad_rows_to) * e.pad_rows_to
         if e.offload:
-            self.tables = HostTables(self.hash.num_heads, rows, cfg.engram_head_dim)
+            self.tables = HostTables(
+                self.hash.num_heads, rows, cfg.engram_head_dim, DTYPES[e.table_dtype]
+            )
             # a host copy of the hash for prefetching, not a submodule: model.to(device) leaves it on the host
             object.__setattr__(
                 self,

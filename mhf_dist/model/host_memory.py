@@ -10,8 +10,11 @@ from dataclasses import dataclass
 from mhf_dist.config import ModelConfig, RunConfig
 from mhf_dist.model.parameter_count import engram_table_rows
 
-STATE_BYTES = 16  # per table value in fp32: the weight, two Adam moments, the gradient buffer
-GRADIENT_BYTES = 4  # a row gradient held until the step's end (sharded tables), fp32
+BYTES = {"fp32": 4, "bf16": 2}
+
+GRADIENT_BYTES = (
+    4  # the gradient buffer, and a row gradient held until the step's end (sharded tables): fp32
+)
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,9 @@ def host_table_memory(
     e, width = cfg.engram, cfg.engram_head_dim
     heads = (e.max_ngram - 1) * e.heads
     rows = sum(heads * engram_table_rows(cfg, i) for i in cfg.engram_layers)
-    tables = (rows * width * STATE_BYTES + rows) // ranks  # the row mask: one byte a row
+    # per value: the weight, two Adam moments, the gradient buffer; the row mask: one byte a row
+    state = BYTES[e.table_dtype] + 2 * BYTES[e.moment_dtype] + GRADIENT_BYTES
+    tables = (rows * width * state + rows) // ranks
     looked_up = len(cfg.engram_layers) * tokens * heads  # rows a micro-batch reads, at most
     # the current micro-batch's rows and the next one's, on their way to the device
     buffers = 2 * looked_up * width * compute_bytes

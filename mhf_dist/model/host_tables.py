@@ -41,11 +41,13 @@ class PendingGrad:
 class HostTables(nn.Module):
     """``T`` tables of ``R`` rows of width ``d`` in host memory, looked up like ``BucketTables`` (tp = 1)."""
 
-    def __init__(self, num_tables: int, num_rows: int, dim: int):
+    def __init__(
+        self, num_tables: int, num_rows: int, dim: int, dtype: torch.dtype = torch.float32
+    ):
         super().__init__()
         self.num_rows = num_rows
         # host memory, whatever the default device
-        self.weight = torch.empty(num_tables, num_rows, dim, device="cpu")
+        self.weight = torch.empty(num_tables, num_rows, dim, device="cpu", dtype=dtype)
         # fp32 host gradient, allocated by the trainer; on a CUDA device complete only after accumulate()
         self.grad: torch.Tensor | None = None
         # bool [T·R]: the flat rows given a gradient, when the trainer keeps it (lazy update, or dp > 1)
@@ -163,7 +165,7 @@ class HostTables(nn.Module):
         if self.touched is not None:
             self.touched[index] = True
         if self.grad is None:
-            self.grad = torch.zeros_like(self.weight)
+            self.grad = torch.zeros_like(self.weight, dtype=torch.float32)
         self.grad.view(-1, self.weight.shape[-1]).index_add_(0, index, grad.float())
 
     def accumulate(self, wait: bool = True) -> None:

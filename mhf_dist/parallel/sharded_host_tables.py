@@ -63,7 +63,14 @@ class HostShards:
 class ShardedHostTables(HostTables):
     """This rank's rows of ``T`` tables of ``R`` rows (``R`` a multiple of the group's ``size``), looked up whole."""
 
-    def __init__(self, num_tables: int, num_rows: int, dim: int, shards: HostShards):
+    def __init__(
+        self,
+        num_tables: int,
+        num_rows: int,
+        dim: int,
+        shards: HostShards,
+        dtype: torch.dtype = torch.float32,
+    ):
         size = shards.size
         if num_rows % size:
             raise ValueError(
@@ -71,7 +78,7 @@ class ShardedHostTables(HostTables):
                 "(model.engram.offload=sharded); set model.engram.pad_rows_to to a multiple of "
                 f"{size}"
             )
-        super().__init__(num_tables, num_rows // size, dim)
+        super().__init__(num_tables, num_rows // size, dim, dtype)
         self.num_rows, self.block = num_rows, num_rows // size
         self.group, self.rank, self.size = shards.group, shards.rank, size
         self.contributes = shards.contributes
@@ -149,7 +156,7 @@ class ShardedHostTables(HostTables):
         """Every rank: each row's gradient summed over this rank's micro-batches goes to its owner, which adds what
         every contributing rank sent into ``grad`` (the sum over the group) and marks the rows in ``touched``."""
         if self.grad is None:
-            self.grad = torch.zeros_like(self.weight)
+            self.grad = torch.zeros_like(self.weight, dtype=torch.float32)
         index = torch.cat([i for i, _ in self._outgoing]) if self._outgoing else torch.zeros(0)
         values = [v for _, v in self._outgoing]
         self._outgoing = []
@@ -173,7 +180,7 @@ def shard_host_tables(model: nn.Module, shards: HostShards) -> nn.Module:
             setattr(
                 model.get_submodule(parent),
                 attr,
-                ShardedHostTables(count, module.num_rows, dim, shards),
+                ShardedHostTables(count, module.num_rows, dim, shards, module.weight.dtype),
             )
     return model
 

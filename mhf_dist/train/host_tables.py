@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.adamw import adamw
 
+from mhf_dist.model.dtypes import DTYPES
 from mhf_dist.model.host_tables import HostTables
 from mhf_dist.parallel.scalars import ScalarCollectives, communication_device
 from mhf_dist.parallel.sharded_host_tables import HostShards, ShardedHostTables
+from mhf_dist.train.host_adamw import HostAdamW
 from mhf_dist.train.host_table_files import (
     HOST_TABLES_FILE,
     SHARD_FILE,
@@ -44,7 +45,7 @@ def host_table_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     except FileNotFoundError:
         return {}
     return {
-        f"backbone.{name.removesuffix('.weight')}.engram.tables.weight": files.read(name)
+        f"backbone.{name.removesuffix('.weight')}.engram.tables.weight": files.read(name).float()
         for name in files.names()
         if name.endswith(".weight")
     }
@@ -95,6 +96,7 @@ def host_tables_factory(
         update=engram.offload_update,
         settings=settings,
         shards=shards,
+        moment_dtype=DTYPES[engram.moment_dtype],
     )
 
 
@@ -110,6 +112,7 @@ class HostTablesStep:
         update: str,
         settings: tuple[float, float],
         shards: HostShards | None = None,
+        moment_dtype: torch.dtype = torch.float32,
     ):
         self.memories = [
             block.engram
@@ -124,14 +127,13 @@ class HostTablesStep:
         )
         for t in self.tables.values():
             t.device, t.transfer_dtype = trainer.device, compute_dtype
-            t.grad = torch.zeros_like(t.weight)
+            t.grad = torch.zeros_like(t.weight, dtype=torch.float32)
             if (
                 self.lazy or dp > 1
             ):  # the rows read: the lazy update's, and the only ones a reduction over ranks needs
                 t.touched = torch.zeros(t.weight.shape[0] * t.weight.shape[1], dtype=torch.bool)
-        # parameters sharing the tables' storage: the optimizer updates the tables in place
-        self.params = {i: nn.Parameter(t.weight) for i, t in self.tables.items()}
-        self.optimizer = torch.optim.AdamW(list(self.params.values()), **self._hyper(), fused=True)
+        # updates the tables in place
+        self.adamw = HostAdamW({i: t.weight for i, t in self.tables.items()}, moment_dtype)
         # host values that go to the device are staged in pinned memory
         self.pin = trainer.device.type == "cuda"
         self.host_norm = torch.zeros(())
@@ -226,14 +228,8 @@ class HostTablesStep:
                 scale = 1.0 / torch.clamp((total + 1e-6) / clip, min=1.0)
                 for g in self.grads.values():
                     g.mul_(scale)
-            group = self.optimizer.param_groups[0]
-            group.update(self.hyper)
-            if self.lazy:
-                self._lazy_adamw(group)
-            else:
-                for i, p in self.params.items():
-                    p.grad = self.tables[i].grad
-                self.optimizer.step()
+            for i, grad in self.grads.items():
+                self.adamw.step(i, grad, self.rows[i] if self.lazy else None, self.hyper)
         for i, t in self.tables.items():
             if self.lazy:
                 t.grad.view(-1, t.grad.shape[-1]).index_fill_(0, self.rows[i], 0.0)
@@ -241,39 +237,6 @@ class HostTablesStep:
                 t.grad.zero_()
             t.release()
         self.grads, self.rows = {}, {}
-
-    def _lazy_adamw(self, group: dict) -> None:
-        """The optimizer's fused AdamW on each table's touched rows only, its state kept in the optimizer."""
-        for i, p in self.params.items():
-            state = self.optimizer.state[p]
-            if not state:  # as torch.optim.AdamW(fused=True) initialises it
-                state.update(
-                    step=torch.zeros((), dtype=torch.float32),
-                    exp_avg=torch.zeros_like(p),
-                    exp_avg_sq=torch.zeros_like(p),
-                )
-            rows, full = self.rows[i], (p, state["exp_avg"], state["exp_avg_sq"])
-            weight, exp_avg, exp_avg_sq = (
-                x.view(-1, p.shape[-1]).index_select(0, rows) for x in full
-            )
-            adamw(
-                [weight],
-                [self.grads[i]],
-                [exp_avg],
-                [exp_avg_sq],
-                [],
-                [state["step"]],
-                fused=True,
-                amsgrad=False,
-                beta1=group["betas"][0],
-                beta2=group["betas"][1],
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=False,
-            )
-            for x, part in zip(full, (weight, exp_avg, exp_avg_sq), strict=True):
-                x.view(-1, p.shape[-1]).index_copy_(0, rows, part)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_file(self, rank: int) -> str | None:
@@ -289,11 +252,11 @@ class HostTablesStep:
         """The tables (this rank's rows of sharded ones) and their AdamW state as safetensors
         ``(tensors, metadata)``."""
         tensors = {}
-        for i, p in self.params.items():
-            tensors[f"layers.{i}.weight"] = self.tables[i].weight
-            for key, value in self.optimizer.state.get(p, {}).items():
+        for i, t in self.tables.items():
+            tensors[f"layers.{i}.weight"] = t.weight
+            for key, value in self.adamw.state.get(i, {}).items():
                 tensors[f"layers.{i}.{key}"] = value
-        metadata = {"layers": ",".join(map(str, self.params))}
+        metadata = {"layers": ",".join(map(str, self.tables))}
         if self.shards is not None:
             t = next(iter(self.tables.values()))
             metadata |= shard_metadata(*t.rows, t.num_rows)
@@ -304,8 +267,7 @@ class HostTablesStep:
         them held: this rank's rows only."""
         files = HostTableFiles(checkpoint)
         names = set(files.names())
-        for i, p in self.params.items():
-            t = self.tables[i]
+        for i, t in self.tables.items():
             if files.num_rows != t.num_rows:
                 raise ValueError(
                     f"{checkpoint}'s host tables have {files.num_rows} rows, the model's {t.num_rows}"
@@ -318,4 +280,4 @@ class HostTablesStep:
                 if f"layers.{i}.{key}" in names
             }
             if state:
-                self.optimizer.state[p] = state
+                self.adamw.load(i, state)

@@ -53,6 +53,6 @@ def check_host_tables(
     )
     raise ConfigError(
         f"host-memory Engram tables need {here.total / GB:.3g} GB per rank ({held}: {here.tables / GB:.3g} GB of "
-        f"fp32 weights, Adam moments and gradients, plus {here.buffers / GB:.3g} GB of exchange buffers), over the "
+        f"weights, Adam moments and gradients, plus {here.buffers / GB:.3g} GB of exchange buffers), over the "
         f"budget of {budget_gb:g} GB per rank; {advice}, or raise model.engram.host_budget_gb"
     )
