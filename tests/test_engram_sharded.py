@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import yaml
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from helpers.ranks import run_ranks
 from helpers.runs import run_cli, train_args, train_run
@@ -16,18 +18,27 @@ from mhf_dist.cli import main
 from mhf_dist.cluster.profile import load_profile
 from mhf_dist.commands.plan import memory_plan
 from mhf_dist.config import load_config
+from mhf_dist.model import build_model
 from mhf_dist.model.host_memory import run_host_table_memory
 from mhf_dist.model.host_tables import HostTables
-from mhf_dist.parallel.sharded_host_tables import HostShards, ShardedHostTables
+from mhf_dist.model.init import host_tables
+from mhf_dist.parallel.sharded_host_tables import (
+    HostShards,
+    ShardedHostTables,
+    shard_host_tables,
+)
 from mhf_dist.train.checkpoint.index import read_marker
 from mhf_dist.train.host_adamw import HostAdamW
 from mhf_dist.train.host_table_files import SHARD_FILE, HostTableFiles, shard_metadata
+from mhf_dist.train.host_tables import HostTablesStep
 from mhf_dist.train.trained_weights import trained_weights
+from mhf_dist.vocab.engram_compression import CompressionTable
 
 T, R, D = 3, 64, 8  # tables, rows, width
 ENGRAM = ("model.engram.layers=[0,1]", "model.engram.table_size=1000")
 SHARDED = "model.engram.offload=sharded"
 STEPS = 4
+VOCAB = 300
 
 
 def rows_of(rank: int) -> torch.Tensor:
@@ -172,9 +183,9 @@ def test_sharded_offload_settings():
 @pytest.mark.multirank
 def test_sharded_training_equals_whole_host_tables_and_resumes(tmp_path, data):
     """fp32, dp = 2, ZeRO-3, unclipped: the sharded run is the whole-tables run bit for bit (losses, every weight
-    and table row at the end) and the device tables' to 1e-6; each rank's checkpoint file holds its rows; a resume
-    at step 2 continues bit for bit, and the same checkpoint resumed on 4 ranks (the rows cut anew) continues as the
-    dp = 2 run does to the dp tolerance of the other layout tests."""
+    and table row at the end) and the device tables' to rounding (losses to 1e-6, grad norms to 1e-4); each rank's
+    checkpoint file holds its rows; a resume at step 2 continues bit for bit, and the same checkpoint resumed on 4
+    ranks (the rows cut anew) continues as the dp = 2 run does to the dp tolerance of the other layout tests."""
 
     def run(name, nproc, *extra):
         return train_run(
@@ -193,6 +204,7 @@ def test_sharded_training_equals_whole_host_tables_and_resumes(tmp_path, data):
     assert [r["loss"] for r in sharded] == [r["loss"] for r in whole]
     for a, b in zip(sharded, run("device", 2), strict=True):  # DeepSpeed averages in another order
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * b["loss"], (a["step"], a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (a["step"], a, b)
     want, got = (trained_weights(tmp_path / name).state for name in ("whole", "sharded"))
     assert got.keys() == want.keys()
     assert [name for name in want if not torch.equal(got[name], want[name])] == []
@@ -367,3 +379,67 @@ def test_bf16_host_tables_checkpoint_in_bf16_and_resume_bit_identically(tmp_path
     )
     resumed = train_run(tmp_path, data, "resumed", 2, *ENGRAM, *bf16, preset="tiny-h4b16k+engram")
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]
+
+
+def small_model():
+    """A tiny Standard model with Engram memories at layers 0 and 1 in whole host tables (the same on every rank)."""
+    cfg = load_config(
+        "tiny-standard+engram",
+        overrides=["model.engram.table_size=97", "model.engram.layers=[0,1]", SHARDED],
+    ).model
+    torch.manual_seed(0)
+    return build_model(cfg, VOCAB, compression=CompressionTable.identity(VOCAB))
+
+
+def ids_of(rank: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(300 + rank))
+
+
+def reduction_worker(rank, world, per_node):
+    shards = HostShards.create(world, rank, per_node)
+    model = small_model()
+    whole = {name: tables.weight.clone() for name, tables in host_tables(model)}
+    shard_host_tables(model, shards)
+    for name, tables in host_tables(model):
+        first, last = tables.rows
+        tables.weight.copy_(whole[name][:, first:last])
+    trainer = SimpleNamespace(
+        device=torch.device("cpu"),
+        optimizer=torch.optim.AdamW([nn.Parameter(torch.zeros(1))]),
+    )
+    step = HostTablesStep(
+        model,
+        trainer,
+        compute_dtype=torch.float32,
+        dp_group=dist.group.WORLD,
+        dp=world,
+        update="dense",
+        settings=(1.0, 0.0),
+        shards=shards,
+    )
+    model.hidden(ids_of(rank)).square().sum().backward()
+    step.before_step()
+    grads = {
+        i: (t.rows, step.grads[i].view(t.weight.shape).clone()) for i, t in step.tables.items()
+    }
+    return grads, step.host_norm.item()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("per_node", [None, 2], ids=["all", "node"])
+def test_the_step_averages_each_rows_gradient_over_the_data_parallel_ranks(per_node):
+    """4 ranks, rows split over all of them or over each node's 2 (two copies, averaged over the nodes): before the
+    optimizer step each rank holds, for its rows, the mean over the ranks of the whole tables' gradients, and the
+    host norm is the whole mean gradient's."""
+    ranks = run_ranks(reduction_worker, 4, per_node)
+    mean = {}
+    for rank in range(4):
+        model = small_model()
+        model.hidden(ids_of(rank)).square().sum().backward()
+        for i, block in enumerate(model.backbone.layers):
+            mean[i] = mean.get(i, 0) + block.engram.tables.grad / 4
+    for grads, norm in ranks:
+        for i, ((first, last), grad) in grads.items():
+            torch.testing.assert_close(grad, mean[i][:, first:last], rtol=1e-5, atol=1e-7)
+        whole_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in mean.values()]))
+        assert abs(norm - whole_norm.item()) <= 1e-5 * whole_norm.item()

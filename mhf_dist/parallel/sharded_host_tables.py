@@ -139,7 +139,13 @@ class ShardedHostTables(HostTables):
 
     # ------------------------------------------------------------------ gathering ahead, on the worker
     def prefetch(self, rows: torch.Tensor) -> None:
-        self._next = self._worker.submit(self.gather, rows)
+        self._next = self._worker.submit(self._gather_ahead, rows)
+
+    def _gather_ahead(self, rows: torch.Tensor) -> GatheredRows:
+        if self.device.type != "cuda":
+            return self.gather(rows)
+        with torch.cuda.device(self.device):  # a new thread's current GPU is the first one
+            return self.gather(rows)
 
     def _prefetched(self) -> GatheredRows | None:
         if isinstance(self._current, Future):
