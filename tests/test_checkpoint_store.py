@@ -14,6 +14,7 @@ import re
 import shutil
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -472,7 +473,7 @@ def test_the_other_nodes_staging_directories_follow_rank_0s_line(tmp_path, monke
     (staging / "step-00000003").mkdir()  # this node's files of the new save, without a marker
     (staging / "step-00000003/part").write_text("rank 2's")
     line = lineage.Lineage()
-    line.rank, line.dir = 2, staging
+    line.rank, line.dir, line.store = 2, staging, SimpleNamespace(url="s3://bucket/run")
     monkeypatch.setenv("LOCAL_RANK", "0")
 
     def share(head, kept):

@@ -46,26 +46,29 @@ def check_source(path: str | Path, accepted: str = MODEL_SOURCES) -> Path:
     return path
 
 
-def resolve_weights(path: str | Path) -> tuple[Path, RunDir]:
-    """(where the weights of ``path`` (``check_source``) are, the run they belong to). The weights: a checkpoint
+def resolve_weights(path: str | Path) -> tuple[Path, RunDir, CheckpointStore]:
+    """(where the weights of ``path`` (``check_source``) are, the run they belong to, where that run keeps its
+    checkpoints). The weights: a checkpoint
     directory (``path`` itself, or a run directory's newest complete checkpoint: ``fetched_newest``), or, for a run
     without a checkpoint yet, the file of its initial weights (``train.init_from``: a fresh ``import-hf`` or
     ``expand-vocab`` run, whose initial weights are the model). The run: ``path`` itself, or the RUN of a checkpoint
     ``RUN/checkpoints/step-N``."""
     path = check_source(path)
     if (path / MARKER).is_file():
-        return path, RunDir(path.parent.parent)
+        run = RunDir(path.parent.parent)
+        return path, run, run_store(run)
     run = RunDir(path)
-    newest = fetched_newest(run_store(run))
+    store = run_store(run)
+    newest = fetched_newest(store)
     if newest is not None:
-        return newest, run
+        return newest, run, store
     init_from = (yaml.safe_load(run.config_path.read_text()).get("train") or {}).get("init_from")
     if init_from is None or not (path / init_from).is_file():
         raise CheckpointError(
             f"{path} has no complete checkpoint yet, nor initial weights (train.init_from): train "
             "it until it saves one (at the end, or every train.checkpoint_interval steps)"
         )
-    return path / init_from, run
+    return path / init_from, run, store
 
 
 def fetched_newest(store: CheckpointStore) -> Path | None:
@@ -94,10 +97,9 @@ class TrainedWeights:
 def trained_weights(checkpoint: str | Path) -> TrainedWeights:
     """The full weights of a checkpoint (or a run directory's newest), merged over every shard; a run without a
     checkpoint yet gives its initial weights, at step 0 (``resolve_weights``)."""
-    ckpt, run = resolve_weights(checkpoint)
+    ckpt, run, store = resolve_weights(checkpoint)
     if ckpt.is_file():
         return initial_weights(run, ckpt)
-    store = run_store(run)
     shown = store.where(ckpt) if store.url is not None and ckpt.parent == store.local else None
     # every file's size and digest, before DeepSpeed's loader reads any
     marker = verify_files(ckpt, shown)

@@ -167,14 +167,12 @@ class Checkpointer(Reading):
         if self.store.url is None:
             self._write_digests(path, writer)
         pause_save()
-        if writer.error is None:  # a remote store: this rank's files, uploaded
-            writer.error = self.store.upload(path, sorted(self._own_files(path, writer)))
+        self._upload(path, writer)
         size = self._agree_on_writes(path, writer)
         reports = self._gather_reports(path, writer) if self.store.url is not None else None
         error = self._commit(path, marker, reports) if self.rank == 0 else None
         self._agree_on_commit(path, error, size)
-        if self.store.url is not None:
-            self.share_line()
+        self.share_line()
         if self.rank == 0:
             shown = self.store.where(path)
             log_save(path, reason, time.perf_counter() - began, step_s=step_s, shown=shown)
@@ -184,6 +182,12 @@ class Checkpointer(Reading):
     def _own_files(path: Path, writer: RecordingWriter) -> dict[Path, str]:
         """{file: digest} of the files of ``path`` this rank wrote."""
         return {p: d for p, d in writer.digests.items() if p.is_relative_to(path)}
+
+    def _upload(self, path: Path, writer: RecordingWriter) -> None:
+        """A remote store: this rank's files of ``path`` uploaded unless its writes failed (an upload that fails is
+        the writer's error); nothing to do for local checkpoints."""
+        if writer.error is None:
+            writer.error = self.store.upload(path, sorted(self._own_files(path, writer)))
 
     def _files_report(self, path: Path, writer: RecordingWriter) -> dict[str, list]:
         """``{name: [size, digest]}`` of the files of ``path`` this rank wrote: its report to rank 0 in a save into
@@ -256,8 +260,7 @@ class Checkpointer(Reading):
     def _report_to_store(self, path: Path, writer: RecordingWriter) -> None:
         """An asynchronous save into a remote store, on the writer thread: this rank's files uploaded, then its
         report posted to the store (rank 0 keeps its own); an upload or report that fails is this rank's error."""
-        if writer.error is None:
-            writer.error = self.store.upload(path, sorted(self._own_files(path, writer)))
+        self._upload(path, writer)
         if self.rank == 0:
             return
         try:
@@ -307,8 +310,7 @@ class Checkpointer(Reading):
         save.writer.thread.join()
         size = self._agree_on_writes(save.path, save.writer)
         self._agree_on_commit(save.path, save.commit_error, size)
-        if self.store.url is not None:
-            self.share_line()
+        self.share_line()
 
     def _clear_for_save(self, path: Path) -> None:
         """Rank 0: make room for ``path`` — leftovers of an interrupted save of this step are removed; a directory

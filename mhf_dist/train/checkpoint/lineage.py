@@ -163,14 +163,15 @@ class Lineage:
                 )
             self._point_latest_at(resumed)
         dist.barrier()
-        if self.store.url is not None:
-            self.share_line()
+        self.share_line()
 
     def share_line(self) -> None:
-        """A remote store, after a save and after a start or a rollback set checkpoints aside (every rank): the
+        """After a save and after a start or a rollback set checkpoints aside (every rank), with a remote store: the
         staging directory of each node shows what rank 0's shows (``latest``, its marker, and only the checkpoints
         rank 0 kept), so that every rank reads the same line of checkpoints (a rollback's target, a later
-        resume's)."""
+        resume's). Nothing to do when every node sees the checkpoints themselves."""
+        if self.store.url is None:
+            return
         shared = [None, None, None]
         if self.rank == 0:
             head = self._latest_name()
