@@ -240,6 +240,14 @@ def test_feature_checks_on_made_up_runs(tmp_path, monkeypatch):
     # on a GPU every compared step carries the device probe's time
     check = feature_checks.engram_offload_check(ctx)
     assert check.status == "FAIL" and "the device probe timed no step" in check.result, check
+    # the sharded tables' run, against its own device run
+    _write_run(ctx.run("engram-sharded-device"), _records(c, memory_gb=0.30))
+    _write_run(ctx.run("engram-sharded"), _records(c, memory_gb=0.10))
+    check = feature_checks.engram_offload_check(ctx, "engram-sharded")
+    assert check.status == "PASS" and check.name == "engram-sharded", check
+    assert "sharded host tables against device tables" in check.result
+    _write_run(ctx.run("engram-sharded"), _records(c, memory_gb=0.30))
+    assert feature_checks.engram_offload_check(ctx, "engram-sharded").status == "FAIL"
 
     _write_run(ctx.run("mhf-bf16"), _records(30))
 
@@ -525,6 +533,7 @@ def test_gpu_mode_commands_parse_and_their_configs_validate(tmp_path):
     assert names == [
         "compile",
         "engram-offload",
+        "engram-sharded",
         "layout-tp2-gloo",
         "layout-pp2-gloo",
         "grad-accum",
@@ -544,6 +553,7 @@ def test_gpu_mode_commands_parse_and_their_configs_validate(tmp_path):
         job.name for job in training.training_jobs(skipped, tmp_path, 80) if not job.required
     ] == [
         "engram-offload",
+        "engram-sharded",
         "layout-tp2-gloo",
         "grad-accum",
         "profiler-window",
@@ -742,7 +752,7 @@ def test_step_2_takes_no_more_threads_than_there_are_cores(tmp_path, cores):
         threads = runner.threads_per_process(ctx, jobs)
         assert all(n >= 1 for n in threads.values())
         if mode.jobs >= len(jobs):  # all side by side
-            assert sum(job.ranks for job in jobs) == 17
+            assert sum(job.ranks for job in jobs) == 18
         for together in itertools.combinations(
             jobs, min(mode.jobs, len(jobs))
         ):  # any jobs that run at once

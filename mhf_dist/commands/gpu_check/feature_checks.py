@@ -85,6 +85,7 @@ def feature_check(ctx: Context, job: Job, error: BaseException | None) -> Check:
             "grad-accum": grad_accum_check,
             "compile": compile_check,
             "engram-offload": engram_offload_check,
+            "engram-sharded": lambda ctx: engram_offload_check(ctx, "engram-sharded"),
             "document-masking": document_masking_check,
             "profiler-window": profiler_window_check,
             "p-inf-tp2-bf16": p_inf_check,
@@ -204,8 +205,14 @@ def compile_check(ctx: Context) -> Check:
     )
 
 
-def engram_offload_check(ctx: Context) -> Check:
-    device, host = ctx.run("engram-device"), ctx.run("engram-offload")
+def engram_offload_check(ctx: Context, name: str = "engram-offload") -> Check:
+    """Host tables (``name``: engram-offload, whole; engram-sharded, sharded over the one rank, through the
+    exchange thread) against the device tables: the same losses and gradient norms, and on a GPU less device
+    memory."""
+    device, host = (
+        ctx.run(name.replace("offload", "device").replace("sharded", "sharded-device")),
+        ctx.run(name),
+    )
     ok, found, values = compare(ctx, host, device)
     memory = {
         name: max(r["memory_gb"] for r in metrics(run).values())
@@ -216,10 +223,11 @@ def engram_offload_check(ctx: Context) -> Check:
     if on_gpu:  # on CPU both are host memory
         ok = ok and memory["host"] < memory["device"]
     what = "peak device memory" if on_gpu else "peak RSS"
+    kind = "host tables" if name == "engram-offload" else "sharded host tables"
     return Check(
-        "engram-offload",
+        name,
         PASS if ok else FAIL,
-        f"tiny-h4b16k+engram, 2 micro-batches per step, fp32, host tables against device tables: {found}; "
+        f"tiny-h4b16k+engram, 2 micro-batches per step, fp32, {kind} against device tables: {found}; "
         f"{what} {memory['host']:.3f} GB against {memory['device']:.3f} GB",
         values,
     )

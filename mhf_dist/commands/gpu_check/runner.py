@@ -80,7 +80,7 @@ GPU = Mode(
     profile_steps=5,
     profile_warmup=2,
     vocab_sizes="32768,131072",
-    jobs=13,
+    jobs=14,
     timeout_s=300,
     compare_steps=10,
     compare_tolerance=1e-4,
@@ -88,6 +88,7 @@ GPU = Mode(
     features=(
         "compile",
         "engram-offload",
+        "engram-sharded",
         "grad-accum",
         "profiler-window",
         "document-masking",

@@ -152,6 +152,13 @@ def training_jobs(ctx: Context, shards: Path, val: int) -> list[Job]:
             run("engram-device", *engram),
             run("engram-offload", *engram, "model.engram.offload=true"),
         ),
+        # the rows asked of their owner (one rank here) on the exchange thread, through pinned buffers; its own
+        # device-table run, as the jobs run side by side
+        "engram-sharded": feature(
+            "engram-sharded",
+            run("engram-sharded-device", *engram),
+            run("engram-sharded", *engram, "model.engram.offload=sharded"),
+        ),
         "p-inf-tp2-bf16": feature(
             "p-inf-tp2-bf16", run("p-inf-tp2-bf16", *p_inf, ranks=2), ranks=2
         ),
@@ -166,7 +173,11 @@ def training_jobs(ctx: Context, shards: Path, val: int) -> list[Job]:
         ),
         "profiler-window": feature("profiler-window", run("profiler-window", *profiled)),
     }
-    jobs += [features[name] for name in ("compile", "engram-offload") if name in m.features]
+    jobs += [
+        features[name]
+        for name in ("compile", "engram-offload", "engram-sharded")
+        if name in m.features
+    ]
     for layout in m.gloo_layouts:
         name = runner.layout_check_name(layout)
         jobs.append(
