@@ -2,8 +2,9 @@
 document-masking and profiler-window runs, export, generate, eval, profile), its summary table and its JSON report;
 the verdicts of the resume, layout and feature checks on made-up runs; what tells a gloo limitation from a defect;
 that the GPU mode's commands parse and their configs validate (they run only on a GPU); what the check needs of its
-machine (no git) and how it shares it (threads per process, one compiling run); the report a check leaves when it is
-cut short; and that a profile row's memory is its steps' own peak."""
+machine (no git) and how it shares it (threads per process, one compiling run); that its CPU commands, forked from
+one server, run as fresh interpreters would; the report a check leaves when it is cut short; and that a profile row's
+memory is its steps' own peak."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -738,6 +740,61 @@ def test_the_report_is_rewritten_after_every_command(tmp_path, monkeypatch):
     assert [(c["command"], c["status"]) for c in on_disk["commands"]] == [("first", "done")]
     assert on_disk["commands"][0]["seconds"] > 0 and not on_disk["complete"]
     assert runner.mhf_dist(ctx, "alone", ["--version"]).strip() == str(ctx.cores)
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie has ended too
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_cpu_commands_fork_from_a_server_and_run_as_fresh_interpreters(tmp_path):
+    """With ``--cpu`` the commands (``mhf-dist`` and scripts) fork from a server that has imported torch: each still
+    gets its environment, its OpenMP threads and a session of its own, its output and exit code come back, and one
+    past its time limit is killed with the processes it started."""
+    ctx = runner.Context(runner.CPU, tmp_path, tmp_path / "work", 989.0)
+    ctx.logs.mkdir(parents=True)
+    assert runner.mhf_dist(ctx, "version", ["--version"]).startswith("mhf-dist ")
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os, sys\n"
+        "forked = 'torch' in sys.modules\n"
+        "import torch\n"
+        "print(forked, os.environ['OMP_NUM_THREADS'], torch.get_num_threads(), os.getsid(0) == os.getpid())\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    assert runner.python(ctx, "threads", [str(script), "0"], threads=1).split() == [
+        "True",
+        "1",
+        "1",
+        "True",
+    ]
+    with pytest.raises(runner.StepFailed, match="exited 3"):
+        runner.python(ctx, "failing", [str(script), "3"])
+    assert "to stderr" in (ctx.logs / "failing.log").read_text()
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(child.pid)\n"
+        "time.sleep(60)\n"
+    )
+    with pytest.raises(runner.StepFailed, match="stopped at its time limit of 3 s"):
+        runner.python(ctx, "sleeper", [str(sleeper)], timeout_s=3)
+    child = int((ctx.logs / "sleeper.log").read_text().splitlines()[1])
+    for _ in range(50):  # killed with the command's group; its new parent reaps it
+        if not _alive(child):
+            break
+        time.sleep(0.1)
+    assert not _alive(child)
+    assert [(c["command"], c["status"]) for c in ctx.commands] == [
+        ("version", "done"),
+        ("threads", "done"),
+        ("failing", "failed"),
+        ("sleeper", "failed"),
+    ]
 
 
 @pytest.mark.parametrize("cores", [2, 16, 64])

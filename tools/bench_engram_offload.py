@@ -2,8 +2,8 @@
 (model.engram.offload): whole on every rank, stepped densely or lazily (model.engram.offload_update), and sharded over
 the ranks (offload=sharded), with fp32 or bf16 weights and moments (table_dtype, moment_dtype), a few steps each.
 
-Usage: python tools/bench_engram_offload.py [--steps 4] [--seq-len 128] [--micro 1] [--nproc 1]
-                                            [--cases device,offload,lazy] [--baseline DIR]
+Usage: python tools/bench_engram_offload.py [--preset 100m-h4b16k+engram] [--steps 4] [--seq-len 128] [--micro 1]
+                                            [--nproc 1] [--cases device,offload,lazy] [--baseline DIR]
 Cases: device, offload, lazy, sharded, sharded-bf16 (bf16 weights), sharded-bf16-moments (and bf16 moments).
 Each case is `mhf-dist train` in a fresh process on the embedded text (``--nproc`` ranks, ZeRO-3; fp32 on CPU, the
 preset's bf16 on a GPU), one micro-batch per rank per step. Step time is the median over the steps after the first
@@ -69,7 +69,7 @@ def run_case(run: Path, case: str, args, tree: Path = ROOT) -> dict:
         "mhf_dist",
         "train",
         "--preset",
-        "100m-h4b16k+engram",
+        args.preset,
         "--run-dir",
         str(run),
         "--nproc-per-node",
@@ -106,6 +106,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro", type=int, default=1, help="sequences per step (one micro-batch)")
+    parser.add_argument(
+        "--preset", default="100m-h4b16k+engram", help="a preset with an Engram memory"
+    )
     parser.add_argument("--nproc", type=int, default=1, help="ranks (data-parallel)")
     parser.add_argument("--cases", default="device,offload,lazy", help=", ".join(CASES))
     parser.add_argument(
@@ -126,7 +129,7 @@ def main() -> None:
             results[case] = run_case(run, case, args)
     first = results[cases[0]]
     columns = ["step_s", "host_gb"] + (["device_gb"] if "device_gb" in first else [])
-    header = f"100m-h4b16k+engram, {args.nproc} rank(s)"
+    header = f"{args.preset}, {args.nproc} rank(s)"
     print(f"{header:<34}" + "".join(f"{c:>12}" for c in columns) + f"{'last loss':>12}")
     for name, r in results.items():
         print(f"{name:<34}" + "".join(f"{r[c]:>12.3f}" for c in columns) + f"{r['loss']:>12.4f}")

@@ -6,8 +6,8 @@ its tolerances, the time budget and the report: docs/profiling.md, "GPU check".
 
 Here: the options and the command (the steps in order, the report rewritten after each, the end on a signal). The
 steps are ``preflight.py``, ``training.py`` (the layout and feature runs' checks in ``feature_checks.py``),
-``inference.py`` and ``throughput.py``; the modes and the commands run side by side ``runner.py``; the table
-``report.py``.
+``inference.py`` and ``throughput.py``; the modes and the commands run side by side ``runner.py`` (with ``--cpu``
+forked from one server that has imported what they import, ``forked.py``); the table ``report.py``.
 """
 
 from __future__ import annotations

@@ -68,10 +68,12 @@ def step_train(ctx: Context) -> list[Check]:
 
 def training_jobs(ctx: Context, shards: Path, val: int) -> list[Job]:
     """The trainings on the prepared shards (``val`` validation sequences), all side by side: the resume pairs
-    (required by the later steps; they evaluate the whole split), then the layout and feature runs (each its own
-    check; they evaluate one batch of 8 sequences at their end), longest first."""
+    (required by the later steps; the uninterrupted runs evaluate the whole split, the stopped and resumed ones too
+    unless the mode says otherwise), then the layout and feature runs (each its own check; they evaluate one batch
+    of 8 sequences at their end), longest first."""
     m, jobs = ctx.mode, []
     shared = (f"data.path={shards}", f"train.eval_sequences={val}")
+    resumed_shared = shared if m.resumed_eval_whole else (shared[0], "train.eval_sequences=8")
     for dtype in m.dtypes:
         whole, resumed = ctx.run(f"mhf-{dtype}"), ctx.run(f"mhf-{dtype}-resumed")
         jobs.append(
@@ -91,13 +93,13 @@ def training_jobs(ctx: Context, shards: Path, val: int) -> list[Job]:
                             resumed,
                             "tiny-h4b16k",
                             dtype,
-                            *shared,
+                            *resumed_shared,
                             f"train.stop_at_step={m.split}",
                         ),
                     ),
                     (
                         f"train-mhf-{dtype}-resume",
-                        train_args(ctx, resumed, "tiny-h4b16k", dtype, *shared),
+                        train_args(ctx, resumed, "tiny-h4b16k", dtype, *resumed_shared),
                     ),
                 ],
             )
