@@ -8,18 +8,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mhf_dist.backend import RANK_MODULES, accelerator_env
+from mhf_dist.backend import accelerator_env
 from mhf_dist.cli.options import add_run_options, load_run_config, positive_int, rank_label
+from mhf_dist.cluster.launch import RANK_PRELOAD
 from mhf_dist.config import ConfigError, RunConfig
 from mhf_dist.errors import OOM_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
 
 if TYPE_CHECKING:
     from mhf_dist.train.oom import OomFacts
-
-RANK_PRELOAD = (
-    "mhf_dist.train.loop",
-    *RANK_MODULES,
-)  # what a training rank imports (a forked one, once for all)
 
 
 def cmd_train(args) -> int:

@@ -24,6 +24,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
+from mhf_dist.backend import RANK_MODULES
 from mhf_dist.errors import ABORTED_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
 from mhf_dist.parallel.rendezvous import free_port
 
@@ -41,6 +42,8 @@ HANDLED = (
 )  # passed on to the ranks (in a job step: sat out)
 PR_SET_PDEATHSIG = 1  # prctl(2)
 PR_SET_NAME = 15
+# what a training rank imports: a forked one's parent imports it once for all
+RANK_PRELOAD = ("mhf_dist.train.loop", *RANK_MODULES)
 RANK_NAME = "mhf-dist r{rank}"  # a forked rank's process name (ps -o comm, top), at most 15 bytes
 
 Entry = Callable[[list[str]], int]  # the command line's entry point: argv -> exit code

@@ -18,7 +18,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-# what the check's commands import besides a training rank's (mhf_dist.cli.train.RANK_PRELOAD)
+# what the check's commands import besides a training rank's (RANK_PRELOAD)
 PRELOAD = (
     "mhf_dist.cli",
     "mhf_dist.cluster.launch",
@@ -40,7 +40,7 @@ def server() -> multiprocessing.context.ForkServerContext:
     """The forkserver context; the server itself starts (and imports) with the first command."""
     global _server
     if _server is None:
-        from mhf_dist.cli.train import RANK_PRELOAD
+        from mhf_dist.cluster.launch import RANK_PRELOAD
 
         _server = multiprocessing.get_context("forkserver")
         _server.set_forkserver_preload([*RANK_PRELOAD, *PRELOAD])
@@ -87,7 +87,6 @@ def _command(args: list[str], env: dict[str, str], stdout: str, stderr: str) -> 
     """The forked child: ``python ARGS`` as a fresh interpreter runs it, its streams in the files ``stdout`` and
     ``stderr`` (line by line, so that a command killed at its time limit leaves what it printed), its Python stack
     printed on a crash (PYTHONFAULTHANDLER)."""
-    from mhf_dist.cli import main
     from mhf_dist.cluster.launch import run_forked
 
     os.setsid()
@@ -98,13 +97,16 @@ def _command(args: list[str], env: dict[str, str], stdout: str, stderr: str) -> 
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)
     faulthandler.enable()
-    if args[:2] == ["-m", "mhf_dist"]:
-        os._exit(run_forked(main, args[2:], env))
+    if args[:2] == [
+        "-m",
+        "mhf_dist",
+    ]:  # mhf_dist/__main__.py, as python -m runs it (it exits with main's code)
+        os._exit(run_forked(lambda argv: _run(runpy.run_module, "mhf_dist"), args[2:], env))
     script = args[0]
     sys.argv[0], sys.path[0] = script, str(Path(script).parent)
+    os._exit(run_forked(lambda argv: _run(runpy.run_path, script), args[1:], env))
 
-    def run_script(argv: list[str]) -> int:
-        runpy.run_path(script, run_name="__main__")
-        return 0  # it ended without sys.exit
 
-    os._exit(run_forked(run_script, args[1:], env))
+def _run(run, what: str) -> int:
+    run(what, run_name="__main__")
+    return 0  # it ended without sys.exit
