@@ -35,8 +35,9 @@ TENSOR_COLLECTIVES = {
     "isend",
     "irecv",
 }
-# the model's tensor-parallel collectives (on activations and gradients, already on the device) and the helper
-ALLOWED = {"parallel/comm.py", "parallel/scalars.py"}
+# the model's tensor-parallel collectives (on activations and gradients, already on the device), the helper, and the
+# sharded host tables' exchange (host tensors on a gloo group of their own)
+ALLOWED = {"parallel/comm.py", "parallel/scalars.py", "parallel/sharded_host_tables.py"}
 
 
 def _calls(tree: ast.AST):

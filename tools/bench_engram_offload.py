@@ -3,12 +3,14 @@
 the ranks (offload=sharded), with fp32 or bf16 weights and moments (table_dtype, moment_dtype), a few steps each.
 
 Usage: python tools/bench_engram_offload.py [--preset 100m-h4b16k+engram] [--steps 4] [--seq-len 128] [--micro 1]
-                                            [--nproc 1] [--cases device,offload,lazy] [--baseline DIR]
+                                            [--nproc 1] [--cases device,offload,lazy] [--rounds 1] [--baseline DIR]
 Cases: device, offload, lazy, sharded, sharded-bf16 (bf16 weights), sharded-bf16-moments (and bf16 moments).
 Each case is `mhf-dist train` in a fresh process on the embedded text (``--nproc`` ranks, ZeRO-3; fp32 on CPU, the
 preset's bf16 on a GPU), one micro-batch per rank per step. Step time is the median over the steps after the first
 (from the logged tokens/s); peak host memory is the largest process's max RSS (one rank's); on a GPU the peak device
-memory (max allocated) too; the last loss shows what bf16 storage costs against fp32.
+memory (max allocated) too; the last loss shows what bf16 storage costs against fp32. With ``--rounds N`` every case
+runs N times, each round starting with the next case, so a machine whose speed drifts slows them alike; each number
+is the median over the rounds.
 `--baseline DIR` also runs every case with the mhf_dist package of DIR (e.g. `git worktree add DIR <revision>`),
 each case's baseline run just before the current one, and reports current / baseline.
 """
@@ -112,21 +114,33 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1, help="ranks (data-parallel)")
     parser.add_argument("--cases", default="device,offload,lazy", help=", ".join(CASES))
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every case this many times, each round starting with the next case; medians reported",
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
         help="a checkout whose mhf_dist runs every case too, for comparison",
     )
     args = parser.parse_args()
     cases = args.cases.split(",")
-    results, baseline = {}, {}
+    rounds: dict[str, list[dict]] = {case: [] for case in cases}
+    baseline = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for case in cases:
-            run = Path(tmp) / case
-            if args.baseline:
-                baseline[case] = run_case(
-                    run.with_name(run.name + "-baseline"), case, args, args.baseline.resolve()
-                )
-            results[case] = run_case(run, case, args)
+        for r in range(args.rounds):
+            for case in cases[r % len(cases) :] + cases[: r % len(cases)]:
+                run = Path(tmp) / f"{case}-{r}"
+                if args.baseline and r == 0:
+                    baseline[case] = run_case(
+                        run.with_name(run.name + "-baseline"), case, args, args.baseline.resolve()
+                    )
+                rounds[case].append(run_case(run, case, args))
+    results = {
+        case: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        for case, runs in rounds.items()
+    }
     first = results[cases[0]]
     columns = ["step_s", "host_gb"] + (["device_gb"] if "device_gb" in first else [])
     header = f"{args.preset}, {args.nproc} rank(s)"

@@ -206,9 +206,9 @@ class HostTablesStep:
         if (
             self.shards is not None and self.shards.size > 1
         ):  # each rank holds its rows' part of the norm
-            squares = norm.square().double().reshape(1)
-            dist.all_reduce(squares, group=self.shards.group)
-            norm = squares.sqrt().float().reshape(())
+            host = ScalarCollectives(torch.device("cpu"))  # the shards' group is gloo
+            (squares,) = host.sum([norm.square().item()], self.shards.group)
+            norm = torch.tensor(squares, dtype=torch.float64).sqrt().float()
         # copied to the device inside DeepSpeed's step
         self.host_norm = norm.pin_memory() if self.pin else norm
         self.hyper = self._hyper()
