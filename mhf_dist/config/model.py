@@ -140,22 +140,18 @@ class EngramConfig(Strict):
                 f"model.engram.offload_shards={self.offload_shards} applies to sharded host tables only; "
                 "set model.engram.offload=sharded or unset model.engram.offload_shards"
             )
-        for name in ("table_dtype", "moment_dtype"):
-            if getattr(self, name) != "fp32" and not self.offload:
+        # the settings of host-memory tables, at their defaults otherwise
+        for name, default in (
+            ("table_dtype", "fp32"),
+            ("moment_dtype", "fp32"),
+            ("host_budget_gb", None),
+            ("offload_update", "dense"),
+        ):
+            if getattr(self, name) != default and not self.offload:
                 raise ValueError(
-                    f"model.engram.{name}={getattr(self, name)} applies to host-memory tables only; set "
-                    f"model.engram.offload or unset model.engram.{name}"
+                    f"model.engram.{name}={getattr(self, name)} applies to host-memory tables only; "
+                    f"set model.engram.offload=true or unset model.engram.{name}"
                 )
-        if self.host_budget_gb is not None and not self.offload:
-            raise ValueError(
-                "model.engram.host_budget_gb applies to host-memory tables only; set model.engram.offload "
-                "or unset model.engram.host_budget_gb"
-            )
-        if self.offload_update != "dense" and not self.offload:
-            raise ValueError(
-                f"model.engram.offload_update={self.offload_update} applies to host-memory tables only; "
-                "set model.engram.offload=true or unset model.engram.offload_update"
-            )
         return self
 
 

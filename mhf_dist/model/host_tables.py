@@ -68,7 +68,7 @@ class HostTables(nn.Module):
 
     @property
     def local_rows(self) -> int:
-        return self.weight.shape[1]
+        return self.num_rows  # a lookup reads every row
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [..., T]`` (row of each table) -> ``[..., T, d]``: ``u_i = E_i[rows_i]``, in ``transfer_dtype``."""
@@ -76,8 +76,9 @@ class HostTables(nn.Module):
 
     # ------------------------------------------------------------------ gathering
     def flat_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Host rows ``[..., T]`` -> flat row ids ``t·R + row`` into ``weight.view(T·R, d)``."""
-        return rows + torch.arange(self.weight.shape[0], device=rows.device) * self.weight.shape[1]
+        """Rows ``[..., T]`` -> flat ids ``t·R + row`` over the whole tables (of ``weight.view(T·R, d)``
+        when it holds them all)."""
+        return rows + torch.arange(self.weight.shape[0], device=rows.device) * self.num_rows
 
     def gather(self, rows: torch.Tensor) -> GatheredRows:
         """The unique rows that ``rows [..., T]`` (on the host) reads, on their way to ``self.device``."""

@@ -87,17 +87,9 @@ class ShardedHostTables(HostTables):
         self.sent_bytes = 0  # payload sent to the other ranks so far (the exchange's count)
 
     @property
-    def local_rows(self) -> int:
-        return self.num_rows  # a lookup reads every row
-
-    @property
     def rows(self) -> tuple[int, int]:
         """``[first, last)``: the rows this rank holds."""
         return self.rank * self.block, (self.rank + 1) * self.block
-
-    def flat_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows ``[..., T]`` -> flat ids ``t·R + row`` over the whole tables."""
-        return rows + torch.arange(self.weight.shape[0], device=rows.device) * self.num_rows
 
     def _owners(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat ids over the whole tables -> (their owners, their flat ids in the owners' ``weight``)."""
