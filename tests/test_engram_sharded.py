@@ -133,20 +133,31 @@ def test_sharded_lookup_and_gradients_equal_whole_tables(world):
 
 
 def shards_worker(rank, world):
-    shards = HostShards.create(world, rank, per_node=2)
-    replicas = dist.get_process_group_ranks(shards.replicas)
-    return shards.rank, shards.size, dist.get_process_group_ranks(shards.group), replicas
+    out = []
+    for per_node, pp in ((2, 1), (1, 2)):
+        shards = HostShards.create(world, rank, per_node, pp=pp)
+        replicas = dist.get_process_group_ranks(shards.replicas)
+        group = dist.get_process_group_ranks(shards.group)
+        out.append((shards.rank, shards.size, group, replicas, shards.stage, shards.first_copy))
+    return out
 
 
 @pytest.mark.multirank
 def test_one_copy_per_node_splits_within_the_node():
     """offload_shards=node on 2 nodes of 2 ranks: each node's ranks split the rows, and each rank's replicas are
-    the ranks of the other node with the same rows."""
-    assert run_ranks(shards_worker, 4) == [
-        (0, 2, [0, 1], [0, 2]),
-        (1, 2, [0, 1], [1, 3]),
-        (0, 2, [2, 3], [0, 2]),
-        (1, 2, [2, 3], [1, 3]),
+    the ranks of the other node with the same rows; under pp = 2 on 4 nodes of 1 rank, each rank holds its stage's
+    rows whole, with the other rank of its stage as its replica, and one rank a stage counts in the norm."""
+    assert [run[0] for run in run_ranks(shards_worker, 4)] == [
+        (0, 2, [0, 1], [0, 2], 0, True),
+        (1, 2, [0, 1], [1, 3], 0, True),
+        (0, 2, [2, 3], [0, 2], 0, False),
+        (1, 2, [2, 3], [1, 3], 0, False),
+    ]
+    assert [run[1] for run in run_ranks(shards_worker, 4)] == [
+        (0, 1, [0], [0, 1], 0, True),
+        (0, 1, [1], [0, 1], 0, False),
+        (0, 1, [2], [2, 3], 1, True),
+        (0, 1, [3], [2, 3], 1, False),
     ]
 
 
@@ -299,6 +310,26 @@ def test_plan_counts_host_tables_per_rank_and_names_the_sharded_layout(tmp_path,
     assert "host memory: fits" in out
 
 
+def test_plan_counts_the_host_tables_of_the_heaviest_stage(tmp_path, capsys):
+    """pp = 2 with one Engram layer a stage: a rank holds 1/2 of its own stage's tables, not of every layer's."""
+    overrides = [*ENGRAM, SHARDED, "parallel.pp=2"]
+    cfg = load_config("tiny-standard+engram", overrides=overrides)
+    profile = load_profile("cpu-local").model_copy(
+        update={"name": "four", "gpus_per_node": 4, "cores_per_node": 4}
+    )
+    path = tmp_path / "four.yaml"
+    path.write_text(yaml.safe_dump(profile.model_dump()))
+    plans = memory_plan(cfg, profile, 1, VOCAB)  # a light output side: a block a stage
+    assert [list(p.block_range) for p in plans] == [[0], [1]]
+    stage = run_host_table_memory(cfg, 2, 1, [[0]])
+    assert stage.total < run_host_table_memory(cfg, 2, 1).total
+    args = ["plan", "--preset", "tiny-standard+engram", "--cluster", str(path)]
+    args += ["--vocab-size", str(VOCAB)]
+    assert main([*args, *(f"--set={o}" for o in overrides)]) == 0
+    out = capsys.readouterr().out
+    assert f"the stage holding the most): {stage.total / 2**30:.2f} GB per rank" in out, out
+
+
 @pytest.mark.multirank
 def test_sharded_tables_under_tensor_parallelism_equal_device_tables(tmp_path, data):
     """tp = 2 × dp = 2, fp32, clipped (the preset's grad_clip 1.0): the rows split over all four ranks (each tp
@@ -410,6 +441,7 @@ def reduction_worker(rank, world, per_node):
     trainer = SimpleNamespace(
         device=torch.device("cpu"),
         optimizer=torch.optim.AdamW([nn.Parameter(torch.zeros(1))]),
+        layers=None,
     )
     step = HostTablesStep(
         model,
@@ -447,3 +479,41 @@ def test_the_step_averages_each_rows_gradient_over_the_data_parallel_ranks(per_n
             torch.testing.assert_close(grad, mean[i][:, first:last], rtol=1e-5, atol=1e-7)
         whole_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in mean.values()]))
         assert abs(norm - whole_norm.item()) <= 1e-5 * whole_norm.item()
+
+
+@pytest.mark.multirank
+def test_sharded_tables_under_pipeline_parallelism_equal_device_tables_and_reshard(tmp_path, data):
+    """pp = 2 × dp = 2, fp32, clipped: each stage's ranks split its memory's rows (Standard, whose light output
+    side puts one block and its Engram layer on each stage), the host norm joins the norm DeepSpeed takes inside the
+    pipeline's step over both stages: the first step's gradient
+    norm as the device tables' to 1e-7, the losses to 1e-6. Each stage's ranks write their rows of its layer; a
+    resume at step 2 continues bit for bit, and the same checkpoint resumed at dp = 4 without a pipeline (the rows
+    and layers gathered from both stages' files, cut anew) continues within the dp tolerance."""
+
+    def run(name, nproc, *extra):
+        return train_run(
+            tmp_path, data, name, nproc, *ENGRAM, *extra, preset="tiny-standard+engram", steps=STEPS
+        )
+
+    pipeline = ("parallel.pp=2",)
+    device, sharded = run("device", 4, *pipeline), run("sharded", 4, *pipeline, SHARDED)
+    first = device[0]["grad_norm"]
+    assert abs(sharded[0]["grad_norm"] - first) <= 1e-7 * first
+    for a, b in zip(sharded, device, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * b["loss"], (a["step"], a["loss"], b["loss"])
+    marker = read_marker(tmp_path / "sharded" / "checkpoints" / f"step-{STEPS:08d}")["digests"]
+    # stage s's rank g of 2 writes file 2·s + g of 4: layer 0's rows, then layer 1's
+    assert {SHARD_FILE.format(g, 4) for g in range(4)} <= marker.keys()
+    files = HostTableFiles(tmp_path / "sharded" / "checkpoints" / f"step-{STEPS:08d}")
+    assert [layers for _, layers, *_ in files.files] == [[0], [1], [0], [1]]
+
+    run("resumed", 4, *pipeline, SHARDED, "train.stop_at_step=2")
+    shutil.copytree(tmp_path / "resumed", tmp_path / "resumed-dp4")
+    resumed = run("resumed", 4, *pipeline, SHARDED)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in sharded]
+    on_dp = run(
+        "resumed-dp4", 4, SHARDED, "parallel.zero_stage=1"
+    )  # DeepSpeed converts pp to ZeRO-1/2
+    assert [r["step"] for r in on_dp] == list(range(1, STEPS + 1))
+    for a, b in zip(on_dp[2:], sharded[2:], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * b["loss"], (a["step"], a["loss"], b["loss"])

@@ -131,6 +131,10 @@ class HostTableStep(Protocol):
     def before_step(self) -> None:
         """At the accumulation boundary, before the engine's optimizer step."""
 
+    def norm_in_step_on(self, like: torch.Tensor) -> torch.Tensor:
+        """``before_step``, then ``host_norm_on``: asked from inside the optimizer step of an engine whose schedule
+        runs that step itself (the pipeline's)."""
+
     def after_step(self, global_norm: float | None = None) -> None:
         """After the engine's step: clip with ``global_norm`` and update the host tables."""
 
@@ -169,6 +173,9 @@ class Trainer(Protocol):
 
     # model.engram.offload: the Engram tables in host memory, stepped beside
     host_tables: HostTableStep | None
+    layers: (
+        Sequence[int] | None
+    )  # the backbone blocks this rank computes (None: all; pp > 1: its stage's)
     device: torch.device  # where this rank computes
     # the torch optimizer under the backend's (its groups hold the hyperparameters)
     optimizer: torch.optim.Optimizer

@@ -35,7 +35,7 @@ from mhf_dist.model import LanguageModel, build_model
 from mhf_dist.model.host_memory import run_host_table_memory, sharing_ranks
 from mhf_dist.model.variants import variant
 from mhf_dist.parallel.layout import resolve_layout
-from mhf_dist.parallel.stages import layer_costs, pipeline_bounds
+from mhf_dist.parallel.stages import layer_costs, pipeline_bounds, stage_blocks
 from mhf_dist.parallel.state_dict import split_dim
 from mhf_dist.parallel.tensor_parallel import tp_split_dims
 from mhf_dist.vocab.engram_compression import CompressionTable
@@ -70,6 +70,11 @@ class StagePlan:
     )
     construction_gb: float = 0.0  # host memory of one rank while it builds the model
     model_params: int = 0  # every parameter of the whole model
+    first_block: int = 0  # the stage's blocks are first_block, first_block + 1, ...
+
+    @property
+    def block_range(self) -> range:
+        return range(self.first_block, self.first_block + self.blocks)
 
 
 def meta_model(cfg: ModelConfig, vocab_size: int) -> LanguageModel:
@@ -185,7 +190,8 @@ def memory_plan(
     plans = []
     for s in range(pp):
         layers = range(parts[s], parts[s + 1])
-        blocks = sum(1 for i in layers if 1 <= i <= m.n_layers)
+        block_range = stage_blocks(parts, m.n_layers)[s]
+        blocks = len(block_range)
         names = [
             n for n in per_rank if n.startswith(stage_prefixes(layers, m.n_layers, len(costs) - 1))
         ]
@@ -219,6 +225,7 @@ def memory_plan(
                 step_peak_gb=peak / GB,
                 construction_gb=host / GB,
                 model_params=model_params,
+                first_block=block_range.start,
             )
         )
     return plans
@@ -365,11 +372,16 @@ def format_plan(
     engram = cfg.model.engram
     if engram is not None and engram.offload:
         tables = run_host_table_memory(
-            cfg, sharing_ranks(cfg.model, world, profile.gpus_per_node), layout.accum
+            cfg,
+            sharing_ranks(cfg.model, world, profile.gpus_per_node, layout.pp),
+            layout.accum,
+            [p.block_range for p in plans],
         )
         held = (
             "whole on every rank" if tables.ranks == 1 else f"rows split over {tables.ranks} ranks"
         )
+        if layout.pp > 1:
+            held += " of each stage; the stage holding the most"
         lines.append(
             f"host tables (model.engram.offload={str(engram.offload).lower()}, {held}): "
             f"{tables.total / GB:.2f} GB per rank "
@@ -378,8 +390,10 @@ def format_plan(
             f"{host_bytes_per_node(tables.total, profile.gpus_per_node) / GB:.1f} GB"
         )
         host_rank += tables.total / GB
-        if tables.ranks < world:
-            sharded = run_host_table_memory(cfg, world, layout.accum)
+        if tables.ranks < world // layout.pp:
+            sharded = run_host_table_memory(
+                cfg, world // layout.pp, layout.accum, [p.block_range for p in plans]
+            )
             host_advice = f"; with model.engram.offload=sharded the tables take {sharded.total / GB:.2f} GB per rank"
     lines += format_estimate(
         cfg, profile, world, step_estimate(cfg, profile, nodes, mfu, vocab_size)

@@ -339,10 +339,10 @@ class RunConfig(Strict):
                 f"model.engram.pad_rows_to={m.engram.pad_rows_to} is not a multiple of parallel.tp={tp}: memory "
                 "tables are split along their rows; set pad_rows_to to a multiple of tp"
             )
-        if m.engram is not None and m.engram.offload and self.parallel.pp > 1:
+        if m.engram is not None and m.engram.offload is True and self.parallel.pp > 1:
             raise ValueError(
-                f"model.engram.offload with parallel.pp={self.parallel.pp}: host-memory tables support pp = 1 "
-                "only; unset model.engram.offload or use pp = 1"
+                f"model.engram.offload=true with parallel.pp={self.parallel.pp}: whole host tables support pp = 1 "
+                "only; set model.engram.offload=sharded (each stage's rows split over its ranks) or use pp = 1"
             )
         if m.engram is not None and m.engram.offload is True and tp > 1:
             raise ValueError(

@@ -28,36 +28,56 @@ class HostShards:
     """Who splits the host tables' rows: this rank is ``rank`` of the ``size`` ranks of ``group`` (gloo, host
     tensors), and with one copy of the tables per node (``model.engram.offload_shards=node``) ``replicas`` holds the
     ranks of the other nodes that keep the same rows (None: one copy over every rank). Under tensor parallelism the
-    ranks of a tp group compute the same row gradients: only the first one's count (``contributes``)."""
+    ranks of a tp group compute the same row gradients: only the first one's count (``contributes``). Under pipeline
+    parallelism each stage's ranks split the tables of its layers: this rank's stage is ``stage`` of ``stages``.
+    ``norms`` (gloo, every rank) sums the host gradients' norm² over one copy of every stage's rows
+    (``first_copy``)."""
 
     group: object
     rank: int
     size: int
     replicas: object | None = None
     contributes: bool = True
+    stage: int = 0
+    stages: int = 1
+    norms: object | None = None
+    first_copy: bool = True
     # the one thread that exchanges over ``group`` ahead of the forwards: every table's, in the order asked
     worker: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="engram-exchange")
     )
 
     @classmethod
-    def create(cls, world: int, rank: int, per_node: int | None, tp: int = 1) -> HostShards:
-        """Every rank, in the same order: the groups of ``world`` ranks split over all of them (``per_node`` None)
-        or over the ``per_node`` consecutive ranks of each node; tp groups are ``tp`` consecutive ranks."""
-        size = world if per_node is None else per_node
-        if world % size:
-            raise ValueError(f"{world} ranks do not make whole nodes of {size}")
+    def create(
+        cls, world: int, rank: int, per_node: int | None, tp: int = 1, pp: int = 1
+    ) -> HostShards:
+        """Every rank, in the same order: the groups of ``world`` ranks in ``pp`` stages of consecutive ranks, each
+        stage's split over all of its ranks (``per_node`` None) or over the ranks of each node it has (``per_node``
+        consecutive ranks; a node holding several stages splits each over its ranks of that stage); tp groups are
+        ``tp`` consecutive ranks."""
+        stage_ranks = world // pp
+        size = stage_ranks if per_node is None else min(per_node, stage_ranks)
+        if world % pp or stage_ranks % size or (per_node is not None and per_node % size):
+            raise ValueError(
+                f"{world} ranks in {pp} pipeline stages do not make whole nodes of {per_node} ranks "
+                "(model.engram.offload_shards=node); use offload_shards=all"
+            )
+        stage = rank // stage_ranks
         mine, replicas = None, None
         for first in range(0, world, size):  # collective: every rank creates every group
             group = dist.new_group(list(range(first, first + size)), backend="gloo")
             if first <= rank < first + size:
                 mine = group
-        if size < world:
-            for local in range(size):
-                group = dist.new_group(list(range(local, world, size)), backend="gloo")
-                if rank % size == local:
-                    replicas = group
-        return cls(mine, rank % size, size, replicas, contributes=rank % tp == 0)
+        if size < stage_ranks:
+            for start in range(0, world, stage_ranks):
+                for local in range(size):
+                    ranks = list(range(start + local, start + stage_ranks, size))
+                    group = dist.new_group(ranks, backend="gloo")
+                    if rank in ranks:
+                        replicas = group
+        norms = mine if size == world else dist.new_group(list(range(world)), backend="gloo")
+        first_copy = rank % stage_ranks < size
+        return cls(mine, rank % size, size, replicas, rank % tp == 0, stage, pp, norms, first_copy)
 
 
 class ShardedHostTables(HostTables):

@@ -57,3 +57,9 @@ def pipeline_bounds(costs: list[int], stages: int) -> list[int]:
     so the balance is the same.)"""
     merged = stage_bounds([*costs[:-2], costs[-2] + costs[-1]], stages)
     return [*merged[:-1], len(costs)]
+
+
+def stage_blocks(bounds: list[int], n_layers: int) -> list[range]:
+    """The backbone blocks of each stage cut at ``bounds`` (``pipeline_bounds``): pipeline layer ``j`` of
+    ``1..n_layers`` is block ``j - 1``."""
+    return [range(max(a - 1, 0), min(b - 1, n_layers)) for a, b in zip(bounds, bounds[1:])]

@@ -12,6 +12,7 @@ files: ``mhf_dist.train.host_table_files``. Why and how: docs/design-engram.md.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,23 +55,27 @@ def host_table_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 ALL_REDUCE_ROWS = 1 << 16  # rows per all-reduce of the dense host gradient (bounds the device copy)
 
 
-def host_tables(model: nn.Module) -> dict[int, HostTables]:
-    """``{layer: HostTables}`` of the model's offloaded memories."""
+def host_tables(model: nn.Module, layers: Sequence[int] | None = None) -> dict[int, HostTables]:
+    """``{layer: HostTables}`` of the model's offloaded memories (of ``layers`` only: a pipeline stage's)."""
     return {
         i: block.engram.tables
         for i, block in enumerate(model.backbone.layers)
-        if block.engram is not None and isinstance(block.engram.tables, HostTables)
+        if block.engram is not None
+        and isinstance(block.engram.tables, HostTables)
+        and (layers is None or i in layers)
     }
 
 
-def host_shards(cfg: RunConfig, world: int, rank: int, per_node: int, tp: int) -> HostShards | None:
+def host_shards(
+    cfg: RunConfig, world: int, rank: int, per_node: int, tp: int, pp: int = 1
+) -> HostShards | None:
     """Every rank, in the same order: the groups that split sharded host tables (``model.engram.offload=sharded``;
-    ``per_node`` ranks on each node, tp groups of ``tp``), None for any other model."""
+    ``per_node`` ranks on each node, tp groups of ``tp``, ``pp`` stages), None for any other model."""
     engram = cfg.model.engram
     if engram is None or engram.offload != "sharded":
         return None
     per_node = per_node if engram.offload_shards == "node" else None
-    return HostShards.create(world, rank, per_node, tp)
+    return HostShards.create(world, rank, per_node, tp, pp)
 
 
 def host_tables_factory(
@@ -114,12 +119,8 @@ class HostTablesStep:
         shards: HostShards | None = None,
         moment_dtype: torch.dtype = torch.float32,
     ):
-        self.memories = [
-            block.engram
-            for block in model.backbone.layers
-            if block.engram is not None and isinstance(block.engram.tables, HostTables)
-        ]
-        self.tables = host_tables(model)
+        self.tables = host_tables(model, trainer.layers)  # this rank's stage's
+        self.memories = [model.backbone.layers[i].engram for i in self.tables]
         self.trainer, self.dp_group, self.dp, self.shards = trainer, dp_group, dp, shards
         self.lazy = update == "lazy"
         self.lr_scale, self.weight_decay = (
@@ -141,6 +142,7 @@ class HostTablesStep:
             int, torch.Tensor
         ] = {}  # this step's gradients: each table's, or its touched rows' (lazy)
         self.rows: dict[int, torch.Tensor] = {}  # lazy: this step's touched flat rows of each table
+        self.ready = False  # before_step ran in this step
 
     def _hyper(self) -> dict:
         """This step's AdamW settings: the schedule's learning rate (the trainer's first group has lr_scale 1) times
@@ -167,6 +169,12 @@ class HostTablesStep:
         """The host tables' gradient norm on ``like``'s device and dtype: from pinned memory without blocking (then
         converted there) on CUDA."""
         return self.host_norm.to(like.device, non_blocking=self.pin).to(like.dtype)
+
+    def norm_in_step_on(self, like: torch.Tensor) -> torch.Tensor:
+        """``before_step``, then ``host_norm_on``: for the pipeline engine, whose schedule runs the optimizer step
+        (this is asked inside it, after the stage's last backward)."""
+        self.before_step()
+        return self.host_norm_on(like)
 
     def before_step(self) -> None:
         """At the accumulation boundary, before DeepSpeed's step: dp-average the host gradients, take their norm
@@ -203,20 +211,26 @@ class HostTablesStep:
             self.grads[i] = grad
         norms = [torch.linalg.vector_norm(g) for g in self.grads.values()]
         norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-        if (
-            self.shards is not None and self.shards.size > 1
-        ):  # each rank holds its rows' part of the norm
-            host = ScalarCollectives(torch.device("cpu"))  # the shards' group is gloo
-            (squares,) = host.sum([norm.square().item()], self.shards.group)
+        norms = None if self.shards is None else self.shards.norms or self.shards.group
+        if norms is not None and dist.get_world_size(norms) > 1:
+            # each rank of one copy holds its rows' part of the norm, each stage its layers'
+            host = ScalarCollectives(torch.device("cpu"))  # gloo
+            share = norm.square().item() if self.shards.first_copy else 0.0
+            (squares,) = host.sum([share], norms)
             norm = torch.tensor(squares, dtype=torch.float64).sqrt().float()
         # copied to the device inside DeepSpeed's step
         self.host_norm = norm.pin_memory() if self.pin else norm
         self.hyper = self._hyper()
+        self.ready = True
 
     @torch.no_grad()
     def after_step(self, global_norm: float | None = None) -> None:
         """After DeepSpeed's step: clip with the global norm it used (``global_norm``, as the trainer read it; else
         read from the trainer here), then AdamW on the host tables."""
+        if (
+            not self.ready
+        ):  # the engine left the step out before its norm: the gradients still reach their owners
+            self.before_step()
         if not self.trainer.step_skipped():
             clip = self.trainer.gradient_clipping()
             if (
@@ -236,17 +250,20 @@ class HostTablesStep:
             else:
                 t.grad.zero_()
             t.release()
-        self.grads, self.rows = {}, {}
+        self.grads, self.rows, self.ready = {}, {}, False
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_file(self, rank: int) -> str | None:
         """The file global rank ``rank`` writes into a checkpoint (None: none): rank 0 the whole tables, or each rank
-        of one copy of sharded tables its rows."""
+        of one copy of sharded tables its rows (of its stage's layers)."""
         if self.shards is None:
             return HOST_TABLES_FILE if rank == 0 else None
-        if rank >= self.shards.size:  # the other nodes' ranks hold copies of the first node's rows
+        if not self.tables or not self.shards.first_copy:  # a stage without memories; a copy's rank
             return None
-        return SHARD_FILE.format(self.shards.rank, self.shards.size)
+        shards = self.shards  # numbered stage by stage
+        return SHARD_FILE.format(
+            shards.stage * shards.size + shards.rank, shards.stages * shards.size
+        )
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The tables (this rank's rows of sharded ones) and their AdamW state as safetensors

@@ -177,7 +177,7 @@ class TrainingLoop:
             cfg.train.fused_head_kernel,
             document_eos(cfg, self.assets.tokenizer),
         )
-        shards = host_shards(cfg, job.world, job.rank, local_share()[1], groups.tp)
+        shards = host_shards(cfg, job.world, job.rank, local_share()[1], groups.tp, groups.pp)
         model = model_skeleton(
             cfg.model,
             len(self.assets.tokenizer),

@@ -7,6 +7,7 @@ from mhf_dist.backend import engine_config
 from mhf_dist.config import ConfigError, RunConfig, check_data_source
 from mhf_dist.model.host_memory import run_host_table_memory, sharing_ranks
 from mhf_dist.parallel.layout import Layout, backend_name, resolve_layout
+from mhf_dist.parallel.stages import layer_costs, pipeline_bounds, stage_blocks
 
 GB = 2**30  # as plan counts
 
@@ -39,15 +40,21 @@ def check_host_tables(
 ) -> None:
     """Refuse host tables whose memory per rank exceeds ``budget_gb``, naming a layout that fits."""
     world = layout.tp * layout.pp * layout.dp
-
-    here = run_host_table_memory(cfg, sharing_ranks(cfg.model, world, ranks_per_node), layout.accum)
+    stage_ranks, stages = world // layout.pp, None
+    if (
+        layout.pp > 1 and cfg.model.variant == "mhf"
+    ):  # a Standard cut moves with its vocabulary's size
+        costs = layer_costs(cfg.model, cfg.data.seq_len, vocab_rows=0)  # unused by MultiHashFormer
+        stages = stage_blocks(pipeline_bounds(costs, layout.pp), cfg.model.n_layers)
+    share = sharing_ranks(cfg.model, world, ranks_per_node, layout.pp)
+    here = run_host_table_memory(cfg, share, layout.accum, stages)
     if here.total <= budget_gb * GB:
         return
     held = "the whole tables" if here.ranks == 1 else f"1/{here.ranks} of the tables' rows"
-    sharded = run_host_table_memory(cfg, world, layout.accum)
+    sharded = run_host_table_memory(cfg, stage_ranks, layout.accum, stages)
     advice = (
-        f"set model.engram.offload=sharded ({sharded.total / GB:.3g} GB per rank over {world} ranks)"
-        if sharded.total <= budget_gb * GB and here.ranks < world
+        f"set model.engram.offload=sharded ({sharded.total / GB:.3g} GB per rank over {stage_ranks} ranks)"
+        if sharded.total <= budget_gb * GB and here.ranks < stage_ranks
         else "add ranks to share the rows (model.engram.offload=sharded, offload_shards=all), or make the tables "
         "smaller (model.engram.table_size)"
     )

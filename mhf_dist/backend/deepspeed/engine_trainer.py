@@ -116,6 +116,7 @@ class EngineTrainer:
 
     engine: deepspeed.DeepSpeedEngine
     host_tables: HostTableStep | None = None
+    layers: Sequence[int] | None = None  # the backbone blocks this rank computes (None: all)
     wrap_loss: LossWrapper | None = (
         None  # what each training micro-batch's loss becomes (LossWrapper)
     )

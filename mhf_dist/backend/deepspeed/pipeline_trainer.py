@@ -11,6 +11,7 @@ from torch import nn
 
 from mhf_dist.backend import (
     BatchSource,
+    HostTableFactory,
     LossWrapper,
     OptimizerFactory,
     SpikeLimits,
@@ -18,6 +19,7 @@ from mhf_dist.backend import (
     TrainingFlags,
 )
 from mhf_dist.backend.deepspeed.engine_trainer import EngineTrainer, read_step
+from mhf_dist.backend.deepspeed.grad_norm import include_in_global_norm
 from mhf_dist.backend.deepspeed.health import layout_for
 from mhf_dist.backend.deepspeed.pipeline import VOCAB, build_pipeline, canonical_name
 from mhf_dist.config import RunConfig
@@ -29,6 +31,7 @@ from mhf_dist.model.scoring import EvalSums
 from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.layout import Layout
 from mhf_dist.parallel.scalars import ScalarCollectives
+from mhf_dist.parallel.stages import stage_blocks
 
 
 class PipelineTrainer(EngineTrainer):
@@ -44,6 +47,7 @@ class PipelineTrainer(EngineTrainer):
         layout: Layout,
         make_optimizer: OptimizerFactory,
         materialise: Callable[[nn.Module], nn.Module] | None = None,
+        host_tables: HostTableFactory | None = None,
         wrap_loss: LossWrapper | None = None,
     ):
         # before the stages freeze their unused parts: the same on every rank
@@ -58,6 +62,10 @@ class PipelineTrainer(EngineTrainer):
             model=self.pipe, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
         self.groups, self.accum, self.micro = groups, layout.accum, cfg.train.micro_batch_size
+        self.layers = stage_blocks(self.pipe.parts, cfg.model.n_layers)[groups.pp_rank]
+        if host_tables is not None:  # readied inside the engine's step, which its schedule runs
+            self.host_tables = host_tables(model, self)
+            include_in_global_norm(self.engine.optimizer, self.host_tables.norm_in_step_on)
         self.eos = model.backbone.document_eos  # data.document_masking: EOS inputs predict nothing
         self.num_heads = model.vocab.decoder.num_heads
         self.p_inf_term = model.vocab.p_inf_loss_weight > 0
@@ -152,6 +160,8 @@ class PipelineTrainer(EngineTrainer):
             verdict,
             self._health_summary(measured),
         )
+        if self.host_tables is not None:
+            self.host_tables.after_step(grad_norm)
         heads = stats[1 : 1 + self.num_heads]
         p_inf = stats[1 + self.num_heads] if self.p_inf_term else None
         return StepStats(

@@ -236,7 +236,7 @@ def build_trainer(
     wrap_loss: LossWrapper | None = None,
 ) -> Trainer:
     """The trainer of ``layout``; ``load_universal``: its checkpoint will be loaded from a universal conversion;
-    ``host_tables``: the step of host-memory tables (pp = 1 only); ``wrap_loss``: what each training micro-batch's
+    ``host_tables``: the step of host-memory tables; ``wrap_loss``: what each training micro-batch's
     loss becomes."""
     if load_universal:
         ds_config = ds_config | {"checkpoint": {"load_universal": True}}
@@ -249,6 +249,7 @@ def build_trainer(
             layout=layout,
             make_optimizer=make_optimizer,
             materialise=materialise,
+            host_tables=host_tables,
             wrap_loss=wrap_loss,
         )
     return DataParallelTrainer(
