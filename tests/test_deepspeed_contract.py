@@ -217,6 +217,28 @@ CONTRACTS = [
         ),
     ),
     Contract(
+        "BF16_Optimizer.get_grads_for_norm",
+        f"{BACKEND}/grad_norm.py",
+        "replaces on the optimizer (the host tables' norm as one more gradient, on one rank of the model-parallel "
+        "group whose norms it sums)",
+        all_of(
+            parameters_are(
+                "deepspeed.runtime.bf16_optimizer:BF16_Optimizer.get_grads_for_norm",
+                ["self", "for_clipping"],
+            ),
+            in_order(
+                "deepspeed.runtime.bf16_optimizer:BF16_Optimizer.step",
+                "self.get_grads_for_norm()",
+                "get_global_norm_of_tensors(input_tensors=non_expert_grads_for_norm",
+                "mpu=self.mpu",
+            ),
+            source_holds(
+                "deepspeed.runtime.utils:get_global_norm_of_tensors",
+                "op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group()",
+            ),
+        ),
+    ),
+    Contract(
         "deepspeed.runtime.utils.combine_grad_norm_groups",
         f"{BACKEND}/grad_norm.py",
         "calls",

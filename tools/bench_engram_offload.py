@@ -4,9 +4,11 @@ the ranks (offload=sharded), with fp32 or bf16 weights and moments (table_dtype,
 
 Usage: python tools/bench_engram_offload.py [--preset 100m-h4b16k+engram] [--steps 4] [--seq-len 128] [--micro 1]
                                             [--nproc 1] [--cases device,offload,lazy] [--rounds 1] [--baseline DIR]
+                                            [--set KEY=VALUE ...]
 Cases: device, offload, lazy, sharded, sharded-bf16 (bf16 weights), sharded-bf16-moments (and bf16 moments).
 Each case is `mhf-dist train` in a fresh process on the embedded text (``--nproc`` ranks, ZeRO-3; fp32 on CPU, the
-preset's bf16 on a GPU), one micro-batch per rank per step. Step time is the median over the steps after the first
+preset's bf16 on a GPU), one micro-batch per data-parallel rank per step; ``--set`` adds overrides to every case
+(``parallel.tp=2``, ``parallel.pp=2``: the layout). Step time is the median over the steps after the first
 (from the logged tokens/s); peak host memory is the largest process's max RSS (one rank's); on a GPU the peak device
 memory (max allocated) too; the last loss shows what bf16 storage costs against fp32. With ``--rounds N`` every case
 runs N times, each round starting with the next case, so a machine whose speed drifts slows them alike; each number
@@ -51,17 +53,25 @@ CASES = {
 }
 
 
+def layout_setting(overrides: list[str], name: str) -> int:
+    """``parallel.NAME`` as ``overrides`` set it (1 when they do not)."""
+    values = [o.split("=", 1)[1] for o in overrides if o.startswith(f"parallel.{name}=")]
+    return int(values[-1]) if values else 1
+
+
 def run_case(run: Path, case: str, args, tree: Path = ROOT) -> dict:
+    dp = args.nproc // (layout_setting(args.set, "tp") * layout_setting(args.set, "pp"))
     overrides = [
         "data.path=embedded",
         f"data.seq_len={args.seq_len}",
         f"train.max_steps={args.steps}",
-        f"train.global_batch_size={args.micro * args.nproc}",
+        f"train.global_batch_size={args.micro * dp}",
         f"train.micro_batch_size={args.micro}",
         "train.log_interval=1",
         f"train.eval_sequences={args.micro}",
         "train.eval_interval=0",
         *CASES[case],
+        *args.set,
     ]
     if not torch.cuda.is_available():
         overrides.append("train.dtype=fp32")
@@ -87,7 +97,7 @@ def run_case(run: Path, case: str, args, tree: Path = ROOT) -> dict:
         env=os.environ | {"PYTHONPATH": str(tree)},
     )  # that tree's mhf_dist
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    tokens = args.micro * args.nproc * args.seq_len
+    tokens = args.micro * dp * args.seq_len
     times = [tokens / r["tokens_per_s"] for r in records[1:]] or [
         tokens / records[0]["tokens_per_s"]
     ]
@@ -111,7 +121,10 @@ def main() -> None:
     parser.add_argument(
         "--preset", default="100m-h4b16k+engram", help="a preset with an Engram memory"
     )
-    parser.add_argument("--nproc", type=int, default=1, help="ranks (data-parallel)")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks")
+    parser.add_argument(
+        "--set", action="append", default=[], help="an override for every case (repeatable)"
+    )
     parser.add_argument("--cases", default="device,offload,lazy", help=", ".join(CASES))
     parser.add_argument(
         "--rounds",

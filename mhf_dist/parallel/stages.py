@@ -14,8 +14,9 @@ from mhf_dist.config import ModelConfig
 from mhf_dist.model.flops import forward_flops
 
 
-def layer_costs(cfg: ModelConfig, seq_len: int, vocab_rows: int) -> list[int]:
-    """One cost per pipeline layer: vocabulary in, each block, final norm, vocabulary out."""
+def layer_costs(cfg: ModelConfig, seq_len: int, vocab_rows: int | None) -> list[int]:
+    """One cost per pipeline layer: vocabulary in, each block, final norm, vocabulary out (``vocab_rows`` None: a
+    ValueError where the variant's vocabulary costs need them)."""
     flops = forward_flops(cfg, seq_len, vocab_rows=vocab_rows)
     return (
         [flops.vocab_in + 1]

@@ -41,11 +41,12 @@ def check_host_tables(
     """Refuse host tables whose memory per rank exceeds ``budget_gb``, naming a layout that fits."""
     world = layout.tp * layout.pp * layout.dp
     stage_ranks, stages = world // layout.pp, None
-    if (
-        layout.pp > 1 and cfg.model.variant == "mhf"
-    ):  # a Standard cut moves with its vocabulary's size
-        costs = layer_costs(cfg.model, cfg.data.seq_len, vocab_rows=0)  # unused by MultiHashFormer
-        stages = stage_blocks(pipeline_bounds(costs, layout.pp), cfg.model.n_layers)
+    if layout.pp > 1:
+        try:  # the cut; a Standard model's moves with its vocabulary's size, not known here
+            costs = layer_costs(cfg.model, cfg.data.seq_len, vocab_rows=None)
+            stages = stage_blocks(pipeline_bounds(costs, layout.pp), cfg.model.n_layers)
+        except ValueError:
+            pass
     share = sharing_ranks(cfg.model, world, ranks_per_node, layout.pp)
     here = run_host_table_memory(cfg, share, layout.accum, stages)
     if here.total <= budget_gb * GB:

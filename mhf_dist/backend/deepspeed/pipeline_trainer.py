@@ -65,7 +65,11 @@ class PipelineTrainer(EngineTrainer):
         self.layers = stage_blocks(self.pipe.parts, cfg.model.n_layers)[groups.pp_rank]
         if host_tables is not None:  # readied inside the engine's step, which its schedule runs
             self.host_tables = host_tables(model, self)
-            include_in_global_norm(self.engine.optimizer, self.host_tables.norm_in_step_on)
+            include_in_global_norm(
+                self.engine.optimizer,
+                self.host_tables.norm_in_step_on,
+                counts=groups.pp_rank == 0 and groups.tp_rank == 0,
+            )
         self.eos = model.backbone.document_eos  # data.document_masking: EOS inputs predict nothing
         self.num_heads = model.vocab.decoder.num_heads
         self.p_inf_term = model.vocab.p_inf_loss_weight > 0
