@@ -30,6 +30,9 @@ from pathlib import Path
 
 import torch
 
+from mhf_dist.config import load_config
+from mhf_dist.parallel.layout import resolve_layout
+
 ROOT = Path(__file__).resolve().parents[1]
 # runs the training command and prints its max RSS (the grandchild's, so each case is measured alone)
 MEASURE = (
@@ -53,14 +56,8 @@ CASES = {
 }
 
 
-def layout_setting(overrides: list[str], name: str) -> int:
-    """``parallel.NAME`` as ``overrides`` set it (1 when they do not)."""
-    values = [o.split("=", 1)[1] for o in overrides if o.startswith(f"parallel.{name}=")]
-    return int(values[-1]) if values else 1
-
-
-def run_case(run: Path, case: str, args, tree: Path = ROOT) -> dict:
-    dp = args.nproc // (layout_setting(args.set, "tp") * layout_setting(args.set, "pp"))
+def run_case(run: Path, case: str, args, dp: int, tree: Path = ROOT) -> dict:
+    """One case on ``args.nproc`` ranks, ``dp`` of them data-parallel."""
     overrides = [
         "data.path=embedded",
         f"data.seq_len={args.seq_len}",
@@ -139,6 +136,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     cases = args.cases.split(",")
+    dp = resolve_layout(load_config(args.preset, overrides=args.set), args.nproc).dp
     rounds: dict[str, list[dict]] = {case: [] for case in cases}
     baseline = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,9 +145,13 @@ def main() -> None:
                 run = Path(tmp) / f"{case}-{r}"
                 if args.baseline and r == 0:
                     baseline[case] = run_case(
-                        run.with_name(run.name + "-baseline"), case, args, args.baseline.resolve()
+                        run.with_name(run.name + "-baseline"),
+                        case,
+                        args,
+                        dp,
+                        args.baseline.resolve(),
                     )
-                rounds[case].append(run_case(run, case, args))
+                rounds[case].append(run_case(run, case, args, dp))
     results = {
         case: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
         for case, runs in rounds.items()

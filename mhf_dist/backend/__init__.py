@@ -173,9 +173,8 @@ class Trainer(Protocol):
 
     # model.engram.offload: the Engram tables in host memory, stepped beside
     host_tables: HostTableStep | None
-    layers: (
-        Sequence[int] | None
-    )  # the backbone blocks this rank computes (None: all; pp > 1: its stage's)
+    # the backbone blocks this rank computes (None: all; pp > 1: its stage's)
+    layers: Sequence[int] | None
     device: torch.device  # where this rank computes
     # the torch optimizer under the backend's (its groups hold the hyperparameters)
     optimizer: torch.optim.Optimizer

@@ -371,11 +371,12 @@ def format_plan(
     )
     engram = cfg.model.engram
     if engram is not None and engram.offload:
+        stages = [p.block_range for p in plans]
         tables = run_host_table_memory(
             cfg,
             sharing_ranks(cfg.model, world, profile.gpus_per_node, layout.pp),
             layout.accum,
-            [p.block_range for p in plans],
+            stages,
         )
         held = (
             "whole on every rank" if tables.ranks == 1 else f"rows split over {tables.ranks} ranks"
@@ -391,9 +392,7 @@ def format_plan(
         )
         host_rank += tables.total / GB
         if tables.ranks < world // layout.pp:
-            sharded = run_host_table_memory(
-                cfg, world // layout.pp, layout.accum, [p.block_range for p in plans]
-            )
+            sharded = run_host_table_memory(cfg, world // layout.pp, layout.accum, stages)
             host_advice = f"; with model.engram.offload=sharded the tables take {sharded.total / GB:.2f} GB per rank"
     lines += format_estimate(
         cfg, profile, world, step_estimate(cfg, profile, nodes, mfu, vocab_size)

@@ -30,8 +30,8 @@ class HostShards:
     ranks of the other nodes that keep the same rows (None: one copy over every rank). Under tensor parallelism the
     ranks of a tp group compute the same row gradients: only the first one's count (``contributes``). Under pipeline
     parallelism each stage's ranks split the tables of its layers: this rank's stage is ``stage`` of ``stages``.
-    ``norms`` (gloo, every rank) sums the host gradients' norm² over one copy of every stage's rows
-    (``first_copy``)."""
+    ``norms`` (gloo; None: ``group``) sums the host gradients' norm² over one copy of every stage's rows: this rank's
+    copy, whose first one (``first_copy``) writes the checkpoint."""
 
     group: object
     rank: int
@@ -75,7 +75,13 @@ class HostShards:
                     group = dist.new_group(ranks, backend="gloo")
                     if rank in ranks:
                         replicas = group
-        norms = mine if size == world else dist.new_group(list(range(world)), backend="gloo")
+        norms = mine  # one copy of every stage: the ranks with this rank's copy index in each stage
+        if pp > 1:
+            for copy in range(stage_ranks // size):
+                ranks = [r for r in range(world) if (r % stage_ranks) // size == copy]
+                group = dist.new_group(ranks, backend="gloo")
+                if rank in ranks:
+                    norms = group
         first_copy = rank % stage_ranks < size
         return cls(mine, rank % size, size, replicas, rank % tp == 0, stage, pp, norms, first_copy)
 

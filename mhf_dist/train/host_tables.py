@@ -211,12 +211,11 @@ class HostTablesStep:
             self.grads[i] = grad
         norms = [torch.linalg.vector_norm(g) for g in self.grads.values()]
         norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-        norms = None if self.shards is None else self.shards.norms or self.shards.group
-        if norms is not None and dist.get_world_size(norms) > 1:
-            # each rank of one copy holds its rows' part of the norm, each stage its layers'
+        norm_group = None if self.shards is None else self.shards.norms or self.shards.group
+        if norm_group is not None and dist.get_world_size(norm_group) > 1:
+            # each rank of a copy holds its rows' part of the norm, each stage its layers'
             host = ScalarCollectives(torch.device("cpu"))  # gloo
-            share = norm.square().item() if self.shards.first_copy else 0.0
-            (squares,) = host.sum([share], norms)
+            (squares,) = host.sum([norm.square().item()], norm_group)
             norm = torch.tensor(squares, dtype=torch.float64).sqrt().float()
         # copied to the device inside DeepSpeed's step
         self.host_norm = norm.pin_memory() if self.pin else norm
@@ -227,9 +226,8 @@ class HostTablesStep:
     def after_step(self, global_norm: float | None = None) -> None:
         """After DeepSpeed's step: clip with the global norm it used (``global_norm``, as the trainer read it; else
         read from the trainer here), then AdamW on the host tables."""
-        if (
-            not self.ready
-        ):  # the engine left the step out before its norm: the gradients still reach their owners
+        # the engine left the step out before its norm: the gradients still reach their owners
+        if not self.ready:
             self.before_step()
         if not self.trainer.step_skipped():
             clip = self.trainer.gradient_clipping()
