@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed loads: a CPU benchmark
-# CPU tensors on huge pages, as mhf-dist's launcher gives its ranks; torch reads it at its first allocation
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch
 import torch.distributed as dist

@@ -23,12 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-
-# CPU tensors on huge pages, as mhf-dist's launcher gives its ranks (launch.CPU_HUGE_PAGES); torch reads it once,
-# at its first allocation, so it is set before torch is imported.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch
 from tqdm.auto import tqdm
@@ -38,6 +33,7 @@ from mhf_dist.model import build_model
 from mhf_dist.model.flops import forward_flops
 from mhf_dist.profiling.scoring import InferenceHeads, RatioSpread
 from mhf_dist.profiling.training import VOCAB, TrainingProbe, step_seconds
+from mhf_dist.train.host_allocator import keep_freed_host_memory
 from mhf_dist.train.throughput import measured_peak_flops
 
 
@@ -96,6 +92,7 @@ def main() -> None:
             f"--rounds {args.rounds}: give at least 2, as each ratio's standard error needs two rounds"
         )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    keep_freed_host_memory(device)  # as a training rank's
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     names = {
         ("h4b16k", "false"): "100m-h4b16k",

@@ -11,10 +11,13 @@ FFN 2560), each trained on one synthetic batch at each shape asked for, in one p
 - ``mhf``: our ``{size}-h4b16k`` preset, built the same way.
 
 A step is forward with the loss, backward, ``clip_grad_norm_`` (``--clip``, default 1.0, as training clips; 0
-leaves it out), the optimizer's step and ``zero_grad``. Steps run in rounds: each round steps every model once at
-every shape, each round starting with the next model, so a machine whose speed drifts (shared CPUs) slows all of
-them alike; the ratios are the medians of the rounds' ratios (with their standard error and range), tokens/s the
-medians of the rounds' step times.
+leaves it out), the optimizer's step and ``zero_grad``. Each model lives in a process of its own, as each would be
+run: ours with what mhf-dist gives a training rank (on CPU, the host allocator keeps the memory a step frees:
+``mhf_dist.train.host_allocator``), the reference as a plain script runs (the interpreter's defaults; with
+``--reference-memory kept`` under our ranks' setting, which isolates the model code). Steps run in rounds: the
+processes step in turn, never at once; each round steps every model once at every shape, each round starting with
+the next model, so a machine whose speed drifts (shared CPUs) slows all of them alike; the ratios are the medians of
+the rounds' ratios (with their standard error and range), tokens/s the medians of the rounds' step times.
 
 Reports per shape: tokens/s of each model with its forward/backward/clip/optimizer split, Standard's tokens/s over
 the reference's (also as a ratio of the process's CPU seconds per step, which other processes on a shared machine
@@ -25,22 +28,20 @@ self CPU time (and self CUDA time on a GPU).
 
 Usage: python tools/bench_reference.py [--size 100m] [--shapes 256x4,2048x1] [--rounds 5] [--device cpu|cuda]
                                        [--dtype fp32|bf16] [--models reference,standard,mhf] [--clip 1.0]
-                                       [--threads N] [--profile DIR] [--out bench.json]
+                                       [--reference-memory default|kept] [--threads N] [--profile DIR]
+                                       [--out bench.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import multiprocessing
 import statistics
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
-
-# CPU tensors on huge pages, as mhf-dist's launcher gives its ranks (launch.CPU_HUGE_PAGES); torch reads it once,
-# at its first allocation, so it is set before torch is imported.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch
 from tqdm.auto import tqdm
@@ -51,6 +52,7 @@ from mhf_dist.model.modes import ModelModes
 from mhf_dist.profiling.scoring import RatioSpread
 from mhf_dist.profiling.timing import Timer, torch_dtype
 from mhf_dist.profiling.training import VOCAB, probe_model
+from mhf_dist.train.host_allocator import keep_freed_host_memory
 from mhf_dist.train.optim import build_optimizer
 
 PARTS = ("forward", "backward", "clip", "optimizer")
@@ -170,6 +172,40 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+def build_stepper(name: str, spec: dict) -> Stepper:
+    device, size, clip = torch.device(spec["device"]), spec["size"], spec["clip"]
+    if name == "reference":
+        return reference_stepper(size, device, torch_dtype(spec["dtype"]), clip)
+    preset = f"{size}-{'standard' if name == 'standard' else 'h4b16k'}"
+    return our_stepper(name, preset, device, spec["dtype"], clip, spec["rounds"] + 2)
+
+
+def serve(conn: Connection, name: str, spec: dict) -> None:
+    """One model's process: builds it (ours with a training rank's host memory setting, the reference with it
+    only when ``spec["kept_memory"]``), says it is ready, then answers ``("step", shape)`` with the step's seconds
+    and ``("profile", shape, path)`` by writing a profile table, until ``None``."""
+    device = torch.device(spec["device"])
+    if name != "reference" or spec["kept_memory"]:
+        keep_freed_host_memory(device)
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    stepper = build_stepper(name, spec)
+    gen = torch.Generator().manual_seed(1)  # the same batches in every process
+    batches = {
+        shape: torch.randint(0, VOCAB, (shape[1], shape[0] + 1), generator=gen).to(device)
+        for shape in spec["shapes"]
+    }
+    conn.send(torch.get_num_threads())
+    while (request := conn.recv()) is not None:
+        kind, shape, *path = request
+        batch = batches[tuple(shape)]
+        if kind == "step":
+            conn.send(stepper.step(batch))
+        else:
+            Path(path[0]).write_text(profile_table(stepper, batch, device, spec["profile_rows"]))
+            conn.send(None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -198,48 +234,64 @@ def main() -> None:
         help="torch's intra-op threads (default: torch's own); 1 makes the CPU-time ratio nearly immune to other "
         "processes on a shared machine (no thread waits at a barrier for a descheduled one)",
     )
+    parser.add_argument(
+        "--reference-memory",
+        choices=["default", "kept"],
+        default="default",
+        help="the reference's host memory: the interpreter's defaults, as a plain script runs (default), or "
+        "kept as mhf-dist's CPU ranks keep it",
+    )
     parser.add_argument("--out", default=None, help="also write the results as JSON")
     args = parser.parse_args()
     if args.rounds < 2:
         parser.error(
             f"--rounds {args.rounds}: give at least 2 (a ratio's standard error needs two)"
         )
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device, dtype = torch.device(args.device), torch_dtype(args.dtype)
+    device = torch.device(args.device)
     shapes = parse_shapes(args.shapes)
     names = args.models.split(",")
-    builders = {
-        "reference": lambda: reference_stepper(args.size, device, dtype, args.clip),
-        "standard": lambda: our_stepper(
-            "standard", f"{args.size}-standard", device, args.dtype, args.clip, args.rounds + 2
-        ),
-        "mhf": lambda: our_stepper(
-            "mhf", f"{args.size}-h4b16k", device, args.dtype, args.clip, args.rounds + 2
-        ),
+    spec = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "size": args.size,
+        "clip": args.clip,
+        "rounds": args.rounds,
+        "shapes": shapes,
+        "threads": args.threads,
+        "kept_memory": args.reference_memory == "kept",
+        "profile_rows": args.profile_rows,
     }
-    steppers = {name: builders[name]() for name in names}
-    gen = torch.Generator().manual_seed(1)
-    batches = {
-        shape: torch.randint(0, VOCAB, (shape[1], shape[0] + 1), generator=gen).to(device)
-        for shape in shapes
-    }
-    for shape, batch in batches.items():  # warm-up
-        for stepper in steppers.values():
-            stepper.step(batch)
-    times = {(name, shape): [] for name in steppers for shape in shapes}
-    order = list(steppers)
+    # one process per model (spawned: a CUDA context is not forked), built one after the other
+    context = multiprocessing.get_context("spawn")
+    conns, threads = {}, None
+    for name in names:
+        conns[name], child = context.Pipe()
+        context.Process(target=serve, args=(child, name, spec), daemon=True).start()
+        threads = conns[name].recv()
+
+    def step(name: str, shape: tuple[int, int]) -> dict[str, float]:
+        conns[name].send(("step", shape))
+        return conns[name].recv()
+
+    for shape in shapes:  # warm-up
+        for name in names:
+            step(name, shape)
+    times = {(name, shape): [] for name in names for shape in shapes}
     for r in tqdm(range(args.rounds), desc="rounds", unit="round"):
-        for shape, batch in batches.items():
+        for shape in shapes:
             # each round starts with the next model, so none always runs right after another
-            for name in order[r % len(order) :] + order[: r % len(order)]:
-                times[name, shape].append(steppers[name].step(batch))
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                times[name, shape].append(step(name, shape))
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
-        for shape, batch in batches.items():
-            for name, stepper in steppers.items():
-                path = args.profile / f"{name}_{shape[0]}x{shape[1]}.txt"
-                path.write_text(profile_table(stepper, batch, device, args.profile_rows))
+        for shape in shapes:
+            for name in names:
+                conns[name].send(
+                    ("profile", shape, str(args.profile / f"{name}_{shape[0]}x{shape[1]}.txt"))
+                )
+                conns[name].recv()
+    for conn in conns.values():
+        conn.send(None)
 
     def total(t: dict[str, float]) -> float:
         return sum(t[k] for k in PARTS)
@@ -259,19 +311,20 @@ def main() -> None:
         "rounds": args.rounds,
         "clip": args.clip,
         "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
+        "reference_memory": args.reference_memory,
         "shapes": [],
     }
     print(
-        f"{args.size}, {device} {args.dtype}, {args.rounds} rounds, {torch.get_num_threads()} threads, torch "
-        f"{torch.__version__}, clip {args.clip or 'off'}"
+        f"{args.size}, {device} {args.dtype}, {args.rounds} rounds, {threads} threads, torch "
+        f"{torch.__version__}, clip {args.clip or 'off'}, reference memory {args.reference_memory}"
     )
     for shape in shapes:
         seq, micro = shape
         tokens = seq * micro
         entry = {"seq_len": seq, "micro_batch": micro, "models": {}}
         print(f"seq {seq} x micro-batch {micro}:")
-        for name in steppers:
+        for name in names:
             split = {k: statistics.median(t[k] for t in times[name, shape]) for k in PARTS}
             step_s = statistics.median(total(t) for t in times[name, shape])
             cpu_s = statistics.median(cpu(t) for t in times[name, shape])
@@ -286,7 +339,7 @@ def main() -> None:
                 f"{split['forward']:.3f}, bwd {split['backward']:.3f}, clip {split['clip']:.3f}, opt "
                 f"{split['optimizer']:.3f}; CPU {cpu_s:.3f} s)"
             )
-        if "reference" in steppers and "standard" in steppers:
+        if "reference" in names and "standard" in names:
             r = ratio("reference", "standard", shape)  # step-time ratio = tokens/s ratio
             c = ratio("reference", "standard", shape, cpu)
             entry["standard_over_reference"] = r
@@ -295,7 +348,7 @@ def main() -> None:
                 f"  Standard / reference tokens/s: {r['median']:.3f} (s.e. {r['se']:.3f}; rounds "
                 f"{r['min']:.3f}-{r['max']:.3f}); by CPU time {c['median']:.3f} (s.e. {c['se']:.3f})"
             )
-        if "mhf" in steppers and "standard" in steppers:
+        if "mhf" in names and "standard" in names:
             r = ratio("mhf", "standard", shape)
             flop = (
                 forward_flops(mhf_cfg, seq).train

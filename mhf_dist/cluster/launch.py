@@ -28,9 +28,6 @@ from mhf_dist.backend import RANK_MODULES
 from mhf_dist.errors import ABORTED_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
 from mhf_dist.parallel.rendezvous import free_port
 
-# torch's CPU allocator backs large tensors with transparent huge pages: the step's fresh gradient and
-# activation buffers then fault in 2 MB pages instead of 4 KB ones (CPU ranks step 10-15% faster here).
-CPU_HUGE_PAGES = ("THP_MEM_ALLOC_ENABLE", "1")
 STOP_GRACE_S = (
     5  # after a rank failed: time for the others to report their own error before they are killed
 )
@@ -68,11 +65,8 @@ def launch_local(
         "LOCAL_WORLD_SIZE": str(nproc),
     }
     base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    base.setdefault(*CPU_HUGE_PAGES)
     envs = [base | {"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)]
     if main is not None:
-        # torch reads it at its first large allocation, in the ranks
-        os.environ.setdefault(*CPU_HUGE_PAGES)
         for module in preload:
             importlib.import_module(module)
     return RankSupervisor(argv, lost_work, forward=True, fork=main).run(envs)

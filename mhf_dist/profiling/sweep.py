@@ -17,6 +17,7 @@ from mhf_dist.parallel.devices import bind_gpu
 from mhf_dist.parallel.layout import backend_name
 from mhf_dist.profiling.timing import torch_dtype
 from mhf_dist.profiling.training import TrainRow, profile_training
+from mhf_dist.train.host_allocator import keep_freed_host_memory
 from mhf_dist.train.throughput import measured_peak_flops
 
 
@@ -26,6 +27,7 @@ def worker_main(rows_file: str, spec_json: str) -> int:
     device = torch.device(spec.pop("device"))
     if device.type == "cuda":  # each local rank on its GPU (LOCAL_RANK, as launch_local sets it)
         device = bind_gpu(int(os.environ.get("LOCAL_RANK", 0)))
+    keep_freed_host_memory(device)  # as a training rank's
     if spec["tp"] > 1:
         # train.dist_backend of the profiled configuration (--set): gloo lets two ranks share one GPU
         cfg = load_config(f"{spec['size']}-{spec['hash_name']}", overrides=spec["overrides"])

@@ -23,6 +23,7 @@ from mhf_dist.parallel.groups import ParallelGroups
 from mhf_dist.parallel.layout import Layout, backend_name
 from mhf_dist.parallel.rendezvous import free_port
 from mhf_dist.parallel.scalars import ScalarCollectives
+from mhf_dist.train.host_allocator import keep_freed_host_memory
 from mhf_dist.train.preflight import preflight
 
 
@@ -46,6 +47,7 @@ def join_job(cfg: RunConfig, verbose: bool = False) -> Job:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     layout, ds_config = preflight(cfg, world, device_type(cfg), ranks_per_node=per_node)
     device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
+    keep_freed_host_memory(device)
     with backend_prints(verbose):
         init_distributed(cfg, device)
     return Job(

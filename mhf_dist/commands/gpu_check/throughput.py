@@ -1,6 +1,7 @@
 """Step 4: ``mhf-dist profile`` of Standard and H4B16K per size: the timed training step and its MFU, the step-time
 ratio beside the analytic FLOP ratio, and the inference heads' time per token; then ``tools/bench_reference.py``: our
-Standard step against transformers' own Qwen3 of the same shape, side by side in one process."""
+Standard step against transformers' own Qwen3 of the same shape, in interleaved rounds, each model in its own
+process."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def step_profile(ctx: Context) -> list[Check]:
 
 def reference_check(ctx: Context) -> Check:
     """Our Standard's (and MHF's) training step against transformers' ``Qwen3ForCausalLM`` of the same shape, in
-    interleaved rounds in one process (``tools/bench_reference.py``, a checkout's: skipped without one)."""
+    interleaved rounds, each model in its own process (``tools/bench_reference.py``, a checkout's: skipped without
+    one)."""
     m = ctx.mode
     name = f"reference-{m.reference_size}"
     if not REFERENCE_BENCH.is_file():
