@@ -1,7 +1,7 @@
 """Benchmark: our Standard and MultiHashFormer training steps side by side with transformers' own Qwen3.
 
 Three models of one backbone (``--size``: 100m by default, hidden 768, 12 layers, 12 heads, 2 KV heads, head_dim 64,
-FFN 2560), each trained on one synthetic batch at each shape asked for, in one process:
+FFN 2560), each trained on one synthetic batch at each shape asked for, each in a process of its own (below):
 
 - ``reference``: transformers' ``Qwen3ForCausalLM`` built from a ``Qwen3Config`` of that shape (V = 32,768, tied
   embeddings, SDPA attention, random init), its loss from its own labels (every position counted, as ours), and
@@ -56,6 +56,8 @@ from mhf_dist.train.host_allocator import keep_freed_host_memory
 from mhf_dist.train.optim import build_optimizer
 
 PARTS = ("forward", "backward", "clip", "optimizer")
+# our models: the hash configuration of each one's preset
+OUR_HASHES = {"standard": "standard", "mhf": "h4b16k"}
 
 
 def reference_model(size: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -176,7 +178,7 @@ def build_stepper(name: str, spec: dict) -> Stepper:
     device, size, clip = torch.device(spec["device"]), spec["size"], spec["clip"]
     if name == "reference":
         return reference_stepper(size, device, torch_dtype(spec["dtype"]), clip)
-    preset = f"{size}-{'standard' if name == 'standard' else 'h4b16k'}"
+    preset = f"{size}-{OUR_HASHES[name]}"
     return our_stepper(name, preset, device, spec["dtype"], clip, spec["rounds"] + 2)
 
 
@@ -250,6 +252,8 @@ def main() -> None:
     device = torch.device(args.device)
     shapes = parse_shapes(args.shapes)
     names = args.models.split(",")
+    if unknown := set(names) - {"reference", *OUR_HASHES}:
+        parser.error(f"--models: no model {sorted(unknown)}; choose from reference,standard,mhf")
     spec = {
         "device": args.device,
         "dtype": args.dtype,
@@ -303,7 +307,9 @@ def main() -> None:
     def cpu(t: dict[str, float]) -> float:
         return t["cpu"]
 
-    std_cfg, mhf_cfg = (load_config(f"{args.size}-{h}").model for h in ("standard", "h4b16k"))
+    std_cfg, mhf_cfg = (
+        load_config(f"{args.size}-{OUR_HASHES[m]}").model for m in ("standard", "mhf")
+    )
     result = {
         "size": args.size,
         "device": str(device),
