@@ -17,7 +17,9 @@ run: ours with what mhf-dist gives a training rank (on CPU, the host allocator k
 ``--reference-memory kept`` under our ranks' setting, which isolates the model code). Steps run in rounds: the
 processes step in turn, never at once; each round steps every model once at every shape, each round starting with
 the next model, so a machine whose speed drifts (shared CPUs) slows all of them alike; the ratios are the medians of
-the rounds' ratios (with their standard error and range), tokens/s the medians of the rounds' step times.
+the rounds' ratios (with their standard error and range), tokens/s the medians of the rounds' step times. The
+measured rounds follow ``--warmup`` rounds (2 by default: on CPU a process's heap settles over its first two steps,
+the optimizer's state taking memory the first step's activations had held, so the second still faults pages in).
 
 Reports per shape: tokens/s of each model with its forward/backward/clip/optimizer split, Standard's tokens/s over
 the reference's (also as a ratio of the process's CPU seconds per step, which other processes on a shared machine
@@ -26,7 +28,8 @@ ratio (``forward_flops``).
 ``--profile DIR`` also writes, per model and shape, a ``torch.profiler`` table of one step's operators sorted by
 self CPU time (and self CUDA time on a GPU).
 
-Usage: python tools/bench_reference.py [--size 100m] [--shapes 256x4,2048x1] [--rounds 5] [--device cpu|cuda]
+Usage: python tools/bench_reference.py [--size 100m] [--shapes 256x4,2048x1] [--rounds 5] [--warmup 2]
+                                       [--device cpu|cuda]
                                        [--dtype fp32|bf16] [--models reference,standard,mhf] [--clip 1.0]
                                        [--reference-memory default|kept] [--threads N] [--profile DIR]
                                        [--out bench.json]
@@ -219,6 +222,9 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=5, help="measured rounds (after one warm-up round)"
     )
+    parser.add_argument(
+        "--warmup", type=int, default=2, help="unmeasured rounds first (each model, each shape)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--models", default="reference,standard,mhf")
@@ -249,6 +255,8 @@ def main() -> None:
         parser.error(
             f"--rounds {args.rounds}: give at least 2 (a ratio's standard error needs two)"
         )
+    if args.warmup < 0:
+        parser.error(f"--warmup {args.warmup}: give 0 or more rounds")
     device = torch.device(args.device)
     shapes = parse_shapes(args.shapes)
     names = args.models.split(",")
@@ -277,9 +285,10 @@ def main() -> None:
         conns[name].send(("step", shape))
         return conns[name].recv()
 
-    for shape in shapes:  # warm-up
-        for name in names:
-            step(name, shape)
+    for _ in range(args.warmup):
+        for shape in shapes:
+            for name in names:
+                step(name, shape)
     times = {(name, shape): [] for name in names for shape in shapes}
     for r in tqdm(range(args.rounds), desc="rounds", unit="round"):
         for shape in shapes:
@@ -315,6 +324,7 @@ def main() -> None:
         "device": str(device),
         "dtype": args.dtype,
         "rounds": args.rounds,
+        "warmup": args.warmup,
         "clip": args.clip,
         "torch": torch.__version__,
         "threads": threads,
@@ -322,7 +332,7 @@ def main() -> None:
         "shapes": [],
     }
     print(
-        f"{args.size}, {device} {args.dtype}, {args.rounds} rounds, {threads} threads, torch "
+        f"{args.size}, {device} {args.dtype}, {args.rounds} rounds after {args.warmup}, {threads} threads, torch "
         f"{torch.__version__}, clip {args.clip or 'off'}, reference memory {args.reference_memory}"
     )
     for shape in shapes:
