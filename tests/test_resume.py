@@ -21,6 +21,8 @@ from mhf_dist.train.optim import lr_factor
 from mhf_dist.vocab.tokenizers import embedded_corpus, load_tokenizer, train_bpe
 
 GOLDEN = Path(__file__).parent / "golden" / "checkpoint-a105062"  # made by its make.sh
+# a computation's fp32 results on two kinds of CPU: a few units in the last place, compounded over four steps
+ROUNDING_RTOL = 1e-5
 WARMUP = "optimizer.warmup_steps=1"  # the schedule leaves warm-up at once, so its end (lr 0 at step 4) shows
 
 
@@ -316,10 +318,15 @@ def test_data_of_another_tokenizer_on_resume_is_named_with_the_command_that_prep
 
 
 @pytest.mark.multirank
-def test_a_checkpoint_of_the_previous_version_resumes_bit_identically(tmp_path, monkeypatch):
+def test_a_checkpoint_of_the_previous_version_resumes_as_the_uninterrupted_run(
+    tmp_path, monkeypatch
+):
     """tests/golden/checkpoint-a105062: a run trained to step 2 of 4 by the code of commit a105062, with its loss
     watch's window. Resumed here to step 4, it has the numbers of this version's uninterrupted run (steps 1 and 2 in
-    its metrics are the old version's), and the same weights at the end."""
+    its metrics are the old version's), and the same weights at the end: to the rounding of fp32 products, which
+    MKL computes with other kernels on another kind of CPU than the one that wrote the checkpoint (on the same kind
+    they are bit-identical, as within a version, ``test_stop_and_resume_is_bit_identical``); a part of the state
+    restored wrong (optimizer moments, data position, schedule) moves them by orders of magnitude more."""
     from mhf_dist.backend import consolidate
 
     golden = Path(shutil.copytree(GOLDEN, tmp_path / "golden"))
@@ -345,14 +352,22 @@ def test_a_checkpoint_of_the_previous_version_resumes_bit_identically(tmp_path, 
         ]
         for name in ("run", "whole")
     )
-    assert [r[0] for r in whole] == [1, 2, 3, 4] and resumed == whole
+    assert [r[0] for r in resumed] == [r[0] for r in whole] == [1, 2, 3, 4]
+    torch.testing.assert_close(
+        [r[1:] for r in resumed], [r[1:] for r in whole], rtol=ROUNDING_RTOL, atol=0
+    )
     ends = [
         consolidate(golden / name / "checkpoints/step-00000004", pipeline=False)
         for name in ("run", "whole")
     ]
-    assert ends[0].keys() == ends[1].keys() and all(
-        torch.equal(ends[0][k], ends[1][k]) for k in ends[0]
+    # as a whole: Adam turns the rounding noise of a gradient that is zero in exact arithmetic (a bias before a
+    # softmax, which the softmax ignores) into an update of up to the learning rate in that one weight
+    assert ends[0].keys() == ends[1].keys()
+    difference, size = (
+        torch.cat([t.double().flatten() for t in tensors]).norm()
+        for tensors in ([ends[0][k] - ends[1][k] for k in ends[1]], ends[1].values())
     )
+    assert difference <= ROUNDING_RTOL * size, (difference, size)
 
 
 class _Part:
