@@ -240,7 +240,11 @@ def test_a_phase_the_watchdog_ended_gets_twice_as_long_once_then_stops_naming_th
     stall = {"MHF_DIST_TEST_SAVE_PAUSE": "8"}
     code, out = _hang_job(tmp_path, data, "first", steps=1, **stall)
     assert code == HUNG_EXIT_CODE, out[-3000:]
-    assert "no progress for 3 s in the save of step 1 (train.hang_timeout_s=3): a hang" in out
+    # (the seconds it saw: the budget, or more where a loaded machine ran the watchdog's check late)
+    stuck = re.search(
+        r"no progress for (\d+) s in the save of step 1 \(train\.hang_timeout_s=3\): a hang", out
+    )
+    assert stuck and int(stuck[1]) >= 3, out[-3000:]
     assert (
         "if in the save of step 1 is healthy work that takes longer than 3 s, the next start allows it 6 s once"
         in out.replace("\n", " ")
