@@ -220,7 +220,7 @@ def main() -> None:
     )
     parser.add_argument("--shapes", default="256x4,2048x1", help="SEQxMICRO, comma-separated")
     parser.add_argument(
-        "--rounds", type=int, default=5, help="measured rounds (after one warm-up round)"
+        "--rounds", type=int, default=5, help="measured rounds (after the --warmup rounds)"
     )
     parser.add_argument(
         "--warmup", type=int, default=2, help="unmeasured rounds first (each model, each shape)"
