@@ -19,9 +19,10 @@ import torch
 def measured_peak_flops(
     device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 5
 ) -> float:
-    """FLOP/s of the best of ``repeats`` timed ``n×n`` matmuls on this rank (``n`` = 2048 on CPU; 8192 on a GPU,
-    where a smaller product is too short to reach the matrix units' rate)."""
-    n = n or (8192 if device.type == "cuda" else 2048)
+    """FLOP/s of the best of ``repeats`` timed ``n×n`` matmuls on this rank (``n`` = 8192 on a GPU, where a
+    smaller product is too short to reach the matrix units' rate; 1024 on CPU, which reaches a core's rate there in
+    a tenth of 2048's time, a cost every rank pays at each start)."""
+    n = n or (8192 if device.type == "cuda" else 1024)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
