@@ -508,6 +508,19 @@ CONTRACTS = [
         ),
     ),
     Contract(
+        "deepspeed.ops.__compatible_ops__",
+        f"{BACKEND}/op_probe.py",
+        "reads once before ranks fork (the probe's answer, kept in the module, is what each rank's process group "
+        "start reads)",
+        all_of(
+            source_holds(
+                "deepspeed.ops:__getattr__",
+                'globals()["__compatible_ops__"] = _probe_compatible_ops()',
+            ),
+            source_holds("deepspeed.comm.torch:build_shm_op", "deepspeed.ops.__compatible_ops__"),
+        ),
+    ),
+    Contract(
         "deepspeed.init_distributed",
         f"{BACKEND}/distributed.py",
         "calls by keyword",

@@ -66,13 +66,18 @@ __all__ = [
 
 TrainingFlags = Callable[[], Sequence[bool]]  # the loop's flags, asked for at the end of a step
 
-# What a training rank imports besides the loop, some of it only when first used (the engine; torch's compiler,
-# which the optimizer and DeepSpeed's ZeRO optimizers load when they first run): a launcher that forks its ranks
-# imports these once, before it forks (mhf_dist.cluster.launch).
+# What a training rank imports besides the loop, some of it only when first used (the engine and what its config
+# and process group start load; torch's compiler, which the optimizer and DeepSpeed's ZeRO optimizers load when they
+# first run), and DeepSpeed's probe of its ops: a launcher that forks its ranks imports these once, before it forks
+# (mhf_dist.cluster.launch).
 RANK_MODULES = (
     "mhf_dist.backend.deepspeed.trainer",
+    "mhf_dist.backend.deepspeed.op_probe",
     "deepspeed.runtime.zero.muon.muon_optimizer",
+    "deepspeed.module_inject.auto_ep_config",
+    "deepspeed.module_inject.auto_ep_layer",
     "torch._dynamo",
+    "torch.utils.cpp_extension",
     "torch.utils.tensorboard",
 )
 

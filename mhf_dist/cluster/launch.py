@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import importlib
 import os
 import signal
@@ -39,8 +40,14 @@ HANDLED = (
 )  # passed on to the ranks (in a job step: sat out)
 PR_SET_PDEATHSIG = 1  # prctl(2)
 PR_SET_NAME = 15
-# what a training rank imports: a forked one's parent imports it once for all
-RANK_PRELOAD = ("mhf_dist.train.loop", *RANK_MODULES)
+# what a training rank imports: a forked one's parent imports it once for all (the tokenizers' module brings
+# transformers, a second and a half of every rank's start where each imports it)
+RANK_PRELOAD = (
+    "mhf_dist.train.loop",
+    "mhf_dist.vocab.tokenizers",
+    "mhf_dist.vocab.signatures",
+    *RANK_MODULES,
+)
 RANK_NAME = "mhf-dist r{rank}"  # a forked rank's process name (ps -o comm, top), at most 15 bytes
 
 Entry = Callable[[list[str]], int]  # the command line's entry point: argv -> exit code
@@ -94,6 +101,9 @@ def run_forked(main: Entry, argv: list[str], env: dict[str, str]) -> int:
     exit handlers run. Returns the exit code such an interpreter would have; one that dies by a signal (a Ctrl-C not
     handled) dies by it here."""
     code = 1
+    # what the parent imported stays: full collections (DeepSpeed's ZeRO-3 runs one as it builds) walk only what
+    # the command makes, not the half million objects of torch, DeepSpeed and transformers (0.6 s each)
+    gc.freeze()
     try:
         os.environ.clear()
         os.environ.update(env)
