@@ -25,6 +25,7 @@ from mhf_dist.errors import (
 from mhf_dist.storage.heartbeats import rank_health, read_heartbeats, write_heartbeat
 from mhf_dist.storage.run_dir import RunDir
 from mhf_dist.storage.run_lock import running
+from mhf_dist.train.watchdog import HangSettings, Watchdog
 
 STEPS = 10_000  # far more than a test waits for
 HANG_TIMEOUT_S = 8
@@ -128,6 +129,22 @@ def _stopped_mid_run(
 
 
 @pytest.mark.multirank
+def test_only_a_hang_folder_made_after_the_watchdog_started_is_this_jobs(tmp_path):
+    """A start that follows one the watchdog ended, within the second its last rank wrote the hang's folder, does
+    not take that folder for a hang another of its own ranks declared; a folder made after it started is one."""
+    run = RunDir(tmp_path / "run")
+    earlier = run.hangs_dir / "2026-01-01T00-00-00Z"
+    earlier.mkdir(parents=True)
+    (earlier / "rank-0.txt").write_text(
+        "stacks"
+    )  # written just now: the folder's time is this second's
+    watchdog = Watchdog(run, rank=1, settings=HangSettings(hang_timeout_s=3))
+    assert watchdog._declared_hang() is None
+    declared = run.hangs_dir / "2026-01-01T00-00-09Z"
+    declared.mkdir()
+    assert watchdog._declared_hang() == declared
+
+
 def test_a_stopped_rank_ends_the_job_with_every_live_ranks_stacks_and_the_rerun_resumes(
     tmp_path, data
 ):

@@ -114,6 +114,9 @@ class Watchdog:
         )
         self.beat_s = beat_interval(self.timeout_s, self.peer_timeout_s)
         self.started = time.time()
+        # earlier starts' hangs: a start that follows one the watchdog ended within a second must not take the
+        # folder the last of those ranks wrote into as a hang of its own
+        self._earlier = self._hang_folders()
         record = newest_hang_record(run) if self.timeout_s is not None else None
         # still ahead
         self.previous = record if record is not None and record.step > resumed_at else None
@@ -268,15 +271,13 @@ class Watchdog:
         sys.stdout.flush()
         os._exit(NODE_LOST_EXIT_CODE)
 
+    def _hang_folders(self) -> set[str]:
+        hangs = self.run.hangs_dir
+        return {p.name for p in hangs.iterdir() if p.is_dir()} if hangs.is_dir() else set()
+
     def _declared_hang(self) -> Path | None:
-        """The folder of a hang another rank of this job declared (made since this rank's watchdog started)."""
-        if not self.run.hangs_dir.is_dir():
-            return None
-        found = [
-            p
-            for p in self.run.hangs_dir.iterdir()
-            if p.is_dir() and p.stat().st_mtime >= self.started - 1
-        ]
+        """The folder of a hang another rank of this job declared (one made since this rank's watchdog started)."""
+        found = [self.run.hangs_dir / name for name in self._hang_folders() - self._earlier]
         return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
     def _declare(self, phase: Phase, stuck_s: float) -> Path:
