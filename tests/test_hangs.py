@@ -128,16 +128,14 @@ def _stopped_mid_run(
     return code, out, ranks
 
 
-@pytest.mark.multirank
 def test_only_a_hang_folder_made_after_the_watchdog_started_is_this_jobs(tmp_path):
     """A start that follows one the watchdog ended, within the second its last rank wrote the hang's folder, does
     not take that folder for a hang another of its own ranks declared; a folder made after it started is one."""
     run = RunDir(tmp_path / "run")
     earlier = run.hangs_dir / "2026-01-01T00-00-00Z"
     earlier.mkdir(parents=True)
-    (earlier / "rank-0.txt").write_text(
-        "stacks"
-    )  # written just now: the folder's time is this second's
+    # written just now: the folder's time is this second's
+    (earlier / "rank-0.txt").write_text("stacks")
     watchdog = Watchdog(run, rank=1, settings=HangSettings(hang_timeout_s=3))
     assert watchdog._declared_hang() is None
     declared = run.hangs_dir / "2026-01-01T00-00-09Z"
@@ -145,6 +143,7 @@ def test_only_a_hang_folder_made_after_the_watchdog_started_is_this_jobs(tmp_pat
     assert watchdog._declared_hang() == declared
 
 
+@pytest.mark.multirank
 def test_a_stopped_rank_ends_the_job_with_every_live_ranks_stacks_and_the_rerun_resumes(
     tmp_path, data
 ):
