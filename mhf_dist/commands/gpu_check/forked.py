@@ -23,7 +23,6 @@ PRELOAD = (
     "mhf_dist.cli",
     "mhf_dist.cluster.launch",
     "mhf_dist.storage.reading_marks",
-    "mhf_dist.vocab.tokenizers",
     "mhf_dist.hf.exporter",
     "mhf_dist.commands.generate",
     "mhf_dist.commands.evaluate",
