@@ -32,7 +32,7 @@ Usage: python tools/bench_reference.py [--size 100m] [--shapes 256x4,2048x1] [--
                                        [--device cpu|cuda]
                                        [--dtype fp32|bf16] [--models reference,standard,mhf] [--clip 1.0]
                                        [--reference-memory default|kept] [--threads N] [--profile DIR]
-                                       [--out bench.json]
+                                       [--set KEY=VALUE ...] [--out bench.json]
 """
 
 from __future__ import annotations
@@ -50,13 +50,12 @@ import torch
 from tqdm.auto import tqdm
 
 from mhf_dist.config import load_config
+from mhf_dist.errors import ConfigError
 from mhf_dist.model.flops import forward_flops
-from mhf_dist.model.modes import ModelModes
 from mhf_dist.profiling.scoring import RatioSpread
 from mhf_dist.profiling.timing import Timer, torch_dtype
-from mhf_dist.profiling.training import VOCAB, probe_model
+from mhf_dist.profiling.training import VOCAB, probe_trainee
 from mhf_dist.train.host_allocator import keep_freed_host_memory
-from mhf_dist.train.optim import build_optimizer
 
 PARTS = ("forward", "backward", "clip", "optimizer")
 # our models: the hash configuration of each one's preset
@@ -136,18 +135,18 @@ def reference_stepper(size: str, device: torch.device, dtype: torch.dtype, clip:
 
 
 def our_stepper(
-    name: str, preset: str, device: torch.device, dtype: str, clip: float, max_steps: int
+    name: str,
+    preset: str,
+    device: torch.device,
+    dtype: str,
+    clip: float,
+    max_steps: int,
+    overrides: list[str],
 ) -> Stepper:
-    """Our preset ``preset``, built as ``mhf_dist.profiling.training.TrainingProbe`` builds it."""
-    run_cfg = load_config(preset)
-    model, _ = probe_model(
-        run_cfg.model,
-        1,
-        device,
-        torch_dtype(dtype),
-        ModelModes(kernels=run_cfg.train.fused_head_kernel),
-    )
-    optimizer, _ = build_optimizer(model.named_parameters(), run_cfg.optimizer, max_steps=max_steps)
+    """Our preset ``preset`` with ``overrides`` (``--set``), built as ``mhf_dist.profiling.training.TrainingProbe``
+    builds it (``probe_trainee``: under ``train.compile`` its blocks compiled)."""
+    run_cfg = load_config(preset, overrides=overrides)
+    model, _, optimizer = probe_trainee(run_cfg, 1, device, torch_dtype(dtype), max_steps)
 
     def loss(batch: torch.Tensor) -> torch.Tensor:
         return model(batch[:, :-1], batch[:, 1:]).loss
@@ -182,7 +181,9 @@ def build_stepper(name: str, spec: dict) -> Stepper:
     if name == "reference":
         return reference_stepper(size, device, torch_dtype(spec["dtype"]), clip)
     preset = f"{size}-{OUR_HASHES[name]}"
-    return our_stepper(name, preset, device, spec["dtype"], clip, spec["rounds"] + 2)
+    return our_stepper(
+        name, preset, device, spec["dtype"], clip, spec["rounds"] + 2, spec["overrides"]
+    )
 
 
 def serve(conn: Connection, name: str, spec: dict) -> None:
@@ -249,6 +250,15 @@ def main() -> None:
         help="the reference's host memory: the interpreter's defaults, as a plain script runs (default), or "
         "kept as mhf-dist's CPU ranks keep it",
     )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for our models (repeatable, as mhf-dist profile's --set), e.g. "
+        "train.compile=true",
+    )
     parser.add_argument("--out", default=None, help="also write the results as JSON")
     args = parser.parse_args()
     if args.rounds < 2:
@@ -262,6 +272,13 @@ def main() -> None:
     names = args.models.split(",")
     if unknown := set(names) - {"reference", *OUR_HASHES}:
         parser.error(f"--models: no model {sorted(unknown)}; choose from reference,standard,mhf")
+    try:  # read here, so a wrong --set stops the run before any model is built
+        std_cfg, mhf_cfg = (
+            load_config(f"{args.size}-{OUR_HASHES[m]}", overrides=args.overrides).model
+            for m in ("standard", "mhf")
+        )
+    except ConfigError as e:
+        parser.error(str(e))
     spec = {
         "device": args.device,
         "dtype": args.dtype,
@@ -272,6 +289,7 @@ def main() -> None:
         "threads": args.threads,
         "kept_memory": args.reference_memory == "kept",
         "profile_rows": args.profile_rows,
+        "overrides": args.overrides,
     }
     # one process per model (spawned: a CUDA context is not forked), built one after the other
     context = multiprocessing.get_context("spawn")
@@ -316,9 +334,6 @@ def main() -> None:
     def cpu(t: dict[str, float]) -> float:
         return t["cpu"]
 
-    std_cfg, mhf_cfg = (
-        load_config(f"{args.size}-{OUR_HASHES[m]}").model for m in ("standard", "mhf")
-    )
     result = {
         "size": args.size,
         "device": str(device),
@@ -329,11 +344,13 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": threads,
         "reference_memory": args.reference_memory,
+        "overrides": args.overrides,
         "shapes": [],
     }
     print(
         f"{args.size}, {device} {args.dtype}, {args.rounds} rounds after {args.warmup}, {threads} threads, torch "
         f"{torch.__version__}, clip {args.clip or 'off'}, reference memory {args.reference_memory}"
+        + (f", ours with --set {' '.join(args.overrides)}" if args.overrides else "")
     )
     for shape in shapes:
         seq, micro = shape

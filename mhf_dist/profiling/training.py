@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mhf_dist.config import ModelConfig, load_config
+from mhf_dist.config import ModelConfig, RunConfig, load_config
 from mhf_dist.model import build_model
 from mhf_dist.model.documents import targets_of
 from mhf_dist.model.flops import forward_flops
@@ -108,6 +108,24 @@ def probe_model(
     return model.to(device=device, dtype=dtype), params
 
 
+def probe_trainee(
+    run_cfg: RunConfig,
+    tp: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_steps: int,
+    document_eos: int | None = None,
+) -> tuple[LanguageModel, int, torch.optim.Optimizer]:
+    """(this rank's model, the whole model's parameter count, its optimizer) as a run of ``run_cfg`` trains them:
+    ``probe_model`` in the run's kernel modes, its blocks compiled under ``train.compile``, and the run's AdamW."""
+    modes = ModelModes(kernels=run_cfg.train.fused_head_kernel, document_eos=document_eos)
+    model, params = probe_model(run_cfg.model, tp, device, dtype, modes)
+    if run_cfg.train.compile:
+        model.backbone.compile_blocks()
+    optimizer, _ = build_optimizer(model.named_parameters(), run_cfg.optimizer, max_steps=max_steps)
+    return model, params, optimizer
+
+
 class TrainingProbe:
     """One configuration trained step by step on this rank (tp ranks build it together): the model of preset
     ``{size}-{hash_name}``, AdamW and one synthetic batch. ``step`` times one step; ``row`` summarises
@@ -130,14 +148,10 @@ class TrainingProbe:
         cfg = run_cfg.model
         # data.document_masking: the EOS that ends each packed document (no tokenizer here: DOCUMENT_EOS)
         self.eos = DOCUMENT_EOS if run_cfg.data.document_masking else None
-        modes = ModelModes(kernels=run_cfg.train.fused_head_kernel, document_eos=self.eos)
-        model, self.params = probe_model(cfg, tp, device, torch_dtype(dtype), modes)
-        if run_cfg.train.compile:
-            model.backbone.compile_blocks()
-        self.model, self.device = model, device
-        self.optimizer, _ = build_optimizer(
-            model.named_parameters(), run_cfg.optimizer, max_steps=max_steps
+        model, self.params, self.optimizer = probe_trainee(
+            run_cfg, tp, device, torch_dtype(dtype), max_steps, self.eos
         )
+        self.model, self.device = model, device
         self.batch = synthetic_batch(micro, seq_len, self.eos).to(device)
         self.size, self.hash, self.tp, self.dtype, self.seq_len, self.micro = (
             size,
