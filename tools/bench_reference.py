@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from mhf_dist.cli.options import add_overrides
 from mhf_dist.config import load_config
 from mhf_dist.errors import ConfigError
 from mhf_dist.model.flops import forward_flops
@@ -250,13 +251,9 @@ def main() -> None:
         help="the reference's host memory: the interpreter's defaults, as a plain script runs (default), or "
         "kept as mhf-dist's CPU ranks keep it",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a config override for our models (repeatable, as mhf-dist profile's --set), e.g. "
+    add_overrides(
+        parser,
+        "a config override for our models (repeatable, as mhf-dist profile's --set), e.g. "
         "train.compile=true",
     )
     parser.add_argument("--out", default=None, help="also write the results as JSON")
